@@ -1,0 +1,28 @@
+# `make test` and `make demo` are the whole set-up on a fresh clone: each creates or reuses .venv.
+PY ?= $(shell PYENV_VERSION=3.12 pyenv which python3 2>/dev/null || command -v python3.12 || command -v python3)
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e '.[test,notebooks]'
+	touch $(STAMP)
+
+.PHONY: install test demo gpu clean
+install: $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -n 2 --durations=15
+
+demo: $(STAMP)
+	$(VPY) -m mla_jax.demo
+
+# On the GPU machine (its own python3 with jax; nothing to install): correctness checks, then benchmarks.
+gpu:
+	PYTHONPATH=. python3 -m pytest -q -m gpu -p no:cacheprovider tests
+	PYTHONPATH=. python3 bench/decode.py --out $${OUT:-bench/results}
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,108 @@
+"""Shared benchmark plumbing: ceilings measured in the same run, timing, and the results JSON.
+
+Results format: ../shared/notes/bench-results.md (one JSON object per benchmark file).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def time_fn(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iters: int = 20, reps: int = 7,
+            warmup: int = 3) -> float:
+    """Median microseconds per call of `fn(*args)`.
+
+    Calls run back to back (async dispatch hides host overhead) cycling through `arg_sets`, whose
+    total size should exceed L2 (60 MB on H200) so that repeated runs do not measure the cache.
+    """
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(iters):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(samples)
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured now on this device."""
+    out: dict[str, float] = {}
+    try:  # torch's copy_ reaches the HBM ceiling; XLA's elementwise kernels do not.
+        import torch
+
+        if torch.cuda.is_available():
+            x = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
+            y = torch.empty_like(x)
+            a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+            b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+            for _ in range(3):
+                y.copy_(x)
+                a @ b
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            ev[0].record()
+            for _ in range(10):
+                y.copy_(x)
+            ev[1].record()
+            for _ in range(10):
+                a @ b
+            ev[2].record()
+            torch.cuda.synchronize()
+            out["copy_TBps_torch"] = 2 * x.numel() * 2 * 10 / (ev[0].elapsed_time(ev[1]) * 1e-3) / 1e12
+            out["matmul_TFLOPs_torch"] = 2 * 8192**3 * 10 / (ev[1].elapsed_time(ev[2]) * 1e-3) / 1e12
+            del x, y, a, b
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    n = 1 << 30
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    copy = jax.jit(lambda v: v + jnp.bfloat16(1))
+    us = time_fn(copy, [(x,)], iters=10, reps=5)
+    out["copy_TBps_xla"] = 2 * n * 2 / (us * 1e-6) / 1e12
+    del x
+    k = jax.random.split(jax.random.key(1), 2)
+    a = jax.random.normal(k[0], (8192, 8192), jnp.bfloat16)
+    b = jax.random.normal(k[1], (8192, 8192), jnp.bfloat16)
+    us = time_fn(jax.jit(jnp.dot), [(a, b)], iters=10, reps=5)
+    out["matmul_TFLOPs_xla"] = 2 * 8192**3 / (us * 1e-6) / 1e12
+    out["copy_TBps"] = max(out.get("copy_TBps_torch", 0.0), out["copy_TBps_xla"])
+    out["matmul_TFLOPs"] = max(out.get("matmul_TFLOPs_torch", 0.0), out["matmul_TFLOPs_xla"])
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("MLA_JAX_COMMIT", "unknown")
+
+
+def results_header(ceilings: dict[str, float]) -> dict[str, Any]:
+    return {
+        "gpu": jax.devices()[0].device_kind,
+        "date": datetime.date.today().isoformat(),
+        "jax": jax.__version__,
+        "commit": git_commit(),
+        "ceilings": ceilings,
+        "rows": [],
+    }
+
+
+def write_results(path: str, results: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}")

@@ -1,0 +1,97 @@
+"""The MLA layer: projections, decoupled RoPE, weight absorption and the two attention algorithms.
+
+At the attention boundary the layer hands over what vLLM's does: q [T, N, P+R], kv_c_normed [T, L],
+k_pe [T, 1, R]. Then either
+
+- compute-friendly (prefill, "naive"): up-project the latents into k_nope [S, N, P] and v [S, N, V] and run MHA
+  with K width P+R = 192 and V width 128 (k_pe broadcast to all heads, V not padded), or
+- data-movement (decode, "absorbed"): q_nope [T, N, P] @ W_UK_T [N, P, L] -> [T, N, L]; MQA over the 576-wide
+  latent rows with the latent itself as V; the [T, N, L] output @ W_UV [N, L, V].
+
+`kv_b_proj` [N*(P+V), L] is split once after loading into W_UK_T [N, P, L] and W_UV [N, L, V]
+(`split_kv_b_proj`); both algorithms then use these two tensors, so kv_b_proj is not kept twice.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from mla_jax import reference
+from mla_jax.config import DeepseekConfig
+from mla_jax.layers import linear, rms_norm
+from mla_jax.rope import apply_rope, rope_cos_sin
+
+
+def split_kv_b_proj(kv_b_weight: jnp.ndarray, cfg: DeepseekConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """kv_b_proj.weight [N*(P+V), L] (per head [k_nope | v] rows) -> W_UK_T [N, P, L], W_UV [N, L, V]."""
+    N, P, V, L = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if kv_b_weight.shape != (N * (P + V), L):
+        raise ValueError(f"kv_b_proj.weight has shape {kv_b_weight.shape}, expected {(N * (P + V), L)}")
+    w = kv_b_weight.reshape(N, P + V, L)
+    return w[:, :P, :], jnp.swapaxes(w[:, P:, :], 1, 2)
+
+
+def mla_project(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.ndarray
+                ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """x [T, D], positions i32[T] -> q [T, N, P+R] (rope applied to q_pe), kv_c_normed [T, L], k_pe [T, 1, R]."""
+    T = x.shape[0]
+    N, P, L = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+        q = linear(p["q_proj"], x)
+    else:
+        q = linear(p["q_b_proj"], rms_norm(p["q_a_layernorm"], linear(p["q_a_proj"], x), cfg.rms_norm_eps))
+    q = q.reshape(T, N, cfg.qk_head_dim)  # [T, N, P+R]
+    kv = linear(p["kv_a_proj_with_mqa"], x)  # [T, L+R]
+    kv_c_normed = rms_norm(p["kv_a_layernorm"], kv[:, :L], cfg.rms_norm_eps)  # norm on the latent only
+    cos, sin = rope_cos_sin(cfg, positions)
+    q_pe = apply_rope(q[..., P:], cos, sin)  # [T, N, R]
+    k_pe = apply_rope(kv[:, None, L:], cos, sin)  # [T, 1, R]: one head shared by all query heads
+    q = jnp.concatenate([q[..., :P], q_pe], axis=-1)
+    return q, kv_c_normed, k_pe
+
+
+def absorb_q(p: dict, cfg: DeepseekConfig, q: jnp.ndarray) -> jnp.ndarray:
+    """q [T, N, P+R] -> absorbed q [T, N, L+R]: q_nope through W_UK_T (one batched matmul), then q_pe."""
+    P = cfg.qk_nope_head_dim
+    ql_nope = jnp.einsum("tnp,npl->tnl", q[..., :P], p["W_UK_T"])  # [T, N, L]
+    return jnp.concatenate([ql_nope, q[..., P:].astype(ql_nope.dtype)], axis=-1)
+
+
+def up_project_kv(p: dict, cfg: DeepseekConfig, kv_c_normed: jnp.ndarray, k_pe: jnp.ndarray
+                  ) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """kv_c_normed [S, L], k_pe [S, 1, R] -> k [S, N, P+R] (k_pe broadcast to all heads), v [S, N, V]."""
+    k_nope = jnp.einsum("sl,npl->snp", kv_c_normed, p["W_UK_T"])  # [S, N, P]
+    v = jnp.einsum("sl,nlv->snv", kv_c_normed, p["W_UV"])  # [S, N, V]
+    k_pe = jnp.broadcast_to(k_pe, (k_pe.shape[0], k_nope.shape[1], k_pe.shape[-1])).astype(k_nope.dtype)
+    return jnp.concatenate([k_nope, k_pe], axis=-1), v
+
+
+def v_up_proj(p: dict, latent: jnp.ndarray) -> jnp.ndarray:
+    """Latent attention output [T, N, L] -> [T, N, V] through W_UV."""
+    return jnp.einsum("tnl,nlv->tnv", latent.astype(p["W_UV"].dtype), p["W_UV"])
+
+
+def o_proj(p: dict, attn: jnp.ndarray) -> jnp.ndarray:
+    """attn [T, N, V] -> [T, D]."""
+    return linear(p["o_proj"], attn.reshape(attn.shape[0], -1).astype(p["o_proj"]["weight"].dtype))
+
+
+def mla_forward_full(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.ndarray, *,
+                     algorithm: str = "naive", scale: float | None = None) -> jnp.ndarray:
+    """Whole-sequence causal MLA for one sequence, no cache: x [S, D] -> [S, D].
+
+    `algorithm` "naive" is the compute-friendly MHA path, "absorbed" the data-movement MQA path; both must
+    agree. `scale` overrides the softmax scale (tests use it to show 576^-0.5 is wrong).
+    """
+    scale = cfg.softmax_scale if scale is None else scale
+    q, kv_c_normed, k_pe = mla_project(p, cfg, x, positions)
+    if algorithm == "naive":
+        k, v = up_project_kv(p, cfg, kv_c_normed, k_pe)
+        attn = reference.causal_mha(q, k, v, scale)  # [S, N, V]
+    elif algorithm == "absorbed":
+        q_mqa = absorb_q(p, cfg, q)  # [S, N, L+R]
+        kv_c_and_k_pe = jnp.concatenate([kv_c_normed, k_pe[:, 0, :].astype(kv_c_normed.dtype)], axis=-1)
+        latent = reference.causal_mqa(q_mqa, kv_c_and_k_pe, scale, cfg.kv_lora_rank)  # [S, N, L]
+        attn = v_up_proj(p, latent)  # [S, N, V]
+    else:
+        raise ValueError(f"algorithm must be 'naive' or 'absorbed', got {algorithm!r}")
+    return o_proj(p, attn.astype(x.dtype))

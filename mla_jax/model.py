@@ -1,0 +1,151 @@
+"""The DeepSeek V2 / V2-Lite / V3 model over a plain param pytree.
+
+Params (names after the HF checkpoint, weights in HF [out, in] layout):
+
+    {"model": {"embed_tokens": {"weight": [vocab, D]},
+               "dense_layers": <layer pytree stacked on a leading axis: the first first_k_dense_replace layers>,
+               "moe_layers":   <layer pytree stacked: the MoE layers>,
+               "norm": {"weight": [D]}},
+     "lm_head": {"weight": [vocab, D]}}          # absent when tie_word_embeddings
+
+A layer is {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}; `self_attn` holds q_a_proj,
+q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm, o_proj and, in place of kv_b_proj,
+W_UK_T [N, P, L] and W_UV [N, L, V] (split once by `prepare_params`). A MoE `mlp` holds gate {weight,
+e_score_correction_bias}, experts {gate_proj, up_proj, down_proj} stacked to [E, out, in], shared_experts.
+Layers of each kind are stacked so the forward is a `lax.scan` (compile time independent of depth).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mla_jax.config import ConfigError, DeepseekConfig
+from mla_jax.layers import linear, mlp, moe, rms_norm
+from mla_jax.mla import mla_forward_full, split_kv_b_proj
+
+Params = dict[str, Any]
+
+
+def check_supported(cfg: DeepseekConfig) -> None:
+    if cfg.n_routed_experts is not None and cfg.moe_layer_freq != 1:
+        raise ConfigError(f"config.json: moe_layer_freq={cfg.moe_layer_freq} is not supported (DeepSeek "
+                          "V2/V3 use 1: dense layers first, then MoE layers)")
+
+
+def layer_groups(cfg: DeepseekConfig) -> list[tuple[str, int, int]]:
+    """[(group name, first layer index, number of layers)] in execution order."""
+    check_supported(cfg)
+    k = cfg.num_dense_layers
+    groups = [("dense_layers", 0, k), ("moe_layers", k, cfg.num_hidden_layers - k)]
+    return [g for g in groups if g[2] > 0]
+
+
+def init_params(cfg: DeepseekConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
+    """Random params in the HF layout (kv_b_proj included), for tests and benchmarks. Norm weights are
+    1 + noise so that a missing norm cannot go unnoticed."""
+    check_supported(cfg)
+    D, N, L, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    P, V = cfg.qk_nope_head_dim, cfg.v_head_dim
+    keys = iter(jax.random.split(key, 4096))
+
+    def w(*shape, s=std):
+        return (s * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    def norm(n):
+        return {"weight": (1.0 + 0.1 * jax.random.normal(next(keys), (n,), jnp.float32)).astype(dtype)}
+
+    def attn():
+        a = {"kv_a_proj_with_mqa": {"weight": w(L + R, D)}, "kv_a_layernorm": norm(L),
+             "kv_b_proj": {"weight": w(N * (P + V), L)}, "o_proj": {"weight": w(D, N * V)}}
+        if cfg.q_lora_rank is None:
+            a["q_proj"] = {"weight": w(N * (P + R), D)}
+        else:
+            a |= {"q_a_proj": {"weight": w(cfg.q_lora_rank, D)}, "q_a_layernorm": norm(cfg.q_lora_rank),
+                  "q_b_proj": {"weight": w(N * (P + R), cfg.q_lora_rank)}}
+        return a
+
+    def dense_mlp(inter):
+        return {"gate_proj": {"weight": w(inter, D)}, "up_proj": {"weight": w(inter, D)},
+                "down_proj": {"weight": w(D, inter)}}
+
+    def layer(is_moe):
+        if is_moe:
+            E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+            m = {"gate": {"weight": w(E, D, s=1.0 / D**0.5).astype(jnp.float32),
+                          "e_score_correction_bias": w(E, s=0.05).astype(jnp.float32)},
+                 "experts": {"gate_proj": {"weight": w(E, I, D)}, "up_proj": {"weight": w(E, I, D)},
+                             "down_proj": {"weight": w(E, D, I)}}}
+            if cfg.n_shared_experts:
+                m["shared_experts"] = dense_mlp(I * cfg.n_shared_experts)
+        else:
+            m = dense_mlp(cfg.intermediate_size)
+        return {"input_layernorm": norm(D), "self_attn": attn(), "post_attention_layernorm": norm(D), "mlp": m}
+
+    model: Params = {"embed_tokens": {"weight": w(cfg.vocab_size, D, s=1.0)}, "norm": norm(D)}
+    for name, start, n in layer_groups(cfg):
+        model[name] = stack_layers([layer(name == "moe_layers") for _ in range(n)])
+    params: Params = {"model": model}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = {"weight": w(cfg.vocab_size, D)}
+    return prepare_params(params, cfg)
+
+
+def stack_layers(layers: list[Params]) -> Params:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def prepare_params(params: Params, cfg: DeepseekConfig) -> Params:
+    """Split every layer's kv_b_proj into W_UK_T and W_UV (done once, after loading). Idempotent."""
+    model = dict(params["model"])
+    for name, _, _ in layer_groups(cfg):
+        group = dict(model[name])
+        attn = dict(group["self_attn"])
+        if "kv_b_proj" in attn:
+            uk, uv = jax.vmap(lambda wt: split_kv_b_proj(wt, cfg))(attn.pop("kv_b_proj")["weight"])
+            attn["W_UK_T"], attn["W_UV"] = uk, uv
+        group["self_attn"] = attn
+        model[name] = group
+    return {**params, "model": model}
+
+
+def lm_head_weight(params: Params) -> jnp.ndarray:
+    return params["lm_head"]["weight"] if "lm_head" in params else params["model"]["embed_tokens"]["weight"]
+
+
+def ffn(p: Params, cfg: DeepseekConfig, x: jnp.ndarray, is_moe: bool) -> jnp.ndarray:
+    return moe(p, cfg, x) if is_moe else mlp(p, x)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "scale"))
+def forward(params: Params, cfg: DeepseekConfig, input_ids: jnp.ndarray, *, attention: str = "naive",
+            scale: float | None = None) -> jnp.ndarray:
+    """Full-sequence causal forward without a cache: input_ids i32[B, S] -> logits f32[B, S, vocab].
+
+    Each row is one sequence at positions 0..S-1. `attention` picks the MLA algorithm ("naive" MHA or
+    "absorbed" MQA); the paged, batched path lives in `mla_jax.step`.
+    """
+    B, S = input_ids.shape
+    model = params["model"]
+    x = model["embed_tokens"]["weight"][input_ids.reshape(-1)]  # [B*S, D]
+    positions = jnp.arange(S, dtype=jnp.int32)
+
+    def attn_block(p, h):
+        out = jax.vmap(lambda hs: mla_forward_full(p, cfg, hs, positions, algorithm=attention, scale=scale))(
+            h.reshape(B, S, -1))
+        return out.reshape(B * S, -1)
+
+    for name, _, _ in layer_groups(cfg):
+        is_moe = name == "moe_layers"
+
+        def body(h, p, is_moe=is_moe):
+            h = h + attn_block(p["self_attn"], rms_norm(p["input_layernorm"], h, cfg.rms_norm_eps))
+            h = h + ffn(p["mlp"], cfg, rms_norm(p["post_attention_layernorm"], h, cfg.rms_norm_eps), is_moe)
+            return h, None
+
+        x, _ = jax.lax.scan(body, x, model[name])
+    x = rms_norm(model["norm"], x, cfg.rms_norm_eps)
+    logits = linear({"weight": lm_head_weight(params)}, x).astype(jnp.float32)
+    return logits.reshape(B, S, -1)
