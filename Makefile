@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 # On the GPU machine (its own python3 with jax; nothing to install): correctness checks, then benchmarks.
 gpu:
-	PYTHONPATH=. python3 -m pytest -q -m gpu -p no:cacheprovider tests
+	JAX_PLATFORMS=cuda,cpu PYTHONPATH=. python3 -m pytest -q -m gpu -p no:cacheprovider tests
 	PYTHONPATH=. python3 bench/decode.py --out $${OUT:-bench/results}
 
 clean:

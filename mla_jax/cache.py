@@ -1,0 +1,336 @@
+"""Paged latent KV cache for MLA (one KV head, vLLM `kv_c_and_k_pe_cache` layout).
+
+Layout
+------
+``kv_c_and_k_pe_cache``: ``[num_layers, num_pages, G, L + R]`` with G the page size,
+L = kv_lora_rank = 512 (``kv_c_normed``, already RMS-normed) followed by R = rope_dim = 64
+(``k_pe``, rope already applied). One row per token per layer, a single KV head shared by all
+query heads (MQA view of MLA). Token slot ``s = page * G + offset`` lives at ``[layer, s // G, s % G]``.
+
+Bytes per row (L + R = 576):
+
+* ``"bf16"``: 576 * 2 = 1152 B.
+* ``"fp8"`` (float8_e4m3fn): 576 B of payload + a separate float32 per-token scale in
+  ``kv_scale[layer, page, offset]`` (4 B) = 580 B. ``scale = max|row| / 448`` (all-zero row:
+  scale 1), stored value = ``row / scale`` (clipped to +-448), dequant = ``fp8 * scale``.
+  One scale covers the whole 576-wide row (latent and rope together).
+* ``"fp32"``: 2304 B; exact, for tests.
+
+Page sizes: production page sizes are {16, 32, 64, 128} (FlashMLA: 64, Cutlass MLA: 128); default 64.
+Tiny tests may pass ``allow_any_page_size=True`` to use any power of two >= 1.
+
+Writes: ``write_kv`` / ``write_kv_layer`` do one scatter of the concatenated [T, L + R] rows
+(plus one scatter of the [T] scales for fp8). ``slot_mapping`` entries < 0 (padding, -1) write
+nowhere: they are remapped to an out-of-range index and dropped (``mode="drop"`` alone would not
+help, because jnp indexing wraps negative indices). Out-of-range slots are dropped too; validate
+slot mappings on the host with ``check_slot_mapping``.
+
+The scatter stays in the cache dtype: XLA:GPU treats scatter as a data-movement op that supports
+fp8/bf16 natively. (XLA:CPU float-normalises an fp8 scatter by upcasting the whole cache to f16 and
+back, i.e. one full copy per write; that is a CPU-only cost and the reason the fp8 no-copy test is
+GPU-only. A uint8 bitcast does not help there: CPU materialises the bitcast-convert too.)
+
+In-place updates: ``update_cache`` is jitted with the cache donated, so XLA aliases the output to
+the input buffers (no copy of the cache per step). Inside a scan/fori over layers, keep the
+``KVCache`` in the carry and call ``write_kv_layer`` with the (traced) layer index; do not pass the
+stacked cache as scan ``xs``/``ys`` (that slices and restacks, i.e. copies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
+DEFAULT_PAGE_SIZE = 64
+
+_DTYPES = {
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "fp8": jnp.float8_e4m3fn,
+    "fp8_e4m3": jnp.float8_e4m3fn,
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+    "fp32": jnp.float32,
+    "float32": jnp.float32,
+}
+
+
+def cache_dtype(dtype: Any) -> jnp.dtype:
+    """Normalise "bf16" | "fp8" | "fp32" (or the matching numpy/jnp dtype) to a jnp dtype."""
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown KV cache dtype {dtype!r}; expected one of 'bf16', 'fp8', 'fp32'")
+        return jnp.dtype(_DTYPES[dtype])
+    d = jnp.dtype(dtype)
+    if d not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32)):
+        raise ValueError(f"unsupported KV cache dtype {d}; expected bfloat16, float8_e4m3fn or float32")
+    return d
+
+
+def is_fp8(dtype: Any) -> bool:
+    return cache_dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
+
+
+def row_bytes(dtype: Any, *, kv_lora_rank: int = 512, rope_dim: int = 64) -> int:
+    """Bytes one token occupies in one layer (payload + fp8 scale)."""
+    d = cache_dtype(dtype)
+    n = (kv_lora_rank + rope_dim) * d.itemsize
+    return n + 4 if d == jnp.dtype(jnp.float8_e4m3fn) else n
+
+
+def bytes_per_token(num_layers: int, dtype: Any, *, kv_lora_rank: int = 512, rope_dim: int = 64) -> int:
+    """Bytes one token occupies across all layers."""
+    return num_layers * row_bytes(dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+
+
+def cache_bytes(num_layers: int, num_pages: int, page_size: int, dtype: Any, *,
+                kv_lora_rank: int = 512, rope_dim: int = 64) -> int:
+    """Total bytes of a cache made by ``init_kv_cache`` with these arguments."""
+    return num_pages * page_size * bytes_per_token(num_layers, dtype, kv_lora_rank=kv_lora_rank,
+                                                   rope_dim=rope_dim)
+
+
+def num_pages_for_bytes(budget_bytes: int, num_layers: int, page_size: int, dtype: Any, *,
+                        kv_lora_rank: int = 512, rope_dim: int = 64) -> int:
+    """Largest page count whose cache fits in ``budget_bytes``."""
+    per_page = page_size * bytes_per_token(num_layers, dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+    return max(0, int(budget_bytes) // per_page)
+
+
+def check_page_size(page_size: int, *, allow_any_page_size: bool = False) -> None:
+    if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool):
+        raise ValueError(f"page_size must be an int, got {type(page_size).__name__}")
+    if allow_any_page_size:
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
+    elif page_size not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES} (or pass allow_any_page_size=True "
+                         f"for tests), got {page_size}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Stacked paged latent cache for all layers (a pytree; ``kv_scale`` is None unless fp8)."""
+
+    kv_c_and_k_pe_cache: jax.Array  # [num_layers, num_pages, G, L+R]  bf16 | float8_e4m3fn | f32
+    kv_scale: jax.Array | None      # [num_layers, num_pages, G] f32 (fp8 only)
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv_c_and_k_pe_cache.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_c_and_k_pe_cache.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.kv_c_and_k_pe_cache.shape[2]
+
+    @property
+    def width(self) -> int:  # L + R
+        return self.kv_c_and_k_pe_cache.shape[3]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.kv_c_and_k_pe_cache.dtype
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_scale is not None
+
+    def layer(self, layer: int | jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """One layer's ([num_pages, G, L+R] cache, [num_pages, G] scale or None)."""
+        scale = None if self.kv_scale is None else self.kv_scale[layer]
+        return self.kv_c_and_k_pe_cache[layer], scale
+
+
+def init_kv_cache(num_layers: int, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE, *,
+                  kv_lora_rank: int = 512, rope_dim: int = 64, dtype: Any = "bf16",
+                  allow_any_page_size: bool = False, fill: float = 0.0) -> KVCache:
+    """Allocate a zero-filled cache (``fill`` lets tests poison it, e.g. with NaN; fp8 has a NaN)."""
+    check_page_size(page_size, allow_any_page_size=allow_any_page_size)
+    if num_layers < 1 or num_pages < 1:
+        raise ValueError(f"num_layers and num_pages must be >= 1, got {num_layers}, {num_pages}")
+    d = cache_dtype(dtype)
+    shape = (num_layers, num_pages, page_size, kv_lora_rank + rope_dim)
+    kv = jnp.full(shape, fill, dtype=d)
+    scale = jnp.ones(shape[:3], jnp.float32) if d == jnp.dtype(jnp.float8_e4m3fn) else None
+    return KVCache(kv, scale)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Quantisation
+
+
+def quantize_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """f32-ish rows [T, W] -> (float8_e4m3fn [T, W], f32 scale [T]) with per-row amax scaling."""
+    rows = rows.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(rows), axis=-1)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    q = jnp.clip(rows / scale[:, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_rows(q: jax.Array, scale: jax.Array | None, dtype: Any = jnp.float32) -> jax.Array:
+    """Inverse of ``quantize_rows`` (``scale`` broadcast over the last dim); identity cast if None."""
+    if scale is None:
+        return q.astype(dtype)
+    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writes
+
+
+def _rows_and_slots(kv_c_normed, k_pe, slot_mapping, width: int):
+    if kv_c_normed.ndim != 2:
+        raise ValueError(f"kv_c_normed must be [T, L], got shape {kv_c_normed.shape}")
+    if k_pe.ndim == 3:
+        if k_pe.shape[1] != 1:
+            raise ValueError(f"k_pe must be [T, R] or [T, 1, R], got shape {k_pe.shape}")
+        k_pe = k_pe[:, 0, :]
+    if k_pe.ndim != 2:
+        raise ValueError(f"k_pe must be [T, R] or [T, 1, R], got shape {k_pe.shape}")
+    t = kv_c_normed.shape[0]
+    if k_pe.shape[0] != t:
+        raise ValueError(f"k_pe has {k_pe.shape[0]} tokens, kv_c_normed has {t}")
+    if kv_c_normed.shape[1] + k_pe.shape[1] != width:
+        raise ValueError(f"kv_c_normed width {kv_c_normed.shape[1]} + k_pe width {k_pe.shape[1]} "
+                         f"!= cache row width {width}")
+    if slot_mapping.shape != (t,):
+        raise ValueError(f"slot_mapping must have shape ({t},), got {slot_mapping.shape}")
+    if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise ValueError(f"slot_mapping must be an integer array, got dtype {slot_mapping.dtype}")
+    # Promote to a common dtype before concatenating so latent and rope are treated alike.
+    dt = jnp.promote_types(kv_c_normed.dtype, k_pe.dtype)
+    rows = jnp.concatenate([kv_c_normed.astype(dt), k_pe.astype(dt)], axis=-1)  # [T, L+R]
+    return rows, slot_mapping.astype(jnp.int32)
+
+
+def _drop_padding(slots: jax.Array, num_slots: int) -> jax.Array:
+    # Negative slots would wrap (jnp indexing semantics) and clobber the last rows: send them out of range.
+    return jnp.where(slots < 0, jnp.int32(num_slots), slots)
+
+
+def _check_scale(cache, scale, scale_shape):
+    fp8 = cache.dtype == jnp.dtype(jnp.float8_e4m3fn)
+    if fp8 and scale is None:
+        raise ValueError("fp8 cache needs a kv_scale array")
+    if not fp8 and scale is not None:
+        raise ValueError(f"kv_scale given for a non-fp8 cache of dtype {cache.dtype}")
+    if scale is not None and scale.shape != scale_shape:
+        raise ValueError(f"kv_scale shape {scale.shape} != expected {scale_shape}")
+    return fp8
+
+
+def write_kv(kv_c_and_k_pe_cache: jax.Array, kv_scale: jax.Array | None, kv_c_normed: jax.Array,
+             k_pe: jax.Array, slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """Write T tokens into one layer's cache.
+
+    kv_c_and_k_pe_cache: [num_pages, G, L+R]; kv_scale: [num_pages, G] f32 or None;
+    kv_c_normed: [T, L]; k_pe: [T, R] or [T, 1, R]; slot_mapping: int [T], -1 = padding.
+    Returns (new cache layer, new scale layer or None).
+    """
+    if kv_c_and_k_pe_cache.ndim != 3:
+        raise ValueError(f"cache layer must be [num_pages, G, L+R], got shape {kv_c_and_k_pe_cache.shape}")
+    p, g, w = kv_c_and_k_pe_cache.shape
+    fp8 = _check_scale(kv_c_and_k_pe_cache, kv_scale, (p, g))
+    rows, slots = _rows_and_slots(kv_c_normed, k_pe, slot_mapping, w)
+    slots = _drop_padding(slots, p * g)
+    flat = kv_c_and_k_pe_cache.reshape(p * g, w)  # [P*G, L+R]
+    if fp8:
+        q, s = quantize_rows(rows)
+        flat = flat.at[slots].set(q, mode="drop")
+        new_scale = kv_scale.reshape(p * g).at[slots].set(s, mode="drop").reshape(p, g)
+    else:
+        flat = flat.at[slots].set(rows.astype(flat.dtype), mode="drop")
+        new_scale = None
+    return flat.reshape(p, g, w), new_scale
+
+
+def write_kv_layer(cache: KVCache, layer: int | jax.Array, kv_c_normed: jax.Array, k_pe: jax.Array,
+                   slot_mapping: jax.Array) -> KVCache:
+    """Write T tokens into layer ``layer`` (python int or traced i32 scalar) of the stacked cache.
+
+    Scatters straight into the stacked [num_layers, P*G, L+R] view with (layer, slot) indices, so
+    XLA updates the buffer in place (no per-layer slice/restack).
+    An out-of-range layer index writes nothing inside jit; a python int is checked here.
+    """
+    kv = cache.kv_c_and_k_pe_cache
+    nl, p, g, w = kv.shape
+    fp8 = _check_scale(kv, cache.kv_scale, (nl, p, g))
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < nl:
+        raise ValueError(f"layer {layer} out of range for a cache with {nl} layers")
+    rows, slots = _rows_and_slots(kv_c_normed, k_pe, slot_mapping, w)
+    slots = _drop_padding(slots, p * g)
+    layer = jnp.asarray(layer, jnp.int32)
+    layer = jnp.where(layer < 0, jnp.int32(nl), layer)  # no wrap-around for negative layers either
+    flat = kv.reshape(nl, p * g, w)  # [num_layers, P*G, L+R]
+    if fp8:
+        q, s = quantize_rows(rows)
+        flat = flat.at[layer, slots].set(q, mode="drop")
+        scale = cache.kv_scale.reshape(nl, p * g).at[layer, slots].set(s, mode="drop").reshape(nl, p, g)
+    else:
+        flat = flat.at[layer, slots].set(rows.astype(kv.dtype), mode="drop")
+        scale = None
+    return KVCache(flat.reshape(nl, p, g, w), scale)
+
+
+# Jitted step entry: the cache (arg 0) is donated so the update is in place. The caller must not use
+# the cache it passed in afterwards (its buffers are deleted).
+update_cache = jax.jit(write_kv_layer, donate_argnums=(0,))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reads (reference / tests / context gather)
+
+
+def gather_rows(kv_c_and_k_pe_cache: jax.Array, kv_scale: jax.Array | None, slots: jax.Array,
+                dtype: Any = jnp.float32) -> jax.Array:
+    """Read rows at ``slots`` from one layer ([num_pages, G, L+R]) and dequantize -> [T, L+R].
+
+    Slots are clamped into range (callers mask rows they did not ask for, e.g. padding -1).
+    """
+    p, g, w = kv_c_and_k_pe_cache.shape
+    slots = jnp.clip(jnp.asarray(slots, jnp.int32), 0, p * g - 1)
+    rows = kv_c_and_k_pe_cache.reshape(p * g, w)[slots]
+    scale = None if kv_scale is None else kv_scale.reshape(p * g)[slots]
+    return dequantize_rows(rows, scale, dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host-side validation (metadata builder)
+
+
+def check_slot_mapping(slot_mapping: np.ndarray, num_pages: int, page_size: int, *,
+                       allow_padding: bool = True) -> None:
+    """Raise ValueError naming the problem if ``slot_mapping`` is not a valid int32 [T] slot list.
+
+    Valid: int32, 1-D, every entry in [0, num_pages * page_size) or -1 (padding, if allowed), and no
+    real slot repeated (a repeated slot in one scatter has an unspecified winner).
+    """
+    if not isinstance(slot_mapping, np.ndarray):
+        raise ValueError(f"slot_mapping must be a numpy array, got {type(slot_mapping).__name__}")
+    if slot_mapping.dtype != np.int32:
+        raise ValueError(f"slot_mapping dtype must be int32, got {slot_mapping.dtype}")
+    if slot_mapping.ndim != 1:
+        raise ValueError(f"slot_mapping must be 1-D [T], got shape {slot_mapping.shape}")
+    num_slots = num_pages * page_size
+    lo = -1 if allow_padding else 0
+    bad = np.nonzero((slot_mapping < lo) | (slot_mapping >= num_slots))[0]
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"slot_mapping[{i}] = {int(slot_mapping[i])} out of range [{lo}, {num_slots}) "
+                         f"({bad.size} bad entries; num_pages={num_pages}, page_size={page_size})")
+    real = slot_mapping[slot_mapping >= 0]
+    uniq, counts = np.unique(real, return_counts=True)
+    if np.any(counts > 1):
+        dup = int(uniq[np.argmax(counts > 1)])
+        raise ValueError(f"slot_mapping writes slot {dup} more than once")
