@@ -1,0 +1,314 @@
+"""Benchmark of the Pallas paged latent-MQA decode kernel (pallas_kernels/mla_decode.py) on one GPU.
+
+    PYTHONPATH=. python3 bench/decode.py --out DIR [--sweep] [--quick]
+
+(a) checks the kernel against the float32 reference on fresh random inputs with NaN-poisoned unused
+    pages (exits 1 on any mismatch), (b) measures the copy/matmul ceilings, (c) times the kernel (bf16
+    and fp8 caches, page 64) and the XLA backend (the reference under jit, bf16) on the project's decode
+    shapes and writes DIR/decode-h200.json; (d) with --sweep also times tuning variants per shape
+    (block_h, block_kv, num_warps, num_stages, num_kv_splits) into DIR/decode-sweep.json.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+import traceback
+import warnings
+
+import numpy as np
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)  # the Triton lowering warns per call
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench import common  # noqa: E402
+from pallas_kernels import mla_decode as md  # noqa: E402
+
+L, R = 512, 64
+PAGE = 64
+SCALE = 192 ** -0.5 * 1.87385  # DeepSeek-V3: 192^-0.5 * mscale^2
+SHAPES = [(64, 16, 4096), (128, 16, 8192), (64, 128, 4096), (128, 128, 8192), (1, 128, 32768),
+          (32, 16, 1024)]
+ROW_BYTES = {"bf16": (L + R) * 2, "fp8": (L + R) + 4}
+L2_BYTES = 60 << 20
+
+
+def log(*a):
+  print(*a, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs, built on device.
+
+def make_inputs(key, b, nq, n, ctx, dtype, *, page=PAGE, extra_pages=3):
+  """Cache pool with B*ctx/page used pages in random order (plus spare pages), uniform lengths."""
+  ppr = ctx // page
+  num_pages = b * ppr + extra_pages
+  k = jax.random.split(key, 4)
+  q = jax.random.normal(k[0], (b, nq, n, L + R), jnp.bfloat16)
+  bt = jax.random.permutation(k[1], num_pages)[: b * ppr].reshape(b, ppr).astype(jnp.int32)
+  if dtype == "bf16":
+    cache = jax.random.normal(k[2], (num_pages, page, L + R), jnp.bfloat16)
+    kv_scale = None
+  else:
+    cache = (jax.random.normal(k[2], (num_pages, page, L + R), jnp.float32) * 2.0).astype(
+        jnp.float8_e4m3fn)
+    kv_scale = jax.random.uniform(k[3], (num_pages, page), jnp.float32, 0.25, 0.75)
+  seq_lens = jnp.full((b, nq), ctx, jnp.int32)
+  return q, cache, bt, seq_lens, kv_scale
+
+
+def poisoned_inputs(seed, b, nq, n, g, max_pages, lens, dtype, *, causal):
+  """Fresh random inputs; every cache row no query attends to (unused pages, page tails, pages that
+  block-table padding points to) is NaN, and q rows with length 0 are NaN."""
+  rng = np.random.default_rng(seed)
+  lens = np.asarray(lens, np.int32)  # [B]: tokens of the request (last query row sees all)
+  used = [-(-int(x) // g) for x in lens]
+  num_pages = sum(used) + 4
+  perm = rng.permutation(num_pages)
+  bt = np.empty((b, max_pages), np.int32)
+  valid_rows = np.zeros((num_pages, g), bool)
+  pos = 0
+  for i in range(b):
+    bt[i, : used[i]] = perm[pos: pos + used[i]]
+    for j in range(used[i]):
+      valid_rows[perm[pos + j], : min(g, lens[i] - j * g)] = True
+    pos += used[i]
+    bt[i, used[i]:] = rng.choice(perm[-4:], max_pages - used[i])  # padding -> spare NaN pages
+  if causal:  # row t sees prefix + t + 1 with the last row seeing all tokens
+    seq_lens = np.maximum(lens[:, None] - (nq - 1) + np.arange(nq)[None, :], 0)
+  else:
+    seq_lens = np.repeat(lens[:, None], nq, axis=1)
+  seq_lens = np.where(lens[:, None] > 0, seq_lens, 0).astype(np.int32)
+  key = jax.random.key(seed)
+  k = jax.random.split(key, 3)
+  q = jax.random.normal(k[0], (b, nq, n, L + R), jnp.float32)
+  q = jnp.where(jnp.asarray(seq_lens == 0)[:, :, None, None], jnp.nan, q).astype(jnp.bfloat16)
+  cache = jax.random.normal(k[1], (num_pages, g, L + R), jnp.float32)
+  kv_scale = None
+  if dtype == "fp8":
+    cache = (cache * 2.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    kv_scale = jax.random.uniform(k[2], (num_pages, g), jnp.float32, 0.25, 0.75)
+  cache = jnp.where(jnp.asarray(valid_rows)[..., None], cache, jnp.nan)
+  cache = cache.astype(jnp.float8_e4m3fn if dtype == "fp8" else jnp.bfloat16)
+  return q, cache, jnp.asarray(bt), jnp.asarray(seq_lens), kv_scale
+
+
+def check_correctness() -> bool:
+  """Kernel vs float32 reference on the GPU (bf16 and fp8, splits, causal Q>1, ragged, empty)."""
+  cases = [  # (b, nq, n, g, max_pages, lens, dtype, causal, kwargs)
+      (4, 1, 16, 64, 40, [2500, 1, 0, 777], "bf16", False, {}),
+      (4, 1, 16, 64, 40, [2500, 1, 0, 777], "fp8", False, {}),
+      (3, 1, 128, 64, 20, [1200, 64, 999], "bf16", False, {}),
+      (3, 2, 64, 16, 80, [1200, 64, 999], "fp8", True, {}),
+      (2, 3, 16, 128, 12, [1500, 300], "bf16", False, {"num_kv_splits": 5}),
+      (2, 4, 32, 64, 16, [1000, 17], "bf16", True, {"batch_invariant": True}),
+  ]
+  ok = True
+  for i, (b, nq, n, g, mp, lens, dtype, causal, kw) in enumerate(cases):
+    q, cache, bt, sl, ks = poisoned_inputs(100 + i, b, nq, n, g, mp, lens, dtype, causal=causal)
+    try:
+      out, lse = md.mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **kw)
+      ref, ref_lse = md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
+      out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+      lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+      # bf16 output rounding: elementwise |err| <= 2e-2 + 2e-2 |ref|, and 1e-2 relative in norm.
+      err = float(np.max(np.abs(out - ref) - 2e-2 * np.abs(ref)))
+      rel = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+      lse_fin = np.isfinite(ref_lse)
+      lse_err = float(np.max(np.abs(np.where(lse_fin, lse, 0.0) - np.where(lse_fin, ref_lse, 0.0))))
+      good = (np.all(np.isfinite(out)) and err < 2e-2 and rel < 1e-2 and lse_err < 1e-2
+              and np.array_equal(np.isfinite(lse), lse_fin))
+      log(f"check {i}: B={b} Q={nq} N={n} G={g} {dtype} causal={causal} {kw}: max(|err|-2e-2|ref|)={err:.2e} "
+          f"rel={rel:.2e} lse_err={lse_err:.2e} {'ok' if good else 'FAIL'}")
+    except Exception as e:  # noqa: BLE001
+      good = False
+      log(f"check {i}: ERROR {type(e).__name__}: {e}")
+      traceback.print_exc()
+    ok &= bool(good)
+  return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing.
+
+def timed(fn, arg_sets, iters, reps):
+  return common.time_fn(fn, arg_sets, iters=iters, reps=reps, warmup=2)
+
+
+def arg_sets_for(b, n, ctx, dtype, seed=0):
+  nbytes = b * ctx * ROW_BYTES[dtype]
+  n_sets = int(min(6, max(1, math.ceil(3 * L2_BYTES / nbytes))))
+  return [make_inputs(jax.random.key(seed + j), b, 1, n, ctx, dtype) for j in range(n_sets)]
+
+
+def kernel_fn(**tuning):
+  def f(q, cache, bt, sl, ks):
+    return md.mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **tuning)
+  return jax.jit(f)
+
+
+def stage1_fn(**tuning):
+  """Stage 1 alone (partials), to see what the LSE merge costs."""
+  def f(q, cache, bt, sl, ks):
+    tun = {k: tuning.get(k) for k in ("block_h", "block_kv", "num_warps", "num_stages",
+                                       "num_kv_splits")}
+    return md._mla_decode_impl(q, cache, bt, sl, ks, scale=SCALE, kv_lora_rank=L,
+                               batch_invariant=False, interpret=False, return_partials=True,
+                               **tun)
+  return jax.jit(f)
+
+
+def xla_fn():
+  def f(q, cache, bt, sl, ks):
+    return md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
+  return jax.jit(f)
+
+
+def row_for(kernel, b, n, ctx, dtype, us, ceil, **extra):
+  tbps = b * ctx * ROW_BYTES[dtype] / (us * 1e-6) / 1e12
+  tflops = 2 * b * n * ctx * (576 + 512) / (us * 1e-6) / 1e12
+  row = {"kernel": kernel, "B": b, "N": n, "ctx": ctx, "page": PAGE, "dtype": dtype,
+         "us": round(us, 2), "TBps": round(tbps, 3), "TFLOPs": round(tflops, 1),
+         "frac_copy": round(tbps / ceil["copy_TBps"], 3),
+         "frac_matmul": round(tflops / ceil["matmul_TFLOPs"], 3)}
+  row.update(extra)
+  return row
+
+
+def sweep_variants(n, dtype, num_splits_default):
+  """Prune: one-at-a-time moves around the default, most informative first (compile time is the
+  cost: ~1 s a bf16 variant, up to ~10 s an fp8 one at 16 rows)."""
+  variants = [{}]
+  if dtype == "fp8":
+    variants.append({"fp8_mode": "dequant_tile"})
+  s0 = num_splits_default
+  for s in (s0 * 2, max(1, s0 // 2)):
+    if s != s0 and s <= 2 * 132:
+      variants.append({"num_kv_splits": s})
+  if n <= 16:
+    cand = {"block_kv": [32, 64, 128] if dtype == "fp8" else [64, 128],
+            "num_stages": [2, 3], "num_warps": [4, 8]}
+  else:
+    cand = {"block_kv": [32, 64], "num_stages": [2, 3], "block_h": [32, 64], "num_warps": [8]}
+  for k, vals in cand.items():
+    for v in vals:
+      variants.append({k: v})
+  if n > 64:  # all 128 rows in one program: K read once, 16 warps to hold the [128, L] accumulator
+    variants.append({"block_h": 128, "num_warps": 16, "block_kv": 32, "num_stages": 2})
+  out, seen = [], set()
+  for v in variants:
+    key = tuple(sorted(v.items()))
+    if key not in seen:
+      seen.add(key)
+      out.append(v)
+  return out
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="bench/results")
+  ap.add_argument("--sweep", action="store_true", help="also time tuning variants")
+  ap.add_argument("--quick", action="store_true", help="two shapes, no sweep/xla (smoke run)")
+  ap.add_argument("--shapes", default="", help="subset, e.g. 128x16x8192,1x128x32768")
+  ap.add_argument("--dtypes", default="bf16,fp8")
+  ap.add_argument("--no-check", action="store_true", help="skip the correctness check (tuning runs)")
+  ap.add_argument("--sweep-budget-s", type=float, default=180.0,
+                  help="sweep time over all shapes (split evenly; later variants are skipped)")
+  args = ap.parse_args()
+  t_start = time.time()
+  dev = jax.devices()[0]
+  log(f"device: {dev.device_kind}, SMs: {md.num_sms()}, jax {jax.__version__}")
+
+  if not args.no_check:
+    ok = check_correctness()
+    log(f"correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
+    if not ok:
+      sys.exit(1)
+
+  ceil = common.measure_ceilings()
+  log(f"ceilings: {ceil}")
+  results = common.results_header(ceil)
+  sweep = common.results_header(ceil)
+  shapes = SHAPES[:1] + SHAPES[4:5] if args.quick else SHAPES
+  if args.shapes:
+    shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+  dtypes = args.dtypes.split(",")
+
+  for (b, n, ctx) in shapes:
+    for dtype in dtypes:
+      sets = arg_sets_for(b, n, ctx, dtype)
+      splits = md.choose_num_kv_splits(b, n, ctx, md.num_sms())
+      try:
+        us = timed(kernel_fn(), sets, 20, 7)
+        results["rows"].append(row_for("pallas", b, n, ctx, dtype, us, ceil, num_kv_splits=splits))
+        log(f"pallas {dtype} B={b} N={n} ctx={ctx}: {us:.1f} us (splits={splits}) "
+            f"{results['rows'][-1]['TBps']} TB/s {results['rows'][-1]['TFLOPs']} TFLOP/s")
+      except Exception as e:  # noqa: BLE001
+        log(f"pallas {dtype} B={b} N={n} ctx={ctx}: ERROR {type(e).__name__}: {str(e)[:400]}")
+        results["rows"].append({"kernel": "pallas", "B": b, "N": n, "ctx": ctx, "page": PAGE,
+                                "dtype": dtype, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+      if dtype == "bf16" and not args.quick:
+        us = timed(xla_fn(), sets, 5, 3)
+        results["rows"].append(row_for("xla", b, n, ctx, dtype, us, ceil))
+        log(f"xla    {dtype} B={b} N={n} ctx={ctx}: {us:.1f} us")
+      if args.sweep and not args.quick:
+        srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype}
+        try:
+          us = timed(stage1_fn(), sets, 10, 3)
+          sweep["rows"].append(row_for("pallas_stage1", b, n, ctx, dtype, us, ceil,
+                                       num_kv_splits=splits))
+        except Exception as e:  # noqa: BLE001
+          sweep["rows"].append({**srow, "kernel": "pallas_stage1", "error": str(e)[:300]})
+        t_cfg = time.time()
+        for v in sweep_variants(n, dtype, splits):
+          if time.time() - t_cfg > args.sweep_budget_s / (len(dtypes) * len(shapes)):
+            sweep["rows"].append({**srow, "kernel": "pallas", "variant": v,
+                                  "error": "skipped: budget"})
+            continue
+          t0 = time.time()
+          try:
+            us = timed(kernel_fn(**v), sets, 10, 3)
+            sweep["rows"].append(row_for("pallas", b, n, ctx, dtype, us, ceil, variant=v,
+                                         compile_and_time_s=round(time.time() - t0, 1)))
+          except Exception as e:  # noqa: BLE001
+            msg = f"{type(e).__name__}: {str(e)[-300:]}"
+            sweep["rows"].append({**srow, "kernel": "pallas", "variant": v, "error": msg})
+      del sets
+    # Written after every shape so a run cut short by a time limit still leaves its rows.
+    common.write_results(os.path.join(args.out, "decode-h200.json"), results)
+    if args.sweep:
+      common.write_results(os.path.join(args.out, "decode-sweep.json"), sweep)
+
+  log("\n kernel  dtype    B    N    ctx       us   TB/s  TFLOP/s  frac_copy  frac_mm")
+  for r in results["rows"]:
+    if "error" in r:
+      log(f" {r['kernel']:7s} {r['dtype']:5s} {r['B']:4d} {r['N']:4d} {r['ctx']:6d}  ERROR")
+      continue
+    log(f" {r['kernel']:7s} {r['dtype']:5s} {r['B']:4d} {r['N']:4d} {r['ctx']:6d} {r['us']:8.1f} "
+        f"{r['TBps']:6.2f} {r['TFLOPs']:8.1f} {r['frac_copy']:10.3f} {r['frac_matmul']:8.3f}")
+  if args.sweep:
+    log("\n best sweep variant per shape (us; default first):")
+    groups = {}
+    for r in sweep["rows"]:
+      groups.setdefault((r["B"], r["N"], r["ctx"], r["dtype"]), []).append(r)
+    for key, rows in groups.items():
+      timed_rows = [r for r in rows if "us" in r and r["kernel"] == "pallas"]
+      s1 = [r for r in rows if r["kernel"] == "pallas_stage1" and "us" in r]
+      if not timed_rows:
+        continue
+      best = min(timed_rows, key=lambda r: r["us"])
+      default = timed_rows[0]
+      nerr = sum("error" in r for r in rows)
+      stage1 = f" (stage1 {s1[0]['us']:.1f})" if s1 else ""
+      log(f" {key}: default {default['us']:.1f}{stage1} best {best['us']:.1f} "
+          f"{best['variant']} errors={nerr}")
+  log(f"total {time.time() - t_start:.0f}s")
+
+
+if __name__ == "__main__":
+  main()

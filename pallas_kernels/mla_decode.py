@@ -1,0 +1,445 @@
+"""Paged latent-MQA decode attention for MLA (DeepSeek), as a Pallas kernel lowered through Triton.
+
+Shape legend: B requests, Q query tokens per request, N heads, L kv_lora_rank (512), R rope dim (64),
+G page size, S kv splits, M = Q*N rows folded into the dot's M dimension.
+
+The cache holds one shared KV "head" per token: row = [kv_c_normed (L) | k_pe (R)]. The absorbed query
+row is [q_nope absorbed (L) | q_pe (R)], so logits = q . row over L+R and the output is p . kv_c over L
+(the L-wide K tile is reused as V).
+
+Stage 1 (Pallas): grid (head blocks, S, B). Each program owns `block_h` rows of M for one request and
+one page-aligned slice of that request's cache, streams it in `block_kv`-token steps (a block-table
+gather of token rows, loads masked by length so garbage/NaN past a row's end is never read), runs an
+online softmax in exp2 and writes a normalized partial output and its LSE. Stage 2 (plain jnp, fused by
+XLA) merges the S partials by LSE; with S == 1 stage 1 writes the final output directly.
+
+Triton constraints that shape the code: every load/store and dot operand is a power of two in size, so
+L+R is loaded as two tiles (L and R) and the logits are two dots; dots need M, N, K >= 16, so rows are
+padded to `block_h` >= 16 and L, R, block_kv >= 16; fp8 x bf16 dots are rejected, so the fp8 tile is
+upcast to the compute dtype, and the per-token dequant scale is applied to logits and to p
+(fp8_mode="scale_logits", default: block_h x block_kv multiplies instead of block_kv x (L+R)), or to
+the upcast tile (fp8_mode="dequant_tile").
+
+Status on H200 (bench/decode.py, 2026-11-29): bf16 N=16 reaches 59-81% of copy bandwidth, N=128
+190-225 TFLOP/s, 5-9x faster than the XLA path. The fp8 path is 2.5-4x SLOWER than bf16: Triton
+upcasts the fp8 tile through extra shared-memory copies/layout conversions (compile time 8 s vs 1 s
+shows it), so reading half the bytes does not pay yet; see the report that came with this file.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+# Finite start for the running max: masked logits are -inf, so exp2(-inf - m) = 0 and
+# exp2(m_prev - m_next) never sees inf - inf, even for rows with no valid token.
+_M_INIT = -1e30
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
+_Q_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+_CACHE_DTYPES = _Q_DTYPES + (_FP8,)
+_H200_SMS = 132
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and (x & (x - 1)) == 0
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def num_sms() -> int:
+  """SM count of the default device (132 on H200); 132 when unknown (CPU, interpret mode)."""
+  try:
+    n = getattr(jax.devices()[0], "core_count", None)
+    return int(n) if n else _H200_SMS
+  except Exception:  # pragma: no cover - no backend at all
+    return _H200_SMS
+
+
+def choose_num_kv_splits(batch: int, rows_per_request: int, max_seq_len: int, num_sms: int) -> int:
+  """Static number of KV splits for stage 1.
+
+  vLLM's Triton MLA uses next_pow2(max_seq_len // 512) splits capped at 2 x SMs. That ignores the
+  programs the batch already provides (batch x head blocks), and every extra split costs a partial
+  [block_h, L] f32 write + merge read and a pipeline prologue. So: split only until the programs
+  reach a target number of waves, with a floor on tokens per split. Both depend on the regime
+  (H200 sweep, page 64, bf16):
+  - rows_per_request <= 32 (e.g. N=16): memory-bound, one big-tile program per SM, so
+    over-subscribe ~4 waves for latency hiding and ragged-length balance, down to ~256 tokens per
+    split ((64,16,4096): 9-10 splits 120-132 us vs 5 splits 149 us; (128,16,8192): 5-6 splits
+    347-361 us vs 3 splits 425 us, 12 splits 390 us).
+  - more rows (N=128): compute-bound with two head blocks re-reading K from L2; ~2 waves suffice,
+    and more splits (or < 512 tokens per split, vLLM's floor) only add merge traffic
+    ((64,128,4096): 1-3 splits 420 us, 6 splits 468 us; (1,128,32768): 64 splits 77-82 us,
+    32 splits 129 us, 128 splits 92-111 us).
+  """
+  head_blocks = max(1, _cdiv(rows_per_request, 64))
+  programs = max(1, batch) * head_blocks
+  memory_bound = rows_per_request <= 32
+  waves = 4 if memory_bound else 2
+  ideal = _next_pow2(max(1, max_seq_len // (256 if memory_bound else 512)))
+  fill = _cdiv(waves * num_sms, programs)
+  return int(max(1, min(ideal, fill, 2 * num_sms)))
+
+
+def _default_tuning(m_rows, l, r, cache_dtype, compute_dtype, block_h, block_kv, num_warps,
+                    num_stages, fp8_mode):
+  """Defaults from the H200 sweep (227 KB shared memory per block)."""
+  if block_h is None:
+    # Up to 64 rows per program: a [64, L] f32 accumulator already takes 128 registers/thread at 8
+    # warps; 128 rows would spill. Fewer rows when the request has fewer (pad to >= 16 for the dot).
+    block_h = min(64, max(16, _next_pow2(m_rows)))
+  is_fp8 = jnp.dtype(cache_dtype) == _FP8
+  if block_kv is None:
+    if block_h >= 64:
+      # q [64, L+R] stays in shared memory (72 KB) next to the K tiles; an upcast fp8 tile needs
+      # its own bf16 copies (fp8 with 64 tokens asked for 242 KB, 128 tokens 410 KB).
+      block_kv = 32 if is_fp8 or jnp.dtype(compute_dtype).itemsize == 4 else 64
+    elif is_fp8:
+      block_kv = 64  # (128,16,8192) fp8: 869 us at 64 tokens, 1437 us at 128 (upcast cost)
+    else:
+      block_kv = 128  # N=16 bf16: 128 tokens per step beat 64 by 8-15%
+  if num_warps is None:
+    num_warps = 8 if block_h >= 64 else 4  # 4 warps at 64 rows ran 2x slower
+  if num_stages is None:
+    num_stages = 3 if block_h >= 64 and not is_fp8 else 2  # 1 stage ran 2x slower at N=16
+  if fp8_mode is None:
+    fp8_mode = "scale_logits"
+  return block_h, block_kv, num_warps, num_stages, fp8_mode
+
+
+def _validate(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
+              block_h, block_kv, num_warps, num_stages, fp8_mode=None, *, for_kernel=True):
+  """`for_kernel=False` (the reference) accepts any L, R and page size; Triton needs powers of two >= 16."""
+  if not hasattr(q, "ndim") or q.ndim != 4:
+    raise ValueError(f"q must be [B, Q, N, L+R], got shape {getattr(q, 'shape', None)}")
+  if jnp.dtype(q.dtype) not in _Q_DTYPES:
+    raise ValueError(f"q dtype must be bfloat16, float16 or float32, got {q.dtype}")
+  b, nq, n, d = q.shape
+  l = kv_lora_rank
+  r = d - l
+  if not (isinstance(l, (int, np.integer)) and 0 < l < d):
+    raise ValueError(f"kv_lora_rank must be an int in (0, {d}), got {kv_lora_rank}")
+  if for_kernel and not (_is_pow2(int(l)) and l >= 16):
+    raise ValueError(f"kv_lora_rank must be a power of two >= 16, got {kv_lora_rank}")
+  if for_kernel and not (_is_pow2(r) and r >= 16):
+    raise ValueError(
+        f"q last dim {d} minus kv_lora_rank {l} = rope dim {r} must be a power of two >= 16")
+  if b < 1 or nq < 1 or n < 1:
+    raise ValueError(f"q has an empty dimension: shape {q.shape}")
+  if cache.ndim != 3:
+    raise ValueError(f"kv_c_and_k_pe_cache must be [num_pages, G, L+R], got shape {cache.shape}")
+  num_pages, g, dc = cache.shape
+  if dc != d:
+    raise ValueError(f"kv_c_and_k_pe_cache last dim {dc} != q last dim {d} (L+R)")
+  if for_kernel and not _is_pow2(g):
+    raise ValueError(f"kv_c_and_k_pe_cache page size G={g} must be a power of two")
+  if num_pages < 1:
+    raise ValueError("kv_c_and_k_pe_cache has no pages")
+  cdt = jnp.dtype(cache.dtype)
+  if cdt not in _CACHE_DTYPES:
+    raise ValueError(f"kv_c_and_k_pe_cache dtype must be bf16/f16/f32/float8_e4m3fn, got {cdt}")
+  if cdt == _FP8:
+    if kv_scale is None:
+      raise ValueError("kv_scale is required when kv_c_and_k_pe_cache is float8_e4m3fn")
+    if kv_scale.shape != (num_pages, g):
+      raise ValueError(f"kv_scale must be [num_pages, G] = {(num_pages, g)}, got {kv_scale.shape}")
+    if jnp.dtype(kv_scale.dtype) != jnp.float32:
+      raise ValueError(f"kv_scale dtype must be float32, got {kv_scale.dtype}")
+  elif kv_scale is not None:
+    raise ValueError(f"kv_scale is only for a float8_e4m3fn cache; the cache is {cdt}")
+  if block_table.ndim != 2 or block_table.shape[0] != b:
+    raise ValueError(f"block_table must be i32[B={b}, max_pages], got shape {block_table.shape}")
+  if jnp.dtype(block_table.dtype) != jnp.int32:
+    raise ValueError(f"block_table dtype must be int32, got {block_table.dtype}")
+  max_pages = block_table.shape[1]
+  if max_pages < 1:
+    raise ValueError("block_table must have at least one page column")
+  if max_pages * g >= 2**31 or num_pages * g >= 2**31:  # token and row indices are int32
+    raise ValueError(f"block_table width {max_pages} or num_pages {num_pages} x page size {g} "
+                     "exceeds int32 token indexing")
+  if seq_lens.shape != (b, nq):
+    raise ValueError(f"seq_lens must be i32[B, Q] = {(b, nq)}, got shape {seq_lens.shape}")
+  if jnp.dtype(seq_lens.dtype) != jnp.int32:
+    raise ValueError(f"seq_lens dtype must be int32, got {seq_lens.dtype}")
+  if num_kv_splits is not None and not (isinstance(num_kv_splits, (int, np.integer))
+                                        and num_kv_splits >= 1):
+    raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits}")
+  if not isinstance(scale, (float, int, np.floating)):
+    raise ValueError(f"scale must be a static Python float, got {type(scale).__name__}")
+  if block_h is not None and not (_is_pow2(block_h) and block_h >= 16):
+    raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
+  if block_kv is not None and not (_is_pow2(block_kv) and block_kv >= 16):
+    raise ValueError(f"block_kv must be a power of two >= 16, got {block_kv}")
+  if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+    raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
+  if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
+    raise ValueError(f"num_stages must be a positive int, got {num_stages}")
+  if fp8_mode not in (None, "scale_logits", "dequant_tile"):
+    raise ValueError(f"fp8_mode must be 'scale_logits' or 'dequant_tile', got {fp8_mode!r}")
+
+
+def _stage1_kernel(
+    q_ref,         # [block_h, L+R]
+    kv_ref,        # [num_pages*G, L+R] (whole pool; rows gathered via the block table)
+    kv_scale_ref,  # [num_pages*G] f32, or None
+    bt_ref,        # i32[max_pages]: this request's block table row
+    lens_ref,      # i32[block_h]: tokens each row attends to (0 for padding rows)
+    o_ref,         # [block_h, L]: normalized partial output
+    lse_ref,       # f32[block_h]
+    *, l: int, r: int, page_size: int, block_kv: int, split_tokens: int, sm_scale: float,
+    compute_dtype, dequant_tile: bool,
+):
+  split = pl.program_id(1)
+  page_shift = page_size.bit_length() - 1
+  lens = lens_ref[...]
+  block_h = lens.shape[0]
+  split_start = split * split_tokens
+  # Steps are aligned to the split, and the split to block_kv, so only the length bounds the loop.
+  end = jnp.minimum(jnp.max(lens), split_start + split_tokens)
+  n_steps = (jnp.maximum(end - split_start, 0) + block_kv - 1) // block_kv
+
+  q_nope = q_ref[:, pl.ds(0, l)].astype(compute_dtype)  # [block_h, L]
+  q_pe = q_ref[:, pl.ds(l, r)].astype(compute_dtype)    # [block_h, R]
+  qk_scale = sm_scale * _LOG2E                         # logits in log2 units for exp2
+  cols_nope = jnp.arange(l, dtype=jnp.int32)[None, :]
+  cols_pe = l + jnp.arange(r, dtype=jnp.int32)[None, :]
+
+  def body(i, carry):
+    acc, m_prev, l_prev = carry
+    tok = split_start + i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [block_kv]
+    tok_ok = tok < end
+    page = pltriton.load(bt_ref.at[lax.shift_right_logical(tok, page_shift)], mask=tok_ok, other=0)
+    row = page * page_size + (tok & (page_size - 1))  # [bkv] rows of the flattened pool
+    # Masked loads: rows past the block's longest length are never read (and read as 0, not NaN).
+    # Columns are int-array indices too (interpret mode cannot mix gathers with slices).
+    row2 = row[:, None]
+    k_nope = pltriton.load(kv_ref.at[row2, cols_nope], mask=tok_ok[:, None], other=0.0)  # [bkv, L]
+    k_pe = pltriton.load(kv_ref.at[row2, cols_pe], mask=tok_ok[:, None], other=0.0)      # [bkv, R]
+    if kv_scale_ref is not None:
+      ks = pltriton.load(kv_scale_ref.at[row], mask=tok_ok, other=0.0)  # [bkv] f32
+    if kv_scale_ref is not None and dequant_tile:
+      # Scale the upcast tile itself (one multiply per element, in the compute dtype).
+      ks_c = ks.astype(compute_dtype)[:, None]
+      k_nope = k_nope.astype(compute_dtype) * ks_c
+      k_pe = k_pe.astype(compute_dtype) * ks_c
+    else:
+      k_nope = k_nope.astype(compute_dtype)
+      k_pe = k_pe.astype(compute_dtype)
+    dims = (((1,), (1,)), ((), ()))
+    qk = (lax.dot_general(q_nope, k_nope, dims, preferred_element_type=jnp.float32)
+          + lax.dot_general(q_pe, k_pe, dims, preferred_element_type=jnp.float32))  # [bh, bkv]
+    scale_logits = kv_scale_ref is not None and not dequant_tile
+    if scale_logits:  # logits of the fp8 rows times the per-token scale
+      s = qk * (ks * qk_scale)[None, :]
+    else:
+      s = qk * qk_scale
+    valid = tok[None, :] < lens[:, None]  # [bh, bkv]: per-row (causal) length
+    s = jnp.where(valid, s, -jnp.inf)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m_prev - m_next)
+    p = jnp.exp2(s - m_next[:, None])
+    l_next = l_prev * alpha + jnp.sum(p, axis=1)
+    if scale_logits:
+      p = p * ks[None, :]  # V = fp8 row * scale: fold the scale into p
+    pv = jnp.dot(p.astype(compute_dtype), k_nope, preferred_element_type=jnp.float32)  # [bh, L]
+    return acc * alpha[:, None] + pv, m_next, l_next
+
+  acc = jnp.zeros((block_h, l), jnp.float32)
+  m_i = jnp.full((block_h,), _M_INIT, jnp.float32)
+  l_i = jnp.zeros((block_h,), jnp.float32)
+  acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
+
+  has = l_i > 0
+  inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+  o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * _LN2, -jnp.inf)
+
+
+def _merge_splits(o_part, lse_part):
+  """LSE-merge of per-split partials: o_part f32[..., S, M, L], lse_part f32[..., S, M]."""
+  lse_max = jnp.max(lse_part, axis=-2)                       # [..., M]
+  safe = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+  w = jnp.exp(lse_part - safe[..., None, :])                 # [..., S, M]; 0 for empty splits
+  denom = jnp.sum(w, axis=-2)
+  # Multiply-and-sum rather than einsum: XLA fuses it into one column reduction over S (an
+  # einsum becomes a batched GEMV with K=S).
+  out = jnp.sum(w[..., None] * o_part, axis=-3)              # [..., M, L]
+  has = denom > 0
+  out = out * jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)[..., None]
+  lse = jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)
+  return out, lse
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "batch_invariant", "interpret",
+                     "block_h", "block_kv", "num_warps", "num_stages", "fp8_mode",
+                     "return_partials"),
+)
+def _mla_decode_impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank,
+                     num_kv_splits, batch_invariant, interpret, block_h, block_kv, num_warps,
+                     num_stages, fp8_mode=None, return_partials=False):
+  b, nq, n, d = q.shape
+  l = kv_lora_rank
+  r = d - l
+  num_pages, g, _ = cache.shape
+  max_pages = block_table.shape[1]
+  capacity = max_pages * g
+  m_rows = nq * n
+  is_fp8 = jnp.dtype(cache.dtype) == _FP8
+  compute_dtype = q.dtype if is_fp8 else jnp.promote_types(q.dtype, cache.dtype)
+  block_h, block_kv, num_warps, num_stages, fp8_mode = _default_tuning(
+      m_rows, l, r, cache.dtype, compute_dtype, block_h, block_kv, num_warps, num_stages,
+      fp8_mode)
+
+  # Splits: static (seq_lens are traced), from the capacity; page- and step-aligned.
+  if batch_invariant:
+    num_splits = 1
+  elif num_kv_splits is not None:
+    num_splits = num_kv_splits
+  else:
+    num_splits = choose_num_kv_splits(b, m_rows, capacity, num_sms())
+  align = max(g, block_kv)
+  split_tokens = _cdiv(_cdiv(capacity, num_splits), align) * align
+  num_splits = _cdiv(capacity, split_tokens)
+
+  # Fold (Q, N) into rows; pad rows to a multiple of block_h (padding rows get length 0).
+  m_pad = _cdiv(m_rows, block_h) * block_h
+  q_rows = q.reshape(b, m_rows, d)                                     # [B, M, L+R]
+  row_lens = jnp.repeat(seq_lens, n, axis=1)                           # [B, M]: row t*N+n -> t
+  if m_pad != m_rows:
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, m_pad - m_rows), (0, 0)))
+    row_lens = jnp.pad(row_lens, ((0, 0), (0, m_pad - m_rows)))
+  row_lens = jnp.minimum(row_lens, capacity)
+  kv_rows = cache.reshape(num_pages * g, d)                            # [num_pages*G, L+R]
+  scale_rows = kv_scale.reshape(num_pages * g) if is_fp8 else None
+
+  final = num_splits == 1
+  o_dtype = q.dtype if final and not return_partials else jnp.float32
+  head_blocks = m_pad // block_h
+  grid = (head_blocks, num_splits, b)  # head blocks fastest: programs sharing a KV slice run together
+  kernel = functools.partial(
+      _stage1_kernel, l=l, r=r, page_size=g, block_kv=block_kv, split_tokens=split_tokens,
+      sm_scale=float(scale), compute_dtype=compute_dtype,
+      dequant_tile=is_fp8 and fp8_mode == "dequant_tile")
+  in_specs = [
+      pl.BlockSpec((None, block_h, d), lambda h, s, i: (i, h, 0)),
+      pl.BlockSpec((num_pages * g, d), lambda h, s, i: (0, 0)),
+      pl.BlockSpec((num_pages * g,), lambda h, s, i: (0,)) if is_fp8 else None,
+      pl.BlockSpec((None, max_pages), lambda h, s, i: (i, 0)),
+      pl.BlockSpec((None, block_h), lambda h, s, i: (i, h)),
+  ]
+  out_specs = [
+      pl.BlockSpec((None, None, block_h, l), lambda h, s, i: (i, s, h, 0)),
+      pl.BlockSpec((None, None, block_h), lambda h, s, i: (i, s, h)),
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct((b, num_splits, m_pad, l), o_dtype),
+      jax.ShapeDtypeStruct((b, num_splits, m_pad), jnp.float32),
+  ]
+  o_part, lse_part = pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      interpret=interpret,
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      name=f"mla_decode_{block_h=}_{block_kv=}_{num_splits=}_{num_warps=}_{num_stages=}",
+  )(q_rows, kv_rows, scale_rows, block_table, row_lens)
+  if return_partials:
+    return o_part, lse_part
+  if final:
+    out, lse = o_part[:, 0], lse_part[:, 0]
+  else:
+    out, lse = _merge_splits(o_part, lse_part)
+  out = out[:, :m_rows].reshape(b, nq, n, l).astype(q.dtype)
+  lse = lse[:, :m_rows].reshape(b, nq, n)
+  return out, lse
+
+
+def mla_decode(
+    q,                    # [B, Q, N, L+R] bf16/f16/f32: absorbed q_nope (L) then q_pe (R)
+    kv_c_and_k_pe_cache,  # [num_pages, G, L+R] bf16/f16/f32, or float8_e4m3fn with kv_scale
+    block_table,          # i32[B, max_pages]
+    seq_lens,             # i32[B, Q]: cache tokens query row (b, t) attends to; 0 = empty row
+    *,
+    scale: float,
+    kv_scale=None,        # f32[num_pages, G]: row value = fp8 row * kv_scale (fp8 cache only)
+    kv_lora_rank: int = 512,
+    num_kv_splits: int | None = None,
+    batch_invariant: bool = False,
+    interpret: bool = False,
+    block_h: int | None = None,
+    block_kv: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    fp8_mode: str | None = None,
+):
+  """Paged latent-MQA decode attention. Returns (out [B, Q, N, L] in q.dtype, lse f32[B, Q, N]).
+
+  lse is the natural log of sum(exp(scale * logits)) over the attended tokens; rows with seq_len 0
+  give out 0 and lse -inf. Lengths beyond the block table's capacity (max_pages * G) are clamped.
+
+  num_kv_splits: static stage-1 split count (None: `choose_num_kv_splits` on the static capacity).
+  batch_invariant: one split, so a request's result is bitwise independent of the rest of the batch.
+  Tuning (None = defaults for H200): block_h rows of Q*N per program (pow2 >= 16), block_kv tokens
+  per step (pow2 >= 16, independent of the page size), num_warps, num_stages (Triton pipelining),
+  fp8_mode: "scale_logits" (per-token scale on logits and p) or "dequant_tile" (scale the upcast tile).
+  """
+  _validate(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits,
+            scale, block_h, block_kv, num_warps, num_stages, fp8_mode)
+  return _mla_decode_impl(
+      q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, scale=float(scale),
+      kv_lora_rank=int(kv_lora_rank), num_kv_splits=num_kv_splits,
+      batch_invariant=bool(batch_invariant), interpret=bool(interpret), block_h=block_h,
+      block_kv=block_kv, num_warps=num_warps, num_stages=num_stages, fp8_mode=fp8_mode)
+
+
+def mla_decode_reference(
+    q, kv_c_and_k_pe_cache, block_table, seq_lens, *, scale: float, kv_scale=None,
+    kv_lora_rank: int = 512, num_kv_splits=None, batch_invariant=False, interpret=False,
+    block_h=None, block_kv=None, num_warps=None, num_stages=None, fp8_mode=None,
+):
+  """Float32 reference on rows gathered per request (un-paged). Same signature and outputs."""
+  del num_kv_splits, batch_invariant, interpret, block_h, block_kv, num_warps, num_stages, fp8_mode
+  _validate(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank, None, scale,
+            None, None, None, None, for_kernel=False)
+  b, nq, n, d = q.shape
+  l = kv_lora_rank
+  _, g, _ = kv_c_and_k_pe_cache.shape
+  ctx = block_table.shape[1] * g
+  kv = kv_c_and_k_pe_cache[block_table].astype(jnp.float32)           # [B, max_pages, G, L+R]
+  if kv_scale is not None:
+    kv = kv * kv_scale[block_table][..., None]
+  kv = kv.reshape(b, ctx, d)                                           # [B, ctx, L+R]
+  pos = jnp.arange(ctx, dtype=jnp.int32)
+  # Zero rows no query row of the request attends to, so garbage there cannot reach p @ v.
+  kv = jnp.where((pos[None, :] < jnp.max(seq_lens, axis=1)[:, None])[..., None], kv, 0.0)
+  logits = scale * jnp.einsum("bqnd,bsd->bqns", q.astype(jnp.float32), kv,
+                              precision=lax.Precision.HIGHEST)         # [B, Q, N, ctx]
+  mask = (pos[None, None, :] < seq_lens[:, :, None])[:, :, None, :]   # [B, Q, 1, ctx]
+  logits = jnp.where(mask, logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  e = jnp.exp(logits - m)
+  denom = jnp.sum(e, axis=-1, keepdims=True)                           # [B, Q, N, 1]
+  has = denom > 0
+  p = e / jnp.where(has, denom, 1.0)
+  out = jnp.einsum("bqns,bsl->bqnl", p, kv[..., :l], precision=lax.Precision.HIGHEST)
+  lse = jnp.where(has, m + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)[..., 0]
+  return out.astype(q.dtype), lse

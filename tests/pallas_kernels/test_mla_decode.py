@@ -1,0 +1,243 @@
+"""pallas_kernels.mla_decode against its float32 reference (CPU: interpret=True; GPU: -m gpu).
+
+Inputs are fresh random numbers. Every cache row no query attends to is NaN: unused pages, the tail
+of each request's last page, and the pages that block-table padding entries point to; q rows with
+seq_len 0 are NaN too. A kernel that reads or mixes in any of them produces NaN and fails.
+
+Tolerances (out is in q.dtype; the kernel rounds p to the compute dtype before the PV dot):
+  bf16/fp8 (bf16 compute): |out - ref| <= 2e-2 + 2e-2 |ref|, lse within 1e-3
+  fp8 with fp8_mode="dequant_tile" (tile scaled in bf16): same out bound, lse within 1e-2
+  f32 q (f32 compute):     |out - ref| <= 1e-4 + 1e-4 |ref|, lse within 1e-4
+The fp8 reference uses the dequantized cache (fp8 value * kv_scale in float32).
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.mla_decode import choose_num_kv_splits, mla_decode, mla_decode_reference
+
+SCALE = 192 ** -0.5 * 1.87385
+TOL = {"bf16": (2e-2, 1e-3), "fp8": (2e-2, 1e-3), "f32": (1e-4, 1e-4)}
+
+
+def make_inputs(seed, *, b, nq, n, l, r, g, max_pages, lens, cache_dtype="bf16", q_dtype="bf16",
+                causal=False):
+  """Random inputs with NaN poison. lens[i]: cache tokens of request i (its last query row's
+  length); causal rows see lens[i] - (nq - 1 - t) tokens, non-causal rows all lens[i]."""
+  rng = np.random.default_rng(seed)
+  lens = np.asarray(lens)
+  used = [-(-int(x) // g) for x in lens]
+  spare = 3
+  num_pages = sum(used) + spare
+  perm = rng.permutation(num_pages)
+  spare_pages = perm[num_pages - spare:]
+  block_table = np.empty((b, max_pages), np.int32)
+  cache = np.full((num_pages, g, l + r), np.nan, np.float32)
+  pos = 0
+  for i in range(b):
+    pages = perm[pos:pos + used[i]]
+    pos += used[i]
+    block_table[i, :used[i]] = pages
+    block_table[i, used[i]:] = rng.choice(spare_pages, max_pages - used[i])
+    for j, page in enumerate(pages):
+      rows = min(g, int(lens[i]) - j * g)
+      cache[page, :rows] = rng.standard_normal((rows, l + r))
+  if causal:
+    seq_lens = lens[:, None] - (nq - 1) + np.arange(nq)[None, :]
+  else:
+    seq_lens = np.repeat(lens[:, None], nq, axis=1)
+  seq_lens = np.where(lens[:, None] > 0, np.maximum(seq_lens, 0), 0).astype(np.int32)
+  q = rng.standard_normal((b, nq, n, l + r)).astype(np.float32)
+  q[seq_lens == 0] = np.nan
+  kv_scale = None
+  if cache_dtype == "fp8":
+    cache_j = jnp.asarray(cache * 2.0).astype(jnp.float8_e4m3fn)
+    kv_scale = jnp.asarray(rng.uniform(0.25, 0.75, (num_pages, g)).astype(np.float32))
+  else:
+    cache_j = jnp.asarray(cache).astype(jnp.bfloat16)
+  q_j = jnp.asarray(q).astype(jnp.float32 if q_dtype == "f32" else jnp.bfloat16)
+  return q_j, cache_j, jnp.asarray(block_table), jnp.asarray(seq_lens), kv_scale
+
+
+def assert_close(out, lse, ref, ref_lse, kind, lse_tol=None):
+  out_tol, default_lse_tol = TOL[kind]
+  lse_tol = default_lse_tol if lse_tol is None else lse_tol
+  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+  assert out.shape == ref.shape and lse.shape == ref_lse.shape
+  assert np.all(np.isfinite(out)), "NaN/inf leaked into the output"
+  np.testing.assert_allclose(out, ref, rtol=out_tol, atol=out_tol)
+  empty = ~np.isfinite(ref_lse)
+  assert np.all(lse[empty] == -np.inf) and np.all(out[empty] == 0), "empty rows must be 0 / -inf"
+  np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=0, atol=lse_tol)
+
+
+CASES = {
+    # name: (make_inputs kwargs, mla_decode kwargs, tolerance kind)
+    "n16_l512_g16_bf16": (dict(b=3, nq=1, n=16, l=512, r=64, g=16, max_pages=4, lens=[37, 0, 5]),
+                          dict(block_kv=32), "bf16"),
+    "n32_g64_f32q_subpage_steps": (
+        dict(b=2, nq=1, n=32, l=64, r=16, g=64, max_pages=4, lens=[130, 64], q_dtype="f32"),
+        dict(block_kv=32, num_kv_splits=2), "f32"),
+    "n128_g128_two_head_blocks": (
+        dict(b=2, nq=1, n=128, l=32, r=16, g=128, max_pages=3, lens=[200, 1]),
+        dict(block_kv=64), "bf16"),
+    "q3_causal_n16_g16_padded_rows": (
+        dict(b=2, nq=3, n=16, l=64, r=16, g=16, max_pages=4, lens=[40, 2], causal=True),
+        dict(num_kv_splits=3, block_kv=16), "bf16"),
+    "q2_noncausal_n32_g64_empty_request": (
+        dict(b=2, nq=2, n=32, l=64, r=16, g=64, max_pages=3, lens=[100, 0]),
+        dict(block_kv=64), "bf16"),
+    "fp8_l512_g64_splits": (
+        dict(b=2, nq=1, n=16, l=512, r=64, g=64, max_pages=3, lens=[150, 64], cache_dtype="fp8"),
+        dict(num_kv_splits=2, block_kv=64), "fp8"),
+    "fp8_causal_dequant_tile_g16": (
+        dict(b=2, nq=2, n=16, l=64, r=16, g=16, max_pages=5, lens=[70, 1], cache_dtype="fp8",
+             causal=True),
+        dict(fp8_mode="dequant_tile", block_kv=32), "fp8"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name):
+  inputs_kw, kernel_kw, kind = CASES[name]
+  l = inputs_kw["l"]
+  q, cache, bt, sl, ks = make_inputs(zlib.crc32(name.encode()), **inputs_kw)
+  out, lse = mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=l,
+                        interpret=True, **kernel_kw)
+  ref, ref_lse = mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=l)
+  assert out.dtype == q.dtype and lse.dtype == jnp.float32
+  assert_close(out, lse, ref, ref_lse, kind,
+               lse_tol=1e-2 if kernel_kw.get("fp8_mode") == "dequant_tile" else None)
+
+
+def test_reference_matches_dense_numpy():
+  """The reference itself, against a per-request float64 loop over the block table."""
+  b, nq, n, l, r, g = 2, 2, 4, 32, 16, 8
+  q, cache, bt, sl, _ = make_inputs(7, b=b, nq=nq, n=n, l=l, r=r, g=g, max_pages=4,
+                                    lens=[19, 8], causal=True)
+  ref, ref_lse = mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_lora_rank=l)
+  qn, cn, btn, sln = (np.asarray(x, np.float64) for x in (q.astype(jnp.float32),
+                                                          cache.astype(jnp.float32), bt, sl))
+  for i in range(b):
+    rows = cn[btn[i].astype(int)].reshape(-1, l + r)
+    for t in range(nq):
+      k = rows[: int(sln[i, t])]
+      logits = SCALE * qn[i, t] @ k.T                               # [N, len]
+      lse = np.log(np.sum(np.exp(logits), axis=-1))
+      out = np.exp(logits - lse[:, None]) @ k[:, :l]
+      np.testing.assert_allclose(np.asarray(ref_lse[i, t]), lse, rtol=0, atol=1e-4)
+      np.testing.assert_allclose(np.asarray(ref[i, t], np.float32), out, rtol=2e-2, atol=2e-2)
+
+
+def test_num_kv_splits_agree():
+  kw = dict(b=2, nq=1, n=16, l=64, r=16, g=16, max_pages=8, lens=[100, 57])
+  q, cache, bt, sl, _ = make_inputs(11, **kw)
+  outs = [mla_decode(q, cache, bt, sl, scale=SCALE, kv_lora_rank=64, interpret=True,
+                     num_kv_splits=s, block_kv=16) for s in (1, 4)]
+  ref, ref_lse = mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_lora_rank=64)
+  for out, lse in outs:
+    assert_close(out, lse, ref, ref_lse, "bf16")
+  np.testing.assert_allclose(np.asarray(outs[0][0], np.float32), np.asarray(outs[1][0], np.float32),
+                             rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(np.asarray(outs[0][1]), np.asarray(outs[1][1]), rtol=0, atol=1e-4)
+
+
+def test_batch_invariant_bitwise():
+  kw = dict(b=3, nq=1, n=16, l=64, r=16, g=16, max_pages=6, lens=[90, 33, 7])
+  q, cache, bt, sl, _ = make_inputs(5, **kw)
+  common = dict(scale=SCALE, kv_lora_rank=64, interpret=True, batch_invariant=True, block_kv=32)
+  out, lse = mla_decode(q, cache, bt, sl, **common)
+  out1, lse1 = mla_decode(q[1:2], cache, bt[1:2], sl[1:2], **common)
+  np.testing.assert_array_equal(np.asarray(out[1:2], np.float32), np.asarray(out1, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse[1:2]), np.asarray(lse1))
+
+
+def _bad(**over):
+  q, cache, bt, sl, _ = make_inputs(3, b=2, nq=1, n=16, l=64, r=16, g=16, max_pages=2,
+                                    lens=[20, 3])
+  args = dict(q=q, kv_c_and_k_pe_cache=cache, block_table=bt, seq_lens=sl, scale=SCALE,
+              kv_lora_rank=64, interpret=True)
+  args.update(over)
+  return args
+
+
+@pytest.mark.parametrize("over, match", [
+    (lambda a: dict(q=a["q"][0]), "q must be"),
+    (lambda a: dict(q=a["q"].astype(jnp.int32)), "q dtype"),
+    (lambda a: dict(kv_lora_rank=48), "kv_lora_rank"),
+    (lambda a: dict(q=a["q"][..., :72], kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][..., :72]),
+     "rope dim"),
+    (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][..., :72]), "last dim"),
+    (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][:, :12]), "page size"),
+    (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.float8_e4m3fn)),
+     "kv_scale is required"),
+    (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.float8_e4m3fn),
+                    kv_scale=jnp.ones((3, 16), jnp.float32)), "kv_scale must be"),
+    (lambda a: dict(kv_scale=jnp.ones(a["kv_c_and_k_pe_cache"].shape[:2], jnp.float32)),
+     "only for a float8"),
+    (lambda a: dict(block_table=a["block_table"][:1]), "block_table must be"),
+    (lambda a: dict(block_table=a["block_table"].astype(jnp.int64)
+                    if jax.config.jax_enable_x64 else a["block_table"].astype(jnp.int16)),
+     "block_table dtype"),
+    (lambda a: dict(block_table=a["block_table"][:, :0]), "at least one page"),
+    (lambda a: dict(seq_lens=a["seq_lens"][:, 0]), "seq_lens must be"),
+    (lambda a: dict(seq_lens=a["seq_lens"].astype(jnp.float32)), "seq_lens dtype"),
+    (lambda a: dict(num_kv_splits=0), "num_kv_splits"),
+    (lambda a: dict(block_h=24), "block_h"),
+    (lambda a: dict(block_kv=8), "block_kv"),
+    (lambda a: dict(fp8_mode="fast"), "fp8_mode"),
+])
+def test_bad_inputs_raise(over, match):
+  args = _bad()
+  args.update(over(args))
+  with pytest.raises(ValueError, match=match):
+    mla_decode(**args)
+
+
+def test_choose_num_kv_splits():
+  for b, rows, ctx in [(1, 16, 64), (64, 16, 4096), (128, 128, 8192), (1, 128, 32768),
+                       (32, 16, 1024), (512, 16, 163840)]:
+    s = choose_num_kv_splits(b, rows, ctx, 132)
+    assert 1 <= s <= 264
+  assert choose_num_kv_splits(1, 16, 64, 132) == 1          # short context: no split
+  assert choose_num_kv_splits(1, 128, 32768, 132) > 16      # one request: split to fill SMs
+  assert choose_num_kv_splits(512, 128, 8192, 132) == 1     # batch alone fills the SMs
+  assert (choose_num_kv_splits(8, 16, 8192, 132) >= choose_num_kv_splits(64, 16, 8192, 132))
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the real Triton kernel (make gpu).
+
+GPU_CASES = [
+    (dict(b=4, nq=1, n=16, l=512, r=64, g=64, max_pages=48, lens=[3000, 1, 0, 1100]), {}, "bf16"),
+    (dict(b=4, nq=1, n=16, l=512, r=64, g=64, max_pages=48, lens=[3000, 1, 0, 1100],
+          cache_dtype="fp8"), {}, "fp8"),
+    (dict(b=3, nq=2, n=128, l=512, r=64, g=64, max_pages=24, lens=[1500, 65, 2], causal=True),
+     {}, "bf16"),
+    (dict(b=3, nq=1, n=128, l=512, r=64, g=16, max_pages=80, lens=[1200, 16, 999],
+          cache_dtype="fp8"), {}, "fp8"),
+    (dict(b=2, nq=4, n=32, l=512, r=64, g=128, max_pages=10, lens=[1100, 5], causal=True,
+          cache_dtype="fp8"), {"fp8_mode": "dequant_tile"}, "fp8"),
+    (dict(b=2, nq=1, n=16, l=512, r=64, g=64, max_pages=64, lens=[4000, 200]),
+     {"num_kv_splits": 7}, "bf16"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx", range(len(GPU_CASES)))
+def test_gpu_matches_reference(idx):
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  inputs_kw, kernel_kw, kind = GPU_CASES[idx]
+  q, cache, bt, sl, ks = make_inputs(1000 + idx, **inputs_kw)
+  out, lse = mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **kernel_kw)
+  ref, ref_lse = mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
+  # GPU dots accumulate in a different order than the CPU reference: same bf16 bounds, lse 1e-2.
+  assert_close(out, lse, ref, ref_lse, kind, lse_tol=1e-2)
