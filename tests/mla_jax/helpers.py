@@ -16,3 +16,51 @@ def tiny_config(**overrides) -> DeepseekConfig:
                                mscale_all_dim=0.8, beta_fast=32, beta_slow=1))
     d.update(overrides)
     return DeepseekConfig.from_dict(d)
+
+
+def paged_config(**overrides) -> DeepseekConfig:
+    """Tiny config whose head dims the Pallas kernels accept (powers of two >= 16)."""
+    return tiny_config(**{"qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, **overrides})
+
+
+def run_schedule(params, cfg, seqs, schedule, *, page_size, num_pages=64, cache_dtype="fp32", backend="xla",
+                 workspace_rows=0, reorder_batch_threshold=1, causal=True, fill=float("nan")):
+    """Teacher-forced run through the paged cache: `schedule` is a list of steps, each a list of
+    (request index, number of new tokens). Returns [(request, position, logits f32[vocab])] for every logit
+    row the steps produce, to compare with the full forward at that position."""
+    import numpy as np
+
+    from mla_jax.allocator import PagePool
+    from mla_jax.cache import init_kv_cache
+    from mla_jax.metadata import ScheduledRequest, build_metadata
+    from mla_jax.step import jit_step
+
+    pool = PagePool(num_pages, page_size)
+    cache = init_kv_cache(cfg.num_hidden_layers, num_pages, page_size, kv_lora_rank=cfg.kv_lora_rank,
+                          rope_dim=cfg.qk_rope_head_dim, dtype=cache_dtype, allow_any_page_size=True, fill=fill)
+    done = [0] * len(seqs)
+    out = []
+    for step in schedule:
+        reqs = []
+        for r, n in step:
+            if r not in pool:
+                pool.allocate(r, n)
+            else:
+                pool.append(r, n)
+            reqs.append(ScheduledRequest(seqs[r][done[r]:done[r] + n], done[r], pool.pages(r)))
+        md, order = build_metadata(reqs, page_size=page_size, num_pages=num_pages,
+                                   reorder_batch_threshold=reorder_batch_threshold, causal=causal,
+                                   workspace_rows=workspace_rows)
+        logits, cache = jit_step(params, cfg, cache, md.to_device(), backend=backend)
+        logits = np.asarray(logits)
+        s = md.shape
+        for k, oi in enumerate(order):
+            r, n = step[oi]
+            if k < s.num_decodes:
+                for t in range(n):
+                    out.append((r, done[r] + t, logits[k * s.decode_query_len + t]))
+            else:
+                out.append((r, done[r] + n - 1, logits[s.num_decode_tokens + k - s.num_decodes]))
+        for r, n in step:
+            done[r] += n
+    return out

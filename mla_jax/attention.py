@@ -1,0 +1,103 @@
+"""Attention backends, following vLLM's split of the MLA layer:
+
+- `forward_mqa(q [Bd, Q, N, L+R] absorbed, cache, decode metadata) -> (latent out [Bd, Q, N, L], lse [Bd, Q, N])`
+  reads the paged latent cache (the decode hot loop);
+- `forward_mha(...) -> [Tp, N, V]` for prefill: causal MHA over the new tokens (k/v up-projected from their
+  own latents), plus the context already in the cache, gathered chunk by chunk into a workspace of W rows,
+  up-projected there and attended non-causally; all parts merged through their LSEs.
+
+A backend is a set of array functions picked by name: "xla" (plain-JAX references, runs anywhere) or
+"pallas" (the Pallas kernels; interpret mode on CPU). Caches arrive flattened over layers,
+[num_layers * num_pages, G, L+R], with block tables already offset to the layer, so no layer slice is copied.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from mla_jax.config import DeepseekConfig
+from mla_jax.metadata import DecodeMetadata, PrefillMetadata
+from mla_jax.mla import up_project_kv
+from pallas_kernels import flash_prefill as fp
+from pallas_kernels import gather_cache as gc
+from pallas_kernels import merge_attn_states as ms
+from pallas_kernels import mla_decode as md
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    mla_decode: Callable[..., Any]  # pallas_kernels.mla_decode signature
+    flash_prefill: Callable[..., Any]  # pallas_kernels.flash_prefill signature
+    gather_cache: Callable[..., Any]  # pallas_kernels.gather_cache signature
+    merge_attn_states: Callable[..., Any]  # pallas_kernels.merge_attn_states signature
+
+
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+@functools.cache
+def get_backend(name: str, *, batch_invariant: bool = False) -> Backend:
+    """"xla" or "pallas" (Pallas kernels run in interpret mode when the default device is a CPU)."""
+    if name == "xla":
+        return Backend("xla", md.mla_decode_reference, fp.flash_prefill_reference,
+                       functools.partial(gc.gather_cache, impl="xla"),
+                       functools.partial(ms.merge_attn_states, impl="xla"))
+    if name == "pallas":
+        interp = _on_cpu()
+        return Backend(
+            "pallas",
+            functools.partial(md.mla_decode, interpret=interp, batch_invariant=batch_invariant),
+            functools.partial(fp.flash_prefill, interpret=interp),
+            # "auto": the Pallas gather and merge on GPU (H200: gather 2.6 vs 2.0 TB/s, merge 4.1 vs 3.9 TB/s,
+            # bench/results/prefill-h200.json), XLA elsewhere.
+            functools.partial(gc.gather_cache, impl="auto"),
+            functools.partial(ms.merge_attn_states, impl="auto"))
+    raise ValueError(f"unknown attention backend {name!r}: choose 'xla' or 'pallas'")
+
+
+def default_backend_name() -> str:
+    return "xla" if _on_cpu() else "pallas"
+
+
+def forward_mqa(backend: Backend, q: jax.Array, kv_cache: jax.Array, kv_scale: jax.Array | None,
+                decode: DecodeMetadata, block_offset: jax.Array, *, scale: float, kv_lora_rank: int
+                ) -> tuple[jax.Array, jax.Array]:
+    """q [Bd, Q, N, L+R] -> (latent [Bd, Q, N, L], lse f32[Bd, Q, N])."""
+    return backend.mla_decode(q, kv_cache, decode.block_table + block_offset, decode.seq_lens, scale=scale,
+                              kv_scale=kv_scale, kv_lora_rank=kv_lora_rank)
+
+
+def forward_mha(backend: Backend, p: dict, cfg: DeepseekConfig, q: jax.Array, kv_c_normed: jax.Array,
+                k_pe: jax.Array, kv_cache: jax.Array, kv_scale: jax.Array | None, prefill: PrefillMetadata,
+                block_offset: jax.Array, *, workspace_rows: int, max_chunks: int) -> jax.Array:
+    """Prefill attention: q [Tp, N, P+R], kv_c_normed [Tp, L], k_pe [Tp, 1, R] of the new tokens -> [Tp, N, V]."""
+    scale = cfg.softmax_scale
+    L = cfg.kv_lora_rank
+    qsl = prefill.query_start_loc
+    k, v = up_project_kv(p, cfg, kv_c_normed, k_pe)  # [Tp, N, P+R], [Tp, N, V]
+    out, lse = backend.flash_prefill(q, k.astype(q.dtype), v.astype(q.dtype), qsl, qsl, causal=True,
+                                     scale=scale)
+    if max_chunks == 0:
+        return out
+    block_table = prefill.block_table + block_offset
+
+    def chunk(c, carry):
+        acc, acc_lse = carry
+        ws = backend.gather_cache(kv_cache, block_table, prefill.chunk_starts[c], prefill.cu_chunk_lens[c],
+                                  workspace_rows=workspace_rows, kv_scale=kv_scale, out_dtype=q.dtype)  # [W, L+R]
+        kc, vc = up_project_kv(p, cfg, ws[:, :L], ws[:, None, L:])  # [W, N, P+R], [W, N, V]
+        o, l = backend.flash_prefill(q, kc.astype(q.dtype), vc.astype(q.dtype), qsl, prefill.cu_chunk_lens[c],
+                                     causal=False, scale=scale)
+        return backend.merge_attn_states(acc, acc_lse, o.astype(jnp.float32), l)
+
+    # Rows without context keep output 0 and LSE -inf, so they weigh nothing in the final merge.
+    init = (jnp.zeros(out.shape, jnp.float32), jnp.full(lse.shape, -jnp.inf, jnp.float32))
+    ctx_out, ctx_lse = jax.lax.fori_loop(0, jnp.minimum(prefill.num_chunks, max_chunks), chunk, init)
+    merged, _ = backend.merge_attn_states(ctx_out, ctx_lse, out.astype(jnp.float32), lse)
+    return merged.astype(out.dtype)
