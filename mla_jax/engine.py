@@ -1,0 +1,295 @@
+"""The engine: jit-compiled steps over static batch shapes, the scheduler, sampling, and `generate`.
+
+Static shapes play the role of vLLM's CUDA graphs. A decode-only step is compiled once per decode bucket
+(default 1, 2, 4, ..., 256 rows); a step with prefills once per (decode bucket, prefill-token bucket). Block
+tables always have the width of `max_model_len`, the context workspace and chunk count are fixed, so nothing
+else varies. Padding rows have seq_len 0 and slot -1: they write nowhere and attend to nothing. The cache is
+donated to every step and updated in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Hashable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mla_jax import attention
+from mla_jax.allocator import PagePool
+from mla_jax.cache import KVCache, init_kv_cache
+from mla_jax.chunking import workspace_rows as default_workspace_rows
+from mla_jax.config import DeepseekConfig
+from mla_jax.metadata import AttentionMetadata, BatchShape, ScheduledRequest, build_metadata
+from mla_jax.model import Params
+from mla_jax.sampling import SamplingArrays, SamplingParams, sample
+from mla_jax.scheduler import Request, Scheduler, Status
+from mla_jax.step import forward_step
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    page_size: int = 64
+    num_pages: int | None = None  # None: enough for max_num_seqs full-length requests (+ the pad page)
+    cache_dtype: str = "bf16"
+    token_budget: int = 2048  # tokens per step (decodes + prefill chunks)
+    max_prefills: int = 4  # prefill requests per step (a static shape)
+    decode_buckets: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to max_num_seqs
+    prefill_buckets: tuple[int, ...] | None = None  # None: 16, 32, ... up to token_budget
+    backend: str | None = None  # None: "pallas" on GPU, "xla" on CPU
+    batch_invariant: bool = False  # decode with one KV split: outputs independent of the batch
+
+    def resolved(self) -> "EngineConfig":
+        pages = self.num_pages or self.max_num_seqs * _cdiv(self.max_model_len, self.page_size) + 1
+        dec = self.decode_buckets or _pow2_buckets(1, self.max_num_seqs)
+        pre = self.prefill_buckets or _pow2_buckets(min(16, self.token_budget), self.token_budget)
+        if max(dec) < self.max_num_seqs:
+            raise ValueError(f"largest decode bucket {max(dec)} < max_num_seqs {self.max_num_seqs}")
+        if max(pre) < self.token_budget:
+            raise ValueError(f"largest prefill bucket {max(pre)} < token_budget {self.token_budget}")
+        return dataclasses.replace(self, num_pages=pages, decode_buckets=tuple(sorted(dec)),
+                                   prefill_buckets=tuple(sorted(pre)),
+                                   backend=self.backend or attention.default_backend_name())
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: Hashable
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool
+    finish_reason: str | None
+    new_token_ids: list[int]  # tokens produced by the last step (for streaming)
+
+
+class CompileCounter:
+    """Counts XLA backend compilations (the role of counting CUDA-graph captures)."""
+
+    def __init__(self):
+        self.count = 0
+        self.seconds = 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, event: str, duration: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+            self.seconds += duration
+
+
+_COUNTER: CompileCounter | None = None
+
+
+def compile_counter() -> CompileCounter:
+    global _COUNTER
+    if _COUNTER is None:
+        _COUNTER = CompileCounter()
+    return _COUNTER
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "batch_invariant"), donate_argnames=("cache",))
+def engine_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: AttentionMetadata,
+                sampling: SamplingArrays, *, backend: str, batch_invariant: bool
+                ) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Forward + sampling: (token ids i32[num_logits], logprobs f32[num_logits], updated cache)."""
+    logits, cache = forward_step(params, cfg, cache, md, backend=backend, batch_invariant=batch_invariant)
+    tokens, logprobs = sample(logits, sampling)
+    return tokens, logprobs, cache
+
+
+class Engine:
+    def __init__(self, params: Params, cfg: DeepseekConfig, config: EngineConfig = EngineConfig()):
+        self.params, self.cfg = params, cfg
+        self.config = c = config.resolved()
+        self.pool = PagePool(c.num_pages, c.page_size)
+        if self.pool.num_usable_pages < _cdiv(c.max_model_len, c.page_size):
+            raise ValueError(f"{c.num_pages} pages of {c.page_size} cannot hold one max_model_len "
+                             f"({c.max_model_len}) request")
+        self.cache = init_kv_cache(cfg.num_hidden_layers, c.num_pages, c.page_size, kv_lora_rank=cfg.kv_lora_rank,
+                                   rope_dim=cfg.qk_rope_head_dim, dtype=c.cache_dtype, allow_any_page_size=True)
+        self.scheduler = Scheduler(self.pool, max_num_seqs=c.max_num_seqs, token_budget=c.token_budget,
+                                   max_prefills=c.max_prefills)
+        self.max_pages = _cdiv(c.max_model_len, c.page_size)
+        self.workspace_rows = default_workspace_rows(c.max_model_len, c.max_prefills, c.page_size)
+        chunk_min = (self.workspace_rows // c.max_prefills) // c.page_size * c.page_size
+        self.max_chunks = _cdiv(c.max_model_len, chunk_min)
+        self._ids = 0
+        self.counter = compile_counter()
+        self.steps = 0
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams(),
+                    request_id: Hashable | None = None) -> Hashable:
+        """Validates and queues a request; a bad one raises ValueError and leaves the engine untouched."""
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("empty prompt")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} out of vocab [0, {self.cfg.vocab_size})")
+        params.validate()
+        if len(prompt) + params.max_new_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt length {len(prompt)} + max_new_tokens {params.max_new_tokens} exceeds "
+                             f"max_model_len {self.config.max_model_len}")
+        if request_id is None:
+            request_id = self._ids
+            self._ids += 1
+        known = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
+        if request_id in known:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.scheduler.add(request_id, prompt, params)
+        return request_id
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- shapes ------------------------------------------------------------------------------------
+    def _bucket(self, n: int, buckets: tuple[int, ...]) -> int:
+        return next(b for b in buckets if b >= n)
+
+    def batch_shape(self, num_decodes: int, num_prefill_tokens: int) -> BatchShape:
+        c = self.config
+        has_prefill = num_prefill_tokens > 0
+        return BatchShape(
+            num_decodes=self._bucket(num_decodes, c.decode_buckets) if num_decodes else 0,
+            decode_query_len=1,
+            num_prefills=c.max_prefills if has_prefill else 0,
+            num_prefill_tokens=self._bucket(num_prefill_tokens, c.prefill_buckets) if has_prefill else 0,
+            max_pages=self.max_pages,
+            workspace_rows=self.workspace_rows if has_prefill else 0,
+            max_chunks=self.max_chunks if has_prefill else 0)
+
+    def _run(self, md: AttentionMetadata, sampling: SamplingArrays):
+        tokens, logprobs, self.cache = engine_step(self.params, self.cfg, self.cache, md.to_device(),
+                                                   jax.tree.map(jnp.asarray, sampling),
+                                                   backend=self.config.backend,
+                                                   batch_invariant=self.config.batch_invariant)
+        return tokens, logprobs
+
+    def warmup(self, prefill: bool = True) -> float:
+        """Compiles every decode bucket (and, with `prefill`, the largest prefill bucket); returns seconds."""
+        t0 = time.perf_counter()
+        for nd in self.config.decode_buckets:
+            self._run_empty(self.batch_shape(nd, 0))
+        if prefill:
+            self._run_empty(self.batch_shape(0, self.config.token_budget))
+        return time.perf_counter() - t0
+
+    def _run_empty(self, shape: BatchShape) -> None:
+        """A step of padding rows only: writes nothing, reads nothing, compiles the shape."""
+        z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
+        from mla_jax.metadata import DecodeMetadata, PrefillMetadata
+        md = AttentionMetadata(
+            input_ids=z(shape.num_tokens), positions=z(shape.num_tokens),
+            slot_mapping=np.full(shape.num_tokens, -1, np.int32), logits_indices=z(shape.num_logits),
+            decode=DecodeMetadata(z(shape.num_decodes, shape.max_pages), z(shape.num_decodes, 1)),
+            prefill=PrefillMetadata(z(shape.num_prefills + 1), z(shape.num_prefills),
+                                    z(shape.num_prefills, shape.max_pages), z(shape.max_chunks, shape.num_prefills),
+                                    z(shape.max_chunks, shape.num_prefills + 1), np.zeros((), np.int32)),
+            shape=shape)
+        jax.block_until_ready(self._run(md, SamplingArrays.build([], [], shape.num_logits)))
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("scheduler made no progress (a request cannot fit in the page pool)")
+            return []
+        reqs = [ScheduledRequest(c.request.all_token_ids[c.start:c.start + c.num_tokens], c.start,
+                                 self.pool.pages(c.request.request_id)) for c in chunks]
+        nd = sum(c.num_tokens == 1 for c in chunks)
+        tp = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        shape = self.batch_shape(nd, tp)
+        md, order = build_metadata(reqs, page_size=self.config.page_size, num_pages=self.config.num_pages,
+                                   workspace_rows=self.workspace_rows, shape=shape)
+        # Logit row of each scheduled chunk: decode b -> row b; prefill s -> row Td + s.
+        rows, params, positions = [], [], []
+        ndec = shape.num_decode_tokens
+        for k, oi in enumerate(order):
+            c = chunks[oi]
+            rows.append(k if k < nd else ndec + (k - nd))
+        sp: list[SamplingParams | None] = [None] * shape.num_logits
+        pos = [0] * shape.num_logits
+        for row, oi in zip(rows, order):
+            c = chunks[oi]
+            if c.samples:
+                sp[row] = c.request.params
+                pos[row] = c.request.num_tokens  # position of the token being sampled
+        tokens, logprobs = self._run(md, SamplingArrays.build(sp, pos, shape.num_logits))
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        self.steps += 1
+        outs = []
+        for row, oi in zip(rows, order):
+            c = chunks[oi]
+            r = c.request
+            r.num_computed_tokens = c.start + c.num_tokens
+            if not c.samples:
+                continue
+            tok = int(tokens[row])
+            r.output_token_ids.append(tok)
+            r.output_logprobs.append(float(logprobs[row]))
+            reason = None
+            if tok in r.params.stop_token_ids:
+                reason = "stop"
+            elif len(r.output_token_ids) >= r.params.max_new_tokens:
+                reason = "length"
+            if reason:
+                self.scheduler.finish(r, reason)
+            outs.append(self._output(r, [tok]))
+        return outs
+
+    def _output(self, r: Request, new: list[int]) -> RequestOutput:
+        return RequestOutput(r.request_id, list(r.output_token_ids),
+                             list(r.output_logprobs) if r.params.logprobs else None,
+                             r.status is Status.FINISHED, r.finish_reason, new)
+
+    def run(self) -> dict[Hashable, RequestOutput]:
+        """Steps until every request finishes; returns the final output of each."""
+        final: dict[Hashable, RequestOutput] = {}
+        while self.has_unfinished:
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return final
+
+
+def generate(params: Params, cfg: DeepseekConfig, prompts: Iterable[Sequence[int]],
+             sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+             config: EngineConfig | None = None) -> list[RequestOutput]:
+    """Generates for every prompt through the paged cache with continuous batching; outputs in prompt order.
+
+    `sampling` is one SamplingParams for all prompts or one per prompt (per-request seeds, stop ids, ...).
+    """
+    prompts = [list(p) for p in prompts]
+    if not isinstance(sampling, SamplingParams):
+        sampling = list(sampling)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"{len(sampling)} SamplingParams for {len(prompts)} prompts")
+    else:
+        sampling = [sampling] * len(prompts)
+    if config is None:
+        longest = max((len(p) + s.max_new_tokens for p, s in zip(prompts, sampling)), default=1)
+        config = EngineConfig(max_model_len=max(64, 1 << (longest - 1).bit_length()),
+                              max_num_seqs=max(1, min(64, 1 << (len(prompts) - 1).bit_length())),
+                              page_size=16, token_budget=512)
+    engine = Engine(params, cfg, config)
+    ids = [engine.add_request(p, s) for p, s in zip(prompts, sampling)]
+    final = engine.run()
+    return [final[i] for i in ids]

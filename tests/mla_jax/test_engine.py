@@ -1,0 +1,134 @@
+"""Engine: static-shape steps (compile counter), scheduler with preemption, sampling, generate, bad requests."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_jax import model
+from mla_jax.engine import Engine, EngineConfig, generate
+from mla_jax.sampling import SamplingParams
+from tests.mla_jax.helpers import paged_config
+
+# fp32 cache: exact comparisons with the full forward (a bf16 cache moves logits by ~1e-2, enough to flip
+# MoE routing of random weights).
+SMALL = dict(max_model_len=64, max_num_seqs=8, page_size=16, token_budget=64, max_prefills=2,
+             prefill_buckets=(16, 32, 64), cache_dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = paged_config(num_hidden_layers=2)
+    params = model.init_params(cfg, jax.random.key(0), std=0.3)
+    return cfg, params
+
+
+def greedy_reference(params, cfg, prompt, n):
+    """Greedy decoding over the full-sequence forward, padded to one length (causal: padding is ignored)."""
+    total = len(prompt) + n
+    ids = np.zeros((1, SMALL["max_model_len"]), np.int32)
+    ids[0, : len(prompt)] = prompt
+    for t in range(len(prompt), total):
+        ids[0, t] = int(jnp.argmax(model.forward(params, cfg, jnp.asarray(ids))[0, t - 1]))
+    return ids[0, len(prompt):total].tolist()
+
+
+def test_generate_greedy_equals_full_forward(tiny):
+    cfg, params = tiny
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 23, 1, 40, 9, 17)]
+    want = [greedy_reference(params, cfg, p, 6) for p in prompts]
+    for kw in (dict(max_num_seqs=2, max_prefills=1), dict(max_num_seqs=8, token_budget=32)):
+        outs = generate(params, cfg, prompts, SamplingParams(max_new_tokens=6), EngineConfig(**{**SMALL, **kw}))
+        assert [o.token_ids for o in outs] == want
+        assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_no_recompiles_after_warmup(tiny):
+    """After warm-up of every decode bucket, 1,000 decode steps whose batch size changes every step compile
+    nothing new."""
+    cfg, params = tiny
+    eng = Engine(params, cfg, EngineConfig(**SMALL))
+    seconds = eng.warmup(prefill=False)
+    print(f"warm-up compile of {len(eng.config.decode_buckets)} decode buckets: {seconds:.1f} s")
+    before = eng.counter.count
+    rng = np.random.default_rng(1)
+    sizes = set()
+    for step in range(1000):
+        # one-token prompts are decodes from their first step; vary the batch every step
+        live = len(eng.scheduler.running) + len(eng.scheduler.waiting)
+        target = int(rng.integers(1, 9))
+        for _ in range(max(0, target - live)):
+            eng.add_request([int(rng.integers(0, cfg.vocab_size))],
+                            SamplingParams(max_new_tokens=int(rng.integers(1, 6))))
+        outs = eng.step()
+        sizes.add(len(outs))
+    assert len(sizes) >= 5
+    assert eng.counter.count == before, f"{eng.counter.count - before} new compilations"
+
+
+def test_sampling_controls(tiny):
+    cfg, params = tiny
+    prompt = list(range(1, 12))
+    greedy = generate(params, cfg, [prompt], SamplingParams(max_new_tokens=8), EngineConfig(**SMALL))[0]
+    for sp in (SamplingParams(temperature=1.5, top_k=1, max_new_tokens=8, seed=3),
+               SamplingParams(temperature=1.5, top_p=1e-6, max_new_tokens=8, seed=4)):
+        assert generate(params, cfg, [prompt], sp, EngineConfig(**SMALL))[0].token_ids == greedy.token_ids
+    hot = [SamplingParams(temperature=2.0, max_new_tokens=8, seed=s, logprobs=True) for s in (1, 1, 2)]
+    a, b, c = generate(params, cfg, [prompt] * 3, hot, EngineConfig(**SMALL))
+    assert a.token_ids == b.token_ids != c.token_ids  # per-request seeds
+    assert a.token_ids != greedy.token_ids
+    # logprobs are those of the raw model distribution at each sampled token
+    ids = np.asarray([prompt + a.token_ids], np.int32)
+    lp = jax.nn.log_softmax(model.forward(params, cfg, jnp.asarray(ids))[0], axis=-1)
+    want = [float(lp[len(prompt) - 1 + t, tok]) for t, tok in enumerate(a.token_ids)]
+    np.testing.assert_allclose(a.logprobs, want, atol=1e-4)
+    # top-k restricts samples to the k most likely tokens
+    k3 = generate(params, cfg, [prompt], SamplingParams(temperature=5.0, top_k=3, max_new_tokens=8, seed=9),
+                  EngineConfig(**SMALL))[0]
+    ids = np.asarray([prompt + k3.token_ids], np.int32)
+    logits = np.asarray(model.forward(params, cfg, jnp.asarray(ids))[0])
+    for t, tok in enumerate(k3.token_ids):
+        assert tok in np.argsort(-logits[len(prompt) - 1 + t])[:3]
+
+
+def test_stop_tokens(tiny):
+    cfg, params = tiny
+    prompt = [3, 1, 4, 1, 5]
+    full = generate(params, cfg, [prompt], SamplingParams(max_new_tokens=10), EngineConfig(**SMALL))[0]
+    stop = full.token_ids[3]
+    first = full.token_ids.index(stop)
+    out = generate(params, cfg, [prompt], SamplingParams(max_new_tokens=10, stop_token_ids=(stop,)),
+                   EngineConfig(**SMALL))[0]
+    assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason == "stop"
+
+
+def test_preemption_keeps_outputs(tiny):
+    cfg, params = tiny
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(10, 30, 6)]
+    sps = [SamplingParams(max_new_tokens=12, temperature=t, seed=i) for i, t in enumerate([0, 1, 0, 1, 0, 1])]
+    roomy = generate(params, cfg, prompts, sps, EngineConfig(**SMALL))
+    eng = Engine(params, cfg, EngineConfig(**{**SMALL, "num_pages": 6}))  # 5 usable pages of 16 tokens
+    ids = [eng.add_request(p, s) for p, s in zip(prompts, sps)]
+    final = eng.run()
+    assert eng.scheduler.num_preemptions > 0
+    assert [final[i].token_ids for i in ids] == [o.token_ids for o in roomy]
+    assert eng.pool.num_free_pages == eng.pool.num_usable_pages
+
+
+@pytest.mark.parametrize("prompt,sp,match", [
+    ([], SamplingParams(), "empty prompt"),
+    ([1, 2, 96], SamplingParams(), "token id 96 out of vocab"),
+    ([1] * 60, SamplingParams(max_new_tokens=8), "exceeds max_model_len"),
+    ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
+    ([1, 2], SamplingParams(top_p=0.0), "top_p"),
+])
+def test_bad_requests_rejected_without_disturbing_others(tiny, prompt, sp, match):
+    cfg, params = tiny
+    eng = Engine(params, cfg, EngineConfig(**SMALL))
+    good = eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=4))
+    eng.step()
+    with pytest.raises(ValueError, match=match):
+        eng.add_request(prompt, sp)
+    final = eng.run()
+    assert final[good].token_ids == greedy_reference(params, cfg, [5, 6, 7], 4)
