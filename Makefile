@@ -20,9 +20,13 @@ demo: $(STAMP)
 	$(VPY) -m mla_jax.demo
 
 # On the GPU machine (its own python3 with jax; nothing to install): correctness checks, then benchmarks.
+# Results go to $OUT (the device tool's output folder) or bench/results.
+RESULTS = $${OUT:-bench/results}
 gpu:
 	JAX_PLATFORMS=cuda,cpu PYTHONPATH=. python3 -m pytest -q -m gpu -p no:cacheprovider tests
-	PYTHONPATH=. python3 bench/decode.py --out $${OUT:-bench/results}
+	PYTHONPATH=. python3 bench/decode.py --out $(RESULTS)
+	PYTHONPATH=. python3 bench/prefill.py --out $(RESULTS)
+	PYTHONPATH=. python3 bench/e2e.py --out $(RESULTS)
 
 clean:
 	rm -rf $(VENV)
