@@ -45,13 +45,13 @@ def weight_bytes(params, cfg: DeepseekConfig, tokens: int) -> float:
     return total - expert_bytes + expert_bytes * hit / E
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--backend", default="pallas")
     ap.add_argument("--layers", type=int, default=27, help="fewer layers for a quick look")
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes: checks the script on a CPU")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     d = {**V2_LITE, "num_hidden_layers": args.layers}
     if args.smoke:

@@ -52,12 +52,160 @@ def _run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-# name, help, add_arguments, run. `generate` and `bench` are added here later.
+GENERATE_EPILOG = """\
+examples:
+  mla-jax generate --model ~/ckpt/v2-lite --prompt "def fibonacci(n):"
+  mla-jax generate --model ~/models/DeepSeek-V2-Lite --prompt "Hello" --temperature 0.7 --top-p 0.9 --seed 1
+  mla-jax generate --model tests/fixtures/hf/v3 --prompt-ids 1,2,3 --max-new-tokens 8
+
+MODEL is a Hugging Face checkpoint directory or one written by `mla-jax convert`; the tokenizer is read from
+its tokenizer.json. Text streams to stdout as it is generated; tokens/s goes to stderr.
+"""
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR", help="HF checkpoint directory or converted orbax one")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (tokenized with DIR/tokenizer.json)")
+    src.add_argument("--prompt-ids", metavar="IDS", help="comma-separated token ids instead of text")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 (default): off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 (default): off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="weight dtype (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--cache-dtype", choices=("bf16", "fp8", "fp32"), default=None,
+                   help="KV cache dtype (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--backend", choices=("xla", "pallas"), default=None,
+                   help="attention backend (default: pallas on GPU, xla on CPU)")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at the model's eos token")
+
+
+def _eos_ids(model_dir: str) -> tuple[int, ...]:
+    import json
+    import os
+
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+    return tuple(dict.fromkeys(ids))
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import os
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from mla_jax.convert import load_model
+    from mla_jax.engine import Engine, EngineConfig
+    from mla_jax.sampling import SamplingParams
+
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32, None: jnp.float32 if on_cpu else jnp.bfloat16}[args.dtype]
+    tok = None
+    tok_path = os.path.join(args.model, "tokenizer.json")
+    if args.prompt is not None:
+        if not os.path.exists(tok_path):
+            print(f"mla-jax generate: error: no tokenizer.json in {args.model}; pass --prompt-ids",
+                  file=sys.stderr)
+            return 2
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(tok_path)
+        prompt = tok.encode(args.prompt).ids
+    else:
+        try:
+            prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            print(f"mla-jax generate: error: --prompt-ids must be comma-separated integers, got "
+                  f"{args.prompt_ids!r}", file=sys.stderr)
+            return 2
+    t0 = time.perf_counter()
+    cfg, params = load_model(args.model, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                        max_new_tokens=args.max_new_tokens, stop_token_ids=() if args.no_stop else _eos_ids(args.model))
+    need = len(prompt) + args.max_new_tokens
+    max_len = max(64, 1 << (need - 1).bit_length())
+    engine = Engine(params, cfg, EngineConfig(
+        max_model_len=max_len, max_num_seqs=1, page_size=16, token_budget=min(max_len, 512), max_prefills=1,
+        cache_dtype=args.cache_dtype or ("fp32" if on_cpu else "bf16"), backend=args.backend))
+    try:
+        rid = engine.add_request(prompt, sp)
+    except ValueError as e:
+        print(f"mla-jax generate: error: {e}", file=sys.stderr)
+        return 2
+    warm_s = engine.warmup(prefill=False)  # the decode step's compile stays out of tokens/s
+    if tok is not None:
+        sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    shown, ids, first = "", [], None
+    t1 = time.perf_counter()
+    while engine.has_unfinished:
+        for o in engine.step():
+            if o.request_id != rid:
+                continue
+            if first is None:
+                first = time.perf_counter()  # prefill and compiles are done
+            ids = o.token_ids
+            if tok is not None:
+                text = tok.decode(ids)
+                if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                    sys.stdout.write(text[len(shown):])
+                    shown = text
+            else:
+                sys.stdout.write(("" if len(ids) == 1 else ",") + ",".join(map(str, o.new_token_ids)))
+            sys.stdout.flush()
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    n = len(ids)
+    rate = (n - 1) / (end - first) if first and n > 1 and end > first else float("nan")
+    print(f"[{n} tokens; {rate:.1f} tokens/s after the first; first token after {first - t1:.2f} s "
+          f"(incl. the prefill compile); decode compile {warm_s:.2f} s; model load {load_s:.2f} s; "
+          f"{jax.default_backend()}, {engine.config.backend} backend]", file=sys.stderr)
+    return 0
+
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="bench/results", help="directory for e2e-h200.json (default bench/results)")
+    p.add_argument("--backend", default="pallas")
+    p.add_argument("--layers", type=int, default=27)
+    p.add_argument("--smoke", action="store_true", help="tiny dims: check the benchmark on a CPU")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import importlib
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.exists(os.path.join(root, "bench", "e2e.py")):
+        print("mla-jax bench: error: bench/e2e.py not found next to the package; run it from a checkout of the "
+              "repository", file=sys.stderr)
+        return 1
+    sys.path.insert(0, root)
+    e2e = importlib.import_module("bench.e2e")
+    argv = ["--out", args.out, "--backend", args.backend, "--layers", str(args.layers)]
+    e2e.main(argv + (["--smoke"] if args.smoke else []))
+    return 0
+
+
+# name, help, add_arguments, run.
 COMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = [
+    ("generate", "generate text with a DeepSeek model, streaming it as it comes", _add_generate, _run_generate),
     ("convert", "convert a Hugging Face DeepSeek V2/V2-Lite/V3 checkpoint into an mla-jax orbax checkpoint",
      _add_convert, _run_convert),
+    ("bench", "run the end-to-end benchmark (a DeepSeek-V2-Lite-shaped model, random weights) on the GPU",
+     _add_bench, _run_bench),
 ]
-EPILOGS = {"convert": CONVERT_EPILOG}
+EPILOGS = {"convert": CONVERT_EPILOG, "generate": GENERATE_EPILOG}
 
 
 def build_parser() -> argparse.ArgumentParser:

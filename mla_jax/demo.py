@@ -1,17 +1,15 @@
-"""`make demo`: greedy generation with a tiny random DeepSeek-V3-shaped model on CPU.
-
-A greedy loop over the full forward: each step recomputes the whole sequence (no cache yet), then prints the
-generated token ids and tokens/s.
-"""
+"""`make demo`: generation with a tiny random DeepSeek-V3-shaped model on CPU through the engine
+(paged latent cache, continuous batching, greedy and sampled requests); prints token ids and tokens/s."""
 from __future__ import annotations
 
 import time
 
 import jax
-import jax.numpy as jnp
 
 from mla_jax import model
 from mla_jax.config import DeepseekConfig
+from mla_jax.engine import Engine, EngineConfig
+from mla_jax.sampling import SamplingParams
 
 TINY_V3 = dict(model_type="deepseek_v3", vocab_size=512, hidden_size=128, num_hidden_layers=4,
                num_attention_heads=8, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
@@ -22,31 +20,29 @@ TINY_V3 = dict(model_type="deepseek_v3", vocab_size=512, hidden_size=128, num_hi
                                  mscale_all_dim=1.0))
 
 
-def greedy(params, cfg: DeepseekConfig, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Causal attention ignores the zero padding after position n-1, so one padded length (one compile)
-    serves every step."""
-    total = len(prompt) + max_new_tokens
-    ids = jnp.zeros((1, total), jnp.int32).at[0, : len(prompt)].set(jnp.asarray(prompt, jnp.int32))
-    for n in range(len(prompt), total):
-        logits = model.forward(params, cfg, ids, attention="absorbed")
-        ids = ids.at[0, n].set(jnp.argmax(logits[0, n - 1]).astype(jnp.int32))
-    return [int(t) for t in ids[0, len(prompt):]]
-
-
 def main() -> None:
     cfg = DeepseekConfig.from_dict(TINY_V3)
     params = model.init_params(cfg, jax.random.key(0), std=0.1)
-    prompt = [1, 17, 42, 7, 99]
-    n = 16
-    greedy(params, cfg, prompt, n)  # compile outside the timing
-    t0 = time.perf_counter()
-    out = greedy(params, cfg, prompt, n)
-    dt = time.perf_counter() - t0
+    prompts = [[1, 17, 42, 7, 99], [5, 4, 3], [250, 251, 252, 253, 254, 255, 256, 257]]
+    sampling = [SamplingParams(max_new_tokens=16),  # greedy
+                SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=1),
+                SamplingParams(max_new_tokens=16, temperature=1.0, top_k=20, seed=2)]
+    config = EngineConfig(max_model_len=64, max_num_seqs=4, page_size=16, token_budget=64, max_prefills=4,
+                          cache_dtype="fp32")
     print(f"model: tiny random DeepSeek-V3 ({cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
-          f"L={cfg.kv_lora_rank}, {cfg.n_routed_experts} experts)")
-    print(f"prompt ids:    {prompt}")
-    print(f"generated ids: {out}")
-    print(f"{n} tokens in {dt:.2f} s: {n / dt:.1f} tokens/s (CPU, full forward per token, no cache yet)")
+          f"L={cfg.kv_lora_rank}, {cfg.n_routed_experts} experts), paged latent cache, {jax.default_backend()}")
+    engine = Engine(params, cfg, config)
+    print(f"warm-up compile of decode buckets {engine.config.decode_buckets}: {engine.warmup(prefill=False):.1f} s")
+    ids = [engine.add_request(p, s) for p, s in zip(prompts, sampling)]
+    t0 = time.perf_counter()
+    final = engine.run()
+    dt = time.perf_counter() - t0
+    n = sum(len(final[i].token_ids) for i in ids)
+    for p, i in zip(prompts, ids):
+        print(f"prompt {p} -> {final[i].token_ids}")
+    print(f"{n} tokens in {dt:.2f} s: {n / dt:.1f} tokens/s ({engine.steps} steps, continuous batching; "
+          "includes the prefill compile)")
+    print("CLI: mla-jax generate --model tests/fixtures/hf/v3 --prompt-ids 1,2,3 --max-new-tokens 16")
 
 
 if __name__ == "__main__":
