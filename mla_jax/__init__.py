@@ -2,7 +2,8 @@
 from mla_jax.checkpoint import load_hf_checkpoint
 from mla_jax.config import ConfigError, DeepseekConfig
 from mla_jax.model import forward, init_params, prepare_params
+from mla_jax.module import MLAAttention
 from mla_jax.safetensors_io import CheckpointError
 
 __all__ = ["DeepseekConfig", "ConfigError", "CheckpointError", "load_hf_checkpoint", "forward", "init_params",
-           "prepare_params"]
+           "prepare_params", "MLAAttention"]
