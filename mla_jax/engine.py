@@ -22,7 +22,8 @@ from mla_jax.allocator import PagePool
 from mla_jax.cache import KVCache, init_kv_cache
 from mla_jax.chunking import workspace_rows as default_workspace_rows
 from mla_jax.config import DeepseekConfig
-from mla_jax.metadata import AttentionMetadata, BatchShape, ScheduledRequest, build_metadata
+from mla_jax.metadata import (AttentionMetadata, BatchShape, DecodeMetadata, PrefillMetadata, ScheduledRequest,
+                              build_metadata)
 from mla_jax.model import Params
 from mla_jax.sampling import SamplingArrays, SamplingParams, sample
 from mla_jax.scheduler import Request, Scheduler, Status
@@ -194,7 +195,6 @@ class Engine:
     def _run_empty(self, shape: BatchShape) -> None:
         """A step of padding rows only: writes nothing, reads nothing, compiles the shape."""
         z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
-        from mla_jax.metadata import DecodeMetadata, PrefillMetadata
         md = AttentionMetadata(
             input_ids=z(shape.num_tokens), positions=z(shape.num_tokens),
             slot_mapping=np.full(shape.num_tokens, -1, np.int32), logits_indices=z(shape.num_logits),
@@ -219,12 +219,8 @@ class Engine:
         shape = self.batch_shape(nd, tp)
         md, order = build_metadata(reqs, page_size=self.config.page_size, num_pages=self.config.num_pages,
                                    workspace_rows=self.workspace_rows, shape=shape)
-        # Logit row of each scheduled chunk: decode b -> row b; prefill s -> row Td + s.
-        rows, params, positions = [], [], []
-        ndec = shape.num_decode_tokens
-        for k, oi in enumerate(order):
-            c = chunks[oi]
-            rows.append(k if k < nd else ndec + (k - nd))
+        # Logit row of each scheduled chunk (in `order`): decode b -> row b; prefill s -> row Td + s.
+        rows = [k if k < nd else shape.num_decode_tokens + (k - nd) for k in range(len(order))]
         sp: list[SamplingParams | None] = [None] * shape.num_logits
         pos = [0] * shape.num_logits
         for row, oi in zip(rows, order):

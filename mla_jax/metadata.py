@@ -177,8 +177,7 @@ def build_metadata(requests: Sequence[ScheduledRequest], *, page_size: int, num_
             if plan.num_chunks > shape.max_chunks:
                 raise MetadataError(f"context needs {plan.num_chunks} chunks but the static shape has "
                                     f"max_chunks={shape.max_chunks}")
-    Bd, Q, Sp, Tp, MP = (shape.num_decodes, shape.decode_query_len, shape.num_prefills,
-                         shape.num_prefill_tokens, shape.max_pages)
+    Bd, Q, Sp, MP = shape.num_decodes, shape.decode_query_len, shape.num_prefills, shape.max_pages
     Td, T = shape.num_decode_tokens, shape.num_tokens
     input_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)

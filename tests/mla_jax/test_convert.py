@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from mla_jax import model
 from mla_jax.checkpoint import build_params, hf_tensor_specs, load_hf_checkpoint
 from mla_jax.config import ConfigError, DeepseekConfig
-from mla_jax.convert import (METADATA, PAUSE_ENV, ConvertError, convert, load_checkpoint, load_model,
+from mla_jax.convert import (PAUSE_ENV, ConvertError, convert, load_checkpoint, load_model,
                              read_metadata)
 from mla_jax.safetensors_io import CheckpointDir, CheckpointError, SafetensorsFile, save_file
 from mla_jax.sharding import param_shardings
