@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[test,notebooks]'
 	touch $(STAMP)
 
-.PHONY: install test demo gpu clean
+.PHONY: install test demo gpu gpu-test gpu-bench-kernels gpu-bench-e2e clean
 install: $(STAMP)
 
 test: $(STAMP)
@@ -20,13 +20,17 @@ demo: $(STAMP)
 	$(VPY) -m mla_jax.demo
 
 # On the GPU machine (its own python3 with jax; nothing to install): correctness checks, then benchmarks.
-# Results go to $OUT (the device tool's output folder) or bench/results.
+# Results go to $OUT (the device tool's output folder) or bench/results. Each target fits one 10-minute call.
 RESULTS = $${OUT:-bench/results}
-gpu:
-	JAX_PLATFORMS=cuda,cpu PYTHONPATH=. python3 -m pytest -q -m gpu -p no:cacheprovider tests
-	PYTHONPATH=. python3 bench/decode.py --out $(RESULTS)
-	PYTHONPATH=. python3 bench/prefill.py --out $(RESULTS)
-	PYTHONPATH=. python3 bench/e2e.py --out $(RESULTS)
+GPU_ENV = JAX_PLATFORMS=cuda,cpu PYTHONPATH=.
+gpu: gpu-test gpu-bench-kernels gpu-bench-e2e
+gpu-test:
+	$(GPU_ENV) python3 -m pytest -q -m gpu -p no:cacheprovider tests
+gpu-bench-kernels:
+	$(GPU_ENV) python3 bench/decode.py --out $(RESULTS)
+	$(GPU_ENV) python3 bench/prefill.py --out $(RESULTS)
+gpu-bench-e2e:
+	$(GPU_ENV) python3 bench/e2e.py --out $(RESULTS)
 
 clean:
 	rm -rf $(VENV)
