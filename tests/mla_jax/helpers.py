@@ -1,5 +1,6 @@
-"""Tiny configs shared by the model tests."""
+"""Tiny configs and checkpoint-editing helpers shared by the model tests."""
 import os
+import shutil
 
 from mla_jax.config import DeepseekConfig
 
@@ -64,3 +65,43 @@ def run_schedule(params, cfg, seqs, schedule, *, page_size, num_pages=64, cache_
         for r, n in step:
             done[r] += n
     return out
+
+
+def copy_fixture(name, tmp_path):
+    """A writable copy of an HF fixture directory."""
+    dst = tmp_path / name
+    shutil.copytree(os.path.join(FIXTURES, name), dst)
+    return dst
+
+
+def read_tensors(d):
+    """Every tensor of a checkpoint directory as a numpy array."""
+    import numpy as np
+
+    from mla_jax.safetensors_io import CheckpointDir
+
+    ck = CheckpointDir(d)
+    return {k: np.array(ck.get(k)) for k in ck.keys()}
+
+
+def rewrite_tensors(d, tensors):
+    """Replace a checkpoint directory's weights by `tensors` in one model.safetensors."""
+    from mla_jax.safetensors_io import save_file
+
+    for f in os.listdir(d):
+        if f.startswith("model") and (f.endswith(".safetensors") or f.endswith(".index.json")):
+            os.remove(os.path.join(d, f))
+    save_file(tensors, os.path.join(d, "model.safetensors"))
+
+
+def assert_same_params(a, b):
+    """Same tree, dtypes, shapes and values (bitwise)."""
+    import jax
+    import numpy as np
+
+    la, ta = jax.tree.flatten_with_path(a)[0], jax.tree.structure(a)
+    lb, tb = jax.tree.flatten_with_path(b)[0], jax.tree.structure(b)
+    assert ta == tb
+    for (path, x), (_, y) in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape, (jax.tree_util.keystr(path), x.dtype, y.dtype)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))

@@ -1,9 +1,7 @@
 """The HF checkpoint loader: layouts (single, sharded, fused experts, FP8 blocks) and errors that name the tensor."""
 import json
 import os
-import shutil
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -11,49 +9,31 @@ import pytest
 
 from mla_jax import model
 from mla_jax.checkpoint import dequantize_fp8_blocks, load_hf_checkpoint
-from mla_jax.safetensors_io import CheckpointDir, CheckpointError, SafetensorsFile, save_file
-from tests.mla_jax.helpers import FIXTURES
+from mla_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
+from tests.mla_jax.helpers import assert_same_params, copy_fixture, read_tensors, rewrite_tensors
 
 
-def _copy(name, tmp_path):
-    dst = tmp_path / name
-    shutil.copytree(os.path.join(FIXTURES, name), dst)
-    return dst
 
 
-def _tensors(d):
-    ck = CheckpointDir(d)
-    return {k: np.array(ck.get(k)) for k in ck.keys()}
 
 
-def _rewrite(d, tensors):
-    for f in os.listdir(d):
-        if f.startswith("model") and (f.endswith(".safetensors") or f.endswith(".index.json")):
-            os.remove(os.path.join(d, f))
-    save_file(tensors, os.path.join(d, "model.safetensors"))
 
 
-def _same_params(a, b):
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_sharded_equals_single_file(tmp_path):
-    d = _copy("v3", tmp_path)
+    d = copy_fixture("v3", tmp_path)
     assert os.path.exists(d / "model.safetensors.index.json")
     cfg, sharded = load_hf_checkpoint(str(d))
-    _rewrite(d, _tensors(d))
+    rewrite_tensors(d, read_tensors(d))
     _, single = load_hf_checkpoint(str(d))
-    _same_params(sharded, single)
+    assert_same_params(sharded, single)
 
 
 def test_fused_expert_layout(tmp_path):
-    d = _copy("v3", tmp_path)
+    d = copy_fixture("v3", tmp_path)
     cfg, want = load_hf_checkpoint(str(d))
-    t = _tensors(d)
+    t = read_tensors(d)
     for layer in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
         m = f"model.layers.{layer}.mlp.experts."
         E = cfg.n_routed_experts
@@ -62,17 +42,17 @@ def test_fused_expert_layout(tmp_path):
         dn = [t.pop(f"{m}{j}.down_proj.weight") for j in range(E)]
         t[m + "gate_up_proj"] = np.concatenate([np.stack(g), np.stack(u)], axis=1)
         t[m + "down_proj"] = np.stack(dn)
-    _rewrite(d, t)
+    rewrite_tensors(d, t)
     _, got = load_hf_checkpoint(str(d))
-    _same_params(want, got)
+    assert_same_params(want, got)
 
 
 def test_bf16_cast_and_mtp_skipped(tmp_path):
-    d = _copy("v2_lite", tmp_path)
+    d = copy_fixture("v2_lite", tmp_path)
     cfg, p32 = load_hf_checkpoint(str(d))
-    t = {k: v.astype(ml_dtypes.bfloat16) for k, v in _tensors(d).items()}
+    t = {k: v.astype(ml_dtypes.bfloat16) for k, v in read_tensors(d).items()}
     t[f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight"] = np.ones((4, 4), ml_dtypes.bfloat16)  # MTP
-    _rewrite(d, t)
+    rewrite_tensors(d, t)
     _, p16 = load_hf_checkpoint(str(d))
     w = p16["model"]["dense_layers"]["self_attn"]["q_proj"]["weight"]
     assert w.dtype == jnp.bfloat16
@@ -99,20 +79,20 @@ def test_fp8_block_dequant_with_partial_blocks():
 
 
 def test_fp8_weights_load(tmp_path):
-    d = _copy("v2_lite", tmp_path)
+    d = copy_fixture("v2_lite", tmp_path)
     cfg, want = load_hf_checkpoint(str(d))
-    t = _tensors(d)
+    t = read_tensors(d)
     name = "model.layers.0.self_attn.q_proj.weight"
     w = t[name]
     q = w.astype(ml_dtypes.float8_e4m3fn)
     t[name] = q
     t[name + "_scale_inv"] = np.ones((-(-w.shape[0] // 128), -(-w.shape[1] // 128)), np.float32)
-    _rewrite(d, t)
+    rewrite_tensors(d, t)
     _, got = load_hf_checkpoint(str(d))
     np.testing.assert_array_equal(np.asarray(got["model"]["dense_layers"]["self_attn"]["q_proj"]["weight"][0]),
                                   q.astype(np.float32))
     del t[name + "_scale_inv"]
-    _rewrite(d, t)
+    rewrite_tensors(d, t)
     with pytest.raises(CheckpointError, match="q_proj.weight_scale_inv"):
         load_hf_checkpoint(str(d))
 
@@ -124,8 +104,8 @@ def test_fp8_weights_load(tmp_path):
     ("dtype", "model.norm.weight' has dtype int32"),
 ])
 def test_bad_tensors_are_named(tmp_path, mutation, match):
-    d = _copy("v2", tmp_path)
-    t = _tensors(d)
+    d = copy_fixture("v2", tmp_path)
+    t = read_tensors(d)
     if mutation == "missing":
         del t["model.layers.1.self_attn.o_proj.weight"]
     elif mutation == "unexpected":
@@ -134,13 +114,13 @@ def test_bad_tensors_are_named(tmp_path, mutation, match):
         t["model.layers.0.self_attn.kv_b_proj.weight"] = np.ones((3, 4), np.float32)
     else:
         t["model.norm.weight"] = np.ones(t["model.norm.weight"].shape, np.int32)
-    _rewrite(d, t)
+    rewrite_tensors(d, t)
     with pytest.raises(CheckpointError, match=match):
         load_hf_checkpoint(str(d))
 
 
 def test_truncated_and_corrupted_files(tmp_path):
-    d = _copy("v2", tmp_path)
+    d = copy_fixture("v2", tmp_path)
     path = d / "model.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) - 1000])
@@ -166,7 +146,7 @@ def test_roundtrip_writer(tmp_path):
 
 
 def test_index_pointing_to_wrong_shard(tmp_path):
-    d = _copy("v3", tmp_path)
+    d = copy_fixture("v3", tmp_path)
     idx = json.loads((d / "model.safetensors.index.json").read_text())
     k = next(iter(idx["weight_map"]))
     shards = sorted(set(idx["weight_map"].values()))

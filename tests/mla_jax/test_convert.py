@@ -28,7 +28,8 @@ from mla_jax.convert import (PAUSE_ENV, ConvertError, convert, load_checkpoint, 
                              read_metadata)
 from mla_jax.safetensors_io import CheckpointDir, CheckpointError, SafetensorsFile, save_file
 from mla_jax.sharding import param_shardings
-from tests.mla_jax.helpers import FIXTURES
+from tests.mla_jax.helpers import (FIXTURES, assert_same_params, copy_fixture, read_tensors,
+                                 rewrite_tensors)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FP8_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hf_fp8")
@@ -37,33 +38,6 @@ E4M3 = ml_dtypes.float8_e4m3fn
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-
-
-def _copy(name, tmp_path):
-    dst = tmp_path / name
-    shutil.copytree(os.path.join(FIXTURES, name), dst)
-    return dst
-
-
-def _tensors(d):
-    ck = CheckpointDir(d)
-    return {k: np.array(ck.get(k)) for k in ck.keys()}
-
-
-def _rewrite(d, tensors):
-    for f in os.listdir(d):
-        if f.startswith("model") and (f.endswith(".safetensors") or f.endswith(".index.json")):
-            os.remove(os.path.join(d, f))
-    save_file(tensors, os.path.join(d, "model.safetensors"))
-
-
-def _assert_same_params(a, b):
-    la, ta = jax.tree.flatten_with_path(a)[0], jax.tree.structure(a)
-    lb, tb = jax.tree.flatten_with_path(b)[0], jax.tree.structure(b)
-    assert ta == tb
-    for (path, x), (_, y) in zip(la, lb):
-        assert x.dtype == y.dtype and x.shape == y.shape, (jax.tree_util.keystr(path), x.dtype, y.dtype)
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
 
 def _prompt(name):
@@ -181,7 +155,7 @@ def test_fixtures_roundtrip_equal_direct_loader(tmp_path, name):
     cfg, got = load_checkpoint(out)
     cfg_direct, want = load_hf_checkpoint(src)
     assert cfg == cfg_direct
-    _assert_same_params(got, want)
+    assert_same_params(got, want)
     ids, hf_logits = _prompt(name)
     a = np.asarray(model.forward(got, cfg, ids)[0])
     b = np.asarray(model.forward(want, cfg, ids)[0])
@@ -207,7 +181,7 @@ def test_fixtures_roundtrip_equal_direct_loader(tmp_path, name):
 
 
 def test_bf16_default_tokenizer_and_load_model(tmp_path):
-    src = _copy("v3", tmp_path)
+    src = copy_fixture("v3", tmp_path)
     (src / "tokenizer.json").write_text('{"version": "1.0"}')
     (src / "tokenizer_config.json").write_text('{"model_max_length": 64}')
     out = str(tmp_path / "out")
@@ -216,31 +190,31 @@ def test_bf16_default_tokenizer_and_load_model(tmp_path):
     assert os.path.exists(os.path.join(out, "tokenizer_config.json"))
     cfg, got = load_model(out)
     _, want = load_hf_checkpoint(str(src), dtype=jnp.bfloat16)
-    _assert_same_params(got, want)
+    assert_same_params(got, want)
     assert got["model"]["moe_layers"]["mlp"]["gate"]["weight"].dtype == jnp.float32  # router stays f32
     # dtype on load casts (here bf16 -> f32: exact); load_model accepts the HF directory too.
     _, up = load_model(out, dtype="fp32")
-    _assert_same_params(up, jax.tree.map(lambda x: x.astype(jnp.float32), want))
+    assert_same_params(up, jax.tree.map(lambda x: x.astype(jnp.float32), want))
     _, hf = load_model(str(src), dtype=jnp.bfloat16)
-    _assert_same_params(hf, want)
+    assert_same_params(hf, want)
 
 
 def test_fused_expert_layout(tmp_path):
-    d = _copy("v3", tmp_path)
+    d = copy_fixture("v3", tmp_path)
     cfg, want = load_hf_checkpoint(str(d))
-    t = _tensors(d)
+    t = read_tensors(d)
     for layer in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
         m = f"model.layers.{layer}.mlp.experts."
         E = cfg.n_routed_experts
         g, u, dn = ([t.pop(f"{m}{j}.{p}.weight") for j in range(E)] for p in ("gate_proj", "up_proj", "down_proj"))
         t[m + "gate_up_proj"] = np.concatenate([np.stack(g), np.stack(u)], axis=1)
         t[m + "down_proj"] = np.stack(dn)
-    _rewrite(d, t)
+    rewrite_tensors(d, t)
     out = str(tmp_path / "out")
     convert(str(d), out, dtype="fp32", **_quiet())
     assert read_metadata(out)["source"]["fused_experts"] is True
     _, got = load_checkpoint(out)
-    _assert_same_params(got, want)
+    assert_same_params(got, want)
 
 
 # ------------------------------------------------------------------------------------------------------ FP8
@@ -275,7 +249,7 @@ def test_fp8_fixture_dequantized_and_kept(tmp_path, capsys):
     assert meta["tensors"]["skipped_mtp"] == len(mtp)
     assert meta["source"]["quantization_config"]["fmt"] == "e4m3"
     _, got = load_checkpoint(out)
-    _assert_same_params(got, _fp8_reference_params(FP8_FIXTURE, cfg, jnp.float32))
+    assert_same_params(got, _fp8_reference_params(FP8_FIXTURE, cfg, jnp.float32))
 
     # Logits stay close to the float v3 model's it was quantized from (e4m3 keeps 3 mantissa bits: measured
     # correlation 0.994, same argmax; a wrong block scale gives ~0). `quantization` does not change the
@@ -299,7 +273,7 @@ def test_fp8_fixture_dequantized_and_kept(tmp_path, capsys):
     _, k32 = load_checkpoint(keep, dtype="fp32")
     _, bf = load_hf_checkpoint(FP8_FIXTURE, dtype=jnp.bfloat16)
     _, kbf = load_checkpoint(keep)
-    _assert_same_params(kbf, bf)
+    assert_same_params(kbf, bf)
     # fp32 restore of the kept fp8 = the fp32 conversion, except leaves stored as bf16 at conversion.
     flat_keep = dict(jax.tree.flatten_with_path(k32)[0])
     for path, x in jax.tree.flatten_with_path(got)[0]:
@@ -333,7 +307,7 @@ def test_fp8_multiblock_partial_edges(tmp_path, fused):
         return ref_dequant(w, t[n + "_scale_inv"]) if w.dtype == E4M3 else w
 
     want = build_params(get, cfg, fused_experts=fused, dtype=jnp.float32)
-    _assert_same_params(got, want)
+    assert_same_params(got, want)
     if fused:  # gate/up split at row 136 inside a 128-row block: the scales cannot be split
         with pytest.raises(ConvertError, match="gate_up_proj': cannot keep fp8 .* row 136"):
             convert(src, str(tmp_path / "keep"), keep_fp8=True, **_quiet())
@@ -380,7 +354,7 @@ def test_restore_on_tensor_parallel_mesh(tmp_path):
     assert m["moe_layers"]["mlp"]["gate"]["weight"].sharding.is_fully_replicated
     w = m["moe_layers"]["mlp"]["experts"]["gate_proj"]["weight"]
     assert w.addressable_shards[0].data.shape == (2, 2, 32, 64)  # [layers, E/4, I, D]
-    _assert_same_params(jax.tree.map(np.asarray, sharded), jax.tree.map(np.asarray, single))
+    assert_same_params(jax.tree.map(np.asarray, sharded), jax.tree.map(np.asarray, single))
     ids, _ = _prompt("v3")
     a = np.asarray(model.forward(single, cfg, ids))
     b = np.asarray(model.forward(sharded, cfg, ids))
@@ -406,7 +380,7 @@ def test_restore_on_tensor_parallel_mesh(tmp_path):
 
 
 def _mutate(d, what):
-    t = _tensors(d)
+    t = read_tensors(d)
     cfgp = os.path.join(d, "config.json")
     cfg = json.loads(open(cfgp).read())
     q = "model.layers.0.self_attn.q_a_proj.weight"
@@ -435,7 +409,7 @@ def _mutate(d, what):
     if what in ("awq", "fmt_e5m2"):
         open(cfgp, "w").write(json.dumps(cfg))
     else:
-        _rewrite(d, t)
+        rewrite_tensors(d, t)
 
 
 @pytest.mark.parametrize("what,error,match", [
@@ -453,7 +427,7 @@ def _mutate(d, what):
     ("fmt_e5m2", ConfigError, "fmt 'e5m2' is not supported"),
 ])
 def test_errors_name_the_tensor_and_leave_nothing(tmp_path, what, error, match):
-    d = _copy("v2", tmp_path)
+    d = copy_fixture("v2", tmp_path)
     _mutate(d, what)
     out = str(tmp_path / "out")
     with pytest.raises(error, match=match):
@@ -462,7 +436,7 @@ def test_errors_name_the_tensor_and_leave_nothing(tmp_path, what, error, match):
 
 
 def test_truncated_and_corrupted_files(tmp_path):
-    d = _copy("v3", tmp_path)
+    d = copy_fixture("v3", tmp_path)
     shard = d / "model-00002-of-00003.safetensors"
     data = shard.read_bytes()
     out = str(tmp_path / "out")
@@ -532,7 +506,7 @@ def test_cli_convert_dry_run_help_and_errors(tmp_path, capsys):
     assert "converting 100.0%" in r.stderr and "/s" in r.stderr and f"wrote {out}" in r.stderr
     _, got = load_model(out)
     _, want = load_hf_checkpoint(os.path.join(FIXTURES, "v2"))
-    _assert_same_params(got, want)
+    assert_same_params(got, want)
 
     r = _cli("convert", os.path.join(FIXTURES, "v2"), out)
     assert r.returncode == 1
@@ -578,7 +552,7 @@ def test_interrupted_conversion_is_never_loadable_and_rerun_replaces_it(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["out"]
     _, got = load_model(str(out))
     _, want = load_hf_checkpoint(src)
-    _assert_same_params(got, want)
+    assert_same_params(got, want)
 
     # Terminating a --force run (SIGTERM unwinds: it removes its own partial directory) leaves the existing
     # checkpoint untouched; so would SIGKILL, as OUT is only swapped once the new one is complete.
@@ -587,7 +561,7 @@ def test_interrupted_conversion_is_never_loadable_and_rerun_replaces_it(tmp_path
     assert read_metadata(str(out))["created"] == created
     assert sorted(os.listdir(tmp_path)) == ["out"]
     _, again = load_model(str(out))
-    _assert_same_params(again, want)
+    assert_same_params(again, want)
     convert(src, str(out), force=True, **_quiet())
     assert sorted(os.listdir(tmp_path)) == ["out"] and read_metadata(str(out))["dtype"] == "bfloat16"
 
