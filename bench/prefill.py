@@ -549,7 +549,7 @@ def main():
   ap.add_argument("--sweep", action="store_true", help="also time tuning variants")
   ap.add_argument("--sweep-budget-s", type=float, default=150.0)
   ap.add_argument("--no-xla", action="store_true", help="skip the XLA attention rows")
-  ap.add_argument("--skip-check", action="store_true", help="skip the GPU correctness checks")
+  ap.add_argument("--no-check", "--skip-check", dest="skip_check", action="store_true", help="skip the GPU correctness checks")
   args = ap.parse_args()
   t_start = time.time()
   log(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
