@@ -19,19 +19,12 @@ import numpy as np
 from bench.common import measure_ceilings, results_header, write_results
 from mla_jax import model
 from mla_jax.cache import KVCache
-from mla_jax.config import DeepseekConfig
+from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
 from mla_jax.engine import Engine, EngineConfig, engine_step
 from mla_jax.metadata import ScheduledRequest, build_metadata
 from mla_jax.sampling import SamplingArrays
 
-V2_LITE = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_hidden_layers=27,
-               num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
-               qk_rope_head_dim=64, v_head_dim=128, intermediate_size=10944, moe_intermediate_size=1408,
-               n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
-               topk_method="greedy", scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
-               max_position_embeddings=163840, rope_scaling=dict(type="yarn", factor=40,
-                                                                 original_max_position_embeddings=4096,
-                                                                 mscale=0.707, mscale_all_dim=0.707))
+V2_LITE = DEEPSEEK_V2_LITE
 
 
 def weight_bytes(params, cfg: DeepseekConfig, tokens: int) -> float:

@@ -43,6 +43,7 @@ def layer_groups(cfg: DeepseekConfig) -> list[tuple[str, int, int]]:
     return [g for g in groups if g[2] > 0]
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "std"))
 def init_params(cfg: DeepseekConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
     """Random params in the HF layout (kv_b_proj included), for tests and benchmarks. Norm weights are
     1 + noise so that a missing norm cannot go unnoticed."""
@@ -91,6 +92,14 @@ def init_params(cfg: DeepseekConfig, key: jax.Array, dtype=jnp.float32, std: flo
     if not cfg.tie_word_embeddings:
         params["lm_head"] = {"weight": w(cfg.vocab_size, D)}
     return prepare_params(params, cfg)
+
+
+def layer_params(params: Params, cfg: DeepseekConfig, i: int) -> Params:
+    """Layer i's params (one slice of its stacked group), e.g. to look at one layer in a notebook."""
+    for name, start, n in layer_groups(cfg):
+        if start <= i < start + n:
+            return jax.tree.map(lambda a: a[i - start], params["model"][name])
+    raise IndexError(f"layer {i} out of range [0, {cfg.num_hidden_layers})")
 
 
 def stack_layers(layers: list[Params]) -> Params:

@@ -3,29 +3,11 @@ import math
 
 import pytest
 
-from mla_jax.config import ConfigError, DeepseekConfig
+from mla_jax.config import DEEPSEEK_V2_LITE, DEEPSEEK_V3, ConfigError, DeepseekConfig
 from tests.mla_jax.helpers import FIXTURES
 
-V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,
-          num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-          qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=18432,
-          moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
-          first_k_dense_replace=3, moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", n_group=8,
-          topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, rms_norm_eps=1e-6, rope_theta=10000,
-          max_position_embeddings=163840, tie_word_embeddings=False, hidden_act="silu",
-          rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
-                            beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
-          quantization_config=dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8",
-                                   weight_block_size=[128, 128]))
-V2_LITE = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_hidden_layers=27,
-               num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
-               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=10944,
-               moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
-               first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy", scoring_func="softmax", n_group=1,
-               topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, rms_norm_eps=1e-6,
-               max_position_embeddings=163840, rope_theta=10000,
-               rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
-                                 beta_slow=1, mscale=0.707, mscale_all_dim=0.707))
+V3 = DEEPSEEK_V3
+V2_LITE = DEEPSEEK_V2_LITE
 
 
 def test_v3_derived_dims_and_scale():
