@@ -1,0 +1,199 @@
+"""Export our params to a Hugging Face DeepSeek-V3 checkpoint directory (the inverse of `checkpoint.py`).
+
+    export_hf(params, cfg, tokenizer, out_dir)
+
+writes config.json (model_type deepseek_v3, architectures ["DeepseekV3ForCausalLM"]), model.safetensors in the
+hub layout (kv_b_proj merged back from W_UK_T / W_UV, layers unstacked to `model.layers.{i}.*`, experts to
+`mlp.experts.{j}.{gate,up,down}_proj.weight`), tokenizer.json and tokenizer_config.json. Weights are stored in
+`dtype` (bf16 by default, as DeepSeek ships them) except `e_score_correction_bias`, which stays float32 as in
+the hub checkpoints. `load_hf_checkpoint(out_dir)` gives back exactly the params cast to those dtypes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from mla_jax.config import DeepseekConfig
+from mla_jax.model import Params, layer_groups
+from mla_jax.safetensors_io import save_file
+
+_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16)}
+_TORCH_NAMES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+
+
+def merge_kv_b_proj(w_uk_t: jnp.ndarray, w_uv: jnp.ndarray) -> jnp.ndarray:
+    """W_UK_T [N, P, L], W_UV [N, L, V] -> kv_b_proj.weight [N*(P+V), L] (per head: k_nope rows, then v rows).
+    Exact inverse of `mla.split_kv_b_proj`."""
+    N, P, L = w_uk_t.shape
+    w = jnp.concatenate([w_uk_t, jnp.swapaxes(w_uv, 1, 2)], axis=1)  # [N, P+V, L]
+    return w.reshape(N * w.shape[1], L)
+
+
+def hf_config_dict(cfg: DeepseekConfig, *, dtype: str = "bf16", bos_token_id: int | None = None,
+                   eos_token_id: int | None = None) -> dict[str, Any]:
+    """config.json for transformers' DeepseekV3ForCausalLM (and our `DeepseekConfig.from_json`)."""
+    if cfg.model_type != "deepseek_v3":
+        raise ValueError(f"export writes DeepSeek-V3 checkpoints; config has model_type {cfg.model_type!r}")
+    if cfg.quantization is not None:
+        raise ValueError("export of fp8-quantized configs is not supported")
+    d: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_attention_heads,
+        "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "n_routed_experts": cfg.n_routed_experts,
+        "n_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "first_k_dense_replace": cfg.first_k_dense_replace,
+        "moe_layer_freq": cfg.moe_layer_freq,
+        "topk_method": cfg.topk_method,
+        "scoring_func": cfg.scoring_func,
+        "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
+        # Our rope rotates interleaved pairs, as DeepSeek's checkpoints are laid out (HF: rope_interleave=True).
+        "rope_interleave": True,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": _TORCH_NAMES[dtype],
+    }
+    rs = cfg.rope_scaling
+    if rs is None:
+        d["rope_scaling"] = None
+    else:
+        d["rope_scaling"] = {"type": "yarn", "factor": rs.factor,
+                             "original_max_position_embeddings": rs.original_max_position_embeddings,
+                             "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow, "mscale": rs.mscale,
+                             "mscale_all_dim": rs.mscale_all_dim}
+    if bos_token_id is not None:
+        d["bos_token_id"] = bos_token_id
+    if eos_token_id is not None:
+        d["eos_token_id"] = eos_token_id
+    return d
+
+
+def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> dict[str, np.ndarray]:
+    """Our (prepared) params -> {HF tensor name: numpy array} in the hub layout, in `hf_tensor_specs` order."""
+    from mla_jax.checkpoint import hf_tensor_specs
+
+    wdt = _DTYPES[dtype]
+    model = params["model"]
+    out: dict[str, np.ndarray] = {}
+
+    def put(name: str, x, keep_f32: bool = False):
+        out[name] = np.asarray(jax.device_get(x), np.float32).astype(np.float32 if keep_f32 else wdt)
+
+    put("model.embed_tokens.weight", model["embed_tokens"]["weight"])
+    for group, start, n in layer_groups(cfg):
+        stacked = model[group]
+        for k in range(n):
+            lp = jax.tree.map(lambda x: x[k], stacked)
+            pre = f"model.layers.{start + k}."
+            put(pre + "input_layernorm.weight", lp["input_layernorm"]["weight"])
+            put(pre + "post_attention_layernorm.weight", lp["post_attention_layernorm"]["weight"])
+            a = lp["self_attn"]
+            for key in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                        "o_proj"):
+                if key in a:
+                    put(pre + f"self_attn.{key}.weight", a[key]["weight"])
+            kv_b = a["kv_b_proj"]["weight"] if "kv_b_proj" in a else merge_kv_b_proj(a["W_UK_T"], a["W_UV"])
+            put(pre + "self_attn.kv_b_proj.weight", kv_b)
+            m = lp["mlp"]
+            if group == "moe_layers":
+                put(pre + "mlp.gate.weight", m["gate"]["weight"])
+                if cfg.topk_method == "noaux_tc":
+                    put(pre + "mlp.gate.e_score_correction_bias", m["gate"]["e_score_correction_bias"],
+                        keep_f32=True)
+                for j in range(cfg.n_routed_experts):
+                    for proj in ("gate_proj", "up_proj", "down_proj"):
+                        put(pre + f"mlp.experts.{j}.{proj}.weight", m["experts"][proj]["weight"][j])
+                if cfg.n_shared_experts:
+                    for proj in ("gate_proj", "up_proj", "down_proj"):
+                        put(pre + f"mlp.shared_experts.{proj}.weight", m["shared_experts"][proj]["weight"])
+            else:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    put(pre + f"mlp.{proj}.weight", m[proj]["weight"])
+    put("model.norm.weight", model["norm"]["weight"])
+    if not cfg.tie_word_embeddings:
+        put("lm_head.weight", params["lm_head"]["weight"])
+    specs = hf_tensor_specs(cfg)
+    if set(specs) != set(out):
+        raise ValueError(f"export produced {sorted(set(out) ^ set(specs))[:3]} not matching the HF layout")
+    for name, shape in specs.items():
+        if out[name].shape != shape:
+            raise ValueError(f"tensor '{name}' has shape {out[name].shape}, expected {shape}")
+    return {name: out[name] for name in specs}
+
+
+def export_hf(params: Params, cfg: DeepseekConfig, tokenizer: Any, out_dir: str | os.PathLike, *,
+              dtype: str = "bf16", eos_token: str | None = "<|endoftext|>", model_max_length: int | None = None,
+              metadata: dict[str, str] | None = None) -> dict[str, int]:
+    """Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json into out_dir (created).
+
+    `tokenizer` is a `tokenizers.Tokenizer`, a path to a tokenizer.json, or its JSON text; `eos_token` (looked up
+    in its vocab) becomes bos/eos_token_id, so `mla-jax generate` stops there. Returns {file: bytes}.
+    """
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    if hasattr(tokenizer, "to_str"):
+        tok_json = tokenizer.to_str()
+    elif isinstance(tokenizer, (str, os.PathLike)) and os.path.exists(tokenizer):
+        with open(tokenizer) as f:
+            tok_json = f.read()
+    elif isinstance(tokenizer, str):
+        tok_json = tokenizer
+    else:
+        raise TypeError(f"tokenizer must be a tokenizers.Tokenizer, a path or JSON text, got {type(tokenizer)}")
+    vocab = json.loads(tok_json)["model"]["vocab"]
+    added = {t["content"]: t["id"] for t in json.loads(tok_json).get("added_tokens", [])}
+    eos_id = None
+    if eos_token is not None:
+        eos_id = added.get(eos_token, vocab.get(eos_token))
+        if eos_id is None:
+            raise ValueError(f"eos token {eos_token!r} is not in the tokenizer")
+    n_tok = max([*vocab.values(), *added.values()]) + 1
+    if n_tok > cfg.vocab_size:
+        raise ValueError(f"tokenizer has {n_tok} ids but the model's vocab_size is {cfg.vocab_size}")
+
+    tensors = hf_tensors(params, cfg, dtype=dtype)
+    meta = {"format": "pt", **(metadata or {})}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata=meta)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg, dtype=dtype, bos_token_id=eos_id, eos_token_id=eos_id), f, indent=2)
+        f.write("\n")
+    with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
+        f.write(tok_json)
+    tcfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                            "add_bos_token": False, "add_eos_token": False}
+    if eos_token is not None:
+        tcfg |= {"bos_token": eos_token, "eos_token": eos_token}
+    if model_max_length:
+        tcfg["model_max_length"] = model_max_length
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(tcfg, f, indent=2)
+        f.write("\n")
+    return {n: os.path.getsize(os.path.join(out_dir, n)) for n in sorted(os.listdir(out_dir))}
