@@ -29,6 +29,7 @@ gpu-test:
 gpu-bench-kernels:
 	$(GPU_ENV) python3 bench/decode.py --out $(RESULTS)
 	$(GPU_ENV) python3 bench/prefill.py --out $(RESULTS)
+	$(GPU_ENV) python3 bench/moe.py --out $(RESULTS)
 gpu-bench-e2e:
 	$(GPU_ENV) python3 bench/e2e.py --out $(RESULTS)
 

@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", default="pallas")
     ap.add_argument("--layers", type=int, default=27, help="fewer layers for a quick look")
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes: checks the script on a CPU")
+    ap.add_argument("--gmm", choices=("ragged_dot", "pallas"), default="ragged_dot",
+                    help="MoE expert matmul (mla_jax.layers.expert_gmm)")
     args = ap.parse_args(argv)
 
     d = {**V2_LITE, "num_hidden_layers": args.layers}
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     res = results_header(ceilings)
     res["model"] = "DeepSeek-V2-Lite shape, random bf16 weights, " + f"{args.layers} layers"
     res["backend"] = args.backend
+    res["gmm_impl"] = args.gmm
     print("ceilings", ceilings, flush=True)
     params = model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
     jax.block_until_ready(params)
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     ec = EngineConfig(max_model_len=max_ctx, max_num_seqs=max(batches), page_size=G,
                       num_pages=max(batches) * (max_ctx // G) + 1, token_budget=S * P, max_prefills=P,
                       decode_buckets=tuple(sorted(set(batches) | {max(batches)})), prefill_buckets=(S * P,),
-                      backend=args.backend)
+                      backend=args.backend, gmm_impl=args.gmm)
     eng = Engine(params, cfg, ec)
     t0 = time.perf_counter()
     eng.warmup(prefill=True)
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
 
             def step(cache):
                 t, _, cache = engine_step(eng.params, cfg, cache, md, sp, backend=args.backend,
-                                          batch_invariant=False)
+                                          batch_invariant=False, gmm_impl=args.gmm)
                 return t, cache
 
             cache = eng.cache
@@ -125,12 +128,14 @@ def main(argv: list[str] | None = None) -> None:
     sp = jax.tree.map(jnp.asarray, SamplingArrays.build([], [], md.shape.num_logits))
     cache = eng.cache
     for _ in range(2):
-        _, _, cache = engine_step(eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False)
+        _, _, cache = engine_step(eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False,
+                                  gmm_impl=args.gmm)
     jax.block_until_ready(cache)
     times = []
     for _ in range(3):
         t1 = time.perf_counter()
-        tok, _, cache = engine_step(eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False)
+        tok, _, cache = engine_step(eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False,
+                                  gmm_impl=args.gmm)
         jax.block_until_ready(tok)
         times.append(time.perf_counter() - t1)
     step_s = float(np.median(times))

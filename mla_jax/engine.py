@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] | None = None  # None: 16, 32, ... up to token_budget
     backend: str | None = None  # None: "pallas" on GPU, "xla" on CPU
     batch_invariant: bool = False  # decode with one KV split: outputs independent of the batch
+    gmm_impl: str = "ragged_dot"  # MoE expert matmul: "ragged_dot" (XLA) or "pallas" (grouped GEMM kernel)
 
     def resolved(self) -> "EngineConfig":
         pages = self.num_pages or self.max_num_seqs * _cdiv(self.max_model_len, self.page_size) + 1
@@ -103,12 +104,14 @@ def compile_counter() -> CompileCounter:
     return _COUNTER
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "batch_invariant"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "batch_invariant", "gmm_impl"),
+                   donate_argnames=("cache",))
 def engine_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: AttentionMetadata,
-                sampling: SamplingArrays, *, backend: str, batch_invariant: bool
+                sampling: SamplingArrays, *, backend: str, batch_invariant: bool, gmm_impl: str = "ragged_dot"
                 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Forward + sampling: (token ids i32[num_logits], logprobs f32[num_logits], updated cache)."""
-    logits, cache = forward_step(params, cfg, cache, md, backend=backend, batch_invariant=batch_invariant)
+    logits, cache = forward_step(params, cfg, cache, md, backend=backend, batch_invariant=batch_invariant,
+                                 gmm_impl=gmm_impl)
     tokens, logprobs = sample(logits, sampling)
     return tokens, logprobs, cache
 
@@ -121,8 +124,7 @@ class Engine:
         if self.pool.num_usable_pages < _cdiv(c.max_model_len, c.page_size):
             raise ValueError(f"{c.num_pages} pages of {c.page_size} cannot hold one max_model_len "
                              f"({c.max_model_len}) request")
-        self.cache = init_kv_cache(cfg.num_hidden_layers, c.num_pages, c.page_size, kv_lora_rank=cfg.kv_lora_rank,
-                                   rope_dim=cfg.qk_rope_head_dim, dtype=c.cache_dtype, allow_any_page_size=True)
+        self.cache = self._init_cache()
         self.scheduler = Scheduler(self.pool, max_num_seqs=c.max_num_seqs, token_budget=c.token_budget,
                                    max_prefills=c.max_prefills)
         self.max_pages = _cdiv(c.max_model_len, c.page_size)
@@ -132,6 +134,12 @@ class Engine:
         self._ids = 0
         self.counter = compile_counter()
         self.steps = 0
+
+    def _init_cache(self) -> KVCache:
+        """The zeroed paged cache (a hook: `mla_jax.parallel.ParallelEngine` places it on a mesh)."""
+        c, cfg = self.config, self.cfg
+        return init_kv_cache(cfg.num_hidden_layers, c.num_pages, c.page_size, kv_lora_rank=cfg.kv_lora_rank,
+                             rope_dim=cfg.qk_rope_head_dim, dtype=c.cache_dtype, allow_any_page_size=True)
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams(),
@@ -180,7 +188,8 @@ class Engine:
         tokens, logprobs, self.cache = engine_step(self.params, self.cfg, self.cache, md.to_device(),
                                                    jax.tree.map(jnp.asarray, sampling),
                                                    backend=self.config.backend,
-                                                   batch_invariant=self.config.batch_invariant)
+                                                   batch_invariant=self.config.batch_invariant,
+                                                   gmm_impl=self.config.gmm_impl)
         return tokens, logprobs
 
     def warmup(self, prefill: bool = True) -> float:
@@ -268,10 +277,12 @@ class Engine:
 
 def generate(params: Params, cfg: DeepseekConfig, prompts: Iterable[Sequence[int]],
              sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-             config: EngineConfig | None = None) -> list[RequestOutput]:
+             config: EngineConfig | None = None, *, make_engine: Callable[..., Engine] | None = None
+             ) -> list[RequestOutput]:
     """Generates for every prompt through the paged cache with continuous batching; outputs in prompt order.
 
     `sampling` is one SamplingParams for all prompts or one per prompt (per-request seeds, stop ids, ...).
+    `make_engine(params, cfg, config)` builds the engine (default `Engine`; e.g. a `mla_jax.parallel` engine).
     """
     prompts = [list(p) for p in prompts]
     if not isinstance(sampling, SamplingParams):
@@ -285,7 +296,7 @@ def generate(params: Params, cfg: DeepseekConfig, prompts: Iterable[Sequence[int
         config = EngineConfig(max_model_len=max(64, 1 << (longest - 1).bit_length()),
                               max_num_seqs=max(1, min(64, 1 << (len(prompts) - 1).bit_length())),
                               page_size=16, token_budget=512)
-    engine = Engine(params, cfg, config)
+    engine = (make_engine or Engine)(params, cfg, config)
     ids = [engine.add_request(p, s) for p, s in zip(prompts, sampling)]
     final = engine.run()
     return [final[i] for i in ids]

@@ -8,6 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from mla_jax.config import DeepseekConfig
+from pallas_kernels import grouped_matmul as gmm_kernel
+
+GMM_IMPLS = ("ragged_dot", "pallas")
 
 
 def rms_norm(p: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -71,11 +74,30 @@ def _mask_groups(scores: jnp.ndarray, group_scores: jnp.ndarray, cfg: DeepseekCo
     return jnp.where(keep, scores, fill)
 
 
-def moe(p: dict, cfg: DeepseekConfig, x: jnp.ndarray) -> jnp.ndarray:
+def expert_gmm(lhs: jnp.ndarray, w: jnp.ndarray, group_sizes: jnp.ndarray, impl: str = "ragged_dot") -> jnp.ndarray:
+    """Grouped matmul of expert-sorted rows: lhs [M, in] x w [E, out, in] (HF layout) -> [M, out].
+
+    Row block e (group_sizes[e] rows) uses expert e; rows past sum(group_sizes) come out 0. "ragged_dot" is
+    `jax.lax.ragged_dot_general` (XLA's GPU lowering may expand it into a dense [E, M, in] problem);
+    "pallas" is `pallas_kernels.grouped_matmul`, which computes each row's own expert only (interpret mode on
+    a CPU).
+    """
+    if impl == "pallas":
+        return gmm_kernel.grouped_matmul(lhs, w, group_sizes, transpose_rhs=True,
+                                         interpret=jax.default_backend() == "cpu")
+    if impl != "ragged_dot":
+        raise ValueError(f"gmm_impl must be one of {GMM_IMPLS}, got {impl!r}")
+    # rhs is [E, out, in] (HF layout): contract lhs dim 1 with rhs dim 2.
+    dn = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(lhs, w, group_sizes, dn)
+
+
+def moe(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, *, gmm_impl: str = "ragged_dot") -> jnp.ndarray:
     """Routed experts + shared experts. x [T, D] -> [T, D].
 
-    Token copies are sorted by expert and run through grouped matmuls (`ragged_dot`), so each expert only
-    computes its own tokens.
+    Token copies are sorted by expert and run through grouped matmuls (`expert_gmm` with `gmm_impl`), so
+    each expert only computes its own tokens.
     """
     T, D = x.shape
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -86,12 +108,9 @@ def moe(p: dict, cfg: DeepseekConfig, x: jnp.ndarray) -> jnp.ndarray:
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E]
     xs = x[token]  # [T*K, D]
     ex = p["experts"]
-    # rhs is [E, out, in] (HF layout): contract lhs dim 1 with rhs dim 2.
-    dn = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
     def gmm(lhs, w):
-        return jax.lax.ragged_dot_general(lhs, w, group_sizes, dn)
+        return expert_gmm(lhs, w, group_sizes, gmm_impl)
 
     h = jax.nn.silu(gmm(xs, ex["gate_proj"]["weight"])) * gmm(xs, ex["up_proj"]["weight"])  # [T*K, I]
     y = gmm(h, ex["down_proj"]["weight"])  # [T*K, D]

@@ -124,8 +124,8 @@ def lm_head_weight(params: Params) -> jnp.ndarray:
     return params["lm_head"]["weight"] if "lm_head" in params else params["model"]["embed_tokens"]["weight"]
 
 
-def ffn(p: Params, cfg: DeepseekConfig, x: jnp.ndarray, is_moe: bool) -> jnp.ndarray:
-    return moe(p, cfg, x) if is_moe else mlp(p, x)
+def ffn(p: Params, cfg: DeepseekConfig, x: jnp.ndarray, is_moe: bool, gmm_impl: str = "ragged_dot") -> jnp.ndarray:
+    return moe(p, cfg, x, gmm_impl=gmm_impl) if is_moe else mlp(p, x)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "scale"))

@@ -49,8 +49,10 @@ def mla_paged(p: dict, cfg: DeepseekConfig, x: jax.Array, md: AttentionMetadata,
 
 
 def forward_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: AttentionMetadata, *,
-                 backend: str = "xla", batch_invariant: bool = False) -> tuple[jax.Array, KVCache]:
-    """One step: (logits f32[num_logits, vocab] at `md.logits_indices`, updated cache)."""
+                 backend: str = "xla", batch_invariant: bool = False, gmm_impl: str = "ragged_dot"
+                 ) -> tuple[jax.Array, KVCache]:
+    """One step: (logits f32[num_logits, vocab] at `md.logits_indices`, updated cache). `gmm_impl` picks the
+    MoE expert matmul (`mla_jax.layers.expert_gmm`)."""
     be = attention.get_backend(backend, batch_invariant=batch_invariant)
     if cache.num_layers != cfg.num_hidden_layers:
         raise ValueError(f"cache has {cache.num_layers} layers, the model {cfg.num_hidden_layers}")
@@ -66,7 +68,8 @@ def forward_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: Attent
             a, cache = mla_paged(p["self_attn"], cfg, rms_norm(p["input_layernorm"], h, cfg.rms_norm_eps), md,
                                  cache, layer, be)
             h = h + a
-            h = h + ffn(p["mlp"], cfg, rms_norm(p["post_attention_layernorm"], h, cfg.rms_norm_eps), is_moe)
+            h = h + ffn(p["mlp"], cfg, rms_norm(p["post_attention_layernorm"], h, cfg.rms_norm_eps), is_moe,
+                        gmm_impl)
             return (h, cache, layer + 1), None
 
         (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(start)), model[name])
@@ -75,8 +78,11 @@ def forward_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: Attent
     return logits, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "batch_invariant"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "batch_invariant", "gmm_impl"),
+                   donate_argnames=("cache",))
 def jit_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: AttentionMetadata, *,
-             backend: str = "xla", batch_invariant: bool = False) -> tuple[jax.Array, KVCache]:
+             backend: str = "xla", batch_invariant: bool = False, gmm_impl: str = "ragged_dot"
+             ) -> tuple[jax.Array, KVCache]:
     """`forward_step` compiled once per (config, backend, BatchShape); the cache is donated (updated in place)."""
-    return forward_step(params, cfg, cache, md, backend=backend, batch_invariant=batch_invariant)
+    return forward_step(params, cfg, cache, md, backend=backend, batch_invariant=batch_invariant,
+                        gmm_impl=gmm_impl)

@@ -80,3 +80,16 @@ def test_moe_matches_dense_reference(case):
     want += (sh["down_proj"]["weight"] @ (_silu(sh["gate_proj"]["weight"] @ x.T) * (sh["up_proj"]["weight"] @ x.T))).T
     got = moe(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p), cfg, jnp.asarray(x))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
+def test_pallas_grouped_matmul_in_moe():
+    """The Pallas grouped GEMM (interpret mode) gives the MoE layer the same result as ragged_dot."""
+    cfg = tiny_config()
+    params = model.init_params(cfg, jax.random.key(9), std=0.3)
+    p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
+    x = jax.random.normal(jax.random.key(10), (21, cfg.hidden_size))
+    want = moe(p, cfg, x, gmm_impl="ragged_dot")
+    got = moe(p, cfg, x, gmm_impl="pallas")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="gmm_impl"):
+        moe(p, cfg, x, gmm_impl="dense")
