@@ -1,21 +1,34 @@
-"""Tensor-parallel layout of the params pytree on a `jax.sharding.Mesh` with an axis named "tp".
+"""Model-parallel layout of the params pytree on a `jax.sharding.Mesh`.
 
-What is split over "tp" (weights in HF [out, in] layout; stacked layers add a leading, unsplit layer axis):
+Mesh axes this module knows: "tp" (tensor parallel), "dcp" (decode context parallel: attention heads are split
+over it too, the latent cache by tokens, see `mla_jax.parallel`) and "ep" (expert parallel only: attention is
+replicated over it). Any other axis (e.g. "dp") replicates. Two groups of axes:
+
+    head axes    ("tp", "dcp") present in the mesh: attention heads
+    model axes   ("ep", "tp", "dcp") present in the mesh: everything else that is split
+
+What is split (weights in HF [out, in] layout; stacked layers add a leading, unsplit layer axis):
 
     attention, by heads     q_b_proj / q_proj rows, W_UK_T [N, P, L] and W_UV [N, L, V] on N, o_proj columns
-    routed experts, on E    experts.{gate,up,down}_proj [E, out, in]
+                            (over the head axes)
+    routed experts          moe="ep": experts.{gate,up,down}_proj [E, out, in] on E;
+                            moe="tp": each expert's intermediate dim (gate/up rows, down columns)
     dense MLP / shared      gate_proj, up_proj rows and down_proj columns (the intermediate dim)
     embedding, lm_head      by vocab (rows)
+    (all of these over the model axes)
 
 Everything else is replicated: norms, q_a_proj, kv_a_proj_with_mqa (the latent is shared by all heads), the
-router (gate.weight, e_score_correction_bias). Other mesh axes (e.g. "dp") replicate.
+router (gate.weight, e_score_correction_bias). On a mesh whose only model axis is "tp" this is the plain
+tensor-parallel layout (head and model axes are both "tp").
 
-Divisibility rule: a tensor is split only when its *unit count* is divisible by the "tp" size (heads N for the
-attention tensors, so a head is never cut in two; E for experts; the intermediate size for MLPs; vocab for
-embed/lm_head). Otherwise that tensor is replicated, so any mesh works and only memory/speed changes.
+Divisibility rule: a tensor is split only when its *unit count* is divisible by the size of its axes (heads N
+for the attention tensors, so a head is never cut in two; E or the expert intermediate size for experts; the
+intermediate size for MLPs; vocab for embed/lm_head). Otherwise that tensor is replicated, so any mesh works and
+only memory/speed changes (for checkpoint restore; `mla_jax.parallel` requires the heads and experts to divide).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -24,6 +37,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mla_jax.config import DeepseekConfig
 
 TP = "tp"
+DCP = "dcp"
+EP = "ep"
+HEAD_AXES = (TP, DCP)
+MODEL_AXES = (EP, TP, DCP)
+MOE_MODES = ("ep", "tp")
 _STACKS = ("dense_layers", "moe_layers")
 
 
@@ -31,9 +49,21 @@ def _key(k: Any) -> str:
     return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
 
 
-def param_spec(path: tuple[str, ...], ndim: int, cfg: DeepseekConfig, tp: int) -> PartitionSpec:
-    """The PartitionSpec of one leaf, from its path in the params pytree (e.g. ("model", "moe_layers",
-    "self_attn", "W_UK_T")) and rank."""
+def mesh_axes(mesh: Mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(head axes, model axes) of `mesh`, each in the fixed order above (the order devices are numbered in)."""
+    names = mesh.axis_names
+    return tuple(a for a in HEAD_AXES if a in names), tuple(a for a in MODEL_AXES if a in names)
+
+
+def axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    """A PartitionSpec entry for a group of axes ("tp" rather than ("tp",), None for no axes)."""
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _spec(path: tuple[str, ...], ndim: int, cfg: DeepseekConfig, heads: tuple[Any, int], model: tuple[Any, int],
+          moe: str) -> PartitionSpec:
     stacked = len(path) > 2 and path[0] == "model" and path[1] in _STACKS
     rel = path[2:] if stacked else path
     lead = 1 if stacked else 0
@@ -42,15 +72,19 @@ def param_spec(path: tuple[str, ...], ndim: int, cfg: DeepseekConfig, tp: int) -
     inter = cfg.intermediate_size
     shared = cfg.moe_intermediate_size * cfg.n_shared_experts
 
-    axis, units = None, 0
+    group, axis, units = model, None, 0
     if name in ("model/embed_tokens/weight", "lm_head/weight"):
         axis, units = 0, V
     elif name in ("self_attn/q_b_proj/weight", "self_attn/q_proj/weight", "self_attn/W_UK_T", "self_attn/W_UV"):
-        axis, units = 0, N
+        group, axis, units = heads, 0, N
     elif name == "self_attn/o_proj/weight":
-        axis, units = 1, N
+        group, axis, units = heads, 1, N
     elif name.startswith("mlp/experts/"):
-        axis, units = 0, E
+        if moe == "ep":
+            axis, units = 0, E
+        else:  # the intermediate dim: [E, I, D] rows of gate/up, [E, D, I] columns of down
+            axis = 2 if name.startswith("mlp/experts/down_proj") else 1
+            units = cfg.moe_intermediate_size
     elif name in ("mlp/gate_proj/weight", "mlp/up_proj/weight"):
         axis, units = 0, inter
     elif name == "mlp/down_proj/weight":
@@ -59,25 +93,37 @@ def param_spec(path: tuple[str, ...], ndim: int, cfg: DeepseekConfig, tp: int) -
         axis, units = 0, shared
     elif name == "mlp/shared_experts/down_proj/weight":
         axis, units = 1, shared
+    entry, size = group
     spec = [None] * ndim
-    if axis is not None and tp > 1 and units and units % tp == 0 and lead + axis < ndim:
-        spec[lead + axis] = TP
+    if axis is not None and entry is not None and size > 1 and units and units % size == 0 and lead + axis < ndim:
+        spec[lead + axis] = entry
     return PartitionSpec(*spec)
 
 
-def param_shardings(params_or_abstract: Any, cfg: DeepseekConfig, mesh: Mesh) -> Any:
+def param_spec(path: tuple[str, ...], ndim: int, cfg: DeepseekConfig, tp: int) -> PartitionSpec:
+    """The PartitionSpec of one leaf on a plain "tp" mesh of size `tp`, from its path in the params pytree (e.g.
+    ("model", "moe_layers", "self_attn", "W_UK_T")) and rank."""
+    return _spec(path, ndim, cfg, (TP, tp), (TP, tp), "ep")
+
+
+def param_shardings(params_or_abstract: Any, cfg: DeepseekConfig, mesh: Mesh, *, moe: str = "ep") -> Any:
     """A pytree of NamedSharding matching `params_or_abstract` (arrays or jax.ShapeDtypeStruct leaves)."""
-    if TP not in mesh.axis_names:
-        raise ValueError(f"mesh axes {mesh.axis_names} have no '{TP}' axis for tensor parallelism")
-    tp = mesh.shape[TP]
+    if moe not in MOE_MODES:
+        raise ValueError(f"moe must be one of {MOE_MODES}, got {moe!r}")
+    head_axes, model_axes = mesh_axes(mesh)
+    if not model_axes:
+        raise ValueError(f"mesh axes {mesh.axis_names} have no '{TP}' axis (nor '{DCP}' or '{EP}') for model "
+                         "parallelism")
+    heads = (axes_entry(head_axes), math.prod(mesh.shape[a] for a in head_axes))
+    model = (axes_entry(model_axes), math.prod(mesh.shape[a] for a in model_axes))
 
     def one(path, leaf):
         keys = tuple(_key(k) for k in path)
-        return NamedSharding(mesh, param_spec(keys, len(leaf.shape), cfg, tp))
+        return NamedSharding(mesh, _spec(keys, len(leaf.shape), cfg, heads, model, moe))
 
     return jax.tree_util.tree_map_with_path(one, params_or_abstract)
 
 
-def shard_params(params: Any, cfg: DeepseekConfig, mesh: Mesh) -> Any:
-    """Place (or re-place) params onto `mesh` with the tensor-parallel layout."""
-    return jax.device_put(params, param_shardings(params, cfg, mesh))
+def shard_params(params: Any, cfg: DeepseekConfig, mesh: Mesh, *, moe: str = "ep") -> Any:
+    """Place (or re-place) params onto `mesh` with the model-parallel layout."""
+    return jax.device_put(params, param_shardings(params, cfg, mesh, moe=moe))
