@@ -1,12 +1,16 @@
-"""Benchmark of the Pallas paged latent-MQA decode kernel (pallas_kernels/mla_decode.py) on one GPU.
+"""Benchmark of the Pallas paged latent-MQA decode kernels on one GPU: the Triton-lowered
+pallas_kernels/mla_decode.py (rows "pallas") and, on Hopper, the Mosaic GPU pallas_kernels/mla_decode_sm90.py
+(rows "pallas_sm90"), side by side on the same inputs.
 
-    PYTHONPATH=. python3 bench/decode.py --out DIR [--sweep] [--quick]
+    PYTHONPATH=. python3 bench/decode.py --out DIR [--sweep] [--quick] [--kernels pallas,pallas_sm90]
 
-(a) checks the kernel against the float32 reference on fresh random inputs with NaN-poisoned unused
-    pages (exits 1 on any mismatch), (b) measures the copy/matmul ceilings, (c) times the kernel (bf16
-    and fp8 caches, page 64) and the XLA backend (the reference under jit, bf16) on the project's decode
-    shapes and writes DIR/decode-h200.json; (d) with --sweep also times tuning variants per shape
-    (block_h, block_kv, num_warps, num_stages, num_kv_splits) into DIR/decode-sweep.json.
+(a) checks the kernels against the float32 reference on fresh random inputs with NaN-poisoned unused
+    pages (exits 1 on any mismatch of the Triton kernel; an sm90 mismatch is logged, recorded under
+    "checks" and its timing rows are skipped), (b) measures the copy/matmul ceilings, (c) times the
+    kernels (bf16 and fp8 caches, page 64) and the XLA backend (the reference under jit, bf16) on the
+    project's decode shapes and writes DIR/decode-h200.json; (d) with --sweep also times tuning variants
+    per shape (Triton: block_h, block_kv, num_warps, num_stages, num_kv_splits; sm90: num_kv_splits,
+    num_stages, fp8_compute) into DIR/decode-sweep.json.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench import common  # noqa: E402
 from pallas_kernels import mla_decode as md  # noqa: E402
+from pallas_kernels import mla_decode_sm90 as k90  # noqa: E402
 
 L, R = 512, 64
 PAGE = 64
@@ -98,9 +103,10 @@ def poisoned_inputs(seed, b, nq, n, g, max_pages, lens, dtype, *, causal):
   return q, cache, jnp.asarray(bt), jnp.asarray(seq_lens), kv_scale
 
 
-def check_correctness() -> bool:
+def check_correctness(decode=None, cases=None) -> bool:
   """Kernel vs float32 reference on the GPU (bf16 and fp8, splits, causal Q>1, ragged, empty)."""
-  cases = [  # (b, nq, n, g, max_pages, lens, dtype, causal, kwargs)
+  decode = decode or md.mla_decode
+  cases = cases or [  # (b, nq, n, g, max_pages, lens, dtype, causal, kwargs)
       (4, 1, 16, 64, 40, [2500, 1, 0, 777], "bf16", False, {}),
       (4, 1, 16, 64, 40, [2500, 1, 0, 777], "fp8", False, {}),
       (3, 1, 128, 64, 20, [1200, 64, 999], "bf16", False, {}),
@@ -112,7 +118,7 @@ def check_correctness() -> bool:
   for i, (b, nq, n, g, mp, lens, dtype, causal, kw) in enumerate(cases):
     q, cache, bt, sl, ks = poisoned_inputs(100 + i, b, nq, n, g, mp, lens, dtype, causal=causal)
     try:
-      out, lse = md.mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **kw)
+      out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **kw)
       ref, ref_lse = md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
       out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
       lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
@@ -133,6 +139,21 @@ def check_correctness() -> bool:
   return ok
 
 
+SM90_CASES = [  # the sm90 kernel: page 64 only (b, nq, n, g, max_pages, lens, dtype, causal, kwargs)
+    (4, 1, 16, 64, 40, [2500, 1, 0, 777], "bf16", False, {}),
+    (4, 1, 16, 64, 40, [2500, 1, 0, 777], "fp8", False, {}),
+    (4, 1, 16, 64, 40, [2500, 1, 0, 777], "fp8", False, {"fp8_compute": "float16"}),
+    (3, 1, 128, 64, 20, [1200, 64, 999], "bf16", False, {}),
+    (3, 2, 64, 64, 20, [1200, 64, 999], "fp8", True, {}),
+    (2, 3, 16, 64, 24, [1500, 300], "bf16", False, {"num_kv_splits": 5}),
+    (2, 4, 32, 64, 16, [1000, 17], "bf16", True, {"batch_invariant": True}),
+    (1, 1, 128, 64, 512, [32768], "bf16", False, {}),
+    (5, 1, 16, 64, 160, [10000, 3, 0, 700, 64], "bf16", False, {"schedule": "worklist"}),
+    (3, 2, 64, 64, 80, [5000, 100, 1], "fp8", True, {"schedule": "worklist"}),
+    (1, 1, 128, 64, 512, [32768], "bf16", False, {"schedule": "worklist"}),
+]
+
+
 # ----------------------------------------------------------------------------------------------
 # Timing.
 
@@ -150,6 +171,25 @@ def kernel_fn(**tuning):
   def f(q, cache, bt, sl, ks):
     return md.mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **tuning)
   return jax.jit(f)
+
+
+def sm90_fn(**tuning):
+  def f(q, cache, bt, sl, ks):
+    return k90.mla_decode_sm90(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **tuning)
+  return jax.jit(f)
+
+
+def sm90_splits(b, n, ctx):
+  return k90.choose_num_kv_splits_sm90(b, -(-n // k90.TILE_M), -(-ctx // PAGE), md.num_sms())
+
+
+def sm90_sweep_variants(dtype, splits):
+  variants = [{"num_kv_splits": s} for s in (splits * 2, max(1, splits // 2))
+              if s != splits and s <= 2 * 132]
+  variants.append({"num_stages": 1} if dtype == "bf16" else {"fp8_compute": "float16"})
+  if dtype == "fp8":
+    variants.append({"fp8_stages": 1})
+  return variants
 
 
 def stage1_fn(**tuning):
@@ -219,20 +259,38 @@ def main():
   ap.add_argument("--no-check", action="store_true", help="skip the correctness check (tuning runs)")
   ap.add_argument("--sweep-budget-s", type=float, default=180.0,
                   help="sweep time over all shapes (split evenly; later variants are skipped)")
+  ap.add_argument("--kernels", default="pallas,pallas_sm90",
+                  help="Pallas kernels to time: pallas (Triton) and/or pallas_sm90 (Hopper only)")
   args = ap.parse_args()
   t_start = time.time()
   dev = jax.devices()[0]
   log(f"device: {dev.device_kind}, SMs: {md.num_sms()}, jax {jax.__version__}")
+  kernels = args.kernels.split(",")
+  run_triton = "pallas" in kernels
+  run_sm90 = "pallas_sm90" in kernels and k90.is_sm90(dev)
+  if "pallas_sm90" in kernels and not run_sm90:
+    log(f"pallas_sm90: skipped, needs compute capability 9.x "
+        f"(got {getattr(dev, 'compute_capability', None)})")
+  checks = {}
 
   if not args.no_check:
-    ok = check_correctness()
-    log(f"correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
-    if not ok:
-      sys.exit(1)
+    if run_triton:
+      ok = check_correctness()
+      checks["pallas"] = "PASS" if ok else "FAIL"
+      log(f"correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
+      if not ok:
+        sys.exit(1)
+    if run_sm90:
+      ok = check_correctness(k90.mla_decode_sm90, SM90_CASES)
+      checks["pallas_sm90"] = "PASS" if ok else "FAIL"
+      log(f"correctness pallas_sm90: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
+      run_sm90 = ok  # time only a kernel that computes the right thing
 
   ceil = common.measure_ceilings()
   log(f"ceilings: {ceil}")
   results = common.results_header(ceil)
+  if checks:
+    results["checks"] = checks
   sweep = common.results_header(ceil)
   shapes = SHAPES[:1] + SHAPES[4:5] if args.quick else SHAPES
   if args.shapes:
@@ -243,20 +301,42 @@ def main():
     for dtype in dtypes:
       sets = arg_sets_for(b, n, ctx, dtype)
       splits = md.choose_num_kv_splits(b, n, ctx, md.num_sms())
-      try:
-        us = timed(kernel_fn(), sets, 20, 7)
-        results["rows"].append(row_for("pallas", b, n, ctx, dtype, us, ceil, num_kv_splits=splits))
-        log(f"pallas {dtype} B={b} N={n} ctx={ctx}: {us:.1f} us (splits={splits}) "
-            f"{results['rows'][-1]['TBps']} TB/s {results['rows'][-1]['TFLOPs']} TFLOP/s")
-      except Exception as e:  # noqa: BLE001
-        log(f"pallas {dtype} B={b} N={n} ctx={ctx}: ERROR {type(e).__name__}: {str(e)[:400]}")
-        results["rows"].append({"kernel": "pallas", "B": b, "N": n, "ctx": ctx, "page": PAGE,
-                                "dtype": dtype, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+      timed_kernels = []  # (kernel, jitted fn, extra row fields)
+      if run_triton:
+        timed_kernels.append(("pallas", kernel_fn(), {"num_kv_splits": splits}))
+      if run_sm90:  # both schedules of the sm90 kernel (static splits; on-device work list)
+        timed_kernels.append(("pallas_sm90", sm90_fn(),
+                              {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx)}))
+        timed_kernels.append(("pallas_sm90", sm90_fn(schedule="worklist"),
+                              {"schedule": "worklist"}))
+      for name, fn, extra in timed_kernels:
+        try:
+          us = timed(fn, sets, 20, 7)
+          results["rows"].append(row_for(name, b, n, ctx, dtype, us, ceil, **extra))
+          log(f"{name} {dtype} B={b} N={n} ctx={ctx}: {us:.1f} us {extra} "
+              f"{results['rows'][-1]['TBps']} TB/s {results['rows'][-1]['TFLOPs']} TFLOP/s")
+        except Exception as e:  # noqa: BLE001
+          log(f"{name} {dtype} B={b} N={n} ctx={ctx} {extra}: ERROR {type(e).__name__}: "
+              f"{str(e)[:400]}")
+          results["rows"].append({"kernel": name, "B": b, "N": n, "ctx": ctx, "page": PAGE,
+                                  "dtype": dtype, **extra,
+                                  "error": f"{type(e).__name__}: {str(e)[:400]}"})
       if dtype == "bf16" and not args.quick:
         us = timed(xla_fn(), sets, 5, 3)
         results["rows"].append(row_for("xla", b, n, ctx, dtype, us, ceil))
         log(f"xla    {dtype} B={b} N={n} ctx={ctx}: {us:.1f} us")
-      if args.sweep and not args.quick:
+      if args.sweep and not args.quick and run_sm90:
+        srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype, "kernel": "pallas_sm90"}
+        for v in sm90_sweep_variants(dtype, sm90_splits(b, n, ctx)):
+          t0 = time.time()
+          try:
+            us = timed(sm90_fn(**v), sets, 10, 3)
+            sweep["rows"].append(row_for("pallas_sm90", b, n, ctx, dtype, us, ceil, variant=v,
+                                         compile_and_time_s=round(time.time() - t0, 1)))
+          except Exception as e:  # noqa: BLE001
+            sweep["rows"].append({**srow, "variant": v,
+                                  "error": f"{type(e).__name__}: {str(e)[-300:]}"})
+      if args.sweep and not args.quick and run_triton:
         srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype}
         try:
           us = timed(stage1_fn(), sets, 10, 3)
@@ -284,12 +364,13 @@ def main():
     if args.sweep:
       common.write_results(os.path.join(args.out, "decode-sweep.json"), sweep)
 
-  log("\n kernel  dtype    B    N    ctx       us   TB/s  TFLOP/s  frac_copy  frac_mm")
+  log("\n kernel               dtype    B    N    ctx       us   TB/s  TFLOP/s  frac_copy  frac_mm")
   for r in results["rows"]:
+    kname = r["kernel"] + (f"/{r['schedule']}" if "schedule" in r else "")
     if "error" in r:
-      log(f" {r['kernel']:7s} {r['dtype']:5s} {r['B']:4d} {r['N']:4d} {r['ctx']:6d}  ERROR")
+      log(f" {kname:20s} {r['dtype']:5s} {r['B']:4d} {r['N']:4d} {r['ctx']:6d}  ERROR")
       continue
-    log(f" {r['kernel']:7s} {r['dtype']:5s} {r['B']:4d} {r['N']:4d} {r['ctx']:6d} {r['us']:8.1f} "
+    log(f" {kname:20s} {r['dtype']:5s} {r['B']:4d} {r['N']:4d} {r['ctx']:6d} {r['us']:8.1f} "
         f"{r['TBps']:6.2f} {r['TFLOPs']:8.1f} {r['frac_copy']:10.3f} {r['frac_matmul']:8.3f}")
   if args.sweep:
     log("\n best sweep variant per shape (us; default first):")
@@ -297,6 +378,9 @@ def main():
     for r in sweep["rows"]:
       groups.setdefault((r["B"], r["N"], r["ctx"], r["dtype"]), []).append(r)
     for key, rows in groups.items():
+      for r in rows:
+        if r["kernel"] == "pallas_sm90" and "us" in r:
+          log(f" {key} pallas_sm90 {r['variant']}: {r['us']:.1f}")
       timed_rows = [r for r in rows if "us" in r and r["kernel"] == "pallas"]
       s1 = [r for r in rows if r["kernel"] == "pallas_stage1" and "us" in r]
       if not timed_rows:

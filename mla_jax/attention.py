@@ -6,8 +6,9 @@
   own latents), plus the context already in the cache, gathered chunk by chunk into a workspace of W rows,
   up-projected there and attended non-causally; all parts merged through their LSEs.
 
-A backend is a set of array functions picked by name: "xla" (plain-JAX references, runs anywhere) or
-"pallas" (the Pallas kernels; interpret mode on CPU). Caches arrive flattened over layers,
+A backend is a set of array functions picked by name: "xla" (plain-JAX references, runs anywhere),
+"pallas" (the Pallas kernels; interpret mode on CPU) or "pallas_sm90" ("pallas" with decode through the
+Hopper Mosaic GPU kernel where it applies, page size 64). Caches arrive flattened over layers,
 [num_layers * num_pages, G, L+R], with block tables already offset to the layer, so no layer slice is copied.
 """
 from __future__ import annotations
@@ -26,6 +27,11 @@ from pallas_kernels import flash_prefill as fp
 from pallas_kernels import gather_cache as gc
 from pallas_kernels import merge_attn_states as ms
 from pallas_kernels import mla_decode as md
+from pallas_kernels import mla_decode_sm90 as md90
+
+# The Hopper decode kernel becomes the default on compute capability 9.x once its GPU checks pass
+# (tests -m gpu, bench/decode.py); until then "pallas" (Triton-lowered, portable) stays the default.
+SM90_DECODE_VERIFIED = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,21 +54,33 @@ def get_backend(name: str, *, batch_invariant: bool = False) -> Backend:
         return Backend("xla", md.mla_decode_reference, fp.flash_prefill_reference,
                        functools.partial(gc.gather_cache, impl="xla"),
                        functools.partial(ms.merge_attn_states, impl="xla"))
-    if name == "pallas":
+    if name in ("pallas", "pallas_sm90"):
         interp = _on_cpu()
+        decode = functools.partial(md.mla_decode, interpret=interp, batch_invariant=batch_invariant)
+        if name == "pallas_sm90":
+            decode = functools.partial(_sm90_decode, decode, interpret=interp, batch_invariant=batch_invariant)
         return Backend(
-            "pallas",
-            functools.partial(md.mla_decode, interpret=interp, batch_invariant=batch_invariant),
+            name,
+            decode,
             functools.partial(fp.flash_prefill, interpret=interp),
             # "auto": the Pallas gather and merge on GPU (H200: gather 2.6 vs 2.0 TB/s, merge 4.1 vs 3.9 TB/s,
             # bench/results/prefill-h200.json), XLA elsewhere.
             functools.partial(gc.gather_cache, impl="auto"),
             functools.partial(ms.merge_attn_states, impl="auto"))
-    raise ValueError(f"unknown attention backend {name!r}: choose 'xla' or 'pallas'")
+    raise ValueError(f"unknown attention backend {name!r}: choose 'xla', 'pallas' or 'pallas_sm90'")
+
+
+def _sm90_decode(fallback, q, cache, *args, interpret, batch_invariant, **kw):
+    """The Hopper kernel where it applies (static shapes/dtypes), else the portable one."""
+    if md90.unsupported_reason(q, cache, kw.get("kv_lora_rank", 512)) is not None:
+        return fallback(q, cache, *args, **kw)
+    return md90.mla_decode_sm90(q, cache, *args, interpret=interpret, batch_invariant=batch_invariant, **kw)
 
 
 def default_backend_name() -> str:
-    return "xla" if _on_cpu() else "pallas"
+    if _on_cpu():
+        return "xla"
+    return "pallas_sm90" if SM90_DECODE_VERIFIED and md90.is_sm90() else "pallas"
 
 
 def forward_mqa(backend: Backend, q: jax.Array, kv_cache: jax.Array, kv_scale: jax.Array | None,

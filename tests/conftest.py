@@ -3,6 +3,9 @@ import os
 # Tests run on CPU in float32 with exact matmuls; 8 virtual devices for sharding tests.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The Mosaic GPU interpreter runs each of a kernel's 3 warpgroups as an XLA CPU program blocking on barriers:
+# it needs >= 3 XLA CPU workers (one per core by default, 2 on CI). Read when the CPU client starts.
+os.environ.setdefault("NPROC", "8")
 
 import jax  # noqa: E402
 

@@ -1,0 +1,783 @@
+"""Paged latent-MQA decode attention for MLA on Hopper (sm_90): a Mosaic GPU kernel (TMA + wgmma).
+
+Same API and outputs as `pallas_kernels.mla_decode.mla_decode` (the Triton-lowered, portable
+kernel); its float32 reference `mla_decode_reference` is this kernel's reference too.
+
+Shape legend: B requests, Q query tokens per request, N heads, L kv_lora_rank (512), R rope dim
+(64), G page size (64), T head tiles per request, M = Q*N rows folded into the wgmma M dimension
+(tiles of 64 rows; fewer rows are padded with length-0 rows).
+
+Work decomposition: a "piece" is (request b, head tile h, pages [p0, p0 + n) of b's block table);
+one CTA per piece, grid (pieces,). Only the real rows of a tile move (Q in, outputs out), rounded
+up to 8: N=16 moves 16 rows, not 64. A metadata array [pieces, 6] (b, h, p0, n, slot, tile length)
+comes from one of two schedules:
+- "grid" (default): every tile cut into S static splits over the block table's capacity
+  (`choose_num_kv_splits_sm90`); S == 1 writes the final output directly, S > 1 writes f32
+  partials merged by LSE with the Triton module's `_merge_splits`.
+- "worklist": a metadata step on device (FlashMLA's get_mla_metadata idea) cuts each tile by its
+  actual length into k = round(pages / target) pieces, target = total pages / SMs, so long requests
+  spread over many SMs and short ones stay whole (final output written directly); only split tiles
+  go through f32 partial slots, merged by `_merge_worklist`.
+
+One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule simplified:
+- Warpgroup 2, producer: one TMA per page (block-table entry) into a `num_stages` shared-memory
+  ring of [G, L+R] tiles. On the request's partial last page the rows past its length are zeroed in
+  shared memory (P = 0 there, but 0 * NaN garbage would poison P.V). fp8 cache: the producer TMAs
+  fp8 pages and their per-token scales into their own ring, casts each tile to bf16 (exact) into
+  the ring and passes the scales on; WG0 multiplies the logits and p by the per-token scale (the
+  Triton kernel's fp8_mode="scale_logits"), so the wgmmas are the bf16 code.
+- Warpgroup 0 ("softmax"): S = Q K^T as one wgmma over K = L+R (9 x 64 for 576), online softmax in
+  registers (f32, exp2), P (bf16) and the per-row rescale alpha to shared memory, then P V for
+  output columns [0, L/2).
+- Warpgroup 1: waits for P, rescales its accumulator by alpha, P V for columns [L/2, L). Each
+  consumer keeps a [64, L/2] f32 accumulator (128 registers/thread at L=512), as in FlashMLA.
+- Epilogue: normalized output and LSE (natural log) go out by TMA through staging buffers that
+  alias the Q tile and the ring (`plgpu.RefUnion`: loop buffers | final staging | f32 staging).
+
+Shared memory at L+R = 576 (227 KB available): bf16, 2 stages: Q 72 KB + ring 2 x 72 KB + P 8 KB
++ row vectors = 225 KB, the output staging (64 KB bf16 / 128 KB f32) reusing it; fp8: Q 72 KB +
+ring 1 x 72 KB + fp8 ring 2 x 36 KB + P 8 KB = 225 KB (a second bf16 stage does not fit).
+
+Barriers (mbarriers; every waiter waits every phase of a barrier, in order, and at most one phase
+behind -- the parity discipline the interpreter checks):
+  q_bar            Q tile + row lengths landed (TMA)                         WG0 waits
+  kv_ready[st]     ring slot holds page i (TMA, or producer arrive)          WG0, WG1 wait
+  kv_consumed[st]  both consumers finished reading slot (2 arrivals)         producer waits
+  p_ready          P_i and alpha_i in shared memory                          WG1 waits
+  p_consumed       WG1's P_i . V wgmma done (P may be overwritten)           WG0 waits
+  epi_bar          both consumers done with Q, the ring and P (2 arrivals)   WG0, WG1 wait
+  fin_bar          1/l of every row in shared memory                         WG1 waits
+  raw_bar / fp8_ready[st] / scale_ready[st]  TMA landed for the producer's own processing
+
+Status: runs correctly under the Mosaic GPU interpreter on CPU (race detector on) and lowers for
+sm_90 on CPU (Mosaic GPU's Python passes: layout inference, wgmma/TMA checks, the shared-memory
+budget); not yet run on a GPU (SM90_DECODE_VERIFIED in mla_jax/attention.py stays False until
+it is).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mla_decode import _merge_splits, _validate, mla_decode_reference
+from pallas_kernels.mla_decode import num_sms as _device_num_sms
+
+__all__ = ["mla_decode_sm90", "mla_decode_reference", "choose_num_kv_splits_sm90", "is_sm90",
+           "unsupported_reason", "TILE_M", "PAGE_SIZE"]
+
+TILE_M = 64      # query rows per CTA (wgmma M)
+PAGE_SIZE = 64   # the only supported page size (one page = one KV tile, FlashMLA's block size)
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_M_INIT = -1e30  # finite running-max start: exp2(-inf - m) = 0 and never inf - inf
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
+_BF16 = jnp.dtype(jnp.bfloat16)
+_F16 = jnp.dtype(jnp.float16)
+_SMEM_BYTES = 227 * 1024  # per-block opt-in shared memory on H100/H200
+
+
+def is_sm90(device=None) -> bool:
+  """True on a Hopper GPU (compute capability 9.x), the only target of this kernel."""
+  try:
+    device = device or jax.devices()[0]
+  except RuntimeError:  # pragma: no cover - no backend
+    return False
+  cc = str(getattr(device, "compute_capability", "") or "")
+  return device.platform == "gpu" and cc.split(".")[0] == "9"
+
+
+def unsupported_reason(q, cache, kv_lora_rank: int = 512) -> str | None:
+  """None when this kernel takes these (static) shapes and dtypes, else why not; callers fall
+  back to the portable `pallas_kernels.mla_decode` (page sizes other than 64, f32/f16 caches...)."""
+  l, d = kv_lora_rank, q.shape[-1]
+  if cache.ndim != 3 or cache.shape[1] != PAGE_SIZE:
+    return f"page size {cache.shape[1:2]} is not {PAGE_SIZE}"
+  if jnp.dtype(cache.dtype) not in (_BF16, _FP8):
+    return f"cache dtype {cache.dtype} is not bfloat16 or float8_e4m3fn"
+  if l % 128 or l > 512 or (d - l) % 64 or d <= l:
+    return f"L={l}, R={d - l}: needs L % 128 == 0, L <= 512, R % 64 == 0"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+  l: int              # latent width (output columns), split in two halves, one per consumer WG
+  d: int              # L + R
+  head_tiles: int     # 64-row tiles per request
+  tail: int           # rows moved for the last tile: its real rows rounded up to 8 (<= 64)
+  stages: int         # ring depth (tiles in the wgmma dtype)
+  fp8_stages: int     # fp8 ring depth (0: bf16 cache)
+  sm_scale: float
+  final_dtype: object  # dtype of the final output (q.dtype); partials are f32
+  interpret: bool     # Mosaic GPU interpreter (CPU): see _accumulate
+  cdt: object = _BF16  # wgmma operand dtype (Q, ring, P): bf16, or f16 for an fp8 cache if asked
+
+
+def _tiled(dtype, minor_bytes=128):
+  """Tiling + swizzle transforms for a wgmma/TMA operand with `minor_bytes`-byte swizzle."""
+  elems = minor_bytes // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(minor_bytes))
+
+
+def _smem_plan(cfg: _Cfg):
+  """(aliased groups, per-CTA bytes) of the shared-memory plan; see the module docstring.
+
+  Group A lives during the page loop; B1 (final output staging) and B2 (f32 partial staging) in
+  the epilogue only, so all three share one `plgpu.RefUnion`."""
+  f32 = jnp.float32
+  cdt = cfg.cdt
+  q = plgpu.SMEM((TILE_M, cfg.d), cdt, transforms=_tiled(cdt))
+  ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.d), cdt, transforms=_tiled(cdt))
+  p = plgpu.SMEM((TILE_M, PAGE_SIZE), cdt, transforms=_tiled(cdt))
+  # Row vectors used during the loop: [0] alpha (WG0 -> WG1), [1] row lengths (f32, exact < 2^24),
+  # fp8: [2 + slot] the per-token scales of the page in ring slot `slot` (producer -> WG0).
+  loop_rows = plgpu.SMEM((2 + (cfg.stages if cfg.fp8_stages else 0), TILE_M), f32)
+  group_a = [q, ring, p, loop_rows]
+  if cfg.fp8_stages:
+    # 576 fp8 columns are not a multiple of 128: 64-byte swizzle (only the producer reads them).
+    group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), _FP8,
+                              transforms=_tiled(_FP8, 64)))
+    group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE), f32))
+  half = cfg.l // 2
+  groups = [group_a]
+  for dt in (cfg.final_dtype, f32):
+    # [2, 64, L/2] output staging (one half per consumer WG) and the epilogue's row vectors:
+    # [0] 1/l (WG0 -> WG1), [1] lse.
+    groups.append([plgpu.SMEM((2, TILE_M, half), dt, transforms=_tiled(dt)),
+                   plgpu.SMEM((2, TILE_M), f32)])
+
+  def nbytes(group):
+    total = 0
+    for ref in group:
+      total = -(-total // 1024) * 1024 + math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
+    return total
+  return groups, max(map(nbytes, groups))
+
+
+# Piece metadata, one row per CTA: (b, head tile, first page, pages, slot, tile length).
+# slot: -1 final output, >= 0 f32 partial slot, -2 no work (padding of the work list).
+_META = 6
+
+
+def _kernel(*refs, cfg: _Cfg):
+  is_fp8 = cfg.fp8_stages > 0
+  refs = list(refs)
+  ks_gmem = refs.pop(2) if is_fp8 else None
+  (q_gmem, kv_gmem, bt_gmem, lens_gmem, meta_gmem,
+   out_gmem, lse_gmem, opart_gmem, lsepart_gmem) = refs
+  groups, _ = _smem_plan(cfg)
+
+  def scoped(union, q_bar, kv_ready, kv_consumed, p_ready, p_consumed, epi_bar, fin_bar, raw_bar,
+             *fp8_bars):
+    refs_a, final_stage, part_stage = union   # one tree of refs per aliased group
+    q_smem, ring, p_smem, loop_rows = refs_a[:4]
+    fp8_ring, scale_ring = refs_a[4:] if is_fp8 else (None, None)
+    fp8_ready, scale_ready = fp8_bars if is_fp8 else (None, None)
+    _body(cfg, dict(
+        q_gmem=q_gmem, kv_gmem=kv_gmem, ks_gmem=ks_gmem, bt_gmem=bt_gmem, lens_gmem=lens_gmem,
+        meta_gmem=meta_gmem, out_gmem=out_gmem, lse_gmem=lse_gmem, opart_gmem=opart_gmem,
+        lsepart_gmem=lsepart_gmem, q_smem=q_smem, ring=ring, p_smem=p_smem, loop_rows=loop_rows,
+        fp8_ring=fp8_ring, scale_ring=scale_ring, final_stage=final_stage, part_stage=part_stage,
+        q_bar=q_bar, kv_ready=kv_ready, kv_consumed=kv_consumed, p_ready=p_ready,
+        p_consumed=p_consumed, epi_bar=epi_bar, fin_bar=fin_bar, raw_bar=raw_bar,
+        fp8_ready=fp8_ready, scale_ready=scale_ready))
+
+  bars = [
+      plgpu.Barrier(num_arrivals=2),                                       # q_bar (Q, lens)
+      plgpu.Barrier(num_barriers=cfg.stages),                              # kv_ready
+      plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),              # kv_consumed
+      plgpu.Barrier(),                                                     # p_ready
+      plgpu.Barrier(),                                                     # p_consumed
+      plgpu.Barrier(num_arrivals=2),                                       # epi_bar
+      plgpu.Barrier(),                                                     # fin_bar
+      plgpu.Barrier(),                                                     # raw_bar
+  ]
+  if is_fp8:
+    bars += [plgpu.Barrier(num_barriers=cfg.fp8_stages)] * 2             # fp8_ready, scale_ready
+  pl.run_scoped(scoped, plgpu.RefUnion(*(tuple(g) for g in groups)), *bars, collective_axes="wg")
+
+
+def _body(cfg, r):
+  wg = lax.axis_index("wg")
+  piece = lax.axis_index("piece")
+  g = PAGE_SIZE
+  half = cfg.l // 2
+  stages = cfg.stages
+  f32 = jnp.float32
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  is_fp8 = cfg.fp8_stages > 0
+  meta = r["meta_gmem"]
+  # This CTA's piece: pages [first, first + n) of request b's block table for head tile h.
+  b, h, first, n, slot, tile_len = (meta[piece, k] for k in range(_META))
+  # Valid rows of the last page (< g only on the request's partial last page).
+  last_rows = jnp.minimum(tile_len - (first + n - 1) * g, g)
+  final, partial, has_out = slot == -1, slot >= 0, slot != -2
+  rpt = _rows_per_tile(cfg)   # rows per tile in the output arrays
+  ring, loop_rows, p_smem = r["ring"], r["loop_rows"], r["p_smem"]
+  kv_ready, kv_consumed = r["kv_ready"], r["kv_consumed"]
+  p_ready, p_consumed = r["p_ready"], r["p_consumed"]
+  epi_bar, fin_bar = r["epi_bar"], r["fin_bar"]
+
+  def slot_of(i, depth):
+    return lax.rem(i, jnp.int32(depth))
+
+  def by_rows(fn):
+    """fn(rows) with the static number of real rows of this tile (fewer only in the last tile:
+    e.g. N=16 moves 16 rows of Q and of the outputs, not 64)."""
+    if cfg.tail == TILE_M:
+      fn(TILE_M)
+    else:
+      last = h == cfg.head_tiles - 1
+      pl.when(last)(lambda: fn(cfg.tail))
+      if cfg.head_tiles > 1:
+        pl.when(jnp.logical_not(last))(lambda: fn(TILE_M))
+
+  def out_dsts(cols):
+    """(staging refs, output refs(rows), lse refs(rows)) of the final and of the partial outputs."""
+    fin_o, fin_rows = r["final_stage"]
+    part_o, part_rows = r["part_stage"]
+    row0 = slot * rpt
+    return ((fin_o, fin_rows, lambda k: r["out_gmem"].at[b, pl.ds(h * rpt, k), cols],
+             lambda k: r["lse_gmem"].at[b, pl.ds(h * rpt, k)]),
+            (part_o, part_rows, lambda k: r["opart_gmem"].at[pl.ds(row0, k), cols],
+             lambda k: r["lsepart_gmem"].at[pl.ds(row0, k)]))
+
+  @pl.when(wg == 0)
+  def _softmax_wg():
+    plgpu.set_max_registers(_regs(is_fp8)[0], action="increase")
+
+    @pl.when(n > 0)
+    def _():
+      # Only the real rows of Q: the rest of the tile keeps whatever shared memory held (even
+      # NaN), harmless since those rows have length 0 and their logits are replaced by -inf.
+      by_rows(lambda k: plgpu.copy_gmem_to_smem(
+          r["q_gmem"].at[b, pl.ds(h * TILE_M, k)], r["q_smem"].at[pl.ds(0, k)], r["q_bar"]))
+      plgpu.copy_gmem_to_smem(r["lens_gmem"].at[b, pl.ds(h * TILE_M, TILE_M)], loop_rows.at[1],
+                              r["q_bar"])
+      plgpu.barrier_wait(r["q_bar"])
+    qk_scale = cfg.sm_scale * _LOG2E  # logits in log2 units
+
+    def step(i, carry):
+      acc, m_i, l_i = carry
+      slot_i = slot_of(i, stages)
+      plgpu.barrier_wait(kv_ready.at[slot_i])
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, r["q_smem"], ring.at[slot_i].T)
+        return acc_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))        # [64, G] f32
+      if is_fp8:  # logits of the fp8 rows times their per-token scale
+        ks = plgpu.load(loop_rows.at[2 + slot_i], layout=plgpu.Layout.WGMMA.reduce(0))
+        ks = lax.broadcast_in_dim(ks, s.shape, [1])
+        s = s * ks
+      lens = plgpu.load(loop_rows.at[1], layout=row_layout).astype(jnp.int32)   # [64]
+      tok = (first + i) * g + plgpu.broadcasted_iota(jnp.int32, (TILE_M, g), 1,
+                                                     layout=plgpu.Layout.WGMMA)
+      valid = tok < lax.broadcast_in_dim(lens, (TILE_M, g), [0])
+      s = jnp.where(valid, s * qk_scale, -jnp.inf)
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      alpha = jnp.exp2(m_i - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+
+      @pl.when(i > 0)
+      def _():
+        plgpu.barrier_wait(p_consumed)   # WG1 is done with P_{i-1} and alpha_{i-1}
+      # V = fp8 row * scale: fold the per-token scale into p.
+      p_smem[...] = (p * ks if is_fp8 else p).astype(cfg.cdt)
+      loop_rows[0] = alpha
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_ready)
+
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      acc = _accumulate(cfg, acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)])
+      plgpu.barrier_arrive(kv_consumed.at[slot_i])
+      return acc, m_new, l_i
+
+    acc = plgpu.layout_cast(jnp.zeros((TILE_M, half), f32), plgpu.Layout.WGMMA)
+    m_i = plgpu.layout_cast(jnp.full((TILE_M,), _M_INIT, f32), row_layout)
+    l_i = plgpu.layout_cast(jnp.zeros((TILE_M,), f32), row_layout)
+    acc, m_i, l_i = lax.fori_loop(0, n, step, (acc, m_i, l_i))
+
+    @pl.when(n > 0)
+    def _():
+      plgpu.barrier_wait(p_consumed)   # observe the last phase too (mbarrier parity discipline)
+    has = l_i > 0
+    safe_l = jnp.where(has, l_i, 1.0)
+    inv = jnp.where(has, 1.0 / safe_l, 0.0)
+    lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * _LN2, -jnp.inf)
+
+    def epilogue(stage, rows, o_dst, lse_dst, write_o):
+      rows[0] = inv
+      rows[1] = lse
+      pl.when(write_o)(lambda: _write_out(acc, inv, stage.at[0], o_dst, by_rows))
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(fin_bar)      # 1/l published for WG1
+      by_rows(lambda k: plgpu.copy_smem_to_gmem(rows.at[1, pl.ds(0, k)], lse_dst(k)))
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(has_out)
+    def _():
+      plgpu.barrier_arrive(epi_bar)
+      plgpu.barrier_wait(epi_bar)        # both consumers are done with Q, the ring and P
+      fin, part = out_dsts(pl.ds(0, half))
+      pl.when(final)(lambda: epilogue(*fin, True))
+      pl.when(partial)(lambda: epilogue(*part, n > 0))   # an empty split only needs lse = -inf
+
+  @pl.when(wg == 1)
+  def _pv_wg():
+    plgpu.set_max_registers(_regs(is_fp8)[0], action="increase")
+
+    def step(i, acc):
+      slot_i = slot_of(i, stages)
+      plgpu.barrier_wait(kv_ready.at[slot_i])
+      plgpu.barrier_wait(p_ready)
+      alpha = plgpu.load(loop_rows.at[0], layout=row_layout)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      acc = _accumulate(cfg, acc, p_smem, ring.at[slot_i, :, pl.ds(half, half)])
+      plgpu.barrier_arrive(p_consumed)
+      plgpu.barrier_arrive(kv_consumed.at[slot_i])
+      return acc
+
+    acc = plgpu.layout_cast(jnp.zeros((TILE_M, half), f32), plgpu.Layout.WGMMA)
+    acc = lax.fori_loop(0, n, step, acc)
+
+    def epilogue(stage, rows, o_dst, lse_dst, write_o):
+      del lse_dst
+
+      @pl.when(write_o)
+      def _():
+        inv = plgpu.load(rows.at[0], layout=row_layout)
+        _write_out(acc, inv, stage.at[1], o_dst, by_rows)
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(has_out)
+    def _():
+      plgpu.barrier_arrive(epi_bar)
+      plgpu.barrier_wait(epi_bar)
+      plgpu.barrier_wait(fin_bar)        # WG0 has written 1/l
+      fin, part = out_dsts(pl.ds(half, half))
+      pl.when(final)(lambda: epilogue(*fin, True))
+      pl.when(partial)(lambda: epilogue(*part, n > 0))
+
+  @pl.when(wg == 2)
+  def _producer_wg():
+    plgpu.set_max_registers(_regs(is_fp8)[1], action="decrease")
+    rows = lambda: plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=plgpu.Layout.WGMMA)
+
+    def page_id(i):
+      return r["bt_gmem"][b, first + i]
+
+    if not is_fp8:
+      def step(i, _):
+        slot_i = slot_of(i, stages)
+
+        @pl.when(i >= stages)
+        def _():
+          plgpu.barrier_wait(kv_consumed.at[slot_i])
+        src = r["kv_gmem"].at[page_id(i)]
+        partial_page = (i == n - 1) & (last_rows < g)
+
+        @pl.when(jnp.logical_not(partial_page))
+        def _():
+          plgpu.copy_gmem_to_smem(src, ring.at[slot_i], kv_ready.at[slot_i])
+
+        @pl.when(partial_page)
+        def _():
+          plgpu.copy_gmem_to_smem(src, ring.at[slot_i], r["raw_bar"])
+          plgpu.barrier_wait(r["raw_bar"])
+          keep = rows() < last_rows
+          for c in range(cfg.d // 64):
+            chunk = ring.at[slot_i, :, pl.ds(64 * c, 64)]
+            chunk[...] = jnp.where(keep, chunk[...], jnp.zeros((), cfg.cdt))
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(kv_ready.at[slot_i])
+        return ()
+      lax.fori_loop(0, n, step, ())
+    else:
+      fst = cfg.fp8_stages
+      fp8_ring, scale_ring = r["fp8_ring"], r["scale_ring"]
+      fp8_ready, scale_ready = r["fp8_ready"], r["scale_ready"]
+
+      def fetch(i):
+        fslot = slot_of(i, fst)
+        page = page_id(i)
+        plgpu.copy_gmem_to_smem(r["kv_gmem"].at[page], fp8_ring.at[fslot], fp8_ready.at[fslot])
+        plgpu.copy_gmem_to_smem(r["ks_gmem"].at[page], scale_ring.at[fslot], scale_ready.at[fslot])
+
+      for j in range(fst):
+        pl.when(j < n)(functools.partial(fetch, jnp.int32(j)))
+
+      def step(i, _):
+        fslot = slot_of(i, fst)
+        slot_i = slot_of(i, stages)
+        plgpu.barrier_wait(fp8_ready.at[fslot])
+        plgpu.barrier_wait(scale_ready.at[fslot])
+
+        @pl.when(i >= stages)
+        def _():
+          plgpu.barrier_wait(kv_consumed.at[slot_i])
+        valid_rows = jnp.where(i == n - 1, last_rows, g)
+        # Per-token scales for WG0 (0 past the length: p * scale must stay 0 next to garbage).
+        scale = plgpu.load(scale_ring.at[fslot], layout=row_layout)         # [G] f32
+        tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=row_layout)
+        loop_rows[2 + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
+        # The exact fp8 -> bf16 cast; rows past the length zeroed.
+        keep = rows() < valid_rows
+        for c in range(cfg.d // 64):
+          x = fp8_ring.at[fslot, :, pl.ds(64 * c, 64)][...]
+          # sm_90 converts e4m3 to f16 natively; to bf16 only through f32 (both exact).
+          x = x.astype(cfg.cdt) if cfg.cdt == _F16 else x.astype(f32).astype(cfg.cdt)
+          ring.at[slot_i, :, pl.ds(64 * c, 64)][...] = jnp.where(keep, x, jnp.zeros((), cfg.cdt))
+        plgpu.commit_smem()   # our generic reads/writes before the next TMA / the consumers' wgmma
+        plgpu.barrier_arrive(kv_ready.at[slot_i])
+        pl.when(i + fst < n)(lambda: fetch(i + fst))
+        return ()
+      lax.fori_loop(0, n, step, ())
+    _drain(kv_consumed, n, stages)
+
+
+def _drain(kv_consumed, n, stages):
+  """Wait for the consumers' last release of every used slot: each waiter observes every phase."""
+  def body(i, _):
+    plgpu.barrier_wait(kv_consumed.at[lax.rem(i, jnp.int32(stages))])
+    return ()
+  lax.fori_loop(jnp.maximum(n - stages, 0), n, body, ())
+
+
+def _regs(is_fp8):
+  """(consumer, producer) registers per thread. The CTA holds what it was launched with,
+  384 threads x 168 = 64512, so 2 x 128 x consumer + 128 x producer <= 64512. Consumers hold a
+  [64, L/2] f32 accumulator (128) plus the [64, 64] logits; the fp8 producer converts 64x64
+  chunks."""
+  return (208, 88) if is_fp8 else (224, 56)
+
+
+def _accumulate(cfg, acc, a_smem, b_smem):
+  """acc + a @ b with wgmma accumulating into `acc`'s registers (waits for completion).
+
+  The Mosaic GPU interpreter (jax 0.11.2) cannot run `pl.run_state` over a WGMMA accumulator
+  ("MLIR translation rule for primitive 'wgmma' not found for platform cpu") nor store a value
+  into an accumulator ref; there the product goes to a fresh zero accumulator and is added in
+  registers (same math, one extra f32 rounding; it would double the registers on a GPU).
+  """
+  if cfg.interpret:
+    def mm(acc_ref):
+      plgpu.wgmma(acc_ref, a_smem, b_smem)
+      return acc_ref[...]
+    return acc + pl.run_scoped(mm, plgpu.ACC(acc.shape, jnp.float32))
+
+  def mm(acc_ref):
+    plgpu.wgmma(acc_ref, a_smem, b_smem)
+  return pl.run_state(mm)(plgpu.ACC.init(acc))
+
+
+def _write_out(acc, inv, stage, dst, by_rows):
+  """Normalize, stage in shared memory, TMA the real rows to the output (this warpgroup's half
+  of the columns); dst(rows) is the destination ref."""
+  out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+  stage[...] = out.astype(stage.dtype)
+  plgpu.commit_smem()
+  by_rows(lambda k: plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, k)], dst(k)))
+
+
+def _rows_per_tile(cfg):
+  """Rows per head tile in the output arrays: 64, or the single tile's real rows (N=16: 16)."""
+  return TILE_M if cfg.head_tiles > 1 else cfg.tail
+
+
+def choose_num_kv_splits_sm90(batch: int, head_tiles: int, max_pages: int, num_sms: int, *,
+                              cta_overhead_pages: float = 2.0, merge_cost: float = 0.25) -> int:
+  """Static split count: minimize a makespan model over the SMs (one 225 KB CTA per SM).
+
+  T(S) = waves(S) * (ceil(pages / S) + c0) + c1 * S * B * head_tiles / SMs, in page-times: c0 is
+  the per-CTA fixed cost (Q load, pipeline fill, the [64, L] f32 partial write: ~2 pages), c1 the
+  merge cost per partial. With uniform lengths this picks S so that B * head_tiles * S fills whole
+  waves: (1,128,32768) -> 64-66 splits of 8 pages; (64,16,4096) -> 2; (128,128,8192) -> 1.
+  To be tuned on the H200 (bench/decode.py --sweep); the work-list scheduler supersedes it.
+  """
+  ctas = max(1, batch * head_tiles)
+  best, best_t = 1, None
+  for s in range(1, max(1, min(max_pages, 2 * num_sms)) + 1):
+    pps = -(-max_pages // s)
+    s_eff = -(-max_pages // pps)
+    waves = -(-ctas * s_eff // num_sms)
+    t = waves * (pps + cta_overhead_pages) + merge_cost * s_eff * ctas / num_sms * (s_eff > 1)
+    if best_t is None or t < best_t - 1e-9:
+      best, best_t = s_eff, t
+  return int(best)
+
+
+def _validate_sm90(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
+                   num_stages, fp8_stages, fp8_compute, sms, interpret, schedule):
+  _validate(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
+            None, None, None, None, for_kernel=False)
+  l = kv_lora_rank
+  d = q.shape[-1]
+  if l % 128 or l > 512:
+    raise ValueError(f"kv_lora_rank must be a multiple of 128 and <= 512 (two consumer warpgroups "
+                     f"of <= 256 wgmma columns), got {kv_lora_rank}")
+  if (d - l) % 64:
+    raise ValueError(f"rope dim (q last dim {d} - kv_lora_rank {l}) must be a multiple of 64")
+  if cache.shape[1] != PAGE_SIZE:
+    raise ValueError(f"kv_c_and_k_pe_cache page size G={cache.shape[1]} is not supported by the "
+                     f"sm90 kernel (G={PAGE_SIZE} only); use pallas_kernels.mla_decode")
+  if block_table.shape[1] * PAGE_SIZE >= 2**24:
+    raise ValueError(f"block_table width {block_table.shape[1]} x page size {PAGE_SIZE} exceeds "
+                     "2^24 tokens (row lengths travel as exact float32)")
+  if jnp.dtype(cache.dtype) not in (_BF16, _FP8):
+    raise ValueError(f"kv_c_and_k_pe_cache dtype must be bfloat16 or float8_e4m3fn for the sm90 "
+                     f"kernel, got {cache.dtype}")
+  if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
+    raise ValueError(f"num_stages must be a positive int, got {num_stages}")
+  if fp8_stages is not None and not (isinstance(fp8_stages, int) and fp8_stages >= 1):
+    raise ValueError(f"fp8_stages must be a positive int, got {fp8_stages}")
+  if fp8_compute not in ("bfloat16", "float16"):
+    raise ValueError(f"fp8_compute must be 'bfloat16' or 'float16', got {fp8_compute!r}")
+  if sms is not None and not (isinstance(sms, int) and sms >= 1):
+    raise ValueError(f"num_sms must be a positive int, got {sms}")
+  if schedule not in ("grid", "worklist"):
+    raise ValueError(f"schedule must be 'grid' or 'worklist', got {schedule!r}")
+  if schedule == "worklist" and num_kv_splits is not None:
+    raise ValueError("num_kv_splits applies to schedule='grid'; the work list sizes its pieces")
+  if interpret and _cpu_workers() < 3:
+    raise ValueError(
+        f"interpret=True needs >= 3 XLA CPU workers (the kernel's 3 warpgroups block in host "
+        f"callbacks at barriers and would deadlock); this process has {_cpu_workers()}: set the "
+        f"environment variable NPROC=8 before JAX creates its CPU client")
+
+
+def _cpu_workers() -> int:
+  """XLA's CPU thread-pool size: $NPROC if set (read when the client is created), else the cores."""
+  try:
+    return int(os.environ.get("NPROC") or len(os.sched_getaffinity(0)))
+  except (ValueError, AttributeError):
+    return os.cpu_count() or 1
+
+
+def _grid_pieces(tile_len, max_pages, splits):
+  """Static schedule: piece (b, s, h) = split s of head tile h of request b (h fastest, so the
+  CTAs that share a KV slice run together). Returns (meta [B*S*T, 6], splits)."""
+  b, t = tile_len.shape
+  pps = -(-max_pages // min(splits, max_pages))     # pages per split
+  splits = -(-max_pages // pps)
+  bb, ss, hh = (x.reshape(-1) for x in jnp.meshgrid(
+      jnp.arange(b), jnp.arange(splits), jnp.arange(t), indexing="ij"))
+  tl = tile_len[bb, hh]
+  p0 = ss * pps
+  n = jnp.clip((tl + PAGE_SIZE - 1) // PAGE_SIZE - p0, 0, pps)
+  slot = jnp.full_like(n, -1) if splits == 1 else jnp.arange(b * splits * t, dtype=jnp.int32)
+  return jnp.stack([bb, hh, p0, n, slot, tl], axis=-1).astype(jnp.int32), splits
+
+
+def worklist_slots(num_sms: int) -> int:
+  """Partial-output slots of the work-list schedule: a tile is split only when it holds >= 1.5
+  target pieces, so split pieces number at most 4/3 of the SMs (round(x) <= 4x/3 for x >= 1.5)."""
+  return -(-4 * num_sms // 3) + 1
+
+
+def _worklist_pieces(tile_len, num_sms, min_pages):
+  """Length-adaptive schedule (the metadata step, on device): each head tile with P pages is cut
+  into k = clip(round(P / target), 1, P) equal pieces, target = max(total pages / SMs,
+  min_pages), so long requests spread over many SMs and short ones stay whole (no merge).
+  Returns (meta [B*T + slots, 6], slot_tile [slots]: the tile of each partial slot or -1)."""
+  b, t = tile_len.shape
+  nt = b * t
+  slots = worklist_slots(num_sms)
+  tl = tile_len.reshape(-1)
+  pages = (tl + PAGE_SIZE - 1) // PAGE_SIZE                                   # [BT]
+  target = jnp.maximum(jnp.sum(pages) / num_sms, float(min_pages))
+  k = jnp.clip(jnp.floor(pages / target + 0.5).astype(jnp.int32), 1, jnp.maximum(pages, 1))
+  end = jnp.cumsum(k)
+  start = end - k
+  split = k > 1
+  split_start = jnp.cumsum(jnp.where(split, k, 0)) - jnp.where(split, k, 0)
+  j = jnp.arange(nt + slots, dtype=jnp.int32)
+  tile = jnp.minimum(jnp.searchsorted(end, j, side="right"), nt - 1).astype(jnp.int32)
+  i = j - start[tile]
+  kt, pg = k[tile], pages[tile]
+  p0 = i * pg // kt
+  n = (i + 1) * pg // kt - p0
+  valid = j < end[-1]
+  slot = jnp.where(split[tile], split_start[tile] + i, -1)
+  slot = jnp.where(valid, slot, -2)
+  meta = jnp.stack([tile // t, tile % t, p0, jnp.where(valid, n, 0), slot, tl[tile]], axis=-1)
+  slot_tile = jnp.full((slots,), -1, jnp.int32).at[jnp.where(slot >= 0, slot, slots)].set(
+      tile, mode="drop")
+  return meta.astype(jnp.int32), slot_tile
+
+
+def _merge_worklist(out, lse, o_part, lse_part, slot_tile):
+  """LSE-merge the partial slots of each split tile into out [BT, 64, L] / lse [BT, 64].
+
+  Slots of a tile are consecutive; unused slots (tile -1) and rows no token reached hold garbage
+  and get weight 0. Shapes are static (all slots are read): ~ (4/3 SMs) x 128 KB."""
+  slots = slot_tile.shape[0]
+  used = slot_tile >= 0
+  first = used & (slot_tile != jnp.concatenate([jnp.full((1,), -1, jnp.int32), slot_tile[:-1]]))
+  seg = jnp.where(used, jnp.cumsum(first) - 1, slots)                         # split-tile rank
+  lse_s = jnp.where(used[:, None], lse_part, -jnp.inf)                         # [S, 64]
+  lse_max = jax.ops.segment_max(lse_s, seg, num_segments=slots)
+  safe = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+  w = jnp.where(used[:, None], jnp.exp(lse_s - safe[jnp.minimum(seg, slots - 1)]), 0.0)
+  o = jnp.where((w > 0)[..., None], o_part, 0.0)
+  num = jax.ops.segment_sum(w[..., None] * o, seg, num_segments=slots)         # [S, 64, L]
+  den = jax.ops.segment_sum(w, seg, num_segments=slots)
+  has = den > 0
+  merged = num * jnp.where(has, 1.0 / jnp.where(has, den, 1.0), 0.0)[..., None]
+  merged_lse = jnp.where(has, safe + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
+  seg_tile = jnp.full((slots,), out.shape[0], jnp.int32).at[seg].set(slot_tile, mode="drop")
+  out = out.at[seg_tile].set(merged.astype(out.dtype), mode="drop")
+  lse = lse.at[seg_tile].set(merged_lse, mode="drop")
+  return out, lse
+
+
+_WORKLIST_MIN_PAGES = 4  # no piece shorter than this unless its tile is (FlashMLA: ~5 blocks)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "batch_invariant", "interpret",
+                     "num_stages", "fp8_stages", "fp8_compute", "sms", "schedule"))
+def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num_kv_splits,
+          batch_invariant, interpret, num_stages, fp8_stages, fp8_compute, sms, schedule):
+  b, nq, n, d = q.shape
+  l = kv_lora_rank
+  _, g, _ = cache.shape
+  max_pages = block_table.shape[1]
+  m_rows = nq * n
+  head_tiles = -(-m_rows // TILE_M)
+  m_pad = head_tiles * TILE_M
+  tail = -(-(m_rows - (head_tiles - 1) * TILE_M) // 8) * 8   # real rows of the last tile, to 8
+  is_fp8 = jnp.dtype(cache.dtype) == _FP8
+  cdt = _F16 if is_fp8 and fp8_compute == "float16" else _BF16
+  if num_stages is None:
+    num_stages = 1 if is_fp8 else 2
+  if fp8_stages is None:
+    fp8_stages = 2
+  cfg = _Cfg(l=l, d=d, head_tiles=head_tiles, tail=tail, stages=num_stages,
+             fp8_stages=fp8_stages if is_fp8 else 0, sm_scale=float(scale),
+             final_dtype=jnp.dtype(q.dtype), interpret=bool(interpret), cdt=cdt)
+  _, smem = _smem_plan(cfg)
+  if smem > _SMEM_BYTES:
+    raise ValueError(f"num_stages={num_stages} (fp8_stages={fp8_stages}) needs {smem} B of shared "
+                     f"memory per CTA; {_SMEM_BYTES} B are available")
+
+  rpt = _rows_per_tile(cfg)
+  m_out = head_tiles * rpt                      # rows per request in the output arrays
+  # Fold (Q, N) into rows t*N + n. The kernel moves whole tiles but the last one's real rows
+  # rounded to 8 (q padded to that with zeros); row lengths cover whole tiles (padding rows: 0).
+  q_rows = q.reshape(b, m_rows, d).astype(cdt)
+  m_q = (head_tiles - 1) * TILE_M + tail
+  if m_q != m_rows:
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, m_q - m_rows), (0, 0)))
+  row_lens = jnp.minimum(jnp.repeat(seq_lens, n, axis=1), max_pages * g)        # [B, M]
+  if m_pad != m_rows:
+    row_lens = jnp.pad(row_lens, ((0, 0), (0, m_pad - m_rows)))
+  tile_len = jnp.max(row_lens.reshape(b, head_tiles, TILE_M), axis=-1)          # [B, T]
+  row_lens = row_lens.astype(jnp.float32)  # TMA'd into an f32 row-vector buffer (exact < 2^24)
+
+  if batch_invariant:
+    schedule, num_kv_splits = "grid", 1   # a request's pieces must not depend on the batch
+  if schedule == "grid":
+    splits = num_kv_splits or choose_num_kv_splits_sm90(b, head_tiles, max_pages, sms)
+    meta, splits = _grid_pieces(tile_len, max_pages, splits)
+    n_slots = meta.shape[0] if splits > 1 else 1
+    name = f"grid{splits}"
+  else:
+    meta, slot_tile = _worklist_pieces(tile_len, sms, _WORKLIST_MIN_PAGES)
+    n_slots = slot_tile.shape[0]
+    name = "worklist"
+
+  args = [q_rows, cache] + ([kv_scale] if is_fp8 else []) + [block_table, row_lens, meta]
+  out_type = (jax.ShapeDtypeStruct((b, m_out, l), q.dtype),               # final outputs
+              jax.ShapeDtypeStruct((b, m_out), jnp.float32),
+              jax.ShapeDtypeStruct((n_slots * rpt, l), jnp.float32),     # f32 partials, by slot
+              jax.ShapeDtypeStruct((n_slots * rpt,), jnp.float32))
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, cfg=cfg),
+      out_type=out_type,
+      grid=(meta.shape[0],),
+      grid_names=("piece",),
+      num_threads=3,
+      thread_name="wg",
+      # Row reductions of the WGMMA layout stay within a warp: no cross-warp reduction scratch.
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                 else plgpu.InterpretGPUParams() if interpret else None),
+      kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}",
+  )
+  out, lse, o_part, lse_part = kernel(*args)
+  if schedule == "grid" and splits > 1:
+    # Pieces with no pages wrote only lse = -inf: mask their (unwritten) outputs for the merge.
+    o_part = jnp.where(jnp.isfinite(lse_part)[..., None], o_part, 0.0)
+    out, lse = _merge_splits(o_part.reshape(b, splits, m_out, l),
+                             lse_part.reshape(b, splits, m_out))
+  elif schedule == "worklist":
+    out, lse = _merge_worklist(out.reshape(b * head_tiles, rpt, l),
+                               lse.reshape(b * head_tiles, rpt), o_part.reshape(-1, rpt, l),
+                               lse_part.reshape(-1, rpt), slot_tile)
+    out, lse = out.reshape(b, m_out, l), lse.reshape(b, m_out)
+  out = out[:, :m_rows].reshape(b, nq, n, l).astype(q.dtype)
+  lse = lse[:, :m_rows].reshape(b, nq, n)
+  return out, lse
+
+
+def mla_decode_sm90(
+    q,                    # [B, Q, N, L+R]: absorbed q_nope (L) then q_pe (R); computed in bf16
+    kv_c_and_k_pe_cache,  # [num_pages, 64, L+R] bf16, or float8_e4m3fn with kv_scale
+    block_table,          # i32[B, max_pages]
+    seq_lens,             # i32[B, Q]: cache tokens query row (b, t) attends to; 0 = empty row
+    *,
+    scale: float,
+    kv_scale=None,        # f32[num_pages, 64]: row value = fp8 row * kv_scale (fp8 cache only)
+    kv_lora_rank: int = 512,
+    num_kv_splits: int | None = None,
+    batch_invariant: bool = False,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    num_stages: int | None = None,
+    fp8_stages: int | None = None,
+    fp8_compute: str = "bfloat16",
+    num_sms: int | None = None,
+    schedule: str = "grid",
+):
+  """Hopper paged latent-MQA decode. Returns (out [B, Q, N, L] in q.dtype, lse f32[B, Q, N]).
+
+  Same contract as `pallas_kernels.mla_decode.mla_decode`: lse is the natural log of
+  sum(exp(scale * logits)); rows with seq_len 0 give out 0 and lse -inf; lengths beyond the block
+  table's capacity are clamped. Page size 64 only; L a multiple of 128 up to 512; R a multiple of
+  64; cache bf16 or fp8 e4m3 (cast to bf16 in shared memory, bf16 wgmma, per-token scale applied
+  to the logits and to p).
+
+  schedule: "grid" (default): every head tile of every request cut into the same static number
+  of splits, `num_kv_splits` (None: `choose_num_kv_splits_sm90` for `num_sms` SMs, default the
+  device's), over the block table's capacity; "worklist": a metadata step on device cuts each tile
+  by its actual length so the pieces balance over `num_sms` SMs (FlashMLA's get_mla_metadata idea;
+  split tiles merged by LSE afterwards). batch_invariant: one piece per tile (bitwise independent
+  of the rest of the batch). num_stages: bf16 ring depth (default 2; 1 for fp8,
+  whose ring of `fp8_stages` (default 2) fp8 pages takes the rest of shared memory).
+  fp8_compute: wgmma dtype for an fp8 cache: "bfloat16" (default; q as bf16) or "float16" (sm_90
+  casts e4m3 -> f16 in one instruction, -> bf16 only through f32; q must stay below 65504 in
+  magnitude).
+  interpret: run under the Mosaic GPU interpreter (CPU testing): True, or the interpreter's
+  `plgpu.InterpretGPUParams` (e.g. detect_races=True). It needs >= 3 XLA CPU workers (NPROC).
+  """
+  _validate_sm90(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank,
+                 num_kv_splits, scale, num_stages, fp8_stages, fp8_compute, num_sms, interpret,
+                 schedule)
+  return _impl(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, scale=float(scale),
+               kv_lora_rank=int(kv_lora_rank), num_kv_splits=num_kv_splits,
+               batch_invariant=bool(batch_invariant),
+               interpret=interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+               else bool(interpret),
+               num_stages=num_stages, fp8_stages=fp8_stages, fp8_compute=fp8_compute,
+               sms=int(num_sms) if num_sms is not None else _device_num_sms(),
+               schedule=schedule)
