@@ -39,34 +39,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels._util import cdiv as _cdiv
+from pallas_kernels._util import is_pow2 as _is_pow2
+from pallas_kernels._util import next_pow2 as _next_pow2
+from pallas_kernels._util import num_sms
+
 _DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
-_H200_SMS = 132
-
-
-def _is_pow2(x) -> bool:
-  return isinstance(x, (int, np.integer)) and x > 0 and (x & (x - 1)) == 0
-
-
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, int(x) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
-
-
-def num_sms() -> int:
-  """SM count of the default device (132 on H200); 132 when unknown (CPU, interpret mode)."""
-  try:
-    n = getattr(jax.devices()[0], "core_count", None)
-    return int(n) if n else _H200_SMS
-  except Exception:  # pragma: no cover - no backend at all
-    return _H200_SMS
 
 
 def _validate(lhs, rhs, group_sizes, transpose_rhs, block_m, block_n, block_k, num_warps,

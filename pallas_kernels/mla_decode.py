@@ -37,6 +37,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels._util import cdiv as _cdiv
+from pallas_kernels._util import is_pow2 as _is_pow2
+from pallas_kernels._util import next_pow2 as _next_pow2
+from pallas_kernels._util import num_sms
+
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # Finite start for the running max: masked logits are -inf, so exp2(-inf - m) = 0 and
@@ -45,28 +50,6 @@ _M_INIT = -1e30
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _Q_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 _CACHE_DTYPES = _Q_DTYPES + (_FP8,)
-_H200_SMS = 132
-
-
-def _is_pow2(x: int) -> bool:
-  return x > 0 and (x & (x - 1)) == 0
-
-
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, int(x) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
-
-
-def num_sms() -> int:
-  """SM count of the default device (132 on H200); 132 when unknown (CPU, interpret mode)."""
-  try:
-    n = getattr(jax.devices()[0], "core_count", None)
-    return int(n) if n else _H200_SMS
-  except Exception:  # pragma: no cover - no backend at all
-    return _H200_SMS
 
 
 def choose_num_kv_splits(batch: int, rows_per_request: int, max_seq_len: int, num_sms: int) -> int:
