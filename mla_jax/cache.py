@@ -145,6 +145,13 @@ class KVCache:
     def is_fp8(self) -> bool:
         return self.kv_scale is not None
 
+    def flat_layers(self, layer: int | jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """All layers as one page pool, [num_layers * num_pages, G, L+R] (a free reshape, no layer slice copied),
+        its scales or None, and the page offset of `layer` to add to block tables."""
+        nl, p, g, w = self.kv_c_and_k_pe_cache.shape
+        scale = None if self.kv_scale is None else self.kv_scale.reshape(nl * p, g)
+        return self.kv_c_and_k_pe_cache.reshape(nl * p, g, w), scale, layer * p
+
     def layer(self, layer: int | jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """One layer's ([num_pages, G, L+R] cache, [num_pages, G] scale or None)."""
         scale = None if self.kv_scale is None else self.kv_scale[layer]

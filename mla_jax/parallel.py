@@ -321,10 +321,7 @@ def _mla_paged_dcp(p: dict, cfg: DeepseekConfig, x: jax.Array, md: AttentionMeta
     N, L, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     q, kv_c_normed, k_pe = mla_project(p, cfg, x, md.positions)
     cache = write_kv_layer(cache, layer, kv_c_normed, k_pe, d.slot_mapping)  # own tokens only
-    nl, num_pages, G, W = cache.kv_c_and_k_pe_cache.shape
-    kv_flat = cache.kv_c_and_k_pe_cache.reshape(nl * num_pages, G, W)
-    scale_flat = None if cache.kv_scale is None else cache.kv_scale.reshape(nl * num_pages, G)
-    offset = layer * num_pages
+    kv_flat, scale_flat, offset = cache.flat_layers(layer)
     outs = []
     Td = s.num_decode_tokens
     if Td:
