@@ -222,7 +222,9 @@ def main() -> None:
     limit = device_bytes_limit()
 
     configs: list[tuple[str, int, int]] = [] if args.no_baseline else [("single", 1, 1)]
-    configs += [("parallel", tp, dcp) for tp in args.tp for dcp in args.dcp]
+    # tp=1, dcp=1 through shard_map is the one-GPU baseline again; keep it only when asked for alone
+    configs += [("parallel", tp, dcp) for tp in args.tp for dcp in args.dcp
+                if tp * dcp > 1 or args.no_baseline]
     todo = []
     for path, tp, dcp in configs:
         if tp * dcp > n_dev:
