@@ -106,3 +106,36 @@ def write_results(path: str, results: dict[str, Any]) -> None:
         json.dump(results, f, indent=1)
         f.write("\n")
     print(f"wrote {path}")
+
+
+def profile_summary(trace_dir: str, *, top: int = 40) -> dict[str, Any]:
+    """Device-side time of a `jax.profiler.trace` directory: per device line (stream / XLA ops), the total busy
+    time, the event count and the `top` events by summed duration. Busy time against the traced wall time shows
+    launch gaps; the top events show which fusions and kernels a step spends its time in."""
+    import collections
+    import glob
+
+    from jax.profiler import ProfileData
+
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+    if not paths:
+        return {"error": f"no .xplane.pb under {trace_dir}"}
+    out: dict[str, Any] = {"xplane": paths[-1], "lines": []}
+    for plane in ProfileData.from_file(paths[-1]).planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            agg: collections.Counter = collections.Counter()
+            cnt: collections.Counter = collections.Counter()
+            lo, hi = float("inf"), 0.0
+            for ev in line.events:
+                agg[ev.name] += ev.duration_ns
+                cnt[ev.name] += 1
+                lo, hi = min(lo, ev.start_ns), max(hi, ev.start_ns + ev.duration_ns)
+            if not agg:
+                continue
+            out["lines"].append({
+                "plane": plane.name, "line": line.name, "events": sum(cnt.values()),
+                "busy_ms": round(sum(agg.values()) / 1e6, 3), "span_ms": round((hi - lo) / 1e6, 3),
+                "top": [{"name": n[:160], "ms": round(t / 1e6, 3), "count": cnt[n]} for n, t in agg.most_common(top)]})
+    return out

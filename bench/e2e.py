@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import measure_ceilings, results_header, write_results
+from bench.common import measure_ceilings, profile_summary, results_header, write_results
 from mla_jax import model
 from mla_jax.cache import KVCache
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
@@ -46,6 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes: checks the script on a CPU")
     ap.add_argument("--gmm", choices=("ragged_dot", "pallas"), default="ragged_dot",
                     help="MoE expert matmul (mla_jax.layers.expert_gmm)")
+    ap.add_argument("--batches", default="1,32,128", help="decode batch sizes")
+    ap.add_argument("--ctxs", default="1024,4096", help="decode contexts (at most 4096)")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the prefill row")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="trace 5 steps of the last decode shape into DIR; writes OUT/profile-decode.json")
     args = ap.parse_args(argv)
 
     d = {**V2_LITE, "num_hidden_layers": args.layers}
@@ -53,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         d |= dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                   num_attention_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                   n_routed_experts=8, num_experts_per_tok=2)
+        if "num_key_value_heads" in d:  # must equal the heads for MLA
+            d["num_key_value_heads"] = d["num_attention_heads"]
     cfg = DeepseekConfig.from_dict(d)
     ceilings = measure_ceilings()
     res = results_header(ceilings)
@@ -64,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     jax.block_until_ready(params)
 
     G, max_ctx = 64, 4096 + 64
-    batches, ctxs = (1, 32, 128), (1024, 4096)
+    batches, ctxs = tuple(map(int, args.batches.split(","))), tuple(map(int, args.ctxs.split(",")))
     S, P = 2048, 8
     if args.smoke:
         G, max_ctx, batches, ctxs, S, P = 16, 128 + 16, (1, 4), (32, 128), 64, 2
@@ -109,6 +116,14 @@ def main(argv: list[str] | None = None) -> None:
                     tok, cache = step(cache)
                 jax.block_until_ready(tok)
                 times.append((time.perf_counter() - t1) / 10)
+            if args.profile and (B, ctx) == (batches[-1], ctxs[-1]):
+                with jax.profiler.trace(args.profile):
+                    for _ in range(5):
+                        tok, cache = step(cache)
+                    jax.block_until_ready(tok)
+                summary = profile_summary(args.profile)
+                summary["shape"] = dict(batch=B, ctx=ctx, steps=5, backend=args.backend, gmm_impl=args.gmm)
+                write_results(f"{args.out}/profile-decode.json", summary)
             eng.cache = cache
             step_s = float(np.median(times))
             nbytes = weight_bytes(params, cfg, B) + B * ctx * row_bytes * cfg.num_hidden_layers
@@ -119,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
             res["rows"].append(row)
             print(row, flush=True)
 
+    if args.no_prefill:
+        write_results(f"{args.out}/e2e-h200.json", res)
+        return
     # Prefill: P prompts of S new tokens in one step.
     reqs = [ScheduledRequest(list(np.random.default_rng(p).integers(0, cfg.vocab_size, S)), 0,
                              list(range(1 + p * pages_per_req, 1 + p * pages_per_req + S // G))) for p in range(P)]

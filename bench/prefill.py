@@ -1,14 +1,18 @@
 """Benchmark of the prefill kernels (varlen flash attention, LSE merge, cache gather) on one GPU.
 
     PYTHONPATH=. python3 bench/prefill.py --out DIR [--sweep] [--quick] [--no-xla]
+                                          [--kernels pallas,pallas_sm90]
 
 (a) checks flash_prefill, merge_attn_states and gather_cache against their float32 references on
-    fresh random inputs with NaN-poisoned padding (exits 1 on any mismatch); (b) measures the
-    copy/matmul ceilings; (c) times causal bf16 prefill attention (q/k 192, v 128) on the project's
-    shapes plus a varlen mix and a non-causal context-chunk case: our kernel vs cuDNN
+    fresh random inputs with NaN-poisoned padding (exits 1 on any mismatch of those), and, on Hopper,
+    the Mosaic GPU kernel flash_prefill_sm90 (a mismatch or error of it is logged, recorded under
+    "checks" and its timing rows are skipped); (b) measures the copy/matmul ceilings; (c) times causal
+    bf16 prefill attention (q/k 192, v 128) on the project's shapes plus a varlen mix and a non-causal
+    context-chunk case: the Pallas kernels side by side on the same inputs (rows "pallas": the
+    Triton-lowered flash_prefill; "pallas_sm90": flash_prefill_sm90) vs cuDNN
     (`jax.nn.dot_product_attention(implementation="cudnn")`, V padded to 192) vs XLA where its
     [B, N, S, S] logits fit; (d) times merge_attn_states and gather_cache (xla vs pallas) against the
-    copy ceiling; writes DIR/prefill-h200.json. --sweep times tuning variants into
+    copy ceiling; writes DIR/prefill-h200.json. --sweep times tuning variants of both kernels into
     DIR/prefill-sweep.json (a variant that fails to compile is recorded and skipped).
 """
 from __future__ import annotations
@@ -30,6 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench import common  # noqa: E402
 from pallas_kernels import flash_prefill as fp  # noqa: E402
+from pallas_kernels import flash_prefill_sm90 as fp90  # noqa: E402
 from pallas_kernels import gather_cache as gc  # noqa: E402
 from pallas_kernels import merge_attn_states as ma  # noqa: E402
 
@@ -85,29 +90,52 @@ def _attn_inputs(seed, q_lens, k_lens, n, dtype, pad=9):
   return [jnp.asarray(x, dtype) for x in (q, k, v)] + [jnp.asarray(qs), jnp.asarray(ks)]
 
 
-def check_correctness() -> bool:
+FLASH_CASES = [  # name, q_lens, k_lens, causal, n, dtype, tuning
+    ("varlen causal bf16", [700, 0, 1, 129, 1000], None, True, 8, jnp.bfloat16, {}),
+    ("varlen causal f32", [300, 0, 1, 129, 77], None, True, 4, jnp.float32, {}),
+    ("chunk non-causal bf16", [300, 5, 0, 64, 257], [1000, 3, 0, 640, 64], False, 8,
+     jnp.bfloat16, {}),
+    ("causal q<k bf16", [300, 5, 64, 200], [1000, 3, 640, 64], True, 8, jnp.bfloat16, {}),
+    ("fixed 2x1024 N16 bf16", [1024, 1024], None, True, 16, jnp.bfloat16, {}),
+    ("varlen bq64 bk32 w4 s3", [700, 0, 1, 129, 1000], None, True, 4, jnp.bfloat16,
+     dict(block_q=64, block_k=32, num_warps=4, num_stages=3)),
+]
+SM90_CASES = [  # flash_prefill_sm90: bf16/f16 only, its own tuning knobs
+    ("sm90 varlen causal bf16", [700, 0, 1, 129, 1000], None, True, 8, jnp.bfloat16, {}),
+    ("sm90 chunk non-causal bf16", [300, 5, 0, 64, 257], [1000, 3, 0, 640, 64], False, 8,
+     jnp.bfloat16, {}),
+    ("sm90 causal q<k bf16", [300, 5, 64, 200], [1000, 3, 640, 64], True, 8, jnp.bfloat16, {}),
+    ("sm90 fixed 2x1024 N16 bf16", [1024, 1024], None, True, 16, jnp.bfloat16, {}),
+    ("sm90 1000+3000 N16 bf16", [1000, 3000], None, True, 16, jnp.bfloat16, {}),
+    ("sm90 varlen chunk f16", [513, 77, 1], [900, 77, 2], False, 4, jnp.float16, {}),
+    ("sm90 varlen no schedule barrier", [700, 0, 1, 129, 1000], None, True, 4, jnp.bfloat16,
+     dict(schedule_barrier=False)),
+    ("sm90 varlen P in smem", [700, 0, 1, 129, 1000], None, True, 4, jnp.bfloat16,
+     dict(p_in_smem=True)),
+    ("sm90 varlen bk64 s4", [700, 0, 1, 129, 1000], None, True, 4, jnp.bfloat16,
+     dict(block_k=64, num_stages=4)),
+]
+
+
+def check_flash(flash, cases) -> bool:
   ok = True
-  tol = {jnp.bfloat16: (2e-2, 2e-2), jnp.float32: (1e-3, 1e-3)}
-  cases = [  # name, q_lens, k_lens, causal, n, dtype, tuning
-      ("varlen causal bf16", [700, 0, 1, 129, 1000], None, True, 8, jnp.bfloat16, {}),
-      ("varlen causal f32", [300, 0, 1, 129, 77], None, True, 4, jnp.float32, {}),
-      ("chunk non-causal bf16", [300, 5, 0, 64, 257], [1000, 3, 0, 640, 64], False, 8,
-       jnp.bfloat16, {}),
-      ("causal q<k bf16", [300, 5, 64, 200], [1000, 3, 640, 64], True, 8, jnp.bfloat16, {}),
-      ("fixed 2x1024 N16 bf16", [1024, 1024], None, True, 16, jnp.bfloat16, {}),
-      ("varlen bq64 bk32 w4 s3", [700, 0, 1, 129, 1000], None, True, 4, jnp.bfloat16,
-       dict(block_q=64, block_k=32, num_warps=4, num_stages=3)),
-  ]
+  tol = {jnp.bfloat16: (2e-2, 2e-2), jnp.float16: (2e-2, 2e-2), jnp.float32: (1e-3, 1e-3)}
   for i, (name, ql, kl, causal, n, dtype, tun) in enumerate(cases):
     try:
       q, k, v, qs, ks = _attn_inputs(10 + i, ql, ql if kl is None else kl, n, dtype)
-      out, lse = fp.flash_prefill(q, k, v, qs, ks, causal=causal, scale=SCALE, **tun)
+      out, lse = flash(q, k, v, qs, ks, causal=causal, scale=SCALE, **tun)
       ref, ref_lse = fp.flash_prefill_reference(q, k, v, qs, ks, causal=causal, scale=SCALE)
       ok &= _close(name, out, ref, *tol[dtype], lse, ref_lse)
     except Exception as e:  # noqa: BLE001
       ok = False
       log(f"check {name}: ERROR {type(e).__name__}: {e}")
       traceback.print_exc()
+  return ok
+
+
+def check_correctness(triton=True) -> bool:
+  """The Triton flash kernel (if timed), merge_attn_states and gather_cache."""
+  ok = check_flash(fp.flash_prefill, FLASH_CASES) if triton else True
   # merge: random partials with every -inf combination, NaN outputs behind -inf
   rng = np.random.default_rng(3)
   t, n, dv = 1000, 16, 128
@@ -226,6 +254,17 @@ def pallas_fn(causal=True, **tun):
                                                           scale=SCALE, **tun))
 
 
+def sm90_fn(causal=True, **tun):
+  return jax.jit(lambda q, k, v, qs, ks: fp90.flash_prefill_sm90(q, k, v, qs, ks, causal=causal,
+                                                                 scale=SCALE, **tun))
+
+
+def flash_fns(kernels, causal=True):
+  """(row name, jitted fn) of the Pallas kernels to time, in --kernels order."""
+  make = {"pallas": pallas_fn, "pallas_sm90": sm90_fn}
+  return [(name, make[name](causal=causal)) for name in kernels]
+
+
 def dpa_fn(impl, causal=True, lengths=False):
   if lengths:
     return jax.jit(lambda q, k, v, ql, kl: jax.nn.dot_product_attention(
@@ -246,18 +285,20 @@ def pad_v(v):
   return jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, DQK - DV)])
 
 
-def bench_prefill(ceil, results, args):
-  """Rows for the fixed shapes, the varlen mix and the context-chunk case."""
+def bench_prefill(ceil, results, args, kernels=("pallas",)):
+  """Rows for the fixed shapes, the varlen mix and the context-chunk case; `kernels` are the
+  Pallas kernels timed side by side on the same inputs ("pallas", "pallas_sm90")."""
   xla_todo = []
   for (b, s, n) in SHAPES:
     q, k, v, loc = make_fixed(b, s, n)
     fl = causal_flops(n, [s] * b)
-    try:
-      us = timed(pallas_fn(), [(q, k, v, loc, loc)])
-      results["rows"].append(prefill_row("pallas", b, s, n, us, ceil, fl))
-    except Exception as e:  # noqa: BLE001
-      results["rows"].append(err_row("pallas", e, B=b, S=s, N=n))
-    log(results["rows"][-1])
+    for name, fn in flash_fns(kernels):
+      try:
+        us = timed(fn, [(q, k, v, loc, loc)])
+        results["rows"].append(prefill_row(name, b, s, n, us, ceil, fl))
+      except Exception as e:  # noqa: BLE001
+        results["rows"].append(err_row(name, e, B=b, S=s, N=n))
+      log(results["rows"][-1])
     q4, k4, v4 = (x.reshape(b, s, n, -1) for x in (q, k, pad_v(v)))
     del q, k, v
     try:
@@ -281,13 +322,16 @@ def bench_prefill(ceil, results, args):
   v = jax.random.normal(k3[2], (t, n, DV), jnp.bfloat16)
   loc = jnp.asarray(st)
   extra = dict(varlen=[int(x) for x in lens], tokens=t)
-  try:
-    us = timed(pallas_fn(), [(q, k, v, loc, loc)])
-    results["rows"].append(prefill_row("pallas", len(lens), int(lens.max()), n, us, ceil, fl,
-                                       **extra))
-  except Exception as e:  # noqa: BLE001
-    results["rows"].append(err_row("pallas", e, B=len(lens), S=int(lens.max()), N=n, **extra))
-  log(results["rows"][-1])
+  for name, fn in flash_fns(kernels):
+    # flash_prefill_sm90 copies inputs padded to 8-row multiples when T is not one (TMA tiles)
+    pad_note = {"padded_to_8": True} if name == "pallas_sm90" and t % 8 else {}
+    try:
+      us = timed(fn, [(q, k, v, loc, loc)])
+      results["rows"].append(prefill_row(name, len(lens), int(lens.max()), n, us, ceil, fl,
+                                         **extra, **pad_note))
+    except Exception as e:  # noqa: BLE001
+      results["rows"].append(err_row(name, e, B=len(lens), S=int(lens.max()), N=n, **extra))
+    log(results["rows"][-1])
   mx = int(lens.max())
   qp, kp, vp = (to_padded(x, lens, st, mx) for x in (q, k, pad_v(v)))
   ln = jnp.asarray(lens)
@@ -310,12 +354,14 @@ def bench_prefill(ceil, results, args):
   qs = jnp.arange(c["b"] + 1, dtype=jnp.int32) * c["q_len"]
   ks = jnp.arange(c["b"] + 1, dtype=jnp.int32) * c["k_len"]
   extra = dict(causal=False, q_len=c["q_len"], k_len=c["k_len"])
-  try:
-    us = timed(pallas_fn(causal=False), [(q, k, v, qs, ks)])
-    results["rows"].append(prefill_row("pallas", c["b"], c["q_len"], c["n"], us, ceil, fl, **extra))
-  except Exception as e:  # noqa: BLE001
-    results["rows"].append(err_row("pallas", e, B=c["b"], S=c["q_len"], N=c["n"], **extra))
-  log(results["rows"][-1])
+  for name, fn in flash_fns(kernels, causal=False):
+    try:
+      us = timed(fn, [(q, k, v, qs, ks)])
+      results["rows"].append(prefill_row(name, c["b"], c["q_len"], c["n"], us, ceil, fl,
+                                         **extra))
+    except Exception as e:  # noqa: BLE001
+      results["rows"].append(err_row(name, e, B=c["b"], S=c["q_len"], N=c["n"], **extra))
+    log(results["rows"][-1])
   q4 = q.reshape(c["b"], c["q_len"], c["n"], DQK)
   k4 = k.reshape(c["b"], c["k_len"], c["n"], DQK)
   v4 = pad_v(v).reshape(c["b"], c["k_len"], c["n"], DQK)
@@ -431,7 +477,15 @@ PREFILL_VARIANTS = [  # (block_q, block_k, num_warps, num_stages); the default r
 ]
 
 
-def run_sweep(ceil, sweep, budget_s):
+SM90_VARIANTS = [  # flash_prefill_sm90 tuning; the default runs first
+    None,
+    dict(block_k=64, num_stages=3), dict(block_k=64, num_stages=4),
+    dict(schedule_barrier=False), dict(block_k=64, num_stages=3, schedule_barrier=False),
+    dict(p_in_smem=True),
+]
+
+
+def run_sweep(ceil, sweep, budget_s, kernels=("pallas",)):
   t_all = time.time()
   lens = varlen_lens()
   cases = [("fixed", b, s, n) for (b, s, n) in SHAPES] + [("varlen", len(lens), int(lens.max()),
@@ -449,17 +503,24 @@ def run_sweep(ceil, sweep, budget_s):
       fl = causal_flops(n, lens)
       extra = dict(varlen=[int(x) for x in lens])
     base = None
-    t_case = time.time()
-    for var in PREFILL_VARIANTS:
-      tun = {} if var is None else dict(zip(("block_q", "block_k", "num_warps", "num_stages"), var))
-      label = "default" if var is None else tun
-      if time.time() - t_case > per_case:
-        sweep["rows"].append({"kernel": "pallas", "B": b, "S": s, "N": n, "variant": label,
+    variants = []
+    if "pallas" in kernels:
+      variants += [("pallas", pallas_fn, {} if var is None else
+                    dict(zip(("block_q", "block_k", "num_warps", "num_stages"), var)), var is None)
+                   for var in PREFILL_VARIANTS]
+    if "pallas_sm90" in kernels:
+      variants += [("pallas_sm90", sm90_fn, var or {}, var is None) for var in SM90_VARIANTS]
+    t_kernel = {}  # the case's budget is split evenly between the kernels
+    for kname, make_fn, tun, is_default in variants:
+      label = "default" if is_default else tun
+      t_kernel.setdefault(kname, time.time())
+      if time.time() - t_kernel[kname] > per_case / max(1, len(kernels)):
+        sweep["rows"].append({"kernel": kname, "B": b, "S": s, "N": n, "variant": label,
                               **extra, "error": "skipped: budget"})
         continue
       t0 = time.time()
       try:
-        f = pallas_fn(**tun)
+        f = make_fn(**tun)
         out = f(q, k, v, loc, loc)[0]
         diff = None
         if base is None:
@@ -468,13 +529,13 @@ def run_sweep(ceil, sweep, budget_s):
           diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - base.astype(jnp.float32))))
         del out
         us = timed(f, [(q, k, v, loc, loc)], iters=5, reps=3)
-        row = prefill_row("pallas", b, s, n, us, ceil, fl, variant=label, **extra,
+        row = prefill_row(kname, b, s, n, us, ceil, fl, variant=label, **extra,
                           compile_and_time_s=round(time.time() - t0, 1))
         if diff is not None:
           row["max_abs_diff_vs_default"] = diff
         sweep["rows"].append(row)
       except Exception as e:  # noqa: BLE001
-        sweep["rows"].append({"kernel": "pallas", "B": b, "S": s, "N": n, "variant": label, **extra,
+        sweep["rows"].append({"kernel": kname, "B": b, "S": s, "N": n, "variant": label, **extra,
                               "error": f"{type(e).__name__}: {str(e)[-300:]}"})
       log(sweep["rows"][-1])
     del q, k, v, base
@@ -507,16 +568,16 @@ def run_sweep(ceil, sweep, budget_s):
 
 
 def print_tables(results, sweep):
-  log("\n kernel   B     S     N   causal       us  TFLOP/s  frac_mm")
+  log("\n kernel       B     S     N   causal       us  TFLOP/s  frac_mm")
   for r in results["rows"]:
     if "op" in r:
       continue
     if "error" in r:
-      log(f" {r['kernel']:7s} {r.get('B', '')!s:>3} {r.get('S', '')!s:>5} {r.get('N', '')!s:>4}  "
+      log(f" {r['kernel']:11s} {r.get('B', '')!s:>3} {r.get('S', '')!s:>5} {r.get('N', '')!s:>4}  "
           f"{r['error'][:80]}")
       continue
     tag = " varlen" if "varlen" in r else (f" k_len={r['k_len']}" if "k_len" in r else "")
-    log(f" {r['kernel']:7s} {r['B']:3d} {r['S']:5d} {r['N']:4d}  {str(r['causal']):6s} "
+    log(f" {r['kernel']:11s} {r['B']:3d} {r['S']:5d} {r['N']:4d}  {str(r['causal']):6s} "
         f"{r['us']:9.1f} {r['TFLOPs']:8.1f} {r['frac_matmul']:8.3f}{tag}")
   log("\n op                 kernel  dtype       us    TB/s  frac_copy")
   for r in results["rows"]:
@@ -531,7 +592,8 @@ def print_tables(results, sweep):
     log("\n sweep: best variant per case (us)")
     groups = {}
     for r in sweep["rows"]:
-      key = (r.get("op", "prefill"), r.get("B"), r.get("S"), r.get("N"), r.get("dtype"))
+      key = (r.get("op", "prefill"), r.get("kernel"), r.get("B"), r.get("S"), r.get("N"),
+             r.get("dtype"))
       groups.setdefault(key, []).append(r)
     for key, rows in groups.items():
       good = [r for r in rows if "us" in r]
@@ -550,27 +612,51 @@ def main():
   ap.add_argument("--sweep-budget-s", type=float, default=150.0)
   ap.add_argument("--no-xla", action="store_true", help="skip the XLA attention rows")
   ap.add_argument("--no-check", "--skip-check", dest="skip_check", action="store_true", help="skip the GPU correctness checks")
+  ap.add_argument("--kernels", default="pallas,pallas_sm90",
+                  help="Pallas flash kernels to time: pallas (Triton) and/or pallas_sm90 (Hopper "
+                       "only)")
   args = ap.parse_args()
   t_start = time.time()
-  log(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  dev = jax.devices()[0]
+  log(f"device: {dev.device_kind}, jax {jax.__version__}")
+  kernels = [x for x in args.kernels.split(",") if x]
+  unknown = sorted(set(kernels) - {"pallas", "pallas_sm90"})
+  if unknown:
+    ap.error(f"--kernels: unknown {unknown}; choose from pallas, pallas_sm90")
+  if "pallas_sm90" in kernels and not fp90.is_sm90(dev):
+    log(f"pallas_sm90: skipped, needs compute capability 9.x "
+        f"(got {getattr(dev, 'compute_capability', None)})")
+    kernels.remove("pallas_sm90")
+  checks = {}
 
   if not args.skip_check:
-    ok = check_correctness()
+    ok = check_correctness(triton="pallas" in kernels)
+    checks["pallas"] = "PASS" if ok else "FAIL"
     log(f"correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
     if not ok:
       sys.exit(1)
+    if "pallas_sm90" in kernels:
+      ok = check_flash(fp90.flash_prefill_sm90, SM90_CASES)
+      checks["pallas_sm90"] = "PASS" if ok else "FAIL"
+      log(f"correctness pallas_sm90: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
+      if not ok:  # time only a kernel that computes the right thing
+        log("pallas_sm90: check failed, its timing rows are skipped")
+        kernels.remove("pallas_sm90")
 
   ceil = common.measure_ceilings()
   log(f"ceilings: {ceil}")
   results = common.results_header(ceil)
+  if checks:
+    results["checks"] = checks
+  results["kernels"] = kernels
   bench_memory_ops(ceil, results)
-  bench_prefill(ceil, results, args)
+  bench_prefill(ceil, results, args, kernels)
   os.makedirs(args.out, exist_ok=True)
   common.write_results(os.path.join(args.out, "prefill-h200.json"), results)
   sweep = None
   if args.sweep:
     sweep = common.results_header(ceil)
-    run_sweep(ceil, sweep, args.sweep_budget_s)
+    run_sweep(ceil, sweep, args.sweep_budget_s, kernels)
     common.write_results(os.path.join(args.out, "prefill-sweep.json"), sweep)
   print_tables(results, sweep)
   log(f"total {time.time() - t_start:.0f}s")
