@@ -16,7 +16,10 @@ install: $(STAMP)
 test: $(STAMP)
 	$(VPY) -m pytest -q -n 2 --durations=15
 
+# The shipped demo model (mla_jax/data/demo) through the CLI, then through the Python `generate` API; on CPU.
 demo: $(STAMP)
+	$(VPY) -m mla_jax.cli generate --model mla_jax/data/demo --prompt "def fibonacci(n):" --max-new-tokens 96 \
+		--temperature 0.7 --top-p 0.95 --seed 0
 	$(VPY) -m mla_jax.demo
 
 # On the GPU machine (its own python3 with jax; nothing to install): correctness checks, then benchmarks.

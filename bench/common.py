@@ -82,11 +82,13 @@ def measure_ceilings() -> dict[str, float]:
 
 
 def git_commit() -> str:
+    if os.environ.get("MLA_JAX_COMMIT"):  # the GPU machine's copy of the tree may carry a stale .git
+        return os.environ["MLA_JAX_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MLA_JAX_COMMIT", "unknown")
+        return "unknown"
 
 
 def results_header(ceilings: dict[str, float]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import measure_ceilings, profile_summary, results_header, write_results
-from mla_jax import model
+from mla_jax import attention, model
 from mla_jax.cache import KVCache
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
 from mla_jax.engine import Engine, EngineConfig, engine_step
@@ -41,10 +41,10 @@ def weight_bytes(params, cfg: DeepseekConfig, tokens: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--backend", default="pallas")
+    ap.add_argument("--backend", default=None, help="attention backend (default: the engine's for this GPU)")
     ap.add_argument("--layers", type=int, default=27, help="fewer layers for a quick look")
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes: checks the script on a CPU")
-    ap.add_argument("--gmm", choices=("ragged_dot", "pallas"), default="ragged_dot",
+    ap.add_argument("--gmm", choices=("ragged_dot", "pallas"), default="pallas",
                     help="MoE expert matmul (mla_jax.layers.expert_gmm)")
     ap.add_argument("--batches", default="1,32,128", help="decode batch sizes")
     ap.add_argument("--ctxs", default="1024,4096", help="decode contexts (at most 4096)")
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="trace 5 steps of the last decode shape into DIR; writes OUT/profile-decode.json")
     args = ap.parse_args(argv)
+    args.backend = args.backend or attention.default_backend_name()
 
     d = {**V2_LITE, "num_hidden_layers": args.layers}
     if args.smoke:

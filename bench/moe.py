@@ -39,6 +39,7 @@ import argparse
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -554,13 +555,17 @@ def main():
     ceil = common.measure_ceilings()
   log(f"ceilings: {ceil}")
   results["ceilings"] = ceil
-  bench_main(configs, tokens, results, args.smoke)
-  log(f"pallas + dense done ({time.time() - t_start:.0f}s)")
-  for r in results["rows"]:
-    add_fractions(r, ceil)
   os.makedirs(args.out, exist_ok=True)
   suffix = "-smoke" if args.smoke else ""
-  common.write_results(os.path.join(args.out, f"moe-h200{suffix}.json"), results)
+  # A time limit (`timeout` sends SIGTERM) should still leave the rows measured so far on disk.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  try:
+    bench_main(configs, tokens, results, args.smoke)
+    log(f"pallas + dense done ({time.time() - t_start:.0f}s)")
+  finally:
+    for r in results["rows"]:
+      add_fractions(r, ceil)
+    common.write_results(os.path.join(args.out, f"moe-h200{suffix}.json"), results)
   if args.sweep:
     sweep = common.results_header(ceil)
     run_sweep(configs, tokens, sweep, args.sweep_budget_s, args.smoke)

@@ -42,6 +42,10 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
+def default_gmm_impl() -> str:
+    return "ragged_dot" if jax.default_backend() == "cpu" else "pallas"
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     max_model_len: int = 4096
@@ -53,9 +57,12 @@ class EngineConfig:
     max_prefills: int = 4  # prefill requests per step (a static shape)
     decode_buckets: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to max_num_seqs
     prefill_buckets: tuple[int, ...] | None = None  # None: 16, 32, ... up to token_budget
-    backend: str | None = None  # None: "pallas" on GPU, "xla" on CPU
+    backend: str | None = None  # None: "pallas_sm90" on Hopper, "pallas" on other GPUs, "xla" on CPU
     batch_invariant: bool = False  # decode with one KV split: outputs independent of the batch
-    gmm_impl: str = "ragged_dot"  # MoE expert matmul: "ragged_dot" (XLA) or "pallas" (grouped GEMM kernel)
+    # MoE expert matmul: "ragged_dot" (XLA) or "pallas" (grouped GEMM kernel). None: "pallas" on GPU, where XLA
+    # lowers ragged_dot to a dense expansion (H200, V2-Lite experts at 32 tokens: 289 vs 976 us,
+    # bench/results/moe-h200.json), "ragged_dot" on CPU, where the kernel would run interpreted.
+    gmm_impl: str | None = None
 
     def resolved(self) -> "EngineConfig":
         pages = self.num_pages or self.max_num_seqs * _cdiv(self.max_model_len, self.page_size) + 1
@@ -67,7 +74,8 @@ class EngineConfig:
             raise ValueError(f"largest prefill bucket {max(pre)} < token_budget {self.token_budget}")
         return dataclasses.replace(self, num_pages=pages, decode_buckets=tuple(sorted(dec)),
                                    prefill_buckets=tuple(sorted(pre)),
-                                   backend=self.backend or attention.default_backend_name())
+                                   backend=self.backend or attention.default_backend_name(),
+                                   gmm_impl=self.gmm_impl or default_gmm_impl())
 
 
 @dataclasses.dataclass

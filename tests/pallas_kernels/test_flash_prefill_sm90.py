@@ -251,6 +251,24 @@ def test_unsupported_reason():
   assert "head dims" in k90.unsupported_reason(q[..., :48], k[..., :48], v[..., :32])
 
 
+def test_attention_backend_pallas_sm90(monkeypatch):
+  """get_backend("pallas_sm90") prefills through this kernel for bf16 and through the portable
+  Triton-lowered one where this kernel does not apply (f32)."""
+  if not _NPROC_IN_TIME:
+    pytest.skip("NPROC was raised too late for the interpreter")
+  from mla_jax import attention
+  calls = []
+  real = k90.flash_prefill_sm90
+  monkeypatch.setattr(k90, "flash_prefill_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  prefill = attention.get_backend("pallas_sm90").flash_prefill
+  for dtype, n_calls in ((jnp.bfloat16, 1), (jnp.float32, 1)):
+    q, k, v, qs, ks = make_inputs(41, [20, 1, 9], [20, 1, 9], dtype=dtype)
+    out, lse = prefill(q, k, v, qs, ks, causal=True, scale=SCALE)
+    ref, ref_lse = flash_prefill_reference(q, k, v, qs, ks, causal=True, scale=SCALE)
+    check(out, lse, ref, ref_lse, LSE_TOL["interpret"])
+    assert len(calls) == n_calls
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU (make gpu): the compiled kernel.
 

@@ -157,8 +157,8 @@ def test_batch_invariant_bitwise():
 
 
 def test_attention_backend_pallas_sm90(monkeypatch):
-  """get_backend("pallas_sm90") decodes through this kernel for page 64, through the portable
-  kernel otherwise; CPU keeps "xla" as the default backend."""
+  """get_backend("pallas_sm90") decodes through this kernel for page 64 when heads x query tokens fill
+  its 64-row tile, through the portable kernel otherwise; CPU keeps "xla" as the default backend."""
   from mla_jax import attention
   calls = []
   real = k90.mla_decode_sm90
@@ -166,8 +166,8 @@ def test_attention_backend_pallas_sm90(monkeypatch):
   if not _NPROC_IN_TIME:
     pytest.skip("NPROC was raised too late for the interpreter")
   decode = attention.get_backend("pallas_sm90").mla_decode
-  for g, n_calls in ((G, 1), (16, 1)):
-    q, cache, bt, sl, _ = make_inputs(21, b=2, nq=1, n=16, l=L, r=R, g=g, max_pages=128 // g,
+  for g, nq, n_calls in ((G, 4, 1), (16, 4, 1), (G, 1, 1)):  # sm90; page 16; 16 rows < 64
+    q, cache, bt, sl, _ = make_inputs(21, b=2, nq=nq, n=16, l=L, r=R, g=g, max_pages=128 // g,
                                       lens=[100, 7])
     out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=None, kv_lora_rank=L)
     ref, ref_lse = k90.mla_decode_reference(q, cache, bt, sl, scale=SCALE)
