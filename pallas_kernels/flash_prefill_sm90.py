@@ -70,6 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._mgpu import wgmma_accumulate
 from pallas_kernels.flash_prefill import _BIG, _row_windows, _validate, flash_prefill_reference
 from pallas_kernels.mla_decode_sm90 import _cpu_workers, is_sm90
 
@@ -321,24 +322,14 @@ def _body(cfg: _Cfg, r):
 def _pv(cfg: _Cfg, acc, p, p_ref, v_ref):
   """acc + p @ v with one wgmma (waits for it).
 
-  GPU: P from registers, accumulating into `acc`'s registers. The Mosaic GPU interpreter (jax 0.11.2)
-  has neither register-operand wgmma nor `pl.run_state` over an accumulator: there P goes through
-  shared memory and the product into a fresh accumulator, added in registers (same math, one extra
-  f32 rounding)."""
+  GPU: P from registers unless `p_in_smem`. The interpreter has no register-operand wgmma, so
+  there P always goes through shared memory (`cfg.p_in_smem` is forced on)."""
   a = p
   if cfg.p_in_smem:
     p_ref[...] = p
     plgpu.commit_smem()   # generic-proxy writes before the wgmma (async proxy) reads
     a = p_ref
-  if cfg.interpret:
-    def mm(acc_ref):
-      plgpu.wgmma(acc_ref, a, v_ref)
-      return acc_ref[...]
-    return acc + pl.run_scoped(mm, plgpu.ACC(acc.shape, jnp.float32))
-
-  def mm(acc_ref):
-    plgpu.wgmma(acc_ref, a, v_ref)
-  return pl.run_state(mm)(plgpu.ACC.init(acc))
+  return wgmma_accumulate(acc, a, v_ref, interpret=cfg.interpret)
 
 
 def _tile_meta(lo, hi, n_qtiles: int, bk: int):

@@ -67,6 +67,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._mgpu import wgmma_accumulate
 from pallas_kernels.mla_decode import _merge_splits, _validate, mla_decode_reference
 from pallas_kernels.mla_decode import num_sms as _device_num_sms
 
@@ -117,7 +118,7 @@ class _Cfg:
   fp8_stages: int     # fp8 ring depth (0: bf16 cache)
   sm_scale: float
   final_dtype: object  # dtype of the final output (q.dtype); partials are f32
-  interpret: bool     # Mosaic GPU interpreter (CPU): see _accumulate
+  interpret: bool     # Mosaic GPU interpreter (CPU): see _mgpu.wgmma_accumulate
   cdt: object = _BF16  # wgmma operand dtype (Q, ring, P): bf16, or f16 for an fp8 cache if asked
 
 
@@ -298,7 +299,7 @@ def _body(cfg, r):
       plgpu.barrier_arrive(p_ready)
 
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      acc = _accumulate(cfg, acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)])
+      acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)], interpret=cfg.interpret)
       plgpu.barrier_arrive(kv_consumed.at[slot_i])
       return acc, m_new, l_i
 
@@ -342,7 +343,7 @@ def _body(cfg, r):
       plgpu.barrier_wait(p_ready)
       alpha = plgpu.load(loop_rows.at[0], layout=row_layout)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      acc = _accumulate(cfg, acc, p_smem, ring.at[slot_i, :, pl.ds(half, half)])
+      acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(half, half)], interpret=cfg.interpret)
       plgpu.barrier_arrive(p_consumed)
       plgpu.barrier_arrive(kv_consumed.at[slot_i])
       return acc
@@ -459,25 +460,6 @@ def _regs(is_fp8):
   [64, L/2] f32 accumulator (128) plus the [64, 64] logits; the fp8 producer converts 64x64
   chunks."""
   return (208, 88) if is_fp8 else (224, 56)
-
-
-def _accumulate(cfg, acc, a_smem, b_smem):
-  """acc + a @ b with wgmma accumulating into `acc`'s registers (waits for completion).
-
-  The Mosaic GPU interpreter (jax 0.11.2) cannot run `pl.run_state` over a WGMMA accumulator
-  ("MLIR translation rule for primitive 'wgmma' not found for platform cpu") nor store a value
-  into an accumulator ref; there the product goes to a fresh zero accumulator and is added in
-  registers (same math, one extra f32 rounding; it would double the registers on a GPU).
-  """
-  if cfg.interpret:
-    def mm(acc_ref):
-      plgpu.wgmma(acc_ref, a_smem, b_smem)
-      return acc_ref[...]
-    return acc + pl.run_scoped(mm, plgpu.ACC(acc.shape, jnp.float32))
-
-  def mm(acc_ref):
-    plgpu.wgmma(acc_ref, a_smem, b_smem)
-  return pl.run_state(mm)(plgpu.ACC.init(acc))
 
 
 def _write_out(acc, inv, stage, dst, by_rows):
