@@ -74,30 +74,37 @@ def _mask_groups(scores: jnp.ndarray, group_scores: jnp.ndarray, cfg: DeepseekCo
     return jnp.where(keep, scores, fill)
 
 
-def expert_gmm(lhs: jnp.ndarray, w: jnp.ndarray, group_sizes: jnp.ndarray, impl: str = "ragged_dot") -> jnp.ndarray:
+def expert_gmm(lhs: jnp.ndarray, w: jnp.ndarray, group_sizes: jnp.ndarray, impl: str = "ragged_dot",
+               layer: jnp.ndarray | int | None = None) -> jnp.ndarray:
     """Grouped matmul of expert-sorted rows: lhs [M, in] x w [E, out, in] (HF layout) -> [M, out].
 
     Row block e (group_sizes[e] rows) uses expert e; rows past sum(group_sizes) come out 0. "ragged_dot" is
     `jax.lax.ragged_dot_general` (XLA's GPU lowering may expand it into a dense [E, M, in] problem);
     "pallas" is `pallas_kernels.grouped_matmul`, which computes each row's own expert only (interpret mode on
-    a CPU).
+    a CPU). With `layer`, w is stacked over a scan's layers, [layers, E, out, in], and layer `layer` is used:
+    the Pallas kernel reads it in place (no per-layer copy of the experts), ragged_dot slices it out.
     """
     if impl == "pallas":
-        return gmm_kernel.grouped_matmul(lhs, w, group_sizes, transpose_rhs=True,
+        return gmm_kernel.grouped_matmul(lhs, w, group_sizes, transpose_rhs=True, rhs_index=layer,
                                          interpret=jax.default_backend() == "cpu")
     if impl != "ragged_dot":
         raise ValueError(f"gmm_impl must be one of {GMM_IMPLS}, got {impl!r}")
+    if layer is not None:
+        w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
     # rhs is [E, out, in] (HF layout): contract lhs dim 1 with rhs dim 2.
     dn = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     return jax.lax.ragged_dot_general(lhs, w, group_sizes, dn)
 
 
-def moe(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, *, gmm_impl: str = "ragged_dot") -> jnp.ndarray:
+def moe(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, *, gmm_impl: str = "ragged_dot",
+        experts: dict | None = None, layer: jnp.ndarray | int | None = None) -> jnp.ndarray:
     """Routed experts + shared experts. x [T, D] -> [T, D].
 
     Token copies are sorted by expert and run through grouped matmuls (`expert_gmm` with `gmm_impl`), so
-    each expert only computes its own tokens.
+    each expert only computes its own tokens. `experts` and `layer` (see `model.split_experts`): the routed
+    experts of every layer of the group stacked [layers, E, out, in], used at `layer`, in place of
+    p["experts"].
     """
     T, D = x.shape
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -107,10 +114,10 @@ def moe(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, *, gmm_impl: str = "ragged
     token = order // K  # source token of each sorted copy
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E]
     xs = x[token]  # [T*K, D]
-    ex = p["experts"]
+    ex, layer = (p["experts"], None) if experts is None else (experts, layer)  # layer indexes stacked ones
 
     def gmm(lhs, w):
-        return expert_gmm(lhs, w, group_sizes, gmm_impl)
+        return expert_gmm(lhs, w, group_sizes, gmm_impl, layer)
 
     h = jax.nn.silu(gmm(xs, ex["gate_proj"]["weight"])) * gmm(xs, ex["up_proj"]["weight"])  # [T*K, I]
     y = gmm(h, ex["down_proj"]["weight"])  # [T*K, D]

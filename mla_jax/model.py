@@ -124,17 +124,36 @@ def lm_head_weight(params: Params) -> jnp.ndarray:
     return params["lm_head"]["weight"] if "lm_head" in params else params["model"]["embed_tokens"]["weight"]
 
 
-def ffn(p: Params, cfg: DeepseekConfig, x: jnp.ndarray, is_moe: bool, gmm_impl: str = "ragged_dot") -> jnp.ndarray:
-    return moe(p, cfg, x, gmm_impl=gmm_impl) if is_moe else mlp(p, x)
+def split_experts(group: Params, is_moe: bool, gmm_impl: str) -> tuple[Params, Params | None]:
+    """A layer group's stacked params -> (the part to scan over, the routed experts kept whole or None).
+
+    With gmm_impl="pallas" a MoE group's experts {gate_proj, up_proj, down_proj: {"weight": [layers, E, out,
+    in]}} stay out of the scan's xs: scan slices each layer out of its xs, and a slice that feeds a custom call
+    (the Pallas kernel) is materialized, a copy of all of that layer's expert weights every step although only
+    the experts tokens hit are read. The scan body instead closes over the stacked arrays (scan-invariant, no
+    copy) and the kernel reads layer i of them in place (`layers.moe(..., experts=, layer=i)`)."""
+    if not (is_moe and gmm_impl == "pallas"):
+        return group, None
+    mlp_p = dict(group["mlp"])
+    experts = mlp_p.pop("experts")
+    return {**group, "mlp": mlp_p}, experts
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention", "scale"))
+def ffn(p: Params, cfg: DeepseekConfig, x: jnp.ndarray, is_moe: bool, gmm_impl: str = "ragged_dot",
+        experts: Params | None = None, layer: jnp.ndarray | None = None) -> jnp.ndarray:
+    """The layer's MLP or MoE; `experts`, `layer`: from `split_experts` (the group's stacked experts and the
+    layer's index within the group)."""
+    return moe(p, cfg, x, gmm_impl=gmm_impl, experts=experts, layer=layer) if is_moe else mlp(p, x)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "scale", "gmm_impl"))
 def forward(params: Params, cfg: DeepseekConfig, input_ids: jnp.ndarray, *, attention: str = "naive",
-            scale: float | None = None) -> jnp.ndarray:
+            scale: float | None = None, gmm_impl: str = "ragged_dot") -> jnp.ndarray:
     """Full-sequence causal forward without a cache: input_ids i32[B, S] -> logits f32[B, S, vocab].
 
     Each row is one sequence at positions 0..S-1. `attention` picks the MLA algorithm ("naive" MHA or
-    "absorbed" MQA); the paged, batched path lives in `mla_jax.step`.
+    "absorbed" MQA); `gmm_impl` the MoE expert matmul (`mla_jax.layers.expert_gmm`); the paged, batched path
+    lives in `mla_jax.step`.
     """
     B, S = input_ids.shape
     model = params["model"]
@@ -148,13 +167,16 @@ def forward(params: Params, cfg: DeepseekConfig, input_ids: jnp.ndarray, *, atte
 
     for name, _, _ in layer_groups(cfg):
         is_moe = name == "moe_layers"
+        scanned, experts = split_experts(model[name], is_moe, gmm_impl)
 
-        def body(h, p, is_moe=is_moe):
+        def body(carry, p, is_moe=is_moe, experts=experts):
+            h, i = carry  # i: the layer's index within its group
             h = h + attn_block(p["self_attn"], rms_norm(p["input_layernorm"], h, cfg.rms_norm_eps))
-            h = h + ffn(p["mlp"], cfg, rms_norm(p["post_attention_layernorm"], h, cfg.rms_norm_eps), is_moe)
-            return h, None
+            h = h + ffn(p["mlp"], cfg, rms_norm(p["post_attention_layernorm"], h, cfg.rms_norm_eps), is_moe,
+                        gmm_impl, experts, i)
+            return (h, i + 1), None
 
-        x, _ = jax.lax.scan(body, x, model[name])
+        (x, _), _ = jax.lax.scan(body, (x, jnp.int32(0)), scanned)
     x = rms_norm(model["norm"], x, cfg.rms_norm_eps)
     logits = linear({"weight": lm_head_weight(params)}, x).astype(jnp.float32)
     return logits.reshape(B, S, -1)

@@ -78,10 +78,10 @@ from mla_jax import sharding
 from mla_jax.cache import KVCache, cache_dtype, check_page_size, write_kv_layer
 from mla_jax.config import DeepseekConfig
 from mla_jax.engine import Engine, EngineConfig, RequestOutput
-from mla_jax.layers import linear, mlp, rms_norm, route
+from mla_jax.layers import expert_gmm, linear, mlp, rms_norm, route
 from mla_jax.metadata import AttentionMetadata, DecodeMetadata
 from mla_jax.mla import absorb_q, mla_project, o_proj, v_up_proj
-from mla_jax.model import Params, layer_groups, lm_head_weight
+from mla_jax.model import Params, layer_groups, lm_head_weight, split_experts
 from mla_jax.sampling import SamplingArrays, SamplingParams, sample
 from mla_jax.sharding import DCP, EP, TP
 from mla_jax.step import mla_paged
@@ -362,14 +362,17 @@ def _mlp(p: dict, x: jax.Array, inter: int, axes: tuple[str, ...]) -> jax.Array:
     return y if p["gate_proj"]["weight"].shape[0] == inter else jax.lax.psum(y, axes)
 
 
-def _moe(p: dict, cfg: DeepseekConfig, x: jax.Array, axes: tuple[str, ...], gmm_impl: str) -> jax.Array:
+def _moe(p: dict, cfg: DeepseekConfig, x: jax.Array, axes: tuple[str, ...], gmm_impl: str,
+         experts: dict | None = None, layer: jax.Array | None = None) -> jax.Array:
     """`layers.moe` on this device's experts (moe="ep": E/n whole experts; "tp": every expert's I/n slice).
-    x [T, D] replicated -> [T, D] replicated, through one all-reduce of the routed + shared partial sums."""
+    x [T, D] replicated -> [T, D] replicated, through one all-reduce of the routed + shared partial sums.
+    `experts`, `layer`: the group's stacked experts [layers, E_loc, out, in] and the layer within the group
+    (`model.split_experts`), in place of p["experts"]."""
     T, D = x.shape
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     weights, ids = route(p["gate"], cfg, x)  # [T, K], replicated
-    ex = p["experts"]
-    e_loc, i_loc = ex["gate_proj"]["weight"].shape[:2]
+    ex, layer = (p["experts"], None) if experts is None else (experts, layer)  # layer indexes stacked ones
+    e_loc, i_loc = ex["gate_proj"]["weight"].shape[-3:-1]
     flat = ids.reshape(-1)  # [T*K]
     if e_loc != E:  # expert parallel: keep the copies routed to experts [e0, e0 + e_loc)
         local = flat - jax.lax.axis_index(axes) * e_loc
@@ -381,14 +384,9 @@ def _moe(p: dict, cfg: DeepseekConfig, x: jax.Array, axes: tuple[str, ...], gmm_
     token = order // K
     group_sizes = jnp.bincount(key, length=e_loc).astype(jnp.int32)  # key == e_loc is dropped
     xs = x[token]  # [T*K, D]
-    dn = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
-    def gmm(lhs, w):
-        if gmm_impl == "ragged_dot":
-            return jax.lax.ragged_dot_general(lhs, w, group_sizes, dn)
-        from mla_jax.layers import expert_gmm  # the grouped-GEMM kernel option (rows past the groups are 0 too)
-        return expert_gmm(lhs, w, group_sizes, gmm_impl)
+    def gmm(lhs, w):  # rows past the groups (other devices' copies) come out 0
+        return expert_gmm(lhs, w, group_sizes, gmm_impl, layer)
 
     h = jax.nn.silu(gmm(xs, ex["gate_proj"]["weight"])) * gmm(xs, ex["up_proj"]["weight"])  # [T*K, I_loc]
     y = gmm(h, ex["down_proj"]["weight"])  # [T*K, D]; rows past the groups are 0
@@ -434,9 +432,10 @@ def _local_step(params: Params, cache: KVCache, md: AttentionMetadata, *, cfg: D
     x = _embed(model["embed_tokens"]["weight"], md.input_ids, cfg.vocab_size, model_axes)  # [T, D]
     for name, start, n in layer_groups(cfg):
         is_moe = name == "moe_layers"
+        scanned, experts = split_experts(model[name], is_moe, gmm_impl)
 
-        def body(carry, p, is_moe=is_moe):
-            h, cache, layer = carry
+        def body(carry, p, is_moe=is_moe, start=start, experts=experts):
+            h, cache, layer = carry  # layer: the model's layer index (the cache's); layer - start: the group's
             hn = rms_norm(p["input_layernorm"], h, eps)
             if dstep is None:
                 a, cache = mla_paged(p["self_attn"], cfg_loc, hn, md, cache, layer, be)
@@ -446,11 +445,11 @@ def _local_step(params: Params, cache: KVCache, md: AttentionMetadata, *, cfg: D
                 a = jax.lax.psum(a, head_axes)
             h = h + a
             hn = rms_norm(p["post_attention_layernorm"], h, eps)
-            h = h + (_moe(p["mlp"], cfg, hn, model_axes, gmm_impl) if is_moe else
+            h = h + (_moe(p["mlp"], cfg, hn, model_axes, gmm_impl, experts, layer - start) if is_moe else
                      _mlp(p["mlp"], hn, cfg.intermediate_size, model_axes))
             return (h, cache, layer + 1), None
 
-        (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(start)), model[name])
+        (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(start)), scanned)
     x = rms_norm(model["norm"], x[md.logits_indices], eps)
     logits = linear({"weight": lm_head_weight(params)}, x).astype(jnp.float32)  # [num_logits, vocab/n]
     return logits, cache

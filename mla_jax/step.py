@@ -18,7 +18,7 @@ from mla_jax.config import DeepseekConfig
 from mla_jax.layers import linear, rms_norm
 from mla_jax.metadata import AttentionMetadata
 from mla_jax.mla import absorb_q, mla_project, o_proj, v_up_proj
-from mla_jax.model import Params, ffn, layer_groups, lm_head_weight
+from mla_jax.model import Params, ffn, layer_groups, lm_head_weight, split_experts
 
 
 def mla_paged(p: dict, cfg: DeepseekConfig, x: jax.Array, md: AttentionMetadata, cache: KVCache,
@@ -59,17 +59,18 @@ def forward_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: Attent
     x = model["embed_tokens"]["weight"][md.input_ids]  # [T, D]
     for name, start, n in layer_groups(cfg):
         is_moe = name == "moe_layers"
+        scanned, experts = split_experts(model[name], is_moe, gmm_impl)
 
-        def body(carry, p, is_moe=is_moe):
-            h, cache, layer = carry
+        def body(carry, p, is_moe=is_moe, start=start, experts=experts):
+            h, cache, layer = carry  # layer: the model's layer index (the cache's); layer - start: the group's
             a, cache = mla_paged(p["self_attn"], cfg, rms_norm(p["input_layernorm"], h, cfg.rms_norm_eps), md,
                                  cache, layer, be)
             h = h + a
             h = h + ffn(p["mlp"], cfg, rms_norm(p["post_attention_layernorm"], h, cfg.rms_norm_eps), is_moe,
-                        gmm_impl)
+                        gmm_impl, experts, layer - start)
             return (h, cache, layer + 1), None
 
-        (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(start)), model[name])
+        (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(start)), scanned)
     x = rms_norm(model["norm"], x[md.logits_indices], cfg.rms_norm_eps)
     logits = linear({"weight": lm_head_weight(params)}, x).astype(jnp.float32)
     return logits, cache

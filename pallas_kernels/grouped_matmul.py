@@ -5,6 +5,13 @@ weights in the HF (torch Linear) layout [out, in] (`transpose_rhs=True`) or [G, 
 i32[G]: group g owns rows [sum(sizes[:g]), sum(sizes[:g+1])). Rows at or past sum(group_sizes) are
 padding (expert-parallel shards move other devices' copies there) and come out exactly 0.
 
+Stacked layers: rhs may carry one more leading axis, [Lyr, G, N, K] (or [Lyr, G, K, N]), with
+`rhs_index` (an int32 scalar, may be traced) picking the layer. The kernel indexes
+rhs[rhs_index, g] itself, so a model that scans over layers can hand it the whole stacked weights
+(scan-invariant): slicing the layer out first would make XLA materialize a copy of every expert of
+that layer (a slice feeding a custom call is a new buffer), each step, although only the experts
+that rows hit are read.
+
 Why: XLA's GPU lowering of `ragged_dot` has, in many versions, expanded the ragged operand into
 zero-padded per-group matrices, a dense [G, M, K] problem (every expert for every row); that defeats
 the MoE sparsity and runs out of memory at prefill sizes. Here each row is multiplied by its own
@@ -52,12 +59,17 @@ _DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
 def _validate(lhs, rhs, group_sizes, transpose_rhs, block_m, block_n, block_k, num_warps,
-              num_stages, num_k_splits, preferred_element_type):
+              num_stages, num_k_splits, preferred_element_type, rhs_index=None):
   if not hasattr(lhs, "ndim") or lhs.ndim != 2:
     raise ValueError(f"lhs must be [M, K], got shape {getattr(lhs, 'shape', None)}")
-  if not hasattr(rhs, "ndim") or rhs.ndim != 3:
-    raise ValueError(f"rhs must be [G, N, K] (transpose_rhs=True) or [G, K, N], got shape "
-                     f"{getattr(rhs, 'shape', None)}")
+  stacked = rhs_index is not None
+  if not hasattr(rhs, "ndim") or rhs.ndim != 3 + stacked:
+    want = ("[Lyr, G, N, K] (transpose_rhs=True) or [Lyr, G, K, N] with rhs_index" if stacked
+            else "[G, N, K] (transpose_rhs=True) or [G, K, N] (a stacked rhs needs rhs_index)")
+    raise ValueError(f"rhs must be {want}, got shape {getattr(rhs, 'shape', None)}")
+  if stacked:
+    _check_rhs_index(rhs_index, rhs.shape[0])
+    rhs = jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype)  # one layer, for the checks below
   if jnp.dtype(lhs.dtype) not in _DTYPES:
     raise ValueError(f"lhs dtype must be bfloat16, float16 or float32, got {lhs.dtype}")
   if lhs.dtype != rhs.dtype:
@@ -88,6 +100,22 @@ def _validate(lhs, rhs, group_sizes, transpose_rhs, block_m, block_n, block_k, n
   if preferred_element_type is not None and jnp.dtype(preferred_element_type) not in _DTYPES:
     raise ValueError("preferred_element_type must be None, bfloat16, float16 or float32, got "
                      f"{preferred_element_type}")
+
+
+def _check_rhs_index(rhs_index, num_layers: int):
+  """rhs_index: an integer scalar; a static one must lie in [0, num_layers) (a traced one is
+  clamped there by `grouped_matmul`)."""
+  shape = getattr(rhs_index, "shape", ())
+  dtype = getattr(rhs_index, "dtype", None)
+  if isinstance(rhs_index, bool) or shape != () or not (
+      isinstance(rhs_index, int) or (dtype is not None and jnp.issubdtype(dtype, jnp.integer))):
+    raise ValueError(f"rhs_index must be an integer scalar, got {rhs_index!r}")
+  try:
+    value = int(rhs_index)  # static: a Python or numpy int, or a concrete array
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return
+  if not 0 <= value < num_layers:
+    raise ValueError(f"rhs_index={value} is out of range for rhs with {num_layers} stacked layers")
 
 
 def default_tuning(m: int, n: int, k: int, g: int, dtype, sms: int | None = None):
@@ -159,9 +187,9 @@ def _and(a, b):
   return a if b is None else a & b
 
 
-def _kernel(tile_ref, lo_ref, hi_ref, grp_ref, lhs_ref, rhs_ref, out_ref, *, m: int, n: int,
-            k: int, num_groups: int, bm: int, bn: int, bk: int, steps_per_split: int,
-            transpose_rhs: bool, precision):
+def _kernel(tile_ref, lo_ref, hi_ref, grp_ref, layer_ref, lhs_ref, rhs_ref, out_ref, *, m: int,
+            n: int, k: int, num_groups: int, bm: int, bn: int, bk: int, steps_per_split: int,
+            transpose_rhs: bool, stacked: bool, precision):
   j = pl.program_id(0)  # N block (fastest: programs in flight share the row tile and expert)
   i = pl.program_id(1)  # work item
   s = pl.program_id(2)  # K split
@@ -174,6 +202,7 @@ def _kernel(tile_ref, lo_ref, hi_ref, grp_ref, lhs_ref, rhs_ref, out_ref, *, m: 
   col_in = cols < n if n % bn else None
   is_gemm = grp < num_groups
   g = jnp.minimum(grp, num_groups - 1)
+  lead = (layer_ref[0], g) if stacked else (g,)  # rhs[layer, g] of stacked layers, else rhs[g]
   if transpose_rhs:  # rhs tile [bn, bk], contract both operands' dim 1
     dims = (((1,), (1,)), ((), ()))
   else:  # rhs tile [bk, bn]
@@ -184,11 +213,11 @@ def _kernel(tile_ref, lo_ref, hi_ref, grp_ref, lhs_ref, rhs_ref, out_ref, *, m: 
     x = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)],
               _and(row_in, None if k_in is None else k_in[None, :]))
     if transpose_rhs:
-      w = _load(rhs_ref.at[g, pl.ds(col0, bn), pl.ds(k0, bk)],
+      w = _load(rhs_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))],
                 _and(None if col_in is None else col_in[:, None],
                      None if k_in is None else k_in[None, :]))
     else:
-      w = _load(rhs_ref.at[g, pl.ds(k0, bk), pl.ds(col0, bn)],
+      w = _load(rhs_ref.at[(*lead, pl.ds(k0, bk), pl.ds(col0, bn))],
                 _and(None if k_in is None else k_in[:, None],
                      None if col_in is None else col_in[None, :]))
     return acc + lax.dot_general(x, w, dims, precision=precision,
@@ -215,27 +244,31 @@ def _kernel(tile_ref, lo_ref, hi_ref, grp_ref, lhs_ref, rhs_ref, out_ref, *, m: 
 @functools.partial(jax.jit, static_argnames=("transpose_rhs", "interpret", "block_m", "block_n",
                                              "block_k", "num_warps", "num_stages", "num_k_splits",
                                              "out_dtype"))
-def _gmm_impl(lhs, rhs, group_sizes, *, transpose_rhs, interpret, block_m, block_n, block_k,
+def _gmm_impl(lhs, rhs, group_sizes, layer, *, transpose_rhs, interpret, block_m, block_n, block_k,
               num_warps, num_stages, num_k_splits, out_dtype):
+  """layer: i32[1], the index into rhs's leading axis when rhs is stacked [Lyr, G, ...] (4-D)."""
+  stacked = rhs.ndim == 4
+  lead = ((0, 0),) * (1 + stacked)  # no padding on the (layer,) group axes
   m, k = lhs.shape
-  g = rhs.shape[0]
-  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  g = rhs.shape[-3]
+  n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
   out_dtype = jnp.dtype(out_dtype)
   # Interpret mode cannot slice a block larger than the array (the GPU just masks): zero-pad a
   # dimension smaller than its block (tiny problems only: blocks are clamped to the next power of
-  # two of their dimension by the caller, so the copy is under one block).
+  # two of their dimension by the caller, so the padding is under one block; a stacked rhs is
+  # padded, so copied, whole: CPU tests only).
   m_out, n_out = m, n
   if interpret and m < block_m:
     lhs = jnp.pad(lhs, ((0, block_m - m), (0, 0)))  # padding segment rows: output 0, sliced off
     m = block_m
   if interpret and k < block_k:  # zeros in K add nothing
     lhs = jnp.pad(lhs, ((0, 0), (0, block_k - k)))
-    rhs = jnp.pad(rhs, ((0, 0), (0, 0), (0, block_k - k)) if transpose_rhs else
-                  ((0, 0), (0, block_k - k), (0, 0)))
+    rhs = jnp.pad(rhs, lead + (((0, 0), (0, block_k - k)) if transpose_rhs else
+                               ((0, block_k - k), (0, 0))))
     k = block_k
   if interpret and n < block_n:
-    rhs = jnp.pad(rhs, ((0, 0), (0, block_n - n), (0, 0)) if transpose_rhs else
-                  ((0, 0), (0, 0), (0, block_n - n)))
+    rhs = jnp.pad(rhs, lead + (((0, block_n - n), (0, 0)) if transpose_rhs else
+                               ((0, 0), (0, block_n - n))))
     n = block_n
   tile, lo, hi, grp = work_items(group_sizes, m, block_m)
   num_items = tile.shape[0]
@@ -245,21 +278,22 @@ def _gmm_impl(lhs, rhs, group_sizes, *, transpose_rhs, interpret, block_m, block
   precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None  # exact f32, not TF32
   kernel = functools.partial(
       _kernel, m=m, n=n, k=k, num_groups=g, bm=block_m, bn=block_n, bk=block_k,
-      steps_per_split=steps_per_split, transpose_rhs=transpose_rhs, precision=precision)
+      steps_per_split=steps_per_split, transpose_rhs=transpose_rhs, stacked=stacked,
+      precision=precision)
   whole = lambda shape: pl.BlockSpec(shape, lambda j, i, s: (0,) * len(shape))  # noqa: E731
   out = pl.pallas_call(
       kernel,
       grid=(_cdiv(n, block_n), num_items, splits),
       # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
       # kernel offsets by its work item itself.
-      in_specs=[whole((num_items,))] * 4 + [whole(lhs.shape), whole(rhs.shape)],
+      in_specs=[whole((num_items,))] * 4 + [whole((1,)), whole(lhs.shape), whole(rhs.shape)],
       out_specs=whole((splits, m, n)),
       out_shape=jax.ShapeDtypeStruct((splits, m, n), part_dtype),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name=(f"grouped_matmul_bm{block_m}_bn{block_n}_bk{block_k}_w{num_warps}_s{num_stages}"
             f"_ks{splits}"),
-  )(tile, lo, hi, grp, lhs, rhs)
+  )(tile, lo, hi, grp, layer, lhs, rhs)
   out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(out_dtype)
   if (m_out, n_out) != (m, n):
     out = out[:m_out, :n_out]
@@ -270,7 +304,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = True, interpr
                    block_m: int | None = None, block_n: int | None = None,
                    block_k: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, num_k_splits: int | None = None,
-                   preferred_element_type=None):
+                   preferred_element_type=None, rhs_index=None):
   """out[r] = lhs[r] @ W[g(r)] for each row r of group g(r); rows >= sum(group_sizes) give 0.
 
   lhs [M, K] rows sorted by group; rhs [G, N, K] (HF [out, in] layout, transpose_rhs=True) or
@@ -278,33 +312,45 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = True, interpr
   preferred_element_type (default lhs.dtype), accumulated in float32. Same result as
   `jax.lax.ragged_dot_general` contracting lhs dim 1 with rhs dim 2 (or 1).
 
+  rhs_index: with rhs stacked over layers, [Lyr, G, N, K] (or [Lyr, G, K, N]), an integer scalar
+  (static or traced) picking the layer, read in place (W = rhs[rhs_index]); a static index must be
+  in range, a traced one is clamped to [0, Lyr).
+
   Tuning (None = `default_tuning`): block_m rows per tile, block_n, block_k (powers of two >= 16),
   num_warps, num_stages (Triton pipelining), num_k_splits (K split into float32 partials).
   """
   _validate(lhs, rhs, group_sizes, transpose_rhs, block_m, block_n, block_k, num_warps, num_stages,
-            num_k_splits, preferred_element_type)
+            num_k_splits, preferred_element_type, rhs_index)
   m, k = lhs.shape
-  g = rhs.shape[0]
-  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  g = rhs.shape[-3]
+  n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
   d = default_tuning(m, n, k, g, lhs.dtype)
   bm, bn, bk, warps, stages, splits = (d[i] if v is None else v for i, v in enumerate(
       (block_m, block_n, block_k, num_warps, num_stages, num_k_splits)))
   # No block larger than its (power-of-two rounded) dimension: it would only compute padding.
   bm, bn, bk = (min(b, max(16, _next_pow2(x))) for b, x in ((bm, m), (bn, n), (bk, k)))
   out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
-  return _gmm_impl(lhs, rhs, group_sizes, transpose_rhs=bool(transpose_rhs),
+  layer = (jnp.zeros((1,), jnp.int32) if rhs_index is None else
+           jnp.clip(jnp.asarray(rhs_index, jnp.int32), 0, rhs.shape[0] - 1).reshape(1))
+  return _gmm_impl(lhs, rhs, group_sizes, layer, transpose_rhs=bool(transpose_rhs),
                    interpret=bool(interpret), block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
                    num_stages=stages, num_k_splits=splits, out_dtype=out_dtype.name)
 
 
 def grouped_matmul_reference(lhs, rhs, group_sizes, *, transpose_rhs: bool = True,
-                             interpret: bool = False, preferred_element_type=None, **tuning):
+                             interpret: bool = False, preferred_element_type=None, rhs_index=None,
+                             **tuning):
   """Float32 plain-JAX reference (returns float32): a masked dense matmul per group, summed.
 
-  Costs G dense [M, K] x [K, N] products: for tests and moderate benchmark checks only.
+  With rhs_index, rhs is stacked [Lyr, ...] and the layer is sliced out first (clamped as the
+  kernel does). Costs G dense [M, K] x [K, N] products: for tests and moderate benchmark checks
+  only.
   """
   del interpret, tuning, preferred_element_type
-  _validate(lhs, rhs, group_sizes, transpose_rhs, None, None, None, None, None, None, None)
+  _validate(lhs, rhs, group_sizes, transpose_rhs, None, None, None, None, None, None, None,
+            rhs_index)
+  if rhs_index is not None:
+    rhs = lax.dynamic_index_in_dim(rhs, jnp.clip(rhs_index, 0, rhs.shape[0] - 1), keepdims=False)
   m = lhs.shape[0]
   x = lhs.astype(jnp.float32)
   w = rhs.astype(jnp.float32)

@@ -7,6 +7,7 @@ import pytest
 from mla_jax.layers import moe, route
 from mla_jax import model
 from tests.mla_jax.helpers import tiny_config
+from tests.mla_jax.multihost_worker import random_params
 
 CASES = {
     "v3_noaux_tc": dict(),
@@ -93,3 +94,23 @@ def test_pallas_grouped_matmul_in_moe():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="gmm_impl"):
         moe(p, cfg, x, gmm_impl="dense")
+
+
+@pytest.mark.parametrize("gmm_impl", ["pallas", "ragged_dot"])
+def test_stacked_experts_at_layer(gmm_impl):
+    """`moe(..., experts=<stacked [layers, E, out, in]>, layer=i)` (what the layer scans pass with
+    `model.split_experts`) equals the MoE of layer i's own params; the layer may be traced."""
+    cfg = tiny_config(num_hidden_layers=4)  # 3 MoE layers of distinct weights
+    params = random_params(cfg, 11, std=0.3)  # numpy-drawn: no init_params compile for this config
+    group = params["model"]["moe_layers"]
+    scanned, experts = model.split_experts(group, True, "pallas")
+    assert "experts" not in scanned["mlp"] and "experts" in group["mlp"]
+    x = jax.random.normal(jax.random.key(12), (9, cfg.hidden_size))
+    f = jax.jit(lambda p, i: moe(p, cfg, x, gmm_impl=gmm_impl, experts=experts, layer=i))
+    g = jax.jit(lambda p: moe(p, cfg, x, gmm_impl=gmm_impl))
+    for i in range(3):
+        want = g(jax.tree.map(lambda a: a[i], group["mlp"]))
+        got = f(jax.tree.map(lambda a: a[i], scanned["mlp"]), jnp.int32(i))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    kept, none = model.split_experts(group, True, "ragged_dot")
+    assert kept is group and none is None  # the ragged_dot path scans them as before

@@ -169,6 +169,77 @@ def test_moe_pipeline_matches_dense_per_token_reference():
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
 
 
+# ---- stacked layers: rhs [Lyr, G, ...] read in place at rhs_index ----
+
+def _stacked(seed, sizes, m, n, k, layers, dtype, transpose_rhs=True):
+  """Inputs plus rhs stacked over `layers` layers whose other layers are NaN except the one wanted,
+  which the caller picks: returns (lhs, one layer's rhs, group sizes, stack builder)."""
+  lhs, rhs, gs = _inputs(seed, sizes, m, n, k, dtype, transpose_rhs)
+
+  def stack(index):  # layer `index` holds rhs, every other layer NaN: reading the wrong one shows
+    return jnp.full((layers,) + rhs.shape, jnp.nan, dtype).at[index].set(rhs)
+  return lhs, rhs, gs, stack
+
+
+@pytest.mark.parametrize("transpose_rhs", [True, False])
+def test_stacked_rhs_static_index(transpose_rhs):
+  lhs, rhs, gs, stack = _stacked(9, _sizes(9, 5, 40), 45, 24, 40, 3, jnp.float32, transpose_rhs)
+  want = grouped_matmul(lhs, rhs, gs, transpose_rhs=transpose_rhs, interpret=True, **SMALL)
+  ref = grouped_matmul_reference(lhs, rhs, gs, transpose_rhs=transpose_rhs)
+  for index in (0, 2, np.int32(1)):
+    st = stack(int(index))
+    got = grouped_matmul(lhs, st, gs, transpose_rhs=transpose_rhs, interpret=True, rhs_index=index,
+                         **SMALL)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # same kernel, same sums
+    ref_st = grouped_matmul_reference(lhs, st, gs, transpose_rhs=transpose_rhs, rhs_index=index)
+    np.testing.assert_array_equal(np.asarray(ref_st), np.asarray(ref))
+
+
+def test_stacked_rhs_traced_index_in_jit_and_scan():
+  """A traced index under jit (clamped when out of range) and the layer counter of a lax.scan whose
+  body closes over the stacked weights (the model's use), each layer's weights distinct."""
+  layers, sizes, m, n, k = 3, _sizes(10, 6, 30), 34, 40, 72
+  lhs, _, gs = _inputs(10, sizes, m, n, k, jnp.bfloat16)
+  rng = np.random.default_rng(11)
+  st = jnp.asarray(rng.standard_normal((layers, len(sizes), n, k), np.float32) / np.sqrt(k),
+                   jnp.bfloat16)
+  per_layer = [np.asarray(grouped_matmul(lhs, st[i], gs, interpret=True, **SMALL)
+                          .astype(jnp.float32)) for i in range(layers)]
+
+  f = jax.jit(lambda i: grouped_matmul(lhs, st, gs, interpret=True, rhs_index=i, **SMALL))
+  for i, want in ((1, 1), (2, 2), (-4, 0), (7, layers - 1)):  # out of range: clamped
+    np.testing.assert_array_equal(np.asarray(f(jnp.int32(i)).astype(jnp.float32)), per_layer[want])
+
+  def body(i, _):
+    return i + 1, grouped_matmul(lhs, st, gs, interpret=True, rhs_index=i, **SMALL)
+  _, outs = jax.jit(lambda: jax.lax.scan(body, jnp.int32(0), None, length=layers))()
+  for i in range(layers):
+    np.testing.assert_array_equal(np.asarray(outs[i].astype(jnp.float32)), per_layer[i])
+    ref = grouped_matmul_reference(lhs, st, gs, rhs_index=jnp.int32(i))
+    atol, rtol = TOL[jnp.bfloat16]
+    np.testing.assert_allclose(per_layer[i], np.asarray(ref), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("rhs_shape, index, match", [
+    ((2, 3, 20, 16), None, "needs rhs_index"),  # stacked rhs without an index
+    ((3, 20, 16), 0, r"\[Lyr, G, N, K\]"),  # an index with an unstacked rhs
+    ((2, 3, 20, 16), 2, "rhs_index=2 is out of range for rhs with 2 stacked layers"),
+    ((2, 3, 20, 16), -1, "rhs_index=-1 is out of range"),
+    ((2, 3, 20, 16), jnp.int32(5), "rhs_index=5"),  # concrete arrays are static too
+    ((2, 3, 20, 16), 1.0, "integer scalar"),
+    ((2, 3, 20, 16), jnp.zeros((1,), jnp.int32), "integer scalar"),
+    ((2, 3, 20, 24), 1, "K=24"),  # the per-layer checks still apply
+])
+def test_stacked_validation(rhs_shape, index, match):
+  lhs = jnp.zeros((8, 16), jnp.float32)
+  gs = jnp.array([3, 0, 5], jnp.int32)
+  rhs = jnp.zeros(rhs_shape, jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    grouped_matmul(lhs, rhs, gs, interpret=True, rhs_index=index)
+  with pytest.raises(ValueError, match=match):
+    grouped_matmul_reference(lhs, rhs, gs, rhs_index=index)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(lhs=np.zeros((8,), np.float32)), r"lhs must be \[M, K\]"),
     (dict(lhs=np.zeros((8, 16), np.int32)), "lhs dtype"),
@@ -233,6 +304,30 @@ def test_gpu_deterministic_and_matches_ragged_dot():
   want = jax.lax.ragged_dot_general(lhs, rhs, gs, dn, preferred_element_type=jnp.float32)
   np.testing.assert_allclose(np.asarray(a.astype(jnp.float32)), np.asarray(want), atol=2e-2,
                              rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose_rhs", [True, False])
+def test_gpu_stacked_rhs(transpose_rhs):
+  """rhs [Lyr, G, ...] indexed by a traced layer inside a jitted scan (the model's decode use) on
+  the real kernel: every layer's output equals the unstacked call; other layers NaN in the static
+  case."""
+  layers, sizes, m, n, k = 3, _sizes(12, 64, 12), 12, 1408, 2048  # decode-like: tiny groups
+  lhs, rhs, gs, stack = _stacked(12, sizes, m, n, k, layers, jnp.bfloat16, transpose_rhs)
+  want = np.asarray(grouped_matmul(lhs, rhs, gs, transpose_rhs=transpose_rhs).astype(jnp.float32))
+  got = grouped_matmul(lhs, stack(1), gs, transpose_rhs=transpose_rhs, rhs_index=1)
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+  rng = np.random.default_rng(13)
+  st = jnp.asarray(rng.standard_normal((layers,) + rhs.shape, np.float32) / np.sqrt(k),
+                   jnp.bfloat16)
+
+  def body(i, _):
+    return i + 1, grouped_matmul(lhs, st, gs, transpose_rhs=transpose_rhs, rhs_index=i)
+  _, outs = jax.jit(lambda: jax.lax.scan(body, jnp.int32(0), None, length=layers))()
+  for i in range(layers):
+    one = grouped_matmul(lhs, st[i], gs, transpose_rhs=transpose_rhs)
+    np.testing.assert_array_equal(np.asarray(outs[i].astype(jnp.float32)),
+                                  np.asarray(one.astype(jnp.float32)))
 
 
 @pytest.mark.gpu
