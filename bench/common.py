@@ -4,11 +4,14 @@ Results format: ../shared/notes/bench-results.md (one JSON object per benchmark 
 """
 from __future__ import annotations
 
+import collections
 import datetime
+import glob
 import json
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -114,9 +117,6 @@ def profile_summary(trace_dir: str, *, top: int = 40) -> dict[str, Any]:
     """Device-side time of a `jax.profiler.trace` directory: per device line (stream / XLA ops), the total busy
     time, the event count and the `top` events by summed duration. Busy time against the traced wall time shows
     launch gaps; the top events show which fusions and kernels a step spends its time in."""
-    import collections
-    import glob
-
     from jax.profiler import ProfileData
 
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
@@ -141,3 +141,39 @@ def profile_summary(trace_dir: str, *, top: int = 40) -> dict[str, Any]:
                 "busy_ms": round(sum(agg.values()) / 1e6, 3), "span_ms": round((hi - lo) / 1e6, 3),
                 "top": [{"name": n[:160], "ms": round(t / 1e6, 3), "count": cnt[n]} for n, t in agg.most_common(top)]})
     return out
+
+
+def device_time_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iters: int = 20) -> dict[str, Any]:
+    """Per call, from a profiler trace of `iters` back-to-back calls: `device_us`, the time the GPU's streams
+    were busy (union of their kernel intervals), and `span_us`, first kernel start to last kernel end. Where
+    `time_fn`'s wall time is well above `device_us`, the host (dispatch) limits the call, not the kernels.
+    Returns {"error": ...} where the trace has no device stream (CPU) or cannot be read."""
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(fn(*arg_sets[0]))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            out = None
+            for i in range(iters):
+                out = fn(*arg_sets[i % len(arg_sets)])
+            jax.block_until_ready(out)
+        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            return {"error": "no trace written"}
+        spans = []
+        for plane in ProfileData.from_file(paths[0]).planes:
+            if not plane.name.startswith("/device:"):
+                continue
+            for line in plane.lines:  # kernels sit on the "Stream #..." lines; the others are summaries
+                if line.name.startswith("Stream"):
+                    spans += [(ev.start_ns, ev.start_ns + ev.duration_ns) for ev in line.events]
+    if not spans:
+        return {"error": "no device stream events in the trace"}
+    spans.sort()
+    busy, end = 0.0, -float("inf")
+    for a, b in spans:  # union of intervals (streams may overlap)
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return {"device_us": round(busy / iters / 1e3, 2),
+            "span_us": round((spans[-1][1] - spans[0][0]) / iters / 1e3, 2), "kernels_per_call": len(spans) / iters}

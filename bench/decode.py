@@ -257,6 +257,8 @@ def main():
   ap.add_argument("--shapes", default="", help="subset, e.g. 128x16x8192,1x128x32768")
   ap.add_argument("--dtypes", default="bf16,fp8")
   ap.add_argument("--no-check", action="store_true", help="skip the correctness check (tuning runs)")
+  ap.add_argument("--device-time", action="store_true",
+                  help="also record each kernel's device time from a profiler trace (device_us, span_us)")
   ap.add_argument("--sweep-budget-s", type=float, default=180.0,
                   help="sweep time over all shapes (split evenly; later variants are skipped)")
   ap.add_argument("--kernels", default="pallas,pallas_sm90",
@@ -312,6 +314,8 @@ def main():
       for name, fn, extra in timed_kernels:
         try:
           us = timed(fn, sets, 20, 7)
+          if args.device_time:  # kernel time without host dispatch (see common.device_time_us)
+            extra = {**extra, **common.device_time_us(fn, sets)}
           results["rows"].append(row_for(name, b, n, ctx, dtype, us, ceil, **extra))
           log(f"{name} {dtype} B={b} N={n} ctx={ctx}: {us:.1f} us {extra} "
               f"{results['rows'][-1]['TBps']} TB/s {results['rows'][-1]['TFLOPs']} TFLOP/s")
