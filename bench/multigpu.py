@@ -44,10 +44,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from bench.common import measure_ceilings, results_header, write_results  # noqa: E402
 from bench.e2e import V2_LITE, weight_bytes  # noqa: E402
-from mla_jax import model, parallel  # noqa: E402
+from mla_jax import attention, model, parallel  # noqa: E402
 from mla_jax.cache import KVCache  # noqa: E402
 from mla_jax.config import DeepseekConfig  # noqa: E402
-from mla_jax.engine import engine_step  # noqa: E402
+from mla_jax.engine import default_gmm_impl, engine_step  # noqa: E402
 from mla_jax.metadata import BatchShape, ScheduledRequest, build_metadata  # noqa: E402
 from mla_jax.sampling import SamplingArrays  # noqa: E402
 
@@ -96,7 +96,7 @@ def random_cache(shape: tuple[int, ...], sharding, dtype) -> KVCache:
     return jax.jit(make, **kw)(jax.random.key(1))
 
 
-def run_row(*, params, cfg, plan, batch, ctx, page, backend, steps, reps, ceilings, nbytes_weights):
+def run_row(*, params, cfg, plan, batch, ctx, page, backend, gmm, steps, reps, ceilings, nbytes_weights):
     """One decode measurement; returns the row. `plan` None: the plain one-device engine_step."""
     dcp = plan.dcp if plan is not None else 1
     gv = page * dcp  # virtual page of the block tables
@@ -117,14 +117,15 @@ def run_row(*, params, cfg, plan, batch, ctx, page, backend, steps, reps, ceilin
         md, sp = md.to_device(), jax.tree.map(jnp.asarray, sp)
 
         def step(cache):
-            t, _, cache = engine_step(params, cfg, cache, md, sp, backend=backend, batch_invariant=False)
+            t, _, cache = engine_step(params, cfg, cache, md, sp, backend=backend, batch_invariant=False,
+                                      gmm_impl=gmm)
             return t, cache
     else:
         md, sp = plan.replicate(md), plan.replicate(sp)
 
         def step(cache):
             t, _, cache = parallel.engine_step(params, cfg, cache, md, sp, plan=plan, backend=backend,
-                                               batch_invariant=False)
+                                               batch_invariant=False, gmm_impl=gmm)
             return t, cache
 
     t0 = time.perf_counter()
@@ -146,7 +147,7 @@ def run_row(*, params, cfg, plan, batch, ctx, page, backend, steps, reps, ceilin
     devices = plan.num_devices if plan is not None else 1
     kv_bytes = batch * ctx * 2 * cfg.cache_row_dim * cfg.num_hidden_layers / dcp
     roof = (nbytes_weights(batch) / devices + kv_bytes) / (ceilings["copy_TBps"] * 1e12)
-    return dict(tp=plan.tp if plan is not None else 1, dcp=dcp, devices=devices,
+    return dict(tp=plan.tp if plan is not None else 1, dcp=dcp, devices=devices, gmm_impl=gmm,
                 path="parallel" if plan is not None else "single", batch=batch, ctx=ctx, phase="decode",
                 step_ms=round(step_s * 1e3, 3), tokens_per_s=round(batch / step_s, 1),
                 roofline_ms=round(roof * 1e3, 3), x_roofline=round(step_s / roof, 2),
@@ -165,7 +166,9 @@ def add_scaling(rows: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--backend", default=None, help="attention backend (default: pallas on GPU, xla on CPU)")
+    ap.add_argument("--backend", default=None, help="attention backend (default: the engine's for this device)")
+    ap.add_argument("--gmm", choices=("ragged_dot", "pallas"), default=None,
+                    help="MoE expert matmul (default: the engine's for this device: pallas on GPU)")
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--tp", type=_ints, default=(1, 2, 4))
     ap.add_argument("--dcp", type=_ints, default=(1, 2, 4))
@@ -190,7 +193,8 @@ def main() -> None:
         args.batch, args.ctx, args.page = (4,), (32, 128), 16
         steps, reps = 2, 2
     cfg = DeepseekConfig.from_dict(d)
-    backend = args.backend or ("xla" if jax.default_backend() == "cpu" else "pallas")
+    backend = args.backend or attention.default_backend_name()
+    gmm = args.gmm or default_gmm_impl()
     n_dev = jax.device_count()
     if args.smoke:  # the ceilings' 2 GiB copies and 8192^3 matmuls take minutes on a CPU
         ceilings = {"copy_TBps": 0.01, "matmul_TFLOPs": 0.1, "smoke": True}
@@ -199,6 +203,7 @@ def main() -> None:
     res = results_header(ceilings)
     res["model"] = f"DeepSeek-V2-Lite shape, random bf16 weights, {cfg.num_hidden_layers} layers"
     res["backend"] = backend
+    res["gmm_impl"] = gmm
     res["visible_devices"] = n_dev
     res["page"] = args.page
     res["skipped"] = []
@@ -263,7 +268,7 @@ def main() -> None:
         else:
             try:
                 row = run_row(params=params, cfg=cfg, plan=plan, batch=batch, ctx=ctx, page=args.page,
-                              backend=backend, steps=steps, reps=reps, ceilings=ceilings,
+                              backend=backend, gmm=gmm, steps=steps, reps=reps, ceilings=ceilings,
                               nbytes_weights=nbytes_weights)
                 row["mem_gb_per_device"] = round(need / 1e9, 1)
                 res["rows"].append(row)
