@@ -30,7 +30,7 @@ gpu: gpu-test gpu-bench-kernels gpu-bench-e2e
 gpu-test:
 	$(GPU_ENV) python3 -m pytest -q -m gpu -p no:cacheprovider tests
 gpu-bench-kernels:
-	$(GPU_ENV) python3 bench/decode.py --out $(RESULTS)
+	$(GPU_ENV) python3 bench/decode.py --device-time --out $(RESULTS)
 	$(GPU_ENV) python3 bench/prefill.py --out $(RESULTS)
 	$(GPU_ENV) python3 bench/moe.py --out $(RESULTS)
 gpu-bench-e2e:
