@@ -32,7 +32,7 @@ from pallas_kernels import mla_decode_sm90 as md90
 
 # The Hopper kernels are the default on compute capability 9.x: both passed their GPU checks on an H200
 # (2026-11-29: bench/decode.py's 9 sm90 cases; 8 of the 12 GPU tests of the prefill kernel, none failed).
-SM90_DECODE_VERIFIED = True
+SM90_VERIFIED = True
 # Where the sm90 decode kernel is used: its CTA tile holds 64 query rows (heads x query tokens). With fewer rows
 # (e.g. 16 heads, one token) the tile is mostly padding and the Triton kernel was ~10% faster on the H200
 # (bench/results/decode-h200.json: N=16 bf16 121 vs 130 us, 353 vs 394 us); with 128 heads sm90 is ~2x faster.
@@ -96,7 +96,7 @@ def _sm90_prefill(fallback, q, k, v, *args, interpret, **kw):
 def default_backend_name() -> str:
     if _on_cpu():
         return "xla"
-    return "pallas_sm90" if SM90_DECODE_VERIFIED and md90.is_sm90() else "pallas"
+    return "pallas_sm90" if SM90_VERIFIED and md90.is_sm90() else "pallas"
 
 
 def forward_mqa(backend: Backend, q: jax.Array, kv_cache: jax.Array, kv_scale: jax.Array | None,
