@@ -33,7 +33,7 @@ def run_schedule(params, cfg, seqs, schedule, *, page_size, num_pages=64, cache_
 
     from mla_jax.allocator import PagePool
     from mla_jax.cache import init_kv_cache
-    from mla_jax.metadata import ScheduledRequest, build_metadata
+    from mla_jax.metadata import build_metadata
     from mla_jax.step import jit_step
 
     pool = PagePool(num_pages, page_size)
@@ -42,29 +42,44 @@ def run_schedule(params, cfg, seqs, schedule, *, page_size, num_pages=64, cache_
     done = [0] * len(seqs)
     out = []
     for step in schedule:
-        reqs = []
-        for r, n in step:
-            if r not in pool:
-                pool.allocate(r, n)
-            else:
-                pool.append(r, n)
-            reqs.append(ScheduledRequest(seqs[r][done[r]:done[r] + n], done[r], pool.pages(r)))
+        reqs = step_requests(pool, seqs, done, step)
         md, order = build_metadata(reqs, page_size=page_size, num_pages=num_pages,
                                    reorder_batch_threshold=reorder_batch_threshold, causal=causal,
                                    workspace_rows=workspace_rows)
         logits, cache = jit_step(params, cfg, cache, md.to_device(), backend=backend)
         logits = np.asarray(logits)
-        s = md.shape
-        for k, oi in enumerate(order):
-            r, n = step[oi]
-            if k < s.num_decodes:
-                for t in range(n):
-                    out.append((r, done[r] + t, logits[k * s.decode_query_len + t]))
-            else:
-                out.append((r, done[r] + n - 1, logits[s.num_decode_tokens + k - s.num_decodes]))
-        for r, n in step:
-            done[r] += n
+        out += step_logits(logits, md.shape, md.shape.num_decodes, step, order, done)
     return out
+
+
+def step_requests(pool, seqs, done, step):
+    """The ScheduledRequests of one schedule step: (request, new tokens) pairs get their pages (allocated on
+    first sight, appended after) and the next `n` tokens of their sequence."""
+    from mla_jax.metadata import ScheduledRequest
+
+    reqs = []
+    for r, n in step:
+        if r not in pool:
+            pool.allocate(r, n)
+        else:
+            pool.append(r, n)
+        reqs.append(ScheduledRequest(seqs[r][done[r]:done[r] + n], done[r], pool.pages(r)))
+    return reqs
+
+
+def step_logits(logits, shape, num_decodes, step, order, done):
+    """[(request, position, logits)] of one step (decode rows: every query token; prefills: the last one), in
+    the metadata's `order`; advances `done`. `num_decodes`: the real decode rows (a static shape pads them)."""
+    rows = []
+    for k, oi in enumerate(order):
+        r, n = step[oi]
+        if k < num_decodes:
+            rows += [(r, done[r] + t, logits[k * shape.decode_query_len + t]) for t in range(n)]
+        else:
+            rows.append((r, done[r] + n - 1, logits[shape.num_decode_tokens + k - num_decodes]))
+    for r, n in step:
+        done[r] += n
+    return rows
 
 
 def copy_fixture(name, tmp_path):

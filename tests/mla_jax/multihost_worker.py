@@ -161,7 +161,8 @@ def run_schedule_parallel(params, cfg, seqs, schedule, *, plan=None, page_size=P
     from mla_jax import parallel, step as step_lib
     from mla_jax.allocator import PagePool
     from mla_jax.cache import init_kv_cache
-    from mla_jax.metadata import ScheduledRequest, build_metadata
+    from mla_jax.metadata import build_metadata
+    from tests.mla_jax.helpers import step_requests, step_logits
 
     if plan is None:
         jit_step = jax.jit(step_lib.jit_step.__wrapped__, static_argnames=("cfg", "backend", "batch_invariant"),
@@ -184,13 +185,7 @@ def run_schedule_parallel(params, cfg, seqs, schedule, *, plan=None, page_size=P
     done = [0] * len(seqs)
     out = []
     for step in schedule:
-        reqs = []
-        for r, n in step:
-            if r not in pool:
-                pool.allocate(r, n)
-            else:
-                pool.append(r, n)
-            reqs.append(ScheduledRequest(seqs[r][done[r]:done[r] + n], done[r], pool.pages(r)))
+        reqs = step_requests(pool, seqs, done, step)
         md, order = build_metadata(reqs, page_size=gv, num_pages=num_pages,
                                    reorder_batch_threshold=reorder_batch_threshold, workspace_rows=workspace,
                                    shape=shape)
@@ -200,17 +195,8 @@ def run_schedule_parallel(params, cfg, seqs, schedule, *, plan=None, page_size=P
         else:
             logits, cache = jit_step(params, cfg, cache, plan.replicate(md), plan=plan, backend=backend)
             logits = parallel.to_host(logits)
-        s = md.shape
         nd = sum(n <= reorder_batch_threshold for _, n in step)  # real decodes (the shape pads them)
-        for k, oi in enumerate(order):
-            r, n = step[oi]
-            if k < nd:
-                for t in range(n):
-                    out.append((r, done[r] + t, logits[k * s.decode_query_len + t]))
-            else:
-                out.append((r, done[r] + n - 1, logits[s.num_decode_tokens + k - nd]))
-        for r, n in step:
-            done[r] += n
+        out += step_logits(logits, md.shape, nd, step, order, done)
     return (out, cache, pool) if return_state else out
 
 
