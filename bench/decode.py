@@ -220,6 +220,18 @@ def row_for(kernel, b, n, ctx, dtype, us, ceil, **extra):
   return row
 
 
+def variant_row(kernel, make_fn, v, sets, srow, ceil):
+  """A sweep row for tuning variant `v`: its timing (compile included in compile_and_time_s), or the
+  error that stopped it (a variant that fails to compile is recorded and skipped)."""
+  t0 = time.time()
+  try:
+    us = timed(make_fn(), sets, 10, 3)
+    return row_for(kernel, srow["B"], srow["N"], srow["ctx"], srow["dtype"], us, ceil, variant=v,
+                   compile_and_time_s=round(time.time() - t0, 1))
+  except Exception as e:  # noqa: BLE001
+    return {**srow, "kernel": kernel, "variant": v, "error": f"{type(e).__name__}: {str(e)[-300:]}"}
+
+
 def sweep_variants(n, dtype, num_splits_default):
   """Prune: one-at-a-time moves around the default, most informative first (compile time is the
   cost: ~1 s a bf16 variant, up to ~10 s an fp8 one at 16 rows)."""
@@ -332,14 +344,7 @@ def main():
       if args.sweep and not args.quick and run_sm90:
         srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype, "kernel": "pallas_sm90"}
         for v in sm90_sweep_variants(dtype, sm90_splits(b, n, ctx)):
-          t0 = time.time()
-          try:
-            us = timed(sm90_fn(**v), sets, 10, 3)
-            sweep["rows"].append(row_for("pallas_sm90", b, n, ctx, dtype, us, ceil, variant=v,
-                                         compile_and_time_s=round(time.time() - t0, 1)))
-          except Exception as e:  # noqa: BLE001
-            sweep["rows"].append({**srow, "variant": v,
-                                  "error": f"{type(e).__name__}: {str(e)[-300:]}"})
+          sweep["rows"].append(variant_row("pallas_sm90", lambda: sm90_fn(**v), v, sets, srow, ceil))
       if args.sweep and not args.quick and run_triton:
         srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype}
         try:
@@ -354,14 +359,7 @@ def main():
             sweep["rows"].append({**srow, "kernel": "pallas", "variant": v,
                                   "error": "skipped: budget"})
             continue
-          t0 = time.time()
-          try:
-            us = timed(kernel_fn(**v), sets, 10, 3)
-            sweep["rows"].append(row_for("pallas", b, n, ctx, dtype, us, ceil, variant=v,
-                                         compile_and_time_s=round(time.time() - t0, 1)))
-          except Exception as e:  # noqa: BLE001
-            msg = f"{type(e).__name__}: {str(e)[-300:]}"
-            sweep["rows"].append({**srow, "kernel": "pallas", "variant": v, "error": msg})
+          sweep["rows"].append(variant_row("pallas", lambda: kernel_fn(**v), v, sets, srow, ceil))
       del sets
     # Written after every shape so a run cut short by a time limit still leaves its rows.
     common.write_results(os.path.join(args.out, "decode-h200.json"), results)
