@@ -161,12 +161,15 @@ def device_time_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iters: 
         if not paths:
             return {"error": "no trace written"}
         spans = []
+        per_kernel: collections.Counter = collections.Counter()
         for plane in ProfileData.from_file(paths[0]).planes:
             if not plane.name.startswith("/device:"):
                 continue
             for line in plane.lines:  # kernels sit on the "Stream #..." lines; the others are summaries
                 if line.name.startswith("Stream"):
-                    spans += [(ev.start_ns, ev.start_ns + ev.duration_ns) for ev in line.events]
+                    for ev in line.events:
+                        spans.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+                        per_kernel[ev.name[:80]] += ev.duration_ns
     if not spans:
         return {"error": "no device stream events in the trace"}
     spans.sort()
@@ -176,4 +179,6 @@ def device_time_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iters: 
             busy += b - max(a, end)
             end = b
     return {"device_us": round(busy / iters / 1e3, 2),
-            "span_us": round((spans[-1][1] - spans[0][0]) / iters / 1e3, 2), "kernels_per_call": len(spans) / iters}
+            "span_us": round((spans[-1][1] - spans[0][0]) / iters / 1e3, 2), "kernels_per_call": len(spans) / iters,
+            # where the device time goes: the 6 largest kernels, us per call
+            "kernels_us": {k: round(t / iters / 1e3, 2) for k, t in per_kernel.most_common(6)}}
