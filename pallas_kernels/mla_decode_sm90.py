@@ -13,7 +13,7 @@ up to 8: N=16 moves 16 rows, not 64. A metadata array [pieces, 6] (b, h, p0, n, 
 comes from one of two schedules:
 - "grid" (default): every tile cut into S static splits over the block table's capacity
   (`choose_num_kv_splits_sm90`); S == 1 writes the final output directly, S > 1 writes f32
-  partials merged by LSE with the Triton module's `_merge_splits`.
+  partials merged by LSE with the Triton module's `merge_splits` kernel.
 - "worklist": a metadata step on device (FlashMLA's get_mla_metadata idea) cuts each tile by its
   actual length into k = round(pages / target) pieces, target = total pages / SMs, so long requests
   spread over many SMs and short ones stay whole (final output written directly); only split tiles
@@ -69,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._mgpu import wgmma_accumulate
-from pallas_kernels.mla_decode import _merge_splits, _validate, mla_decode_reference
+from pallas_kernels.mla_decode import _validate, merge_splits, mla_decode_reference
 from pallas_kernels.mla_decode import num_sms as _device_num_sms
 
 __all__ = ["mla_decode_sm90", "mla_decode_reference", "choose_num_kv_splits_sm90", "is_sm90",
@@ -700,10 +700,9 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
   )
   out, lse, o_part, lse_part = kernel(*args)
   if schedule == "grid" and splits > 1:
-    # Pieces with no pages wrote only lse = -inf: mask their (unwritten) outputs for the merge.
-    o_part = jnp.where(jnp.isfinite(lse_part)[..., None], o_part, 0.0)
-    out, lse = _merge_splits(o_part.reshape(b, splits, m_out, l),
-                             lse_part.reshape(b, splits, m_out))
+    # Pieces with no pages wrote only lse = -inf; the merge never reads their outputs.
+    out, lse = merge_splits(o_part.reshape(b, splits, m_out, l), lse_part.reshape(b, splits, m_out),
+                            out_dtype=q.dtype, interpret=bool(interpret))
   elif schedule == "worklist":
     out, lse = _merge_worklist(out.reshape(b * head_tiles, rpt, l),
                                lse.reshape(b * head_tiles, rpt), o_part.reshape(-1, rpt, l),

@@ -21,7 +21,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mla_decode import choose_num_kv_splits, mla_decode, mla_decode_reference
+from pallas_kernels.mla_decode import (choose_num_kv_splits, merge_splits, merge_splits_reference,
+                                       mla_decode, mla_decode_reference)
 
 SCALE = 192 ** -0.5 * 1.87385
 TOL = {"bf16": (2e-2, 1e-3), "fp8": (2e-2, 1e-3), "f32": (1e-4, 1e-4)}
@@ -249,3 +250,52 @@ def test_gpu_matches_reference(idx):
   ref, ref_lse = reference(q, cache, bt, sl, ks, kernel_kw)
   # GPU dots accumulate in a different order than the CPU reference: same bf16 bounds, lse 1e-2.
   assert_close(out, lse, ref, ref_lse, kind, lse_tol=1e-2)
+
+
+@pytest.mark.parametrize("b,splits,m,l", [(2, 5, 24, 64), (1, 64, 16, 512), (3, 2, 8, 32),
+                                           (1, 1, 16, 64), (2, 3, 8, 48)])
+def test_merge_splits_kernel(b, splits, m, l):
+  """The stage-2 merge kernel against its jnp reference: dead splits (lse -inf) hold NaN partials
+  that must never be read, one row has no live split at all (out 0, lse -inf)."""
+  rng = np.random.default_rng(splits * 100 + l)
+  o_part = rng.standard_normal((b, splits, m, l)).astype(np.float32)
+  lse_part = rng.uniform(-3.0, 8.0, (b, splits, m)).astype(np.float32)
+  dead = rng.random((b, splits, m)) < 0.3
+  dead[0, :, 1] = True
+  lse_part[dead] = -np.inf
+  o_part[dead] = np.nan
+  out, lse = merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part), out_dtype=jnp.float32,
+                          interpret=True)
+  ref, ref_lse = merge_splits_reference(jnp.asarray(o_part), jnp.asarray(lse_part))
+  assert out.shape == (b, m, l) and lse.shape == (b, m)
+  assert np.all(np.isfinite(np.asarray(out)))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-6)
+  assert np.all(np.asarray(out)[0, 1] == 0) and np.asarray(lse)[0, 1] == -np.inf
+  # the reference itself, against float64 numpy over the live splits
+  w = np.where(dead, 0.0, np.exp(lse_part.astype(np.float64)))
+  expect = np.nansum(np.where(dead[..., None], 0.0, w[..., None] * o_part), axis=1)
+  denom = w.sum(axis=1)
+  live = denom > 0
+  np.testing.assert_allclose(np.asarray(ref)[live], (expect / np.where(live, denom, 1)[..., None])[live],
+                             rtol=1e-5, atol=1e-6)
+  bf, _ = merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part), out_dtype=jnp.bfloat16,
+                       interpret=True)
+  assert bf.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(bf, np.float32), np.asarray(ref), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_merge_splits():
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  rng = np.random.default_rng(7)
+  b, splits, m, l = 2, 64, 128, 512   # (1, 128, 32k)-like: 64 splits, block_l 128
+  o_part = rng.standard_normal((b, splits, m, l)).astype(np.float32)
+  lse_part = rng.uniform(-3.0, 8.0, (b, splits, m)).astype(np.float32)
+  dead = rng.random((b, splits, m)) < 0.3
+  lse_part[dead], o_part[dead] = -np.inf, np.nan
+  out, lse = merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part))
+  ref, ref_lse = merge_splits_reference(jnp.asarray(o_part), jnp.asarray(lse_part))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-5)
