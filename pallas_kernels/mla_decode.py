@@ -20,10 +20,10 @@ upcast to the compute dtype, and the per-token dequant scale is applied to logit
 (fp8_mode="scale_logits", default: block_h x block_kv multiplies instead of block_kv x (L+R)), or to
 the upcast tile (fp8_mode="dequant_tile").
 
-Status on H200 (bench/decode.py, 2026-11-29): bf16 N=16 reaches 59-81% of copy bandwidth, N=128
-190-225 TFLOP/s, 5-9x faster than the XLA path. The fp8 path is 2.5-4x SLOWER than bf16: Triton
-upcasts the fp8 tile through extra shared-memory copies/layout conversions (compile time 8 s vs 1 s
-shows it), so reading half the bytes does not pay yet; see the report that came with this file.
+Status on H200 (bench/decode.py, 2026-11-29): bf16 N=16 reaches 60-80% of copy bandwidth, N=128
+189-223 TFLOP/s, 6-9x faster than the XLA path; its 7 GPU tests pass. The fp8 path is 1.8-2.5x SLOWER
+than bf16: Triton upcasts the fp8 tile through extra shared-memory copies/layout conversions (compile
+time 8 s vs 1 s shows it), so reading half the bytes does not pay yet.
 """
 from __future__ import annotations
 
