@@ -122,6 +122,7 @@ class _Cfg:
   final_dtype: object  # dtype of the final output (q.dtype); partials are f32
   interpret: bool     # Mosaic GPU interpreter (CPU): see _mgpu.wgmma_accumulate
   cdt: object = _BF16  # wgmma operand dtype (Q, ring, P): bf16, or f16 for an fp8 cache if asked
+  pipeline: str = "seesaw"  # consumer schedule: "seesaw" (bf16, 2 slots) or "serial"
 
 
 def _tiled(dtype, minor_bytes=128):
@@ -138,11 +139,18 @@ def _smem_plan(cfg: _Cfg):
   f32 = jnp.float32
   cdt = cfg.cdt
   q = plgpu.SMEM((TILE_M, cfg.d), cdt, transforms=_tiled(cdt))
-  ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.d), cdt, transforms=_tiled(cdt))
+  if cfg.pipeline == "seesaw":
+    # Two slots, each in two parts loaded and released separately (TMA needs each destination
+    # contiguous): A = columns [0, L/2), B = [L/2, L+R).
+    half = cfg.l // 2
+    ring = (plgpu.SMEM((2, PAGE_SIZE, half), cdt, transforms=_tiled(cdt)),
+            plgpu.SMEM((2, PAGE_SIZE, cfg.d - half), cdt, transforms=_tiled(cdt)))
+  else:
+    ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.d), cdt, transforms=_tiled(cdt))
   p = plgpu.SMEM((TILE_M, PAGE_SIZE), cdt, transforms=_tiled(cdt))
-  # Row vectors used during the loop: [0] alpha (WG0 -> WG1), [1] row lengths (f32, exact < 2^24),
-  # fp8: [2 + slot] the per-token scales of the page in ring slot `slot` (producer -> WG0).
-  loop_rows = plgpu.SMEM((2 + (cfg.stages if cfg.fp8_stages else 0), TILE_M), f32)
+  # Row vectors used during the loop, indexed by the _ROW_* constants; fp8: [_ROWS + slot] the
+  # per-token scales of the page in ring slot `slot` (producer -> WG0).
+  loop_rows = plgpu.SMEM((_ROWS + (cfg.stages if cfg.fp8_stages else 0), TILE_M), f32)
   group_a = [q, ring, p, loop_rows]
   if cfg.fp8_stages:
     # 576 fp8 columns are not a multiple of 128: 64-byte swizzle (only the producer reads them).
@@ -159,99 +167,382 @@ def _smem_plan(cfg: _Cfg):
 
   def nbytes(group):
     total = 0
-    for ref in group:
+    for ref in (x for item in group for x in (item if isinstance(item, tuple) else (item,))):
       total = -(-total // 1024) * 1024 + math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
     return total
   return groups, max(map(nbytes, groups))
 
+
+# Rows of the loop's row-vector buffer: serial: alpha_i (WG0 -> WG1); seesaw: the running max
+# after the even page (WG0 -> WG1) and after the odd page (WG1 -> WG0), then WG1's row sum for
+# the epilogue (in M1's row: WG0 read the last M1 before WG1 leaves the loop; the seesaw plan is
+# within 100 bytes of the limit).
+_ROW_ALPHA = _ROW_M0 = 0
+_ROW_LENS = 1   # row lengths (f32, exact below 2^24), TMA'd with Q
+_ROW_M1 = _ROW_L1 = 2
+_ROWS = 3
 
 # Piece metadata, one row per CTA: (b, head tile, first page, pages, slot, tile length).
 # slot: -1 final output, >= 0 f32 partial slot, -2 no work (padding of the work list).
 _META = 6
 
 
+def _barriers(cfg):
+  """The pipeline's mbarriers, by name (see the module docstring)."""
+  bars = dict(
+      q_bar=plgpu.Barrier(num_arrivals=2),            # Q + row lengths (two TMAs)
+      p_ready=plgpu.Barrier(),
+      p_consumed=plgpu.Barrier(),
+      epi_bar=plgpu.Barrier(num_arrivals=2),
+      fin_bar=plgpu.Barrier(),
+      raw_bar=plgpu.Barrier())
+  if cfg.pipeline == "seesaw":
+    bars.update(
+        kv_ready=plgpu.Barrier(num_barriers=4),                     # [2 * slot + part]
+        kv_free1=plgpu.Barrier(num_barriers=2),                     # slot 0 part A, slot 1 part B
+        kv_free2=plgpu.Barrier(num_arrivals=2, num_barriers=2),     # slot 0 part B, slot 1 part A
+        m0_bar=plgpu.Barrier(), m1_bar=plgpu.Barrier(), p0_bar=plgpu.Barrier())
+  else:
+    bars.update(
+        kv_ready=plgpu.Barrier(num_barriers=cfg.stages),
+        kv_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages))
+    if cfg.fp8_stages:
+      bars.update(fp8_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages),
+                  scale_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages))
+  return bars
+
+
 def _kernel(*refs, cfg: _Cfg):
   is_fp8 = cfg.fp8_stages > 0
   refs = list(refs)
   ks_gmem = refs.pop(2) if is_fp8 else None
-  (q_gmem, kv_gmem, bt_gmem, lens_gmem, meta_gmem,
-   out_gmem, lse_gmem, opart_gmem, lsepart_gmem) = refs
+  names = ("q_gmem", "kv_gmem", "bt_gmem", "lens_gmem", "meta_gmem", "out_gmem", "lse_gmem",
+           "opart_gmem", "lsepart_gmem")
+  gmem = dict(zip(names, refs), ks_gmem=ks_gmem)
   groups, _ = _smem_plan(cfg)
 
-  def scoped(union, q_bar, kv_ready, kv_consumed, p_ready, p_consumed, epi_bar, fin_bar, raw_bar,
-             *fp8_bars):
+  def scoped(union, **bars):
     refs_a, final_stage, part_stage = union   # one tree of refs per aliased group
     q_smem, ring, p_smem, loop_rows = refs_a[:4]
     fp8_ring, scale_ring = refs_a[4:] if is_fp8 else (None, None)
-    fp8_ready, scale_ready = fp8_bars if is_fp8 else (None, None)
-    _body(cfg, dict(
-        q_gmem=q_gmem, kv_gmem=kv_gmem, ks_gmem=ks_gmem, bt_gmem=bt_gmem, lens_gmem=lens_gmem,
-        meta_gmem=meta_gmem, out_gmem=out_gmem, lse_gmem=lse_gmem, opart_gmem=opart_gmem,
-        lsepart_gmem=lsepart_gmem, q_smem=q_smem, ring=ring, p_smem=p_smem, loop_rows=loop_rows,
-        fp8_ring=fp8_ring, scale_ring=scale_ring, final_stage=final_stage, part_stage=part_stage,
-        q_bar=q_bar, kv_ready=kv_ready, kv_consumed=kv_consumed, p_ready=p_ready,
-        p_consumed=p_consumed, epi_bar=epi_bar, fin_bar=fin_bar, raw_bar=raw_bar,
-        fp8_ready=fp8_ready, scale_ready=scale_ready))
+    r = dict(gmem, q_smem=q_smem, ring=ring, p_smem=p_smem, loop_rows=loop_rows,
+             fp8_ring=fp8_ring, scale_ring=scale_ring, final_stage=final_stage,
+             part_stage=part_stage, **bars)
+    pc = _Piece(cfg, r)
+    if cfg.pipeline == "seesaw":
+      _seesaw_body(cfg, r, pc)
+    else:
+      _serial_body(cfg, r, pc)
 
-  bars = [
-      plgpu.Barrier(num_arrivals=2),                                       # q_bar (Q, lens)
-      plgpu.Barrier(num_barriers=cfg.stages),                              # kv_ready
-      plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),              # kv_consumed
-      plgpu.Barrier(),                                                     # p_ready
-      plgpu.Barrier(),                                                     # p_consumed
-      plgpu.Barrier(num_arrivals=2),                                       # epi_bar
-      plgpu.Barrier(),                                                     # fin_bar
-      plgpu.Barrier(),                                                     # raw_bar
-  ]
-  if is_fp8:
-    bars += [plgpu.Barrier(num_barriers=cfg.fp8_stages)] * 2             # fp8_ready, scale_ready
-  pl.run_scoped(scoped, plgpu.RefUnion(*(tuple(g) for g in groups)), *bars, collective_axes="wg")
+  pl.run_scoped(scoped, plgpu.RefUnion(*(tuple(g) for g in groups)), collective_axes="wg",
+                **_barriers(cfg))
 
 
-def _body(cfg, r):
-  wg = lax.axis_index("wg")
-  piece = lax.axis_index("piece")
-  g = PAGE_SIZE
-  half = cfg.l // 2
-  stages = cfg.stages
-  f32 = jnp.float32
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  is_fp8 = cfg.fp8_stages > 0
-  meta = r["meta_gmem"]
-  # This CTA's piece: pages [first, first + n) of request b's block table for head tile h.
-  b, h, first, n, slot, tile_len = (meta[piece, k] for k in range(_META))
-  # Valid rows of the last page (< g only on the request's partial last page).
-  last_rows = jnp.minimum(tile_len - (first + n - 1) * g, g)
-  final, partial, has_out = slot == -1, slot >= 0, slot != -2
-  rpt = _rows_per_tile(cfg)   # rows per tile in the output arrays
-  ring, loop_rows, p_smem = r["ring"], r["loop_rows"], r["p_smem"]
-  kv_ready, kv_consumed = r["kv_ready"], r["kv_consumed"]
-  p_ready, p_consumed = r["p_ready"], r["p_consumed"]
-  epi_bar, fin_bar = r["epi_bar"], r["fin_bar"]
+class _Piece:
+  """This CTA's piece and what every warpgroup derives from it: pages [first, first + n) of
+  request b's block table for head tile h, and where its outputs go."""
 
-  def slot_of(i, depth):
-    return lax.rem(i, jnp.int32(depth))
+  def __init__(self, cfg, r):
+    self.cfg, self.r = cfg, r
+    meta = r["meta_gmem"]
+    piece = lax.axis_index("piece")
+    self.b, self.h, self.first, self.n, self.slot, self.tile_len = (
+        meta[piece, k] for k in range(_META))
+    # Valid rows of the last page (< G only on the request's partial last page).
+    self.last_rows = jnp.minimum(self.tile_len - (self.first + self.n - 1) * PAGE_SIZE, PAGE_SIZE)
+    self.final, self.partial = self.slot == -1, self.slot >= 0
+    self.has_out = self.slot != -2
 
-  def by_rows(fn):
+  def by_rows(self, fn):
     """fn(rows) with the static number of real rows of this tile (fewer only in the last tile:
     e.g. N=16 moves 16 rows of Q and of the outputs, not 64)."""
+    cfg = self.cfg
     if cfg.tail == TILE_M:
       fn(TILE_M)
     else:
-      last = h == cfg.head_tiles - 1
+      last = self.h == cfg.head_tiles - 1
       pl.when(last)(lambda: fn(cfg.tail))
       if cfg.head_tiles > 1:
         pl.when(jnp.logical_not(last))(lambda: fn(TILE_M))
 
-  def out_dsts(cols):
+  def out_dsts(self, cols):
     """(staging refs, output refs(rows), lse refs(rows)) of the final and of the partial outputs."""
+    r, b, h = self.r, self.b, self.h
+    rpt = _rows_per_tile(self.cfg)
     fin_o, fin_rows = r["final_stage"]
     part_o, part_rows = r["part_stage"]
-    row0 = slot * rpt
+    row0 = self.slot * rpt
     return ((fin_o, fin_rows, lambda k: r["out_gmem"].at[b, pl.ds(h * rpt, k), cols],
              lambda k: r["lse_gmem"].at[b, pl.ds(h * rpt, k)]),
             (part_o, part_rows, lambda k: r["opart_gmem"].at[pl.ds(row0, k), cols],
              lambda k: r["lsepart_gmem"].at[pl.ds(row0, k)]))
+
+  def load_q(self):
+    """WG0: TMA the real rows of Q and the row lengths (q_bar). The rest of the tile keeps
+    whatever shared memory held (even NaN), harmless since those rows have length 0 and their
+    logits are replaced by -inf."""
+    r = self.r
+    self.by_rows(lambda k: plgpu.copy_gmem_to_smem(
+        r["q_gmem"].at[self.b, pl.ds(self.h * TILE_M, k)], r["q_smem"].at[pl.ds(0, k)],
+        r["q_bar"]))
+    plgpu.copy_gmem_to_smem(r["lens_gmem"].at[self.b, pl.ds(self.h * TILE_M, TILE_M)],
+                            r["loop_rows"].at[_ROW_LENS], r["q_bar"])
+
+  def logits(self, s, page):
+    """Scaled logits (log2 units) of this piece's page `page`, -inf past each row's length and
+    on the seesaw's zero page (page == n, whose tokens may belong to the next piece)."""
+    g = PAGE_SIZE
+    lens = plgpu.load(self.r["loop_rows"].at[_ROW_LENS], layout=_ROW_LAYOUT).astype(jnp.int32)
+    base = jnp.where(page < self.n, (self.first + page) * g, jnp.int32(2**30))  # > any length
+    tok = base + plgpu.broadcasted_iota(jnp.int32, (TILE_M, g), 1, layout=plgpu.Layout.WGMMA)
+    valid = tok < lax.broadcast_in_dim(lens, (TILE_M, g), [0])
+    return jnp.where(valid, s * (self.cfg.sm_scale * _LOG2E), -jnp.inf)
+
+  def epilogue_wg0(self, acc, m_i, l_i, *, l_from_wg1=False):
+    """Normalize WG0's half and write it with the lse (after both consumers are done with the
+    loop's buffers, which the staging aliases); publish 1/l for WG1."""
+    r, half = self.r, self.cfg.l // 2
+
+    def epilogue(stage, rows, o_dst, lse_dst, write_o):
+      l_tot = l_i
+      if l_from_wg1:   # seesaw: each consumer summed p over its own pages
+        l_tot = l_i + plgpu.load(r["loop_rows"].at[_ROW_L1], layout=_ROW_LAYOUT)
+      has = l_tot > 0
+      safe_l = jnp.where(has, l_tot, 1.0)
+      inv = jnp.where(has, 1.0 / safe_l, 0.0)
+      lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * _LN2, -jnp.inf)
+      rows[0] = inv
+      rows[1] = lse
+      pl.when(write_o)(lambda: _write_out(acc, inv, stage.at[0], o_dst, self.by_rows))
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(r["fin_bar"])      # 1/l published for WG1
+      self.by_rows(lambda k: plgpu.copy_smem_to_gmem(rows.at[1, pl.ds(0, k)], lse_dst(k)))
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(self.has_out)
+    def _():
+      plgpu.barrier_arrive(r["epi_bar"])
+      plgpu.barrier_wait(r["epi_bar"])        # both consumers are done with Q, the ring and P
+      fin, part = self.out_dsts(pl.ds(0, half))
+      pl.when(self.final)(lambda: epilogue(*fin, True))
+      pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))  # empty split: lse = -inf only
+
+  def epilogue_wg1(self, acc, l_i=None):
+    r, half = self.r, self.cfg.l // 2
+
+    def epilogue(stage, rows, o_dst, lse_dst, write_o):
+      del lse_dst
+
+      @pl.when(write_o)
+      def _():
+        inv = plgpu.load(rows.at[0], layout=_ROW_LAYOUT)
+        _write_out(acc, inv, stage.at[1], o_dst, self.by_rows)
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(self.has_out)
+    def _():
+      if l_i is not None:
+        r["loop_rows"][_ROW_L1] = l_i
+      plgpu.barrier_arrive(r["epi_bar"])
+      plgpu.barrier_wait(r["epi_bar"])
+      plgpu.barrier_wait(r["fin_bar"])        # WG0 has written 1/l
+      fin, part = self.out_dsts(pl.ds(half, half))
+      pl.when(self.final)(lambda: epilogue(*fin, True))
+      pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))
+
+
+_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
+
+
+def _init_state(cfg):
+  f32 = jnp.float32
+  acc = plgpu.layout_cast(jnp.zeros((TILE_M, cfg.l // 2), f32), plgpu.Layout.WGMMA)
+  m_i = plgpu.layout_cast(jnp.full((TILE_M,), _M_INIT, f32), _ROW_LAYOUT)
+  l_i = plgpu.layout_cast(jnp.zeros((TILE_M,), f32), _ROW_LAYOUT)
+  return acc, m_i, l_i
+
+
+def _rows_bcast(v, shape):
+  return lax.broadcast_in_dim(v, shape, [0])
+
+
+def _seesaw_body(cfg, r, pc):
+  """FlashMLA's "seesaw" schedule over page pairs (e, o) = (2j, 2j+1) in ring slots 0 and 1:
+  WG0 takes QK^T and the softmax of e, WG1 those of o, each then runs P.V for its half of the
+  output columns over both pages, so one warpgroup's softmax runs under the other's wgmmas.
+
+    WG0: S_e = Q K_e^T; m0 = max(m, rowmax S_e) -> WG1; P_e; O_L = O_L a0 + P_e V_e[:, :L/2];
+         m1 <- WG1; P_e a1 -> smem (WG1); O_L = O_L a1 + P_o V_o[:, :L/2]
+    WG1: S_o = Q K_o^T; m0 <- WG0; m1 = max(m0, rowmax S_o) -> WG0; P_o -> smem (WG0);
+         O_R = O_R a0 a1 + P_o V_o[:, L/2:] + (P_e a1) V_e[:, L/2:]
+  (a0 = exp2(m - m0), a1 = exp2(m0 - m1); each consumer sums p over its own pages, added in the
+  epilogue.) P_e lives in slot 0's rope columns (dead once S_e is computed), P_o in `p_smem`, so
+  the plan stays at 225 KB. Each slot is loaded in two parts, A = columns [0, L/2) and
+  B = [L/2, L+R), released separately: slot 0's A frees after WG0's first P.V and slot 1's B
+  after WG1's, so half of the next pair's bytes are in flight while the pair's last wgmmas run;
+  QK^T reads the early part first. An odd last page is paired with a zero page whose tokens are
+  past every row's length (p = 0).
+  """
+  wg = lax.axis_index("wg")
+  g, half, f32 = PAGE_SIZE, cfg.l // 2, jnp.float32
+  ring, loop_rows, p_smem = r["ring"], r["loop_rows"], r["p_smem"]   # ring: (part A, part B)
+  kv_ready, kv_free1, kv_free2 = r["kv_ready"], r["kv_free1"], r["kv_free2"]
+  n_pairs = (pc.n + 1) // 2
+  pe_ref = lambda: ring[1].at[0, :, pl.ds(cfg.l - half, g)]   # P_e: slot 0's first rope columns
+  parts = ((0, half), (half, cfg.d - half))  # (first column, width) of parts A and B
+
+  def qk(slot, order):
+    """S = Q K^T of the page in `slot`, one wgmma per part in the order they were loaded."""
+    def body(acc_ref):
+      for part in order:
+        c0, w = parts[part]
+        plgpu.barrier_wait(kv_ready.at[2 * slot + part])
+        plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(c0, w)], ring[part].at[slot].T)
+      return acc_ref[...]
+    return pl.run_scoped(body, plgpu.ACC((TILE_M, g), f32))   # [64, G] f32
+
+  def pv(acc, p_ref, slot, part):
+    """acc + P V over this warpgroup's output half: part A's columns, or B's first L/2."""
+    return wgmma_accumulate(acc, p_ref, lambda: ring[part].at[slot, :, pl.ds(0, half)],
+                            interpret=cfg.interpret)
+
+  @pl.when(wg == 0)
+  def _wg0():
+    plgpu.set_max_registers(_regs(False)[0], action="increase")
+
+    @pl.when(pc.n > 0)
+    def _():
+      pc.load_q()
+      plgpu.barrier_wait(r["q_bar"])
+
+    def pair(j, carry):
+      acc, m_i, l_i = carry
+      s = pc.logits(qk(0, (0, 1)), 2 * j)
+      m0 = jnp.maximum(m_i, s.max(axis=1))
+      loop_rows[_ROW_M0] = m0
+      plgpu.barrier_arrive(r["m0_bar"])
+      a0 = jnp.exp2(m_i - m0)
+      p = jnp.exp2(s - _rows_bcast(m0, s.shape))
+      l_i = l_i * a0 + p.sum(axis=1)
+      pe_ref()[...] = p.astype(cfg.cdt)
+      plgpu.commit_smem()                      # generic writes before the async-proxy wgmma
+      acc = pv(acc * _rows_bcast(a0, acc.shape), pe_ref, 0, 0)
+      plgpu.barrier_arrive(kv_free1.at[0])     # slot 0 part A: S_e and this P.V read it
+      plgpu.barrier_wait(r["m1_bar"])
+      m1 = plgpu.load(loop_rows.at[_ROW_M1], layout=_ROW_LAYOUT)
+      a1 = jnp.exp2(m0 - m1)
+      pe_ref()[...] = (p * _rows_bcast(a1, p.shape)).astype(cfg.cdt)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(r["p0_bar"])
+      plgpu.barrier_arrive(kv_free2.at[0])     # slot 0 part B: WG0 is done (WG1's P.V remains)
+      plgpu.barrier_wait(r["p_ready"])         # P_o
+      acc = pv(acc * _rows_bcast(a1, acc.shape), p_smem, 1, 0)
+      plgpu.barrier_arrive(kv_free2.at[1])     # slot 1 part A
+      plgpu.barrier_arrive(r["p_consumed"])
+      return acc, m1, l_i * a1
+
+    acc, m_i, l_i = lax.fori_loop(0, n_pairs, pair, _init_state(cfg))
+    pc.epilogue_wg0(acc, m_i, l_i, l_from_wg1=True)
+
+  @pl.when(wg == 1)
+  def _wg1():
+    plgpu.set_max_registers(_regs(False)[0], action="increase")
+    pl.when(pc.n > 0)(lambda: plgpu.barrier_wait(r["q_bar"]))
+
+    def pair(j, carry):
+      acc, m_i, l_i = carry
+      s = qk(1, (1, 0))
+      plgpu.barrier_arrive(kv_free2.at[1])     # slot 1 part A: S_o read it (WG0's P.V remains)
+      plgpu.barrier_wait(r["m0_bar"])
+      m0 = plgpu.load(loop_rows.at[_ROW_M0], layout=_ROW_LAYOUT)
+      s = pc.logits(s, 2 * j + 1)
+      m1 = jnp.maximum(m0, s.max(axis=1))
+      loop_rows[_ROW_M1] = m1
+      plgpu.barrier_arrive(r["m1_bar"])
+      a01 = jnp.exp2(m_i - m0) * jnp.exp2(m0 - m1)
+      p = jnp.exp2(s - _rows_bcast(m1, s.shape))
+      l_i = l_i * a01 + p.sum(axis=1)
+      pl.when(j > 0)(lambda: plgpu.barrier_wait(r["p_consumed"]))   # WG0 is done with P_o
+      p_smem[...] = p.astype(cfg.cdt)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(r["p_ready"])
+      acc = pv(acc * _rows_bcast(a01, acc.shape), p_smem, 1, 1)
+      plgpu.barrier_arrive(kv_free1.at[1])     # slot 1 part B: S_o and this P.V read it
+      plgpu.barrier_wait(r["p0_bar"])          # P_e a1
+      acc = pv(acc, pe_ref, 0, 1)
+      plgpu.barrier_arrive(kv_free2.at[0])     # slot 0 part B
+      return acc, m1, l_i
+
+    acc, _, l_i = lax.fori_loop(0, n_pairs, pair, _init_state(cfg))
+    pl.when(n_pairs > 0)(lambda: plgpu.barrier_wait(r["p_consumed"]))  # its last phase too
+    pc.epilogue_wg1(acc, l_i)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(_regs(False)[1], action="decrease")
+    rows = lambda: plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=plgpu.Layout.WGMMA)
+    # Load order within a pair: the parts freed early first (see the docstring).
+    order = ((0, 0, kv_free1.at[0]), (1, 1, kv_free1.at[1]),
+             (0, 1, kv_free2.at[0]), (1, 0, kv_free2.at[1]))
+
+    def load_pair(j, _):
+      for slot, part, free in order:
+        page = 2 * j + slot
+        c0, w = parts[part]
+        dst = ring[part].at[slot]
+        ready = kv_ready.at[2 * slot + part]
+        pl.when(j > 0)(lambda free=free: plgpu.barrier_wait(free))
+        exists = page < pc.n
+        rows_valid = jnp.where(page == pc.n - 1, pc.last_rows, g)
+        full = exists & (rows_valid == g)
+
+        @pl.when(full)
+        def _(page=page, dst=dst, ready=ready, c0=c0, w=w):
+          src = r["kv_gmem"].at[r["bt_gmem"][pc.b, pc.first + page], :, pl.ds(c0, w)]
+          plgpu.copy_gmem_to_smem(src, dst, ready)
+
+        @pl.when(jnp.logical_not(full))
+        def _(page=page, dst=dst, ready=ready, c0=c0, w=w, exists=exists,
+              rows_valid=rows_valid):
+          # The request's partial last page (rows past its length zeroed: p = 0 there, but
+          # 0 * NaN would poison P.V), or the zero page paired with an odd last page.
+          @pl.when(exists)
+          def _():
+            src = r["kv_gmem"].at[r["bt_gmem"][pc.b, pc.first + page], :, pl.ds(c0, w)]
+            plgpu.copy_gmem_to_smem(src, dst, r["raw_bar"])
+            plgpu.barrier_wait(r["raw_bar"])
+          keep = rows() < jnp.where(exists, rows_valid, 0)
+          for c in range(w // 64):
+            chunk = dst.at[:, pl.ds(64 * c, 64)]
+            chunk[...] = jnp.where(keep, chunk[...], jnp.zeros((), cfg.cdt))
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(ready)
+      return ()
+
+    lax.fori_loop(0, n_pairs, load_pair, ())
+
+    @pl.when(n_pairs > 0)
+    def _():   # the consumers' last release of every part: each waiter observes every phase
+      for _, _, free in order:
+        plgpu.barrier_wait(free)
+
+
+def _serial_body(cfg, r, pc):
+  """One page at a time: WG0 runs QK^T, the softmax and P.V for columns [0, L/2); WG1 waits for
+  P and runs P.V for [L/2, L). The fp8 cache's path (its bf16 ring has one stage)."""
+  wg = lax.axis_index("wg")
+  g = PAGE_SIZE
+  half = cfg.l // 2
+  stages = cfg.stages
+  f32 = jnp.float32
+  is_fp8 = cfg.fp8_stages > 0
+  n, first, last_rows = pc.n, pc.first, pc.last_rows
+  ring, loop_rows, p_smem = r["ring"], r["loop_rows"], r["p_smem"]
+  kv_ready, kv_consumed = r["kv_ready"], r["kv_consumed"]
+  p_ready, p_consumed = r["p_ready"], r["p_consumed"]
+
+  def slot_of(i, depth):
+    return lax.rem(i, jnp.int32(depth))
 
   @pl.when(wg == 0)
   def _softmax_wg():
@@ -259,14 +550,8 @@ def _body(cfg, r):
 
     @pl.when(n > 0)
     def _():
-      # Only the real rows of Q: the rest of the tile keeps whatever shared memory held (even
-      # NaN), harmless since those rows have length 0 and their logits are replaced by -inf.
-      by_rows(lambda k: plgpu.copy_gmem_to_smem(
-          r["q_gmem"].at[b, pl.ds(h * TILE_M, k)], r["q_smem"].at[pl.ds(0, k)], r["q_bar"]))
-      plgpu.copy_gmem_to_smem(r["lens_gmem"].at[b, pl.ds(h * TILE_M, TILE_M)], loop_rows.at[1],
-                              r["q_bar"])
+      pc.load_q()
       plgpu.barrier_wait(r["q_bar"])
-    qk_scale = cfg.sm_scale * _LOG2E  # logits in log2 units
 
     def step(i, carry):
       acc, m_i, l_i = carry
@@ -278,17 +563,13 @@ def _body(cfg, r):
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))        # [64, G] f32
       if is_fp8:  # logits of the fp8 rows times their per-token scale
-        ks = plgpu.load(loop_rows.at[2 + slot_i], layout=plgpu.Layout.WGMMA.reduce(0))
+        ks = plgpu.load(loop_rows.at[_ROWS + slot_i], layout=plgpu.Layout.WGMMA.reduce(0))
         ks = lax.broadcast_in_dim(ks, s.shape, [1])
         s = s * ks
-      lens = plgpu.load(loop_rows.at[1], layout=row_layout).astype(jnp.int32)   # [64]
-      tok = (first + i) * g + plgpu.broadcasted_iota(jnp.int32, (TILE_M, g), 1,
-                                                     layout=plgpu.Layout.WGMMA)
-      valid = tok < lax.broadcast_in_dim(lens, (TILE_M, g), [0])
-      s = jnp.where(valid, s * qk_scale, -jnp.inf)
+      s = pc.logits(s, i)
       m_new = jnp.maximum(m_i, s.max(axis=1))
       alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      p = jnp.exp2(s - _rows_bcast(m_new, s.shape))
       l_i = l_i * alpha + p.sum(axis=1)
 
       @pl.when(i > 0)
@@ -296,44 +577,18 @@ def _body(cfg, r):
         plgpu.barrier_wait(p_consumed)   # WG1 is done with P_{i-1} and alpha_{i-1}
       # V = fp8 row * scale: fold the per-token scale into p.
       p_smem[...] = (p * ks if is_fp8 else p).astype(cfg.cdt)
-      loop_rows[0] = alpha
+      loop_rows[_ROW_ALPHA] = alpha
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready)
 
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      acc = acc * _rows_bcast(alpha, acc.shape)
       acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)], interpret=cfg.interpret)
       plgpu.barrier_arrive(kv_consumed.at[slot_i])
       return acc, m_new, l_i
 
-    acc = plgpu.layout_cast(jnp.zeros((TILE_M, half), f32), plgpu.Layout.WGMMA)
-    m_i = plgpu.layout_cast(jnp.full((TILE_M,), _M_INIT, f32), row_layout)
-    l_i = plgpu.layout_cast(jnp.zeros((TILE_M,), f32), row_layout)
-    acc, m_i, l_i = lax.fori_loop(0, n, step, (acc, m_i, l_i))
-
-    @pl.when(n > 0)
-    def _():
-      plgpu.barrier_wait(p_consumed)   # observe the last phase too (mbarrier parity discipline)
-    has = l_i > 0
-    safe_l = jnp.where(has, l_i, 1.0)
-    inv = jnp.where(has, 1.0 / safe_l, 0.0)
-    lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * _LN2, -jnp.inf)
-
-    def epilogue(stage, rows, o_dst, lse_dst, write_o):
-      rows[0] = inv
-      rows[1] = lse
-      pl.when(write_o)(lambda: _write_out(acc, inv, stage.at[0], o_dst, by_rows))
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(fin_bar)      # 1/l published for WG1
-      by_rows(lambda k: plgpu.copy_smem_to_gmem(rows.at[1, pl.ds(0, k)], lse_dst(k)))
-      plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(has_out)
-    def _():
-      plgpu.barrier_arrive(epi_bar)
-      plgpu.barrier_wait(epi_bar)        # both consumers are done with Q, the ring and P
-      fin, part = out_dsts(pl.ds(0, half))
-      pl.when(final)(lambda: epilogue(*fin, True))
-      pl.when(partial)(lambda: epilogue(*part, n > 0))   # an empty split only needs lse = -inf
+    acc, m_i, l_i = lax.fori_loop(0, n, step, _init_state(cfg))
+    pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
+    pc.epilogue_wg0(acc, m_i, l_i)
 
   @pl.when(wg == 1)
   def _pv_wg():
@@ -343,33 +598,15 @@ def _body(cfg, r):
       slot_i = slot_of(i, stages)
       plgpu.barrier_wait(kv_ready.at[slot_i])
       plgpu.barrier_wait(p_ready)
-      alpha = plgpu.load(loop_rows.at[0], layout=row_layout)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], layout=_ROW_LAYOUT)
+      acc = acc * _rows_bcast(alpha, acc.shape)
       acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(half, half)], interpret=cfg.interpret)
       plgpu.barrier_arrive(p_consumed)
       plgpu.barrier_arrive(kv_consumed.at[slot_i])
       return acc
 
-    acc = plgpu.layout_cast(jnp.zeros((TILE_M, half), f32), plgpu.Layout.WGMMA)
-    acc = lax.fori_loop(0, n, step, acc)
-
-    def epilogue(stage, rows, o_dst, lse_dst, write_o):
-      del lse_dst
-
-      @pl.when(write_o)
-      def _():
-        inv = plgpu.load(rows.at[0], layout=row_layout)
-        _write_out(acc, inv, stage.at[1], o_dst, by_rows)
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(has_out)
-    def _():
-      plgpu.barrier_arrive(epi_bar)
-      plgpu.barrier_wait(epi_bar)
-      plgpu.barrier_wait(fin_bar)        # WG0 has written 1/l
-      fin, part = out_dsts(pl.ds(half, half))
-      pl.when(final)(lambda: epilogue(*fin, True))
-      pl.when(partial)(lambda: epilogue(*part, n > 0))
+    acc = lax.fori_loop(0, n, step, _init_state(cfg)[0])
+    pc.epilogue_wg1(acc)
 
   @pl.when(wg == 2)
   def _producer_wg():
@@ -377,7 +614,7 @@ def _body(cfg, r):
     rows = lambda: plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=plgpu.Layout.WGMMA)
 
     def page_id(i):
-      return r["bt_gmem"][b, first + i]
+      return r["bt_gmem"][pc.b, first + i]
 
     if not is_fp8:
       def step(i, _):
@@ -430,9 +667,9 @@ def _body(cfg, r):
           plgpu.barrier_wait(kv_consumed.at[slot_i])
         valid_rows = jnp.where(i == n - 1, last_rows, g)
         # Per-token scales for WG0 (0 past the length: p * scale must stay 0 next to garbage).
-        scale = plgpu.load(scale_ring.at[fslot], layout=row_layout)         # [G] f32
-        tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=row_layout)
-        loop_rows[2 + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
+        scale = plgpu.load(scale_ring.at[fslot], layout=_ROW_LAYOUT)         # [G] f32
+        tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_ROW_LAYOUT)
+        loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
         # The exact fp8 -> bf16 cast; rows past the length zeroed.
         keep = rows() < valid_rows
         for c in range(cfg.d // 64):
@@ -501,7 +738,7 @@ def choose_num_kv_splits_sm90(batch: int, head_tiles: int, max_pages: int, num_s
 
 
 def _validate_sm90(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
-                   num_stages, fp8_stages, fp8_compute, sms, interpret, schedule):
+                   num_stages, fp8_stages, fp8_compute, sms, interpret, schedule, pipeline):
   _validate(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
             None, None, None, None, for_kernel=False)
   l = kv_lora_rank
@@ -530,6 +767,13 @@ def _validate_sm90(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_
     raise ValueError(f"num_sms must be a positive int, got {sms}")
   if schedule not in ("grid", "worklist"):
     raise ValueError(f"schedule must be 'grid' or 'worklist', got {schedule!r}")
+  if pipeline not in (None, "seesaw", "serial"):
+    raise ValueError(f"pipeline must be 'seesaw' or 'serial', got {pipeline!r}")
+  if pipeline == "seesaw" and jnp.dtype(cache.dtype) == _FP8:
+    raise ValueError("pipeline='seesaw' needs a bfloat16 cache (the fp8 cache's staging ring "
+                     "leaves room for one bf16 page); use pipeline='serial'")
+  if pipeline == "seesaw" and num_stages not in (None, 2):
+    raise ValueError(f"pipeline='seesaw' uses exactly 2 ring slots, got num_stages={num_stages}")
   if schedule == "worklist" and num_kv_splits is not None:
     raise ValueError("num_kv_splits applies to schedule='grid'; the work list sizes its pieces")
   if interpret and _cpu_workers() < 3:
@@ -630,9 +874,10 @@ _WORKLIST_MIN_PAGES = 4  # no piece shorter than this unless its tile is (FlashM
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "batch_invariant", "interpret",
-                     "num_stages", "fp8_stages", "fp8_compute", "sms", "schedule"))
+                     "num_stages", "fp8_stages", "fp8_compute", "sms", "schedule", "pipeline"))
 def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num_kv_splits,
-          batch_invariant, interpret, num_stages, fp8_stages, fp8_compute, sms, schedule):
+          batch_invariant, interpret, num_stages, fp8_stages, fp8_compute, sms, schedule,
+          pipeline):
   b, nq, n, d = q.shape
   l = kv_lora_rank
   _, g, _ = cache.shape
@@ -643,13 +888,16 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
   tail = -(-(m_rows - (head_tiles - 1) * TILE_M) // 8) * 8   # real rows of the last tile, to 8
   is_fp8 = jnp.dtype(cache.dtype) == _FP8
   cdt = _F16 if is_fp8 and fp8_compute == "float16" else _BF16
+  if pipeline is None:
+    pipeline = "serial" if is_fp8 or num_stages not in (None, 2) else "seesaw"
   if num_stages is None:
     num_stages = 1 if is_fp8 else 2
   if fp8_stages is None:
     fp8_stages = 2
   cfg = _Cfg(l=l, d=d, head_tiles=head_tiles, tail=tail, stages=num_stages,
              fp8_stages=fp8_stages if is_fp8 else 0, sm_scale=float(scale),
-             final_dtype=jnp.dtype(q.dtype), interpret=bool(interpret), cdt=cdt)
+             final_dtype=jnp.dtype(q.dtype), interpret=bool(interpret), cdt=cdt,
+             pipeline=pipeline)
   _, smem = _smem_plan(cfg)
   if smem > _SMEM_BYTES:
     raise ValueError(f"num_stages={num_stages} (fp8_stages={fp8_stages}) needs {smem} B of shared "
@@ -697,7 +945,7 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                  else plgpu.InterpretGPUParams() if interpret else None),
-      kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}",
+      kernel_name=f"mla_decode_sm90_{name}_{pipeline}_stages{num_stages}_fp8stages{cfg.fp8_stages}",
   )
   out, lse, o_part, lse_part = kernel(*args)
   if schedule == "grid" and splits > 1:
@@ -731,6 +979,7 @@ def mla_decode_sm90(
     fp8_compute: str = "bfloat16",
     num_sms: int | None = None,
     schedule: str = "grid",
+    pipeline: str | None = None,
 ):
   """Hopper paged latent-MQA decode. Returns (out [B, Q, N, L] in q.dtype, lse f32[B, Q, N]).
 
@@ -755,7 +1004,7 @@ def mla_decode_sm90(
   """
   _validate_sm90(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank,
                  num_kv_splits, scale, num_stages, fp8_stages, fp8_compute, num_sms, interpret,
-                 schedule)
+                 schedule, pipeline)
   return _impl(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, scale=float(scale),
                kv_lora_rank=int(kv_lora_rank), num_kv_splits=num_kv_splits,
                batch_invariant=bool(batch_invariant),
@@ -763,4 +1012,4 @@ def mla_decode_sm90(
                else bool(interpret),
                num_stages=num_stages, fp8_stages=fp8_stages, fp8_compute=fp8_compute,
                sms=int(num_sms) if num_sms is not None else _device_num_sms(),
-               schedule=schedule)
+               schedule=schedule, pipeline=pipeline)
