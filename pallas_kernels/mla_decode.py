@@ -328,6 +328,144 @@ def merge_splits(o_part, lse_part, *, out_dtype=jnp.float32, interpret=False):
   return out.reshape(b, m, l), lse[:, 0, 0].reshape(b, m)
 
 
+def segments_from_slot_tile(slot_tile, num_tiles: int):
+  """(seg_first, seg_count) i32[U] from slot_tile i32[P], the tile of each partial slot or -1 for
+  an unused slot. A tile's slots must be consecutive; a tile with no slot gets (0, 0)."""
+  p = slot_tile.shape[0]
+  ids = jnp.where(slot_tile >= 0, slot_tile, num_tiles)          # [P]; bin U collects unused slots
+  count = jnp.zeros((num_tiles + 1,), jnp.int32).at[ids].add(1)[:num_tiles]
+  first = jnp.full((num_tiles + 1,), p, jnp.int32).at[ids].min(
+      jnp.arange(p, dtype=jnp.int32))[:num_tiles]
+  return jnp.where(count > 0, first, 0), count
+
+
+def merge_segments_reference(out, lse, o_part, lse_part, seg_first, seg_count):
+  """Plain-jnp (segment_sum) `merge_segments`: tiles with seg_count >= 2 get the LSE merge of their
+  slots seg_first .. seg_first + seg_count - 1 (math of `merge_splits_reference`); the others keep
+  out/lse. out [U, M, L], lse f32[U, M], o_part f32[P * M, L], lse_part f32[P * M]."""
+  u, m, l = out.shape
+  p = lse_part.shape[0] // m
+  s = jnp.arange(p, dtype=jnp.int32)
+  split = seg_count >= 2                                                          # [U]
+  in_seg = split[:, None] & (s >= seg_first[:, None]) & (s < (seg_first + seg_count)[:, None])
+  owner = jnp.where(jnp.any(in_seg, axis=0), jnp.argmax(in_seg, axis=0), u)      # [P]; U: none
+  used = owner < u
+  lse_s = jnp.where(used[:, None], lse_part.reshape(p, m), -jnp.inf)             # [P, M]
+  lse_max = jax.ops.segment_max(lse_s, owner, num_segments=u)                    # [U, M]
+  safe = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+  alive = jnp.isfinite(lse_s)
+  w = jnp.where(alive, jnp.exp(lse_s - safe[jnp.minimum(owner, u - 1)]), 0.0)   # [P, M]
+  # Dead partials (and unused slots) may hold NaN: select them away before the multiply.
+  o = jnp.where(alive[..., None], o_part.reshape(p, m, l), 0.0)
+  num = jax.ops.segment_sum(w[..., None] * o, owner, num_segments=u)            # [U, M, L]
+  den = jax.ops.segment_sum(w, owner, num_segments=u)                           # [U, M]
+  has = den > 0
+  merged = num * jnp.where(has, 1.0 / jnp.where(has, den, 1.0), 0.0)[..., None]
+  merged_lse = jnp.where(has, safe + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
+  out = jnp.where(split[:, None, None], merged.astype(out.dtype), out)
+  lse = jnp.where(split[:, None], merged_lse, lse)
+  return out, lse
+
+
+_SEG_CHUNK = 16  # segments per step of `merge_segments`' loop: [chunk, block_l] partials per load
+
+
+def _merge_segments_kernel(tile_ref, first_ref, count_ref, o_part_ref, lse_part_ref, out_in,
+                           lse_in, out_ref, lse_out_ref, *, num_tiles: int, slots: int, s_pad: int,
+                           chunk: int, block_l: int):
+  """Program (r, m, j) of grid (R, M, L / block_l): row m of the r-th split tile over one column
+  block. out_ref/lse_out_ref are the whole [U, M, L] / [U, M] arrays, aliased to out_in/lse_in."""
+  del out_in, lse_in   # same buffers as out_ref/lse_out_ref
+  rows_m = out_ref.shape[1]
+  r, m, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  tile, first, count = tile_ref[r], first_ref[r], count_ref[r]
+
+  @pl.when(tile < num_tiles)   # padding entries of the split-tile list: nothing to do
+  def _():
+    # All the row's lse values at once (S' >= count): the max and the denominator.
+    s = jnp.arange(s_pad, dtype=jnp.int32)
+    part = jnp.minimum(first + s, slots - 1) * rows_m + m                 # [S'] rows of o_part
+    lse = pltriton.load(lse_part_ref.at[part], mask=s < count, other=-jnp.inf)
+    lse_max = jnp.max(lse)
+    safe = jnp.where(lse_max > -jnp.inf, lse_max, 0.0)
+    denom = jnp.sum(jnp.where(lse > -jnp.inf, jnp.exp(lse - safe), 0.0))
+    cols = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
+
+    def step(c, acc):   # segments c*chunk .. c*chunk + chunk - 1
+      sc = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+      pc = jnp.minimum(first + sc, slots - 1) * rows_m + m                # [chunk]
+      lc = pltriton.load(lse_part_ref.at[pc], mask=sc < count, other=-jnp.inf)
+      alive = lc > -jnp.inf
+      w = jnp.where(alive, jnp.exp(lc - safe), 0.0)
+      # Dead partials are never read: an sm90 piece with no pages leaves its partial unwritten.
+      o = pltriton.load(o_part_ref.at[pc[:, None], cols[None, :]], mask=alive[:, None],
+                        other=0.0)                                        # [chunk, block_l]
+      return acc + jnp.sum(w[:, None] * o, axis=0)                        # [block_l]
+
+    acc = lax.fori_loop(0, (count + chunk - 1) // chunk, step,
+                        jnp.zeros((block_l,), jnp.float32))
+    has = denom > 0
+    inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)
+    pltriton.store(out_ref.at[tile, m, pl.ds(j * block_l, block_l)],
+                   (acc * inv).astype(out_ref.dtype))
+
+    @pl.when(j == 0)
+    def _():
+      pltriton.store(lse_out_ref.at[tile, m],
+                     jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf))
+
+
+@functools.partial(jax.jit, static_argnames=("max_segment", "interpret"))
+def merge_segments(out, lse, o_part, lse_part, seg_first, seg_count, *, max_segment=None,
+                   interpret=False):
+  """`merge_segments_reference` as one Pallas kernel, in place: (out [U, M, L], lse f32[U, M]) with
+  each split tile (seg_count >= 2) replaced by the LSE merge of its slots of o_part f32[P * M, L],
+  lse_part f32[P * M]. Replaces the work-list merge's XLA segment_sum (76-79 us on the H200: it
+  scatters ~23 MB over every slot and tile): one launch that reads only live split slots and writes
+  only split tiles. out/lse are aliased to the outputs: where out is dead after the call (the sm90
+  decode) unsplit tiles are neither read nor copied; a standalone call copies out once.
+
+  Segments of different tiles must be disjoint (so at most R = min(U, P // 2) tiles are split) and
+  seg_count <= max_segment (static; default P). Grid (R, M, L / block_l) over the compacted list of
+  split tiles, padded to R (padding programs exit at once), rather than over all U tiles: the grid
+  is static and most tiles are usually whole. A program loops over its tile's segments in chunks
+  of min(S', 16) (S' = next power of two of max_segment; the lse max and denominator use one
+  S'-wide load), so its column block can be wide (_MERGE_TILE / chunk: all of L = 512) and the
+  grid small: 88 x 64 programs at work-list size on the H200 (177 slots, S' = 256), where
+  S'-wide [S', 32] blocks as in merge_splits would launch 16x as many, nearly all masked off."""
+  u, m, l = out.shape
+  slots = lse_part.shape[0] // m
+  max_segment = slots if max_segment is None else int(max_segment)
+  n_split = min(u, slots // 2)
+  if l & (l - 1) or n_split == 0:   # Triton tiles are powers of two
+    return merge_segments_reference(out, lse, o_part, lse_part, seg_first, seg_count)
+  s_pad = pl.next_power_of_2(max(max_segment, 1))
+  chunk = min(s_pad, _SEG_CHUNK)
+  block_l = min(l, max(16, _MERGE_TILE // chunk))
+  # The r-th split tile (U: padding), its first slot and its segment count (0: padding).
+  tile = jnp.nonzero(seg_count >= 2, size=n_split, fill_value=u)[0].astype(jnp.int32)   # [R]
+  safe_tile = jnp.minimum(tile, u - 1)
+  first = seg_first[safe_tile].astype(jnp.int32)
+  count = jnp.where(tile < u, seg_count[safe_tile], 0).astype(jnp.int32)
+  whole = lambda shape: pl.BlockSpec(shape, lambda r, i, j: (0,) * len(shape))  # noqa: E731
+  return pl.pallas_call(
+      functools.partial(_merge_segments_kernel, num_tiles=u, slots=slots, s_pad=s_pad,
+                        chunk=chunk, block_l=block_l),
+      grid=(n_split, m, l // block_l),
+      # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
+      # kernel indexes rows and tiles itself.
+      in_specs=[whole((n_split,))] * 3 + [whole((slots * m, l)), whole((slots * m,)),
+                                          whole((u, m, l)), whole((u, m))],
+      out_specs=[whole((u, m, l)), whole((u, m))],
+      out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype),
+                 jax.ShapeDtypeStruct(lse.shape, jnp.float32)],
+      input_output_aliases={5: 0, 6: 1},
+      interpret=interpret,
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      name=f"mla_decode_merge_segments_s{s_pad}",
+  )(tile, first, count, o_part, lse_part, out, lse.astype(jnp.float32))
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "batch_invariant", "interpret",

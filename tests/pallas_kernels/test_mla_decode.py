@@ -21,8 +21,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mla_decode import (choose_num_kv_splits, merge_splits, merge_splits_reference,
-                                       mla_decode, mla_decode_reference)
+from pallas_kernels.mla_decode import (choose_num_kv_splits, merge_segments,
+                                       merge_segments_reference, merge_splits,
+                                       merge_splits_reference, mla_decode, mla_decode_reference,
+                                       segments_from_slot_tile)
 
 SCALE = 192 ** -0.5 * 1.87385
 TOL = {"bf16": (2e-2, 1e-3), "fp8": (2e-2, 1e-3), "f32": (1e-4, 1e-4)}
@@ -299,3 +301,127 @@ def test_gpu_merge_splits():
   ref, ref_lse = merge_splits_reference(jnp.asarray(o_part), jnp.asarray(lse_part))
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-5)
+
+
+def _segment_case(seed, m, l, counts, out_dtype):
+  """Inputs of merge_segments for tiles with counts[u] slots each (laid out in a shuffled tile
+  order, with an unused slot after some tiles). NaN poison: unused slots and the one slot of a
+  count-1 tile hold NaN with a finite lse (read only if the kernel merges a tile it must not);
+  dead partials (lse -inf) of split tiles hold NaN; row 1 of the first split tile has no live
+  partial at all. Returns numpy arrays and the expected (seg_first, seg_count)."""
+  rng = np.random.default_rng(seed)
+  u = len(counts)
+  slot_tile, first = [], np.zeros(u, np.int32)
+  for t in rng.permutation(u):
+    first[t] = len(slot_tile) if counts[t] else 0
+    slot_tile += [t] * counts[t] + ([-1] if rng.random() < 0.5 else [])
+  slot_tile = np.asarray(slot_tile, np.int32)
+  p = len(slot_tile)
+  o_part = rng.standard_normal((p, m, l)).astype(np.float32)
+  lse_part = rng.uniform(-3.0, 8.0, (p, m)).astype(np.float32)
+  counts = np.asarray(counts, np.int32)
+  split = counts >= 2
+  owner = np.where(slot_tile >= 0, slot_tile, 0)
+  in_split = (slot_tile >= 0) & split[owner]                             # [P]
+  dead = in_split[:, None] & (rng.random((p, m)) < 0.3)                  # [P, M]
+  if split.any():
+    dead[slot_tile == np.flatnonzero(split)[0], 1] = True
+  lse_part[dead] = -np.inf
+  o_part[dead | ~in_split[:, None]] = np.nan
+  out = rng.standard_normal((u, m, l)).astype(np.float32)
+  out = np.asarray(jnp.asarray(out).astype(out_dtype))
+  lse = rng.uniform(-3.0, 8.0, (u, m)).astype(np.float32)
+  return (out, lse, o_part.reshape(p * m, l), lse_part.reshape(p * m), slot_tile, first, counts,
+          dead)
+
+
+def _merge_segments_float64(out, lse, o_part, lse_part, slot_tile, counts, dead):
+  """The merge of each split tile's live slots in float64 numpy (other tiles: their input)."""
+  u, m, l = out.shape
+  p = slot_tile.shape[0]
+  o_part, lse_part = o_part.reshape(p, m, l), lse_part.reshape(p, m).astype(np.float64)
+  exp_out, exp_lse = out.astype(np.float64), lse.astype(np.float64)
+  for t in np.flatnonzero(counts >= 2):
+    sl = slot_tile == t
+    w = np.where(dead[sl], 0.0, np.exp(lse_part[sl]))                   # [S, M]
+    num = np.where(dead[sl][..., None], 0.0, w[..., None] * o_part[sl]).sum(axis=0)
+    den = w.sum(axis=0)
+    has = den > 0
+    exp_out[t] = np.where(has[:, None], num / np.where(has, den, 1.0)[:, None], 0.0)
+    exp_lse[t] = np.where(has, np.log(np.where(has, den, 1.0)), -np.inf)
+  return exp_out, exp_lse
+
+
+@pytest.mark.parametrize("m,l,counts,max_segment,out_dtype", [
+    (8, 32, [3, 1, 0, 5, 2], None, jnp.float32),
+    (16, 64, [3, 1, 0, 5, 2], 5, jnp.bfloat16),
+    (8, 64, [2, 0, 20, 1, 4], 20, jnp.bfloat16),   # 20 segments: two steps of 16
+    (16, 32, [0, 2, 1, 0, 0], None, jnp.float32),
+    (8, 32, [1, 0, 1, 0, 0], None, jnp.float32),   # nothing split: only padding programs
+    (8, 48, [3, 1, 0, 5, 2], None, jnp.bfloat16),  # L not a power of two: the jnp fallback
+])
+def test_merge_segments_kernel(m, l, counts, max_segment, out_dtype):
+  """The work-list merge kernel against its jnp reference, and the reference against float64
+  numpy: split tiles get the LSE merge of their live slots, all other tiles stay bit-identical."""
+  out, lse, o_part, lse_part, slot_tile, first, count, dead = _segment_case(
+      sum(counts) * 10 + l, m, l, counts, out_dtype)
+  seg_first, seg_count = segments_from_slot_tile(jnp.asarray(slot_tile), len(counts))
+  np.testing.assert_array_equal(np.asarray(seg_first), first)
+  np.testing.assert_array_equal(np.asarray(seg_count), count)
+  args = tuple(jnp.asarray(x) for x in (out, lse, o_part, lse_part)) + (seg_first, seg_count)
+  got, got_lse = merge_segments(*args, max_segment=max_segment, interpret=True)
+  ref, ref_lse = merge_segments_reference(*args)
+  assert got.dtype == out.dtype and got.shape == out.shape and got_lse.shape == lse.shape
+  got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+  got_lse, ref_lse = np.asarray(got_lse), np.asarray(ref_lse)
+  split = count >= 2
+  for res, res_lse in ((got, got_lse), (ref, ref_lse)):
+    np.testing.assert_array_equal(res[~split], np.asarray(out, np.float32)[~split])
+    np.testing.assert_array_equal(res_lse[~split], lse[~split])
+    assert np.all(np.isfinite(res))
+  if split.any():   # row 1 of the first split tile has no live partial
+    t = np.flatnonzero(split)[0]
+    assert np.all(got[t, 1] == 0) and got_lse[t, 1] == -np.inf
+  tol = 1e-5 if out_dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+  np.testing.assert_allclose(got_lse, ref_lse, rtol=1e-6, atol=1e-6)
+  exp_out, exp_lse = _merge_segments_float64(np.asarray(out, np.float32), lse, o_part, lse_part,
+                                             slot_tile, count, dead)
+  np.testing.assert_allclose(ref, exp_out, rtol=tol, atol=tol)
+  np.testing.assert_allclose(ref_lse, exp_lse, rtol=1e-6, atol=1e-5)
+
+
+def test_merge_segments_lowers_to_triton(monkeypatch):
+  """Triton IR generation on CPU (Pallas's lowering rules, not the Triton compiler) at work-list
+  size (200 tiles, 177 slots on an H200), with an H200 stand-in for the device query: one kernel,
+  grid (88 split tiles at most, 64 rows, 1 column block), out/lse aliased to its inputs."""
+  from jax._src.pallas.triton import gpu_info, pallas_call_registration
+  monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  u, m, l, p = 200, 64, 512, 177
+  shapes = [((u, m, l), jnp.bfloat16), ((u, m), jnp.float32), ((p * m, l), jnp.float32),
+            ((p * m,), jnp.float32), ((u,), jnp.int32), ((u,), jnp.int32)]
+  f = jax.jit(lambda *a: merge_segments(*a, max_segment=p))
+  text = f.trace(*(jax.ShapeDtypeStruct(*x) for x in shapes)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 1
+  assert "grid_x = 88 : i32, grid_y = 64 : i32, grid_z = 1 : i32" in text
+  assert text.count("stablehlo.output_operand_alias") == 2
+
+@pytest.mark.gpu
+def test_gpu_merge_segments():
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  # Work-list-like: 4 tiles of 64 rows, one split into 66 slots (5 steps of 16), one into 3.
+  out, lse, o_part, lse_part, slot_tile, _, count, _ = _segment_case(
+      11, 64, 512, [0, 66, 1, 3], jnp.bfloat16)
+  seg_first, seg_count = segments_from_slot_tile(jnp.asarray(slot_tile), 4)
+  args = tuple(jnp.asarray(x) for x in (out, lse, o_part, lse_part)) + (seg_first, seg_count)
+  got, got_lse = merge_segments(*args, max_segment=slot_tile.shape[0])
+  ref, ref_lse = merge_segments_reference(*args)
+  got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+  split = count >= 2
+  np.testing.assert_array_equal(got[~split], np.asarray(out, np.float32)[~split])
+  np.testing.assert_array_equal(np.asarray(got_lse)[~split], lse[~split])
+  np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2)
+  np.testing.assert_allclose(np.asarray(got_lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-5)
