@@ -205,12 +205,14 @@ def _lower_for_sm90(cache_dtype, n=16, **kw):
 def test_lowers_for_sm90(cache_dtype, kw, monkeypatch):
   """The GPU code path (which differs from the interpreted one in `_accumulate`) passes Mosaic
   GPU's Python lowering for sm_90: layouts, wgmma and TMA shapes, 227 KB of shared memory.
-  The split merge is a Triton kernel, which cannot lower without a GPU: its jnp reference stands
+  The split merges are Triton kernels, which cannot lower without a GPU: their jnp references stand
   in here (the kernel has its own interpreter and GPU tests in test_mla_decode.py)."""
   def merge_ref(o_part, lse_part, *, out_dtype, interpret):
     out, lse = mla_decode.merge_splits_reference(o_part, lse_part)
     return out.astype(out_dtype), lse
   monkeypatch.setattr(k90, "merge_splits", merge_ref)
+  monkeypatch.setattr(k90, "merge_segments", lambda *a, max_segment, interpret:
+                      mla_decode.merge_segments_reference(*a))
   text = _lower_for_sm90(cache_dtype, **kw)
   assert "mosaic_gpu" in text
 
