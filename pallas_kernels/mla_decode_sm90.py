@@ -418,24 +418,30 @@ def _seesaw_body(cfg, r, pc):
 
     def pair(j, carry):
       acc, m_i, l_i = carry
-      s = pc.logits(qk(0, (0, 1)), 2 * j)
-      m0 = jnp.maximum(m_i, s.max(axis=1))
-      loop_rows[_ROW_M0] = m0
-      plgpu.barrier_arrive(r["m0_bar"])
-      a0 = jnp.exp2(m_i - m0)
-      p = jnp.exp2(s - _rows_bcast(m0, s.shape))
-      l_i = l_i * a0 + p.sum(axis=1)
-      pe_ref()[...] = p.astype(cfg.cdt)
-      plgpu.commit_smem()                      # generic writes before the async-proxy wgmmas
-      plgpu.barrier_arrive(r["p0_bar"])
-      acc = pv(acc * _rows_bcast(a0, acc.shape), pe_ref, 0, 0)
+      with jax.named_scope("qk"):
+        s = qk(0, (0, 1))
+      with jax.named_scope("softmax"):
+        s = pc.logits(s, 2 * j)
+        m0 = jnp.maximum(m_i, s.max(axis=1))
+        loop_rows[_ROW_M0] = m0
+        plgpu.barrier_arrive(r["m0_bar"])
+        a0 = jnp.exp2(m_i - m0)
+        p = jnp.exp2(s - _rows_bcast(m0, s.shape))
+        l_i = l_i * a0 + p.sum(axis=1)
+        pe_ref()[...] = p.astype(cfg.cdt)
+        plgpu.commit_smem()                    # generic writes before the async-proxy wgmmas
+        plgpu.barrier_arrive(r["p0_bar"])
+      with jax.named_scope("pv_e"):
+        acc = pv(acc * _rows_bcast(a0, acc.shape), pe_ref, 0, 0)
       plgpu.barrier_arrive(kv_free1.at[0])     # slot 0 part A: S_e and this P.V read it
       plgpu.barrier_arrive(kv_free2.at[0])     # slot 0 part B (P_e): WG0 is done, WG1 may not be
-      plgpu.barrier_wait(r["m1_bar"])
-      m1 = plgpu.load(loop_rows.at[_ROW_M1], layout=_ROW_LAYOUT)
-      a1 = jnp.exp2(m0 - m1)
-      plgpu.barrier_wait(r["p_ready"])         # P_o
-      acc = pv(acc * _rows_bcast(a1, acc.shape), p_smem, 1, 0)
+      with jax.named_scope("wait_m1_po"):
+        plgpu.barrier_wait(r["m1_bar"])
+        m1 = plgpu.load(loop_rows.at[_ROW_M1], layout=_ROW_LAYOUT)
+        a1 = jnp.exp2(m0 - m1)
+        plgpu.barrier_wait(r["p_ready"])       # P_o
+      with jax.named_scope("pv_o"):
+        acc = pv(acc * _rows_bcast(a1, acc.shape), p_smem, 1, 0)
       plgpu.barrier_arrive(kv_free2.at[1])     # slot 1 part A
       plgpu.barrier_arrive(r["p_consumed"])
       return acc, m1, l_i * a1
@@ -450,25 +456,31 @@ def _seesaw_body(cfg, r, pc):
 
     def pair(j, carry):
       acc, m_i, l_i = carry
-      s = qk(1, (1, 0))
+      with jax.named_scope("qk"):
+        s = qk(1, (1, 0))
       plgpu.barrier_arrive(kv_free2.at[1])     # slot 1 part A: S_o read it (WG0's P.V remains)
-      plgpu.barrier_wait(r["m0_bar"])
-      m0 = plgpu.load(loop_rows.at[_ROW_M0], layout=_ROW_LAYOUT)
-      s = pc.logits(s, 2 * j + 1)
-      m1 = jnp.maximum(m0, s.max(axis=1))
-      loop_rows[_ROW_M1] = m1
-      plgpu.barrier_arrive(r["m1_bar"])
-      a0, a1 = jnp.exp2(m_i - m0), jnp.exp2(m0 - m1)
-      p = jnp.exp2(s - _rows_bcast(m1, s.shape))
-      l_i = l_i * (a0 * a1) + p.sum(axis=1)
-      pl.when(j > 0)(lambda: plgpu.barrier_wait(r["p_consumed"]))   # WG0 is done with P_o
-      p_smem[...] = p.astype(cfg.cdt)
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(r["p_ready"])
-      plgpu.barrier_wait(r["p0_bar"])          # P_e
-      acc = pv(acc * _rows_bcast(a0, acc.shape), pe_ref, 0, 1)
+      with jax.named_scope("wait_m0"):
+        plgpu.barrier_wait(r["m0_bar"])
+      with jax.named_scope("softmax"):
+        m0 = plgpu.load(loop_rows.at[_ROW_M0], layout=_ROW_LAYOUT)
+        s = pc.logits(s, 2 * j + 1)
+        m1 = jnp.maximum(m0, s.max(axis=1))
+        loop_rows[_ROW_M1] = m1
+        plgpu.barrier_arrive(r["m1_bar"])
+        a0, a1 = jnp.exp2(m_i - m0), jnp.exp2(m0 - m1)
+        p = jnp.exp2(s - _rows_bcast(m1, s.shape))
+        l_i = l_i * (a0 * a1) + p.sum(axis=1)
+        pl.when(j > 0)(lambda: plgpu.barrier_wait(r["p_consumed"]))   # WG0 is done with P_o
+        p_smem[...] = p.astype(cfg.cdt)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(r["p_ready"])
+      with jax.named_scope("wait_pe"):
+        plgpu.barrier_wait(r["p0_bar"])        # P_e
+      with jax.named_scope("pv_e"):
+        acc = pv(acc * _rows_bcast(a0, acc.shape), pe_ref, 0, 1)
       plgpu.barrier_arrive(kv_free2.at[0])     # slot 0 part B
-      acc = pv(acc * _rows_bcast(a1, acc.shape), p_smem, 1, 1)
+      with jax.named_scope("pv_o"):
+        acc = pv(acc * _rows_bcast(a1, acc.shape), p_smem, 1, 1)
       plgpu.barrier_arrive(kv_free1.at[1])     # slot 1 part B: S_o and this P.V read it
       return acc, m1, l_i
 
@@ -490,7 +502,8 @@ def _seesaw_body(cfg, r, pc):
         c0, w = parts[part]
         dst = ring[part].at[slot]
         ready = kv_ready.at[2 * slot + part]
-        pl.when(j > 0)(lambda free=free: plgpu.barrier_wait(free))
+        with jax.named_scope(f"wait_free{slot}{'AB'[part]}"):
+          pl.when(j > 0)(lambda free=free: plgpu.barrier_wait(free))
         exists = page < pc.n
         rows_valid = jnp.where(page == pc.n - 1, pc.last_rows, g)
         full = exists & (rows_valid == g)
@@ -555,12 +568,14 @@ def _serial_body(cfg, r, pc):
     def step(i, carry):
       acc, m_i, l_i = carry
       slot_i = slot_of(i, stages)
-      plgpu.barrier_wait(kv_ready.at[slot_i])
+      with jax.named_scope("wait_kv"):
+        plgpu.barrier_wait(kv_ready.at[slot_i])
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, r["q_smem"], ring.at[slot_i].T)
         return acc_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))        # [64, G] f32
+      with jax.named_scope("qk"):
+        s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))      # [64, G] f32
       if is_fp8:  # logits of the fp8 rows times their per-token scale
         ks = plgpu.load(loop_rows.at[_ROWS + slot_i], layout=plgpu.Layout.WGMMA.reduce(0))
         ks = lax.broadcast_in_dim(ks, s.shape, [1])
@@ -572,6 +587,7 @@ def _serial_body(cfg, r, pc):
       l_i = l_i * alpha + p.sum(axis=1)
 
       @pl.when(i > 0)
+      @jax.named_scope("wait_p_consumed")
       def _():
         plgpu.barrier_wait(p_consumed)   # WG1 is done with P_{i-1} and alpha_{i-1}
       # V = fp8 row * scale: fold the per-token scale into p.
@@ -580,8 +596,10 @@ def _serial_body(cfg, r, pc):
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready)
 
-      acc = acc * _rows_bcast(alpha, acc.shape)
-      acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)], interpret=cfg.interpret)
+      with jax.named_scope("pv"):
+        acc = acc * _rows_bcast(alpha, acc.shape)
+        acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)],
+                               interpret=cfg.interpret)
       plgpu.barrier_arrive(kv_consumed.at[slot_i])
       return acc, m_new, l_i
 
@@ -595,11 +613,14 @@ def _serial_body(cfg, r, pc):
 
     def step(i, acc):
       slot_i = slot_of(i, stages)
-      plgpu.barrier_wait(kv_ready.at[slot_i])
-      plgpu.barrier_wait(p_ready)
-      alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], layout=_ROW_LAYOUT)
-      acc = acc * _rows_bcast(alpha, acc.shape)
-      acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(half, half)], interpret=cfg.interpret)
+      with jax.named_scope("wait_p"):
+        plgpu.barrier_wait(kv_ready.at[slot_i])
+        plgpu.barrier_wait(p_ready)
+      with jax.named_scope("pv"):
+        alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], layout=_ROW_LAYOUT)
+        acc = acc * _rows_bcast(alpha, acc.shape)
+        acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(half, half)],
+                               interpret=cfg.interpret)
       plgpu.barrier_arrive(p_consumed)
       plgpu.barrier_arrive(kv_consumed.at[slot_i])
       return acc
@@ -853,6 +874,11 @@ def _merge_worklist(out, lse, o_part, lse_part, slot_tile, interpret=False):
                         seg_first, seg_count, max_segment=slot_tile.shape[0], interpret=interpret)
 
 
+# Developer tracing: (events per warpgroup, directory) makes the next compiled kernels write a
+# Perfetto trace of their named scopes (qk, softmax, pv, waits) per warpgroup; bench/trace_sm90.py.
+# The trace buffer takes shared memory, so only configurations below the 227 KB limit (L < 512).
+TRACE: tuple[int, str] | None = None
+
 _WORKLIST_MIN_PAGES = 4  # no piece shorter than this unless its tile is (FlashMLA: ~5 blocks)
 
 
@@ -927,7 +953,9 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
       num_threads=3,
       thread_name="wg",
       # Row reductions of the WGMMA layout stay within a warp: no cross-warp reduction scratch.
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, reduction_scratch_bytes=0,
+          **(dict(profile_space=TRACE[0], profile_dir=TRACE[1]) if TRACE else {})),
       interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                  else plgpu.InterpretGPUParams() if interpret else None),
       kernel_name=f"mla_decode_sm90_{name}_{pipeline}_stages{num_stages}_fp8stages{cfg.fp8_stages}",
