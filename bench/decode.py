@@ -151,8 +151,6 @@ SM90_CASES = [  # the sm90 kernel: page 64 only (b, nq, n, g, max_pages, lens, d
     (5, 1, 16, 64, 160, [10000, 3, 0, 700, 64], "bf16", False, {"schedule": "worklist"}),
     (3, 2, 64, 64, 80, [5000, 100, 1], "fp8", True, {"schedule": "worklist"}),
     (1, 1, 128, 64, 512, [32768], "bf16", False, {"schedule": "worklist"}),
-    (3, 1, 128, 64, 20, [1200, 64, 999], "bf16", False, {"pipeline": "serial"}),
-    (4, 1, 64, 64, 9, [513, 448, 65, 575], "bf16", False, {"num_kv_splits": 2}),  # odd pieces
 ]
 
 
@@ -188,8 +186,7 @@ def sm90_splits(b, n, ctx):
 def sm90_sweep_variants(dtype, splits):
   variants = [{"num_kv_splits": s} for s in (splits * 2, max(1, splits // 2))
               if s != splits and s <= 2 * 132]
-  variants.append({"pipeline": "serial", "num_stages": 1} if dtype == "bf16"
-                  else {"fp8_compute": "float16"})
+  variants.append({"num_stages": 1} if dtype == "bf16" else {"fp8_compute": "float16"})
   if dtype == "fp8":
     variants.append({"fp8_stages": 1})
   return variants
@@ -322,12 +319,8 @@ def main():
       if run_triton:
         timed_kernels.append(("pallas", kernel_fn(), {"num_kv_splits": splits}))
       if run_sm90:  # both schedules of the sm90 kernel (static splits; on-device work list)
-        grid = {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx)}
         timed_kernels.append(("pallas_sm90", sm90_fn(),
-                              {**grid, "pipeline": "serial" if dtype == "fp8" else "seesaw"}))
-        if dtype == "bf16":  # the one-page-at-a-time consumer loop, side by side
-          timed_kernels.append(("pallas_sm90", sm90_fn(pipeline="serial"),
-                                {**grid, "pipeline": "serial"}))
+                              {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx)}))
         timed_kernels.append(("pallas_sm90", sm90_fn(schedule="worklist"),
                               {"schedule": "worklist"}))
       for name, fn, extra in timed_kernels:

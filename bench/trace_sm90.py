@@ -1,16 +1,18 @@
 """Where the Hopper decode kernel's warpgroups spend their time: Mosaic GPU profiler traces.
 
-    PYTHONPATH=. python3 bench/trace_sm90.py --out DIR [--l 384] [--b 132] [--n 64] [--ctx 2048]
+    PYTHONPATH=. python3 bench/trace_sm90.py --out DIR [--l 384] [--b 66] [--n 128] [--ctx 2048]
+        [--splits 1] [--dtype bf16|fp8]
 
 Each consumer loop marks its phases with `jax.named_scope` (qk, softmax, pv, and the barrier
 waits); with `mla_decode_sm90.TRACE` set, the compiled kernel records every scope's start and end
 per warpgroup. The trace buffer lives in shared memory, which the L=512 kernel fills to the limit,
 so the traces are taken at a smaller latent width (default 384: same schedule and page size, 3/4
-of the columns). One CTA per request (splits 1), B requests of N heads over ctx tokens.
+of the columns). B requests of N heads over ctx tokens, each head tile cut into `splits` pieces.
 
-Writes DIR/trace-<pipeline>.json (the first 4 CTAs, for Perfetto) and DIR/trace-summary.json, and
-prints per pipeline and warpgroup each scope's mean duration and its share of the CTA's time.
-Durations are in the trace's time unit (the profiler's clock; compare them with each other).
+Writes DIR/trace-<tag>.json (the first 4 CTAs, for Perfetto) and DIR/trace-<tag>-summary.json,
+and prints per warpgroup each scope's mean duration (us, the profiler's global timer) and its
+share of the CTA's time; WG0's time outside its scopes is the softmax (logits, max, exp, sum, the
+P store).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -32,14 +35,20 @@ from pallas_kernels import mla_decode_sm90 as k90  # noqa: E402
 WARPGROUPS = 3  # two consumers and the producer
 
 
-def inputs(b, n, ctx, l, r=64, seed=0):
+def inputs(b, n, ctx, l, dtype, r=64, seed=0):
   g = k90.PAGE_SIZE
   pages = -(-ctx // g)
-  k = jax.random.split(jax.random.key(seed), 2)
+  k = jax.random.split(jax.random.key(seed), 3)
   q = jax.random.normal(k[0], (b, 1, n, l + r), jnp.bfloat16)
-  cache = jax.random.normal(k[1], (b * pages, g, l + r), jnp.bfloat16)
+  cache = jax.random.normal(k[1], (b * pages, g, l + r), jnp.float32)
+  kv_scale = None
+  if dtype == "fp8":
+    kv_scale = jax.random.uniform(k[2], (b * pages, g), jnp.float32, 0.25, 0.75)
+    cache = cache.astype(jnp.float8_e4m3fn)
+  else:
+    cache = cache.astype(jnp.bfloat16)
   bt = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
-  return q, cache, bt, jnp.full((b, 1), ctx, jnp.int32)
+  return q, cache, bt, jnp.full((b, 1), ctx, jnp.int32), kv_scale
 
 
 def summarize(events):
@@ -49,7 +58,7 @@ def summarize(events):
   stacks = collections.defaultdict(list)
   for e in events:
     key = (e["pid"], e["tid"])
-    spans[e["tid"] // WARPGROUPS].append(e["ts"])
+    spans[(e["tid"] - 1) // WARPGROUPS].append(e["ts"])
     if e["ph"] == "B":
       stacks[key].append(e)
     elif stacks[key]:
@@ -65,45 +74,45 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="bench/results")
   ap.add_argument("--l", type=int, default=384)
-  ap.add_argument("--b", type=int, default=132)
-  ap.add_argument("--n", type=int, default=64)
+  ap.add_argument("--b", type=int, default=66)
+  ap.add_argument("--n", type=int, default=128)
   ap.add_argument("--ctx", type=int, default=2048)
-  ap.add_argument("--pipelines", default="serial,seesaw")
+  ap.add_argument("--splits", type=int, default=1)
+  ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"))
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
-  q, cache, bt, sl = inputs(args.b, args.n, args.ctx, args.l)
-  pages = -(-args.ctx // k90.PAGE_SIZE)
+  tag = f"{args.b}x{args.n}x{args.ctx}-s{args.splits}-{args.dtype}-L{args.l}"
+  q, cache, bt, sl, ks = inputs(args.b, args.n, args.ctx, args.l, args.dtype)
+  pages = -(-(-(-args.ctx // k90.PAGE_SIZE)) // args.splits)   # pages per CTA
+  tmp = tempfile.mkdtemp()
+  k90.TRACE = (8 * pages + 16, tmp)   # scopes per warpgroup: at most 6 a page (WG0)
+  out = k90.mla_decode_sm90(q, cache, bt, sl, scale=0.1, kv_scale=ks, kv_lora_rank=args.l,
+                            num_kv_splits=args.splits)
+  jax.block_until_ready(out)
+  jax.effects_barrier()   # the trace is written by a host callback
+  k90.TRACE = None
+  files = sorted(glob.glob(os.path.join(tmp, "*-trace.json")))
+  if not files:
+    sys.exit(f"{tag}: no trace written")
+  events = json.load(open(files[-1]))["traceEvents"]
+  scopes, span = summarize(events)
   summary = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-             "shape": dict(B=args.b, N=args.n, ctx=args.ctx, L=args.l, pages_per_cta=pages)}
-  for pipeline in args.pipelines.split(","):
-    tmp = tempfile.mkdtemp()
-    k90.TRACE = (5 * pages + 16, tmp)   # scopes per warpgroup: at most 4 a page (serial WG0)
-    jax.clear_caches()
-    out = k90.mla_decode_sm90(q, cache, bt, sl, scale=0.1, kv_lora_rank=args.l, num_kv_splits=1,
-                              pipeline=pipeline)
-    jax.block_until_ready(out)
-    jax.effects_barrier()   # the trace is written by a host callback
-    k90.TRACE = None
-    files = sorted(glob.glob(os.path.join(tmp, "*-trace.json")))
-    if not files:
-      print(f"{pipeline}: no trace written")
-      continue
-    events = json.load(open(files[-1]))["traceEvents"]
-    scopes, span = summarize(events)
-    summary[pipeline] = {"cta_span": span, "per_page": span / pages, "warpgroups": {
-        str(wg): {name: dict(count=c, mean=m, per_cta=t) for name, (c, m, t) in s.items()}
-        for wg, s in scopes.items()}}
-    keep = {t for t in sorted({e["tid"] for e in events})[:4 * WARPGROUPS]}
-    with open(os.path.join(args.out, f"trace-{pipeline}.json"), "w") as f:
-      json.dump({"displayTimeUnit": "ns",
-                 "traceEvents": [e for e in events if e["tid"] in keep]}, f)
-    print(f"{pipeline}: CTA span {span:.2f}, per page {span / pages:.3f}")
-    for wg, s in scopes.items():
-      for name, (c, m, t) in s.items():
-        print(f"  wg{wg} {name:16s} n={c:6d} mean={m:8.3f} per CTA {t:9.2f} "
-              f"({100 * t / span:5.1f}%)")
-  with open(os.path.join(args.out, "trace-summary.json"), "w") as f:
+             "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("MLA_JAX_COMMIT", ""),
+             "shape": dict(B=args.b, N=args.n, ctx=args.ctx, splits=args.splits, L=args.l,
+                           dtype=args.dtype, pages_per_cta=pages),
+             "cta_span_us": span, "per_page_us": span / pages, "warpgroups": {
+                 str(wg): {name: dict(count=c, mean_us=m, per_cta_us=t)
+                           for name, (c, m, t) in s.items()} for wg, s in scopes.items()}}
+  keep = set(sorted({e["tid"] for e in events})[:4 * WARPGROUPS])
+  with open(os.path.join(args.out, f"trace-{tag}.json"), "w") as f:
+    json.dump({"displayTimeUnit": "ns", "traceEvents": [e for e in events if e["tid"] in keep]}, f)
+  with open(os.path.join(args.out, f"trace-{tag}-summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
+  print(f"{tag}: CTA span {span:.2f} us, per page {span / pages:.3f} us")
+  for wg, s in scopes.items():
+    for name, (c, m, t) in s.items():
+      print(f"  wg{wg} {name:16s} n={c:6d} mean={m:7.3f} us  per CTA {t:8.2f} us "
+            f"({100 * t / span:5.1f}%)")
 
 
 if __name__ == "__main__":

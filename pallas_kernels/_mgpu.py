@@ -9,21 +9,18 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 def wgmma_accumulate(acc, a, b, *, interpret: bool):
   """acc + a @ b with one wgmma accumulating into `acc`'s registers (waits for completion).
 
-  `a` is a shared-memory ref or a register value, `b` a shared-memory ref; either may also be a
-  function returning it, called inside the accumulator's scope (a ref view with static indices
-  built outside `pl.run_state` becomes a constant its lowering rejects). The Mosaic GPU interpreter
+  `a` is a shared-memory ref or a register value, `b` a shared-memory ref. The Mosaic GPU interpreter
   (jax 0.11.2) can run neither `pl.run_state` over a wgmma accumulator ("MLIR translation rule for
   primitive 'wgmma' not found for platform cpu") nor a register-operand wgmma: there the product goes
   to a fresh zero accumulator and is added in registers (same math, one extra f32 rounding; it would
   double the registers on a GPU).
   """
-  get = lambda x: x() if callable(x) else x
   if interpret:
     def mm(acc_ref):
-      plgpu.wgmma(acc_ref, get(a), get(b))
+      plgpu.wgmma(acc_ref, a, b)
       return acc_ref[...]
     return acc + pl.run_scoped(mm, plgpu.ACC(acc.shape, jnp.float32))
 
   def mm(acc_ref):
-    plgpu.wgmma(acc_ref, get(a), get(b))
+    plgpu.wgmma(acc_ref, a, b)
   return pl.run_state(mm)(plgpu.ACC.init(acc))

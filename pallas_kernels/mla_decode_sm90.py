@@ -123,7 +123,6 @@ class _Cfg:
   final_dtype: object  # dtype of the final output (q.dtype); partials are f32
   interpret: bool     # Mosaic GPU interpreter (CPU): see _mgpu.wgmma_accumulate
   cdt: object = _BF16  # wgmma operand dtype (Q, ring, P): bf16, or f16 for an fp8 cache if asked
-  pipeline: str = "seesaw"  # consumer schedule: "seesaw" (bf16, 2 slots) or "serial"
 
 
 def _tiled(dtype, minor_bytes=128):
@@ -140,17 +139,9 @@ def _smem_plan(cfg: _Cfg):
   f32 = jnp.float32
   cdt = cfg.cdt
   q = plgpu.SMEM((TILE_M, cfg.d), cdt, transforms=_tiled(cdt))
-  if cfg.pipeline == "seesaw":
-    # Two slots, each in two parts loaded and released separately (TMA needs each destination
-    # contiguous): A = columns [0, L/2), B = [L/2, L+R).
-    half = cfg.l // 2
-    ring = (plgpu.SMEM((2, PAGE_SIZE, half), cdt, transforms=_tiled(cdt)),
-            plgpu.SMEM((2, PAGE_SIZE, cfg.d - half), cdt, transforms=_tiled(cdt)))
-  else:
-    ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.d), cdt, transforms=_tiled(cdt))
+  ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.d), cdt, transforms=_tiled(cdt))
   p = plgpu.SMEM((TILE_M, PAGE_SIZE), cdt, transforms=_tiled(cdt))
-  # Row vectors used during the loop, indexed by the _ROW_* constants; fp8: [_ROWS + slot] the
-  # per-token scales of the page in ring slot `slot` (producer -> WG0).
+  # Row vectors used during the loop, indexed by the _ROW_* constants.
   loop_rows = plgpu.SMEM((_ROWS + (cfg.stages if cfg.fp8_stages else 0), TILE_M), f32)
   group_a = [q, ring, p, loop_rows]
   if cfg.fp8_stages:
@@ -168,20 +159,17 @@ def _smem_plan(cfg: _Cfg):
 
   def nbytes(group):
     total = 0
-    for ref in (x for item in group for x in (item if isinstance(item, tuple) else (item,))):
+    for ref in group:
       total = -(-total // 1024) * 1024 + math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
     return total
   return groups, max(map(nbytes, groups))
 
 
-# Rows of the loop's row-vector buffer: serial: alpha_i (WG0 -> WG1); seesaw: the running max
-# after the even page (WG0 -> WG1) and after the odd page (WG1 -> WG0), then WG1's row sum for
-# the epilogue (in M1's row: WG0 read the last M1 before WG1 leaves the loop; the seesaw plan is
-# within 100 bytes of the limit).
-_ROW_ALPHA = _ROW_M0 = 0
+# Rows of the loop's row-vector buffer; fp8 adds [_ROWS + slot]: the per-token scales of the
+# page in ring slot `slot` (producer -> WG0).
+_ROW_ALPHA = 0  # alpha_i (WG0 -> WG1)
 _ROW_LENS = 1   # row lengths (f32, exact below 2^24), TMA'd with Q
-_ROW_M1 = _ROW_L1 = 2
-_ROWS = 3
+_ROWS = 2
 
 # Piece metadata, one row per CTA: (b, head tile, first page, pages, slot, tile length).
 # slot: -1 final output, >= 0 f32 partial slot, -2 no work (padding of the work list).
@@ -192,24 +180,16 @@ def _barriers(cfg):
   """The pipeline's mbarriers, by name (see the module docstring)."""
   bars = dict(
       q_bar=plgpu.Barrier(num_arrivals=2),            # Q + row lengths (two TMAs)
+      kv_ready=plgpu.Barrier(num_barriers=cfg.stages),
+      kv_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),
       p_ready=plgpu.Barrier(),
       p_consumed=plgpu.Barrier(),
       epi_bar=plgpu.Barrier(num_arrivals=2),
       fin_bar=plgpu.Barrier(),
       raw_bar=plgpu.Barrier())
-  if cfg.pipeline == "seesaw":
-    bars.update(
-        kv_ready=plgpu.Barrier(num_barriers=4),                     # [2 * slot + part]
-        kv_free1=plgpu.Barrier(num_barriers=2),                     # slot 0 part A, slot 1 part B
-        kv_free2=plgpu.Barrier(num_arrivals=2, num_barriers=2),     # slot 0 part B, slot 1 part A
-        m0_bar=plgpu.Barrier(), m1_bar=plgpu.Barrier(), p0_bar=plgpu.Barrier())
-  else:
-    bars.update(
-        kv_ready=plgpu.Barrier(num_barriers=cfg.stages),
-        kv_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages))
-    if cfg.fp8_stages:
-      bars.update(fp8_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages),
-                  scale_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages))
+  if cfg.fp8_stages:
+    bars.update(fp8_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages),
+                scale_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages))
   return bars
 
 
@@ -229,11 +209,7 @@ def _kernel(*refs, cfg: _Cfg):
     r = dict(gmem, q_smem=q_smem, ring=ring, p_smem=p_smem, loop_rows=loop_rows,
              fp8_ring=fp8_ring, scale_ring=scale_ring, final_stage=final_stage,
              part_stage=part_stage, **bars)
-    pc = _Piece(cfg, r)
-    if cfg.pipeline == "seesaw":
-      _seesaw_body(cfg, r, pc)
-    else:
-      _serial_body(cfg, r, pc)
+    _body(cfg, r, _Piece(cfg, r))
 
   pl.run_scoped(scoped, plgpu.RefUnion(*(tuple(g) for g in groups)), collective_axes="wg",
                 **_barriers(cfg))
@@ -290,26 +266,22 @@ class _Piece:
                             r["loop_rows"].at[_ROW_LENS], r["q_bar"])
 
   def logits(self, s, page):
-    """Scaled logits (log2 units) of this piece's page `page`, -inf past each row's length and
-    on the seesaw's zero page (page == n, whose tokens may belong to the next piece)."""
+    """Scaled logits (log2 units) of this piece's page `page`, -inf past each row's length."""
     g = PAGE_SIZE
     lens = plgpu.load(self.r["loop_rows"].at[_ROW_LENS], layout=_ROW_LAYOUT).astype(jnp.int32)
-    base = jnp.where(page < self.n, (self.first + page) * g, jnp.int32(2**30))  # > any length
-    tok = base + plgpu.broadcasted_iota(jnp.int32, (TILE_M, g), 1, layout=plgpu.Layout.WGMMA)
+    tok = (self.first + page) * g + plgpu.broadcasted_iota(jnp.int32, (TILE_M, g), 1,
+                                                           layout=plgpu.Layout.WGMMA)
     valid = tok < lax.broadcast_in_dim(lens, (TILE_M, g), [0])
     return jnp.where(valid, s * (self.cfg.sm_scale * _LOG2E), -jnp.inf)
 
-  def epilogue_wg0(self, acc, m_i, l_i, *, l_from_wg1=False):
+  def epilogue_wg0(self, acc, m_i, l_i):
     """Normalize WG0's half and write it with the lse (after both consumers are done with the
     loop's buffers, which the staging aliases); publish 1/l for WG1."""
     r, half = self.r, self.cfg.l // 2
 
     def epilogue(stage, rows, o_dst, lse_dst, write_o):
-      l_tot = l_i
-      if l_from_wg1:   # seesaw: each consumer summed p over its own pages
-        l_tot = l_i + plgpu.load(r["loop_rows"].at[_ROW_L1], layout=_ROW_LAYOUT)
-      has = l_tot > 0
-      safe_l = jnp.where(has, l_tot, 1.0)
+      has = l_i > 0
+      safe_l = jnp.where(has, l_i, 1.0)
       inv = jnp.where(has, 1.0 / safe_l, 0.0)
       lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * _LN2, -jnp.inf)
       rows[0] = inv
@@ -328,7 +300,7 @@ class _Piece:
       pl.when(self.final)(lambda: epilogue(*fin, True))
       pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))  # empty split: lse = -inf only
 
-  def epilogue_wg1(self, acc, l_i=None):
+  def epilogue_wg1(self, acc):
     r, half = self.r, self.cfg.l // 2
 
     def epilogue(stage, rows, o_dst, lse_dst, write_o):
@@ -342,8 +314,6 @@ class _Piece:
 
     @pl.when(self.has_out)
     def _():
-      if l_i is not None:
-        r["loop_rows"][_ROW_L1] = l_i
       plgpu.barrier_arrive(r["epi_bar"])
       plgpu.barrier_wait(r["epi_bar"])
       plgpu.barrier_wait(r["fin_bar"])        # WG0 has written 1/l
@@ -367,181 +337,9 @@ def _rows_bcast(v, shape):
   return lax.broadcast_in_dim(v, shape, [0])
 
 
-def _seesaw_body(cfg, r, pc):
-  """FlashMLA's "seesaw" schedule over page pairs (e, o) = (2j, 2j+1) in ring slots 0 and 1:
-  WG0 takes QK^T and the softmax of e, WG1 those of o, each then runs P.V for its half of the
-  output columns over both pages, so one warpgroup's softmax runs under the other's wgmmas.
-
-    WG0: S_e = Q K_e^T; m0 = max(m, rowmax S_e) -> WG1; P_e -> smem (WG1);
-         O_L = O_L a0 + P_e V_e[:, :L/2]; m1 <- WG1; O_L = O_L a1 + P_o V_o[:, :L/2]
-    WG1: S_o = Q K_o^T; m0 <- WG0; m1 = max(m0, rowmax S_o) -> WG0; P_o -> smem (WG0);
-         O_R = O_R a0 + P_e V_e[:, L/2:]; O_R = O_R a1 + P_o V_o[:, L/2:]
-  (a0 = exp2(m - m0), a1 = exp2(m0 - m1); each consumer sums p over its own pages, added in the
-  epilogue.) Both consumers read page e first, so slot 0 is free in the middle of the pair and
-  the next even page loads under the rest of it. P_e lives in slot 0's first rope columns (dead
-  once S_e is computed), P_o in `p_smem`, so the plan stays at 225 KB. Each slot is loaded in two
-  parts, A = columns [0, L/2) and B = [L/2, L+R), released separately (TMA needs a contiguous
-  destination, so the parts are separate buffers). An odd last page is paired with a zero page
-  masked in `_Piece.logits` (its tokens may be the next piece's).
-  """
-  wg = lax.axis_index("wg")
-  g, half, f32 = PAGE_SIZE, cfg.l // 2, jnp.float32
-  ring, loop_rows, p_smem = r["ring"], r["loop_rows"], r["p_smem"]   # ring: (part A, part B)
-  kv_ready, kv_free1, kv_free2 = r["kv_ready"], r["kv_free1"], r["kv_free2"]
-  n_pairs = (pc.n + 1) // 2
-  pe_ref = lambda: ring[1].at[0, :, pl.ds(cfg.l - half, g)]   # P_e: slot 0's first rope columns
-  parts = ((0, half), (half, cfg.d - half))  # (first column, width) of parts A and B
-
-  def qk(slot, order):
-    """S = Q K^T of the page in `slot`, one wgmma per part in the order they were loaded."""
-    def body(acc_ref):
-      for part in order:
-        c0, w = parts[part]
-        plgpu.barrier_wait(kv_ready.at[2 * slot + part])
-        plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(c0, w)], ring[part].at[slot].T)
-      return acc_ref[...]
-    return pl.run_scoped(body, plgpu.ACC((TILE_M, g), f32))   # [64, G] f32
-
-  def pv(acc, p_ref, slot, part):
-    """acc + P V over this warpgroup's output half: part A's columns, or B's first L/2."""
-    return wgmma_accumulate(acc, p_ref, lambda: ring[part].at[slot, :, pl.ds(0, half)],
-                            interpret=cfg.interpret)
-
-  @pl.when(wg == 0)
-  def _wg0():
-    plgpu.set_max_registers(_regs(False)[0], action="increase")
-
-    @pl.when(pc.n > 0)
-    def _():
-      pc.load_q()
-      plgpu.barrier_wait(r["q_bar"])
-
-    def pair(j, carry):
-      acc, m_i, l_i = carry
-      with jax.named_scope("qk"):
-        s = qk(0, (0, 1))
-      with jax.named_scope("softmax"):
-        s = pc.logits(s, 2 * j)
-        m0 = jnp.maximum(m_i, s.max(axis=1))
-        loop_rows[_ROW_M0] = m0
-        plgpu.barrier_arrive(r["m0_bar"])
-        a0 = jnp.exp2(m_i - m0)
-        p = jnp.exp2(s - _rows_bcast(m0, s.shape))
-        l_i = l_i * a0 + p.sum(axis=1)
-        pe_ref()[...] = p.astype(cfg.cdt)
-        plgpu.commit_smem()                    # generic writes before the async-proxy wgmmas
-        plgpu.barrier_arrive(r["p0_bar"])
-      with jax.named_scope("pv_e"):
-        acc = pv(acc * _rows_bcast(a0, acc.shape), pe_ref, 0, 0)
-      plgpu.barrier_arrive(kv_free1.at[0])     # slot 0 part A: S_e and this P.V read it
-      plgpu.barrier_arrive(kv_free2.at[0])     # slot 0 part B (P_e): WG0 is done, WG1 may not be
-      with jax.named_scope("wait_m1_po"):
-        plgpu.barrier_wait(r["m1_bar"])
-        m1 = plgpu.load(loop_rows.at[_ROW_M1], layout=_ROW_LAYOUT)
-        a1 = jnp.exp2(m0 - m1)
-        plgpu.barrier_wait(r["p_ready"])       # P_o
-      with jax.named_scope("pv_o"):
-        acc = pv(acc * _rows_bcast(a1, acc.shape), p_smem, 1, 0)
-      plgpu.barrier_arrive(kv_free2.at[1])     # slot 1 part A
-      plgpu.barrier_arrive(r["p_consumed"])
-      return acc, m1, l_i * a1
-
-    acc, m_i, l_i = lax.fori_loop(0, n_pairs, pair, _init_state(cfg))
-    pc.epilogue_wg0(acc, m_i, l_i, l_from_wg1=True)
-
-  @pl.when(wg == 1)
-  def _wg1():
-    plgpu.set_max_registers(_regs(False)[0], action="increase")
-    pl.when(pc.n > 0)(lambda: plgpu.barrier_wait(r["q_bar"]))
-
-    def pair(j, carry):
-      acc, m_i, l_i = carry
-      with jax.named_scope("qk"):
-        s = qk(1, (1, 0))
-      plgpu.barrier_arrive(kv_free2.at[1])     # slot 1 part A: S_o read it (WG0's P.V remains)
-      with jax.named_scope("wait_m0"):
-        plgpu.barrier_wait(r["m0_bar"])
-      with jax.named_scope("softmax"):
-        m0 = plgpu.load(loop_rows.at[_ROW_M0], layout=_ROW_LAYOUT)
-        s = pc.logits(s, 2 * j + 1)
-        m1 = jnp.maximum(m0, s.max(axis=1))
-        loop_rows[_ROW_M1] = m1
-        plgpu.barrier_arrive(r["m1_bar"])
-        a0, a1 = jnp.exp2(m_i - m0), jnp.exp2(m0 - m1)
-        p = jnp.exp2(s - _rows_bcast(m1, s.shape))
-        l_i = l_i * (a0 * a1) + p.sum(axis=1)
-        pl.when(j > 0)(lambda: plgpu.barrier_wait(r["p_consumed"]))   # WG0 is done with P_o
-        p_smem[...] = p.astype(cfg.cdt)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(r["p_ready"])
-      with jax.named_scope("wait_pe"):
-        plgpu.barrier_wait(r["p0_bar"])        # P_e
-      with jax.named_scope("pv_e"):
-        acc = pv(acc * _rows_bcast(a0, acc.shape), pe_ref, 0, 1)
-      plgpu.barrier_arrive(kv_free2.at[0])     # slot 0 part B
-      with jax.named_scope("pv_o"):
-        acc = pv(acc * _rows_bcast(a1, acc.shape), p_smem, 1, 1)
-      plgpu.barrier_arrive(kv_free1.at[1])     # slot 1 part B: S_o and this P.V read it
-      return acc, m1, l_i
-
-    acc, _, l_i = lax.fori_loop(0, n_pairs, pair, _init_state(cfg))
-    pl.when(n_pairs > 0)(lambda: plgpu.barrier_wait(r["p_consumed"]))  # its last phase too
-    pc.epilogue_wg1(acc, l_i)
-
-  @pl.when(wg == 2)
-  def _producer():
-    plgpu.set_max_registers(_regs(False)[1], action="decrease")
-    rows = lambda: plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=plgpu.Layout.WGMMA)
-    # Load order within a pair: the parts freed early first (see the docstring).
-    order = ((0, 0, kv_free1.at[0]), (0, 1, kv_free2.at[0]),
-             (1, 1, kv_free1.at[1]), (1, 0, kv_free2.at[1]))
-
-    def load_pair(j, _):
-      for slot, part, free in order:
-        page = 2 * j + slot
-        c0, w = parts[part]
-        dst = ring[part].at[slot]
-        ready = kv_ready.at[2 * slot + part]
-        with jax.named_scope(f"wait_free{slot}{'AB'[part]}"):
-          pl.when(j > 0)(lambda free=free: plgpu.barrier_wait(free))
-        exists = page < pc.n
-        rows_valid = jnp.where(page == pc.n - 1, pc.last_rows, g)
-        full = exists & (rows_valid == g)
-
-        @pl.when(full)
-        def _(page=page, dst=dst, ready=ready, c0=c0, w=w):
-          src = r["kv_gmem"].at[r["bt_gmem"][pc.b, pc.first + page], :, pl.ds(c0, w)]
-          plgpu.copy_gmem_to_smem(src, dst, ready)
-
-        @pl.when(jnp.logical_not(full))
-        def _(page=page, dst=dst, ready=ready, c0=c0, w=w, exists=exists,
-              rows_valid=rows_valid):
-          # The request's partial last page (rows past its length zeroed: p = 0 there, but
-          # 0 * NaN would poison P.V), or the zero page paired with an odd last page.
-          @pl.when(exists)
-          def _():
-            src = r["kv_gmem"].at[r["bt_gmem"][pc.b, pc.first + page], :, pl.ds(c0, w)]
-            plgpu.copy_gmem_to_smem(src, dst, r["raw_bar"])
-            plgpu.barrier_wait(r["raw_bar"])
-          keep = rows() < jnp.where(exists, rows_valid, 0)
-          for c in range(w // 64):
-            chunk = dst.at[:, pl.ds(64 * c, 64)]
-            chunk[...] = jnp.where(keep, chunk[...], jnp.zeros((), cfg.cdt))
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(ready)
-      return ()
-
-    lax.fori_loop(0, n_pairs, load_pair, ())
-
-    @pl.when(n_pairs > 0)
-    def _():   # the consumers' last release of every part: each waiter observes every phase
-      for _, _, free in order:
-        plgpu.barrier_wait(free)
-
-
-def _serial_body(cfg, r, pc):
+def _body(cfg, r, pc):
   """One page at a time: WG0 runs QK^T, the softmax and P.V for columns [0, L/2); WG1 waits for
-  P and runs P.V for [L/2, L). The fp8 cache's path (its bf16 ring has one stage)."""
+  P and runs P.V for [L/2, L); the producer keeps the next page in flight."""
   wg = lax.axis_index("wg")
   g = PAGE_SIZE
   half = cfg.l // 2
@@ -576,25 +374,27 @@ def _serial_body(cfg, r, pc):
         return acc_ref[...]
       with jax.named_scope("qk"):
         s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))      # [64, G] f32
-      if is_fp8:  # logits of the fp8 rows times their per-token scale
-        ks = plgpu.load(loop_rows.at[_ROWS + slot_i], layout=plgpu.Layout.WGMMA.reduce(0))
-        ks = lax.broadcast_in_dim(ks, s.shape, [1])
-        s = s * ks
-      s = pc.logits(s, i)
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s - _rows_bcast(m_new, s.shape))
-      l_i = l_i * alpha + p.sum(axis=1)
+      with jax.named_scope("softmax"):
+        if is_fp8:  # logits of the fp8 rows times their per-token scale
+          ks = plgpu.load(loop_rows.at[_ROWS + slot_i], layout=plgpu.Layout.WGMMA.reduce(0))
+          ks = lax.broadcast_in_dim(ks, s.shape, [1])
+          s = s * ks
+        s = pc.logits(s, i)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - _rows_bcast(m_new, s.shape))
+        l_i = l_i * alpha + p.sum(axis=1)
 
       @pl.when(i > 0)
       @jax.named_scope("wait_p_consumed")
       def _():
         plgpu.barrier_wait(p_consumed)   # WG1 is done with P_{i-1} and alpha_{i-1}
-      # V = fp8 row * scale: fold the per-token scale into p.
-      p_smem[...] = (p * ks if is_fp8 else p).astype(cfg.cdt)
-      loop_rows[_ROW_ALPHA] = alpha
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(p_ready)
+      with jax.named_scope("store_p"):
+        # V = fp8 row * scale: fold the per-token scale into p.
+        p_smem[...] = (p * ks if is_fp8 else p).astype(cfg.cdt)
+        loop_rows[_ROW_ALPHA] = alpha
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_ready)
 
       with jax.named_scope("pv"):
         acc = acc * _rows_bcast(alpha, acc.shape)
@@ -641,6 +441,7 @@ def _serial_body(cfg, r, pc):
         slot_i = slot_of(i, stages)
 
         @pl.when(i >= stages)
+        @jax.named_scope("wait_free")
         def _():
           plgpu.barrier_wait(kv_consumed.at[slot_i])
         src = r["kv_gmem"].at[page_id(i)]
@@ -679,10 +480,12 @@ def _serial_body(cfg, r, pc):
       def step(i, _):
         fslot = slot_of(i, fst)
         slot_i = slot_of(i, stages)
-        plgpu.barrier_wait(fp8_ready.at[fslot])
-        plgpu.barrier_wait(scale_ready.at[fslot])
+        with jax.named_scope("wait_fp8"):
+          plgpu.barrier_wait(fp8_ready.at[fslot])
+          plgpu.barrier_wait(scale_ready.at[fslot])
 
         @pl.when(i >= stages)
+        @jax.named_scope("wait_free")
         def _():
           plgpu.barrier_wait(kv_consumed.at[slot_i])
         valid_rows = jnp.where(i == n - 1, last_rows, g)
@@ -691,13 +494,15 @@ def _serial_body(cfg, r, pc):
         tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_ROW_LAYOUT)
         loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
         # The exact fp8 -> bf16 cast; rows past the length zeroed.
-        keep = rows() < valid_rows
-        for c in range(cfg.d // 64):
-          x = fp8_ring.at[fslot, :, pl.ds(64 * c, 64)][...]
-          # sm_90 converts e4m3 to f16 natively; to bf16 only through f32 (both exact).
-          x = x.astype(cfg.cdt) if cfg.cdt == _F16 else x.astype(f32).astype(cfg.cdt)
-          ring.at[slot_i, :, pl.ds(64 * c, 64)][...] = jnp.where(keep, x, jnp.zeros((), cfg.cdt))
-        plgpu.commit_smem()   # our generic reads/writes before the next TMA / the consumers' wgmma
+        with jax.named_scope("convert"):
+          keep = rows() < valid_rows
+          for c in range(cfg.d // 64):
+            x = fp8_ring.at[fslot, :, pl.ds(64 * c, 64)][...]
+            # sm_90 converts e4m3 to f16 natively; to bf16 only through f32 (both exact).
+            x = x.astype(cfg.cdt) if cfg.cdt == _F16 else x.astype(f32).astype(cfg.cdt)
+            ring.at[slot_i, :, pl.ds(64 * c, 64)][...] = jnp.where(keep, x,
+                                                                   jnp.zeros((), cfg.cdt))
+          plgpu.commit_smem()   # generic reads/writes before the next TMA / the consumers' wgmma
         plgpu.barrier_arrive(kv_ready.at[slot_i])
         pl.when(i + fst < n)(lambda: fetch(i + fst))
         return ()
@@ -758,7 +563,7 @@ def choose_num_kv_splits_sm90(batch: int, head_tiles: int, max_pages: int, num_s
 
 
 def _validate_sm90(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
-                   num_stages, fp8_stages, fp8_compute, sms, interpret, schedule, pipeline):
+                   num_stages, fp8_stages, fp8_compute, sms, interpret, schedule):
   _validate(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
             None, None, None, None, for_kernel=False)
   l = kv_lora_rank
@@ -787,13 +592,6 @@ def _validate_sm90(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_
     raise ValueError(f"num_sms must be a positive int, got {sms}")
   if schedule not in ("grid", "worklist"):
     raise ValueError(f"schedule must be 'grid' or 'worklist', got {schedule!r}")
-  if pipeline not in (None, "seesaw", "serial"):
-    raise ValueError(f"pipeline must be 'seesaw' or 'serial', got {pipeline!r}")
-  if pipeline == "seesaw" and jnp.dtype(cache.dtype) == _FP8:
-    raise ValueError("pipeline='seesaw' needs a bfloat16 cache (the fp8 cache's staging ring "
-                     "leaves room for one bf16 page); use pipeline='serial'")
-  if pipeline == "seesaw" and num_stages not in (None, 2):
-    raise ValueError(f"pipeline='seesaw' uses exactly 2 ring slots, got num_stages={num_stages}")
   if schedule == "worklist" and num_kv_splits is not None:
     raise ValueError("num_kv_splits applies to schedule='grid'; the work list sizes its pieces")
   if interpret and _cpu_workers() < 3:
@@ -885,10 +683,9 @@ _WORKLIST_MIN_PAGES = 4  # no piece shorter than this unless its tile is (FlashM
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "batch_invariant", "interpret",
-                     "num_stages", "fp8_stages", "fp8_compute", "sms", "schedule", "pipeline"))
+                     "num_stages", "fp8_stages", "fp8_compute", "sms", "schedule"))
 def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num_kv_splits,
-          batch_invariant, interpret, num_stages, fp8_stages, fp8_compute, sms, schedule,
-          pipeline):
+          batch_invariant, interpret, num_stages, fp8_stages, fp8_compute, sms, schedule):
   b, nq, n, d = q.shape
   l = kv_lora_rank
   _, g, _ = cache.shape
@@ -899,16 +696,13 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
   tail = -(-(m_rows - (head_tiles - 1) * TILE_M) // 8) * 8   # real rows of the last tile, to 8
   is_fp8 = jnp.dtype(cache.dtype) == _FP8
   cdt = _F16 if is_fp8 and fp8_compute == "float16" else _BF16
-  if pipeline is None:
-    pipeline = "serial" if is_fp8 or num_stages not in (None, 2) else "seesaw"
   if num_stages is None:
     num_stages = 1 if is_fp8 else 2
   if fp8_stages is None:
     fp8_stages = 2
   cfg = _Cfg(l=l, d=d, head_tiles=head_tiles, tail=tail, stages=num_stages,
              fp8_stages=fp8_stages if is_fp8 else 0, sm_scale=float(scale),
-             final_dtype=jnp.dtype(q.dtype), interpret=bool(interpret), cdt=cdt,
-             pipeline=pipeline)
+             final_dtype=jnp.dtype(q.dtype), interpret=bool(interpret), cdt=cdt)
   _, smem = _smem_plan(cfg)
   if smem > _SMEM_BYTES:
     raise ValueError(f"num_stages={num_stages} (fp8_stages={fp8_stages}) needs {smem} B of shared "
@@ -958,7 +752,7 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
           **(dict(profile_space=TRACE[0], profile_dir=TRACE[1]) if TRACE else {})),
       interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                  else plgpu.InterpretGPUParams() if interpret else None),
-      kernel_name=f"mla_decode_sm90_{name}_{pipeline}_stages{num_stages}_fp8stages{cfg.fp8_stages}",
+      kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}",
   )
   out, lse, o_part, lse_part = kernel(*args)
   if schedule == "grid" and splits > 1:
@@ -992,7 +786,6 @@ def mla_decode_sm90(
     fp8_compute: str = "bfloat16",
     num_sms: int | None = None,
     schedule: str = "grid",
-    pipeline: str | None = None,
 ):
   """Hopper paged latent-MQA decode. Returns (out [B, Q, N, L] in q.dtype, lse f32[B, Q, N]).
 
@@ -1017,7 +810,7 @@ def mla_decode_sm90(
   """
   _validate_sm90(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank,
                  num_kv_splits, scale, num_stages, fp8_stages, fp8_compute, num_sms, interpret,
-                 schedule, pipeline)
+                 schedule)
   return _impl(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, scale=float(scale),
                kv_lora_rank=int(kv_lora_rank), num_kv_splits=num_kv_splits,
                batch_invariant=bool(batch_invariant),
@@ -1025,4 +818,4 @@ def mla_decode_sm90(
                else bool(interpret),
                num_stages=num_stages, fp8_stages=fp8_stages, fp8_compute=fp8_compute,
                sms=int(num_sms) if num_sms is not None else _device_num_sms(),
-               schedule=schedule, pipeline=pipeline)
+               schedule=schedule)

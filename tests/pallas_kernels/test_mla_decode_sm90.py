@@ -86,15 +86,6 @@ CASES = {
     "worklist_fp8_q2_causal_n64": (
         dict(b=2, nq=2, n=64, max_pages=12, lens=[700, 130], causal=True, cache_dtype="fp8"),
         dict(schedule="worklist", num_sms=4)),
-    # The seesaw's edges: 1, 2 and 3-page pieces (a zero page pairs with an odd last page; the
-    # partial last page lands on the even then the odd slot), 2 splits so that a piece's zero
-    # page sits where the next piece's tokens are.
-    "seesaw_odd_even_pages_2splits_n64": (
-        dict(b=4, nq=1, n=64, max_pages=6, lens=[64, 100, 150, 380]), dict(num_kv_splits=2)),
-    # The one-page-at-a-time consumer loop on a bf16 cache, 2-slot ring.
-    "serial_bf16_2stages": (
-        dict(b=2, nq=2, n=32, max_pages=3, lens=[190, 70], causal=True),
-        dict(num_kv_splits=1, pipeline="serial")),
     # fp8 with f16 wgmma operands (native e4m3 -> f16 cast), a 1-deep fp8 ring.
     "fp8_f16_compute_1stage": (
         dict(b=2, nq=1, n=16, max_pages=4, lens=[200, 64], cache_dtype="fp8"),
@@ -200,7 +191,6 @@ def _lower_for_sm90(cache_dtype, n=16, **kw):
     ("bf16", dict(schedule="worklist", num_sms=132)),
     ("bf16", dict(n=80, num_kv_splits=2, num_sms=132)),   # 2 tiles, the last with 16 rows
     ("fp8", dict(n=128, schedule="worklist", num_sms=132)),
-    ("bf16", dict(n=128, num_kv_splits=1, pipeline="serial", num_sms=132)),
 ])
 def test_lowers_for_sm90(cache_dtype, kw, monkeypatch):
   """The GPU code path (which differs from the interpreted one in `_accumulate`) passes Mosaic
@@ -245,11 +235,6 @@ def _bad(**over):
     (lambda a: dict(num_sms=0), "num_sms"),
     (lambda a: dict(schedule="persistent"), "schedule"),
     (lambda a: dict(schedule="worklist", num_kv_splits=2), "num_kv_splits applies"),
-    (lambda a: dict(pipeline="pingpong"), "pipeline must be"),
-    (lambda a: dict(pipeline="seesaw", num_stages=1), "exactly 2 ring slots"),
-    (lambda a: dict(pipeline="seesaw", kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(
-        jnp.float8_e4m3fn), kv_scale=jnp.ones(a["kv_c_and_k_pe_cache"].shape[:2])),
-     "needs a bfloat16 cache"),
 ])
 def test_bad_inputs_raise(over, match):
   args = _bad()
@@ -288,9 +273,6 @@ GPU_CASES = [
      "bf16"),
     (dict(b=3, nq=2, n=64, max_pages=80, lens=[5000, 100, 1], causal=True, cache_dtype="fp8"),
      {"schedule": "worklist"}, "fp8"),
-    (dict(b=3, nq=2, n=128, max_pages=24, lens=[1500, 65, 2], causal=True),
-     {"pipeline": "serial"}, "bf16"),
-    (dict(b=4, nq=1, n=64, max_pages=9, lens=[513, 448, 65, 575]), {"num_kv_splits": 2}, "bf16"),
 ]
 
 
