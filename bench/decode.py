@@ -145,7 +145,6 @@ SM90_CASES = [  # the sm90 kernel: page 64 only (b, nq, n, g, max_pages, lens, d
     (4, 1, 16, 64, 40, [2500, 1, 0, 777], "fp8", False, {"fp8_compute": "float16"}),
     (3, 1, 128, 64, 20, [1200, 64, 999], "bf16", False, {}),
     (3, 2, 64, 64, 20, [1200, 64, 999], "fp8", True, {}),
-    (3, 2, 64, 64, 20, [1200, 64, 999], "fp8", True, {"fp8_stages": 0}),
     (2, 3, 16, 64, 24, [1500, 300], "bf16", False, {"num_kv_splits": 5}),
     (2, 4, 32, 64, 16, [1000, 17], "bf16", True, {"batch_invariant": True}),
     (1, 1, 128, 64, 512, [32768], "bf16", False, {}),
@@ -320,10 +319,8 @@ def main():
       if run_triton:
         timed_kernels.append(("pallas", kernel_fn(), {"num_kv_splits": splits}))
       if run_sm90:  # both schedules of the sm90 kernel (static splits; on-device work list)
-        grid = {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx)}
-        timed_kernels.append(("pallas_sm90", sm90_fn(), grid))
-        if dtype == "fp8":  # fp8 rows loaded into registers, no fp8 ring (2 bf16 stages)
-          timed_kernels.append(("pallas_sm90", sm90_fn(fp8_stages=0), {**grid, "fp8_stages": 0}))
+        timed_kernels.append(("pallas_sm90", sm90_fn(),
+                              {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx)}))
         timed_kernels.append(("pallas_sm90", sm90_fn(schedule="worklist"),
                               {"schedule": "worklist"}))
       for name, fn, extra in timed_kernels:

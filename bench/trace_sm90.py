@@ -79,18 +79,15 @@ def main():
   ap.add_argument("--ctx", type=int, default=2048)
   ap.add_argument("--splits", type=int, default=1)
   ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"))
-  ap.add_argument("--fp8-stages", type=int, default=None)
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   tag = f"{args.b}x{args.n}x{args.ctx}-s{args.splits}-{args.dtype}-L{args.l}"
-  if args.fp8_stages is not None:
-    tag += f"-fp8stages{args.fp8_stages}"
   q, cache, bt, sl, ks = inputs(args.b, args.n, args.ctx, args.l, args.dtype)
   pages = -(-(-(-args.ctx // k90.PAGE_SIZE)) // args.splits)   # pages per CTA
   tmp = tempfile.mkdtemp()
   k90.TRACE = (8 * pages + 16, tmp)   # scopes per warpgroup: at most 6 a page (WG0)
   out = k90.mla_decode_sm90(q, cache, bt, sl, scale=0.1, kv_scale=ks, kv_lora_rank=args.l,
-                            num_kv_splits=args.splits, fp8_stages=args.fp8_stages)
+                            num_kv_splits=args.splits)
   jax.block_until_ready(out)
   jax.effects_barrier()   # the trace is written by a host callback
   k90.TRACE = None
@@ -102,7 +99,7 @@ def main():
   summary = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
              "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("MLA_JAX_COMMIT", ""),
              "shape": dict(B=args.b, N=args.n, ctx=args.ctx, splits=args.splits, L=args.l,
-                           dtype=args.dtype, fp8_stages=args.fp8_stages, pages_per_cta=pages),
+                           dtype=args.dtype, pages_per_cta=pages),
              "cta_span_us": span, "per_page_us": span / pages, "warpgroups": {
                  str(wg): {name: dict(count=c, mean_us=m, per_cta_us=t)
                            for name, (c, m, t) in s.items()} for wg, s in scopes.items()}}

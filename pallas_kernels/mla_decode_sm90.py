@@ -118,8 +118,7 @@ class _Cfg:
   head_tiles: int     # 64-row tiles per request
   tail: int           # rows moved for the last tile: its real rows rounded up to 8 (<= 64)
   stages: int         # ring depth (tiles in the wgmma dtype)
-  fp8: bool           # fp8 cache (cast to cdt by the producer)
-  fp8_stages: int     # fp8 ring depth; 0: the producer loads fp8 rows from global memory
+  fp8_stages: int     # fp8 ring depth (0: bf16 cache)
   sm_scale: float
   final_dtype: object  # dtype of the final output (q.dtype); partials are f32
   interpret: bool     # Mosaic GPU interpreter (CPU): see _mgpu.wgmma_accumulate
@@ -143,7 +142,7 @@ def _smem_plan(cfg: _Cfg):
   ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.d), cdt, transforms=_tiled(cdt))
   p = plgpu.SMEM((TILE_M, PAGE_SIZE), cdt, transforms=_tiled(cdt))
   # Row vectors used during the loop, indexed by the _ROW_* constants.
-  loop_rows = plgpu.SMEM((_ROWS + (cfg.stages if cfg.fp8 else 0), TILE_M), f32)
+  loop_rows = plgpu.SMEM((_ROWS + (cfg.stages if cfg.fp8_stages else 0), TILE_M), f32)
   group_a = [q, ring, p, loop_rows]
   if cfg.fp8_stages:
     # 576 fp8 columns are not a multiple of 128: 64-byte swizzle (only the producer reads them).
@@ -195,7 +194,7 @@ def _barriers(cfg):
 
 
 def _kernel(*refs, cfg: _Cfg):
-  is_fp8 = cfg.fp8
+  is_fp8 = cfg.fp8_stages > 0
   refs = list(refs)
   ks_gmem = refs.pop(2) if is_fp8 else None
   names = ("q_gmem", "kv_gmem", "bt_gmem", "lens_gmem", "meta_gmem", "out_gmem", "lse_gmem",
@@ -206,7 +205,7 @@ def _kernel(*refs, cfg: _Cfg):
   def scoped(union, **bars):
     refs_a, final_stage, part_stage = union   # one tree of refs per aliased group
     q_smem, ring, p_smem, loop_rows = refs_a[:4]
-    fp8_ring, scale_ring = refs_a[4:] if cfg.fp8_stages else (None, None)
+    fp8_ring, scale_ring = refs_a[4:] if is_fp8 else (None, None)
     r = dict(gmem, q_smem=q_smem, ring=ring, p_smem=p_smem, loop_rows=loop_rows,
              fp8_ring=fp8_ring, scale_ring=scale_ring, final_stage=final_stage,
              part_stage=part_stage, **bars)
@@ -346,7 +345,7 @@ def _body(cfg, r, pc):
   half = cfg.l // 2
   stages = cfg.stages
   f32 = jnp.float32
-  is_fp8 = cfg.fp8
+  is_fp8 = cfg.fp8_stages > 0
   n, first, last_rows = pc.n, pc.first, pc.last_rows
   ring, loop_rows, p_smem = r["ring"], r["loop_rows"], r["p_smem"]
   kv_ready, kv_consumed = r["kv_ready"], r["kv_consumed"]
@@ -357,7 +356,7 @@ def _body(cfg, r, pc):
 
   @pl.when(wg == 0)
   def _softmax_wg():
-    plgpu.set_max_registers(_regs(cfg)[0], action="increase")
+    plgpu.set_max_registers(_regs(is_fp8)[0], action="increase")
 
     @pl.when(n > 0)
     def _():
@@ -410,7 +409,7 @@ def _body(cfg, r, pc):
 
   @pl.when(wg == 1)
   def _pv_wg():
-    plgpu.set_max_registers(_regs(cfg)[0], action="increase")
+    plgpu.set_max_registers(_regs(is_fp8)[0], action="increase")
 
     def step(i, acc):
       slot_i = slot_of(i, stages)
@@ -431,27 +430,11 @@ def _body(cfg, r, pc):
 
   @pl.when(wg == 2)
   def _producer_wg():
-    plgpu.set_max_registers(_regs(cfg)[1], action="decrease")
+    plgpu.set_max_registers(_regs(is_fp8)[1], action="decrease")
     rows = lambda: plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=plgpu.Layout.WGMMA)
 
     def page_id(i):
       return r["bt_gmem"][pc.b, first + i]
-
-    def store_converted(xs, scale, slot_i, valid_rows):
-      """fp8: the page's 64-column chunks (values or refs) cast to the wgmma dtype into ring slot
-      `slot_i`, rows past `valid_rows` zeroed; its per-token scales for WG0 (0 past the length:
-      p * scale must stay 0 next to garbage); then the slot is ready."""
-      tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_ROW_LAYOUT)
-      loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
-      with jax.named_scope("convert"):
-        keep = rows() < valid_rows
-        for c, x in enumerate(xs):
-          x = x if isinstance(x, jax.Array) else x[...]
-          # sm_90 converts e4m3 to f16 natively; to bf16 only through f32 (both exact).
-          x = x.astype(cfg.cdt) if cfg.cdt == _F16 else x.astype(f32).astype(cfg.cdt)
-          ring.at[slot_i, :, pl.ds(64 * c, 64)][...] = jnp.where(keep, x, jnp.zeros((), cfg.cdt))
-        plgpu.commit_smem()   # generic reads/writes before the next TMA / the consumers' wgmma
-      plgpu.barrier_arrive(kv_ready.at[slot_i])
 
     if not is_fp8:
       def step(i, _):
@@ -480,25 +463,6 @@ def _body(cfg, r, pc):
           plgpu.barrier_arrive(kv_ready.at[slot_i])
         return ()
       lax.fori_loop(0, n, step, ())
-    elif cfg.fp8_stages == 0:
-      # No fp8 ring: the rows go global memory -> registers -> bf16 ring, so the ring keeps two
-      # stages. The loads are issued before waiting for the slot, under the consumers' work.
-      def step(i, _):
-        slot_i = slot_of(i, stages)
-        page = page_id(i)
-        with jax.named_scope("load_fp8"):
-          xs = [plgpu.load(r["kv_gmem"].at[page, :, pl.ds(64 * c, 64)],
-                           layout=plgpu.Layout.WGMMA, optimized=False)
-                for c in range(cfg.d // 64)]
-          scale = plgpu.load(r["ks_gmem"].at[page], layout=_ROW_LAYOUT, optimized=False)
-
-        @pl.when(i >= stages)
-        @jax.named_scope("wait_free")
-        def _():
-          plgpu.barrier_wait(kv_consumed.at[slot_i])
-        store_converted(xs, scale, slot_i, jnp.where(i == n - 1, last_rows, g))
-        return ()
-      lax.fori_loop(0, n, step, ())
     else:
       fst = cfg.fp8_stages
       fp8_ring, scale_ring = r["fp8_ring"], r["scale_ring"]
@@ -524,9 +488,22 @@ def _body(cfg, r, pc):
         @jax.named_scope("wait_free")
         def _():
           plgpu.barrier_wait(kv_consumed.at[slot_i])
-        xs = [fp8_ring.at[fslot, :, pl.ds(64 * c, 64)] for c in range(cfg.d // 64)]
+        valid_rows = jnp.where(i == n - 1, last_rows, g)
+        # Per-token scales for WG0 (0 past the length: p * scale must stay 0 next to garbage).
         scale = plgpu.load(scale_ring.at[fslot], layout=_ROW_LAYOUT)         # [G] f32
-        store_converted(xs, scale, slot_i, jnp.where(i == n - 1, last_rows, g))
+        tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_ROW_LAYOUT)
+        loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
+        # The exact fp8 -> bf16 cast; rows past the length zeroed.
+        with jax.named_scope("convert"):
+          keep = rows() < valid_rows
+          for c in range(cfg.d // 64):
+            x = fp8_ring.at[fslot, :, pl.ds(64 * c, 64)][...]
+            # sm_90 converts e4m3 to f16 natively; to bf16 only through f32 (both exact).
+            x = x.astype(cfg.cdt) if cfg.cdt == _F16 else x.astype(f32).astype(cfg.cdt)
+            ring.at[slot_i, :, pl.ds(64 * c, 64)][...] = jnp.where(keep, x,
+                                                                   jnp.zeros((), cfg.cdt))
+          plgpu.commit_smem()   # generic reads/writes before the next TMA / the consumers' wgmma
+        plgpu.barrier_arrive(kv_ready.at[slot_i])
         pl.when(i + fst < n)(lambda: fetch(i + fst))
         return ()
       lax.fori_loop(0, n, step, ())
@@ -541,14 +518,12 @@ def _drain(kv_consumed, n, stages):
   lax.fori_loop(jnp.maximum(n - stages, 0), n, body, ())
 
 
-def _regs(cfg):
+def _regs(is_fp8):
   """(consumer, producer) registers per thread. The CTA holds what it was launched with,
   384 threads x 168 = 64512, so 2 x 128 x consumer + 128 x producer <= 64512. Consumers hold a
   [64, L/2] f32 accumulator (128) plus the [64, 64] logits; the fp8 producer converts 64x64
-  chunks, and without an fp8 ring holds a page's fp8 rows (72 registers at L+R = 576)."""
-  if not cfg.fp8:
-    return (224, 56)
-  return (208, 88) if cfg.fp8_stages else (200, 104)
+  chunks."""
+  return (208, 88) if is_fp8 else (224, 56)
 
 
 def _write_out(acc, inv, stage, dst, by_rows):
@@ -609,8 +584,8 @@ def _validate_sm90(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_
                      f"kernel, got {cache.dtype}")
   if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
     raise ValueError(f"num_stages must be a positive int, got {num_stages}")
-  if fp8_stages is not None and not (isinstance(fp8_stages, int) and fp8_stages >= 0):
-    raise ValueError(f"fp8_stages must be a non-negative int, got {fp8_stages}")
+  if fp8_stages is not None and not (isinstance(fp8_stages, int) and fp8_stages >= 1):
+    raise ValueError(f"fp8_stages must be a positive int, got {fp8_stages}")
   if fp8_compute not in ("bfloat16", "float16"):
     raise ValueError(f"fp8_compute must be 'bfloat16' or 'float16', got {fp8_compute!r}")
   if sms is not None and not (isinstance(sms, int) and sms >= 1):
@@ -721,14 +696,12 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
   tail = -(-(m_rows - (head_tiles - 1) * TILE_M) // 8) * 8   # real rows of the last tile, to 8
   is_fp8 = jnp.dtype(cache.dtype) == _FP8
   cdt = _F16 if is_fp8 and fp8_compute == "float16" else _BF16
+  if num_stages is None:
+    num_stages = 1 if is_fp8 else 2
   if fp8_stages is None:
     fp8_stages = 2
-  if not is_fp8:
-    fp8_stages = 0
-  if num_stages is None:
-    num_stages = 1 if is_fp8 and fp8_stages else 2
-  cfg = _Cfg(l=l, d=d, head_tiles=head_tiles, tail=tail, stages=num_stages, fp8=bool(is_fp8),
-             fp8_stages=fp8_stages, sm_scale=float(scale),
+  cfg = _Cfg(l=l, d=d, head_tiles=head_tiles, tail=tail, stages=num_stages,
+             fp8_stages=fp8_stages if is_fp8 else 0, sm_scale=float(scale),
              final_dtype=jnp.dtype(q.dtype), interpret=bool(interpret), cdt=cdt)
   _, smem = _smem_plan(cfg)
   if smem > _SMEM_BYTES:
@@ -779,8 +752,7 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
           **(dict(profile_space=TRACE[0], profile_dir=TRACE[1]) if TRACE else {})),
       interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                  else plgpu.InterpretGPUParams() if interpret else None),
-      kernel_name=(f"mla_decode_sm90_{name}_stages{num_stages}"
-                   + (f"_fp8stages{cfg.fp8_stages}" if is_fp8 else "")),
+      kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}",
   )
   out, lse, o_part, lse_part = kernel(*args)
   if schedule == "grid" and splits > 1:

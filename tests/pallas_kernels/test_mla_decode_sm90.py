@@ -86,11 +86,6 @@ CASES = {
     "worklist_fp8_q2_causal_n64": (
         dict(b=2, nq=2, n=64, max_pages=12, lens=[700, 130], causal=True, cache_dtype="fp8"),
         dict(schedule="worklist", num_sms=4)),
-    # fp8 without an fp8 ring: the producer loads the rows from global memory into registers
-    # (bf16 ring of 2), Q=2 causal, 2 splits, a 1-token request.
-    "fp8_global_loads_q2_causal_2splits": (
-        dict(b=2, nq=2, n=32, max_pages=3, lens=[170, 1], causal=True, cache_dtype="fp8"),
-        dict(num_kv_splits=2, fp8_stages=0)),
     # fp8 with f16 wgmma operands (native e4m3 -> f16 cast), a 1-deep fp8 ring.
     "fp8_f16_compute_1stage": (
         dict(b=2, nq=1, n=16, max_pages=4, lens=[200, 64], cache_dtype="fp8"),
@@ -196,7 +191,6 @@ def _lower_for_sm90(cache_dtype, n=16, **kw):
     ("bf16", dict(schedule="worklist", num_sms=132)),
     ("bf16", dict(n=80, num_kv_splits=2, num_sms=132)),   # 2 tiles, the last with 16 rows
     ("fp8", dict(n=128, schedule="worklist", num_sms=132)),
-    ("fp8", dict(n=128, num_kv_splits=1, fp8_stages=0, num_sms=132)),
 ])
 def test_lowers_for_sm90(cache_dtype, kw, monkeypatch):
   """The GPU code path (which differs from the interpreted one in `_accumulate`) passes Mosaic
@@ -237,7 +231,6 @@ def _bad(**over):
     (lambda a: dict(q=a["q"][0]), "q must be"),
     (lambda a: dict(block_table=a["block_table"][:1]), "block_table must be"),
     (lambda a: dict(num_stages=0), "num_stages"),
-    (lambda a: dict(fp8_stages=-1), "fp8_stages"),
     (lambda a: dict(fp8_compute="fp8"), "fp8_compute"),
     (lambda a: dict(num_sms=0), "num_sms"),
     (lambda a: dict(schedule="persistent"), "schedule"),
@@ -280,10 +273,6 @@ GPU_CASES = [
      "bf16"),
     (dict(b=3, nq=2, n=64, max_pages=80, lens=[5000, 100, 1], causal=True, cache_dtype="fp8"),
      {"schedule": "worklist"}, "fp8"),
-    (dict(b=4, nq=1, n=64, max_pages=48, lens=[3000, 1, 0, 1100], cache_dtype="fp8"),
-     {"fp8_stages": 0}, "fp8"),
-    (dict(b=3, nq=1, n=128, max_pages=20, lens=[1200, 64, 999], cache_dtype="fp8"),
-     {"fp8_stages": 0, "fp8_compute": "float16"}, "fp8"),
 ]
 
 
