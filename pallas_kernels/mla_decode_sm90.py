@@ -51,10 +51,12 @@ behind -- the parity discipline the interpreter checks):
 
 Status: runs correctly under the Mosaic GPU interpreter on CPU (race detector on) and lowers for
 sm_90 on CPU (Mosaic GPU's Python passes: layout inference, wgmma/TMA checks, the shared-memory
-budget). On the H200 (2026-11-29) it passed bench/decode.py's 11 GPU cases and its 11 pytest GPU
-tests, and runs 1.9x the Triton kernel at 128 heads (375-413 TFLOP/s, bench/results/decode-h200.json);
-the default on Hopper where heads x query tokens fill its 64-row tile (mla_jax.attention). What limits
-it (measured): docs/perf-notes.md.
+budget). On the H200 (2026-11-29, 594c0e5) it passed its 11 pytest GPU tests and runs 1.9x the
+Triton kernel at 128 heads (375-414 TFLOP/s, bench/results/decode-h200.json); the default on Hopper
+where heads x query tokens fill its 64-row tile (mla_jax.attention). The consumers' phases carry
+`jax.named_scope`s: with `TRACE` set, Mosaic GPU's profiler records them per warpgroup
+(bench/trace_sm90.py). What limits it, measured that way, and the schedules tried (FlashMLA's
+seesaw was slower with two page buffers): docs/perf-notes.md.
 """
 from __future__ import annotations
 

@@ -299,3 +299,21 @@ def test_gpu_batch_invariant_bitwise():
                                    batch_invariant=True)
   np.testing.assert_array_equal(np.asarray(out[1:2], np.float32), np.asarray(out1, np.float32))
   np.testing.assert_array_equal(np.asarray(lse[1:2]), np.asarray(lse1))
+
+
+def test_trace_summary():
+  """bench/trace_sm90.py's reduction of Mosaic GPU profiler events: nested scopes per warpgroup,
+  per-CTA totals and the mean CTA span (tid = 1 + warpgroup + 3 * block)."""
+  from bench import trace_sm90 as trace
+  ev = lambda name, ph, ts, tid: {"name": name, "ph": ph, "ts": ts, "pid": 1, "tid": tid}
+  events = []
+  for block, t0 in ((0, 0.0), (1, 100.0)):
+    wg0, wg1 = 1 + 3 * block, 2 + 3 * block
+    events += [ev("qk", "B", t0, wg0), ev("qk", "E", t0 + 2, wg0),
+               ev("pv", "B", t0 + 2, wg0), ev("wait", "B", t0 + 3, wg0), ev("wait", "E", t0 + 4, wg0),
+               ev("pv", "E", t0 + 6, wg0),
+               ev("pv", "B", t0 + 1, wg1), ev("pv", "E", t0 + 9, wg1)]
+  scopes, span = trace.summarize(events)
+  assert span == 9.0
+  assert scopes[0]["qk"] == (2, 2.0, 2.0) and scopes[0]["pv"] == (2, 4.0, 4.0)
+  assert scopes[0]["wait"] == (2, 1.0, 1.0) and scopes[1]["pv"] == (2, 8.0, 8.0)
