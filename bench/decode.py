@@ -49,18 +49,19 @@ def log(*a):
 # ----------------------------------------------------------------------------------------------
 # Inputs, built on device.
 
-def make_inputs(key, b, nq, n, ctx, dtype, *, page=PAGE, extra_pages=3):
-  """Cache pool with B*ctx/page used pages in random order (plus spare pages), uniform lengths."""
+def make_inputs(key, b, nq, n, ctx, dtype, *, page=PAGE, extra_pages=3, width=L + R):
+  """Cache pool with B*ctx/page used pages in random order (plus spare pages), uniform lengths;
+  rows `width` wide (L + R)."""
   ppr = ctx // page
   num_pages = b * ppr + extra_pages
   k = jax.random.split(key, 4)
-  q = jax.random.normal(k[0], (b, nq, n, L + R), jnp.bfloat16)
+  q = jax.random.normal(k[0], (b, nq, n, width), jnp.bfloat16)
   bt = jax.random.permutation(k[1], num_pages)[: b * ppr].reshape(b, ppr).astype(jnp.int32)
   if dtype == "bf16":
-    cache = jax.random.normal(k[2], (num_pages, page, L + R), jnp.bfloat16)
+    cache = jax.random.normal(k[2], (num_pages, page, width), jnp.bfloat16)
     kv_scale = None
   else:
-    cache = (jax.random.normal(k[2], (num_pages, page, L + R), jnp.float32) * 2.0).astype(
+    cache = (jax.random.normal(k[2], (num_pages, page, width), jnp.float32) * 2.0).astype(
         jnp.float8_e4m3fn)
     kv_scale = jax.random.uniform(k[3], (num_pages, page), jnp.float32, 0.25, 0.75)
   seq_lens = jnp.full((b, nq), ctx, jnp.int32)

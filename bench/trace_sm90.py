@@ -26,29 +26,13 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.decode import make_inputs  # noqa: E402
 from pallas_kernels import mla_decode_sm90 as k90  # noqa: E402
 
 WARPGROUPS = 3  # two consumers and the producer
-
-
-def inputs(b, n, ctx, l, dtype, r=64, seed=0):
-  g = k90.PAGE_SIZE
-  pages = -(-ctx // g)
-  k = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(k[0], (b, 1, n, l + r), jnp.bfloat16)
-  cache = jax.random.normal(k[1], (b * pages, g, l + r), jnp.float32)
-  kv_scale = None
-  if dtype == "fp8":
-    kv_scale = jax.random.uniform(k[2], (b * pages, g), jnp.float32, 0.25, 0.75)
-    cache = cache.astype(jnp.float8_e4m3fn)
-  else:
-    cache = cache.astype(jnp.bfloat16)
-  bt = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
-  return q, cache, bt, jnp.full((b, 1), ctx, jnp.int32), kv_scale
 
 
 def summarize(events):
@@ -82,7 +66,8 @@ def main():
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   tag = f"{args.b}x{args.n}x{args.ctx}-s{args.splits}-{args.dtype}-L{args.l}"
-  q, cache, bt, sl, ks = inputs(args.b, args.n, args.ctx, args.l, args.dtype)
+  q, cache, bt, sl, ks = make_inputs(jax.random.key(0), args.b, 1, args.n, args.ctx, args.dtype,
+                                     width=args.l + 64)
   pages = -(-(-(-args.ctx // k90.PAGE_SIZE)) // args.splits)   # pages per CTA
   tmp = tempfile.mkdtemp()
   k90.TRACE = (8 * pages + 16, tmp)   # scopes per warpgroup: at most 6 a page (WG0)
