@@ -24,3 +24,28 @@ def wgmma_accumulate(acc, a, b, *, interpret: bool):
   def mm(acc_ref):
     plgpu.wgmma(acc_ref, a, b)
   return pl.run_state(mm)(plgpu.ACC.init(acc))
+
+
+def copy_zeroing_rows(src, dst, ready, raw_bar, *, partial, lo, hi):
+  """TMA `src` (GMEM) into `dst` (SMEM, [rows, cols], both multiples of 64) so that `ready` fires.
+
+  When `partial`, the copy lands on `raw_bar` instead, the rows of `dst` outside [lo, hi) are
+  zeroed (they hold keys no query sees, possibly NaN padding: p = 0 there, but 0 * NaN would still
+  poison a P.V wgmma), and only then does the caller's warpgroup arrive on `ready`."""
+  @pl.when(jnp.logical_not(partial))
+  def _():
+    plgpu.copy_gmem_to_smem(src, dst, ready)
+
+  @pl.when(partial)
+  def _():
+    plgpu.copy_gmem_to_smem(src, dst, raw_bar)
+    plgpu.barrier_wait(raw_bar)
+    rows, cols = dst.shape
+    for rb in range(rows // 64):
+      row = plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=plgpu.Layout.WGMMA) + rb * 64
+      keep = (row >= lo) & (row < hi)
+      for c in range(cols // 64):
+        block = dst.at[pl.ds(rb * 64, 64), pl.ds(c * 64, 64)]
+        block[...] = jnp.where(keep, block[...], jnp.zeros((), dst.dtype))
+    plgpu.commit_smem()   # generic-proxy writes before the consumers' wgmma reads
+    plgpu.barrier_arrive(ready)

@@ -71,7 +71,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import wgmma_accumulate
+from pallas_kernels._mgpu import copy_zeroing_rows, wgmma_accumulate
 from pallas_kernels.flash_prefill import _BIG, _row_windows, _validate, flash_prefill_reference
 from pallas_kernels.mla_decode_sm90 import _cpu_workers, is_sm90
 
@@ -286,29 +286,11 @@ def _body(cfg: _Cfg, r):
       @pl.when(j >= stages)
       def _():
         plgpu.barrier_wait(v_free.at[slot])
-      v_src = r["v_gmem"].at[pl.ds(start, bk), h]
       # Rows [v_lo, v_hi) of this tile are keys some query row sees; the others (before the
       # tile's first key: 8-alignment of base; past its last: the last tile) may be NaN padding.
       v_lo, v_hi = lo_min - start, hi_max - start
-      tail = (v_lo > 0) | (v_hi < bk)        # only the first and the last tile
-
-      @pl.when(jnp.logical_not(tail))
-      def _():
-        plgpu.copy_gmem_to_smem(v_src, v_ring.at[slot], v_ready.at[slot])
-
-      @pl.when(tail)
-      def _():
-        plgpu.copy_gmem_to_smem(v_src, v_ring.at[slot], r["raw_bar"])
-        plgpu.barrier_wait(r["raw_bar"])
-        for rb in range(bk // _WG_ROWS):
-          row = plgpu.broadcasted_iota(jnp.int32, (_WG_ROWS, _CHUNK), 0,
-                                       layout=plgpu.Layout.WGMMA) + rb * _WG_ROWS
-          keep = (row >= v_lo) & (row < v_hi)
-          for c in range(cfg.dv // _CHUNK):
-            chunk = v_ring.at[slot, pl.ds(rb * _WG_ROWS, _WG_ROWS), pl.ds(c * _CHUNK, _CHUNK)]
-            chunk[...] = jnp.where(keep, chunk[...], jnp.zeros((), cfg.dtype))
-        plgpu.commit_smem()   # generic-proxy writes before the consumers' wgmma reads
-        plgpu.barrier_arrive(v_ready.at[slot])
+      copy_zeroing_rows(r["v_gmem"].at[pl.ds(start, bk), h], v_ring.at[slot], v_ready.at[slot],
+                        r["raw_bar"], partial=(v_lo > 0) | (v_hi < bk), lo=v_lo, hi=v_hi)
       return ()
     lax.fori_loop(0, n, step, ())
 

@@ -71,7 +71,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import wgmma_accumulate
+from pallas_kernels._mgpu import copy_zeroing_rows, wgmma_accumulate
 from pallas_kernels.mla_decode import (_validate, merge_segments, merge_splits,
                                        mla_decode_reference, segments_from_slot_tile)
 from pallas_kernels.mla_decode import num_sms as _device_num_sms
@@ -446,23 +446,9 @@ def _body(cfg, r, pc):
         @jax.named_scope("wait_free")
         def _():
           plgpu.barrier_wait(kv_consumed.at[slot_i])
-        src = r["kv_gmem"].at[page_id(i)]
-        partial_page = (i == n - 1) & (last_rows < g)
-
-        @pl.when(jnp.logical_not(partial_page))
-        def _():
-          plgpu.copy_gmem_to_smem(src, ring.at[slot_i], kv_ready.at[slot_i])
-
-        @pl.when(partial_page)
-        def _():
-          plgpu.copy_gmem_to_smem(src, ring.at[slot_i], r["raw_bar"])
-          plgpu.barrier_wait(r["raw_bar"])
-          keep = rows() < last_rows
-          for c in range(cfg.d // 64):
-            chunk = ring.at[slot_i, :, pl.ds(64 * c, 64)]
-            chunk[...] = jnp.where(keep, chunk[...], jnp.zeros((), cfg.cdt))
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(kv_ready.at[slot_i])
+        # The request's partial last page: its rows past the length are zeroed.
+        copy_zeroing_rows(r["kv_gmem"].at[page_id(i)], ring.at[slot_i], kv_ready.at[slot_i],
+                          r["raw_bar"], partial=(i == n - 1) & (last_rows < g), lo=0, hi=last_rows)
         return ()
       lax.fori_loop(0, n, step, ())
     else:
