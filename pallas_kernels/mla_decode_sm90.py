@@ -77,7 +77,7 @@ from pallas_kernels.mla_decode import (_validate, merge_segments, merge_splits,
 from pallas_kernels.mla_decode import num_sms as _device_num_sms
 
 __all__ = ["mla_decode_sm90", "mla_decode_reference", "choose_num_kv_splits_sm90", "is_sm90",
-           "unsupported_reason", "TILE_M", "PAGE_SIZE"]
+           "unsupported_reason", "quantize_q_fp8", "TILE_M", "PAGE_SIZE"]
 
 TILE_M = 64      # query rows per CTA (wgmma M)
 PAGE_SIZE = 64   # the only supported page size (one page = one KV tile, FlashMLA's block size)
@@ -125,6 +125,8 @@ class _Cfg:
   final_dtype: object  # dtype of the final output (q.dtype); partials are f32
   interpret: bool     # Mosaic GPU interpreter (CPU): see _mgpu.wgmma_accumulate
   cdt: object = _BF16  # wgmma operand dtype (Q, ring, P): bf16, or f16 for an fp8 cache if asked
+  qk8: bool = False    # fp8 cache: QK^T as an fp8 wgmma on the fp8 ring (fp8 Q, per-row scale);
+                       # the bf16 ring then holds only the L columns of V
 
 
 def _tiled(dtype, minor_bytes=128):
@@ -140,14 +142,16 @@ def _smem_plan(cfg: _Cfg):
   the epilogue only, so all three share one `plgpu.RefUnion`."""
   f32 = jnp.float32
   cdt = cfg.cdt
-  q = plgpu.SMEM((TILE_M, cfg.d), cdt, transforms=_tiled(cdt))
-  ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.d), cdt, transforms=_tiled(cdt))
+  # 576 fp8 columns are not a multiple of 128: fp8 tiles use the 64-byte swizzle.
+  q = (plgpu.SMEM((TILE_M, cfg.d), _FP8, transforms=_tiled(_FP8, 64)) if cfg.qk8
+       else plgpu.SMEM((TILE_M, cfg.d), cdt, transforms=_tiled(cdt)))
+  ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l if cfg.qk8 else cfg.d), cdt,
+                    transforms=_tiled(cdt))
   p = plgpu.SMEM((TILE_M, PAGE_SIZE), cdt, transforms=_tiled(cdt))
   # Row vectors used during the loop, indexed by the _ROW_* constants.
-  loop_rows = plgpu.SMEM((_ROWS + (cfg.stages if cfg.fp8_stages else 0), TILE_M), f32)
+  loop_rows = plgpu.SMEM((_ROWS + _extra_rows(cfg), TILE_M), f32)
   group_a = [q, ring, p, loop_rows]
   if cfg.fp8_stages:
-    # 576 fp8 columns are not a multiple of 128: 64-byte swizzle (only the producer reads them).
     group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), _FP8,
                               transforms=_tiled(_FP8, 64)))
     group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE), f32))
@@ -168,10 +172,16 @@ def _smem_plan(cfg: _Cfg):
 
 
 # Rows of the loop's row-vector buffer; fp8 adds [_ROWS + slot]: the per-token scales of the
-# page in ring slot `slot` (producer -> WG0).
+# page in ring slot `slot` (producer -> WG0); fp8 QK^T adds [_ROWS]: Q's per-row scales instead
+# (WG0 reads the token scales from the scale ring itself).
 _ROW_ALPHA = 0  # alpha_i (WG0 -> WG1)
 _ROW_LENS = 1   # row lengths (f32, exact below 2^24), TMA'd with Q
 _ROWS = 2
+_ROW_QSCALE = _ROWS
+
+
+def _extra_rows(cfg):
+  return 1 if cfg.qk8 else cfg.stages if cfg.fp8_stages else 0
 
 # Piece metadata, one row per CTA: (b, head tile, first page, pages, slot, tile length).
 # slot: -1 final output, >= 0 f32 partial slot, -2 no work (padding of the work list).
@@ -181,7 +191,7 @@ _META = 6
 def _barriers(cfg):
   """The pipeline's mbarriers, by name (see the module docstring)."""
   bars = dict(
-      q_bar=plgpu.Barrier(num_arrivals=2),            # Q + row lengths (two TMAs)
+      q_bar=plgpu.Barrier(num_arrivals=3 if cfg.qk8 else 2),  # Q, row lengths (, Q's scales)
       kv_ready=plgpu.Barrier(num_barriers=cfg.stages),
       kv_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),
       p_ready=plgpu.Barrier(),
@@ -192,6 +202,8 @@ def _barriers(cfg):
   if cfg.fp8_stages:
     bars.update(fp8_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages),
                 scale_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages))
+  if cfg.qk8:  # WG0's QK^T and the producer's cast both read the fp8 slot
+    bars.update(fp8_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.fp8_stages))
   return bars
 
 
@@ -199,9 +211,10 @@ def _kernel(*refs, cfg: _Cfg):
   is_fp8 = cfg.fp8_stages > 0
   refs = list(refs)
   ks_gmem = refs.pop(2) if is_fp8 else None
+  qs_gmem = refs.pop(5) if cfg.qk8 else None   # after q, kv, block table, lengths, meta
   names = ("q_gmem", "kv_gmem", "bt_gmem", "lens_gmem", "meta_gmem", "out_gmem", "lse_gmem",
            "opart_gmem", "lsepart_gmem")
-  gmem = dict(zip(names, refs), ks_gmem=ks_gmem)
+  gmem = dict(zip(names, refs), ks_gmem=ks_gmem, qs_gmem=qs_gmem)
   groups, _ = _smem_plan(cfg)
 
   def scoped(union, **bars):
@@ -266,15 +279,26 @@ class _Piece:
         r["q_bar"]))
     plgpu.copy_gmem_to_smem(r["lens_gmem"].at[self.b, pl.ds(self.h * TILE_M, TILE_M)],
                             r["loop_rows"].at[_ROW_LENS], r["q_bar"])
+    if self.cfg.qk8:
+      plgpu.copy_gmem_to_smem(r["qs_gmem"].at[self.b, pl.ds(self.h * TILE_M, TILE_M)],
+                              r["loop_rows"].at[_ROW_QSCALE], r["q_bar"])
 
-  def logits(self, s, page):
+  def logit_scale(self):
+    """sm_scale in log2 units, times Q's per-row scale when Q is fp8 (a [64] row vector)."""
+    c = self.cfg.sm_scale * _LOG2E
+    if not self.cfg.qk8:
+      return c
+    return plgpu.load(self.r["loop_rows"].at[_ROW_QSCALE], layout=_ROW_LAYOUT) * c
+
+  def logits(self, s, page, scale):
     """Scaled logits (log2 units) of this piece's page `page`, -inf past each row's length."""
     g = PAGE_SIZE
     lens = plgpu.load(self.r["loop_rows"].at[_ROW_LENS], layout=_ROW_LAYOUT).astype(jnp.int32)
     tok = (self.first + page) * g + plgpu.broadcasted_iota(jnp.int32, (TILE_M, g), 1,
                                                            layout=plgpu.Layout.WGMMA)
     valid = tok < lax.broadcast_in_dim(lens, (TILE_M, g), [0])
-    return jnp.where(valid, s * (self.cfg.sm_scale * _LOG2E), -jnp.inf)
+    scale = scale if isinstance(scale, float) else _rows_bcast(scale, s.shape)
+    return jnp.where(valid, s * scale, -jnp.inf)
 
   def epilogue_wg0(self, acc, m_i, l_i):
     """Normalize WG0's half and write it with the lse (after both consumers are done with the
@@ -352,9 +376,14 @@ def _body(cfg, r, pc):
   ring, loop_rows, p_smem = r["ring"], r["loop_rows"], r["p_smem"]
   kv_ready, kv_consumed = r["kv_ready"], r["kv_consumed"]
   p_ready, p_consumed = r["p_ready"], r["p_consumed"]
+  fst = cfg.fp8_stages
 
   def slot_of(i, depth):
     return lax.rem(i, jnp.int32(depth))
+
+  def page_rows(i):
+    """Rows of page i inside the tile's length (< G only on its partial last page)."""
+    return jnp.where(i == n - 1, last_rows, g)
 
   @pl.when(wg == 0)
   def _softmax_wg():
@@ -364,24 +393,43 @@ def _body(cfg, r, pc):
     def _():
       pc.load_q()
       plgpu.barrier_wait(r["q_bar"])
+    logit_scale = pc.logit_scale()
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
 
     def step(i, carry):
       acc, m_i, l_i = carry
       slot_i = slot_of(i, stages)
-      with jax.named_scope("wait_kv"):
-        plgpu.barrier_wait(kv_ready.at[slot_i])
+      if cfg.qk8:  # K^T straight from the fp8 slot; V (bf16) is waited for before P.V
+        fslot = slot_of(i, fst)
+        with jax.named_scope("wait_kv"):
+          plgpu.barrier_wait(r["fp8_ready"].at[fslot])
+          plgpu.barrier_wait(r["scale_ready"].at[fslot])
+        k_t = r["fp8_ring"].at[fslot].T
+      else:
+        with jax.named_scope("wait_kv"):
+          plgpu.barrier_wait(kv_ready.at[slot_i])
+        k_t = ring.at[slot_i].T
 
       def qk(acc_ref):
-        plgpu.wgmma(acc_ref, r["q_smem"], ring.at[slot_i].T)
+        plgpu.wgmma(acc_ref, r["q_smem"], k_t)
         return acc_ref[...]
       with jax.named_scope("qk"):
         s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))      # [64, G] f32
       with jax.named_scope("softmax"):
+        if cfg.qk8:
+          # Token scales, 0 past the length (p * scale must stay 0 next to garbage); then the
+          # fp8 slot is free for its next page as far as WG0 is concerned.
+          ks = plgpu.load(r["scale_ring"].at[fslot], layout=col_layout)
+          tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=col_layout)
+          ks = jnp.where(tok < page_rows(i), ks, 0.0)
+          plgpu.commit_smem()   # the generic-proxy read before the next TMA into the slot
+          plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
+        elif is_fp8:
+          ks = plgpu.load(loop_rows.at[_ROWS + slot_i], layout=col_layout)
         if is_fp8:  # logits of the fp8 rows times their per-token scale
-          ks = plgpu.load(loop_rows.at[_ROWS + slot_i], layout=plgpu.Layout.WGMMA.reduce(0))
           ks = lax.broadcast_in_dim(ks, s.shape, [1])
           s = s * ks
-        s = pc.logits(s, i)
+        s = pc.logits(s, i, logit_scale)
         m_new = jnp.maximum(m_i, s.max(axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s - _rows_bcast(m_new, s.shape))
@@ -398,6 +446,9 @@ def _body(cfg, r, pc):
         plgpu.commit_smem()
         plgpu.barrier_arrive(p_ready)
 
+      if cfg.qk8:
+        with jax.named_scope("wait_v"):
+          plgpu.barrier_wait(kv_ready.at[slot_i])
       with jax.named_scope("pv"):
         acc = acc * _rows_bcast(alpha, acc.shape)
         acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)],
@@ -452,7 +503,6 @@ def _body(cfg, r, pc):
         return ()
       lax.fori_loop(0, n, step, ())
     else:
-      fst = cfg.fp8_stages
       fp8_ring, scale_ring = r["fp8_ring"], r["scale_ring"]
       fp8_ready, scale_ready = r["fp8_ready"], r["scale_ready"]
 
@@ -470,21 +520,24 @@ def _body(cfg, r, pc):
         slot_i = slot_of(i, stages)
         with jax.named_scope("wait_fp8"):
           plgpu.barrier_wait(fp8_ready.at[fslot])
-          plgpu.barrier_wait(scale_ready.at[fslot])
+          if not cfg.qk8:   # with fp8 QK^T, WG0 reads the scales itself
+            plgpu.barrier_wait(scale_ready.at[fslot])
 
         @pl.when(i >= stages)
         @jax.named_scope("wait_free")
         def _():
           plgpu.barrier_wait(kv_consumed.at[slot_i])
-        valid_rows = jnp.where(i == n - 1, last_rows, g)
-        # Per-token scales for WG0 (0 past the length: p * scale must stay 0 next to garbage).
-        scale = plgpu.load(scale_ring.at[fslot], layout=_ROW_LAYOUT)         # [G] f32
-        tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_ROW_LAYOUT)
-        loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
-        # The exact fp8 -> bf16 cast; rows past the length zeroed.
+        valid_rows = page_rows(i)
+        if not cfg.qk8:
+          # Per-token scales for WG0 (0 past the length: p * scale must stay 0 next to garbage).
+          scale = plgpu.load(scale_ring.at[fslot], layout=_ROW_LAYOUT)         # [G] f32
+          tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_ROW_LAYOUT)
+          loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
+        # The exact fp8 -> bf16 cast (of V's L columns only, with fp8 QK^T); rows past the
+        # length zeroed.
         with jax.named_scope("convert"):
           keep = rows() < valid_rows
-          for c in range(cfg.d // 64):
+          for c in range(ring.shape[-1] // 64):
             x = fp8_ring.at[fslot, :, pl.ds(64 * c, 64)][...]
             # sm_90 converts e4m3 to f16 natively; to bf16 only through f32 (both exact).
             x = x.astype(cfg.cdt) if cfg.cdt == _F16 else x.astype(f32).astype(cfg.cdt)
@@ -492,6 +545,11 @@ def _body(cfg, r, pc):
                                                                    jnp.zeros((), cfg.cdt))
           plgpu.commit_smem()   # generic reads/writes before the next TMA / the consumers' wgmma
         plgpu.barrier_arrive(kv_ready.at[slot_i])
+        if cfg.qk8:   # WG0's QK^T must be done with the slot too (waited on every page: each
+          # waiter observes every phase; QK^T of page i ends well before the cast of page i)
+          plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
+          with jax.named_scope("wait_qk"):
+            plgpu.barrier_wait(r["fp8_consumed"].at[fslot])
         pl.when(i + fst < n)(lambda: fetch(i + fst))
         return ()
       lax.fori_loop(0, n, step, ())
@@ -666,14 +724,26 @@ def _merge_worklist(out, lse, o_part, lse_part, slot_tile, interpret=False):
 TRACE: tuple[int, str] | None = None
 
 _WORKLIST_MIN_PAGES = 4  # no piece shorter than this unless its tile is (FlashMLA: ~5 blocks)
+_FP8_QK_STAGES = 3       # fp8 ring depth with fp8 QK^T: Q (fp8) and a V-only bf16 slot leave room
+
+
+def quantize_q_fp8(q):
+  """q [..., D] -> (float8_e4m3fn q / scale, f32 scale [...]): one scale per row (head, token),
+  amax / 448, e4m3's largest finite value; all-zero rows get scale 1. What `fp8_qk=True` feeds
+  the QK^T wgmma: its logits are those of q8 * scale, the reference's input for that mode."""
+  q = q.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(q), axis=-1)
+  scale = jnp.where(amax > 0, amax / 448.0, 1.0)
+  return (q / scale[..., None]).astype(_FP8), scale
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "batch_invariant", "interpret",
-                     "num_stages", "fp8_stages", "fp8_compute", "sms", "schedule"))
+                     "num_stages", "fp8_stages", "fp8_compute", "fp8_qk", "sms", "schedule"))
 def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num_kv_splits,
-          batch_invariant, interpret, num_stages, fp8_stages, fp8_compute, sms, schedule):
+          batch_invariant, interpret, num_stages, fp8_stages, fp8_compute, fp8_qk, sms,
+          schedule):
   b, nq, n, d = q.shape
   l = kv_lora_rank
   _, g, _ = cache.shape
@@ -684,13 +754,14 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
   tail = -(-(m_rows - (head_tiles - 1) * TILE_M) // 8) * 8   # real rows of the last tile, to 8
   is_fp8 = jnp.dtype(cache.dtype) == _FP8
   cdt = _F16 if is_fp8 and fp8_compute == "float16" else _BF16
+  qk8 = bool(fp8_qk) and is_fp8
   if num_stages is None:
     num_stages = 1 if is_fp8 else 2
   if fp8_stages is None:
-    fp8_stages = 2
+    fp8_stages = _FP8_QK_STAGES if qk8 else 2
   cfg = _Cfg(l=l, d=d, head_tiles=head_tiles, tail=tail, stages=num_stages,
              fp8_stages=fp8_stages if is_fp8 else 0, sm_scale=float(scale),
-             final_dtype=jnp.dtype(q.dtype), interpret=bool(interpret), cdt=cdt)
+             final_dtype=jnp.dtype(q.dtype), interpret=bool(interpret), cdt=cdt, qk8=qk8)
   _, smem = _smem_plan(cfg)
   if smem > _SMEM_BYTES:
     raise ValueError(f"num_stages={num_stages} (fp8_stages={fp8_stages}) needs {smem} B of shared "
@@ -700,7 +771,11 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
   m_out = head_tiles * rpt                      # rows per request in the output arrays
   # Fold (Q, N) into rows t*N + n. The kernel moves whole tiles but the last one's real rows
   # rounded to 8 (q padded to that with zeros); row lengths cover whole tiles (padding rows: 0).
-  q_rows = q.reshape(b, m_rows, d).astype(cdt)
+  if qk8:
+    q_rows, q_scale = quantize_q_fp8(q.reshape(b, m_rows, d))                  # [B, M, D], [B, M]
+    q_scale = jnp.pad(q_scale, ((0, 0), (0, m_pad - m_rows)), constant_values=1.0)
+  else:
+    q_rows = q.reshape(b, m_rows, d).astype(cdt)
   m_q = (head_tiles - 1) * TILE_M + tail
   if m_q != m_rows:
     q_rows = jnp.pad(q_rows, ((0, 0), (0, m_q - m_rows), (0, 0)))
@@ -722,7 +797,8 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
     n_slots = slot_tile.shape[0]
     name = "worklist"
 
-  args = [q_rows, cache] + ([kv_scale] if is_fp8 else []) + [block_table, row_lens, meta]
+  args = ([q_rows, cache] + ([kv_scale] if is_fp8 else []) + [block_table, row_lens, meta]
+          + ([q_scale] if qk8 else []))
   out_type = (jax.ShapeDtypeStruct((b, m_out, l), q.dtype),               # final outputs
               jax.ShapeDtypeStruct((b, m_out), jnp.float32),
               jax.ShapeDtypeStruct((n_slots * rpt, l), jnp.float32),     # f32 partials, by slot
@@ -740,7 +816,8 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
           **(dict(profile_space=TRACE[0], profile_dir=TRACE[1]) if TRACE else {})),
       interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                  else plgpu.InterpretGPUParams() if interpret else None),
-      kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}",
+      kernel_name=(f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}"
+                   + ("_qk8" if qk8 else "")),
   )
   out, lse, o_part, lse_part = kernel(*args)
   if schedule == "grid" and splits > 1:
@@ -772,6 +849,7 @@ def mla_decode_sm90(
     num_stages: int | None = None,
     fp8_stages: int | None = None,
     fp8_compute: str = "bfloat16",
+    fp8_qk: bool = False,
     num_sms: int | None = None,
     schedule: str = "grid",
 ):
@@ -792,18 +870,24 @@ def mla_decode_sm90(
   whose ring of `fp8_stages` (default 2) fp8 pages takes the rest of shared memory).
   fp8_compute: wgmma dtype for an fp8 cache: "bfloat16" (default; q as bf16) or "float16" (sm_90
   casts e4m3 -> f16 in one instruction, -> bf16 only through f32; q must stay below 65504 in
-  magnitude).
+  magnitude). fp8_qk (fp8 cache only): QK^T as an fp8 wgmma straight on the fp8 page, q quantized
+  per row to e4m3 (`quantize_q_fp8`: the logits are those of the quantized q), so only V's L
+  columns are cast for P.V (fp8 wgmma takes B only K-major: V, N-major in the page, cannot be fp8);
+  fp8_stages then defaults to 3.
   interpret: run under the Mosaic GPU interpreter (CPU testing): True, or the interpreter's
   `plgpu.InterpretGPUParams` (e.g. detect_races=True). It needs >= 3 XLA CPU workers (NPROC).
   """
   _validate_sm90(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank,
                  num_kv_splits, scale, num_stages, fp8_stages, fp8_compute, num_sms, interpret,
                  schedule)
+  if fp8_qk and jnp.dtype(kv_c_and_k_pe_cache.dtype) != _FP8:
+    raise ValueError(f"fp8_qk=True needs a float8_e4m3fn kv_c_and_k_pe_cache, got "
+                     f"{kv_c_and_k_pe_cache.dtype}")
   return _impl(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, scale=float(scale),
                kv_lora_rank=int(kv_lora_rank), num_kv_splits=num_kv_splits,
                batch_invariant=bool(batch_invariant),
                interpret=interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                else bool(interpret),
                num_stages=num_stages, fp8_stages=fp8_stages, fp8_compute=fp8_compute,
-               sms=int(num_sms) if num_sms is not None else _device_num_sms(),
+               fp8_qk=bool(fp8_qk), sms=int(num_sms) if num_sms is not None else _device_num_sms(),
                schedule=schedule)

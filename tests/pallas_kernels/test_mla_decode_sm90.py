@@ -90,7 +90,26 @@ CASES = {
     "fp8_f16_compute_1stage": (
         dict(b=2, nq=1, n=16, max_pages=4, lens=[200, 64], cache_dtype="fp8"),
         dict(fp8_compute="float16", fp8_stages=1, num_kv_splits=1)),
+    # fp8 QK^T (fp8 q, per-row scale) on the fp8 ring, V cast alone: Q=2 causal, 2 tiles, 2 splits,
+    # the default 3-deep fp8 ring; a 1-token request.
+    "fp8_qk_q2_causal_n64_2splits": (
+        dict(b=2, nq=2, n=64, max_pages=4, lens=[170, 1], causal=True, cache_dtype="fp8"),
+        dict(fp8_qk=True, num_kv_splits=2)),
+    # fp8 QK^T with a 1-deep fp8 ring (every page waits for WG0's QK^T and the cast to free the
+    # slot) and a 2-deep V ring; 5 pages, a partial last one, N=16.
+    "fp8_qk_fp8stages1_n16": (
+        dict(b=2, nq=1, n=16, max_pages=5, lens=[300, 64], cache_dtype="fp8"),
+        dict(fp8_qk=True, fp8_stages=1, num_stages=2, num_kv_splits=1)),
 }
+
+
+def reference_for(q, cache, bt, sl, ks, kernel_kw):
+  """The float32 reference of these kernel options: with fp8_qk the kernel's logits are those of
+  the per-row fp8-quantized q (`quantize_q_fp8`), so that is the reference's q."""
+  if kernel_kw.get("fp8_qk"):
+    q8, q_scale = k90.quantize_q_fp8(q)
+    q = q8.astype(jnp.float32) * q_scale[..., None]
+  return k90.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -106,7 +125,7 @@ def test_interpreted_matches_reference(name):
     slots = np.asarray(meta)[:, 4]
     assert (slots >= 0).any() and (slots == -1).any()
   out, lse = run_interpreted(q, cache, bt, sl, ks, **kernel_kw)
-  ref, ref_lse = k90.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
+  ref, ref_lse = reference_for(q, cache, bt, sl, ks, kernel_kw)
   assert out.dtype == q.dtype and lse.dtype == jnp.float32
   assert_close(out, lse, ref, ref_lse, "bf16")
 
@@ -191,6 +210,8 @@ def _lower_for_sm90(cache_dtype, n=16, **kw):
     ("bf16", dict(schedule="worklist", num_sms=132)),
     ("bf16", dict(n=80, num_kv_splits=2, num_sms=132)),   # 2 tiles, the last with 16 rows
     ("fp8", dict(n=128, schedule="worklist", num_sms=132)),
+    ("fp8", dict(num_kv_splits=1, fp8_qk=True, num_sms=132)),
+    ("fp8", dict(n=128, schedule="worklist", fp8_qk=True, fp8_compute="float16", num_sms=132)),
 ])
 def test_lowers_for_sm90(cache_dtype, kw, monkeypatch):
   """The GPU code path (which differs from the interpreted one in `_accumulate`) passes Mosaic
@@ -232,6 +253,8 @@ def _bad(**over):
     (lambda a: dict(block_table=a["block_table"][:1]), "block_table must be"),
     (lambda a: dict(num_stages=0), "num_stages"),
     (lambda a: dict(fp8_compute="fp8"), "fp8_compute"),
+    (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.bfloat16),
+                    kv_scale=None, fp8_qk=True), "fp8_qk=True needs a float8_e4m3fn"),
     (lambda a: dict(num_sms=0), "num_sms"),
     (lambda a: dict(schedule="persistent"), "schedule"),
     (lambda a: dict(schedule="worklist", num_kv_splits=2), "num_kv_splits applies"),
@@ -273,6 +296,12 @@ GPU_CASES = [
      "bf16"),
     (dict(b=3, nq=2, n=64, max_pages=80, lens=[5000, 100, 1], causal=True, cache_dtype="fp8"),
      {"schedule": "worklist"}, "fp8"),
+    (dict(b=3, nq=1, n=128, max_pages=20, lens=[1200, 64, 999], cache_dtype="fp8"),
+     {"fp8_qk": True}, "fp8"),
+    (dict(b=4, nq=1, n=16, max_pages=48, lens=[3000, 1, 0, 1100], cache_dtype="fp8"),
+     {"fp8_qk": True, "fp8_stages": 1, "num_stages": 2}, "fp8"),
+    (dict(b=3, nq=2, n=64, max_pages=80, lens=[5000, 100, 1], causal=True, cache_dtype="fp8"),
+     {"fp8_qk": True, "schedule": "worklist", "fp8_compute": "float16"}, "fp8"),
 ]
 
 
@@ -284,7 +313,7 @@ def test_gpu_matches_reference(idx):
   inputs_kw, kernel_kw, kind = GPU_CASES[idx]
   q, cache, bt, sl, ks = make_inputs(2000 + idx, l=L, r=R, g=G, **inputs_kw)
   out, lse = k90.mla_decode_sm90(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **kernel_kw)
-  ref, ref_lse = k90.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
+  ref, ref_lse = reference_for(q, cache, bt, sl, ks, kernel_kw)
   assert_close(out, lse, ref, ref_lse, kind, lse_tol=1e-2)
 
 
