@@ -120,7 +120,11 @@ def check_correctness(decode=None, cases=None) -> bool:
     q, cache, bt, sl, ks = poisoned_inputs(100 + i, b, nq, n, g, mp, lens, dtype, causal=causal)
     try:
       out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **kw)
-      ref, ref_lse = md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
+      q_ref = q
+      if kw.get("fp8_qk"):  # the kernel's logits are those of the per-row fp8 q
+        q8, q_scale = k90.quantize_q_fp8(q)
+        q_ref = q8.astype(jnp.float32) * q_scale[..., None]
+      ref, ref_lse = md.mla_decode_reference(q_ref, cache, bt, sl, scale=SCALE, kv_scale=ks)
       out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
       lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
       # bf16 output rounding: elementwise |err| <= 2e-2 + 2e-2 |ref|, and 1e-2 relative in norm.
@@ -152,6 +156,8 @@ SM90_CASES = [  # the sm90 kernel: page 64 only (b, nq, n, g, max_pages, lens, d
     (5, 1, 16, 64, 160, [10000, 3, 0, 700, 64], "bf16", False, {"schedule": "worklist"}),
     (3, 2, 64, 64, 80, [5000, 100, 1], "fp8", True, {"schedule": "worklist"}),
     (1, 1, 128, 64, 512, [32768], "bf16", False, {"schedule": "worklist"}),
+    (3, 1, 128, 64, 20, [1200, 64, 999], "fp8", False, {"fp8_qk": True}),
+    (3, 2, 64, 64, 80, [5000, 100, 1], "fp8", True, {"fp8_qk": True, "schedule": "worklist"}),
 ]
 
 
@@ -190,6 +196,9 @@ def sm90_sweep_variants(dtype, splits):
   variants.append({"num_stages": 1} if dtype == "bf16" else {"fp8_compute": "float16"})
   if dtype == "fp8":
     variants.append({"fp8_stages": 1})
+    # fp8 QK^T (q quantized per row): fp8 ring depth vs V ring depth, and the f16 cast of V.
+    variants += [{"fp8_qk": True, "fp8_stages": 2}, {"fp8_qk": True, "num_stages": 2, "fp8_stages": 1},
+                 {"fp8_qk": True, "fp8_compute": "float16"}]
   return variants
 
 
@@ -221,14 +230,17 @@ def row_for(kernel, b, n, ctx, dtype, us, ceil, **extra):
   return row
 
 
-def variant_row(kernel, make_fn, v, sets, srow, ceil):
-  """A sweep row for tuning variant `v`: its timing (compile included in compile_and_time_s), or the
-  error that stopped it (a variant that fails to compile is recorded and skipped)."""
+def variant_row(kernel, make_fn, v, sets, srow, ceil, device_time=False):
+  """A sweep row for tuning variant `v`: its timing (compile included in compile_and_time_s), with
+  device_time also the GPU's busy time per call (what decides at batch 1, where launch overhead
+  dominates the wall time), or the error that stopped it (recorded, skipped)."""
   t0 = time.time()
   try:
-    us = timed(make_fn(), sets, 10, 3)
+    fn = make_fn()
+    us = timed(fn, sets, 10, 3)
+    extra = common.device_time_us(fn, sets) if device_time else {}
     return row_for(kernel, srow["B"], srow["N"], srow["ctx"], srow["dtype"], us, ceil, variant=v,
-                   compile_and_time_s=round(time.time() - t0, 1))
+                   compile_and_time_s=round(time.time() - t0, 1), **extra)
   except Exception as e:  # noqa: BLE001
     return {**srow, "kernel": kernel, "variant": v, "error": f"{type(e).__name__}: {str(e)[-300:]}"}
 
@@ -324,6 +336,10 @@ def main():
                               {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx)}))
         timed_kernels.append(("pallas_sm90", sm90_fn(schedule="worklist"),
                               {"schedule": "worklist"}))
+        if dtype == "fp8":  # QK^T as an fp8 wgmma (q quantized per row): its own rows
+          timed_kernels.append(("pallas_sm90", sm90_fn(fp8_qk=True),
+                                {"schedule": "grid", "fp8_qk": True,
+                                 "num_kv_splits": sm90_splits(b, n, ctx)}))
       for name, fn, extra in timed_kernels:
         try:
           us = timed(fn, sets, 20, 7)
@@ -345,7 +361,8 @@ def main():
       if args.sweep and not args.quick and run_sm90:
         srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype, "kernel": "pallas_sm90"}
         for v in sm90_sweep_variants(dtype, sm90_splits(b, n, ctx)):
-          sweep["rows"].append(variant_row("pallas_sm90", lambda: sm90_fn(**v), v, sets, srow, ceil))
+          sweep["rows"].append(variant_row("pallas_sm90", lambda: sm90_fn(**v), v, sets, srow, ceil,
+                                           args.device_time))
       if args.sweep and not args.quick and run_triton:
         srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype}
         try:
@@ -360,7 +377,8 @@ def main():
             sweep["rows"].append({**srow, "kernel": "pallas", "variant": v,
                                   "error": "skipped: budget"})
             continue
-          sweep["rows"].append(variant_row("pallas", lambda: kernel_fn(**v), v, sets, srow, ceil))
+          sweep["rows"].append(variant_row("pallas", lambda: kernel_fn(**v), v, sets, srow, ceil,
+                                           args.device_time))
       del sets
     # Written after every shape so a run cut short by a time limit still leaves its rows.
     common.write_results(os.path.join(args.out, "decode-h200.json"), results)

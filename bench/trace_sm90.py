@@ -1,7 +1,7 @@
 """Where the Hopper decode kernel's warpgroups spend their time: Mosaic GPU profiler traces.
 
     PYTHONPATH=. python3 bench/trace_sm90.py --out DIR [--l 384] [--b 66] [--n 128] [--ctx 2048]
-        [--splits 1] [--dtype bf16|fp8]
+        [--splits 1] [--dtype bf16|fp8] [--fp8-qk] [--stages S] [--fp8-stages F]
 
 Each consumer loop marks its phases with `jax.named_scope` (qk, softmax, pv, and the barrier
 waits); with `mla_decode_sm90.TRACE` set, the compiled kernel records every scope's start and end
@@ -63,16 +63,23 @@ def main():
   ap.add_argument("--ctx", type=int, default=2048)
   ap.add_argument("--splits", type=int, default=1)
   ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"))
+  ap.add_argument("--fp8-qk", action="store_true", help="fp8 cache: QK^T as an fp8 wgmma")
+  ap.add_argument("--stages", type=int, default=None, help="bf16 ring depth (kernel default)")
+  ap.add_argument("--fp8-stages", type=int, default=None, help="fp8 ring depth (kernel default)")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
-  tag = f"{args.b}x{args.n}x{args.ctx}-s{args.splits}-{args.dtype}-L{args.l}"
+  tag = (f"{args.b}x{args.n}x{args.ctx}-s{args.splits}-{args.dtype}-L{args.l}"
+         + ("-qk8" if args.fp8_qk else "")
+         + (f"-st{args.stages}" if args.stages else "")
+         + (f"-fst{args.fp8_stages}" if args.fp8_stages else ""))
+  tuning = dict(num_stages=args.stages, fp8_stages=args.fp8_stages, fp8_qk=args.fp8_qk)
   q, cache, bt, sl, ks = make_inputs(jax.random.key(0), args.b, 1, args.n, args.ctx, args.dtype,
                                      width=args.l + 64)
   pages = -(-(-(-args.ctx // k90.PAGE_SIZE)) // args.splits)   # pages per CTA
   tmp = tempfile.mkdtemp()
   k90.TRACE = (8 * pages + 16, tmp)   # scopes per warpgroup: at most 6 a page (WG0)
   out = k90.mla_decode_sm90(q, cache, bt, sl, scale=0.1, kv_scale=ks, kv_lora_rank=args.l,
-                            num_kv_splits=args.splits)
+                            num_kv_splits=args.splits, **tuning)
   jax.block_until_ready(out)
   jax.effects_barrier()   # the trace is written by a host callback
   k90.TRACE = None
@@ -84,7 +91,7 @@ def main():
   summary = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
              "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("MLA_JAX_COMMIT", ""),
              "shape": dict(B=args.b, N=args.n, ctx=args.ctx, splits=args.splits, L=args.l,
-                           dtype=args.dtype, pages_per_cta=pages),
+                           dtype=args.dtype, pages_per_cta=pages), "tuning": tuning,
              "cta_span_us": span, "per_page_us": span / pages, "warpgroups": {
                  str(wg): {name: dict(count=c, mean_us=m, per_cta_us=t)
                            for name, (c, m, t) in s.items()} for wg, s in scopes.items()}}
