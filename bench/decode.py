@@ -120,22 +120,28 @@ def check_correctness(decode=None, cases=None) -> bool:
     q, cache, bt, sl, ks = poisoned_inputs(100 + i, b, nq, n, g, mp, lens, dtype, causal=causal)
     try:
       out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **kw)
-      q_ref = q
-      if kw.get("fp8_qk"):  # the kernel's logits are those of the per-row fp8 q
+      q_ref, tol, lse_tol, note = q, 2e-2, 1e-2, ""
+      if kw.get("fp8_qk"):
+        # The kernel's logits are those of the per-row fp8 q, accumulated by the fp8 wgmma with
+        # reduced precision (tests/pallas_kernels/test_mla_decode.py TOL["fp8_qk"]); the error
+        # against the exact q is reported, not checked: it is the mode's quantization error.
         q8, q_scale = k90.quantize_q_fp8(q)
-        q_ref = q8.astype(jnp.float32) * q_scale[..., None]
+        q_ref, tol, lse_tol = q8.astype(jnp.float32) * q_scale[..., None], 4e-2, 3e-2
+        exact = np.asarray(md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)[0],
+                           np.float32)
+        note = f" (vs exact q: max|err| {float(np.nanmax(np.abs(np.asarray(out, np.float32) - exact))):.2e})"
       ref, ref_lse = md.mla_decode_reference(q_ref, cache, bt, sl, scale=SCALE, kv_scale=ks)
       out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
       lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
       # bf16 output rounding: elementwise |err| <= 2e-2 + 2e-2 |ref|, and 1e-2 relative in norm.
-      err = float(np.max(np.abs(out - ref) - 2e-2 * np.abs(ref)))
+      err = float(np.max(np.abs(out - ref) - tol * np.abs(ref)))
       rel = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
       lse_fin = np.isfinite(ref_lse)
       lse_err = float(np.max(np.abs(np.where(lse_fin, lse, 0.0) - np.where(lse_fin, ref_lse, 0.0))))
-      good = (np.all(np.isfinite(out)) and err < 2e-2 and rel < 1e-2 and lse_err < 1e-2
+      good = (np.all(np.isfinite(out)) and err < tol and rel < tol / 2 and lse_err < lse_tol
               and np.array_equal(np.isfinite(lse), lse_fin))
-      log(f"check {i}: B={b} Q={nq} N={n} G={g} {dtype} causal={causal} {kw}: max(|err|-2e-2|ref|)={err:.2e} "
-          f"rel={rel:.2e} lse_err={lse_err:.2e} {'ok' if good else 'FAIL'}")
+      log(f"check {i}: B={b} Q={nq} N={n} G={g} {dtype} causal={causal} {kw}: max(|err|-{tol}|ref|)={err:.2e} "
+          f"rel={rel:.2e} lse_err={lse_err:.2e}{note} {'ok' if good else 'FAIL'}")
     except Exception as e:  # noqa: BLE001
       good = False
       log(f"check {i}: ERROR {type(e).__name__}: {e}")

@@ -193,7 +193,9 @@ def _barriers(cfg):
   bars = dict(
       q_bar=plgpu.Barrier(num_arrivals=3 if cfg.qk8 else 2),  # Q, row lengths (, Q's scales)
       kv_ready=plgpu.Barrier(num_barriers=cfg.stages),
-      kv_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),
+      # With fp8 QK^T each consumer casts the V half it reads: only WG0 releases the
+      # producer's half.
+      kv_consumed=plgpu.Barrier(num_arrivals=1 if cfg.qk8 else 2, num_barriers=cfg.stages),
       p_ready=plgpu.Barrier(),
       p_consumed=plgpu.Barrier(),
       epi_bar=plgpu.Barrier(num_arrivals=2),
@@ -202,8 +204,8 @@ def _barriers(cfg):
   if cfg.fp8_stages:
     bars.update(fp8_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages),
                 scale_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages))
-  if cfg.qk8:  # WG0's QK^T and the producer's cast both read the fp8 slot
-    bars.update(fp8_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.fp8_stages))
+  if cfg.qk8:  # WG0's QK^T and both casts (producer, WG1) read the fp8 slot
+    bars.update(fp8_consumed=plgpu.Barrier(num_arrivals=3, num_barriers=cfg.fp8_stages))
   return bars
 
 
@@ -385,6 +387,18 @@ def _body(cfg, r, pc):
     """Rows of page i inside the tile's length (< G only on its partial last page)."""
     return jnp.where(i == n - 1, last_rows, g)
 
+  def cast_fp8(fslot, slot_i, valid_rows, chunks):
+    """The exact fp8 -> wgmma-dtype cast of 64-column chunks of the fp8 slot into the ring
+    slot, rows past the length zeroed (p = 0 there, but 0 * NaN garbage would poison P.V)."""
+    with jax.named_scope("convert"):
+      keep = plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=plgpu.Layout.WGMMA) < valid_rows
+      for c in chunks:
+        x = r["fp8_ring"].at[fslot, :, pl.ds(64 * c, 64)][...]
+        # sm_90 converts e4m3 to f16 natively; to bf16 only through f32 (both exact).
+        x = x.astype(cfg.cdt) if cfg.cdt == _F16 else x.astype(f32).astype(cfg.cdt)
+        ring.at[slot_i, :, pl.ds(64 * c, 64)][...] = jnp.where(keep, x, jnp.zeros((), cfg.cdt))
+      plgpu.commit_smem()   # generic reads/writes before the next TMA / the wgmmas
+
   @pl.when(wg == 0)
   def _softmax_wg():
     plgpu.set_max_registers(_regs(is_fp8)[0], action="increase")
@@ -466,16 +480,28 @@ def _body(cfg, r, pc):
 
     def step(i, acc):
       slot_i = slot_of(i, stages)
-      with jax.named_scope("wait_p"):
-        plgpu.barrier_wait(kv_ready.at[slot_i])
-        plgpu.barrier_wait(p_ready)
+      if cfg.qk8:
+        # WG1 casts its own V half (columns [L/2, L)) while WG0 runs QK^T and the softmax:
+        # the cast, not the wgmmas, bounds the fp8 page time, and only WG1 touches this half.
+        fslot = slot_of(i, fst)
+        with jax.named_scope("wait_fp8"):
+          plgpu.barrier_wait(r["fp8_ready"].at[fslot])
+        cast_fp8(fslot, slot_i, page_rows(i), range(half // 64, cfg.l // 64))
+        plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
+        with jax.named_scope("wait_p"):
+          plgpu.barrier_wait(p_ready)
+      else:
+        with jax.named_scope("wait_p"):
+          plgpu.barrier_wait(kv_ready.at[slot_i])
+          plgpu.barrier_wait(p_ready)
       with jax.named_scope("pv"):
         alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], layout=_ROW_LAYOUT)
         acc = acc * _rows_bcast(alpha, acc.shape)
         acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(half, half)],
                                interpret=cfg.interpret)
       plgpu.barrier_arrive(p_consumed)
-      plgpu.barrier_arrive(kv_consumed.at[slot_i])
+      if not cfg.qk8:
+        plgpu.barrier_arrive(kv_consumed.at[slot_i])
       return acc
 
     acc = lax.fori_loop(0, n, step, _init_state(cfg)[0])
@@ -484,7 +510,6 @@ def _body(cfg, r, pc):
   @pl.when(wg == 2)
   def _producer_wg():
     plgpu.set_max_registers(_regs(is_fp8)[1], action="decrease")
-    rows = lambda: plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=plgpu.Layout.WGMMA)
 
     def page_id(i):
       return r["bt_gmem"][pc.b, first + i]
@@ -533,20 +558,11 @@ def _body(cfg, r, pc):
           scale = plgpu.load(scale_ring.at[fslot], layout=_ROW_LAYOUT)         # [G] f32
           tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_ROW_LAYOUT)
           loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
-        # The exact fp8 -> bf16 cast (of V's L columns only, with fp8 QK^T); rows past the
-        # length zeroed.
-        with jax.named_scope("convert"):
-          keep = rows() < valid_rows
-          for c in range(ring.shape[-1] // 64):
-            x = fp8_ring.at[fslot, :, pl.ds(64 * c, 64)][...]
-            # sm_90 converts e4m3 to f16 natively; to bf16 only through f32 (both exact).
-            x = x.astype(cfg.cdt) if cfg.cdt == _F16 else x.astype(f32).astype(cfg.cdt)
-            ring.at[slot_i, :, pl.ds(64 * c, 64)][...] = jnp.where(keep, x,
-                                                                   jnp.zeros((), cfg.cdt))
-          plgpu.commit_smem()   # generic reads/writes before the next TMA / the consumers' wgmma
+        # All 576 columns (K and V) or, with fp8 QK^T, V's first half (WG1 casts the second).
+        cast_fp8(fslot, slot_i, valid_rows, range(half // 64 if cfg.qk8 else cfg.d // 64))
         plgpu.barrier_arrive(kv_ready.at[slot_i])
-        if cfg.qk8:   # WG0's QK^T must be done with the slot too (waited on every page: each
-          # waiter observes every phase; QK^T of page i ends well before the cast of page i)
+        if cfg.qk8:   # WG0's QK^T and WG1's cast must be done with the slot too (waited on
+          # every page: each waiter observes every phase)
           plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
           with jax.named_scope("wait_qk"):
             plgpu.barrier_wait(r["fp8_consumed"].at[fslot])

@@ -27,7 +27,11 @@ from pallas_kernels.mla_decode import (choose_num_kv_splits, merge_segments,
                                        segments_from_slot_tile)
 
 SCALE = 192 ** -0.5 * 1.87385
-TOL = {"bf16": (2e-2, 1e-3), "fp8": (2e-2, 1e-3), "f32": (1e-4, 1e-4)}
+# "fp8_qk": the Hopper kernel's QK^T as an fp8 wgmma, against the reference on its quantized q. The
+# H200's fp8 wgmma accumulates with reduced precision (DeepSeek-V3 report, section 3.3.2: about 14
+# bits): lse errors up to 1.3e-2 and a few outputs 2.8e-2 off were measured there (the interpreter,
+# exact f32: 1e-5).
+TOL = {"bf16": (2e-2, 1e-3), "fp8": (2e-2, 1e-3), "fp8_qk": (4e-2, 3e-2), "f32": (1e-4, 1e-4)}
 
 
 def make_inputs(seed, *, b, nq, n, l, r, g, max_pages, lens, cache_dtype="bf16", q_dtype="bf16",
