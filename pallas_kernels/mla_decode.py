@@ -68,12 +68,18 @@ def choose_num_kv_splits(batch: int, rows_per_request: int, max_seq_len: int, nu
     and more splits (or < 512 tokens per split, vLLM's floor) only add merge traffic
     ((64,128,4096): 1-3 splits 420 us, 6 splits 468 us; (1,128,32768): 64 splits 77-82 us,
     32 splits 129 us, 128 splits 92-111 us).
+  - one memory-bound request: down to 128 tokens per split while the splits fit one per SM (H200,
+    GPU time per call, which launch overhead hides in wall time at batch 1: (1,16,4096) 16 splits
+    13.7 us, 32-128 splits 10.9 us; (1,16,32768) 128 splits 22.5 us, 256 splits 26.9 us).
   """
   head_blocks = max(1, _cdiv(rows_per_request, 64))
   programs = max(1, batch) * head_blocks
   memory_bound = rows_per_request <= 32
   waves = 4 if memory_bound else 2
-  ideal = _next_pow2(max(1, max_seq_len // (256 if memory_bound else 512)))
+  floor = 512 if not memory_bound else 128 if programs == 1 else 256
+  ideal = _next_pow2(max(1, max_seq_len // floor))
+  if memory_bound and programs == 1:
+    ideal = min(ideal, max(1, _next_pow2(num_sms + 1) // 2))   # one split per SM at most
   fill = _cdiv(waves * num_sms, programs)
   return int(max(1, min(ideal, fill, 2 * num_sms)))
 
