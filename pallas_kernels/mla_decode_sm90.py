@@ -33,29 +33,39 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   consumer keeps a [64, L/2] f32 accumulator (128 registers/thread at L=512), as in FlashMLA.
 - Epilogue: normalized output and LSE (natural log) go out by TMA through staging buffers that
   alias the Q tile and the ring (`plgpu.RefUnion`: loop buffers | final staging | f32 staging).
+- fp8_qk=True (fp8 cache, opt-in): Q is quantized per row to e4m3 (`quantize_q_fp8`) and QK^T is
+  an fp8 wgmma straight on the fp8 ring slot, so WG0 no longer waits for a cast before QK^T. Only
+  V's L columns are cast to bf16 (Hopper's fp8 wgmma takes B only K-major; V is N-major in the
+  page), and the cast is split: the producer casts columns [0, L/2) for WG0, WG1 casts [L/2, L)
+  for itself while WG0 runs QK^T and the softmax. 2x the dequantizing path on the H200; the
+  logits are those of the quantized q, accumulated at the fp8 wgmma's reduced precision.
 
 Shared memory at L+R = 576 (227 KB available): bf16, 2 stages: Q 72 KB + ring 2 x 72 KB + P 8 KB
 + row vectors = 225 KB, the output staging (64 KB bf16 / 128 KB f32) reusing it; fp8: Q 72 KB +
-ring 1 x 72 KB + fp8 ring 2 x 36 KB + P 8 KB = 225 KB (a second bf16 stage does not fit).
+ring 1 x 72 KB + fp8 ring 2 x 36 KB + P 8 KB = 225 KB (a second bf16 stage does not fit);
+fp8_qk: Q 36 KB (fp8) + V ring 1 x 64 KB + fp8 ring 3 x 36 KB + P 8 KB = 218 KB.
 
 Barriers (mbarriers; every waiter waits every phase of a barrier, in order, and at most one phase
 behind -- the parity discipline the interpreter checks):
   q_bar            Q tile + row lengths landed (TMA)                         WG0 waits
   kv_ready[st]     ring slot holds page i (TMA, or producer arrive)          WG0, WG1 wait
-  kv_consumed[st]  both consumers finished reading slot (2 arrivals)         producer waits
+  kv_consumed[st]  both consumers finished reading slot (2 arrivals;        producer waits
+                   fp8_qk: WG0 only, WG1 reads only the half it casts)
   p_ready          P_i and alpha_i in shared memory                          WG1 waits
   p_consumed       WG1's P_i . V wgmma done (P may be overwritten)           WG0 waits
   epi_bar          both consumers done with Q, the ring and P (2 arrivals)   WG0, WG1 wait
   fin_bar          1/l of every row in shared memory                         WG1 waits
   raw_bar / fp8_ready[st] / scale_ready[st]  TMA landed for the producer's own processing
+                   (fp8_qk: fp8_ready also for WG0 and WG1, scale_ready for WG0)
+  fp8_consumed[f]  fp8_qk: QK^T and both casts done with fp8 slot f (3)      producer waits
 
 Status: runs correctly under the Mosaic GPU interpreter on CPU (race detector on) and lowers for
 sm_90 on CPU (Mosaic GPU's Python passes: layout inference, wgmma/TMA checks, the shared-memory
-budget). On the H200 (2026-11-29, 594c0e5) it passed its 11 pytest GPU tests and runs 1.9x the
-Triton kernel at 128 heads (375-414 TFLOP/s, bench/results/decode-h200.json); the default on Hopper
-where heads x query tokens fill its 64-row tile (mla_jax.attention). The consumers' phases carry
-`jax.named_scope`s: with `TRACE` set, Mosaic GPU's profiler records them per warpgroup
-(bench/trace_sm90.py). What limits it, measured that way, and the schedules tried (FlashMLA's
+budget). On the H200 (2026-11-29, dc1bfe0) it passed its 14 pytest GPU tests (3 with fp8_qk) and
+runs 1.9x the Triton kernel at 128 heads (375-412 TFLOP/s, bench/results/decode-h200.json); the
+default on Hopper where heads x query tokens fill its 64-row tile (mla_jax.attention). The
+consumers' phases carry `jax.named_scope`s: with `TRACE` set, Mosaic GPU's profiler records them
+per warpgroup (bench/trace_sm90.py). What limits it, measured that way, and the schedules tried (FlashMLA's
 seesaw was slower with two page buffers): docs/perf-notes.md.
 """
 from __future__ import annotations
