@@ -8,7 +8,9 @@
 
 A backend is a set of array functions picked by name: "xla" (plain-JAX references, runs anywhere),
 "pallas" (the Triton-lowered Pallas kernels, portable; interpret mode on CPU) or "pallas_sm90" ("pallas" with
-decode and prefill through the Hopper Mosaic GPU kernels where they apply and are faster; the default on Hopper). Caches arrive flattened over layers,
+decode and prefill through the Hopper Mosaic GPU kernels where they apply and are faster; the default on Hopper);
+"pallas_sm90_fp8qk" is "pallas_sm90" with an fp8 cache decoded by an fp8 QK^T on a per-row fp8 q (faster, lossy,
+opt-in). Caches arrive flattened over layers,
 [num_layers * num_pages, G, L+R], with block tables already offset to the layer, so no layer slice is copied.
 """
 from __future__ import annotations
@@ -59,12 +61,13 @@ def get_backend(name: str, *, batch_invariant: bool = False) -> Backend:
         return Backend("xla", md.mla_decode_reference, fp.flash_prefill_reference,
                        functools.partial(gc.gather_cache, impl="xla"),
                        functools.partial(ms.merge_attn_states, impl="xla"))
-    if name in ("pallas", "pallas_sm90"):
+    if name in ("pallas", "pallas_sm90", "pallas_sm90_fp8qk"):
         interp = _on_cpu()
         decode = functools.partial(md.mla_decode, interpret=interp, batch_invariant=batch_invariant)
         prefill = functools.partial(fp.flash_prefill, interpret=interp)
-        if name == "pallas_sm90":
-            decode = functools.partial(_sm90_decode, decode, interpret=interp, batch_invariant=batch_invariant)
+        if name.startswith("pallas_sm90"):
+            decode = functools.partial(_sm90_decode, decode, interpret=interp, batch_invariant=batch_invariant,
+                                       fp8_qk=name == "pallas_sm90_fp8qk")
             prefill = functools.partial(_sm90_prefill, prefill, interpret=interp)
         return Backend(
             name,
@@ -74,14 +77,19 @@ def get_backend(name: str, *, batch_invariant: bool = False) -> Backend:
             # bench/results/prefill-h200.json), XLA elsewhere.
             functools.partial(gc.gather_cache, impl="auto"),
             functools.partial(ms.merge_attn_states, impl="auto"))
-    raise ValueError(f"unknown attention backend {name!r}: choose 'xla', 'pallas' or 'pallas_sm90'")
+    raise ValueError(f"unknown attention backend {name!r}: choose 'xla', 'pallas', 'pallas_sm90' or "
+                     "'pallas_sm90_fp8qk'")
 
 
-def _sm90_decode(fallback, q, cache, *args, interpret, batch_invariant, **kw):
-    """The Hopper kernel where it applies (static shapes/dtypes) and fills its tile, else the portable one."""
+def _sm90_decode(fallback, q, cache, *args, interpret, batch_invariant, fp8_qk=False, **kw):
+    """The Hopper kernel where it applies (static shapes/dtypes) and fills its tile, else the portable one.
+    fp8_qk ("pallas_sm90_fp8qk", fp8 caches only): QK^T as an fp8 wgmma on a per-row fp8 q, 1.35-2.1x the exact
+    dequantizing path on the H200 but lossy (docs/perf-notes.md); opt-in."""
     rows = q.shape[1] * q.shape[2]  # [B, Q, N, L+R]: query tokens x heads share a tile
     if rows < SM90_DECODE_MIN_ROWS or md90.unsupported_reason(q, cache, kw.get("kv_lora_rank", 512)) is not None:
         return fallback(q, cache, *args, **kw)
+    if fp8_qk and jnp.dtype(cache.dtype) == jnp.float8_e4m3fn:
+        kw = dict(kw, fp8_qk=True)
     return md90.mla_decode_sm90(q, cache, *args, interpret=interpret, batch_invariant=batch_invariant, **kw)
 
 

@@ -77,7 +77,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    help="weight dtype (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--cache-dtype", choices=("bf16", "fp8", "fp32"), default=None,
                    help="KV cache dtype (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--backend", choices=("xla", "pallas", "pallas_sm90"), default=None,
+    p.add_argument("--backend", choices=("xla", "pallas", "pallas_sm90", "pallas_sm90_fp8qk"), default=None,
                    help="attention backend (default: pallas_sm90 on Hopper, pallas on other GPUs, xla on CPU)")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the model's eos token")
 
@@ -176,7 +176,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results", help="directory for e2e-h200.json (default bench/results)")
-    p.add_argument("--backend", choices=("xla", "pallas", "pallas_sm90"), default=None,
+    p.add_argument("--backend", choices=("xla", "pallas", "pallas_sm90", "pallas_sm90_fp8qk"), default=None,
                    help="attention backend (default: the engine's for this device)")
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--smoke", action="store_true", help="tiny dims: check the benchmark on a CPU")

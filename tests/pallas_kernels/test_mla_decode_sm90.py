@@ -195,6 +195,28 @@ def test_attention_backend_pallas_sm90(monkeypatch):
   assert attention.default_backend_name() == "xla"
 
 
+def test_attention_backend_pallas_sm90_fp8qk(monkeypatch):
+  """"pallas_sm90_fp8qk" decodes an fp8 cache with fp8_qk=True (against the reference on the quantized q)
+  and a bf16 cache exactly like "pallas_sm90"."""
+  from mla_jax import attention
+  calls = []
+  real = k90.mla_decode_sm90
+  monkeypatch.setattr(k90, "mla_decode_sm90",
+                      lambda *a, **kw: calls.append(kw.get("fp8_qk", False)) or real(*a, **kw))
+  if not _NPROC_IN_TIME:
+    pytest.skip("NPROC was raised too late for the interpreter")
+  decode = attention.get_backend("pallas_sm90_fp8qk").mla_decode
+  for cache_dtype in ("fp8", "bf16"):
+    q, cache, bt, sl, ks = make_inputs(23, b=2, nq=4, n=16, l=L, r=R, g=G, max_pages=3,
+                                       lens=[150, 7], cache_dtype=cache_dtype)
+    out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L)
+    fp8_qk = cache_dtype == "fp8"
+    ref, ref_lse = reference_for(q, cache, bt, sl, ks, {"fp8_qk": fp8_qk})
+    assert_close(out, lse, ref, ref_lse, "bf16")
+    assert calls[-1] == fp8_qk
+  assert len(calls) == 2
+
+
 def _lower_for_sm90(cache_dtype, n=16, **kw):
   q, cache, bt, sl, ks = make_inputs(9, b=2, nq=1, n=n, l=L, r=R, g=G, max_pages=3,
                                      lens=[150, 7], cache_dtype=cache_dtype)
