@@ -129,7 +129,8 @@ def check_correctness(decode=None, cases=None) -> bool:
         q_ref, tol, lse_tol = q8.astype(jnp.float32) * q_scale[..., None], 4e-2, 3e-2
         exact = np.asarray(md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)[0],
                            np.float32)
-        note = f" (vs exact q: max|err| {float(np.nanmax(np.abs(np.asarray(out, np.float32) - exact))):.2e})"
+        exact_err = float(np.nanmax(np.abs(np.asarray(out, np.float32) - exact)))
+        note = f" (vs exact q: max|err| {exact_err:.2e})"
       ref, ref_lse = md.mla_decode_reference(q_ref, cache, bt, sl, scale=SCALE, kv_scale=ks)
       out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
       lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)

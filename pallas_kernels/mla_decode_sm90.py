@@ -65,8 +65,8 @@ budget). On the H200 (2026-11-29, dc1bfe0) it passed its 14 pytest GPU tests (3 
 runs 1.9x the Triton kernel at 128 heads (375-412 TFLOP/s, bench/results/decode-h200.json); the
 default on Hopper where heads x query tokens fill its 64-row tile (mla_jax.attention). The
 consumers' phases carry `jax.named_scope`s: with `TRACE` set, Mosaic GPU's profiler records them
-per warpgroup (bench/trace_sm90.py). What limits it, measured that way, and the schedules tried (FlashMLA's
-seesaw was slower with two page buffers): docs/perf-notes.md.
+per warpgroup (bench/trace_sm90.py). What limits it, measured that way, and the schedules tried
+(FlashMLA's seesaw was slower with two page buffers): docs/perf-notes.md.
 """
 from __future__ import annotations
 
