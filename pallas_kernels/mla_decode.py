@@ -428,8 +428,9 @@ def merge_segments(out, lse, o_part, lse_part, seg_first, seg_count, *, max_segm
   each split tile (seg_count >= 2) replaced by the LSE merge of its slots of o_part f32[P * M, L],
   lse_part f32[P * M]. Replaces the work-list merge's XLA segment_sum (76-79 us on the H200: it
   scatters ~23 MB over every slot and tile; this kernel: 8.2 us at (1, 128, 32768)): one launch
-  that reads only live split slots and writes only split tiles. out/lse are aliased to the outputs: where out is dead after the call (the sm90
-  decode) unsplit tiles are neither read nor copied; a standalone call copies out once.
+  that reads only live split slots and writes only split tiles. out/lse are aliased to the
+  outputs: where out is dead after the call (the sm90 decode) unsplit tiles are neither read nor
+  copied; a standalone call copies out once.
 
   Segments of different tiles must be disjoint (so at most R = min(U, P // 2) tiles are split) and
   seg_count <= max_segment (static; default P). Grid (R, M, L / block_l) over the compacted list of

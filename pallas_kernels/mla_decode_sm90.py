@@ -87,7 +87,7 @@ from pallas_kernels.mla_decode import (_validate, merge_segments, merge_splits,
 from pallas_kernels.mla_decode import num_sms as _device_num_sms
 
 __all__ = ["mla_decode_sm90", "mla_decode_reference", "choose_num_kv_splits_sm90", "is_sm90",
-           "unsupported_reason", "quantize_q_fp8", "TILE_M", "PAGE_SIZE"]
+           "unsupported_reason", "quantize_q_fp8", "fp8_qk_reference_q", "TILE_M", "PAGE_SIZE"]
 
 TILE_M = 64      # query rows per CTA (wgmma M)
 PAGE_SIZE = 64   # the only supported page size (one page = one KV tile, FlashMLA's block size)
@@ -761,6 +761,13 @@ def quantize_q_fp8(q):
   amax = jnp.max(jnp.abs(q), axis=-1)
   scale = jnp.where(amax > 0, amax / 448.0, 1.0)
   return (q / scale[..., None]).astype(_FP8), scale
+
+
+def fp8_qk_reference_q(q):
+  """The f32 q whose exact logits `fp8_qk=True` computes: `quantize_q_fp8`'s q8 * scale (the
+  reference's input for that mode)."""
+  q8, scale = quantize_q_fp8(q)
+  return q8.astype(jnp.float32) * scale[..., None]
 
 
 @functools.partial(

@@ -107,8 +107,7 @@ def reference_for(q, cache, bt, sl, ks, kernel_kw):
   """The float32 reference of these kernel options: with fp8_qk the kernel's logits are those of
   the per-row fp8-quantized q (`quantize_q_fp8`), so that is the reference's q."""
   if kernel_kw.get("fp8_qk"):
-    q8, q_scale = k90.quantize_q_fp8(q)
-    q = q8.astype(jnp.float32) * q_scale[..., None]
+    q = k90.fp8_qk_reference_q(q)
   return k90.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
 
 
