@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -e '.[test,notebooks,train]'
+	$(VPY) -m pip install -q -e '.[test,notebooks,train,serve]'
 	touch $(STAMP)
 
 .PHONY: install test demo gpu gpu-test gpu-bench-kernels gpu-bench-e2e clean
