@@ -20,6 +20,8 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from pallas_kernels.util import cdiv
+
 
 class OutOfPages(RuntimeError):
     """Not enough free pages; raised before any state changes."""
@@ -30,10 +32,6 @@ class OutOfPages(RuntimeError):
         self.request_id = request_id
         who = "" if request_id is None else f" for request {request_id!r}"
         super().__init__(f"out of KV cache pages{who}: need {needed}, {free} free")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PagePool:

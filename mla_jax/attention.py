@@ -6,22 +6,21 @@
   own latents), plus the context already in the cache, gathered chunk by chunk into a workspace of W rows,
   up-projected there and attended non-causally; all parts merged through their LSEs.
 
-A backend is a set of array functions picked by name: "xla" (plain-JAX references, runs anywhere),
-"pallas" (the Triton-lowered Pallas kernels, portable; interpret mode on CPU) or "pallas_sm90" ("pallas" with
-decode and prefill through the Hopper Mosaic GPU kernels where they apply and are faster; the default on Hopper);
-"pallas_sm90_fp8qk" is "pallas_sm90" with an fp8 cache decoded by an fp8 QK^T on a per-row fp8 q (faster, lossy,
-opt-in). Caches arrive flattened over layers,
+A backend (`BACKENDS`, by name) is an ordered list of decode kernels and one of prefill kernels, each with a
+`supports` predicate that says why it declines a call (or None); a call goes to the first kernel that
+accepts it, so the fallback order is the order in the table. The last kernel of each list takes everything.
+Pallas kernels run in interpret mode when the default device is a CPU. Caches arrive flattened over layers,
 [num_layers * num_pages, G, L+R], with block tables already offset to the layer, so no layer slice is copied.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
+from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
 from mla_jax.metadata import DecodeMetadata, PrefillMetadata
 from mla_jax.mla import up_project_kv
@@ -32,92 +31,163 @@ from pallas_kernels import merge_attn_states as ms
 from pallas_kernels import mla_decode as md
 from pallas_kernels import mla_decode_sm90 as md90
 
-# The Hopper kernels are the default on compute capability 9.x: both passed their GPU checks on an H200
-# (2026-11-29: bench/decode.py's 9 sm90 cases; 8 of the 12 GPU tests of the prefill kernel, none failed).
-SM90_VERIFIED = True
-# Where the sm90 decode kernel is used: its CTA tile holds 64 query rows (heads x query tokens). With fewer rows
-# (e.g. 16 heads, one token) the tile is mostly padding and the Triton kernel was ~10% faster on the H200
-# (bench/results/decode-h200.json: N=16 bf16 121 vs 130 us, 353 vs 394 us); with 128 heads sm90 is ~2x faster.
-SM90_DECODE_MIN_ROWS = md90.TILE_M
+
+def _interpret() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _always(*_, **__) -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One implementation of an attention op: `fn` has the signature of the op's `pallas_kernels` function;
+    `supports(same arguments)` returns None when `fn` takes the call, else the reason it declines."""
+
+    name: str
+    fn: Callable[..., Any]
+    supports: Callable[..., str | None] = _always
+
+
+# ---- decode: (q [B, Q, N, L+R], cache [pages, G, L+R], block_table, seq_lens, *, scale, kv_scale, kv_lora_rank,
+#      batch_invariant) -> (out [B, Q, N, L], lse f32[B, Q, N])
+
+
+def _decode_triton(q, cache, block_table, seq_lens, **kw):
+    return md.mla_decode(q, cache, block_table, seq_lens, interpret=_interpret(), **kw)
+
+
+def _decode_sm90(q, cache, block_table, seq_lens, **kw):
+    return md90.mla_decode_sm90(q, cache, block_table, seq_lens, interpret=_interpret(), **kw)
+
+
+def _decode_sm90_fp8qk(q, cache, block_table, seq_lens, **kw):
+    return md90.mla_decode_sm90(q, cache, block_table, seq_lens, interpret=_interpret(), fp8_qk=True, **kw)
+
+
+def _sm90_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512, **_) -> str | None:
+    rows = q.shape[1] * q.shape[2]  # query tokens x heads share the kernel's 64-row wgmma tile
+    if rows < md90.TILE_M:
+        # e.g. 16 heads, one token: the tile is mostly padding and the Triton kernel is faster (docs/perf-notes.md)
+        return f"{q.shape[2]} heads x {q.shape[1]} query tokens = {rows} rows fill less than its {md90.TILE_M}-row tile"
+    return md90.unsupported_reason(q, cache, kv_lora_rank)
+
+
+def _sm90_fp8qk_declines(q, cache, *args, **kw) -> str | None:
+    if jnp.dtype(cache.dtype) != jnp.float8_e4m3fn:
+        return f"the cache is {cache.dtype}, not float8_e4m3fn"
+    return _sm90_declines(q, cache, *args, **kw)
+
+
+DECODE_XLA = Kernel("xla", md.mla_decode_reference)
+DECODE_TRITON = Kernel("triton", _decode_triton)
+DECODE_SM90 = Kernel("sm90", _decode_sm90, _sm90_declines)
+# fp8 QK^T as an fp8 wgmma on a per-row fp8 q: faster than dequantizing the page, but lossy (docs/perf-notes.md)
+DECODE_SM90_FP8QK = Kernel("sm90_fp8qk", _decode_sm90_fp8qk, _sm90_fp8qk_declines)
+
+# ---- prefill: (q [Tq, N, P+R], k [Tk, N, P+R], v [Tk, N, V], q_start_loc, k_start_loc, *, causal, scale)
+#      -> (out [Tq, N, V], lse f32[Tq, N])
+
+
+def _prefill_triton(q, k, v, q_start_loc, k_start_loc, **kw):
+    return fp.flash_prefill(q, k, v, q_start_loc, k_start_loc, interpret=_interpret(), **kw)
+
+
+def _prefill_sm90(q, k, v, q_start_loc, k_start_loc, **kw):
+    return fp90.flash_prefill_sm90(q, k, v, q_start_loc, k_start_loc, interpret=_interpret(), **kw)
+
+
+def _prefill_sm90_declines(q, k, v, *_, **__) -> str | None:
+    return fp90.unsupported_reason(q, k, v)
+
+
+PREFILL_XLA = Kernel("xla", fp.flash_prefill_reference)
+PREFILL_TRITON = Kernel("triton", _prefill_triton)
+PREFILL_SM90 = Kernel("sm90", _prefill_sm90, _prefill_sm90_declines)
+
+
+# ---- context gather and LSE merge: "auto" is the Pallas kernel on GPU (faster on the H200, see
+#      bench/results/prefill-h200.json), XLA elsewhere.
+
+
+def _gather_xla(*args, **kw):
+    return gc.gather_cache(*args, impl="xla", **kw)
+
+
+def _gather_auto(*args, **kw):
+    return gc.gather_cache(*args, impl="auto", **kw)
+
+
+def _merge_xla(*args):
+    return ms.merge_attn_states(*args, impl="xla")
+
+
+def _merge_auto(*args):
+    return ms.merge_attn_states(*args, impl="auto")
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
     name: str
-    mla_decode: Callable[..., Any]  # pallas_kernels.mla_decode signature
-    flash_prefill: Callable[..., Any]  # pallas_kernels.flash_prefill signature
-    gather_cache: Callable[..., Any]  # pallas_kernels.gather_cache signature
-    merge_attn_states: Callable[..., Any]  # pallas_kernels.merge_attn_states signature
+    decode: tuple[Kernel, ...]  # tried in order; the last takes every call
+    prefill: tuple[Kernel, ...]
+    gather_cache: Callable[..., jax.Array]  # pallas_kernels.gather_cache signature
+    merge_attn_states: Callable[..., tuple[jax.Array, jax.Array]]  # pallas_kernels.merge_attn_states signature
+
+    def mla_decode(self, *args, **kw) -> tuple[jax.Array, jax.Array]:
+        return pick(self.decode, *args, **kw).fn(*args, **kw)
+
+    def flash_prefill(self, *args, **kw) -> tuple[jax.Array, jax.Array]:
+        return pick(self.prefill, *args, **kw).fn(*args, **kw)
 
 
-def _on_cpu() -> bool:
-    return jax.default_backend() == "cpu"
+def pick(kernels: tuple[Kernel, ...], *args, **kw) -> Kernel:
+    """The first kernel that supports the call (shapes and dtypes are static: decided at trace time)."""
+    for k in kernels:
+        if k.supports(*args, **kw) is None:
+            return k
+    raise ValueError("no kernel supports this call: " + "; ".join(f"{k.name}: {k.supports(*args, **kw)}"
+                                                                   for k in kernels))
 
 
-@functools.cache
-def get_backend(name: str, *, batch_invariant: bool = False) -> Backend:
-    """"xla" or "pallas" (Pallas kernels run in interpret mode when the default device is a CPU)."""
-    if name == "xla":
-        return Backend("xla", md.mla_decode_reference, fp.flash_prefill_reference,
-                       functools.partial(gc.gather_cache, impl="xla"),
-                       functools.partial(ms.merge_attn_states, impl="xla"))
-    if name in ("pallas", "pallas_sm90", "pallas_sm90_fp8qk"):
-        interp = _on_cpu()
-        decode = functools.partial(md.mla_decode, interpret=interp, batch_invariant=batch_invariant)
-        prefill = functools.partial(fp.flash_prefill, interpret=interp)
-        if name.startswith("pallas_sm90"):
-            decode = functools.partial(_sm90_decode, decode, interpret=interp, batch_invariant=batch_invariant,
-                                       fp8_qk=name == "pallas_sm90_fp8qk")
-            prefill = functools.partial(_sm90_prefill, prefill, interpret=interp)
-        return Backend(
-            name,
-            decode,
-            prefill,
-            # "auto": the Pallas gather and merge on GPU (H200: gather 2.6 vs 2.0 TB/s, merge 4.1 vs 3.9 TB/s,
-            # bench/results/prefill-h200.json), XLA elsewhere.
-            functools.partial(gc.gather_cache, impl="auto"),
-            functools.partial(ms.merge_attn_states, impl="auto"))
-    raise ValueError(f"unknown attention backend {name!r}: choose 'xla', 'pallas', 'pallas_sm90' or "
-                     "'pallas_sm90_fp8qk'")
+BACKENDS: dict[str, Backend] = {
+    # plain-JAX references: runs anywhere, the default on CPU
+    "xla": Backend("xla", (DECODE_XLA,), (PREFILL_XLA,), _gather_xla, _merge_xla),
+    # the portable Triton-lowered kernels: the default on GPUs other than Hopper
+    "pallas": Backend("pallas", (DECODE_TRITON,), (PREFILL_TRITON,), _gather_auto, _merge_auto),
+    # the Hopper (Mosaic GPU) kernels where they apply, else the Triton ones: the default on Hopper
+    "pallas_sm90": Backend("pallas_sm90", (DECODE_SM90, DECODE_TRITON), (PREFILL_SM90, PREFILL_TRITON),
+                           _gather_auto, _merge_auto),
+    # "pallas_sm90" with fp8 caches decoded by the fp8 QK^T mode (opt-in: lossy)
+    "pallas_sm90_fp8qk": Backend("pallas_sm90_fp8qk", (DECODE_SM90_FP8QK, DECODE_SM90, DECODE_TRITON),
+                                 (PREFILL_SM90, PREFILL_TRITON), _gather_auto, _merge_auto),
+}
 
 
-def _sm90_decode(fallback, q, cache, *args, interpret, batch_invariant, fp8_qk=False, **kw):
-    """The Hopper kernel where it applies (static shapes/dtypes) and fills its tile, else the portable one.
-    fp8_qk ("pallas_sm90_fp8qk", fp8 caches only): QK^T as an fp8 wgmma on a per-row fp8 q, 1.35-2.1x the exact
-    dequantizing path on the H200 but lossy (docs/perf-notes.md); opt-in."""
-    rows = q.shape[1] * q.shape[2]  # [B, Q, N, L+R]: query tokens x heads share a tile
-    if rows < SM90_DECODE_MIN_ROWS or md90.unsupported_reason(q, cache, kw.get("kv_lora_rank", 512)) is not None:
-        return fallback(q, cache, *args, **kw)
-    if fp8_qk and jnp.dtype(cache.dtype) == jnp.float8_e4m3fn:
-        kw = dict(kw, fp8_qk=True)
-    return md90.mla_decode_sm90(q, cache, *args, interpret=interpret, batch_invariant=batch_invariant, **kw)
-
-
-def _sm90_prefill(fallback, q, k, v, *args, interpret, **kw):
-    """The Hopper flash attention (faster than the Triton one on every measured shape, 1.05-1.6x) where it
-    applies (bf16/f16, head dims multiples of 64), else the portable one."""
-    if fp90.unsupported_reason(q, k, v) is not None:
-        return fallback(q, k, v, *args, **kw)
-    return fp90.flash_prefill_sm90(q, k, v, *args, interpret=interpret, **kw)
+def get_backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: choose one of {', '.join(map(repr, BACKENDS))}")
+    return BACKENDS[name]
 
 
 def default_backend_name() -> str:
-    if _on_cpu():
+    if _interpret():
         return "xla"
-    return "pallas_sm90" if SM90_VERIFIED and md90.is_sm90() else "pallas"
+    return "pallas_sm90" if md90.is_sm90() else "pallas"
 
 
 def forward_mqa(backend: Backend, q: jax.Array, kv_cache: jax.Array, kv_scale: jax.Array | None,
-                decode: DecodeMetadata, block_offset: jax.Array, *, scale: float, kv_lora_rank: int
-                ) -> tuple[jax.Array, jax.Array]:
+                decode: DecodeMetadata, block_offset: jax.Array, *, scale: float, kv_lora_rank: int,
+                batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
     """q [Bd, Q, N, L+R] -> (latent [Bd, Q, N, L], lse f32[Bd, Q, N])."""
     return backend.mla_decode(q, kv_cache, decode.block_table + block_offset, decode.seq_lens, scale=scale,
-                              kv_scale=kv_scale, kv_lora_rank=kv_lora_rank)
+                              kv_scale=kv_scale, kv_lora_rank=kv_lora_rank, batch_invariant=batch_invariant)
 
 
 def forward_mha(backend: Backend, p: dict, cfg: DeepseekConfig, q: jax.Array, kv_c_normed: jax.Array,
                 k_pe: jax.Array, kv_cache: jax.Array, kv_scale: jax.Array | None, prefill: PrefillMetadata,
-                block_offset: jax.Array, *, workspace_rows: int, max_chunks: int) -> jax.Array:
+                block_offset: jax.Array, *, workspace_rows: int, max_chunks: int, comm: Comm = LOCAL) -> jax.Array:
     """Prefill attention: q [Tp, N, P+R], kv_c_normed [Tp, L], k_pe [Tp, 1, R] of the new tokens -> [Tp, N, V]."""
     scale = cfg.softmax_scale
     L = cfg.kv_lora_rank
@@ -131,8 +201,9 @@ def forward_mha(backend: Backend, p: dict, cfg: DeepseekConfig, q: jax.Array, kv
 
     def chunk(c, carry):
         acc, acc_lse = carry
-        ws = backend.gather_cache(kv_cache, block_table, prefill.chunk_starts[c], prefill.cu_chunk_lens[c],
-                                  workspace_rows=workspace_rows, kv_scale=kv_scale, out_dtype=q.dtype)  # [W, L+R]
+        ws = comm.gather_cache(backend.gather_cache, kv_cache, block_table, prefill.chunk_starts[c],
+                               prefill.cu_chunk_lens[c], workspace_rows=workspace_rows, kv_scale=kv_scale,
+                               out_dtype=q.dtype)  # [W, L+R]
         kc, vc = up_project_kv(p, cfg, ws[:, :L], ws[:, None, L:])  # [W, N, P+R], [W, N, V]
         o, l = backend.flash_prefill(q, kc.astype(q.dtype), vc.astype(q.dtype), qsl, prefill.cu_chunk_lens[c],
                                      causal=False, scale=scale)

@@ -33,11 +33,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pallas_kernels.util import cdiv
+
 WORKSPACE_CAP_ROWS = 64 * 1024
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def workspace_rows(max_model_len: int, max_num_seqs: int, page_size: int) -> int:

@@ -9,15 +9,15 @@ donated to every step and updated in place.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mla_jax import attention
+from mla_jax import step as step_lib
 from mla_jax.allocator import PagePool
 from mla_jax.cache import KVCache, init_kv_cache
 from mla_jax.chunking import workspace_rows as default_workspace_rows
@@ -25,13 +25,10 @@ from mla_jax.config import DeepseekConfig
 from mla_jax.metadata import (AttentionMetadata, BatchShape, DecodeMetadata, PrefillMetadata, ScheduledRequest,
                               build_metadata)
 from mla_jax.model import Params
-from mla_jax.sampling import SamplingArrays, SamplingParams, sample
+from mla_jax.parallel import ParallelPlan, to_host
+from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.scheduler import Request, Scheduler, Status
-from mla_jax.step import forward_step
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pallas_kernels.util import cdiv
 
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -65,7 +62,7 @@ class EngineConfig:
     gmm_impl: str | None = None
 
     def resolved(self) -> "EngineConfig":
-        pages = self.num_pages or self.max_num_seqs * _cdiv(self.max_model_len, self.page_size) + 1
+        pages = self.num_pages or self.max_num_seqs * cdiv(self.max_model_len, self.page_size) + 1
         dec = self.decode_buckets or _pow2_buckets(1, self.max_num_seqs)
         pre = self.prefill_buckets or _pow2_buckets(min(16, self.token_budget), self.token_budget)
         if max(dec) < self.max_num_seqs:
@@ -112,40 +109,42 @@ def compile_counter() -> CompileCounter:
     return _COUNTER
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "batch_invariant", "gmm_impl"),
-                   donate_argnames=("cache",))
-def engine_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: AttentionMetadata,
-                sampling: SamplingArrays, *, backend: str, batch_invariant: bool, gmm_impl: str = "ragged_dot"
-                ) -> tuple[jax.Array, jax.Array, KVCache]:
-    """Forward + sampling: (token ids i32[num_logits], logprobs f32[num_logits], updated cache)."""
-    logits, cache = forward_step(params, cfg, cache, md, backend=backend, batch_invariant=batch_invariant,
-                                 gmm_impl=gmm_impl)
-    tokens, logprobs = sample(logits, sampling)
-    return tokens, logprobs, cache
-
-
 class Engine:
-    def __init__(self, params: Params, cfg: DeepseekConfig, config: EngineConfig = EngineConfig()):
+    """Continuous batching over the paged cache, on one device or, with `plan`, on a mesh.
+
+    On a mesh `config.page_size` is the physical page G of each device; under DCP the scheduler, allocator and
+    metadata work in virtual pages of G*dcp tokens (so `config.num_pages`, if given, counts those, and each
+    device holds num_pages * G rows per layer). In a multi-process run every process drives an engine with the
+    same requests: host-side decisions are deterministic, so they stay in step."""
+
+    def __init__(self, params: Params, cfg: DeepseekConfig, config: EngineConfig = EngineConfig(), *,
+                 plan: ParallelPlan | None = None):
+        self.plan = plan
+        if plan is not None:
+            params = plan.shard_params(params, cfg)
+            config = dataclasses.replace(config, page_size=config.page_size * plan.dcp)
         self.params, self.cfg = params, cfg
         self.config = c = config.resolved()
         self.pool = PagePool(c.num_pages, c.page_size)
-        if self.pool.num_usable_pages < _cdiv(c.max_model_len, c.page_size):
+        if self.pool.num_usable_pages < cdiv(c.max_model_len, c.page_size):
             raise ValueError(f"{c.num_pages} pages of {c.page_size} cannot hold one max_model_len "
                              f"({c.max_model_len}) request")
         self.cache = self._init_cache()
         self.scheduler = Scheduler(self.pool, max_num_seqs=c.max_num_seqs, token_budget=c.token_budget,
                                    max_prefills=c.max_prefills)
-        self.max_pages = _cdiv(c.max_model_len, c.page_size)
+        self.max_pages = cdiv(c.max_model_len, c.page_size)
         self.workspace_rows = default_workspace_rows(c.max_model_len, c.max_prefills, c.page_size)
         chunk_min = (self.workspace_rows // c.max_prefills) // c.page_size * c.page_size
-        self.max_chunks = _cdiv(c.max_model_len, chunk_min)
+        self.max_chunks = cdiv(c.max_model_len, chunk_min)
         self._ids = 0
         self.counter = compile_counter()
         self.steps = 0
 
     def _init_cache(self) -> KVCache:
-        """The zeroed paged cache (a hook: `mla_jax.parallel.ParallelEngine` places it on a mesh)."""
+        """The zeroed paged cache, laid out on the plan's mesh if there is one."""
         c, cfg = self.config, self.cfg
+        if self.plan is not None:
+            return self.plan.init_cache(cfg, c.num_pages, c.page_size // self.plan.dcp, dtype=c.cache_dtype)
         return init_kv_cache(cfg.num_hidden_layers, c.num_pages, c.page_size, kv_lora_rank=cfg.kv_lora_rank,
                              rope_dim=cfg.qk_rope_head_dim, dtype=c.cache_dtype, allow_any_page_size=True)
 
@@ -192,13 +191,16 @@ class Engine:
             workspace_rows=self.workspace_rows if has_prefill else 0,
             max_chunks=self.max_chunks if has_prefill else 0)
 
-    def _run(self, md: AttentionMetadata, sampling: SamplingArrays):
-        tokens, logprobs, self.cache = engine_step(self.params, self.cfg, self.cache, md.to_device(),
-                                                   jax.tree.map(jnp.asarray, sampling),
-                                                   backend=self.config.backend,
-                                                   batch_invariant=self.config.batch_invariant,
-                                                   gmm_impl=self.config.gmm_impl)
-        return tokens, logprobs
+    def _run(self, md: AttentionMetadata, sampling: SamplingArrays) -> tuple[np.ndarray, np.ndarray]:
+        """One jitted step: (sampled tokens, their logprobs) on the host."""
+        if self.plan is None:
+            md, sampling = md.to_device(), jax.tree.map(jnp.asarray, sampling)
+        else:
+            md, sampling = self.plan.replicate(md), self.plan.replicate(sampling)
+        tokens, logprobs, self.cache = step_lib.engine_step(
+            self.params, self.cfg, self.cache, md, sampling, backend=self.config.backend, plan=self.plan,
+            batch_invariant=self.config.batch_invariant, gmm_impl=self.config.gmm_impl)
+        return to_host(tokens), to_host(logprobs)
 
     def warmup(self, prefill: bool = True) -> float:
         """Compiles every decode bucket (and, with `prefill`, the largest prefill bucket); returns seconds."""
@@ -246,7 +248,6 @@ class Engine:
                 sp[row] = c.request.params
                 pos[row] = c.request.num_tokens  # position of the token being sampled
         tokens, logprobs = self._run(md, SamplingArrays.build(sp, pos, shape.num_logits))
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         self.steps += 1
         outs = []
         for row, oi in zip(rows, order):
@@ -285,12 +286,11 @@ class Engine:
 
 def generate(params: Params, cfg: DeepseekConfig, prompts: Iterable[Sequence[int]],
              sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-             config: EngineConfig | None = None, *, make_engine: Callable[..., Engine] | None = None
-             ) -> list[RequestOutput]:
+             config: EngineConfig | None = None, *, plan: ParallelPlan | None = None) -> list[RequestOutput]:
     """Generates for every prompt through the paged cache with continuous batching; outputs in prompt order.
 
     `sampling` is one SamplingParams for all prompts or one per prompt (per-request seeds, stop ids, ...).
-    `make_engine(params, cfg, config)` builds the engine (default `Engine`; e.g. a `mla_jax.parallel` engine).
+    `plan` runs it on a mesh (`mla_jax.parallel.ParallelPlan`).
     """
     prompts = [list(p) for p in prompts]
     if not isinstance(sampling, SamplingParams):
@@ -304,7 +304,7 @@ def generate(params: Params, cfg: DeepseekConfig, prompts: Iterable[Sequence[int
         config = EngineConfig(max_model_len=max(64, 1 << (longest - 1).bit_length()),
                               max_num_seqs=max(1, min(64, 1 << (len(prompts) - 1).bit_length())),
                               page_size=16, token_budget=512)
-    engine = (make_engine or Engine)(params, cfg, config)
+    engine = Engine(params, cfg, config, plan=plan)
     ids = [engine.add_request(p, s) for p, s in zip(prompts, sampling)]
     final = engine.run()
     return [final[i] for i in ids]

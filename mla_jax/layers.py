@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
 from pallas_kernels import grouped_matmul as gmm_kernel
 
@@ -25,9 +26,12 @@ def linear(p: dict, x: jnp.ndarray) -> jnp.ndarray:
     return jnp.einsum("...i,oi->...o", x, p["weight"])
 
 
-def mlp(p: dict, x: jnp.ndarray) -> jnp.ndarray:
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)). x [T, D]."""
-    return linear(p["down_proj"], jax.nn.silu(linear(p["gate_proj"], x)) * linear(p["up_proj"], x))
+def mlp(p: dict, x: jnp.ndarray, *, intermediate_size: int | None = None, comm: Comm = LOCAL) -> jnp.ndarray:
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)). x [T, D]. With `comm`, a device whose gate/up rows are fewer
+    than `intermediate_size` holds a slice of the intermediate dim, and the partial outputs are all-reduced."""
+    y = linear(p["down_proj"], jax.nn.silu(linear(p["gate_proj"], x)) * linear(p["up_proj"], x))
+    split = intermediate_size is not None and p["gate_proj"]["weight"].shape[0] != intermediate_size
+    return comm.reduce_model(y) if split else y
 
 
 def route(p_gate: dict, cfg: DeepseekConfig, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -98,32 +102,53 @@ def expert_gmm(lhs: jnp.ndarray, w: jnp.ndarray, group_sizes: jnp.ndarray, impl:
 
 
 def moe(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, *, gmm_impl: str = "ragged_dot",
-        experts: dict | None = None, layer: jnp.ndarray | int | None = None) -> jnp.ndarray:
+        experts: dict | None = None, layer: jnp.ndarray | int | None = None, comm: Comm = LOCAL) -> jnp.ndarray:
     """Routed experts + shared experts. x [T, D] -> [T, D].
 
     Token copies are sorted by expert and run through grouped matmuls (`expert_gmm` with `gmm_impl`), so
     each expert only computes its own tokens. `experts` and `layer` (see `model.split_experts`): the routed
     experts of every layer of the group stacked [layers, E, out, in], used at `layer`, in place of
     p["experts"].
+
+    On a mesh (`comm`) this device holds E/n whole experts (expert parallel) or every expert's I/n slice;
+    x is replicated, so every device routes all T tokens and keeps the copies routed to its experts (the
+    others sort past the ragged groups, which the grouped matmul leaves at 0): the all-gather dispatch. The
+    routed and shared partial sums go into one all-reduce, the combine. Nothing is dropped.
     """
     T, D = x.shape
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     weights, ids = route(p["gate"], cfg, x)  # [T, K]
-    flat = ids.reshape(-1)  # [T*K]
-    order = jnp.argsort(flat, stable=True)
-    token = order // K  # source token of each sorted copy
-    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E]
-    xs = x[token]  # [T*K, D]
     ex, layer = (p["experts"], None) if experts is None else (experts, layer)  # layer indexes stacked ones
+    e_loc, i_loc = ex["gate_proj"]["weight"].shape[-3:-1]
+    flat = ids.reshape(-1)  # [T*K]
+    if e_loc != E:  # expert parallel: keep the copies routed to experts [e0, e0 + e_loc)
+        local = flat - comm.expert_rank() * e_loc
+        mine = (local >= 0) & (local < e_loc)
+        key = jnp.where(mine, local, e_loc)  # other devices' copies sort last, past every group
+    else:
+        mine, key = None, flat
+    order = jnp.argsort(key, stable=True)
+    token = order // K  # source token of each sorted copy
+    group_sizes = jnp.bincount(key, length=e_loc).astype(jnp.int32)  # [E_loc]; key == e_loc is dropped
+    xs = x[token]  # [T*K, D]
 
     def gmm(lhs, w):
         return expert_gmm(lhs, w, group_sizes, gmm_impl, layer)
 
-    h = jax.nn.silu(gmm(xs, ex["gate_proj"]["weight"])) * gmm(xs, ex["up_proj"]["weight"])  # [T*K, I]
+    h = jax.nn.silu(gmm(xs, ex["gate_proj"]["weight"])) * gmm(xs, ex["up_proj"]["weight"])  # [T*K, I_loc]
     y = gmm(h, ex["down_proj"]["weight"])  # [T*K, D]
-    w_sorted = weights.reshape(-1)[order].astype(y.dtype)
-    routed = jnp.zeros((T, D), y.dtype).at[token].add(y * w_sorted[:, None])
-    out = routed.astype(x.dtype)
+    w_sorted = weights.reshape(-1)[order]
+    if mine is not None:
+        w_sorted = jnp.where(mine[order], w_sorted, 0.0)
+    routed = jnp.zeros((T, D), y.dtype).at[token].add(y * w_sorted.astype(y.dtype)[:, None])
+    split, whole = [], []
+    (split if (e_loc != E or i_loc != cfg.moe_intermediate_size) else whole).append(routed)
     if cfg.n_shared_experts:
-        out = out + mlp(p["shared_experts"], x)
-    return out
+        sh = mlp(p["shared_experts"], x).astype(y.dtype)
+        shared_inter = cfg.moe_intermediate_size * cfg.n_shared_experts
+        (split if p["shared_experts"]["gate_proj"]["weight"].shape[0] != shared_inter else whole).append(sh)
+    out = sum(whole[1:], whole[0]) if whole else None
+    if split:
+        part = comm.reduce_model(sum(split[1:], split[0]))
+        out = part if out is None else out + part
+    return out.astype(x.dtype)

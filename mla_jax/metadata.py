@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_jax.chunking import plan_context_chunks
+from pallas_kernels.util import cdiv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +155,7 @@ def build_metadata(requests: Sequence[ScheduledRequest], *, page_size: int, num_
         decode_query_len=max([qlens[i] for i in dec], default=1),
         num_prefills=len(pre),
         num_prefill_tokens=sum(qlens[i] for i in pre),
-        max_pages=max(-(-(requests[i].num_computed_tokens + qlens[i]) // page_size) for i in order),
+        max_pages=max(cdiv(requests[i].num_computed_tokens + qlens[i], page_size) for i in order),
     )
     ctx = [requests[i].num_computed_tokens for i in pre]
     if any(ctx) and workspace_rows <= 0:

@@ -17,11 +17,12 @@ Layers of each kind are stacked so the forward is a `lax.scan` (compile time ind
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
+from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import ConfigError, DeepseekConfig
 from mla_jax.layers import linear, mlp, moe, rms_norm
 from mla_jax.mla import mla_forward_full, split_kv_b_proj
@@ -139,11 +140,49 @@ def split_experts(group: Params, is_moe: bool, gmm_impl: str) -> tuple[Params, P
     return {**group, "mlp": mlp_p}, experts
 
 
-def ffn(p: Params, cfg: DeepseekConfig, x: jnp.ndarray, is_moe: bool, gmm_impl: str = "ragged_dot",
-        experts: Params | None = None, layer: jnp.ndarray | None = None) -> jnp.ndarray:
-    """The layer's MLP or MoE; `experts`, `layer`: from `split_experts` (the group's stacked experts and the
-    layer's index within the group)."""
-    return moe(p, cfg, x, gmm_impl=gmm_impl, experts=experts, layer=layer) if is_moe else mlp(p, x)
+# The attention of one layer inside the layer loop: (the layer's self_attn params, the normed hidden state
+# [T, D], the loop state (e.g. the paged cache), the layer index i32[]) -> ([T, D] output, new loop state).
+AttentionFn = Callable[[Params, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
+
+
+def decoder_layers(params: Params, cfg: DeepseekConfig, x: jax.Array, attention: AttentionFn, state: Any, *,
+                   gmm_impl: str = "ragged_dot", comm: Comm = LOCAL) -> tuple[jax.Array, Any]:
+    """The decoder stack over x [T, D] -> (hidden state after the last layer [T, D], final loop state).
+
+    The one layer loop of the model: the full forward (`forward`), the paged step and the multi-device step
+    (`mla_jax.step`) differ only in `attention` and `comm` (identity on one device; on a mesh the all-reduces
+    after attention and after a split MLP/MoE). Each group of layers (dense, then MoE) is one `lax.scan`, so
+    compile time does not grow with depth; `state` rides in the scan carry (the cache is updated in place)."""
+    model = params["model"]
+    eps = cfg.rms_norm_eps
+    for name, start, _ in layer_groups(cfg):
+        is_moe = name == "moe_layers"
+        scanned, experts = split_experts(model[name], is_moe, gmm_impl)
+
+        def body(carry, p, is_moe=is_moe, start=start, experts=experts):
+            h, state, layer = carry  # layer: the model's layer index (the cache's); layer - start: the group's
+            a, state = attention(p["self_attn"], rms_norm(p["input_layernorm"], h, eps), state, layer)
+            h = h + comm.reduce_heads(a)
+            hn = rms_norm(p["post_attention_layernorm"], h, eps)
+            if is_moe:
+                f = moe(p["mlp"], cfg, hn, gmm_impl=gmm_impl, experts=experts, layer=layer - start, comm=comm)
+            else:
+                f = mlp(p["mlp"], hn, intermediate_size=cfg.intermediate_size, comm=comm)
+            return (h + f, state, layer + 1), None
+
+        (x, state, _), _ = jax.lax.scan(body, (x, state, jnp.int32(start)), scanned)
+    return x, state
+
+
+def embed(params: Params, cfg: DeepseekConfig, input_ids: jax.Array, comm: Comm = LOCAL) -> jax.Array:
+    """input_ids i32[T] -> [T, D]."""
+    return comm.embed(params["model"]["embed_tokens"]["weight"], input_ids, cfg.vocab_size)
+
+
+def lm_logits(params: Params, cfg: DeepseekConfig, x: jax.Array) -> jax.Array:
+    """Final norm and lm_head: x [T, D] -> logits f32[T, vocab] (this device's vocab rows on a mesh)."""
+    x = rms_norm(params["model"]["norm"], x, cfg.rms_norm_eps)
+    return linear({"weight": lm_head_weight(params)}, x).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "scale", "gmm_impl"))
@@ -153,30 +192,15 @@ def forward(params: Params, cfg: DeepseekConfig, input_ids: jnp.ndarray, *, atte
 
     Each row is one sequence at positions 0..S-1. `attention` picks the MLA algorithm ("naive" MHA or
     "absorbed" MQA); `gmm_impl` the MoE expert matmul (`mla_jax.layers.expert_gmm`); the paged, batched path
-    lives in `mla_jax.step`.
+    is `mla_jax.step`.
     """
     B, S = input_ids.shape
-    model = params["model"]
-    x = model["embed_tokens"]["weight"][input_ids.reshape(-1)]  # [B*S, D]
     positions = jnp.arange(S, dtype=jnp.int32)
 
-    def attn_block(p, h):
+    def attn(p, h, state, layer):
         out = jax.vmap(lambda hs: mla_forward_full(p, cfg, hs, positions, algorithm=attention, scale=scale))(
-            h.reshape(B, S, -1))
-        return out.reshape(B * S, -1)
+            h.reshape(B, S, -1))  # [B, S, D]
+        return out.reshape(B * S, -1), state
 
-    for name, _, _ in layer_groups(cfg):
-        is_moe = name == "moe_layers"
-        scanned, experts = split_experts(model[name], is_moe, gmm_impl)
-
-        def body(carry, p, is_moe=is_moe, experts=experts):
-            h, i = carry  # i: the layer's index within its group
-            h = h + attn_block(p["self_attn"], rms_norm(p["input_layernorm"], h, cfg.rms_norm_eps))
-            h = h + ffn(p["mlp"], cfg, rms_norm(p["post_attention_layernorm"], h, cfg.rms_norm_eps), is_moe,
-                        gmm_impl, experts, i)
-            return (h, i + 1), None
-
-        (x, _), _ = jax.lax.scan(body, (x, jnp.int32(0)), scanned)
-    x = rms_norm(model["norm"], x, cfg.rms_norm_eps)
-    logits = linear({"weight": lm_head_weight(params)}, x).astype(jnp.float32)
-    return logits.reshape(B, S, -1)
+    x, _ = decoder_layers(params, cfg, embed(params, cfg, input_ids.reshape(-1)), attn, None, gmm_impl=gmm_impl)
+    return lm_logits(params, cfg, x).reshape(B, S, -1)

@@ -1,86 +1,132 @@
-"""One model step over a mixed batch through the paged latent cache.
+"""One model step over a mixed batch through the paged latent cache, on one device or a mesh.
 
-Per layer: project every token (q, kv_c_normed, k_pe), write the new latent rows into the cache at
-`slot_mapping`, then the MLA layer splits the batch as vLLM does: the first `num_decode_tokens` rows go through
+Per layer (`mla_paged`): project every token (q, kv_c_normed, k_pe), write the new latent rows into the cache
+at `slot_mapping`, then split the batch as vLLM does: the first `num_decode_tokens` rows go through
 `forward_mqa` (absorbed q, latent out, then W_UV), the rest through `forward_mha`; both results go through
-o_proj. The stacked cache stays in the scan carry and is updated in place (it is donated by `jit_step`).
+o_proj. The layers are `mla_jax.model.decoder_layers`, the one layer loop of the model; the stacked cache stays
+in its carry and is updated in place (it is donated by `jit_step` / `engine_step`).
+
+With a `ParallelPlan` the same step function runs inside one `shard_map` over the plan's mesh, each device on
+its shards, with the plan's collectives (`mla_jax.comm.Comm`); without one, with `LOCAL`, the identity.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mla_jax import attention
 from mla_jax.cache import KVCache, write_kv_layer
+from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
-from mla_jax.layers import linear, rms_norm
 from mla_jax.metadata import AttentionMetadata
 from mla_jax.mla import absorb_q, mla_project, o_proj, v_up_proj
-from mla_jax.model import Params, ffn, layer_groups, lm_head_weight, split_experts
+from mla_jax.model import Params, decoder_layers, embed, lm_logits
+from mla_jax.sampling import SamplingArrays, sample
+
+if TYPE_CHECKING:
+    from mla_jax.parallel import ParallelPlan
 
 
 def mla_paged(p: dict, cfg: DeepseekConfig, x: jax.Array, md: AttentionMetadata, cache: KVCache,
-              layer: jax.Array, backend: attention.Backend) -> tuple[jax.Array, KVCache]:
-    """x [T, D] -> ([T, D], cache with this step's rows of `layer` written)."""
+              layer: jax.Array, backend: attention.Backend, *, comm: Comm = LOCAL, batch_invariant: bool = False
+              ) -> tuple[jax.Array, KVCache]:
+    """x [T, D] -> ([T, D], cache with this step's rows of `layer` written). `cfg` has this device's heads; `md`
+    is this device's view (`Comm.local_view`): under DCP its slot_mapping writes only the rank's own tokens."""
     s = md.shape
-    N, L = cfg.num_attention_heads, cfg.kv_lora_rank
+    N, L, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     q, kv_c_normed, k_pe = mla_project(p, cfg, x, md.positions)
     cache = write_kv_layer(cache, layer, kv_c_normed, k_pe, md.slot_mapping)
     kv_flat, scale_flat, offset = cache.flat_layers(layer)
     outs = []
     Td = s.num_decode_tokens
     if Td:
-        q_mqa = absorb_q(p, cfg, q[:Td]).astype(x.dtype)  # [Td, N, L+R]
-        q_mqa = q_mqa.reshape(s.num_decodes, s.decode_query_len, N, L + cfg.qk_rope_head_dim)
-        latent, _ = attention.forward_mqa(backend, q_mqa, kv_flat, scale_flat, md.decode, offset,
-                                          scale=cfg.softmax_scale, kv_lora_rank=L)  # [Bd, Q, N, L]
+        q_mqa = comm.gather_decode_q(absorb_q(p, cfg, q[:Td]).astype(x.dtype))  # [Td, N (dcp*N under DCP), L+R]
+        q_mqa = q_mqa.reshape(s.num_decodes, s.decode_query_len, -1, L + R)
+        latent, lse = attention.forward_mqa(backend, q_mqa, kv_flat, scale_flat, md.decode, offset,
+                                            scale=cfg.softmax_scale, kv_lora_rank=L,
+                                            batch_invariant=batch_invariant)  # [Bd, Q, N, L]
+        latent = comm.combine_decode(latent, lse)  # [Bd, Q, N, L]
         outs.append(v_up_proj(p, latent.reshape(Td, N, L)))  # [Td, N, V]
     if s.num_prefill_tokens:
         outs.append(attention.forward_mha(
             backend, p, cfg, q[Td:], kv_c_normed[Td:], k_pe[Td:], kv_flat, scale_flat, md.prefill, offset,
-            workspace_rows=s.workspace_rows, max_chunks=s.max_chunks))  # [Tp, N, V]
+            workspace_rows=s.workspace_rows, max_chunks=s.max_chunks, comm=comm))  # [Tp, N, V]
     attn = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
     return o_proj(p, attn.astype(x.dtype)), cache
 
 
+def _device_step(params: Params, cache: KVCache, md: AttentionMetadata, *, cfg: DeepseekConfig, comm: Comm,
+                 backend: str, batch_invariant: bool, gmm_impl: str) -> tuple[jax.Array, KVCache]:
+    """The step on one device's shards: (logits f32[num_logits, vocab (this device's rows)], cache)."""
+    be = attention.get_backend(backend)
+    heads = cfg.num_attention_heads // comm.head_shards
+    cfg_loc = cfg if heads == cfg.num_attention_heads else dataclasses.replace(cfg, num_attention_heads=heads)
+    view = comm.local_view(md, cache.page_size)  # once per step, for every layer
+
+    def attn(p, h, cache, layer):
+        return mla_paged(p, cfg_loc, h, view, cache, layer, be, comm=comm, batch_invariant=batch_invariant)
+
+    x, cache = decoder_layers(params, cfg, embed(params, cfg, md.input_ids, comm), attn, cache,
+                              gmm_impl=gmm_impl, comm=comm)
+    return lm_logits(params, cfg, x[md.logits_indices]), cache
+
+
 def forward_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: AttentionMetadata, *,
-                 backend: str = "xla", batch_invariant: bool = False, gmm_impl: str = "ragged_dot"
-                 ) -> tuple[jax.Array, KVCache]:
-    """One step: (logits f32[num_logits, vocab] at `md.logits_indices`, updated cache). `gmm_impl` picks the
-    MoE expert matmul (`mla_jax.layers.expert_gmm`)."""
-    be = attention.get_backend(backend, batch_invariant=batch_invariant)
+                 backend: str = "xla", plan: ParallelPlan | None = None, batch_invariant: bool = False,
+                 gmm_impl: str = "ragged_dot") -> tuple[jax.Array, KVCache]:
+    """One step: (logits f32[num_logits, vocab] at `md.logits_indices`, updated cache).
+
+    `backend` names the attention backend (`mla_jax.attention.BACKENDS`), `gmm_impl` the MoE expert matmul
+    (`mla_jax.layers.expert_gmm`); `batch_invariant` decodes with one KV split (outputs independent of the
+    batch). With `plan`, params and cache are laid out on its mesh and `md` is the replicated metadata built
+    with the virtual page size (page_size * dcp); the logits come out split by vocab."""
     if cache.num_layers != cfg.num_hidden_layers:
         raise ValueError(f"cache has {cache.num_layers} layers, the model {cfg.num_hidden_layers}")
     if cache.width != cfg.cache_row_dim:
         raise ValueError(f"cache rows are {cache.width} wide, the model needs L+R = {cfg.cache_row_dim}")
-    model = params["model"]
-    x = model["embed_tokens"]["weight"][md.input_ids]  # [T, D]
-    for name, start, n in layer_groups(cfg):
-        is_moe = name == "moe_layers"
-        scanned, experts = split_experts(model[name], is_moe, gmm_impl)
-
-        def body(carry, p, is_moe=is_moe, start=start, experts=experts):
-            h, cache, layer = carry  # layer: the model's layer index (the cache's); layer - start: the group's
-            a, cache = mla_paged(p["self_attn"], cfg, rms_norm(p["input_layernorm"], h, cfg.rms_norm_eps), md,
-                                 cache, layer, be)
-            h = h + a
-            h = h + ffn(p["mlp"], cfg, rms_norm(p["post_attention_layernorm"], h, cfg.rms_norm_eps), is_moe,
-                        gmm_impl, experts, layer - start)
-            return (h, cache, layer + 1), None
-
-        (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(start)), scanned)
-    x = rms_norm(model["norm"], x[md.logits_indices], cfg.rms_norm_eps)
-    logits = linear({"weight": lm_head_weight(params)}, x).astype(jnp.float32)
-    return logits, cache
+    kw = dict(cfg=cfg, backend=backend, batch_invariant=batch_invariant, gmm_impl=gmm_impl)
+    if plan is None:
+        return _device_step(params, cache, md, comm=LOCAL, **kw)
+    plan.validate(cfg)
+    if cache.page_size % plan.dcp:
+        raise ValueError(f"cache page axis {cache.page_size} is not a multiple of dcp={plan.dcp}")
+    cspecs = plan.cache_specs(cache.is_fp8)
+    f = functools.partial(_device_step, comm=plan.comm(cfg), **kw)
+    return jax.shard_map(f, mesh=plan.mesh, in_specs=(plan.param_specs(params, cfg), cspecs, P()),
+                         out_specs=(plan.logits_spec(params, cfg), cspecs),
+                         check_vma=False)(params, cache, md)  # Pallas calls carry no varying-axes types
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "batch_invariant", "gmm_impl"),
-                   donate_argnames=("cache",))
-def jit_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: AttentionMetadata, *,
-             backend: str = "xla", batch_invariant: bool = False, gmm_impl: str = "ragged_dot"
+STATIC_ARGNAMES = ("cfg", "backend", "plan", "batch_invariant", "gmm_impl")
+
+
+@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES, donate_argnames=("cache",))
+def jit_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: AttentionMetadata, *, backend: str = "xla",
+             plan: ParallelPlan | None = None, batch_invariant: bool = False, gmm_impl: str = "ragged_dot"
              ) -> tuple[jax.Array, KVCache]:
-    """`forward_step` compiled once per (config, backend, BatchShape); the cache is donated (updated in place)."""
-    return forward_step(params, cfg, cache, md, backend=backend, batch_invariant=batch_invariant,
+    """`forward_step` compiled once per (config, backend, plan, BatchShape); the cache is donated (updated in
+    place)."""
+    return forward_step(params, cfg, cache, md, backend=backend, plan=plan, batch_invariant=batch_invariant,
                         gmm_impl=gmm_impl)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES, donate_argnames=("cache",))
+def engine_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: AttentionMetadata,
+                sampling: SamplingArrays, *, backend: str, plan: ParallelPlan | None = None,
+                batch_invariant: bool = False, gmm_impl: str = "ragged_dot") -> tuple[jax.Array, jax.Array, KVCache]:
+    """Forward + sampling: (token ids i32[num_logits], logprobs f32[num_logits], updated cache). On a mesh the
+    logits are all-gathered and every device samples the same tokens."""
+    logits, cache = forward_step(params, cfg, cache, md, backend=backend, plan=plan, batch_invariant=batch_invariant,
+                                 gmm_impl=gmm_impl)
+    if plan is None:
+        tokens, logprobs = sample(logits, sampling)
+        return tokens, logprobs, cache
+    rep = NamedSharding(plan.mesh, P())
+    tokens, logprobs = sample(jax.lax.with_sharding_constraint(logits, rep), sampling)
+    return jax.lax.with_sharding_constraint(tokens, rep), jax.lax.with_sharding_constraint(logprobs, rep), cache

@@ -77,9 +77,9 @@ def greedy_tokens(params, cfg, prompt_list, n):
 
 
 def fast_engine_step():
-    """`parallel.engine_step` recompiled with FAST_COMPILE (patched in for the engine tests)."""
-    from mla_jax import parallel
-    return fast_jit(parallel.engine_step, static_argnames=parallel.STATIC_ARGNAMES, donate_argnames=("cache",))
+    """`step.engine_step` recompiled with FAST_COMPILE (patched in for the engine tests)."""
+    from mla_jax import step
+    return fast_jit(step.engine_step, static_argnames=step.STATIC_ARGNAMES, donate_argnames=("cache",))
 
 
 def random_params(cfg, seed: int, std: float = 0.02):
@@ -142,16 +142,17 @@ def engine_config():
 def fixed_shape(virtual_page: int, workspace_rows: int):
     """One static shape for every step of SCHEDULE (one compile per mesh)."""
     from mla_jax.metadata import BatchShape
-    max_pages = -(-max(SEQ_LENS) // virtual_page)
+    from pallas_kernels.util import cdiv
+    max_pages = cdiv(max(SEQ_LENS), virtual_page)
     return BatchShape(num_decodes=4, decode_query_len=4, num_prefills=4, num_prefill_tokens=40,
                       max_pages=max_pages, workspace_rows=workspace_rows,
-                      max_chunks=-(-max(SEQ_LENS) // virtual_page))
+                      max_chunks=max_pages)
 
 
 def run_schedule_parallel(params, cfg, seqs, schedule, *, plan=None, page_size=PAGE, num_pages=NUM_PAGES,
                           cache_dtype="fp32", backend="xla", reorder_batch_threshold=4, fill=float("nan"),
                           return_state=False, compiler_options=FAST_COMPILE):
-    """Teacher-forced run through the paged cache on `plan`'s mesh (None: one device, `mla_jax.step.jit_step`),
+    """Teacher-forced run through the paged cache (`mla_jax.step.jit_step`) on `plan`'s mesh (None: one device),
     with the virtual page size page_size * dcp and one static shape. Returns [(request, position, logits)]
     (and with `return_state`, the final cache and page pool too)."""
     import numpy as np
@@ -164,12 +165,8 @@ def run_schedule_parallel(params, cfg, seqs, schedule, *, plan=None, page_size=P
     from mla_jax.metadata import build_metadata
     from tests.mla_jax.helpers import step_requests, step_logits
 
-    if plan is None:
-        jit_step = jax.jit(step_lib.jit_step.__wrapped__, static_argnames=("cfg", "backend", "batch_invariant"),
-                           donate_argnames=("cache",), compiler_options=compiler_options)
-    else:
-        jit_step = jax.jit(parallel.jit_step.__wrapped__, donate_argnames=("cache",),
-                           static_argnames=parallel.STATIC_ARGNAMES, compiler_options=compiler_options)
+    jit_step = jax.jit(step_lib.jit_step.__wrapped__, static_argnames=step_lib.STATIC_ARGNAMES,
+                       donate_argnames=("cache",), compiler_options=compiler_options)
 
     dcp = plan.dcp if plan is not None else 1
     gv = page_size * dcp
@@ -218,7 +215,7 @@ def main(argv=None) -> None:
     jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
     jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=args.num_processes,
                                process_id=args.process_id, initialization_timeout=60)
-    from mla_jax import parallel
+    from mla_jax import engine, parallel, step
     from mla_jax.sampling import SamplingParams
 
     assert jax.process_count() == args.num_processes
@@ -232,8 +229,8 @@ def main(argv=None) -> None:
     plan = parallel.ParallelPlan(parallel.make_mesh(tp=args.tp, dcp=args.dcp, ep=args.ep, devices=devices))
     out = run_schedule_parallel(params, cfg, sequences(cfg), SCHEDULE, plan=plan)
     gen_params = random_params(cfg, 1, std=0.3)
-    parallel.engine_step = fast_engine_step()
-    gens = parallel.generate(gen_params, cfg, prompts(cfg), SamplingParams(max_new_tokens=PROMPTS[1]),
+    step.engine_step = fast_engine_step()
+    gens = engine.generate(gen_params, cfg, prompts(cfg), SamplingParams(max_new_tokens=PROMPTS[1]),
                              engine_config(), plan=plan)
     res = {"process_id": jax.process_index(), "devices": jax.device_count(), "plan": plan.describe(),
            "logits": [[r, pos, [float(v) for v in lg]] for r, pos, lg in out],

@@ -120,7 +120,7 @@ def test_parallel_step_reads_stacked_experts_in_place(setup):
         shapes = _expert_shapes(sp["model"]["moe_layers"])
         cache, mdr = plan.init_cache(cfg, NUM_PAGES, PAGE, dtype="fp32"), plan.replicate(md)
         scanned, kernel_in, kernels = _expert_operands(
-            lambda: parallel.jit_step(sp, cfg, cache, mdr, plan=plan, gmm_impl="pallas"), shapes)
+            lambda: step.jit_step(sp, cfg, cache, mdr, plan=plan, gmm_impl="pallas"), shapes)
         assert scanned == [] and kernels == 3 and len(kernel_in) == 3, (mesh, scanned, kernel_in)
 
 
@@ -159,7 +159,7 @@ def _step_logits(params, cfg, md, gmm_impl, plan=None):
     if plan is None:
         f = jax.jit(step.jit_step.__wrapped__, static_argnames=("cfg", "gmm_impl"), compiler_options=FAST_COMPILE)
         return np.asarray(f(params, cfg, _cache(cfg), md.to_device(), gmm_impl=gmm_impl)[0])
-    f = jax.jit(parallel.jit_step.__wrapped__, static_argnames=("cfg", "plan", "gmm_impl"),
+    f = jax.jit(step.jit_step.__wrapped__, static_argnames=("cfg", "plan", "gmm_impl"),
                 compiler_options=FAST_COMPILE)
     cache = plan.init_cache(cfg, NUM_PAGES, PAGE // plan.dcp, dtype="fp32")  # virtual pages of PAGE rows
     out = f(plan.shard_params(params, cfg), cfg, cache,

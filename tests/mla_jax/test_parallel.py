@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mla_jax import parallel
+from mla_jax import comm, parallel, step
+from mla_jax.engine import generate
 from mla_jax.sampling import SamplingParams
 from tests.mla_jax.multihost_worker import (FAST_COMPILE, PAGE, PROMPTS, SCHEDULE, engine_config, fast_engine_step,
                                             full_logits, greedy_tokens, parallel_config, prompts, random_params,
@@ -80,15 +81,15 @@ def test_paged_logits_match_one_device(setup, mesh, plan_kw, cache_dtype):
 
 
 def test_generate_greedy_on_mesh(monkeypatch):
-    """`parallel.generate` on TP2 x DCP2 x EP2 (scheduler, virtual pages, all-gathered logits, sampling) gives
+    """`generate(..., plan=)` on TP2 x DCP2 x EP2 (scheduler, virtual pages, all-gathered logits, sampling) gives
     the one-device greedy tokens."""
-    monkeypatch.setattr(parallel, "engine_step", fast_engine_step())
+    monkeypatch.setattr(step, "engine_step", fast_engine_step())
     cfg = parallel_config()
     params = random_params(cfg, 1, std=0.3)
     ps = prompts(cfg)
     want = greedy_tokens(params, cfg, ps, PROMPTS[1])
     plan = parallel.ParallelPlan(parallel.make_mesh(tp=2, dcp=2, ep=2))
-    outs = parallel.generate(params, cfg, ps, SamplingParams(max_new_tokens=PROMPTS[1]), engine_config(), plan=plan)
+    outs = generate(params, cfg, ps, SamplingParams(max_new_tokens=PROMPTS[1]), engine_config(), plan=plan)
     assert [o.token_ids for o in outs] == want
     assert all(o.finish_reason == "length" for o in outs)
 
@@ -106,10 +107,10 @@ def test_dcp_indexing_against_enumeration(dcp, interleave, page):
     owner = (np.arange(n_pos) // interleave) % dcp
     for r in range(dcp):
         mine = np.flatnonzero(owner == r)  # this rank's positions, in order: local index = rank among them
-        lens = np.asarray(parallel.dcp_local_len(jnp.arange(n_pos + 1), dcp, interleave, r))
+        lens = np.asarray(comm.dcp_local_len(jnp.arange(n_pos + 1), dcp, interleave, r))
         np.testing.assert_array_equal(lens, [np.sum(mine < n) for n in range(n_pos + 1)])
         slots = blocks[np.arange(n_pos) // gv] * gv + np.arange(n_pos) % gv
-        local = np.asarray(parallel.dcp_local_slots(jnp.asarray(np.append(slots, -1), jnp.int32), page, dcp,
+        local = np.asarray(comm.dcp_local_slots(jnp.asarray(np.append(slots, -1), jnp.int32), page, dcp,
                                                     interleave, r))
         want = np.full(n_pos + 1, -1)
         li = np.arange(len(mine))
@@ -127,8 +128,8 @@ def test_local_workspace_rows_bound():
         lens = rng.integers(0, 100, sp)
         w = int(lens.sum()) or 1
         for r in range(dcp):
-            got = int(np.asarray(parallel.dcp_local_len(jnp.asarray(lens), dcp, interleave, r)).sum())
-            assert got <= parallel.local_workspace_rows(w, sp, dcp, interleave)
+            got = int(np.asarray(comm.dcp_local_len(jnp.asarray(lens), dcp, interleave, r)).sum())
+            assert got <= comm.local_workspace_rows(w, sp, dcp, interleave)
 
 
 # ----------------------------------------------------------------------------------------- layout, errors
@@ -186,9 +187,9 @@ def _alias_check(plan, backend, compiler_options):
     cache = plan.init_cache(cfg, 64, 16, dtype="bf16")
     md, _ = build_metadata([ScheduledRequest([1], 5, [1])], page_size=16 * plan.dcp, num_pages=64,
                            shape=BatchShape(num_decodes=4, max_pages=4))
-    step = jax.jit(parallel.jit_step.__wrapped__, static_argnames=parallel.STATIC_ARGNAMES,
-                    donate_argnames=("cache",), compiler_options=compiler_options)
-    ma = step.lower(params, cfg, cache, plan.replicate(md), plan=plan, backend=backend).compile().memory_analysis()
+    jit_step = jax.jit(step.jit_step.__wrapped__, static_argnames=step.STATIC_ARGNAMES,
+                       donate_argnames=("cache",), compiler_options=compiler_options)
+    ma = jit_step.lower(params, cfg, cache, plan.replicate(md), plan=plan, backend=backend).compile().memory_analysis()
     local = cache.kv_c_and_k_pe_cache.addressable_shards[0].data.nbytes
     assert ma.alias_size_in_bytes >= local and ma.temp_size_in_bytes < local, ma
 
