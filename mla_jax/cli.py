@@ -19,7 +19,7 @@ examples:
   mla-jax convert ~/models/DeepSeek-V3 ~/ckpt/v3 --dry-run      # print the mapping, write nothing
 
 OUT_DIR gets an orbax checkpoint (one sub-checkpoint per layer / expert chunk under params/), the HF config.json,
-tokenizer files when present and mla_jax_checkpoint.json; load it with mla_jax.convert.load_model(OUT_DIR).
+tokenizer files when present and mla_jax_checkpoint.json; load it with mla_jax.checkpoint.load_model(OUT_DIR).
 The conversion writes into a hidden sibling directory and renames it to OUT_DIR only when complete: an
 interrupted run never leaves a loadable OUT_DIR, and simply rerunning it cleans up and starts over. An existing
 OUT_DIR is only replaced with --force (and only if it is an mla-jax checkpoint or empty).
@@ -41,11 +41,11 @@ def _add_convert(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-group-mb", type=float, default=2048, metavar="MB",
                    help="routed experts are written in chunks of at most this size (default 2048): the peak "
                    "host memory is about the largest group")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from mla_jax.convert import convert
+    from mla_jax.checkpoint import convert
 
     convert(args.hf_dir, args.out_dir, dtype=args.dtype, keep_fp8=args.keep_fp8, force=args.force,
             dry_run=args.dry_run, max_group_mb=args.max_group_mb, progress=not args.quiet)
@@ -103,7 +103,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
-    from mla_jax.convert import load_model
+    from mla_jax.checkpoint import load_model
     from mla_jax.engine import Engine, EngineConfig
     from mla_jax.sampling import SamplingParams
 
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so partial output is cleaned up (SIGKILL cannot be: see convert's doc).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     from mla_jax.config import ConfigError
-    from mla_jax.safetensors_io import CheckpointError
+    from mla_jax.checkpoint import CheckpointError
 
     try:
         return args._run(args)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from mla_jax.cli import _eos_ids
-from mla_jax.convert import load_model
+from mla_jax.checkpoint import load_model
 from mla_jax.engine import generate
 from mla_jax.sampling import SamplingParams
 

@@ -28,7 +28,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from mla_jax.safetensors_io import CheckpointDir, save_file  # noqa: E402
+from mla_jax.checkpoint import CheckpointDir, save_file  # noqa: E402
 
 SRC = ROOT / "tests" / "fixtures" / "hf" / "v3"
 OUT = ROOT / "tests" / "fixtures" / "hf_fp8"

@@ -52,9 +52,9 @@ import numpy as np  # noqa: E402
 
 from mla_jax import model  # noqa: E402
 from mla_jax.config import DeepseekConfig  # noqa: E402
-from mla_jax.layers import rms_norm, route  # noqa: E402
+from mla_jax.layers import mlp, moe, rms_norm, route  # noqa: E402
 from mla_jax.mla import mla_forward_full  # noqa: E402
-from mla_jax.safetensors_io import SafetensorsFile, save_file  # noqa: E402
+from mla_jax.checkpoint import SafetensorsFile, save_file  # noqa: E402
 
 # Dims: rope/nope/v/latent are powers of two >= 16 so the Pallas kernels accept them.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -178,7 +178,7 @@ def routing_loads(params, cfg: DeepseekConfig, input_ids: jnp.ndarray) -> tuple[
                 load = jnp.bincount(ids.reshape(-1), length=E).astype(jnp.int32)
             else:
                 load = jnp.zeros((E,), jnp.int32)
-            h = h + model.ffn(p["mlp"], cfg, hn, is_moe)
+            h = h + (moe(p["mlp"], cfg, hn) if is_moe else mlp(p["mlp"], hn))
             return h, load
 
         x, lo = jax.lax.scan(body, x, mp[name])
@@ -528,8 +528,7 @@ def _run(args: argparse.Namespace) -> dict:
     save_checkpoint(ckpt_path, params, opt_state, step, ckpt_meta)
 
     # Export the best params, load them back as a user would, and score the whole val split with them.
-    from mla_jax.checkpoint import load_hf_checkpoint
-    from mla_jax.export import export_hf
+    from mla_jax.checkpoint import export_hf, load_hf_checkpoint
 
     best_val, best_step, best_params = best
     files = export_hf(best_params, cfg, data["tokenizer"], out_dir, dtype=args.export_dtype,

@@ -93,7 +93,7 @@ def read_tensors(d):
     """Every tensor of a checkpoint directory as a numpy array."""
     import numpy as np
 
-    from mla_jax.safetensors_io import CheckpointDir
+    from mla_jax.checkpoint import CheckpointDir
 
     ck = CheckpointDir(d)
     return {k: np.array(ck.get(k)) for k in ck.keys()}
@@ -101,7 +101,7 @@ def read_tensors(d):
 
 def rewrite_tensors(d, tensors):
     """Replace a checkpoint directory's weights by `tensors` in one model.safetensors."""
-    from mla_jax.safetensors_io import save_file
+    from mla_jax.checkpoint import save_file
 
     for f in os.listdir(d):
         if f.startswith("model") and (f.endswith(".safetensors") or f.endswith(".index.json")):

@@ -1,24 +1,85 @@
 """The HF checkpoint loader: layouts (single, sharded, fused experts, FP8 blocks) and errors that name the tensor."""
 import json
 import os
+import struct
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import safetensors.numpy
+from safetensors import safe_open
 
 from mla_jax import model
-from mla_jax.checkpoint import dequantize_fp8_blocks, load_hf_checkpoint
-from mla_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
+from mla_jax.checkpoint import CheckpointError, SafetensorsFile, dequantize_fp8_blocks, load_hf_checkpoint, save_file
 from tests.mla_jax.helpers import assert_same_params, copy_fixture, read_tensors, rewrite_tensors
 
+E4M3 = ml_dtypes.float8_e4m3fn
 
 
+def _raw_safetensors(path, header, data):
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
 
 
+# ------------------------------------------------- what the safetensors library does and does not do for us
 
 
+def test_overlapping_offsets_are_rejected(tmp_path):
+    """The library validates offsets: two tensors sharing bytes (our former reader accepted them) are refused."""
+    p = tmp_path / "x.safetensors"
+    _raw_safetensors(p, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                         "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12))
+    with pytest.raises(CheckpointError, match="x.safetensors: corrupted .*offset"):
+        SafetensorsFile(p)
 
+
+def test_gap_library_reads_no_fp8(tmp_path):
+    """Why `SafetensorsFile` maps float8 bytes itself: the library returns no array for F8_E4M3 / F8_E5M2 in any
+    framework we have (it looks the type up in numpy, which has none). Fails the day the library can."""
+    w = np.arange(-8, 8, dtype=np.float32).reshape(4, 4).astype(E4M3)
+    p = tmp_path / "w.safetensors"
+    save_file({"w": w, "e": w.astype(ml_dtypes.float8_e5m2)}, p)
+    for framework in ("numpy", "flax"):
+        with safe_open(p, framework=framework) as f:
+            for name in ("w", "e"):
+                with pytest.raises(Exception, match="float8"):
+                    f.get_tensor(name)
+                with pytest.raises(Exception, match="float8"):
+                    f.get_slice(name)[:1]
+    f = SafetensorsFile(p)
+    assert f.spec("w") == (np.dtype(E4M3), (4, 4))
+    np.testing.assert_array_equal(f.get("w"), w)
+    np.testing.assert_array_equal(f.get("w", (slice(1, 3),)), w[1:3])
+    np.testing.assert_array_equal(f.get("e"), w.astype(ml_dtypes.float8_e5m2))
+
+
+def test_gap_library_writes_strided_arrays_as_their_buffer_owner_only(tmp_path):
+    """Why `save_file` wraps the library's: it writes a transposed view's buffer as it is, and the file it renames
+    into place is 0600 whatever the umask. Fails the day the library writes the array's values with the usual
+    permissions."""
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    lib, ours, plain = tmp_path / "lib.safetensors", tmp_path / "ours.safetensors", tmp_path / "plain"
+    safetensors.numpy.save_file({"t": a.T}, lib)
+    with safe_open(lib, framework="numpy") as f:
+        assert not np.array_equal(f.get_tensor("t"), a.T)
+    plain.write_bytes(b"")  # the mode open() gives a new file
+    if os.stat(plain).st_mode & 0o777 != 0o600:
+        assert os.stat(lib).st_mode & 0o777 == 0o600
+    save_file({"t": a.T}, ours)
+    np.testing.assert_array_equal(SafetensorsFile(ours).get("t"), a.T)
+    assert os.stat(ours).st_mode == os.stat(plain).st_mode
+
+
+def test_reads_only_the_slice_asked_for(tmp_path):
+    t = {"f": np.arange(24, dtype=np.float32).reshape(2, 3, 4), "b": np.ones((3, 2), ml_dtypes.bfloat16)}
+    save_file(t, tmp_path / "x.safetensors")
+    f = SafetensorsFile(tmp_path / "x.safetensors")
+    np.testing.assert_array_equal(f.get("f", (slice(1, 2), slice(0, 2))), t["f"][1:2, 0:2])
+    assert f.get("b").dtype == ml_dtypes.bfloat16 and f.nbytes("b") == 12 and f.nbytes("f") == 96
+
+
+# -------------------------------------------------------------------------------------------- the loader
 
 
 def test_sharded_equals_single_file(tmp_path):

@@ -22,14 +22,12 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from mla_jax import model
-from mla_jax.checkpoint import build_params, hf_tensor_specs, load_hf_checkpoint
+from mla_jax.checkpoint import (CheckpointDir, CheckpointError, ConvertError, SafetensorsFile, build_params, convert,
+                                hf_tensor_specs, load_checkpoint, load_hf_checkpoint, load_model, read_metadata,
+                                save_file)
 from mla_jax.config import ConfigError, DeepseekConfig
-from mla_jax.convert import (PAUSE_ENV, ConvertError, convert, load_checkpoint, load_model,
-                             read_metadata)
-from mla_jax.safetensors_io import CheckpointDir, CheckpointError, SafetensorsFile, save_file
 from mla_jax.sharding import param_shardings
-from tests.mla_jax.helpers import (FIXTURES, assert_same_params, copy_fixture, read_tensors,
-                                 rewrite_tensors)
+from tests.mla_jax.helpers import FIXTURES, assert_same_params, copy_fixture, read_tensors, rewrite_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FP8_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hf_fp8")
@@ -518,15 +516,31 @@ def test_cli_convert_dry_run_help_and_errors(tmp_path, capsys):
 # ------------------------------------------------------------------------------------ interruption safety
 
 
+PAUSED = "paused by the test hook"
+# `mla-jax convert ARGS`, with an `on_group_written` hook that stops the conversion after N groups are on disk.
+PAUSING_CLI = f"""
+import functools, signal, sys
+import mla_jax.checkpoint
+from mla_jax.cli import main
+
+def pause(written):
+    if written == int(sys.argv[1]):
+        print({PAUSED!r}, file=sys.stderr, flush=True)
+        signal.pause()  # until the test's signal
+
+mla_jax.checkpoint.convert = functools.partial(mla_jax.checkpoint.convert, on_group_written=pause)
+sys.exit(main(["convert", *sys.argv[2:]]))
+"""
+
+
 def _run_until_paused(args, pause_after, sig=signal.SIGKILL):
     """Start the CLI, wait until the test hook says it paused after `pause_after` groups, then kill it."""
-    env = {**ENV, PAUSE_ENV: str(pause_after)}
-    p = subprocess.Popen([sys.executable, "-m", "mla_jax.cli", "convert", *args], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    p = subprocess.Popen([sys.executable, "-c", PAUSING_CLI, str(pause_after), *args], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
     watchdog = threading.Timer(90, p.kill)
     watchdog.start()
     try:
-        paused = any(PAUSE_ENV in line for line in iter(p.stderr.readline, ""))
+        paused = any(PAUSED in line for line in iter(p.stderr.readline, ""))
     finally:
         os.kill(p.pid, sig)
         p.wait(timeout=60)
@@ -578,7 +592,7 @@ BIG_CFG = dict(model_type="deepseek_v3", vocab_size=2048, hidden_size=256, num_h
 
 MEASURE = r"""
 import json, resource, sys
-from mla_jax.convert import convert
+from mla_jax.checkpoint import convert
 warm, big, out = sys.argv[1:4]
 
 def status():

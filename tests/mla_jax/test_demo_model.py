@@ -1,4 +1,4 @@
-"""The embedded demo model and its pipeline (scripts/make_corpus.py -> scripts/train_demo.py -> mla_jax.export).
+"""The embedded demo model and its pipeline (scripts/make_corpus.py -> scripts/train_demo.py -> mla_jax.checkpoint).
 
 The checks on a model run on the shipped one (mla_jax/data/demo/) when it is there, else on a tiny model
 trained and exported here (a few --tiny steps on a corpus of a few stdlib files). The pipeline itself (corpus,
@@ -27,11 +27,9 @@ import numpy as np
 import pytest
 
 from mla_jax import model
-from mla_jax.checkpoint import load_hf_checkpoint
+from mla_jax.checkpoint import CheckpointDir, SafetensorsFile, export_hf, load_hf_checkpoint, merge_kv_b_proj
 from mla_jax.engine import EngineConfig, generate
-from mla_jax.export import export_hf, merge_kv_b_proj
 from mla_jax.mla import split_kv_b_proj
-from mla_jax.safetensors_io import CheckpointDir, SafetensorsFile
 from mla_jax.sampling import SamplingParams
 from tests.mla_jax.helpers import run_schedule
 

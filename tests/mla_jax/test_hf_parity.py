@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from mla_jax import model
-from mla_jax.checkpoint import load_hf_checkpoint
-from mla_jax.safetensors_io import SafetensorsFile
+from mla_jax.checkpoint import SafetensorsFile, load_hf_checkpoint
 from tests.mla_jax.helpers import FIXTURES
 
 ATOL = 2e-4

@@ -5,10 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mla_jax.checkpoint import hf_tensor_specs, load_hf_checkpoint
+from mla_jax.checkpoint import CheckpointDir, hf_tensor_specs, load_hf_checkpoint
 from mla_jax.mla import mla_forward_full
 from mla_jax.module import MLAAttention
-from mla_jax.safetensors_io import CheckpointDir
 from tests.mla_jax.helpers import FIXTURES
 
 

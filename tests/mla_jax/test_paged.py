@@ -160,8 +160,7 @@ def test_hf_fixture_incremental_decode(name):
     against HF's own logits."""
     import os
 
-    from mla_jax.checkpoint import load_hf_checkpoint
-    from mla_jax.safetensors_io import SafetensorsFile
+    from mla_jax.checkpoint import SafetensorsFile, load_hf_checkpoint
     from tests.mla_jax.helpers import FIXTURES
 
     cfg, params = load_hf_checkpoint(os.path.join(FIXTURES, name))

@@ -1,4 +1,4 @@
-"""Export our params to a Hugging Face DeepSeek-V3 checkpoint directory (the inverse of `checkpoint.py`).
+"""Export our params to a Hugging Face DeepSeek-V3 checkpoint directory (the inverse of `load_hf_checkpoint`).
 
     export_hf(params, cfg, tokenizer, out_dir)
 
@@ -16,15 +16,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
+from mla_jax.checkpoint.dtypes import DTYPES
+from mla_jax.checkpoint.hf import save_file
+from mla_jax.checkpoint.validate import hf_tensor_specs
 from mla_jax.config import DeepseekConfig
 from mla_jax.model import Params, layer_groups
-from mla_jax.safetensors_io import save_file
 
-_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16)}
-_TORCH_NAMES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+EXPORT_DTYPES = ("bf16", "fp16", "fp32")
+
+
+def _export_dtype(dtype: str) -> np.dtype:
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not one of {EXPORT_DTYPES}")
+    return DTYPES[dtype]
 
 
 def merge_kv_b_proj(w_uk_t: jnp.ndarray, w_uv: jnp.ndarray) -> jnp.ndarray:
@@ -79,7 +85,7 @@ def hf_config_dict(cfg: DeepseekConfig, *, dtype: str = "bf16", bos_token_id: in
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
-        "torch_dtype": _TORCH_NAMES[dtype],
+        "torch_dtype": _export_dtype(dtype).name,  # bfloat16, float16, float32
     }
     rs = cfg.rope_scaling
     if rs is None:
@@ -98,9 +104,7 @@ def hf_config_dict(cfg: DeepseekConfig, *, dtype: str = "bf16", bos_token_id: in
 
 def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> dict[str, np.ndarray]:
     """Our (prepared) params -> {HF tensor name: numpy array} in the hub layout, in `hf_tensor_specs` order."""
-    from mla_jax.checkpoint import hf_tensor_specs
-
-    wdt = _DTYPES[dtype]
+    wdt = _export_dtype(dtype)
     model = params["model"]
     out: dict[str, np.ndarray] = {}
 

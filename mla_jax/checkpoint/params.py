@@ -1,0 +1,94 @@
+"""HF tensors -> our params pytree (`build_params`), and `load_hf_checkpoint`, which loads an HF directory
+directly into memory.
+
+Accepted layouts: single `model.safetensors` or shards with `model.safetensors.index.json`; experts per expert
+(`mlp.experts.{j}.{gate,up,down}_proj.weight`, the hub format) or transformers' fused layout
+(`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); bf16/fp16/fp32 weights, and
+DeepSeek-V3's block FP8 weights (dequantized). The MTP layer (`model.layers.{num_hidden_layers}.*`) is skipped.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from mla_jax.checkpoint.dtypes import FP8_E4M3
+from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block
+from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
+from mla_jax.checkpoint.validate import check_float_dtype, check_tensors
+from mla_jax.config import DeepseekConfig
+from mla_jax.model import Params, layer_groups, prepare_params, stack_layers
+
+
+def read_tensor(ckpt: CheckpointDir, name: str, cfg: DeepseekConfig) -> np.ndarray:
+    """One tensor, dequantized to float32 when it is a block-FP8 weight with a `_scale_inv` companion."""
+    w = ckpt.get(name)
+    if w.dtype == FP8_E4M3:
+        sname = name + SCALE_SUFFIX
+        if sname not in ckpt:
+            raise CheckpointError(f"tensor '{name}' is fp8 but '{sname}' is missing")
+        return dequantize_fp8_blocks(w, ckpt.get(sname), fp8_block(cfg), name)
+    check_float_dtype(name, w.dtype)
+    return w
+
+
+def build_params(get: Callable[[str], np.ndarray], cfg: DeepseekConfig, *, fused_experts: bool,
+                 dtype: Any = None) -> Params:
+    """Assemble our params from HF-named tensors. `dtype` casts weights (router weights stay float32)."""
+
+    def arr(x, keep_f32=False):
+        x = np.asarray(x)
+        if keep_f32:
+            return jnp.asarray(x, jnp.float32)
+        return jnp.asarray(x, dtype) if dtype is not None else jnp.asarray(x)
+
+    def linear(name):
+        return {"weight": arr(get(name + ".weight"))}
+
+    def layer(i: int) -> Params:
+        pre = f"model.layers.{i}."
+        a = pre + "self_attn."
+        attn: Params = {k: linear(a + k) for k in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")}
+        keys = ("q_proj",) if cfg.q_lora_rank is None else ("q_a_proj", "q_a_layernorm", "q_b_proj")
+        attn |= {k: linear(a + k) for k in keys}
+        m = pre + "mlp."
+        if cfg.is_moe_layer(i):
+            gate = {"weight": arr(get(m + "gate.weight"), keep_f32=True)}
+            if cfg.topk_method == "noaux_tc":
+                gate["e_score_correction_bias"] = arr(get(m + "gate.e_score_correction_bias"), keep_f32=True)
+            E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+            if fused_experts:
+                gu = np.asarray(get(m + "experts.gate_up_proj"))
+                experts = {"gate_proj": {"weight": arr(gu[:, :I])}, "up_proj": {"weight": arr(gu[:, I:])},
+                           "down_proj": {"weight": arr(get(m + "experts.down_proj"))}}
+            else:
+                experts = {k: {"weight": arr(np.stack([np.asarray(get(m + f"experts.{j}.{k}.weight"))
+                                                       for j in range(E)]))}
+                           for k in ("gate_proj", "up_proj", "down_proj")}
+            mlp: Params = {"gate": gate, "experts": experts}
+            if cfg.n_shared_experts:
+                mlp["shared_experts"] = {k: linear(m + "shared_experts." + k)
+                                         for k in ("gate_proj", "up_proj", "down_proj")}
+        else:
+            mlp = {k: linear(m + k) for k in ("gate_proj", "up_proj", "down_proj")}
+        return {"input_layernorm": linear(pre + "input_layernorm"), "self_attn": attn,
+                "post_attention_layernorm": linear(pre + "post_attention_layernorm"), "mlp": mlp}
+
+    model: Params = {"embed_tokens": linear("model.embed_tokens"), "norm": linear("model.norm")}
+    for name, start, n in layer_groups(cfg):
+        model[name] = stack_layers([layer(i) for i in range(start, start + n)])
+    params: Params = {"model": model}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = linear("lm_head")
+    return prepare_params(params, cfg)
+
+
+def load_hf_checkpoint(path: str, *, dtype: Any = None) -> tuple[DeepseekConfig, Params]:
+    """config.json + safetensors in `path` -> (config, params). `dtype` (e.g. jnp.bfloat16) casts the weights;
+    None keeps the stored float dtype (fp8 weights are dequantized to float32)."""
+    cfg = DeepseekConfig.from_json(path)
+    ckpt = CheckpointDir(path)
+    fused, _ = check_tensors(ckpt, cfg)
+    return cfg, build_params(lambda n: read_tensor(ckpt, n, cfg), cfg, fused_experts=fused, dtype=dtype)

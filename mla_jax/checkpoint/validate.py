@@ -1,0 +1,130 @@
+"""An HF checkpoint against its config, from the headers only: tensor names and shapes (`hf_tensor_specs`),
+float dtypes, and the fp8 weights' block scales. Raises `CheckpointError` naming the first bad tensor."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import numpy as np
+
+from mla_jax.checkpoint.dtypes import BF16, FP8_E4M3, FP8_E5M2
+from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, fp8_block, fp8_scale_shape
+from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
+from mla_jax.config import DeepseekConfig
+
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some exports include; never used
+
+
+def hf_tensor_specs(cfg: DeepseekConfig, *, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint for `cfg` holds (MTP layer excluded), with its shape."""
+    D, N, L, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    P, V = cfg.qk_nope_head_dim, cfg.v_head_dim
+    s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,)}
+    if not cfg.tie_word_embeddings:
+        s["lm_head.weight"] = (cfg.vocab_size, D)
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        s[pre + "input_layernorm.weight"] = (D,)
+        s[pre + "post_attention_layernorm.weight"] = (D,)
+        a = pre + "self_attn."
+        if cfg.q_lora_rank is None:
+            s[a + "q_proj.weight"] = (N * (P + R), D)
+        else:
+            s[a + "q_a_proj.weight"] = (cfg.q_lora_rank, D)
+            s[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            s[a + "q_b_proj.weight"] = (N * (P + R), cfg.q_lora_rank)
+        s[a + "kv_a_proj_with_mqa.weight"] = (L + R, D)
+        s[a + "kv_a_layernorm.weight"] = (L,)
+        s[a + "kv_b_proj.weight"] = (N * (P + V), L)
+        s[a + "o_proj.weight"] = (D, N * V)
+        m = pre + "mlp."
+        if cfg.is_moe_layer(i):
+            E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+            s[m + "gate.weight"] = (E, D)
+            if cfg.topk_method == "noaux_tc":
+                s[m + "gate.e_score_correction_bias"] = (E,)
+            if fused_experts:
+                s[m + "experts.gate_up_proj"] = (E, 2 * I, D)
+                s[m + "experts.down_proj"] = (E, D, I)
+            else:
+                for j in range(E):
+                    s[m + f"experts.{j}.gate_proj.weight"] = (I, D)
+                    s[m + f"experts.{j}.up_proj.weight"] = (I, D)
+                    s[m + f"experts.{j}.down_proj.weight"] = (D, I)
+            if cfg.n_shared_experts:
+                Is = I * cfg.n_shared_experts
+                s[m + "shared_experts.gate_proj.weight"] = (Is, D)
+                s[m + "shared_experts.up_proj.weight"] = (Is, D)
+                s[m + "shared_experts.down_proj.weight"] = (D, Is)
+        else:
+            s[m + "gate_proj.weight"] = (cfg.intermediate_size, D)
+            s[m + "up_proj.weight"] = (cfg.intermediate_size, D)
+            s[m + "down_proj.weight"] = (D, cfg.intermediate_size)
+    return s
+
+
+def is_mtp(name: str, cfg: DeepseekConfig) -> bool:
+    """A tensor of the multi-token-prediction layer (model.layers.{num_hidden_layers}.*), unused for inference."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return bool(m) and int(m.group(1)) >= cfg.num_hidden_layers
+
+
+def check_float_dtype(name: str, dtype: np.dtype) -> None:
+    if dtype == FP8_E5M2:
+        raise CheckpointError(f"tensor '{name}' is float8_e5m2: unsupported quantization (only DeepSeek's "
+                              "e4m3 with 128x128 block scales)")
+    if dtype.kind not in "fV":
+        raise CheckpointError(f"tensor '{name}' has dtype {dtype}, expected a float type")
+
+
+def check_fp8_scales(ckpt: CheckpointDir, cfg: DeepseekConfig, names: Iterable[str]) -> list[str]:
+    """Each e4m3 weight among `names` has a float `_scale_inv` of the block shape; no e5m2; no scale without an
+    fp8 weight. Returns the fp8 weight names."""
+    block = fp8_block(cfg)
+    quantized = []
+    for n in names:
+        dtype, shape = ckpt.spec(n)
+        sname = n + SCALE_SUFFIX
+        if dtype == FP8_E4M3:
+            if sname not in ckpt:
+                raise CheckpointError(f"tensor '{n}' is fp8 but '{sname}' is missing")
+            sdtype, sshape = ckpt.spec(sname)
+            if sdtype.kind != "f" and sdtype != BF16:
+                raise CheckpointError(f"tensor '{sname}' has dtype {sdtype}, expected float32")
+            want = fp8_scale_shape(shape, block) if len(shape) >= 2 else None
+            if sshape != want:
+                raise CheckpointError(f"tensor '{sname}' has shape {sshape}, expected {want} for weight {shape} "
+                                      f"with {block[0]}x{block[1]} blocks")
+            quantized.append(n)
+        else:
+            check_float_dtype(n, dtype)
+            if sname in ckpt:
+                raise CheckpointError(f"tensor '{sname}' is a block scale but '{n}' is {dtype}, not fp8")
+    return quantized
+
+
+def check_tensors(ckpt: CheckpointDir, cfg: DeepseekConfig) -> tuple[bool, list[str]]:
+    """Names, shapes, dtypes and fp8 scales against `cfg`; returns (fused_experts, skipped MTP names)."""
+    names = set(ckpt.keys())
+    fused = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+    specs = hf_tensor_specs(cfg, fused_experts=fused)
+    mtp = sorted(n for n in names if is_mtp(n, cfg))
+    scales = {n for n in names if n.endswith(SCALE_SUFFIX)}
+    missing = sorted(set(specs) - names)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{ckpt.path}: missing tensor '{missing[0]}'{more}")
+    unexpected = sorted(names - set(specs) - set(mtp) - scales - {n for n in names if IGNORED.match(n)})
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"{ckpt.path}: unexpected tensor '{unexpected[0]}'{more}")
+    for n in sorted(scales):
+        base = n[: -len(SCALE_SUFFIX)]
+        if base not in names and not is_mtp(n, cfg):
+            raise CheckpointError(f"{ckpt.path}: unexpected tensor '{n}' (no weight '{base}')")
+    for n, shape in specs.items():
+        _, got = ckpt.spec(n)
+        if got != shape:
+            raise CheckpointError(f"tensor '{n}' has shape {got}, expected {shape}")
+    check_fp8_scales(ckpt, cfg, specs)
+    return fused, mtp
