@@ -45,30 +45,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mla_jax.dtypes import as_dtype
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 DEFAULT_PAGE_SIZE = 64
 
-_DTYPES = {
-    "bf16": jnp.bfloat16,
-    "bfloat16": jnp.bfloat16,
-    "fp8": jnp.float8_e4m3fn,
-    "fp8_e4m3": jnp.float8_e4m3fn,
-    "float8_e4m3fn": jnp.float8_e4m3fn,
-    "fp32": jnp.float32,
-    "float32": jnp.float32,
-}
+CACHE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32))
 
 
 def cache_dtype(dtype: Any) -> jnp.dtype:
-    """Normalise "bf16" | "fp8" | "fp32" (or the matching numpy/jnp dtype) to a jnp dtype."""
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown KV cache dtype {dtype!r}; expected one of 'bf16', 'fp8', 'fp32'")
-        return jnp.dtype(_DTYPES[dtype])
-    d = jnp.dtype(dtype)
-    if d not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32)):
-        raise ValueError(f"unsupported KV cache dtype {d}; expected bfloat16, float8_e4m3fn or float32")
+    """Normalise "bf16" | "fp8" | "fp32" (any name of `mla_jax.dtypes`, or a dtype) to a jnp dtype."""
+    try:
+        d = jnp.dtype(as_dtype(dtype))
+    except TypeError:
+        d = None
+    if d not in CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {dtype!r}; expected one of 'bf16', 'fp8', 'fp32'")
     return d
 
 

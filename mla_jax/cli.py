@@ -1,7 +1,8 @@
 """The `mla-jax` command line (`python -m mla_jax.cli` works too).
 
 Subcommands register themselves in COMMANDS as (name, help, add_arguments, run); `run(args) -> exit code`.
-A subcommand imports its module (and orbax) inside `run`, so parsing and `--help` stay cheap. Exit codes: 0 ok,
+A subcommand imports its module (and orbax) inside `run`; parsing imports only the attention backend registry
+(for `--backend`'s choices). Exit codes: 0 ok,
 1 the checkpoint or config is invalid or the conversion failed (one line on stderr naming the problem), 2 usage,
 130 interrupted. SIGTERM unwinds like Ctrl-C so a conversion removes its partial output.
 """
@@ -24,6 +25,13 @@ The conversion writes into a hidden sibling directory and renames it to OUT_DIR 
 interrupted run never leaves a loadable OUT_DIR, and simply rerunning it cleans up and starts over. An existing
 OUT_DIR is only replaced with --force (and only if it is an mla-jax checkpoint or empty).
 """
+
+
+def _add_backend(p: argparse.ArgumentParser) -> None:
+    from mla_jax.attention import BACKENDS  # the registry is the one list of names
+
+    p.add_argument("--backend", choices=tuple(BACKENDS), default=None,
+                   help="attention backend (default: pallas_sm90 on Hopper, pallas on other GPUs, xla on CPU)")
 
 
 def _add_convert(p: argparse.ArgumentParser) -> None:
@@ -77,23 +85,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    help="weight dtype (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--cache-dtype", choices=("bf16", "fp8", "fp32"), default=None,
                    help="KV cache dtype (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--backend", choices=("xla", "pallas", "pallas_sm90", "pallas_sm90_fp8qk"), default=None,
-                   help="attention backend (default: pallas_sm90 on Hopper, pallas on other GPUs, xla on CPU)")
+    _add_backend(p)
     p.add_argument("--no-stop", action="store_true", help="do not stop at the model's eos token")
-
-
-def _eos_ids(model_dir: str) -> tuple[int, ...]:
-    import json
-    import os
-
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(model_dir, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                eos = json.load(f).get("eos_token_id")
-            ids += eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
-    return tuple(dict.fromkeys(ids))
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -103,12 +96,13 @@ def _run_generate(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
-    from mla_jax.checkpoint import load_model
+    from mla_jax.checkpoint import eos_token_ids, load_model
+    from mla_jax.dtypes import as_dtype
     from mla_jax.engine import Engine, EngineConfig
     from mla_jax.sampling import SamplingParams
 
     on_cpu = jax.default_backend() == "cpu"
-    dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32, None: jnp.float32 if on_cpu else jnp.bfloat16}[args.dtype]
+    dtype = jnp.dtype(as_dtype(args.dtype or ("fp32" if on_cpu else "bf16")))
     tok = None
     tok_path = os.path.join(args.model, "tokenizer.json")
     if args.prompt is not None:
@@ -131,7 +125,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     cfg, params = load_model(args.model, dtype=dtype)
     load_s = time.perf_counter() - t0
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                        max_new_tokens=args.max_new_tokens, stop_token_ids=() if args.no_stop else _eos_ids(args.model))
+                        max_new_tokens=args.max_new_tokens, stop_token_ids=() if args.no_stop else eos_token_ids(args.model))
     need = len(prompt) + args.max_new_tokens
     max_len = max(64, 1 << (need - 1).bit_length())
     engine = Engine(params, cfg, EngineConfig(
@@ -176,8 +170,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results", help="directory for e2e-h200.json (default bench/results)")
-    p.add_argument("--backend", choices=("xla", "pallas", "pallas_sm90", "pallas_sm90_fp8qk"), default=None,
-                   help="attention backend (default: the engine's for this device)")
+    _add_backend(p)
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--smoke", action="store_true", help="tiny dims: check the benchmark on a CPU")
 

@@ -9,8 +9,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from mla_jax.cli import _eos_ids
-from mla_jax.checkpoint import load_model
+from mla_jax.checkpoint import eos_token_ids, load_model
 from mla_jax.engine import generate
 from mla_jax.sampling import SamplingParams
 
@@ -24,7 +23,7 @@ def main() -> None:
     cfg, params = load_model(DEMO_DIR, dtype=jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
     prompts = ["import os\n\n\ndef list_python_files(root):", "class Stack:\n    def push(self, item):",
                "    for i, line in enumerate("]
-    eos = tuple(_eos_ids(DEMO_DIR))
+    eos = eos_token_ids(DEMO_DIR)
     sampling = [SamplingParams(max_new_tokens=48, stop_token_ids=eos),  # greedy
                 SamplingParams(max_new_tokens=48, temperature=0.7, top_p=0.95, seed=1, stop_token_ids=eos),
                 SamplingParams(max_new_tokens=48, temperature=0.8, top_k=40, seed=2, stop_token_ids=eos)]

@@ -57,8 +57,8 @@ class EngineConfig:
     backend: str | None = None  # None: "pallas_sm90" on Hopper, "pallas" on other GPUs, "xla" on CPU
     batch_invariant: bool = False  # decode with one KV split: outputs independent of the batch
     # MoE expert matmul: "ragged_dot" (XLA) or "pallas" (grouped GEMM kernel). None: "pallas" on GPU, where XLA
-    # lowers ragged_dot to a dense expansion (H200, V2-Lite experts at 32 tokens: 289 vs 976 us,
-    # bench/results/moe-h200.json), "ragged_dot" on CPU, where the kernel would run interpreted.
+    # lowers ragged_dot to a dense expansion over every expert (bench/results/moe-h200.json), "ragged_dot" on
+    # CPU, where the kernel would run interpreted.
     gmm_impl: str | None = None
 
     def resolved(self) -> "EngineConfig":

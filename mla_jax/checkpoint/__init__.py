@@ -5,7 +5,6 @@ either kind, and exporting our params back to HF.
     convert(hf_dir, out_dir, dtype="bf16")          # or: mla-jax convert HF_DIR OUT_DIR
 
 Modules:
-    dtypes    the one table of dtype names (short names and safetensors codes -> numpy dtypes)
     hf        safetensors files and HF directories, tensor by tensor through the `safetensors` library
     fp8       DeepSeek-V3 block-FP8 dequantization
     validate  an HF checkpoint against its config: names, shapes, dtypes, fp8 scales (headers only)
@@ -16,17 +15,16 @@ Modules:
     load      `load_model`, `load_checkpoint`, `abstract_params`, `read_metadata`
     export    our params -> an HF DeepSeek-V3 checkpoint (`export_hf`)
 """
-from mla_jax.checkpoint.dtypes import DTYPES, as_dtype
 from mla_jax.checkpoint.export import export_hf, hf_config_dict, hf_tensors, merge_kv_b_proj
 from mla_jax.checkpoint.fp8 import dequantize_fp8_blocks
-from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError, SafetensorsFile, save_file
+from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError, SafetensorsFile, eos_token_ids, save_file
 from mla_jax.checkpoint.load import abstract_params, is_converted, load_checkpoint, load_model, read_metadata
 from mla_jax.checkpoint.params import build_params, load_hf_checkpoint
 from mla_jax.checkpoint.plan import ConvertError, make_plan
 from mla_jax.checkpoint.validate import hf_tensor_specs
 from mla_jax.checkpoint.write import ConvertResult, convert
 
-__all__ = ["DTYPES", "CheckpointDir", "CheckpointError", "ConvertError", "ConvertResult", "SafetensorsFile",
-           "abstract_params", "as_dtype", "build_params", "convert", "dequantize_fp8_blocks", "export_hf",
+__all__ = ["CheckpointDir", "CheckpointError", "ConvertError", "ConvertResult", "SafetensorsFile",
+           "abstract_params", "build_params", "convert", "dequantize_fp8_blocks", "eos_token_ids", "export_hf",
            "hf_config_dict", "hf_tensor_specs", "hf_tensors", "is_converted", "load_checkpoint", "load_hf_checkpoint",
            "load_model", "make_plan", "merge_kv_b_proj", "read_metadata", "save_file"]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mla_jax.checkpoint.dtypes import DTYPES
+from mla_jax.dtypes import DTYPES
 from mla_jax.checkpoint.hf import save_file
 from mla_jax.checkpoint.validate import hf_tensor_specs
 from mla_jax.config import DeepseekConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mla_jax.checkpoint.dtypes import FP8_E4M3
+from mla_jax.dtypes import FP8_E4M3
 from mla_jax.checkpoint.hf import CheckpointError
 from mla_jax.config import DeepseekConfig
 

@@ -27,7 +27,7 @@ import numpy as np
 import safetensors.numpy
 from safetensors import SafetensorError, safe_open
 
-from mla_jax.checkpoint.dtypes import DTYPES, FP8_E4M3, FP8_E5M2
+from mla_jax.dtypes import DTYPES, FP8_E4M3, FP8_E5M2
 
 Index = tuple[slice, ...]
 
@@ -181,3 +181,17 @@ def save_file(tensors: Mapping[str, np.ndarray], path: str | os.PathLike,
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
+
+
+def eos_token_ids(model_dir: str | os.PathLike) -> tuple[int, ...]:
+    """The end-of-sequence ids of an HF model directory: `eos_token_id` of generation_config.json, then of
+    config.json (an int or a list in either), without repeats; () when neither names one."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+    return tuple(dict.fromkeys(ids))
+

@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from mla_jax.checkpoint.dtypes import FP8_E4M3
+from mla_jax.dtypes import FP8_E4M3
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
 from mla_jax.checkpoint.validate import check_float_dtype, check_tensors

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from mla_jax.checkpoint.dtypes import BF16, F32, as_dtype
+from mla_jax.dtypes import BF16, F32, as_dtype
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, fp8_block, fp8_scale_shape
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
 from mla_jax.checkpoint.validate import IGNORED, check_fp8_scales, check_tensors

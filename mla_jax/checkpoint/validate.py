@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from mla_jax.checkpoint.dtypes import BF16, FP8_E4M3, FP8_E5M2
+from mla_jax.dtypes import BF16, FP8_E4M3, FP8_E5M2
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, fp8_block, fp8_scale_shape
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
 from mla_jax.config import DeepseekConfig

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
-from mla_jax.checkpoint.dtypes import FP8_E4M3, as_dtype
+from mla_jax.dtypes import FP8_E4M3, as_dtype
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block, has_fp8_nan
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
 from mla_jax.checkpoint.layout import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, set_path

@@ -15,7 +15,7 @@ FP8_E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 
 DTYPES: dict[str, np.dtype] = {
     # short names
-    "bf16": BF16, "fp16": F16, "fp32": F32, "fp8": FP8_E4M3,
+    "bf16": BF16, "fp16": F16, "fp32": F32, "fp8": FP8_E4M3, "fp8_e4m3": FP8_E4M3,
     # safetensors header codes
     "F64": np.dtype(np.float64), "F32": F32, "F16": F16, "BF16": BF16, "F8_E4M3": FP8_E4M3, "F8_E5M2": FP8_E5M2,
     "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
