@@ -13,28 +13,19 @@ tiles inside it, masked tiles after it (the causal diagonal, the tail of a seque
 sequence of a q block that straddles a boundary). Head dims that are not powers of two (192 =
 128 + 64) are split into two ref slices and two dots, because Triton tensors must be powers of two.
 
-H200, bf16, q/k 192, v 128, block_q=block_k=128, 8 warps, 2 stages (bench/prefill.py, 2026-11-29):
-causal (B, S, N) = (1, 8192, 128) / (4, 4096, 128) / (8, 2048, 16): 403 / 371 / 285 TFLOP/s, i.e.
-80% / 78% / 69% of cuDNN in the same run (505 / 479 / 413, V padded to 192); varlen mix of 8
-sequences (1121..3885 tokens): 274 vs 314; non-causal chunk (8 x 1024 q vs 4096 k): 372 vs 514.
+Speed on the H200 against cuDNN (bench/prefill.py): docs/perf-notes.md and bench/results/.
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# Finite mask value: -inf would give (-inf) - (-inf) = NaN in the running-max correction.
-_MASK = -0.7 * float(np.finfo(np.float32).max)
-_BIG = 1 << 30  # "no window" sentinel for row bounds (fits int32 arithmetic without overflow)
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+from pallas_kernels.util import (BIG, LN2, LOG2E, MASK_VALUE, cdiv, is_pow2, next_pow2,
+                                 row_windows, validate_prefill)
 
 
 def _pow2_split(d: int) -> tuple[tuple[int, int], ...] | None:
@@ -48,58 +39,6 @@ def _pow2_split(d: int) -> tuple[tuple[int, int], ...] | None:
   return None
 
 
-def _is_pow2(x: int) -> bool:
-  return x > 0 and x & (x - 1) == 0
-
-
-def _validate(q, k, v, q_start_loc, k_start_loc):
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if x.ndim != 3:
-      raise ValueError(f"{name} must be [T, N, H], got shape {x.shape}")
-    if jnp.dtype(x.dtype) not in _DTYPES:
-      raise ValueError(f"{name} dtype must be bfloat16, float16 or float32, got {x.dtype}")
-  if not (q.dtype == k.dtype == v.dtype):
-    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-  if not (q.shape[1] == k.shape[1] == v.shape[1]):
-    raise ValueError(f"head counts differ: q {q.shape}, k {k.shape}, v {v.shape}")
-  if q.shape[2] != k.shape[2]:
-    raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
-  if k.shape[0] != v.shape[0]:
-    raise ValueError(f"k and v token counts differ: k {k.shape}, v {v.shape}")
-  for name, x in (("q_start_loc", q_start_loc), ("k_start_loc", k_start_loc)):
-    if x.ndim != 1 or x.shape[0] < 2:
-      raise ValueError(f"{name} must be i32[S+1] with S >= 1, got shape {x.shape}")
-    if x.dtype != jnp.int32:
-      raise ValueError(f"{name} must be int32, got {x.dtype}")
-  if q_start_loc.shape != k_start_loc.shape:
-    raise ValueError(f"q_start_loc {q_start_loc.shape} and k_start_loc {k_start_loc.shape} "
-                     "must describe the same number of sequences")
-  if q.shape[0] == 0 or k.shape[0] == 0:
-    raise ValueError(f"empty token axis: q {q.shape}, k {k.shape}")
-
-
-def _row_windows(q_start_loc, k_start_loc, tq: int, tk: int, causal: bool):
-  """Per q row, the key rows [lo, hi) it attends to; empty rows get lo=_BIG, hi=0."""
-  qs, ks = q_start_loc, k_start_loc
-  n_seq = qs.shape[0] - 1
-  rows = jnp.arange(tq, dtype=jnp.int32)
-  # qs[s] <= row < qs[s+1]; compare_all is one fusion (the default "scan" is a while loop, which
-  # costs a host round trip per step on GPU).
-  seq = jnp.searchsorted(qs[1:], rows, side="right", method="compare_all").astype(jnp.int32)
-  valid = (rows >= qs[0]) & (seq < n_seq)
-  seq = jnp.minimum(seq, n_seq - 1)
-  q0, q1, k0, k1 = qs[seq], qs[seq + 1], ks[seq], ks[seq + 1]
-  k_len = k1 - k0
-  if causal:
-    n_vis = jnp.clip(k_len - (q1 - q0) + (rows - q0) + 1, 0, k_len)
-  else:
-    n_vis = k_len
-  lo = jnp.clip(k0, 0, tk)
-  hi = jnp.clip(k0 + n_vis, 0, tk)  # clipping keeps bad start locs from reading out of bounds
-  ok = valid & (hi > lo)
-  return jnp.where(ok, lo, _BIG), jnp.where(ok, hi, 0)
-
-
 def _kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale: float, tq: int,
             n_qblocks: int, block_q: int, block_k: int, dq_split, dv: int):
   # f32 inputs: exact f32 dots (the default would be TF32); bf16/f16 use the tensor cores as is.
@@ -107,13 +46,13 @@ def _kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale: fl
   qb = n_qblocks - 1 - pl.program_id(0)
   rows = qb * block_q + jnp.arange(block_q, dtype=jnp.int32)
   in_bounds = rows < tq
-  lo = pltriton.load(lo_ref, mask=in_bounds, other=_BIG)  # [block_q]
+  lo = pltriton.load(lo_ref, mask=in_bounds, other=BIG)  # [block_q]
   hi = pltriton.load(hi_ref, mask=in_bounds, other=0)
   nonempty = lo < hi
-  lo_min = jnp.min(lo)  # empty rows hold lo=_BIG, hi=0, so they drop out of min/max
+  lo_min = jnp.min(lo)  # empty rows hold lo=BIG, hi=0, so they drop out of min/max
   hi_max = jnp.max(hi)
   lo_max = jnp.max(jnp.where(nonempty, lo, 0))
-  hi_min = jnp.min(jnp.where(nonempty, hi, _BIG))
+  hi_min = jnp.min(jnp.where(nonempty, hi, BIG))
   span = jnp.maximum(hi_max - lo_min, 0)
   div = jax.lax.div  # operands are >= 0, so truncation is floor
   n_tiles = div(span + block_k - 1, block_k)
@@ -142,7 +81,7 @@ def _kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale: fl
       s = s + pltriton.dot(qp, kp, trans_b=True, precision=precision)  # [block_q, block_k]
     if masked:
       see = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] < hi[:, None])
-      s = jnp.where(see, s * qk_scale, _MASK)  # log2 domain
+      s = jnp.where(see, s * qk_scale, MASK_VALUE)  # log2 domain
       m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
       p = jnp.exp2(s - m_new[:, None])
     else:
@@ -163,7 +102,7 @@ def _kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale: fl
 
   l_safe = jnp.where(nonempty, l_i, 1.0)
   out = jnp.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
-  lse = jnp.where(nonempty, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+  lse = jnp.where(nonempty, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
   pltriton.store(o_ref, out.astype(o_ref.dtype), mask=in_bounds[:, None])
   pltriton.store(lse_ref, lse, mask=in_bounds)
 
@@ -176,7 +115,7 @@ def _defaults(dtype, dq: int, dv: int, tq: int):
   else:
     bq, bk, warps, stages = 128, 128, 8, 2
   # Don't make tiny problems pay for a big block.
-  bq = max(16, min(bq, pl.next_power_of_2(tq)))
+  bq = max(16, min(bq, next_pow2(tq)))
   return bq, bk, warps, stages
 
 
@@ -191,7 +130,7 @@ def flash_prefill(q, k, v, q_start_loc, k_start_loc, *, causal: bool, scale: flo
   k_start_loc[s+1]). Causal is bottom-right aligned: q row i of a segment sees its first
   k_len - q_len + i + 1 keys. Padding rows, and rows that see no key, get out 0 and lse -inf.
   """
-  _validate(q, k, v, q_start_loc, k_start_loc)
+  validate_prefill(q, k, v, q_start_loc, k_start_loc)
   tq, n, dq = q.shape
   tk, dv = k.shape[0], v.shape[2]
   dq_split = _pow2_split(dq)
@@ -199,7 +138,7 @@ def flash_prefill(q, k, v, q_start_loc, k_start_loc, *, causal: bool, scale: flo
     raise ValueError(f"q/k head dim {dq} must be 2^a or 2^a + 2^b with pieces >= 16")
   if not scale > 0:
     raise ValueError(f"scale must be > 0, got {scale}")
-  if dv < 16 or not _is_pow2(dv):
+  if dv < 16 or not is_pow2(dv):
     raise ValueError(f"v head dim {dv} must be a power of two >= 16")
   d_bq, d_bk, d_warps, d_stages = _defaults(q.dtype, dq, dv, tq)
   block_q = d_bq if block_q is None else block_q
@@ -207,17 +146,17 @@ def flash_prefill(q, k, v, q_start_loc, k_start_loc, *, causal: bool, scale: flo
   num_warps = d_warps if num_warps is None else num_warps
   num_stages = d_stages if num_stages is None else num_stages
   for name, b in (("block_q", block_q), ("block_k", block_k)):
-    if b < 16 or not _is_pow2(b):
+    if b < 16 or not is_pow2(b):
       raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot)")
 
-  lo, hi = _row_windows(q_start_loc, k_start_loc, tq, tk, causal)
+  lo, hi = row_windows(q_start_loc, k_start_loc, tq, tk, causal)
   if tk < block_k:  # tiny inputs: the unmasked tile slice must fit the array even when never run
     k = jnp.pad(k, ((0, block_k - tk), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, block_k - tk), (0, 0), (0, 0)))
     tk = block_k
-  n_qblocks = pl.cdiv(tq, block_q)
+  n_qblocks = cdiv(tq, block_q)
   rev = lambda i: n_qblocks - 1 - i  # noqa: E731  longest causal blocks first
-  kernel = functools.partial(_kernel, qk_scale=float(scale) * _LOG2E, tq=tq, n_qblocks=n_qblocks,
+  kernel = functools.partial(_kernel, qk_scale=float(scale) * LOG2E, tq=tq, n_qblocks=n_qblocks,
                              block_q=block_q, block_k=block_k, dq_split=dq_split, dv=dv)
   out, lse = pl.pallas_call(
       kernel,
@@ -246,7 +185,7 @@ def flash_prefill_reference(q, k, v, q_start_loc, k_start_loc, *, causal: bool, 
                             interpret: bool = False, **tuning):
   """Float32 plain-JAX reference with an explicit [N, Tq, Tk] mask built from segment ids."""
   del interpret, tuning
-  _validate(q, k, v, q_start_loc, k_start_loc)
+  validate_prefill(q, k, v, q_start_loc, k_start_loc)
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   tq, tk = q.shape[0], k.shape[0]
   n_seq = q_start_loc.shape[0] - 1

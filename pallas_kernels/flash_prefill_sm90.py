@@ -1,10 +1,10 @@
 """Varlen flash attention for MLA prefill on Hopper (sm_90): a Mosaic GPU kernel (TMA + wgmma, FA3-style).
 
 Same API and outputs as `pallas_kernels.flash_prefill.flash_prefill` (the Triton-lowered, portable
-kernel), whose float32 reference `flash_prefill_reference` is this kernel's reference too, and whose
-per-row key windows (`_row_windows`) it reuses: sequence membership and bottom-right-aligned causality
-both live in a window [lo, hi) of key rows per query row, so one kernel serves the causal new-token pass
-and the non-causal context-chunk pass (q_start_loc != k_start_loc).
+kernel), whose float32 reference `flash_prefill_reference` is this kernel's reference too. Both take
+their per-row key windows from `pallas_kernels.util.row_windows`: sequence membership and
+bottom-right-aligned causality both live in a window [lo, hi) of key rows per query row, so one kernel
+serves the causal new-token pass and the non-causal context-chunk pass (q_start_loc != k_start_loc).
 
 Shapes: q/k [T, N, Dq] (Dq = P+R = 192 for DeepSeek), v [T, N, V] (128, not padded), ragged sequences
 packed along T; out [Tq, N, V] in q.dtype, lse f32[Tq, N] (natural log).
@@ -53,17 +53,15 @@ start at an 8-aligned base below the tile's first key; the rows before it are ma
 the tail) and row counts that are multiples of 8: token counts that are not cost a padded copy of
 q/k/v and out in the wrapper.
 
-Status: runs correctly under the Mosaic GPU interpreter on CPU (race detector on) and lowers for sm_90
-on CPU (Mosaic GPU's Python passes: layout inference, wgmma/TMA checks). On the H200 (2026-11-29)
-all 12 GPU tests passed, and in two runs it reached 0.97-1.00x cuDNN's useful TFLOP/s on the 128-head
-shapes, 1.14-1.19x at 16 heads and 1.04-1.05x on the varlen mix (bench/results/prefill-h200.json); the
-prefill of the default Hopper backend (mla_jax.attention).
+Testing: the CPU tests run it under the Mosaic GPU interpreter (race detector on) and lower it
+for sm_90 (Mosaic GPU's Python passes: layout inference, wgmma/TMA checks); the `gpu` tests run it
+on the H200. It is the prefill of the default Hopper backend (mla_jax.attention); its speed
+against cuDNN is in docs/perf-notes.md and bench/results/prefill-h200.json.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -71,9 +69,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import copy_zeroing_rows, wgmma_accumulate
-from pallas_kernels.flash_prefill import _BIG, _row_windows, _validate, flash_prefill_reference
-from pallas_kernels.mla_decode_sm90 import _cpu_workers, is_sm90
+from pallas_kernels.flash_prefill import flash_prefill_reference
+from pallas_kernels.mgpu import (SMEM_BYTES, copy_zeroing_rows, interpret_params, smem_bytes,
+                                 static_interpret, tiled, wgmma_accumulate)
+from pallas_kernels.util import (BIG, HALF_DTYPES, LN2, LOG2E, M_INIT, cdiv,
+                                 check_interpreter_workers, is_sm90, row_windows, validate_prefill)
 
 __all__ = ["flash_prefill_sm90", "flash_prefill_reference", "is_sm90", "unsupported_reason",
            "BLOCK_Q"]
@@ -81,11 +81,6 @@ __all__ = ["flash_prefill_sm90", "flash_prefill_reference", "is_sm90", "unsuppor
 BLOCK_Q = 128    # query rows per CTA: two consumer warpgroups of 64 (wgmma M)
 _WG_ROWS = 64
 _CHUNK = 64      # 128-byte swizzle width of bf16/f16: wgmma K step and TMA column chunk
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_M_INIT = -1e30  # finite running-max start: exp2(-inf - m) = 0 and never inf - inf
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_SMEM_BYTES = 227 * 1024  # per-block opt-in shared memory on H100/H200
 _META = 12       # base, n, hi_max, lo_min, then (e0, ja, jb, e1) for each consumer warpgroup
 # (consumer, producer) registers per thread: 2 x 128 x 224 + 128 x 56 = 64512 <= 64K. A consumer
 # holds the [64, V] f32 accumulator (64 at V=128), the [64, BK] f32 logits (64) and its mask/P;
@@ -107,26 +102,18 @@ class _Cfg:
   interpret: bool
 
 
-def _tiled(dtype):
-  elems = 128 // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(128))
-
-
 def _smem_plan(cfg: _Cfg):
   dt = cfg.dtype
   bufs = [
-      plgpu.SMEM((2, cfg.dq // _CHUNK, _WG_ROWS, _CHUNK), dt, transforms=_tiled(dt)),  # Q / out
-      plgpu.SMEM((cfg.stages, cfg.bk, cfg.dq), dt, transforms=_tiled(dt)),            # K ring
-      plgpu.SMEM((cfg.stages, cfg.bk, cfg.dv), dt, transforms=_tiled(dt)),            # V ring
+      plgpu.SMEM((2, cfg.dq // _CHUNK, _WG_ROWS, _CHUNK), dt, transforms=tiled(dt)),  # Q / out
+      plgpu.SMEM((cfg.stages, cfg.bk, cfg.dq), dt, transforms=tiled(dt)),            # K ring
+      plgpu.SMEM((cfg.stages, cfg.bk, cfg.dv), dt, transforms=tiled(dt)),            # V ring
       plgpu.SMEM((2, 2, _WG_ROWS), jnp.int32),                                        # lo, hi
       plgpu.SMEM((2, _WG_ROWS), jnp.float32),                                         # lse
   ]
   if cfg.p_in_smem:
-    bufs.append(plgpu.SMEM((2, _WG_ROWS, cfg.bk), dt, transforms=_tiled(dt)))
-  total = 0
-  for ref in bufs:
-    total = -(-total // 1024) * 1024 + math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
-  return bufs, total + 1024  # + barriers
+    bufs.append(plgpu.SMEM((2, _WG_ROWS, cfg.bk), dt, transforms=tiled(dt)))
+  return bufs, smem_bytes(bufs) + 1024  # + barriers
 
 
 def _kernel(q_gmem, k_gmem, v_gmem, rows_gmem, meta_gmem, out_gmem, lse_gmem, *, cfg: _Cfg):
@@ -240,7 +227,7 @@ def _body(cfg: _Cfg, r):
 
     e0, ja, jb, e1 = (meta[qt, 4 + 4 * wg + i] for i in range(4))
     acc = plgpu.layout_cast(jnp.zeros((_WG_ROWS, cfg.dv), f32), plgpu.Layout.WGMMA)
-    m_i = plgpu.layout_cast(jnp.full((_WG_ROWS,), _M_INIT, f32), row_layout)
+    m_i = plgpu.layout_cast(jnp.full((_WG_ROWS,), M_INIT, f32), row_layout)
     l_i = plgpu.layout_cast(jnp.zeros((_WG_ROWS,), f32), row_layout)
     carry = (acc, m_i, l_i)
     if cfg.sched:
@@ -255,7 +242,7 @@ def _body(cfg: _Cfg, r):
     nonempty = lo < hi
     l_safe = jnp.where(nonempty, l_i, 1.0)
     inv = 1.0 / l_safe
-    lse = jnp.where(nonempty, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+    lse = jnp.where(nonempty, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
     keep = lax.broadcast_in_dim(lo, acc.shape, [0]) < lax.broadcast_in_dim(hi, acc.shape, [0])
     # where, not a multiply: rows that see nothing may hold NaN (NaN padding q in unmasked tiles).
     out = jnp.where(keep, acc * lax.broadcast_in_dim(inv, acc.shape, [0]), 0.0)
@@ -325,11 +312,11 @@ def _tile_meta(lo, hi, n_qtiles: int, bk: int):
   inside every non-empty row's window (no mask), the rest are masked."""
   lo = lo.reshape(n_qtiles, 2, _WG_ROWS)
   hi = hi.reshape(n_qtiles, 2, _WG_ROWS)
-  ne = lo < hi                                                  # empty rows: lo=_BIG, hi=0
-  lo_min = jnp.min(jnp.where(ne, lo, _BIG), axis=-1)            # [n_qtiles, 2]
+  ne = lo < hi                                                  # empty rows: lo=BIG, hi=0
+  lo_min = jnp.min(jnp.where(ne, lo, BIG), axis=-1)             # [n_qtiles, 2]
   hi_max = jnp.max(jnp.where(ne, hi, 0), axis=-1)
   lo_max = jnp.max(jnp.where(ne, lo, 0), axis=-1)
-  hi_min = jnp.min(jnp.where(ne, hi, _BIG), axis=-1)
+  hi_min = jnp.min(jnp.where(ne, hi, BIG), axis=-1)
   any_w = jnp.any(ne, axis=-1)
   any_t = jnp.any(any_w, axis=-1)
   first = jnp.where(any_t, jnp.min(lo_min, axis=-1), 0)         # [n_qtiles]
@@ -355,7 +342,7 @@ def _defaults(p_in_smem: bool):
 def unsupported_reason(q, k, v) -> str | None:
   """None when this kernel takes these (static) shapes and dtypes, else why not; callers fall back
   to the portable `pallas_kernels.flash_prefill` (f32 inputs, head dims not multiples of 64...)."""
-  if jnp.dtype(q.dtype) not in _DTYPES:
+  if jnp.dtype(q.dtype) not in HALF_DTYPES:
     return f"dtype {q.dtype} is not bfloat16 or float16"
   dq, dv = q.shape[-1], v.shape[-1]
   if dq % _CHUNK or dv % _CHUNK or dv > dq or dv > 256:
@@ -365,8 +352,8 @@ def unsupported_reason(q, k, v) -> str | None:
 
 def _validate_sm90(q, k, v, q_start_loc, k_start_loc, scale, interpret, block_q, block_k,
                    num_warps, num_stages, p_in_smem):
-  _validate(q, k, v, q_start_loc, k_start_loc)
-  if jnp.dtype(q.dtype) not in _DTYPES:
+  validate_prefill(q, k, v, q_start_loc, k_start_loc)
+  if jnp.dtype(q.dtype) not in HALF_DTYPES:
     raise ValueError(f"q/k/v dtype must be bfloat16 or float16 for the sm90 kernel, got {q.dtype}")
   dq, dv = q.shape[2], v.shape[2]
   if dq % _CHUNK:
@@ -387,11 +374,7 @@ def _validate_sm90(q, k, v, q_start_loc, k_start_loc, scale, interpret, block_q,
     raise ValueError(f"num_stages must be an int >= 2, got {num_stages}")
   if p_in_smem is not None and not isinstance(p_in_smem, bool):
     raise ValueError(f"p_in_smem must be a bool or None, got {p_in_smem!r}")
-  if interpret and _cpu_workers() < 3:
-    raise ValueError(
-        f"interpret=True needs >= 3 XLA CPU workers (the kernel's 3 warpgroups block in host "
-        f"callbacks at barriers and would deadlock); this process has {_cpu_workers()}: set the "
-        f"environment variable NPROC=8 before JAX creates its CPU client")
+  check_interpreter_workers(interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "block_k",
@@ -400,36 +383,32 @@ def _impl(q, k, v, q_start_loc, k_start_loc, *, causal, scale, interpret, block_
           p_in_smem, schedule_barrier):
   tq, n, dq = q.shape
   tk, dv = k.shape[0], v.shape[2]
-  n_qtiles = -(-tq // BLOCK_Q)
+  n_qtiles = cdiv(tq, BLOCK_Q)
   tq_pad = n_qtiles * BLOCK_Q
   cfg = _Cfg(dq=dq, dv=dv, bk=block_k, stages=num_stages, n_qtiles=n_qtiles,
-             qk_scale=float(scale) * _LOG2E, dtype=jnp.dtype(q.dtype), p_in_smem=p_in_smem,
+             qk_scale=float(scale) * LOG2E, dtype=jnp.dtype(q.dtype), p_in_smem=p_in_smem,
              sched=schedule_barrier, interpret=bool(interpret))
   _, smem = _smem_plan(cfg)
-  if smem > _SMEM_BYTES:
+  if smem > SMEM_BYTES:
     raise ValueError(f"block_k={block_k}, num_stages={num_stages} (p_in_smem={p_in_smem}) need "
-                     f"{smem} B of shared memory per CTA; {_SMEM_BYTES} B are available")
+                     f"{smem} B of shared memory per CTA; {SMEM_BYTES} B are available")
 
   # Row windows of the padded q tiles (rows past Tq see nothing); [2, Tq'] so that one TMA brings a
   # warpgroup's lo and hi (Tq' * 4 bytes is a multiple of 16, as TMA strides must be).
-  lo, hi = _row_windows(q_start_loc, k_start_loc, tq_pad, tk, causal)
+  lo, hi = row_windows(q_start_loc, k_start_loc, tq_pad, tk, causal)
   rows = jnp.stack([lo, hi])
   meta = _tile_meta(lo, hi, n_qtiles, block_k)
   # TMA zero-fills reads and drops writes past the end of an array, but Mosaic GPU's TMA into 8-row
   # tiled (swizzled) shared memory needs row counts that are multiples of 8, and a window no larger
   # than the array: other token counts cost a padded copy (pad T to 8 upstream to avoid it).
-  tq_k = max(-(-tq // 8) * 8, _WG_ROWS)
-  tk_k = max(-(-tk // 8) * 8, block_k)
+  tq_k = max(cdiv(tq, 8) * 8, _WG_ROWS)
+  tk_k = max(cdiv(tk, 8) * 8, block_k)
   if tq_k != tq:
     q = jnp.pad(q, ((0, tq_k - tq), (0, 0), (0, 0)))
   if tk_k != tk:
     k = jnp.pad(k, ((0, tk_k - tk), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, tk_k - tk), (0, 0), (0, 0)))
 
-  params = None
-  if interpret:
-    params = interpret if isinstance(interpret, plgpu.InterpretGPUParams) else (
-        plgpu.InterpretGPUParams())
   out, lse = plgpu.kernel(
       functools.partial(_kernel, cfg=cfg),
       out_type=(jax.ShapeDtypeStruct((tq_k, n, dv), q.dtype),
@@ -440,7 +419,7 @@ def _impl(q, k, v, q_start_loc, k_start_loc, *, causal, scale, interpret, block_
       thread_name="wg",
       # Row reductions of the WGMMA layout stay within a warp: no cross-warp reduction scratch.
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-      interpret=params,
+      interpret=interpret_params(interpret),
       kernel_name=(f"flash_prefill_sm90_bq{BLOCK_Q}_bk{block_k}_s{num_stages}"
                    f"{'_psmem' if p_in_smem else ''}{'_sched' if schedule_barrier else ''}"),
   )(q, k, v, rows, meta)
@@ -488,7 +467,6 @@ def flash_prefill_sm90(
   block_k = d_bk if block_k is None else block_k
   num_stages = (d_stages if block_k == d_bk else 2) if num_stages is None else num_stages
   return _impl(q, k, v, q_start_loc, k_start_loc, causal=bool(causal), scale=float(scale),
-               interpret=interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-               else bool(interpret),
-               block_k=int(block_k), num_stages=int(num_stages), p_in_smem=p_in_smem,
+               interpret=static_interpret(interpret), block_k=int(block_k),
+               num_stages=int(num_stages), p_in_smem=p_in_smem,
                schedule_barrier=bool(schedule_barrier))

@@ -11,8 +11,8 @@ the data movement:
 - "pallas": a Triton kernel, `block_rows` workspace rows per program, the row's C = L + R columns
   loaded as power-of-two pieces (576 = 512 + 64) with the slot vector as an integer-array index.
 
-H200, W = 65536 rows of 576, page 64 (bench/prefill.py, bytes read + written): bf16 cache pallas
-58 us / 2.6 TB/s vs xla 76 us / 2.0 TB/s; fp8 cache -> bf16 pallas 51 us / 2.2 TB/s vs xla 84 us.
+On the H200 "pallas" is the faster for bf16 and fp8 caches (bench/prefill.py; measured figures in
+docs/perf-notes.md and bench/results/prefill-h200.json).
 """
 from __future__ import annotations
 
@@ -23,17 +23,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-_CACHE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32),
-                 jnp.dtype(jnp.float8_e4m3fn))
-_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+from pallas_kernels.util import CACHE_DTYPES, FLOAT_DTYPES, FP8, cdiv
 
 
 def _validate(cache, block_table, chunk_starts, cu_chunk_lens, workspace_rows, kv_scale, out_dtype):
   if cache.ndim != 3:
     raise ValueError(f"kv_c_and_k_pe_cache must be [num_pages, G, L+R], got shape {cache.shape}")
-  if jnp.dtype(cache.dtype) not in _CACHE_DTYPES:
+  if jnp.dtype(cache.dtype) not in CACHE_DTYPES:
     raise ValueError(f"cache dtype must be bf16/f16/f32/float8_e4m3fn, got {cache.dtype}")
-  if jnp.dtype(out_dtype) not in _OUT_DTYPES:
+  if jnp.dtype(out_dtype) not in FLOAT_DTYPES:
     raise ValueError(f"out_dtype must be bf16/f16/f32, got {out_dtype}")
   if block_table.ndim != 2 or block_table.dtype != jnp.int32:
     raise ValueError(f"block_table must be i32[S, max_pages], got {block_table.dtype}"
@@ -47,7 +45,7 @@ def _validate(cache, block_table, chunk_starts, cu_chunk_lens, workspace_rows, k
                      f"{cu_chunk_lens.shape}")
   if not isinstance(workspace_rows, int) or workspace_rows < 1:
     raise ValueError(f"workspace_rows must be a positive int, got {workspace_rows!r}")
-  is_fp8 = jnp.dtype(cache.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+  is_fp8 = jnp.dtype(cache.dtype) == FP8
   if is_fp8 and kv_scale is None:
     raise ValueError("an fp8 cache needs kv_scale f32[num_pages, G]")
   if kv_scale is not None:
@@ -128,7 +126,7 @@ def _gather_cache(cache, block_table, chunk_starts, cu_chunk_lens, kv_scale, *, 
   return pl.pallas_call(
       functools.partial(_gather_kernel, n_slots=n_pages * page, w=workspace_rows,
                         block=block_rows, pieces=pieces, has_scale=has_scale),
-      grid=(pl.cdiv(workspace_rows, block_rows),),
+      grid=(cdiv(workspace_rows, block_rows),),
       in_specs=in_specs,
       out_specs=pl.BlockSpec((block_rows, c), lambda i: (i, 0)),
       out_shape=jax.ShapeDtypeStruct((workspace_rows, c), out_dtype),

@@ -38,7 +38,8 @@ row tiles (16) and narrow N blocks, and optionally `num_k_splits` > 1, which wri
 Triton constraints: every load/store is a power of two in size, so block sizes are (M, N and K are
 arbitrary: edges are masked); dots need M, N, K >= 16; dot operands share one dtype.
 
-Status: CPU-tested in interpret mode only; H200 numbers come from bench/moe.py (not yet run).
+Tests: interpret mode on CPU, the compiled kernel with `-m gpu`; H200 numbers: bench/moe.py,
+docs/perf-notes.md and bench/results/moe-h200.json.
 """
 from __future__ import annotations
 
@@ -50,12 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._util import cdiv as _cdiv
-from pallas_kernels._util import is_pow2 as _is_pow2
-from pallas_kernels._util import next_pow2 as _next_pow2
-from pallas_kernels._util import num_sms
-
-_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+from pallas_kernels.util import FLOAT_DTYPES, cdiv, is_pow2, next_pow2, num_sms
 
 
 def _validate(lhs, rhs, group_sizes, transpose_rhs, block_m, block_n, block_k, num_warps,
@@ -70,7 +66,7 @@ def _validate(lhs, rhs, group_sizes, transpose_rhs, block_m, block_n, block_k, n
   if stacked:
     _check_rhs_index(rhs_index, rhs.shape[0])
     rhs = jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype)  # one layer, for the checks below
-  if jnp.dtype(lhs.dtype) not in _DTYPES:
+  if jnp.dtype(lhs.dtype) not in FLOAT_DTYPES:
     raise ValueError(f"lhs dtype must be bfloat16, float16 or float32, got {lhs.dtype}")
   if lhs.dtype != rhs.dtype:
     raise ValueError(f"lhs and rhs dtypes differ: {lhs.dtype} vs {rhs.dtype} (cast one first)")
@@ -89,7 +85,7 @@ def _validate(lhs, rhs, group_sizes, transpose_rhs, block_m, block_n, block_k, n
   if jnp.dtype(group_sizes.dtype) != jnp.int32:
     raise ValueError(f"group_sizes dtype must be int32, got {group_sizes.dtype}")
   for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-    if b is not None and not (_is_pow2(b) and b >= 16):
+    if b is not None and not (is_pow2(b) and b >= 16):
       raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot)")
   if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
     raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
@@ -97,7 +93,8 @@ def _validate(lhs, rhs, group_sizes, transpose_rhs, block_m, block_n, block_k, n
     raise ValueError(f"num_stages must be a positive int, got {num_stages}")
   if num_k_splits is not None and not (isinstance(num_k_splits, int) and num_k_splits >= 1):
     raise ValueError(f"num_k_splits must be a positive int, got {num_k_splits}")
-  if preferred_element_type is not None and jnp.dtype(preferred_element_type) not in _DTYPES:
+  if (preferred_element_type is not None
+      and jnp.dtype(preferred_element_type) not in FLOAT_DTYPES):
     raise ValueError("preferred_element_type must be None, bfloat16, float16 or float32, got "
                      f"{preferred_element_type}")
 
@@ -129,7 +126,7 @@ def default_tuning(m: int, n: int, k: int, g: int, dtype, sms: int | None = None
   - prefill: 128 x 128 x 64 tiles, 8 warps, 3 stages (32 KB of bf16 operands per stage).
   float32 (tests, not a fast path) uses smaller tiles for registers and shared memory.
   """
-  bm = min(128, max(16, _next_pow2(_cdiv(m, g))))
+  bm = min(128, max(16, next_pow2(cdiv(m, g))))
   if jnp.dtype(dtype) == jnp.float32:
     bm, bn, bk, warps, stages = min(bm, 64), 64, 32, 4, 2
   elif bm <= 32:
@@ -137,13 +134,13 @@ def default_tuning(m: int, n: int, k: int, g: int, dtype, sms: int | None = None
   else:
     bn, bk, warps, stages = 128, 64, 8, 3
   # Don't make tiny problems pay for big blocks.
-  bn = max(16, min(bn, _next_pow2(n)))
-  bk = max(16, min(bk, _next_pow2(k)))
+  bn = max(16, min(bn, next_pow2(n)))
+  bk = max(16, min(bk, next_pow2(k)))
   splits = 1
   if bm <= 32:
     sms = num_sms() if sms is None else sms
-    best_case_programs = min(g, m) * _cdiv(n, bn)
-    steps = _cdiv(k, bk)
+    best_case_programs = min(g, m) * cdiv(n, bn)
+    steps = cdiv(k, bk)
     while best_case_programs * splits < sms and splits * 2 <= min(8, steps // 4):
       splits *= 2
   return bm, bn, bk, warps, stages, splits
@@ -165,7 +162,7 @@ def work_items(group_sizes, m: int, block_m: int):
   first = seg_lo // block_m
   count = jnp.where(seg_hi > seg_lo, (seg_hi - 1) // block_m - first + 1, 0)
   cum = jnp.cumsum(count)  # inclusive
-  num_items = _cdiv(m, block_m) + min(g, m)
+  num_items = cdiv(m, block_m) + min(g, m)
   w = jnp.arange(num_items, dtype=jnp.int32)
   # compare_all is one fusion; the default "scan" is a while loop (a host round trip per step).
   seg = jnp.searchsorted(cum, w, side="right", method="compare_all").astype(jnp.int32)
@@ -272,8 +269,8 @@ def _gmm_impl(lhs, rhs, group_sizes, layer, *, transpose_rhs, interpret, block_m
     n = block_n
   tile, lo, hi, grp = work_items(group_sizes, m, block_m)
   num_items = tile.shape[0]
-  steps_per_split = _cdiv(_cdiv(k, block_k), num_k_splits)
-  splits = _cdiv(_cdiv(k, block_k), steps_per_split)  # no empty splits
+  steps_per_split = cdiv(cdiv(k, block_k), num_k_splits)
+  splits = cdiv(cdiv(k, block_k), steps_per_split)  # no empty splits
   part_dtype = out_dtype if splits == 1 else jnp.float32
   precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None  # exact f32, not TF32
   kernel = functools.partial(
@@ -283,7 +280,7 @@ def _gmm_impl(lhs, rhs, group_sizes, layer, *, transpose_rhs, interpret, block_m
   whole = lambda shape: pl.BlockSpec(shape, lambda j, i, s: (0,) * len(shape))  # noqa: E731
   out = pl.pallas_call(
       kernel,
-      grid=(_cdiv(n, block_n), num_items, splits),
+      grid=(cdiv(n, block_n), num_items, splits),
       # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
       # kernel offsets by its work item itself.
       in_specs=[whole((num_items,))] * 4 + [whole((1,)), whole(lhs.shape), whole(rhs.shape)],
@@ -328,7 +325,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = True, interpr
   bm, bn, bk, warps, stages, splits = (d[i] if v is None else v for i, v in enumerate(
       (block_m, block_n, block_k, num_warps, num_stages, num_k_splits)))
   # No block larger than its (power-of-two rounded) dimension: it would only compute padding.
-  bm, bn, bk = (min(b, max(16, _next_pow2(x))) for b, x in ((bm, m), (bn, n), (bk, k)))
+  bm, bn, bk = (min(b, max(16, next_pow2(x))) for b, x in ((bm, m), (bn, n), (bk, k)))
   out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
   layer = (jnp.zeros((1,), jnp.int32) if rhs_index is None else
            jnp.clip(jnp.asarray(rhs_index, jnp.int32), 0, rhs.shape[0] - 1).reshape(1))

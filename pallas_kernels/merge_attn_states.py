@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+from pallas_kernels.util import FLOAT_DTYPES, cdiv
 
 
 def _validate(prefix_output, prefix_lse, suffix_output, suffix_lse):
@@ -33,7 +33,7 @@ def _validate(prefix_output, prefix_lse, suffix_output, suffix_lse):
                      f"{prefix_output.shape}")
   if suffix_output.dtype != prefix_output.dtype:
     raise ValueError(f"output dtypes differ: {prefix_output.dtype} vs {suffix_output.dtype}")
-  if jnp.dtype(prefix_output.dtype) not in _DTYPES:
+  if jnp.dtype(prefix_output.dtype) not in FLOAT_DTYPES:
     raise ValueError(f"output dtype must be bfloat16, float16 or float32, got {prefix_output.dtype}")
   for name, lse in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
     if lse.shape != prefix_output.shape[:2]:
@@ -94,7 +94,7 @@ def _merge_pallas(prefix_output, prefix_lse, suffix_output, suffix_lse, *, block
   rows = t * n
   po = prefix_output.reshape(rows, dv)  # free: contiguous
   so = suffix_output.reshape(rows, dv)
-  grid = (pl.cdiv(rows, block_rows),)
+  grid = (cdiv(rows, block_rows),)
   row_spec = pl.BlockSpec((block_rows, dv), lambda i: (i, 0))
   lse_spec = pl.BlockSpec((block_rows,), lambda i: (i,))
   out, lse = pl.pallas_call(
@@ -115,9 +115,9 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *, i
                       interpret: bool = False, block_rows: int = 16, num_warps: int = 4):
   """(output [T, N, V] in the inputs' dtype, lse f32[T, N]) of attention over both key sets.
 
-  impl "auto" is "pallas" on GPU and "xla" elsewhere. H200, T=16384 N=128 V=128 bf16, two runs:
-  pallas 4.08-4.16 TB/s (0.96-0.98 of the torch copy ceiling), XLA's fusion 3.85-3.96 TB/s
-  (0.90-0.93); block_rows 16-64 with num_warps 2-8 are all within 2% (bench/prefill.py --sweep).
+  impl "auto" is "pallas" on GPU (on the H200 it is closer to the copy ceiling than XLA's fusion,
+  and block_rows 16-64 with num_warps 2-8 are all within 2%: bench/prefill.py --sweep,
+  docs/perf-notes.md) and "xla" elsewhere.
   """
   _validate(prefix_output, prefix_lse, suffix_output, suffix_lse)
   if impl == "auto":

@@ -20,36 +20,23 @@ upcast to the compute dtype, and the per-token dequant scale is applied to logit
 (fp8_mode="scale_logits", default: block_h x block_kv multiplies instead of block_kv x (L+R)), or to
 the upcast tile (fp8_mode="dequant_tile").
 
-Status on H200 (bench/decode.py, 2026-11-29): bf16 N=16 reaches 60-80% of copy bandwidth, N=128
-189-223 TFLOP/s, 6-9x faster than the XLA path; its 7 GPU tests pass. The fp8 path is 1.8-2.5x SLOWER
-than bf16: Triton upcasts the fp8 tile through extra shared-memory copies/layout conversions (compile
-time 8 s vs 1 s shows it), so reading half the bytes does not pay yet.
+The fp8 path is slower than bf16 on the H200 although it reads half the bytes: Triton upcasts the
+fp8 tile through extra shared-memory copies and layout conversions (its compile time shows it).
+Measured speed of both, against the copy/matmul ceilings and the XLA path: docs/perf-notes.md and
+bench/results/decode-h200.json.
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._util import cdiv as _cdiv
-from pallas_kernels._util import is_pow2 as _is_pow2
-from pallas_kernels._util import next_pow2 as _next_pow2
-from pallas_kernels._util import num_sms
-
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-# Finite start for the running max: masked logits are -inf, so exp2(-inf - m) = 0 and
-# exp2(m_prev - m_next) never sees inf - inf, even for rows with no valid token.
-_M_INIT = -1e30
-_FP8 = jnp.dtype(jnp.float8_e4m3fn)
-_Q_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
-_CACHE_DTYPES = _Q_DTYPES + (_FP8,)
+from pallas_kernels.util import (FP8, LN2, LOG2E, M_INIT, cdiv, next_pow2, num_sms,
+                                 validate_decode)
 
 
 def choose_num_kv_splits(batch: int, rows_per_request: int, max_seq_len: int, num_sms: int) -> int:
@@ -59,28 +46,24 @@ def choose_num_kv_splits(batch: int, rows_per_request: int, max_seq_len: int, nu
   programs the batch already provides (batch x head blocks), and every extra split costs a partial
   [block_h, L] f32 write + merge read and a pipeline prologue. So: split only until the programs
   reach a target number of waves, with a floor on tokens per split. Both depend on the regime
-  (H200 sweep, page 64, bf16):
+  (H200 sweeps, page 64, bf16; the timings are in docs/perf-notes.md):
   - rows_per_request <= 32 (e.g. N=16): memory-bound, one big-tile program per SM, so
     over-subscribe ~4 waves for latency hiding and ragged-length balance, down to ~256 tokens per
-    split ((64,16,4096): 9-10 splits 120-132 us vs 5 splits 149 us; (128,16,8192): 5-6 splits
-    347-361 us vs 3 splits 425 us, 12 splits 390 us).
+    split.
   - more rows (N=128): compute-bound with two head blocks re-reading K from L2; ~2 waves suffice,
-    and more splits (or < 512 tokens per split, vLLM's floor) only add merge traffic
-    ((64,128,4096): 1-3 splits 420 us, 6 splits 468 us; (1,128,32768): 64 splits 77-82 us,
-    32 splits 129 us, 128 splits 92-111 us).
-  - one memory-bound request: down to 128 tokens per split while the splits fit one per SM (H200,
-    GPU time per call, which launch overhead hides in wall time at batch 1: (1,16,4096) 16 splits
-    13.7 us, 32-128 splits 10.9 us; (1,16,32768) 128 splits 22.5 us, 256 splits 26.9 us).
+    and more splits (or < 512 tokens per split, vLLM's floor) only add merge traffic.
+  - one memory-bound request: down to 128 tokens per split while the splits fit one per SM (judged
+    by GPU time per call, which launch overhead hides in wall time at batch 1).
   """
-  head_blocks = max(1, _cdiv(rows_per_request, 64))
+  head_blocks = max(1, cdiv(rows_per_request, 64))
   programs = max(1, batch) * head_blocks
   memory_bound = rows_per_request <= 32
   waves = 4 if memory_bound else 2
   floor = 512 if not memory_bound else 128 if programs == 1 else 256
-  ideal = _next_pow2(max(1, max_seq_len // floor))
+  ideal = next_pow2(max(1, max_seq_len // floor))
   if memory_bound and programs == 1:
-    ideal = min(ideal, max(1, _next_pow2(num_sms + 1) // 2))   # one split per SM at most
-  fill = _cdiv(waves * num_sms, programs)
+    ideal = min(ideal, max(1, next_pow2(num_sms + 1) // 2))   # one split per SM at most
+  fill = cdiv(waves * num_sms, programs)
   return int(max(1, min(ideal, fill, 2 * num_sms)))
 
 
@@ -90,15 +73,15 @@ def _default_tuning(m_rows, l, r, cache_dtype, compute_dtype, block_h, block_kv,
   if block_h is None:
     # Up to 64 rows per program: a [64, L] f32 accumulator already takes 128 registers/thread at 8
     # warps; 128 rows would spill. Fewer rows when the request has fewer (pad to >= 16 for the dot).
-    block_h = min(64, max(16, _next_pow2(m_rows)))
-  is_fp8 = jnp.dtype(cache_dtype) == _FP8
+    block_h = min(64, max(16, next_pow2(m_rows)))
+  is_fp8 = jnp.dtype(cache_dtype) == FP8
   if block_kv is None:
     if block_h >= 64:
       # q [64, L+R] stays in shared memory (72 KB) next to the K tiles; an upcast fp8 tile needs
       # its own bf16 copies (fp8 with 64 tokens asked for 242 KB, 128 tokens 410 KB).
       block_kv = 32 if is_fp8 or jnp.dtype(compute_dtype).itemsize == 4 else 64
     elif is_fp8:
-      block_kv = 64  # (128,16,8192) fp8: 869 us at 64 tokens, 1437 us at 128 (upcast cost)
+      block_kv = 64  # (128,16,8192) fp8: 64 tokens 1.6x faster than 128 (upcast cost)
     else:
       block_kv = 128  # N=16 bf16: 128 tokens per step beat 64 by 8-15%
   if num_warps is None:
@@ -108,77 +91,6 @@ def _default_tuning(m_rows, l, r, cache_dtype, compute_dtype, block_h, block_kv,
   if fp8_mode is None:
     fp8_mode = "scale_logits"
   return block_h, block_kv, num_warps, num_stages, fp8_mode
-
-
-def _validate(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
-              block_h, block_kv, num_warps, num_stages, fp8_mode=None, *, for_kernel=True):
-  """`for_kernel=False` (the reference) accepts any L, R and page size; Triton needs powers of two >= 16."""
-  if not hasattr(q, "ndim") or q.ndim != 4:
-    raise ValueError(f"q must be [B, Q, N, L+R], got shape {getattr(q, 'shape', None)}")
-  if jnp.dtype(q.dtype) not in _Q_DTYPES:
-    raise ValueError(f"q dtype must be bfloat16, float16 or float32, got {q.dtype}")
-  b, nq, n, d = q.shape
-  l = kv_lora_rank
-  r = d - l
-  if not (isinstance(l, (int, np.integer)) and 0 < l < d):
-    raise ValueError(f"kv_lora_rank must be an int in (0, {d}), got {kv_lora_rank}")
-  if for_kernel and not (_is_pow2(int(l)) and l >= 16):
-    raise ValueError(f"kv_lora_rank must be a power of two >= 16, got {kv_lora_rank}")
-  if for_kernel and not (_is_pow2(r) and r >= 16):
-    raise ValueError(
-        f"q last dim {d} minus kv_lora_rank {l} = rope dim {r} must be a power of two >= 16")
-  if b < 1 or nq < 1 or n < 1:
-    raise ValueError(f"q has an empty dimension: shape {q.shape}")
-  if cache.ndim != 3:
-    raise ValueError(f"kv_c_and_k_pe_cache must be [num_pages, G, L+R], got shape {cache.shape}")
-  num_pages, g, dc = cache.shape
-  if dc != d:
-    raise ValueError(f"kv_c_and_k_pe_cache last dim {dc} != q last dim {d} (L+R)")
-  if for_kernel and not _is_pow2(g):
-    raise ValueError(f"kv_c_and_k_pe_cache page size G={g} must be a power of two")
-  if num_pages < 1:
-    raise ValueError("kv_c_and_k_pe_cache has no pages")
-  cdt = jnp.dtype(cache.dtype)
-  if cdt not in _CACHE_DTYPES:
-    raise ValueError(f"kv_c_and_k_pe_cache dtype must be bf16/f16/f32/float8_e4m3fn, got {cdt}")
-  if cdt == _FP8:
-    if kv_scale is None:
-      raise ValueError("kv_scale is required when kv_c_and_k_pe_cache is float8_e4m3fn")
-    if kv_scale.shape != (num_pages, g):
-      raise ValueError(f"kv_scale must be [num_pages, G] = {(num_pages, g)}, got {kv_scale.shape}")
-    if jnp.dtype(kv_scale.dtype) != jnp.float32:
-      raise ValueError(f"kv_scale dtype must be float32, got {kv_scale.dtype}")
-  elif kv_scale is not None:
-    raise ValueError(f"kv_scale is only for a float8_e4m3fn cache; the cache is {cdt}")
-  if block_table.ndim != 2 or block_table.shape[0] != b:
-    raise ValueError(f"block_table must be i32[B={b}, max_pages], got shape {block_table.shape}")
-  if jnp.dtype(block_table.dtype) != jnp.int32:
-    raise ValueError(f"block_table dtype must be int32, got {block_table.dtype}")
-  max_pages = block_table.shape[1]
-  if max_pages < 1:
-    raise ValueError("block_table must have at least one page column")
-  if max_pages * g >= 2**31 or num_pages * g >= 2**31:  # token and row indices are int32
-    raise ValueError(f"block_table width {max_pages} or num_pages {num_pages} x page size {g} "
-                     "exceeds int32 token indexing")
-  if seq_lens.shape != (b, nq):
-    raise ValueError(f"seq_lens must be i32[B, Q] = {(b, nq)}, got shape {seq_lens.shape}")
-  if jnp.dtype(seq_lens.dtype) != jnp.int32:
-    raise ValueError(f"seq_lens dtype must be int32, got {seq_lens.dtype}")
-  if num_kv_splits is not None and not (isinstance(num_kv_splits, (int, np.integer))
-                                        and num_kv_splits >= 1):
-    raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits}")
-  if not isinstance(scale, (float, int, np.floating)):
-    raise ValueError(f"scale must be a static Python float, got {type(scale).__name__}")
-  if block_h is not None and not (_is_pow2(block_h) and block_h >= 16):
-    raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
-  if block_kv is not None and not (_is_pow2(block_kv) and block_kv >= 16):
-    raise ValueError(f"block_kv must be a power of two >= 16, got {block_kv}")
-  if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
-    raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
-  if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
-    raise ValueError(f"num_stages must be a positive int, got {num_stages}")
-  if fp8_mode not in (None, "scale_logits", "dequant_tile"):
-    raise ValueError(f"fp8_mode must be 'scale_logits' or 'dequant_tile', got {fp8_mode!r}")
 
 
 def _stage1_kernel(
@@ -203,7 +115,7 @@ def _stage1_kernel(
 
   q_nope = q_ref[:, pl.ds(0, l)].astype(compute_dtype)  # [block_h, L]
   q_pe = q_ref[:, pl.ds(l, r)].astype(compute_dtype)    # [block_h, R]
-  qk_scale = sm_scale * _LOG2E                         # logits in log2 units for exp2
+  qk_scale = sm_scale * LOG2E                         # logits in log2 units for exp2
   cols_nope = jnp.arange(l, dtype=jnp.int32)[None, :]
   cols_pe = l + jnp.arange(r, dtype=jnp.int32)[None, :]
 
@@ -249,14 +161,14 @@ def _stage1_kernel(
     return acc * alpha[:, None] + pv, m_next, l_next
 
   acc = jnp.zeros((block_h, l), jnp.float32)
-  m_i = jnp.full((block_h,), _M_INIT, jnp.float32)
+  m_i = jnp.full((block_h,), M_INIT, jnp.float32)
   l_i = jnp.zeros((block_h,), jnp.float32)
   acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
 
   has = l_i > 0
   inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
   o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * _LN2, -jnp.inf)
+  lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
 
 
 def merge_splits_reference(o_part, lse_part):
@@ -310,9 +222,10 @@ def _merge_splits_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, s
 def merge_splits(o_part, lse_part, *, out_dtype=jnp.float32, interpret=False):
   """`merge_splits_reference` as one Pallas kernel: (out [B, M, L] out_dtype, lse f32[B, M]) from
   o_part f32[B, S, M, L], lse_part f32[B, S, M]. One launch and one pass over the partials, where
-  XLA's version takes 5-7 kernels (about 15 us of a 45 us decode at (1, 128, 32k) on the H200)."""
+  XLA's version takes 5-7 kernels, a third of a short many-split decode such as (1, 128, 32k) on
+  the H200 (docs/perf-notes.md)."""
   b, splits, m, l = o_part.shape
-  s_pad = pl.next_power_of_2(splits)
+  s_pad = next_pow2(splits)
   if l & (l - 1):   # Triton tiles are powers of two
     out, lse = merge_splits_reference(o_part, lse_part)
     return out.astype(out_dtype), lse
@@ -426,9 +339,9 @@ def merge_segments(out, lse, o_part, lse_part, seg_first, seg_count, *, max_segm
                    interpret=False):
   """`merge_segments_reference` as one Pallas kernel, in place: (out [U, M, L], lse f32[U, M]) with
   each split tile (seg_count >= 2) replaced by the LSE merge of its slots of o_part f32[P * M, L],
-  lse_part f32[P * M]. Replaces the work-list merge's XLA segment_sum (76-79 us on the H200: it
-  scatters ~23 MB over every slot and tile; this kernel: 8.2 us at (1, 128, 32768)): one launch
-  that reads only live split slots and writes only split tiles. out/lse are aliased to the
+  lse_part f32[P * M]. Replaces the work-list merge's XLA segment_sum (it scatters ~23 MB over
+  every slot and tile; ~9x slower on the H200, docs/perf-notes.md): one launch that reads only
+  live split slots and writes only split tiles. out/lse are aliased to the
   outputs: where out is dead after the call (the sm90 decode) unsplit tiles are neither read nor
   copied; a standalone call copies out once.
 
@@ -446,7 +359,7 @@ def merge_segments(out, lse, o_part, lse_part, seg_first, seg_count, *, max_segm
   n_split = min(u, slots // 2)
   if l & (l - 1) or n_split == 0:   # Triton tiles are powers of two
     return merge_segments_reference(out, lse, o_part, lse_part, seg_first, seg_count)
-  s_pad = pl.next_power_of_2(max(max_segment, 1))
+  s_pad = next_pow2(max(max_segment, 1))
   chunk = min(s_pad, _SEG_CHUNK)
   block_l = min(l, max(16, _MERGE_TILE // chunk))
   # The r-th split tile (U: padding), its first slot and its segment count (0: padding).
@@ -489,7 +402,7 @@ def _mla_decode_impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lor
   max_pages = block_table.shape[1]
   capacity = max_pages * g
   m_rows = nq * n
-  is_fp8 = jnp.dtype(cache.dtype) == _FP8
+  is_fp8 = jnp.dtype(cache.dtype) == FP8
   compute_dtype = q.dtype if is_fp8 else jnp.promote_types(q.dtype, cache.dtype)
   block_h, block_kv, num_warps, num_stages, fp8_mode = _default_tuning(
       m_rows, l, r, cache.dtype, compute_dtype, block_h, block_kv, num_warps, num_stages,
@@ -503,11 +416,11 @@ def _mla_decode_impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lor
   else:
     num_splits = choose_num_kv_splits(b, m_rows, capacity, num_sms())
   align = max(g, block_kv)
-  split_tokens = _cdiv(_cdiv(capacity, num_splits), align) * align
-  num_splits = _cdiv(capacity, split_tokens)
+  split_tokens = cdiv(cdiv(capacity, num_splits), align) * align
+  num_splits = cdiv(capacity, split_tokens)
 
   # Fold (Q, N) into rows; pad rows to a multiple of block_h (padding rows get length 0).
-  m_pad = _cdiv(m_rows, block_h) * block_h
+  m_pad = cdiv(m_rows, block_h) * block_h
   q_rows = q.reshape(b, m_rows, d)                                     # [B, M, L+R]
   row_lens = jnp.repeat(seq_lens, n, axis=1)                           # [B, M]: row t*N+n -> t
   if m_pad != m_rows:
@@ -590,8 +503,8 @@ def mla_decode(
   per step (pow2 >= 16, independent of the page size), num_warps, num_stages (Triton pipelining),
   fp8_mode: "scale_logits" (per-token scale on logits and p) or "dequant_tile" (scale the upcast tile).
   """
-  _validate(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits,
-            scale, block_h, block_kv, num_warps, num_stages, fp8_mode)
+  validate_decode(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank,
+                  num_kv_splits, scale, block_h, block_kv, num_warps, num_stages, fp8_mode)
   return _mla_decode_impl(
       q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, scale=float(scale),
       kv_lora_rank=int(kv_lora_rank), num_kv_splits=num_kv_splits,
@@ -606,8 +519,8 @@ def mla_decode_reference(
 ):
   """Float32 reference on rows gathered per request (un-paged). Same signature and outputs."""
   del num_kv_splits, batch_invariant, interpret, block_h, block_kv, num_warps, num_stages, fp8_mode
-  _validate(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank, None, scale,
-            None, None, None, None, for_kernel=False)
+  validate_decode(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank, None,
+                  scale, None, None, None, None, for_kernel=False)
   b, nq, n, d = q.shape
   l = kv_lora_rank
   _, g, _ = kv_c_and_k_pe_cache.shape

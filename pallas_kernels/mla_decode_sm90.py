@@ -37,8 +37,9 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   an fp8 wgmma straight on the fp8 ring slot, so WG0 no longer waits for a cast before QK^T. Only
   V's L columns are cast to bf16 (Hopper's fp8 wgmma takes B only K-major; V is N-major in the
   page), and the cast is split: the producer casts columns [0, L/2) for WG0, WG1 casts [L/2, L)
-  for itself while WG0 runs QK^T and the softmax. 2x the dequantizing path on the H200; the
-  logits are those of the quantized q, accumulated at the fp8 wgmma's reduced precision.
+  for itself while WG0 runs QK^T and the softmax. Faster than the dequantizing path on the H200
+  (docs/perf-notes.md); the logits are those of the quantized q, accumulated at the fp8 wgmma's
+  reduced precision.
 
 Shared memory at L+R = 576 (227 KB available): bf16, 2 stages: Q 72 KB + ring 2 x 72 KB + P 8 KB
 + row vectors = 225 KB, the output staging (64 KB bf16 / 128 KB f32) reusing it; fp8: Q 72 KB +
@@ -59,11 +60,11 @@ behind -- the parity discipline the interpreter checks):
                    (fp8_qk: fp8_ready also for WG0 and WG1, scale_ready for WG0)
   fp8_consumed[f]  fp8_qk: QK^T and both casts done with fp8 slot f (3)      producer waits
 
-Status: runs correctly under the Mosaic GPU interpreter on CPU (race detector on) and lowers for
-sm_90 on CPU (Mosaic GPU's Python passes: layout inference, wgmma/TMA checks, the shared-memory
-budget). On the H200 (2026-11-29, dc1bfe0) it passed its 14 pytest GPU tests (3 with fp8_qk) and
-runs 1.9x the Triton kernel at 128 heads (375-412 TFLOP/s, bench/results/decode-h200.json); the
-default on Hopper where heads x query tokens fill its 64-row tile (mla_jax.attention). The
+Testing: the CPU tests run it under the Mosaic GPU interpreter (race detector on) and lower it for
+sm_90 (Mosaic GPU's Python passes: layout inference, wgmma/TMA checks, the shared-memory budget);
+the `gpu` tests run it on the H200. It is the decode of the default Hopper backend where heads x
+query tokens fill its 64-row tile (mla_jax.attention), because at 128 heads it is faster than the
+Triton kernel (measured on the H200: docs/perf-notes.md, bench/results/decode-h200.json). The
 consumers' phases carry `jax.named_scope`s: with `TRACE` set, Mosaic GPU's profiler records them
 per warpgroup (bench/trace_sm90.py). What limits it, measured that way, and the schedules tried
 (FlashMLA's seesaw was slower with two page buffers): docs/perf-notes.md.
@@ -72,8 +73,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -81,33 +80,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import copy_zeroing_rows, wgmma_accumulate
-from pallas_kernels.mla_decode import (_validate, merge_segments, merge_splits,
-                                       mla_decode_reference, segments_from_slot_tile)
-from pallas_kernels.mla_decode import num_sms as _device_num_sms
+from pallas_kernels.mgpu import (SMEM_BYTES, copy_zeroing_rows, interpret_params, smem_bytes,
+                                 static_interpret, tiled, wgmma_accumulate)
+from pallas_kernels.mla_decode import (merge_segments, merge_splits, mla_decode_reference,
+                                       segments_from_slot_tile)
+from pallas_kernels.util import (BF16, F16, FP8, LN2, LOG2E, M_INIT, cdiv,
+                                 check_interpreter_workers, is_sm90, validate_decode)
+from pallas_kernels.util import num_sms as _device_num_sms
 
 __all__ = ["mla_decode_sm90", "mla_decode_reference", "choose_num_kv_splits_sm90", "is_sm90",
            "unsupported_reason", "quantize_q_fp8", "fp8_qk_reference_q", "TILE_M", "PAGE_SIZE"]
 
 TILE_M = 64      # query rows per CTA (wgmma M)
 PAGE_SIZE = 64   # the only supported page size (one page = one KV tile, FlashMLA's block size)
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_M_INIT = -1e30  # finite running-max start: exp2(-inf - m) = 0 and never inf - inf
-_FP8 = jnp.dtype(jnp.float8_e4m3fn)
-_BF16 = jnp.dtype(jnp.bfloat16)
-_F16 = jnp.dtype(jnp.float16)
-_SMEM_BYTES = 227 * 1024  # per-block opt-in shared memory on H100/H200
-
-
-def is_sm90(device=None) -> bool:
-  """True on a Hopper GPU (compute capability 9.x), the only target of this kernel."""
-  try:
-    device = device or jax.devices()[0]
-  except RuntimeError:  # pragma: no cover - no backend
-    return False
-  cc = str(getattr(device, "compute_capability", "") or "")
-  return device.platform == "gpu" and cc.split(".")[0] == "9"
 
 
 def unsupported_reason(q, cache, kv_lora_rank: int = 512) -> str | None:
@@ -116,7 +101,7 @@ def unsupported_reason(q, cache, kv_lora_rank: int = 512) -> str | None:
   l, d = kv_lora_rank, q.shape[-1]
   if cache.ndim != 3 or cache.shape[1] != PAGE_SIZE:
     return f"page size {cache.shape[1:2]} is not {PAGE_SIZE}"
-  if jnp.dtype(cache.dtype) not in (_BF16, _FP8):
+  if jnp.dtype(cache.dtype) not in (BF16, FP8):
     return f"cache dtype {cache.dtype} is not bfloat16 or float8_e4m3fn"
   if l % 128 or l > 512 or (d - l) % 64 or d <= l:
     return f"L={l}, R={d - l}: needs L % 128 == 0, L <= 512, R % 64 == 0"
@@ -133,16 +118,10 @@ class _Cfg:
   fp8_stages: int     # fp8 ring depth (0: bf16 cache)
   sm_scale: float
   final_dtype: object  # dtype of the final output (q.dtype); partials are f32
-  interpret: bool     # Mosaic GPU interpreter (CPU): see _mgpu.wgmma_accumulate
-  cdt: object = _BF16  # wgmma operand dtype (Q, ring, P): bf16, or f16 for an fp8 cache if asked
+  interpret: bool     # Mosaic GPU interpreter (CPU): see mgpu.wgmma_accumulate
+  cdt: object = BF16  # wgmma operand dtype (Q, ring, P): bf16, or f16 for an fp8 cache if asked
   qk8: bool = False    # fp8 cache: QK^T as an fp8 wgmma on the fp8 ring (fp8 Q, per-row scale);
                        # the bf16 ring then holds only the L columns of V
-
-
-def _tiled(dtype, minor_bytes=128):
-  """Tiling + swizzle transforms for a wgmma/TMA operand with `minor_bytes`-byte swizzle."""
-  elems = minor_bytes // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(minor_bytes))
 
 
 def _smem_plan(cfg: _Cfg):
@@ -153,32 +132,26 @@ def _smem_plan(cfg: _Cfg):
   f32 = jnp.float32
   cdt = cfg.cdt
   # 576 fp8 columns are not a multiple of 128: fp8 tiles use the 64-byte swizzle.
-  q = (plgpu.SMEM((TILE_M, cfg.d), _FP8, transforms=_tiled(_FP8, 64)) if cfg.qk8
-       else plgpu.SMEM((TILE_M, cfg.d), cdt, transforms=_tiled(cdt)))
+  q = (plgpu.SMEM((TILE_M, cfg.d), FP8, transforms=tiled(FP8, 64)) if cfg.qk8
+       else plgpu.SMEM((TILE_M, cfg.d), cdt, transforms=tiled(cdt)))
   ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l if cfg.qk8 else cfg.d), cdt,
-                    transforms=_tiled(cdt))
-  p = plgpu.SMEM((TILE_M, PAGE_SIZE), cdt, transforms=_tiled(cdt))
+                    transforms=tiled(cdt))
+  p = plgpu.SMEM((TILE_M, PAGE_SIZE), cdt, transforms=tiled(cdt))
   # Row vectors used during the loop, indexed by the _ROW_* constants.
   loop_rows = plgpu.SMEM((_ROWS + _extra_rows(cfg), TILE_M), f32)
   group_a = [q, ring, p, loop_rows]
   if cfg.fp8_stages:
-    group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), _FP8,
-                              transforms=_tiled(_FP8, 64)))
+    group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), FP8,
+                              transforms=tiled(FP8, 64)))
     group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE), f32))
   half = cfg.l // 2
   groups = [group_a]
   for dt in (cfg.final_dtype, f32):
     # [2, 64, L/2] output staging (one half per consumer WG) and the epilogue's row vectors:
     # [0] 1/l (WG0 -> WG1), [1] lse.
-    groups.append([plgpu.SMEM((2, TILE_M, half), dt, transforms=_tiled(dt)),
+    groups.append([plgpu.SMEM((2, TILE_M, half), dt, transforms=tiled(dt)),
                    plgpu.SMEM((2, TILE_M), f32)])
-
-  def nbytes(group):
-    total = 0
-    for ref in group:
-      total = -(-total // 1024) * 1024 + math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
-    return total
-  return groups, max(map(nbytes, groups))
+  return groups, max(map(smem_bytes, groups))
 
 
 # Rows of the loop's row-vector buffer; fp8 adds [_ROWS + slot]: the per-token scales of the
@@ -297,7 +270,7 @@ class _Piece:
 
   def logit_scale(self):
     """sm_scale in log2 units, times Q's per-row scale when Q is fp8 (a [64] row vector)."""
-    c = self.cfg.sm_scale * _LOG2E
+    c = self.cfg.sm_scale * LOG2E
     if not self.cfg.qk8:
       return c
     return plgpu.load(self.r["loop_rows"].at[_ROW_QSCALE], layout=_ROW_LAYOUT) * c
@@ -321,7 +294,7 @@ class _Piece:
       has = l_i > 0
       safe_l = jnp.where(has, l_i, 1.0)
       inv = jnp.where(has, 1.0 / safe_l, 0.0)
-      lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * _LN2, -jnp.inf)
+      lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * LN2, -jnp.inf)
       rows[0] = inv
       rows[1] = lse
       pl.when(write_o)(lambda: _write_out(acc, inv, stage.at[0], o_dst, self.by_rows))
@@ -366,7 +339,7 @@ _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
 def _init_state(cfg):
   f32 = jnp.float32
   acc = plgpu.layout_cast(jnp.zeros((TILE_M, cfg.l // 2), f32), plgpu.Layout.WGMMA)
-  m_i = plgpu.layout_cast(jnp.full((TILE_M,), _M_INIT, f32), _ROW_LAYOUT)
+  m_i = plgpu.layout_cast(jnp.full((TILE_M,), M_INIT, f32), _ROW_LAYOUT)
   l_i = plgpu.layout_cast(jnp.zeros((TILE_M,), f32), _ROW_LAYOUT)
   return acc, m_i, l_i
 
@@ -405,7 +378,7 @@ def _body(cfg, r, pc):
       for c in chunks:
         x = r["fp8_ring"].at[fslot, :, pl.ds(64 * c, 64)][...]
         # sm_90 converts e4m3 to f16 natively; to bf16 only through f32 (both exact).
-        x = x.astype(cfg.cdt) if cfg.cdt == _F16 else x.astype(f32).astype(cfg.cdt)
+        x = x.astype(cfg.cdt) if cfg.cdt == F16 else x.astype(f32).astype(cfg.cdt)
         ring.at[slot_i, :, pl.ds(64 * c, 64)][...] = jnp.where(keep, x, jnp.zeros((), cfg.cdt))
       plgpu.commit_smem()   # generic reads/writes before the next TMA / the wgmmas
 
@@ -620,14 +593,14 @@ def choose_num_kv_splits_sm90(batch: int, head_tiles: int, max_pages: int, num_s
   the per-CTA fixed cost (Q load, pipeline fill, the [64, L] f32 partial write: ~2 pages), c1 the
   merge cost per partial. With uniform lengths this picks S so that B * head_tiles * S fills whole
   waves: (1,128,32768) -> 64-66 splits of 8 pages; (64,16,4096) -> 2; (128,128,8192) -> 1.
-  To be tuned on the H200 (bench/decode.py --sweep); the work-list scheduler supersedes it.
+  Its tuning variants are timed by bench/decode.py --sweep.
   """
   ctas = max(1, batch * head_tiles)
   best, best_t = 1, None
   for s in range(1, max(1, min(max_pages, 2 * num_sms)) + 1):
-    pps = -(-max_pages // s)
-    s_eff = -(-max_pages // pps)
-    waves = -(-ctas * s_eff // num_sms)
+    pps = cdiv(max_pages, s)
+    s_eff = cdiv(max_pages, pps)
+    waves = cdiv(ctas * s_eff, num_sms)
     t = waves * (pps + cta_overhead_pages) + merge_cost * s_eff * ctas / num_sms * (s_eff > 1)
     if best_t is None or t < best_t - 1e-9:
       best, best_t = s_eff, t
@@ -636,8 +609,8 @@ def choose_num_kv_splits_sm90(batch: int, head_tiles: int, max_pages: int, num_s
 
 def _validate_sm90(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
                    num_stages, fp8_stages, fp8_compute, sms, interpret, schedule):
-  _validate(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
-            None, None, None, None, for_kernel=False)
+  validate_decode(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
+                  None, None, None, None, for_kernel=False)
   l = kv_lora_rank
   d = q.shape[-1]
   if l % 128 or l > 512:
@@ -651,7 +624,7 @@ def _validate_sm90(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_
   if block_table.shape[1] * PAGE_SIZE >= 2**24:
     raise ValueError(f"block_table width {block_table.shape[1]} x page size {PAGE_SIZE} exceeds "
                      "2^24 tokens (row lengths travel as exact float32)")
-  if jnp.dtype(cache.dtype) not in (_BF16, _FP8):
+  if jnp.dtype(cache.dtype) not in (BF16, FP8):
     raise ValueError(f"kv_c_and_k_pe_cache dtype must be bfloat16 or float8_e4m3fn for the sm90 "
                      f"kernel, got {cache.dtype}")
   if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
@@ -666,27 +639,15 @@ def _validate_sm90(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_
     raise ValueError(f"schedule must be 'grid' or 'worklist', got {schedule!r}")
   if schedule == "worklist" and num_kv_splits is not None:
     raise ValueError("num_kv_splits applies to schedule='grid'; the work list sizes its pieces")
-  if interpret and _cpu_workers() < 3:
-    raise ValueError(
-        f"interpret=True needs >= 3 XLA CPU workers (the kernel's 3 warpgroups block in host "
-        f"callbacks at barriers and would deadlock); this process has {_cpu_workers()}: set the "
-        f"environment variable NPROC=8 before JAX creates its CPU client")
-
-
-def _cpu_workers() -> int:
-  """XLA's CPU thread-pool size: $NPROC if set (read when the client is created), else the cores."""
-  try:
-    return int(os.environ.get("NPROC") or len(os.sched_getaffinity(0)))
-  except (ValueError, AttributeError):
-    return os.cpu_count() or 1
+  check_interpreter_workers(interpret)
 
 
 def _grid_pieces(tile_len, max_pages, splits):
   """Static schedule: piece (b, s, h) = split s of head tile h of request b (h fastest, so the
   CTAs that share a KV slice run together). Returns (meta [B*S*T, 6], splits)."""
   b, t = tile_len.shape
-  pps = -(-max_pages // min(splits, max_pages))     # pages per split
-  splits = -(-max_pages // pps)
+  pps = cdiv(max_pages, min(splits, max_pages))     # pages per split
+  splits = cdiv(max_pages, pps)
   bb, ss, hh = (x.reshape(-1) for x in jnp.meshgrid(
       jnp.arange(b), jnp.arange(splits), jnp.arange(t), indexing="ij"))
   tl = tile_len[bb, hh]
@@ -699,7 +660,7 @@ def _grid_pieces(tile_len, max_pages, splits):
 def worklist_slots(num_sms: int) -> int:
   """Partial-output slots of the work-list schedule: a tile is split only when it holds >= 1.5
   target pieces, so split pieces number at most 4/3 of the SMs (round(x) <= 4x/3 for x >= 1.5)."""
-  return -(-4 * num_sms // 3) + 1
+  return cdiv(4 * num_sms, 3) + 1
 
 
 def _worklist_pieces(tile_len, num_sms, min_pages):
@@ -738,7 +699,7 @@ def _merge_worklist(out, lse, o_part, lse_part, slot_tile, interpret=False):
 
   Slots of a tile are consecutive (slot_tile: the tile of each slot, -1 unused). One Pallas kernel
   (`merge_segments`) reads only the live slots of split tiles and writes only those tiles; it
-  replaced an XLA segment_sum whose scatter took 76-79 us at 128 heads on the H200."""
+  replaced a much slower XLA segment_sum scatter (docs/perf-notes.md)."""
   seg_first, seg_count = segments_from_slot_tile(slot_tile, out.shape[0])       # i32[BT] each
   return merge_segments(out, lse, o_part.reshape(-1, o_part.shape[-1]), lse_part.reshape(-1),
                         seg_first, seg_count, max_segment=slot_tile.shape[0], interpret=interpret)
@@ -760,7 +721,7 @@ def quantize_q_fp8(q):
   q = q.astype(jnp.float32)
   amax = jnp.max(jnp.abs(q), axis=-1)
   scale = jnp.where(amax > 0, amax / 448.0, 1.0)
-  return (q / scale[..., None]).astype(_FP8), scale
+  return (q / scale[..., None]).astype(FP8), scale
 
 
 def fp8_qk_reference_q(q):
@@ -782,11 +743,11 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
   _, g, _ = cache.shape
   max_pages = block_table.shape[1]
   m_rows = nq * n
-  head_tiles = -(-m_rows // TILE_M)
+  head_tiles = cdiv(m_rows, TILE_M)
   m_pad = head_tiles * TILE_M
-  tail = -(-(m_rows - (head_tiles - 1) * TILE_M) // 8) * 8   # real rows of the last tile, to 8
-  is_fp8 = jnp.dtype(cache.dtype) == _FP8
-  cdt = _F16 if is_fp8 and fp8_compute == "float16" else _BF16
+  tail = cdiv(m_rows - (head_tiles - 1) * TILE_M, 8) * 8   # real rows of the last tile, to 8
+  is_fp8 = jnp.dtype(cache.dtype) == FP8
+  cdt = F16 if is_fp8 and fp8_compute == "float16" else BF16
   qk8 = bool(fp8_qk) and is_fp8
   if num_stages is None:
     num_stages = 1 if is_fp8 else 2
@@ -796,9 +757,9 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
              fp8_stages=fp8_stages if is_fp8 else 0, sm_scale=float(scale),
              final_dtype=jnp.dtype(q.dtype), interpret=bool(interpret), cdt=cdt, qk8=qk8)
   _, smem = _smem_plan(cfg)
-  if smem > _SMEM_BYTES:
+  if smem > SMEM_BYTES:
     raise ValueError(f"num_stages={num_stages} (fp8_stages={fp8_stages}) needs {smem} B of shared "
-                     f"memory per CTA; {_SMEM_BYTES} B are available")
+                     f"memory per CTA; {SMEM_BYTES} B are available")
 
   rpt = _rows_per_tile(cfg)
   m_out = head_tiles * rpt                      # rows per request in the output arrays
@@ -847,8 +808,7 @@ def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num
       compiler_params=plgpu.CompilerParams(
           approx_math=True, reduction_scratch_bytes=0,
           **(dict(profile_space=TRACE[0], profile_dir=TRACE[1]) if TRACE else {})),
-      interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-                 else plgpu.InterpretGPUParams() if interpret else None),
+      interpret=interpret_params(interpret),
       kernel_name=(f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}"
                    + ("_qk8" if qk8 else "")),
   )
@@ -913,14 +873,13 @@ def mla_decode_sm90(
   _validate_sm90(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank,
                  num_kv_splits, scale, num_stages, fp8_stages, fp8_compute, num_sms, interpret,
                  schedule)
-  if fp8_qk and jnp.dtype(kv_c_and_k_pe_cache.dtype) != _FP8:
+  if fp8_qk and jnp.dtype(kv_c_and_k_pe_cache.dtype) != FP8:
     raise ValueError(f"fp8_qk=True needs a float8_e4m3fn kv_c_and_k_pe_cache, got "
                      f"{kv_c_and_k_pe_cache.dtype}")
   return _impl(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, scale=float(scale),
                kv_lora_rank=int(kv_lora_rank), num_kv_splits=num_kv_splits,
                batch_invariant=bool(batch_invariant),
-               interpret=interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-               else bool(interpret),
+               interpret=static_interpret(interpret),
                num_stages=num_stages, fp8_stages=fp8_stages, fp8_compute=fp8_compute,
                fp8_qk=bool(fp8_qk), sms=int(num_sms) if num_sms is not None else _device_num_sms(),
                schedule=schedule)

@@ -27,7 +27,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax._src import xla_bridge  # noqa: E402
 
 from pallas_kernels import flash_prefill_sm90 as k90  # noqa: E402
-from pallas_kernels.flash_prefill import _row_windows, flash_prefill_reference  # noqa: E402
+from pallas_kernels.flash_prefill import flash_prefill_reference  # noqa: E402
+from pallas_kernels.util import row_windows  # noqa: E402
 
 _NPROC_IN_TIME = (not xla_bridge.backends_are_initialized()
                   or int(os.environ.get("NPROC", "0") or 0) >= 4)
@@ -138,7 +139,7 @@ def test_tile_meta_classifies_key_tiles():
   row of the warpgroup sees, unmasked tiles only keys every non-empty row sees, and the span
   [base, base + n BK) covers every visible key with base 8-aligned."""
   rng = np.random.default_rng(0)
-  windows = jax.jit(_row_windows, static_argnums=(2, 3, 4))
+  windows = jax.jit(row_windows, static_argnums=(2, 3, 4))
   meta_fn = jax.jit(k90._tile_meta, static_argnums=(2, 3))
   for trial in range(12):
     n_seq = int(rng.integers(1, 7))

@@ -1,9 +1,43 @@
-"""Helpers shared by the Mosaic GPU (Hopper) kernels."""
+"""Helpers shared by the Mosaic GPU (Hopper) kernels: shared-memory layouts and budget, the
+interpreter switch, and the wgmma/TMA idioms both kernels use."""
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.util import cdiv
+
+SMEM_BYTES = 227 * 1024  # per-block opt-in shared memory on H100/H200
+
+
+def tiled(dtype, minor_bytes=128):
+  """Tiling + swizzle transforms for a wgmma/TMA operand with `minor_bytes`-byte swizzle."""
+  elems = minor_bytes // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(minor_bytes))
+
+
+def smem_bytes(refs) -> int:
+  """Bytes of shared memory the `plgpu.SMEM` refs take, each starting at a 1 KB boundary."""
+  total = 0
+  for ref in refs:
+    total = cdiv(total, 1024) * 1024 + math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
+  return total
+
+
+def interpret_params(interpret):
+  """`plgpu.kernel`'s `interpret` argument: the caller's `plgpu.InterpretGPUParams`, default
+  parameters for True, None (compile for the GPU) for False."""
+  if isinstance(interpret, plgpu.InterpretGPUParams):
+    return interpret
+  return plgpu.InterpretGPUParams() if interpret else None
+
+
+def static_interpret(interpret):
+  """`interpret` as a hashable static jit argument: the params object itself, or a bool."""
+  return interpret if isinstance(interpret, plgpu.InterpretGPUParams) else bool(interpret)
 
 
 def wgmma_accumulate(acc, a, b, *, interpret: bool):
