@@ -2,11 +2,13 @@
 
 CPU: the kernel runs under the Mosaic GPU interpreter (TMA with its out-of-bounds zero fill and
 dropped stores, mbarriers, wgmma, the three warpgroups; happens-before race detector on), and it is
-lowered for sm_90 (Mosaic GPU's Python passes: layout inference, wgmma/TMA checks, the code path with
-P in registers that the interpreter cannot run). GPU (-m gpu): the compiled kernel.
+lowered for sm_90 (Mosaic GPU's Python passes: layout inference, wgmma/TMA checks, the code path
+with P in registers that the interpreter cannot run). GPU (-m gpu): the compiled kernel.
 
-Inputs: fresh random numbers; q/k/v rows past the last sequence are NaN, as are rows before the first
-sequence where a test shifts the start locations; the interpreter fills fresh shared memory with NaN.
+The cases, inputs and the check are the shared prefill suite's (prefill_suite.py,
+pallas_kernels/testing.py): fresh random numbers; q/k/v rows past the last sequence are NaN, as are
+rows before the first sequence where a case shifts the start locations; the interpreter fills fresh
+shared memory with NaN.
 
 Tolerances (bf16/f16 operands, f32 accumulation, P rounded to the input dtype, out rounded to it):
   |out - ref| <= 2e-2 + 2e-2 |ref|; lse (f32 math) within 1e-3 (interpreter: exact exp2/log2),
@@ -14,124 +16,39 @@ Tolerances (bf16/f16 operands, f32 accumulation, P rounded to the input dtype, o
 """
 from __future__ import annotations
 
-import os
-import zlib
+import numpy as np
+import pytest
 
-os.environ.setdefault("NPROC", "8")  # >= 3 XLA CPU workers for the interpreter's 3 warpgroups
+import jax
+import jax.numpy as jnp
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax._src import xla_bridge  # noqa: E402
-
-from pallas_kernels import flash_prefill_sm90 as k90  # noqa: E402
-from pallas_kernels.flash_prefill import flash_prefill_reference  # noqa: E402
-from pallas_kernels.util import row_windows  # noqa: E402
-
-_NPROC_IN_TIME = (not xla_bridge.backends_are_initialized()
-                  or int(os.environ.get("NPROC", "0") or 0) >= 4)
-DQ, DV = 192, 128
-SCALE = DQ ** -0.5
-TOL = (2e-2, 2e-2)   # (atol, rtol) for bf16/f16 outputs
-LSE_TOL = {"interpret": 1e-3, "gpu": 1e-2}
+from pallas_kernels import flash_prefill_sm90 as k90
+from pallas_kernels.flash_prefill import flash_prefill_reference
+from pallas_kernels.testing import FLASH_PREFILL_SM90, LENS, check_prefill, locs, prefill_inputs
+from pallas_kernels.testing import PREFILL_SCALE as SCALE
+from pallas_kernels.util import cdiv, row_windows
+from tests.pallas_kernels.mosaic_interpreter import NPROC_IN_TIME, run_interpreted
+from tests.pallas_kernels.prefill_suite import PrefillSuite
 
 
-def _locs(lens, start=0):
-  return (start + np.concatenate([[0], np.cumsum(lens)])).astype(np.int32)
+class TestFlashPrefillSm90(PrefillSuite):
+  KERNEL = FLASH_PREFILL_SM90
+  LSE_TOL = 1e-3      # interpreter: exact exp2/log2
+  GPU_LSE_TOL = 1e-2  # approximate exp2/log2
+
+  def prefill(self, q, k, v, qs, ks, *, causal, scale, interpret, **tuning):
+    if interpret:
+      return run_interpreted(k90.flash_prefill_sm90, q, k, v, qs, ks, causal=causal, scale=scale,
+                             **tuning)
+    return k90.flash_prefill_sm90(q, k, v, qs, ks, causal=causal, scale=scale, **tuning)
+
+  def require_gpu(self):
+    _need_sm90()
 
 
-def make_inputs(seed, q_lens, k_lens, *, n=2, dq=DQ, dv=DV, dtype=jnp.bfloat16, pad=5,
-                q_start=0, k_start=0):
-  """Packed q/k/v with NaN in every row outside the sequences (before the first, after the last)."""
-  rng = np.random.default_rng(seed)
-  qs, ks = _locs(q_lens, q_start), _locs(k_lens, k_start)
-  tq, tk = int(qs[-1]) + pad, int(ks[-1]) + pad
-  q = rng.standard_normal((tq, n, dq), np.float32)
-  k = rng.standard_normal((tk, n, dq), np.float32)
-  v = rng.standard_normal((tk, n, dv), np.float32)
-  q[qs[-1]:], k[ks[-1]:], v[ks[-1]:] = np.nan, np.nan, np.nan
-  q[:q_start], k[:k_start], v[:k_start] = np.nan, np.nan, np.nan
-  return [jnp.asarray(x, dtype) for x in (q, k, v)] + [jnp.asarray(qs), jnp.asarray(ks)]
-
-
-def run_interpreted(*args, **kw):
-  """The one helper that touches interpreter internals (private API: race state and reset)."""
-  if not _NPROC_IN_TIME:
-    pytest.skip("JAX's CPU client was created before NPROC was raised: the interpreter's 3 "
-                "warpgroups would deadlock on 2 workers (set NPROC=8 in tests/conftest.py)")
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
-  params = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams(detect_races=True)
-  try:
-    out = jax.block_until_ready(k90.flash_prefill_sm90(*args, interpret=params, **kw))
-  except Exception:
-    ipc.reset_gpu_interpret_mode_state()  # the interpreter's shared state survives a failure
-    raise
-  assert not ipc.get_races().races_found, "the interpreter's race detector fired"
-  return out
-
-
-def check(out, lse, ref, ref_lse, lse_tol):
-  out = np.asarray(jnp.asarray(out).astype(jnp.float32))
-  ref, lse, ref_lse = np.asarray(ref), np.asarray(lse), np.asarray(ref_lse)
-  assert np.all(np.isfinite(out)), "NaN/inf in the output (padding leaked?)"
-  np.testing.assert_allclose(out, ref, atol=TOL[0], rtol=TOL[1])
-  assert not np.any(np.isnan(lse))
-  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
-  fin = np.isfinite(ref_lse)
-  np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=lse_tol, rtol=0)
-  assert np.all(out[~fin] == 0)
-
-
-def run_case(seed, q_lens, k_lens, *, causal, interpret=True, **kw):
-  tuning = {key: kw.pop(key) for key in ("block_k", "num_stages", "schedule_barrier",
-                                          "p_in_smem") if key in kw}
-  q, k, v, qs, ks = make_inputs(seed, q_lens, k_lens, **kw)
-  if interpret:
-    out, lse = run_interpreted(q, k, v, qs, ks, causal=causal, scale=SCALE, **tuning)
-  else:
-    out, lse = k90.flash_prefill_sm90(q, k, v, qs, ks, causal=causal, scale=SCALE, **tuning)
-  assert out.shape == (q.shape[0], q.shape[1], v.shape[2]) and out.dtype == q.dtype
-  assert lse.shape == q.shape[:2] and lse.dtype == jnp.float32
-  ref, ref_lse = flash_prefill_reference(q, k, v, qs, ks, causal=causal, scale=SCALE)
-  check(out, lse, ref, ref_lse, LSE_TOL["interpret" if interpret else "gpu"])
-  return out, lse
-
-
-LENS = [5, 0, 37, 1, 20, 0]   # ragged, empty and one-token sequences in one q tile
-
-CASES = {
-    # name: (q_lens, k_lens, causal, kwargs)
-    "causal_ragged_one_tile": (LENS, LENS, True, {}),
-    # 4 q tiles, sequences straddling tiles, several 64-key tiles per CTA: every loop kind (skip,
-    # masked, unmasked) runs; rows past Tq (a partial last tile) are dropped by TMA.
-    "causal_multi_tile": ([150, 1, 0, 230, 7], None, True, {}),
-    "causal_multi_tile_no_sched_2stages": ([150, 1, 0, 230, 7], None, True,
-                                           dict(schedule_barrier=False, num_stages=2)),
-    # bottom-right aligned causal with q shorter than k, and q longer than k (empty rows)
-    "causal_q_shorter_than_k": ([5, 0, 37, 1, 20], [9, 3, 60, 1, 27], True, {}),
-    "causal_q_longer_than_k": ([12, 3, 70], [4, 0, 66], True, {}),
-    # context-chunk pass: non-causal, each sequence's queries against its own chunk rows
-    "noncausal_chunk": ([5, 0, 37, 1, 20], [9, 3, 200, 1, 7], False, {}),
-    "noncausal_chunk_f16_4heads": ([70, 64, 1], [130, 0, 65], False,
-                                   dict(n=4, dtype=jnp.float16, num_stages=2)),
-    "single_token_sequences": ([1, 1, 1, 1, 1], None, True, dict(n=3)),
-    # Tq < 64 and Tk < block_k: the only shapes padded by the wrapper
-    "tiny": ([3, 9], None, True, {}),
-    # rows before the first sequence are NaN padding (q and k): the first key tile starts below
-    # the first visible key (8-row TMA alignment) and its NaN V rows must be zeroed
-    "start_offsets_nan_before": ([10, 40], [13, 21], True, dict(q_start=3, k_start=5)),
-    # the non-pow2 head dims the API allows: q/k 128, v 64
-    "head_dims_128_64": ([33, 90], None, True, dict(dq=128, dv=64)),
-}
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_interpreted_matches_reference(name):
-  q_lens, k_lens, causal, kw = CASES[name]
-  run_case(zlib.crc32(name.encode()), q_lens, q_lens if k_lens is None else k_lens, causal=causal,
-           **dict(kw))
+def run_prefill(*args, **kw):
+  """The interpreted kernel (race detector on)."""
+  return run_interpreted(k90.flash_prefill_sm90, *args, **kw)
 
 
 def test_tile_meta_classifies_key_tiles():
@@ -147,10 +64,10 @@ def test_tile_meta_classifies_key_tiles():
     q_lens[rng.random(n_seq) < 0.3] = int(rng.integers(0, 2))
     causal = bool(trial % 2)
     k_lens = q_lens + (rng.integers(0, 100, n_seq) if trial % 3 else 0)
-    qs, ks = _locs(q_lens, int(rng.integers(0, 4))), _locs(k_lens, int(rng.integers(0, 12)))
+    qs, ks = locs(q_lens, int(rng.integers(0, 4))), locs(k_lens, int(rng.integers(0, 12)))
     tq, tk = int(qs[-1]) + 3, int(ks[-1]) + 2
     bk = [64, 128][trial % 2]
-    n_qtiles = -(-tq // k90.BLOCK_Q)
+    n_qtiles = cdiv(tq, k90.BLOCK_Q)
     lo, hi = windows(jnp.asarray(qs), jnp.asarray(ks), n_qtiles * k90.BLOCK_Q, tk, causal)
     meta = np.asarray(meta_fn(lo, hi, n_qtiles, bk))
     lo, hi = np.asarray(lo).reshape(n_qtiles, 2, 64), np.asarray(hi).reshape(n_qtiles, 2, 64)
@@ -177,16 +94,16 @@ def test_tile_meta_classifies_key_tiles():
 
 
 def test_jit_and_determinism():
-  q, k, v, qs, ks = make_inputs(4, LENS, LENS)
-  a = run_interpreted(q, k, v, qs, ks, causal=True, scale=SCALE)
-  b = run_interpreted(q, k, v, qs, ks, causal=True, scale=SCALE)
+  q, k, v, qs, ks = prefill_inputs(4, LENS, LENS)
+  a = run_prefill(q, k, v, qs, ks, causal=True, scale=SCALE)
+  b = run_prefill(q, k, v, qs, ks, causal=True, scale=SCALE)
   np.testing.assert_array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
   np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
 
 
 def _lower_for_sm90(causal=True, pad=5, **kw):
-  q, k, v, qs, ks = make_inputs(9, [700, 1, 300], [700, 1, 300] if causal else [900, 64, 5], n=4,
-                                pad=pad)
+  k_lens = [700, 1, 300] if causal else [900, 64, 5]
+  q, k, v, qs, ks = prefill_inputs(9, [700, 1, 300], k_lens, n=4, pad=pad)
   f = jax.jit(lambda *a: k90.flash_prefill_sm90(*a, causal=causal, scale=SCALE, **kw))
   return f.trace(q, k, v, qs, ks).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -255,7 +172,7 @@ def test_unsupported_reason():
 def test_attention_backend_pallas_sm90(monkeypatch):
   """get_backend("pallas_sm90") prefills through this kernel for bf16 and through the portable
   Triton-lowered one where this kernel does not apply (f32)."""
-  if not _NPROC_IN_TIME:
+  if not NPROC_IN_TIME:
     pytest.skip("NPROC was raised too late for the interpreter")
   from mla_jax import attention
   calls = []
@@ -263,43 +180,19 @@ def test_attention_backend_pallas_sm90(monkeypatch):
   monkeypatch.setattr(k90, "flash_prefill_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw))
   prefill = attention.get_backend("pallas_sm90").flash_prefill
   for dtype, n_calls in ((jnp.bfloat16, 1), (jnp.float32, 1)):
-    q, k, v, qs, ks = make_inputs(41, [20, 1, 9], [20, 1, 9], dtype=dtype)
+    q, k, v, qs, ks = prefill_inputs(41, [20, 1, 9], [20, 1, 9], dtype=dtype)
     out, lse = prefill(q, k, v, qs, ks, causal=True, scale=SCALE)
     ref, ref_lse = flash_prefill_reference(q, k, v, qs, ks, causal=True, scale=SCALE)
-    check(out, lse, ref, ref_lse, LSE_TOL["interpret"])
+    check_prefill(out, lse, ref, ref_lse, lse_tol=TestFlashPrefillSm90.LSE_TOL, tol=(2e-2, 2e-2))
     assert len(calls) == n_calls
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU (make gpu): the compiled kernel.
+# GPU (make gpu): the compiled kernel; the shared cases run in TestFlashPrefillSm90.
 
 def _need_sm90():
   if jax.default_backend() != "gpu" or not k90.is_sm90():
     pytest.skip("needs a Hopper GPU (compute capability 9.x)")
-
-
-GPU_CASES = [
-    # (q_lens, k_lens, causal, kwargs)
-    ([700, 0, 1, 129, 1000], None, True, dict(n=8)),
-    ([700, 0, 1, 129, 1000], [300, 5, 0, 640, 64], False, dict(n=8)),
-    ([1000, 3000], None, True, dict(n=16)),                                # the larger shape
-    ([300, 5, 64, 200], [1000, 3, 640, 64], True, dict(n=8)),              # causal, q < k
-    ([1024, 1024], None, True, dict(n=16, schedule_barrier=False)),
-    ([700, 0, 1, 129, 1000], None, True, dict(n=4, p_in_smem=True)),
-    ([700, 0, 1, 129, 1000], None, True, dict(n=4, block_k=64, num_stages=4)),
-    ([513, 77, 1], [900, 77, 2], False, dict(n=4, dtype=jnp.float16)),
-    ([10, 40, 333], [13, 21, 500], True, dict(n=4, q_start=3, k_start=5)),  # NaN before starts
-    ([3, 9], None, True, dict(n=2)),                                        # tiny: padded path
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("idx", range(len(GPU_CASES)))
-def test_gpu_matches_reference(idx):
-  _need_sm90()
-  q_lens, k_lens, causal, kw = GPU_CASES[idx]
-  run_case(3000 + idx, q_lens, q_lens if k_lens is None else k_lens, causal=causal,
-           interpret=False, **dict(kw))
 
 
 @pytest.mark.gpu
@@ -308,7 +201,7 @@ def test_gpu_matches_triton_kernel():
   is within 2e-2 + 2e-2 |ref| of the reference, so twice that between them)."""
   _need_sm90()
   from pallas_kernels.flash_prefill import flash_prefill
-  q, k, v, qs, ks = make_inputs(7, [1000, 3000], [1000, 3000], n=16)
+  q, k, v, qs, ks = prefill_inputs(7, [1000, 3000], [1000, 3000], n=16)
   out, lse = k90.flash_prefill_sm90(q, k, v, qs, ks, causal=True, scale=SCALE)
   out_t, lse_t = flash_prefill(q, k, v, qs, ks, causal=True, scale=SCALE)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_t, np.float32),
@@ -320,7 +213,7 @@ def test_gpu_matches_triton_kernel():
 @pytest.mark.gpu
 def test_gpu_deterministic():
   _need_sm90()
-  q, k, v, qs, ks = make_inputs(8, [700, 1, 1000], [700, 1, 1000], n=8)
+  q, k, v, qs, ks = prefill_inputs(8, [700, 1, 1000], [700, 1, 1000], n=8)
   f = jax.jit(lambda *a: k90.flash_prefill_sm90(*a, causal=True, scale=SCALE))
   a, b = f(q, k, v, qs, ks), f(q, k, v, qs, ks)
   np.testing.assert_array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))

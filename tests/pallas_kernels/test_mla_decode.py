@@ -1,19 +1,11 @@
 """pallas_kernels.mla_decode against its float32 reference (CPU: interpret=True; GPU: -m gpu).
 
-Inputs are fresh random numbers. Every cache row no query attends to is NaN: unused pages, the tail
-of each request's last page, and the pages that block-table padding entries point to; q rows with
-seq_len 0 are NaN too. A kernel that reads or mixes in any of them produces NaN and fails.
-
-Tolerances (out is in q.dtype; the kernel rounds p to the compute dtype before the PV dot):
-  bf16/fp8 (bf16 compute): |out - ref| <= 2e-2 + 2e-2 |ref|, lse within 1e-3
-  fp8 with fp8_mode="dequant_tile": the kernel rounds fp8 * kv_scale to bf16 before its dots, so its
-    reference is the bf16 reference over that rounded cache (same bounds as bf16)
-  f32 q (f32 compute):     |out - ref| <= 1e-4 + 1e-4 |ref|, lse within 1e-4
-The fp8 reference uses the dequantized cache (fp8 value * kv_scale in float32).
+The cases, inputs (NaN-poisoned: a kernel that reads any row no query attends to fails) and
+tolerances are the shared decode suite's (tests/pallas_kernels/decode_suite.py,
+pallas_kernels/testing.py); this file adds the Triton kernel's own tests: the reference itself,
+split counts, batch invariance, bad inputs and the split merges.
 """
 from __future__ import annotations
-
-import zlib
 
 import numpy as np
 import pytest
@@ -25,118 +17,24 @@ from pallas_kernels.mla_decode import (choose_num_kv_splits, merge_segments,
                                        merge_segments_reference, merge_splits,
                                        merge_splits_reference, mla_decode, mla_decode_reference,
                                        segments_from_slot_tile)
-
-SCALE = 192 ** -0.5 * 1.87385
-# "fp8_qk": the Hopper kernel's QK^T as an fp8 wgmma, against the reference on its quantized q. The
-# H200's fp8 wgmma accumulates with reduced precision (DeepSeek-V3 report, section 3.3.2: about 14
-# bits): lse errors up to 1.3e-2 and a few outputs 2.8e-2 off were measured there (the interpreter,
-# exact f32: 1e-5).
-TOL = {"bf16": (2e-2, 1e-3), "fp8": (2e-2, 1e-3), "fp8_qk": (4e-2, 3e-2), "f32": (1e-4, 1e-4)}
+from pallas_kernels.testing import MLA_DECODE, assert_decode_close, decode_inputs
+from pallas_kernels.testing import DECODE_SCALE as SCALE
+from tests.pallas_kernels.decode_suite import DecodeSuite
 
 
-def make_inputs(seed, *, b, nq, n, l, r, g, max_pages, lens, cache_dtype="bf16", q_dtype="bf16",
-                causal=False):
-  """Random inputs with NaN poison. lens[i]: cache tokens of request i (its last query row's
-  length); causal rows see lens[i] - (nq - 1 - t) tokens, non-causal rows all lens[i]."""
-  rng = np.random.default_rng(seed)
-  lens = np.asarray(lens)
-  used = [-(-int(x) // g) for x in lens]
-  spare = 3
-  num_pages = sum(used) + spare
-  perm = rng.permutation(num_pages)
-  spare_pages = perm[num_pages - spare:]
-  block_table = np.empty((b, max_pages), np.int32)
-  cache = np.full((num_pages, g, l + r), np.nan, np.float32)
-  pos = 0
-  for i in range(b):
-    pages = perm[pos:pos + used[i]]
-    pos += used[i]
-    block_table[i, :used[i]] = pages
-    block_table[i, used[i]:] = rng.choice(spare_pages, max_pages - used[i])
-    for j, page in enumerate(pages):
-      rows = min(g, int(lens[i]) - j * g)
-      cache[page, :rows] = rng.standard_normal((rows, l + r))
-  if causal:
-    seq_lens = lens[:, None] - (nq - 1) + np.arange(nq)[None, :]
-  else:
-    seq_lens = np.repeat(lens[:, None], nq, axis=1)
-  seq_lens = np.where(lens[:, None] > 0, np.maximum(seq_lens, 0), 0).astype(np.int32)
-  q = rng.standard_normal((b, nq, n, l + r)).astype(np.float32)
-  q[seq_lens == 0] = np.nan
-  kv_scale = None
-  if cache_dtype == "fp8":
-    cache_j = jnp.asarray(cache * 2.0).astype(jnp.float8_e4m3fn)
-    kv_scale = jnp.asarray(rng.uniform(0.25, 0.75, (num_pages, g)).astype(np.float32))
-  else:
-    cache_j = jnp.asarray(cache).astype(jnp.bfloat16)
-  q_j = jnp.asarray(q).astype(jnp.float32 if q_dtype == "f32" else jnp.bfloat16)
-  return q_j, cache_j, jnp.asarray(block_table), jnp.asarray(seq_lens), kv_scale
+class TestMlaDecode(DecodeSuite):
+  KERNEL = MLA_DECODE
 
-
-def reference(q, cache, bt, sl, ks, kernel_kw, l=512):
-  """The float32 reference for these kernel options: fp8_mode="dequant_tile" defines its numerics as
-  bf16(fp8 * kv_scale), so it is checked against that bf16 cache (a looser bound would hide bugs)."""
-  if kernel_kw.get("fp8_mode") == "dequant_tile":
-    cache, ks = (cache.astype(jnp.float32) * ks[..., None]).astype(jnp.bfloat16), None
-  return mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=l)
-
-
-def assert_close(out, lse, ref, ref_lse, kind, lse_tol=None):
-  out_tol, default_lse_tol = TOL[kind]
-  lse_tol = default_lse_tol if lse_tol is None else lse_tol
-  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-  lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
-  assert out.shape == ref.shape and lse.shape == ref_lse.shape
-  assert np.all(np.isfinite(out)), "NaN/inf leaked into the output"
-  np.testing.assert_allclose(out, ref, rtol=out_tol, atol=out_tol)
-  empty = ~np.isfinite(ref_lse)
-  assert np.all(lse[empty] == -np.inf) and np.all(out[empty] == 0), "empty rows must be 0 / -inf"
-  np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=0, atol=lse_tol)
-
-
-CASES = {
-    # name: (make_inputs kwargs, mla_decode kwargs, tolerance kind)
-    "n16_l512_g16_bf16": (dict(b=3, nq=1, n=16, l=512, r=64, g=16, max_pages=4, lens=[37, 0, 5]),
-                          dict(block_kv=32), "bf16"),
-    "n32_g64_f32q_subpage_steps": (
-        dict(b=2, nq=1, n=32, l=64, r=16, g=64, max_pages=4, lens=[130, 64], q_dtype="f32"),
-        dict(block_kv=32, num_kv_splits=2), "f32"),
-    "n128_g128_two_head_blocks": (
-        dict(b=2, nq=1, n=128, l=32, r=16, g=128, max_pages=3, lens=[200, 1]),
-        dict(block_kv=64), "bf16"),
-    "q3_causal_n16_g16_padded_rows": (
-        dict(b=2, nq=3, n=16, l=64, r=16, g=16, max_pages=4, lens=[40, 2], causal=True),
-        dict(num_kv_splits=3, block_kv=16), "bf16"),
-    "q2_noncausal_n32_g64_empty_request": (
-        dict(b=2, nq=2, n=32, l=64, r=16, g=64, max_pages=3, lens=[100, 0]),
-        dict(block_kv=64), "bf16"),
-    "fp8_l512_g64_splits": (
-        dict(b=2, nq=1, n=16, l=512, r=64, g=64, max_pages=3, lens=[150, 64], cache_dtype="fp8"),
-        dict(num_kv_splits=2, block_kv=64), "fp8"),
-    "fp8_causal_dequant_tile_g16": (
-        dict(b=2, nq=2, n=16, l=64, r=16, g=16, max_pages=5, lens=[70, 1], cache_dtype="fp8",
-             causal=True),
-        dict(fp8_mode="dequant_tile", block_kv=32), "fp8"),
-}
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_reference(name):
-  inputs_kw, kernel_kw, kind = CASES[name]
-  l = inputs_kw["l"]
-  q, cache, bt, sl, ks = make_inputs(zlib.crc32(name.encode()), **inputs_kw)
-  out, lse = mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=l,
-                        interpret=True, **kernel_kw)
-  ref, ref_lse = reference(q, cache, bt, sl, ks, kernel_kw, l)
-  assert out.dtype == q.dtype and lse.dtype == jnp.float32
-  assert_close(out, lse, ref, ref_lse, kind)
+  def decode(self, q, cache, bt, sl, ks, *, l, interpret, **kernel_kw):
+    return mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=l,
+                      interpret=interpret, **kernel_kw)
 
 
 def test_reference_matches_dense_numpy():
   """The reference itself, against a per-request float64 loop over the block table."""
   b, nq, n, l, r, g = 2, 2, 4, 32, 16, 8
-  q, cache, bt, sl, _ = make_inputs(7, b=b, nq=nq, n=n, l=l, r=r, g=g, max_pages=4,
-                                    lens=[19, 8], causal=True)
+  q, cache, bt, sl, _ = decode_inputs(7, b=b, nq=nq, n=n, l=l, r=r, g=g, max_pages=4,
+                                      lens=[19, 8], causal=True)
   ref, ref_lse = mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_lora_rank=l)
   qn, cn, btn, sln = (np.asarray(x, np.float64) for x in (q.astype(jnp.float32),
                                                           cache.astype(jnp.float32), bt, sl))
@@ -153,12 +51,12 @@ def test_reference_matches_dense_numpy():
 
 def test_num_kv_splits_agree():
   kw = dict(b=2, nq=1, n=16, l=64, r=16, g=16, max_pages=8, lens=[100, 57])
-  q, cache, bt, sl, _ = make_inputs(11, **kw)
+  q, cache, bt, sl, _ = decode_inputs(11, **kw)
   outs = [mla_decode(q, cache, bt, sl, scale=SCALE, kv_lora_rank=64, interpret=True,
                      num_kv_splits=s, block_kv=16) for s in (1, 4)]
   ref, ref_lse = mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_lora_rank=64)
   for out, lse in outs:
-    assert_close(out, lse, ref, ref_lse, "bf16")
+    assert_decode_close(out, lse, ref, ref_lse, "bf16")
   np.testing.assert_allclose(np.asarray(outs[0][0], np.float32), np.asarray(outs[1][0], np.float32),
                              rtol=2e-2, atol=2e-2)
   np.testing.assert_allclose(np.asarray(outs[0][1]), np.asarray(outs[1][1]), rtol=0, atol=1e-4)
@@ -166,7 +64,7 @@ def test_num_kv_splits_agree():
 
 def test_batch_invariant_bitwise():
   kw = dict(b=3, nq=1, n=16, l=64, r=16, g=16, max_pages=6, lens=[90, 33, 7])
-  q, cache, bt, sl, _ = make_inputs(5, **kw)
+  q, cache, bt, sl, _ = decode_inputs(5, **kw)
   common = dict(scale=SCALE, kv_lora_rank=64, interpret=True, batch_invariant=True, block_kv=32)
   out, lse = mla_decode(q, cache, bt, sl, **common)
   out1, lse1 = mla_decode(q[1:2], cache, bt[1:2], sl[1:2], **common)
@@ -175,8 +73,8 @@ def test_batch_invariant_bitwise():
 
 
 def _bad(**over):
-  q, cache, bt, sl, _ = make_inputs(3, b=2, nq=1, n=16, l=64, r=16, g=16, max_pages=2,
-                                    lens=[20, 3])
+  q, cache, bt, sl, _ = decode_inputs(3, b=2, nq=1, n=16, l=64, r=16, g=16, max_pages=2,
+                                      lens=[20, 3])
   args = dict(q=q, kv_c_and_k_pe_cache=cache, block_table=bt, seq_lens=sl, scale=SCALE,
               kv_lora_rank=64, interpret=True)
   args.update(over)
@@ -228,37 +126,6 @@ def test_choose_num_kv_splits():
   assert choose_num_kv_splits(1, 16, 32768, 132) == 128
   assert choose_num_kv_splits(512, 128, 8192, 132) == 1     # batch alone fills the SMs
   assert (choose_num_kv_splits(8, 16, 8192, 132) >= choose_num_kv_splits(64, 16, 8192, 132))
-
-
-# ----------------------------------------------------------------------------------------------
-# GPU: the real Triton kernel (make gpu).
-
-GPU_CASES = [
-    (dict(b=4, nq=1, n=16, l=512, r=64, g=64, max_pages=48, lens=[3000, 1, 0, 1100]), {}, "bf16"),
-    (dict(b=4, nq=1, n=16, l=512, r=64, g=64, max_pages=48, lens=[3000, 1, 0, 1100],
-          cache_dtype="fp8"), {}, "fp8"),
-    (dict(b=3, nq=2, n=128, l=512, r=64, g=64, max_pages=24, lens=[1500, 65, 2], causal=True),
-     {}, "bf16"),
-    (dict(b=3, nq=1, n=128, l=512, r=64, g=16, max_pages=80, lens=[1200, 16, 999],
-          cache_dtype="fp8"), {}, "fp8"),
-    (dict(b=2, nq=4, n=32, l=512, r=64, g=128, max_pages=10, lens=[1100, 5], causal=True,
-          cache_dtype="fp8"), {"fp8_mode": "dequant_tile"}, "fp8"),
-    (dict(b=2, nq=1, n=16, l=512, r=64, g=64, max_pages=64, lens=[4000, 200]),
-     {"num_kv_splits": 7}, "bf16"),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("idx", range(len(GPU_CASES)))
-def test_gpu_matches_reference(idx):
-  if jax.default_backend() != "gpu":
-    pytest.skip("needs a GPU")
-  inputs_kw, kernel_kw, kind = GPU_CASES[idx]
-  q, cache, bt, sl, ks = make_inputs(1000 + idx, **inputs_kw)
-  out, lse = mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **kernel_kw)
-  ref, ref_lse = reference(q, cache, bt, sl, ks, kernel_kw)
-  # GPU dots accumulate in a different order than the CPU reference: same bf16 bounds, lse 1e-2.
-  assert_close(out, lse, ref, ref_lse, kind, lse_tol=1e-2)
 
 
 @pytest.mark.parametrize("b,splits,m,l", [(2, 5, 24, 64), (1, 64, 16, 512), (3, 2, 8, 32),
