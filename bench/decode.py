@@ -5,8 +5,9 @@ pallas_kernels/mla_decode.py (rows "pallas") and, on Hopper, the Mosaic GPU pall
     PYTHONPATH=. python3 bench/decode.py --out DIR [--sweep] [--quick] [--kernels pallas,pallas_sm90]
 
 (a) checks the kernels against the float32 reference on fresh random inputs with NaN-poisoned unused
-    pages (exits 1 on any mismatch of the Triton kernel; an sm90 mismatch is logged, recorded under
-    "checks" and its timing rows are skipped), (b) measures the copy/matmul ceilings, (c) times the
+    pages: the GPU test cases marked `bench` in pallas_kernels/testing.py (exits 1 on any mismatch
+    of the Triton kernel; an sm90 mismatch is logged, recorded under "checks" and its timing rows
+    are skipped), (b) measures the copy/matmul ceilings, (c) times the
     kernels (bf16 and fp8 caches, page 64) and the XLA backend (the reference under jit, bf16) on the
     project's decode shapes and writes DIR/decode-h200.json; (d) with --sweep also times tuning variants
     per shape (Triton: block_h, block_kv, num_warps, num_stages, num_kv_splits; sm90: num_kv_splits,
@@ -32,10 +33,12 @@ import jax.numpy as jnp  # noqa: E402
 from bench import common  # noqa: E402
 from pallas_kernels import mla_decode as md  # noqa: E402
 from pallas_kernels import mla_decode_sm90 as k90  # noqa: E402
+from pallas_kernels import testing  # noqa: E402
+from pallas_kernels.util import cdiv, num_sms  # noqa: E402
 
 L, R = 512, 64
 PAGE = 64
-SCALE = 192 ** -0.5 * 1.87385  # DeepSeek-V3: 192^-0.5 * mscale^2
+SCALE = testing.DECODE_SCALE  # DeepSeek-V3: 192^-0.5 * mscale^2
 SHAPES = [(64, 16, 4096), (128, 16, 8192), (64, 128, 4096), (128, 128, 8192), (1, 128, 32768),
           (32, 16, 1024)]
 ROW_BYTES = {"bf16": (L + R) * 2, "fp8": (L + R) + 4}
@@ -68,69 +71,29 @@ def make_inputs(key, b, nq, n, ctx, dtype, *, page=PAGE, extra_pages=3, width=L 
   return q, cache, bt, seq_lens, kv_scale
 
 
-def poisoned_inputs(seed, b, nq, n, g, max_pages, lens, dtype, *, causal):
-  """Fresh random inputs; every cache row no query attends to (unused pages, page tails, pages that
-  block-table padding points to) is NaN, and q rows with length 0 are NaN."""
-  rng = np.random.default_rng(seed)
-  lens = np.asarray(lens, np.int32)  # [B]: tokens of the request (last query row sees all)
-  used = [-(-int(x) // g) for x in lens]
-  num_pages = sum(used) + 4
-  perm = rng.permutation(num_pages)
-  bt = np.empty((b, max_pages), np.int32)
-  valid_rows = np.zeros((num_pages, g), bool)
-  pos = 0
-  for i in range(b):
-    bt[i, : used[i]] = perm[pos: pos + used[i]]
-    for j in range(used[i]):
-      valid_rows[perm[pos + j], : min(g, lens[i] - j * g)] = True
-    pos += used[i]
-    bt[i, used[i]:] = rng.choice(perm[-4:], max_pages - used[i])  # padding -> spare NaN pages
-  if causal:  # row t sees prefix + t + 1 with the last row seeing all tokens
-    seq_lens = np.maximum(lens[:, None] - (nq - 1) + np.arange(nq)[None, :], 0)
-  else:
-    seq_lens = np.repeat(lens[:, None], nq, axis=1)
-  seq_lens = np.where(lens[:, None] > 0, seq_lens, 0).astype(np.int32)
-  key = jax.random.key(seed)
-  k = jax.random.split(key, 3)
-  q = jax.random.normal(k[0], (b, nq, n, L + R), jnp.float32)
-  q = jnp.where(jnp.asarray(seq_lens == 0)[:, :, None, None], jnp.nan, q).astype(jnp.bfloat16)
-  cache = jax.random.normal(k[1], (num_pages, g, L + R), jnp.float32)
-  kv_scale = None
-  if dtype == "fp8":
-    cache = (cache * 2.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    kv_scale = jax.random.uniform(k[2], (num_pages, g), jnp.float32, 0.25, 0.75)
-  cache = jnp.where(jnp.asarray(valid_rows)[..., None], cache, jnp.nan)
-  cache = cache.astype(jnp.float8_e4m3fn if dtype == "fp8" else jnp.bfloat16)
-  return q, cache, jnp.asarray(bt), jnp.asarray(seq_lens), kv_scale
-
-
-def check_correctness(decode=None, cases=None) -> bool:
-  """Kernel vs float32 reference on the GPU (bf16 and fp8, splits, causal Q>1, ragged, empty)."""
-  decode = decode or md.mla_decode
-  cases = cases or [  # (b, nq, n, g, max_pages, lens, dtype, causal, kwargs)
-      (4, 1, 16, 64, 40, [2500, 1, 0, 777], "bf16", False, {}),
-      (4, 1, 16, 64, 40, [2500, 1, 0, 777], "fp8", False, {}),
-      (3, 1, 128, 64, 20, [1200, 64, 999], "bf16", False, {}),
-      (3, 2, 64, 16, 80, [1200, 64, 999], "fp8", True, {}),
-      (2, 3, 16, 128, 12, [1500, 300], "bf16", False, {"num_kv_splits": 5}),
-      (2, 4, 32, 64, 16, [1000, 17], "bf16", True, {"batch_invariant": True}),
-  ]
+def check_correctness(decode, kernel) -> bool:
+  """Kernel vs float32 reference on the GPU: the `bench` cases of `kernel` in
+  pallas_kernels/testing.py (bf16 and fp8, splits, causal Q>1, ragged, empty), at the GPU tests'
+  tolerances."""
   ok = True
-  for i, (b, nq, n, g, mp, lens, dtype, causal, kw) in enumerate(cases):
-    q, cache, bt, sl, ks = poisoned_inputs(100 + i, b, nq, n, g, mp, lens, dtype, causal=causal)
+  for i, case in enumerate(testing.cases_for(testing.DECODE_GPU_CASES, kernel, bench=True)):
+    inp, kw = case.inputs, case.kernel
+    b, nq, n, g = inp["b"], inp["nq"], inp["n"], inp.get("g", PAGE)
+    dtype, causal = inp.get("cache_dtype", "bf16"), inp.get("causal", False)
     try:
+      q, cache, bt, sl, ks = case.make()
       out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **kw)
-      q_ref, tol, lse_tol, note = q, 2e-2, 1e-2, ""
+      tol, lse_tol = testing.decode_gpu_tolerance(case.kind)
+      note = ""
       if kw.get("fp8_qk"):
         # The kernel's logits are those of the per-row fp8 q, accumulated by the fp8 wgmma with
-        # reduced precision (tests/pallas_kernels/test_mla_decode.py TOL["fp8_qk"]); the error
-        # against the exact q is reported, not checked: it is the mode's quantization error.
-        q_ref, tol, lse_tol = k90.fp8_qk_reference_q(q), 4e-2, 3e-2
+        # reduced precision (pallas_kernels/testing.py DECODE_TOL["fp8_qk"]); the error against
+        # the exact q is reported, not checked: it is the mode's quantization error.
         exact = np.asarray(md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)[0],
                            np.float32)
         exact_err = float(np.nanmax(np.abs(np.asarray(out, np.float32) - exact)))
         note = f" (vs exact q: max|err| {exact_err:.2e})"
-      ref, ref_lse = md.mla_decode_reference(q_ref, cache, bt, sl, scale=SCALE, kv_scale=ks)
+      ref, ref_lse = testing.decode_reference(q, cache, bt, sl, ks, kw, case.l, scale=SCALE)
       out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
       lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
       # bf16 output rounding: elementwise |err| <= 2e-2 + 2e-2 |ref|, and 1e-2 relative in norm.
@@ -148,23 +111,6 @@ def check_correctness(decode=None, cases=None) -> bool:
       traceback.print_exc()
     ok &= bool(good)
   return ok
-
-
-SM90_CASES = [  # the sm90 kernel: page 64 only (b, nq, n, g, max_pages, lens, dtype, causal, kwargs)
-    (4, 1, 16, 64, 40, [2500, 1, 0, 777], "bf16", False, {}),
-    (4, 1, 16, 64, 40, [2500, 1, 0, 777], "fp8", False, {}),
-    (4, 1, 16, 64, 40, [2500, 1, 0, 777], "fp8", False, {"fp8_compute": "float16"}),
-    (3, 1, 128, 64, 20, [1200, 64, 999], "bf16", False, {}),
-    (3, 2, 64, 64, 20, [1200, 64, 999], "fp8", True, {}),
-    (2, 3, 16, 64, 24, [1500, 300], "bf16", False, {"num_kv_splits": 5}),
-    (2, 4, 32, 64, 16, [1000, 17], "bf16", True, {"batch_invariant": True}),
-    (1, 1, 128, 64, 512, [32768], "bf16", False, {}),
-    (5, 1, 16, 64, 160, [10000, 3, 0, 700, 64], "bf16", False, {"schedule": "worklist"}),
-    (3, 2, 64, 64, 80, [5000, 100, 1], "fp8", True, {"schedule": "worklist"}),
-    (1, 1, 128, 64, 512, [32768], "bf16", False, {"schedule": "worklist"}),
-    (3, 1, 128, 64, 20, [1200, 64, 999], "fp8", False, {"fp8_qk": True}),
-    (3, 2, 64, 64, 80, [5000, 100, 1], "fp8", True, {"fp8_qk": True, "schedule": "worklist"}),
-]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,7 +139,7 @@ def sm90_fn(**tuning):
 
 
 def sm90_splits(b, n, ctx):
-  return k90.choose_num_kv_splits_sm90(b, -(-n // k90.TILE_M), -(-ctx // PAGE), md.num_sms())
+  return k90.choose_num_kv_splits_sm90(b, cdiv(n, k90.TILE_M), cdiv(ctx, PAGE), num_sms())
 
 
 def sm90_sweep_variants(dtype, splits):
@@ -297,7 +243,7 @@ def main():
   args = ap.parse_args()
   t_start = time.time()
   dev = jax.devices()[0]
-  log(f"device: {dev.device_kind}, SMs: {md.num_sms()}, jax {jax.__version__}")
+  log(f"device: {dev.device_kind}, SMs: {num_sms()}, jax {jax.__version__}")
   kernels = args.kernels.split(",")
   run_triton = "pallas" in kernels
   run_sm90 = "pallas_sm90" in kernels and k90.is_sm90(dev)
@@ -308,13 +254,13 @@ def main():
 
   if not args.no_check:
     if run_triton:
-      ok = check_correctness()
+      ok = check_correctness(md.mla_decode, testing.MLA_DECODE)
       checks["pallas"] = "PASS" if ok else "FAIL"
       log(f"correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
       if not ok:
         sys.exit(1)
     if run_sm90:
-      ok = check_correctness(k90.mla_decode_sm90, SM90_CASES)
+      ok = check_correctness(k90.mla_decode_sm90, testing.MLA_DECODE_SM90)
       checks["pallas_sm90"] = "PASS" if ok else "FAIL"
       log(f"correctness pallas_sm90: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
       run_sm90 = ok  # time only a kernel that computes the right thing
@@ -333,7 +279,7 @@ def main():
   for (b, n, ctx) in shapes:
     for dtype in dtypes:
       sets = arg_sets_for(b, n, ctx, dtype)
-      splits = md.choose_num_kv_splits(b, n, ctx, md.num_sms())
+      splits = md.choose_num_kv_splits(b, n, ctx, num_sms())
       timed_kernels = []  # (kernel, jitted fn, extra row fields)
       if run_triton:
         timed_kernels.append(("pallas", kernel_fn(), {"num_kv_splits": splits}))

@@ -4,8 +4,9 @@
                                           [--kernels pallas,pallas_sm90]
 
 (a) checks flash_prefill, merge_attn_states and gather_cache against their float32 references on
-    fresh random inputs with NaN-poisoned padding (exits 1 on any mismatch of those), and, on Hopper,
-    the Mosaic GPU kernel flash_prefill_sm90 (a mismatch or error of it is logged, recorded under
+    fresh random inputs with NaN-poisoned padding (the flash kernels on the GPU test cases marked
+    `bench` in pallas_kernels/testing.py; exits 1 on any mismatch of those), and, on Hopper, the
+    Mosaic GPU kernel flash_prefill_sm90 (a mismatch or error of it is logged, recorded under
     "checks" and its timing rows are skipped); (b) measures the copy/matmul ceilings; (c) times causal
     bf16 prefill attention (q/k 192, v 128) on the project's shapes plus a varlen mix and a non-causal
     context-chunk case: the Pallas kernels side by side on the same inputs (rows "pallas": the
@@ -37,9 +38,12 @@ from pallas_kernels import flash_prefill as fp  # noqa: E402
 from pallas_kernels import flash_prefill_sm90 as fp90  # noqa: E402
 from pallas_kernels import gather_cache as gc  # noqa: E402
 from pallas_kernels import merge_attn_states as ma  # noqa: E402
+from pallas_kernels import testing  # noqa: E402
+from pallas_kernels.testing import locs  # noqa: E402
+from pallas_kernels.util import cdiv  # noqa: E402
 
 DQK, DV = 192, 128
-SCALE = DQK ** -0.5
+SCALE = testing.PREFILL_SCALE  # DQK ** -0.5
 SHAPES = [(1, 8192, 128), (4, 4096, 128), (8, 2048, 16)]
 VARLEN_SEED = 7
 VARLEN_N = 128
@@ -54,10 +58,6 @@ def log(*a):
 
 def varlen_lens():
   return np.random.default_rng(VARLEN_SEED).integers(256, 4097, size=8).astype(np.int32)
-
-
-def locs(lens):
-  return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,53 +79,17 @@ def _close(name, out, ref, atol, rtol, lse=None, ref_lse=None, lse_tol=1e-2):
   return good
 
 
-def _attn_inputs(seed, q_lens, k_lens, n, dtype, pad=9):
-  rng = np.random.default_rng(seed)
-  qs, ks = locs(q_lens), locs(k_lens)
-  tq, tk = int(qs[-1]) + pad, int(ks[-1]) + pad
-  q = rng.standard_normal((tq, n, DQK), np.float32)
-  k = rng.standard_normal((tk, n, DQK), np.float32)
-  v = rng.standard_normal((tk, n, DV), np.float32)
-  q[qs[-1]:], k[ks[-1]:], v[ks[-1]:] = np.nan, np.nan, np.nan  # padding must not leak
-  return [jnp.asarray(x, dtype) for x in (q, k, v)] + [jnp.asarray(qs), jnp.asarray(ks)]
-
-
-FLASH_CASES = [  # name, q_lens, k_lens, causal, n, dtype, tuning
-    ("varlen causal bf16", [700, 0, 1, 129, 1000], None, True, 8, jnp.bfloat16, {}),
-    ("varlen causal f32", [300, 0, 1, 129, 77], None, True, 4, jnp.float32, {}),
-    ("chunk non-causal bf16", [300, 5, 0, 64, 257], [1000, 3, 0, 640, 64], False, 8,
-     jnp.bfloat16, {}),
-    ("causal q<k bf16", [300, 5, 64, 200], [1000, 3, 640, 64], True, 8, jnp.bfloat16, {}),
-    ("fixed 2x1024 N16 bf16", [1024, 1024], None, True, 16, jnp.bfloat16, {}),
-    ("varlen bq64 bk32 w4 s3", [700, 0, 1, 129, 1000], None, True, 4, jnp.bfloat16,
-     dict(block_q=64, block_k=32, num_warps=4, num_stages=3)),
-]
-SM90_CASES = [  # flash_prefill_sm90: bf16/f16 only, its own tuning knobs
-    ("sm90 varlen causal bf16", [700, 0, 1, 129, 1000], None, True, 8, jnp.bfloat16, {}),
-    ("sm90 chunk non-causal bf16", [300, 5, 0, 64, 257], [1000, 3, 0, 640, 64], False, 8,
-     jnp.bfloat16, {}),
-    ("sm90 causal q<k bf16", [300, 5, 64, 200], [1000, 3, 640, 64], True, 8, jnp.bfloat16, {}),
-    ("sm90 fixed 2x1024 N16 bf16", [1024, 1024], None, True, 16, jnp.bfloat16, {}),
-    ("sm90 1000+3000 N16 bf16", [1000, 3000], None, True, 16, jnp.bfloat16, {}),
-    ("sm90 varlen chunk f16", [513, 77, 1], [900, 77, 2], False, 4, jnp.float16, {}),
-    ("sm90 varlen no schedule barrier", [700, 0, 1, 129, 1000], None, True, 4, jnp.bfloat16,
-     dict(schedule_barrier=False)),
-    ("sm90 varlen P in smem", [700, 0, 1, 129, 1000], None, True, 4, jnp.bfloat16,
-     dict(p_in_smem=True)),
-    ("sm90 varlen bk64 s4", [700, 0, 1, 129, 1000], None, True, 4, jnp.bfloat16,
-     dict(block_k=64, num_stages=4)),
-]
-
-
-def check_flash(flash, cases) -> bool:
+def check_flash(flash, kernel) -> bool:
+  """`flash` on the `bench` cases of `kernel` in pallas_kernels/testing.py, out at the tests'
+  PREFILL_TOL, lse within 1e-2."""
   ok = True
-  tol = {jnp.bfloat16: (2e-2, 2e-2), jnp.float16: (2e-2, 2e-2), jnp.float32: (1e-3, 1e-3)}
-  for i, (name, ql, kl, causal, n, dtype, tun) in enumerate(cases):
+  for case in testing.cases_for(testing.PREFILL_GPU_CASES, kernel, bench=True):
+    name = case.name
     try:
-      q, k, v, qs, ks = _attn_inputs(10 + i, ql, ql if kl is None else kl, n, dtype)
-      out, lse = flash(q, k, v, qs, ks, causal=causal, scale=SCALE, **tun)
-      ref, ref_lse = fp.flash_prefill_reference(q, k, v, qs, ks, causal=causal, scale=SCALE)
-      ok &= _close(name, out, ref, *tol[dtype], lse, ref_lse)
+      q, k, v, qs, ks = case.make()
+      out, lse = flash(q, k, v, qs, ks, causal=case.causal, scale=case.scale, **case.kernel)
+      ref, ref_lse = case.reference(q, k, v, qs, ks)
+      ok &= _close(name, out, ref, *testing.PREFILL_TOL[jnp.dtype(q.dtype)], lse, ref_lse)
     except Exception as e:  # noqa: BLE001
       ok = False
       log(f"check {name}: ERROR {type(e).__name__}: {e}")
@@ -135,7 +99,7 @@ def check_flash(flash, cases) -> bool:
 
 def check_correctness(triton=True) -> bool:
   """The Triton flash kernel (if timed), merge_attn_states and gather_cache."""
-  ok = check_flash(fp.flash_prefill, FLASH_CASES) if triton else True
+  ok = check_flash(fp.flash_prefill, testing.FLASH_PREFILL) if triton else True
   # merge: random partials with every -inf combination, NaN outputs behind -inf
   rng = np.random.default_rng(3)
   t, n, dv = 1000, 16, 128
@@ -184,7 +148,7 @@ def _gather_inputs(seed, dtype, *, page, lens, starts, small=False, width=576, c
   rng = np.random.default_rng(seed)
   lens, starts = np.asarray(lens, np.int32), np.asarray(starts, np.int32)
   ctx_len = starts + lens if ctx is None else np.full(len(lens), ctx)
-  n_pp = [max(1, -(-int(c) // page)) for c in ctx_len]
+  n_pp = [max(1, cdiv(int(c), page)) for c in ctx_len]
   max_pages = max(n_pp) + 1
   num_pages = sum(n_pp) + 3
   perm = rng.permutation(num_pages).astype(np.int32)
@@ -194,7 +158,7 @@ def _gather_inputs(seed, dtype, *, page, lens, starts, small=False, width=576, c
   for s, n in enumerate(n_pp):
     bt[s, :n] = perm[pos:pos + n]
     bt[s, n:] = perm[-1]  # table padding points at a spare (NaN) page
-    first, last = starts[s] // page, -(-(starts[s] + lens[s]) // page)
+    first, last = starts[s] // page, cdiv(starts[s] + lens[s], page)
     read[perm[pos + first:pos + last]] = lens[s] > 0
     pos += n
   cu = locs(lens)
@@ -636,7 +600,7 @@ def main():
     if not ok:
       sys.exit(1)
     if "pallas_sm90" in kernels:
-      ok = check_flash(fp90.flash_prefill_sm90, SM90_CASES)
+      ok = check_flash(fp90.flash_prefill_sm90, testing.FLASH_PREFILL_SM90)
       checks["pallas_sm90"] = "PASS" if ok else "FAIL"
       log(f"correctness pallas_sm90: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
       if not ok:  # time only a kernel that computes the right thing

@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.decode import make_inputs  # noqa: E402
 from pallas_kernels import mla_decode_sm90 as k90  # noqa: E402
+from pallas_kernels.util import cdiv  # noqa: E402
 
 WARPGROUPS = 3  # two consumers and the producer
 
@@ -75,7 +76,7 @@ def main():
   tuning = dict(num_stages=args.stages, fp8_stages=args.fp8_stages, fp8_qk=args.fp8_qk)
   q, cache, bt, sl, ks = make_inputs(jax.random.key(0), args.b, 1, args.n, args.ctx, args.dtype,
                                      width=args.l + 64)
-  pages = -(-(-(-args.ctx // k90.PAGE_SIZE)) // args.splits)   # pages per CTA
+  pages = cdiv(cdiv(args.ctx, k90.PAGE_SIZE), args.splits)   # pages per CTA
   tmp = tempfile.mkdtemp()
   k90.TRACE = (8 * pages + 16, tmp)   # scopes per warpgroup: at most 6 a page (WG0)
   out = k90.mla_decode_sm90(q, cache, bt, sl, scale=0.1, kv_scale=ks, kv_lora_rank=args.l,
