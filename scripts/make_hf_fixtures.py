@@ -1,10 +1,18 @@
-"""Build tiny random DeepSeek V2 / V2-Lite / V3 checkpoints plus float64 reference logits.
+"""Build tiny random DeepSeek V2 / V2-Lite / V3 / V3.2 and GLM-MoE-DSA checkpoints plus float64 reference logits.
 
-Run: /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py   (torch CPU, transformers >= 5.17)
+Run: /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py [names...]   (torch CPU, transformers >= 5.23 for
+the sparse-attention models v32 and glm_dsa; >= 5.17 for the others)
 
-Writes tests/fixtures/hf/{v2,v2_lite,v3}/ with config.json, safetensors weights (float32; v3 sharded),
-reference.safetensors and reference.json. Only public transformers API is used (config classes,
-model constructors, save_pretrained, from_pretrained) so the script runs on 5.17 and 5.24 alike.
+Writes tests/fixtures/hf/{v2,v2_lite,v3,v32,glm_dsa}/ with config.json, safetensors weights (float32; v3
+sharded), reference.safetensors and reference.json. Only public transformers API is used (config classes,
+model constructors, save_pretrained, from_pretrained).
+
+The sparse models (DeepSeek Sparse Attention: a lightning indexer per layer keeps the top `index_topk` tokens)
+use index_topk = 16 with prompts longer than that, so the top-k changes the logits (checked: the same model
+with the indexer keeping everything moves the logits by O(1)); one prompt is shorter than index_topk (dense).
+Their references also hold each layer's top-k indices (`topk_{prompt}_layer{l}`, sorted ascending), and the
+seed search rejects draws where the k-th and (k+1)-th indexer scores nearly tie (a float32 recomputation
+could pick another token).
 
 Weights are re-drawn by this script from its own torch.Generator (not transformers' init), so the
 fixture does not depend on the library's init scheme and every tensor (norm weights included) is
@@ -31,12 +39,24 @@ from transformers import (
     DeepseekV3ForCausalLM,
 )
 
+try:  # transformers >= 5.23
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        apply_rotary_pos_emb,
+        apply_rotary_pos_emb_interleave,
+    )
+except ImportError:  # older transformers: only the dense models
+    DeepseekV32Config = DeepseekV32ForCausalLM = GlmMoeDsaConfig = GlmMoeDsaForCausalLM = None
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "fixtures" / "hf"
 PROMPT_LENS = (5, 17, 40)
+SPARSE_PROMPT_LENS = (11, 30, 45)  # index_topk = 16: one dense prompt, two where the top-k drops tokens
 DEBUG_PROMPT = 1  # per-layer intermediates are stored for this prompt only (size budget)
-MAX_BYTES = 5 * 1024 * 1024
+MAX_BYTES = 7 * 1024 * 1024
+MAX_FIXTURE_BYTES = {"v32": 1024 * 1024, "glm_dsa": 1024 * 1024}
 MIN_MARGIN = 1e-3
+MIN_INDEX_MARGIN = 2e-5  # relative gap between the k-th and (k+1)-th indexer score (float32 error ~1e-6)
 
 COMMON = dict(
     vocab_size=256,
@@ -137,12 +157,57 @@ V3 = dict(
     },
 )
 
+# DeepSeek-V3.2 (DSA): V3 plus a lightning indexer in every layer (wq_b on the q latent, wk + LayerNorm k_norm
+# on the hidden state, non-interleaved RoPE on its first qk_rope_head_dim dims, ReLU scores weighted per head
+# by weights_proj). index_topk 16 < the two longer prompts. Smaller than V3 (vocab 128, 3 layers) to stay < 1 MB.
+SPARSE_COMMON = dict(COMMON, vocab_size=128, moe_intermediate_size=16, index_topk=16, index_n_heads=8,
+                     index_head_dim=16)
+V32 = dict(
+    SPARSE_COMMON,
+    num_hidden_layers=3,
+    q_lora_rank=48,
+    v_head_dim=16,
+    n_shared_experts=1,
+    num_experts_per_tok=3,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    max_position_embeddings=512,
+    rope_parameters=dict(V3["rope_parameters"]),
+)
+
+# GLM-MoE-DSA: the indexer with interleaved RoPE and cross-layer top-k sharing: "shared" layers have no
+# indexer and reuse the previous "full" layer's top-k. Plain RoPE, v_head_dim != qk_nope_head_dim, one group.
+GLM_DSA = dict(
+    SPARSE_COMMON,
+    num_hidden_layers=3,
+    q_lora_rank=40,
+    qk_nope_head_dim=24,
+    v_head_dim=20,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.8,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    indexer_types=["full", "shared", "full"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
 MODELS = {
-    # name: (config class, model class, config kwargs, seed, max_shard_size or None)
-    "v2": (DeepseekV2Config, DeepseekV2ForCausalLM, V2, 1234, None),
-    "v2_lite": (DeepseekV2Config, DeepseekV2ForCausalLM, V2_LITE, 2345, None),
-    "v3": (DeepseekV3Config, DeepseekV3ForCausalLM, V3, 3456, 400_000),
+    # name: (config class, model class, config kwargs, seed, max_shard_size or None, prompt lengths)
+    "v2": (DeepseekV2Config, DeepseekV2ForCausalLM, V2, 1234, None, PROMPT_LENS),
+    "v2_lite": (DeepseekV2Config, DeepseekV2ForCausalLM, V2_LITE, 2345, None, PROMPT_LENS),
+    "v3": (DeepseekV3Config, DeepseekV3ForCausalLM, V3, 3456, 400_000, PROMPT_LENS),
+    "v32": (DeepseekV32Config, DeepseekV32ForCausalLM, V32, 4567, None, SPARSE_PROMPT_LENS),
+    "glm_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM, GLM_DSA, 5678, None, SPARSE_PROMPT_LENS),
 }
+SPARSE = ("v32", "glm_dsa")
 
 # Per-parameter std multipliers (times 1/sqrt(fan_in) for matrices). Chosen so that attention is
 # peaked, logits are far from uniform and router scores are well separated.
@@ -162,6 +227,8 @@ def reinit_(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(1.0 + NORM_JITTER * torch.randn(p.shape, generator=g))
             elif name.endswith("embed_tokens.weight"):
                 p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):  # the indexer's LayerNorm k_norm (the dense models have no biases)
+                p.copy_(BIAS_STD * torch.randn(p.shape, generator=g))
             elif p.ndim == 3:  # fused experts: [E, out, in]
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
             else:
@@ -179,9 +246,42 @@ def reinit_(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(BIAS_STD * torch.randn(b.shape, generator=g))
 
 
-def make_prompts(seed: int, vocab: int) -> list[torch.Tensor]:
+def make_prompts(seed: int, vocab: int, lens=PROMPT_LENS) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed + 99)
-    return [torch.randint(0, vocab, (n,), generator=g) for n in PROMPT_LENS]
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
+
+
+def indexers(model) -> list[tuple[int, torch.nn.Module]]:
+    """(layer, indexer) of every layer that runs one (GLM-MoE-DSA's "shared" layers have none)."""
+    return [(li, layer.self_attn.indexer) for li, layer in enumerate(model.model.layers)
+            if getattr(layer.self_attn, "indexer", None) is not None]
+
+
+def index_scores64(ind, interleave: bool, hidden, q_resid, position_embeddings) -> torch.Tensor:
+    """The indexer's scores [B, S, T] recomputed in float64 (HF computes them in float32), unmasked."""
+    B, S, _ = hidden.shape
+    R, D = ind.qk_rope_head_dim, ind.head_dim
+    cos, sin = (t.double() for t in position_embeddings)
+    q = ind.wq_b(q_resid.double()).view(B, S, ind.n_heads, D)
+    k = ind.k_norm(ind.wk(hidden.double())).unsqueeze(2)
+    rope = apply_rotary_pos_emb_interleave if interleave else apply_rotary_pos_emb
+    q_rot, k_rot = rope(q[..., :R], k[..., :R], cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q[..., R:]], dim=-1)
+    k = torch.cat([k_rot, k[..., R:]], dim=-1)[:, :, 0]
+    scores = torch.relu(torch.einsum("bshd,btd->bsht", q, k) * ind.softmax_scale)
+    w = ind.weights_proj(hidden.double()) * ind.n_heads**-0.5
+    return torch.einsum("bsh,bsht->bst", w, scores)
+
+
+def index_margins(scores: torch.Tensor, topk: int) -> float:
+    """Smallest relative gap between the k-th and (k+1)-th causal score over queries that drop tokens."""
+    S = scores.shape[-1]
+    worst = math.inf
+    for s in range(topk, S):
+        sc = scores[0, s, : s + 1].sort(descending=True).values
+        a, b = sc[topk - 1].item(), sc[topk].item()
+        worst = min(worst, (a - b) / max(abs(a), abs(b), 1e-12))
+    return worst
 
 
 def moe_layers(model) -> list[int]:
@@ -190,10 +290,19 @@ def moe_layers(model) -> list[int]:
 
 @torch.no_grad()
 def run(model, prompts, capture: bool = False):
-    """Logits per prompt (one prompt at a time, no padding, no cache) and, if asked, debug tensors."""
+    """Logits per prompt (one prompt at a time, no padding, no cache) and, if asked, debug tensors (and for
+    sparse models each indexer's top-k indices and its float64 scores)."""
     out_logits, routing, debug = [], [], {}
+    interleave = GlmMoeDsaForCausalLM is not None and isinstance(model, GlmMoeDsaForCausalLM)
     for i, ids in enumerate(prompts):
         hooks, rec = [], {}
+        for li, ind in indexers(model) if capture else ():
+
+            def ind_hook(mod, args, kwargs, outp, li=li):
+                rec[f"topk_{li}"] = outp.detach().clone()
+                rec[f"scores_{li}"] = index_scores64(mod, interleave, args[0], args[1], args[2])
+
+            hooks.append(ind.register_forward_hook(ind_hook, with_kwargs=True))
         for li in moe_layers(model):
             gate = model.model.layers[li].mlp.gate
 
@@ -206,10 +315,13 @@ def run(model, prompts, capture: bool = False):
             m = model.model
             hooks.append(m.embed_tokens.register_forward_hook(lambda mod, a, o: rec.__setitem__("h_embed", o)))
             for li, layer in enumerate(m.layers):
-                hooks.append(layer.register_forward_hook(lambda mod, a, o, li=li: rec.__setitem__(f"h_{li}", o)))
+                def layer_hook(mod, a, o, li=li):  # GLM-MoE-DSA's layers return (hidden, topk)
+                    rec[f"h_{li}"] = o[0] if isinstance(o, tuple) else o
+
+                hooks.append(layer.register_forward_hook(layer_hook))
             hooks.append(m.norm.register_forward_hook(lambda mod, a, o: rec.__setitem__("h_final_norm", o)))
             attn = m.layers[0].self_attn
-            qmod = attn.q_proj if attn.q_proj is not None else attn.q_b_proj
+            qmod = getattr(attn, "q_proj", None) or attn.q_b_proj
             hooks.append(qmod.register_forward_hook(lambda mod, a, o: rec.__setitem__("l0_q", o)))
             hooks.append(attn.kv_a_proj_with_mqa.register_forward_hook(lambda mod, a, o: rec.__setitem__("l0_kv_a", o)))
             hooks.append(attn.kv_a_layernorm.register_forward_hook(lambda mod, a, o: rec.__setitem__("l0_kv_c_normed", o)))
@@ -225,6 +337,9 @@ def run(model, prompts, capture: bool = False):
                 h.remove()
         out_logits.append(logits)
         routing.append({li: (rec[f"gate_in_{li}"], rec[f"gate_out_{li}"]) for li in moe_layers(model)})
+        for li, _ in indexers(model) if capture else ():
+            debug[f"index_topk_{i}_layer{li}"] = rec.pop(f"topk_{li}")[0].sort(-1).values.to(torch.int32)
+            debug[f"index_scores_{i}_layer{li}"] = rec.pop(f"scores_{li}")
         if capture and i == DEBUG_PROMPT:
             for k, v in rec.items():
                 if not k.startswith("gate_"):
@@ -236,7 +351,7 @@ def routing_stats(model, routing) -> dict:
     """Checks routing is well conditioned: picks differ across tokens, no near-ties, bias matters (V3)."""
     cfg = model.config
     k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
-    is_v3 = isinstance(model, DeepseekV3ForCausalLM)
+    is_v3 = hasattr(model.model.layers[moe_layers(model)[0]].mlp.gate, "e_score_correction_bias")  # sigmoid gate
     stats = {"distinct_pick_sets": {}, "min_topk_margin": None, "min_group_margin": None}
     min_margin, min_gmargin, bias_changed, n_tok = math.inf, math.inf, 0, 0
     all_sets = {}
@@ -330,13 +445,49 @@ def check(name: str, logits64, stats) -> str | None:
         return f"near-tie in expert selection ({stats['min_topk_margin']:.2e})"
     if stats["min_group_margin"] is not None and stats["min_group_margin"] < MIN_MARGIN:
         return f"near-tie in group selection ({stats['min_group_margin']:.2e})"
-    if name == "v3" and stats["tokens_where_bias_changes_selection"] < 3:
+    if name in ("v3", *SPARSE) and stats["tokens_where_bias_changes_selection"] < 3:
         return "correction bias rarely changes the selection"
     return None
 
 
+def sparse_check(model64, prompts, debug) -> tuple[str | None, dict]:
+    """For the DSA models: (why the draw is weak or None, stats). HF's float32 top-k must equal the float64
+    scores' top-k, with a clear gap at the k-th score, and the top-k must move the logits."""
+    K = model64.config.index_topk
+    stats = {"min_index_margin": math.inf}
+    for i in range(len(prompts)):
+        for li, _ in indexers(model64):
+            sc = debug[f"index_scores_{i}_layer{li}"]
+            S = sc.shape[-1]
+            mask = torch.ones(S, S, dtype=torch.bool).tril()
+            want = sc[0].masked_fill(~mask, -math.inf).topk(min(K, S), dim=-1).indices.sort(-1).values
+            got = debug[f"index_topk_{i}_layer{li}"].long()
+            causal = torch.arange(min(K, S))[None, :] <= torch.arange(S)[:, None]  # rows with < K causal tokens
+            if not torch.equal(torch.where(causal, want, -1), torch.where(causal, got, -1)):
+                return f"prompt {i} layer {li}: HF's float32 top-k differs from the float64 one", stats
+            if S > K:
+                stats["min_index_margin"] = min(stats["min_index_margin"], index_margins(sc, K))
+    if stats["min_index_margin"] < MIN_INDEX_MARGIN:
+        return f"near-tie at the indexer's k-th score ({stats['min_index_margin']:.2e})", stats
+    dense = copy.deepcopy(model64)
+    for _, ind in indexers(dense):
+        ind.index_topk = 1 << 30
+    dense_logits, _, _ = run(dense, prompts)
+    sparse_logits, _, _ = run(model64, prompts)
+    stats["max_abs_diff_dense_vs_sparse_logits"] = [(a - b).abs().max().item()
+                                                    for a, b in zip(dense_logits, sparse_logits)]
+    for ids, d in zip(prompts, stats["max_abs_diff_dense_vs_sparse_logits"]):
+        if len(ids) > K and d < 0.1:
+            return f"the top-k barely changes the logits ({d:.2e})", stats
+        if len(ids) <= K and d != 0.0:
+            raise AssertionError(f"a prompt of {len(ids)} <= index_topk tokens is not dense in HF ({d})")
+    return None, stats
+
+
 def build(name: str) -> dict:
-    cfg_cls, model_cls, kwargs, base_seed, shard = MODELS[name]
+    cfg_cls, model_cls, kwargs, base_seed, shard, prompt_lens = MODELS[name]
+    if cfg_cls is None:
+        raise RuntimeError(f"{name}: transformers {transformers.__version__} lacks this model (needs >= 5.23)")
     out_dir = OUT / name
     config = cfg_cls(**kwargs, attn_implementation="eager", experts_implementation="eager")
     # Deterministic search over seeds until the draw passes check(); the chosen seed is recorded.
@@ -345,11 +496,13 @@ def build(name: str) -> dict:
         torch.manual_seed(seed)
         model = model_cls(config).float().eval()
         reinit_(model, seed)
-        prompts = make_prompts(seed, config.vocab_size)
+        prompts = make_prompts(seed, config.vocab_size, prompt_lens)
         model64 = copy.deepcopy(model).double()
         logits64, routing, debug = run(model64, prompts, capture=True)
         stats = routing_stats(model64, routing)
         why = check(name, logits64, stats)
+        if why is None and name in SPARSE:
+            why, stats["sparse"] = sparse_check(model64, prompts, debug)
         if why is None:
             break
         print(f"{name}: seed {seed} rejected: {why}")
@@ -379,7 +532,8 @@ def build(name: str) -> dict:
         tensors[f"input_ids_{i}"] = ids.to(torch.int32)
         tensors[f"logits_{i}"] = lg.to(torch.float64)
     tensors.update(routing_tensors(model64, routing))
-    tensors.update({k: v.to(torch.float64) for k, v in debug.items()})
+    tensors.update({k: v for k, v in debug.items() if k.startswith("index_topk_")})
+    tensors.update({k: v.to(torch.float64) for k, v in debug.items() if k.startswith("debug_")})
     save_file({k: v.contiguous().numpy() for k, v in tensors.items()}, str(out_dir / "reference.safetensors"))
 
     rot = model64.model.rotary_emb
@@ -393,7 +547,7 @@ def build(name: str) -> dict:
         "python": sys.version.split()[0],
         "seed": seed,
         "config_kwargs": kwargs,
-        "prompt_lengths": list(PROMPT_LENS),
+        "prompt_lengths": list(prompt_lens),
         "note": (
             "logits_i: HF model cast with model.double(), one prompt at a time, no padding, position_ids "
             "0..S-1, use_cache=False. HF keeps some ops in float32 even then: RMSNorm (casts to float32), "
@@ -403,7 +557,9 @@ def build(name: str) -> dict:
             f"intermediates for prompt {DEBUG_PROMPT}: h_embed, h_{{layer}} (decoder layer outputs), "
             "h_final_norm, l0_q (q_proj / q_b_proj output [S, N*(P+R)]), l0_kv_a (kv_a_proj_with_mqa "
             "output [S, L+R], k_pe pre-RoPE in its last R columns), l0_kv_c_normed [S, L], l0_attn_pre_o "
-            "[S, N*V], l0_attn_out [S, D]."
+            "[S, N*V], l0_attn_out [S, D]. Sparse models: index_topk_i_layer{l} [S, min(index_topk, S)] int32, "
+            "layer l's indexer top-k (sorted ascending; for rows with fewer causal tokens than index_topk "
+            "the entries past the row's own position are arbitrary masked positions)."
         ),
         "max_abs_diff_float32_vs_float64_logits": fp32_vs_fp64,
         "logits_abs_max": max(lg.abs().max().item() for lg in logits64),
@@ -428,10 +584,14 @@ def build(name: str) -> dict:
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    for name in MODELS:
+    names = sys.argv[1:] or list(MODELS)
+    for name in names:
         meta = build(name)
         print(f"{name}: ok  fp32-vs-fp64 {meta['max_abs_diff_float32_vs_float64_logits']:.2e}  "
               f"routing {meta['routing']}  layer0 {meta['layer0']}")
+        size = sum(p.stat().st_size for p in (OUT / name).rglob("*") if p.is_file())
+        limit = MAX_FIXTURE_BYTES.get(name)
+        assert limit is None or size < limit, f"{name}: {size} bytes, over its {limit} budget"
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     assert total < MAX_BYTES, f"fixtures are {total} bytes, over the {MAX_BYTES} budget"
     print(f"total {total} bytes")
