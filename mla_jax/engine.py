@@ -60,6 +60,9 @@ class EngineConfig:
     # lowers ragged_dot to a dense expansion over every expert (bench/results/moe-h200.json), "ragged_dot" on
     # CPU, where the kernel would run interpreted.
     gmm_impl: str | None = None
+    # Reuse cached full pages of earlier requests' prompts (`mla_jax.allocator`): a request whose tokens start
+    # with cached pages prefills only the rest. Off by default here (the server turns it on).
+    enable_prefix_caching: bool = False
 
     def resolved(self) -> "EngineConfig":
         pages = self.num_pages or self.max_num_seqs * cdiv(self.max_model_len, self.page_size) + 1
@@ -83,6 +86,10 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     new_token_ids: list[int]  # tokens produced by the last step (for streaming)
+    # With SamplingParams.top_logprobs = n: per output token, the n most likely (token id, logprob), most likely
+    # first.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
 
 
 class CompileCounter:
@@ -125,7 +132,7 @@ class Engine:
             config = dataclasses.replace(config, page_size=config.page_size * plan.dcp)
         self.params, self.cfg = params, cfg
         self.config = c = config.resolved()
-        self.pool = PagePool(c.num_pages, c.page_size)
+        self.pool = PagePool(c.num_pages, c.page_size, enable_prefix_caching=c.enable_prefix_caching)
         if self.pool.num_usable_pages < cdiv(c.max_model_len, c.page_size):
             raise ValueError(f"{c.num_pages} pages of {c.page_size} cannot hold one max_model_len "
                              f"({c.max_model_len}) request")
@@ -139,6 +146,7 @@ class Engine:
         self._ids = 0
         self.counter = compile_counter()
         self.steps = 0
+        self.num_computed_tokens = 0  # tokens run through the model so far (prefill chunks and decodes)
 
     def _init_cache(self) -> KVCache:
         """The zeroed paged cache, laid out on the plan's mesh if there is one."""
@@ -149,9 +157,9 @@ class Engine:
                              rope_dim=cfg.qk_rope_head_dim, dtype=c.cache_dtype, allow_any_page_size=True)
 
     # ---- requests ------------------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams(),
-                    request_id: Hashable | None = None) -> Hashable:
-        """Validates and queues a request; a bad one raises ValueError and leaves the engine untouched."""
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list of ints, or ValueError naming what is wrong. Reads only the (immutable) config, so
+        it is safe to call from any thread while another one steps the engine."""
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise ValueError("empty prompt")
@@ -162,6 +170,12 @@ class Engine:
         if len(prompt) + params.max_new_tokens > self.config.max_model_len:
             raise ValueError(f"prompt length {len(prompt)} + max_new_tokens {params.max_new_tokens} exceeds "
                              f"max_model_len {self.config.max_model_len}")
+        return prompt
+
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams(),
+                    request_id: Hashable | None = None) -> Hashable:
+        """Validates and queues a request; a bad one raises ValueError and leaves the engine untouched."""
+        prompt = self.check_request(prompt_token_ids, params)
         if request_id is None:
             request_id = self._ids
             self._ids += 1
@@ -170,6 +184,11 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.add(request_id, prompt, params)
         return request_id
+
+    def abort(self, request_id: Hashable) -> bool:
+        """Drops a waiting or running request between steps and frees its pages (cached ones stay cached);
+        False if it is unknown or already finished. Its outputs so far are not reported again."""
+        return self.scheduler.abort(request_id) is not None
 
     @property
     def has_unfinished(self) -> bool:
@@ -202,16 +221,19 @@ class Engine:
             batch_invariant=self.config.batch_invariant, gmm_impl=self.config.gmm_impl)
         return to_host(tokens), to_host(logprobs)
 
-    def warmup(self, prefill: bool = True) -> float:
-        """Compiles every decode bucket (and, with `prefill`, the largest prefill bucket); returns seconds."""
+    def warmup(self, prefill: bool = True, top_logprobs: bool = False) -> float:
+        """Compiles every decode bucket (and, with `prefill`, the largest prefill bucket; with `top_logprobs`,
+        the variants of these shapes that return top logprobs too); returns seconds."""
         t0 = time.perf_counter()
-        for nd in self.config.decode_buckets:
-            self._run_empty(self.batch_shape(nd, 0))
+        shapes = [self.batch_shape(nd, 0) for nd in self.config.decode_buckets]
         if prefill:
-            self._run_empty(self.batch_shape(0, self.config.token_budget))
+            shapes.append(self.batch_shape(0, self.config.token_budget))
+        for shape in shapes:
+            for top in (False, True) if top_logprobs else (False,):
+                self._run_empty(shape, top)
         return time.perf_counter() - t0
 
-    def _run_empty(self, shape: BatchShape) -> None:
+    def _run_empty(self, shape: BatchShape, top_logprobs: bool = False) -> None:
         """A step of padding rows only: writes nothing, reads nothing, compiles the shape."""
         z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
         md = AttentionMetadata(
@@ -222,7 +244,8 @@ class Engine:
                                     z(shape.num_prefills, shape.max_pages), z(shape.max_chunks, shape.num_prefills),
                                     z(shape.max_chunks, shape.num_prefills + 1), np.zeros((), np.int32)),
             shape=shape)
-        jax.block_until_ready(self._run(md, SamplingArrays.build([], [], shape.num_logits)))
+        sp = [SamplingParams(top_logprobs=1)] if top_logprobs else []
+        jax.block_until_ready(self._run(md, SamplingArrays.build(sp, [0] * len(sp), shape.num_logits)))
 
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -248,17 +271,25 @@ class Engine:
                 sp[row] = c.request.params
                 pos[row] = c.request.num_tokens  # position of the token being sampled
         tokens, logprobs = self._run(md, SamplingArrays.build(sp, pos, shape.num_logits))
+        self.num_computed_tokens += sum(c.num_tokens for c in chunks)
+        top_ids = top_lps = None
+        if tokens.ndim == 2:  # column 0 the sampled token, then the top logprobs
+            tokens, top_ids, logprobs, top_lps = tokens[:, 0], tokens[:, 1:], logprobs[:, 0], logprobs[:, 1:]
         self.steps += 1
         outs = []
         for row, oi in zip(rows, order):
             c = chunks[oi]
             r = c.request
             r.num_computed_tokens = c.start + c.num_tokens
+            self.scheduler.cache_computed(r)
             if not c.samples:
                 continue
             tok = int(tokens[row])
             r.output_token_ids.append(tok)
             r.output_logprobs.append(float(logprobs[row]))
+            if r.params.top_logprobs:
+                k = r.params.top_logprobs
+                r.output_top_logprobs.append(list(zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist())))
             reason = None
             if tok in r.params.stop_token_ids:
                 reason = "stop"
@@ -271,8 +302,9 @@ class Engine:
 
     def _output(self, r: Request, new: list[int]) -> RequestOutput:
         return RequestOutput(r.request_id, list(r.output_token_ids),
-                             list(r.output_logprobs) if r.params.logprobs else None,
-                             r.status is Status.FINISHED, r.finish_reason, new)
+                             list(r.output_logprobs) if r.params.logprobs or r.params.top_logprobs else None,
+                             r.status is Status.FINISHED, r.finish_reason, new,
+                             list(r.output_top_logprobs) if r.params.top_logprobs else None, r.num_cached_tokens)
 
     def run(self) -> dict[Hashable, RequestOutput]:
         """Steps until every request finishes; returns the final output of each."""

@@ -1,7 +1,13 @@
 """Token sampling inside the jitted step: greedy, temperature, top-k, top-p, per-request seeds.
 
 The random key of a sample is derived from (request seed, position of the sampled token) only, so a request
-samples the same tokens whatever else is in the batch and after a preemption and recompute.
+samples the same tokens whatever else is in the batch and after a preemption and recompute. Two requests with the
+same seed and prompt sample the same tokens: give each its own seed (the server draws one for a request without
+a seed, and uses seed + i for choice i of `n`).
+
+Top-n logprobs (OpenAI's `logprobs` / `top_logprobs`) are computed only in steps that have a request asking for
+them: `SamplingArrays.num_top_logprobs` is a static field, 0 or `MAX_TOP_LOGPROBS`, so the common step has no
+top-k at all and a step with such a request is one more compiled variant of its shape.
 """
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (vLLM's default max_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +29,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False  # return the log-probability of each sampled token (under the raw model distribution)
+    top_logprobs: int = 0  # also return the this many most likely tokens at each position, with their logprobs
 
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -31,24 +40,32 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0 <= self.seed < 2**31:
-            raise ValueError(f"seed must be in [0, 2^31), got {self.seed!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
+            raise ValueError(f"seed must be an int in [0, 2^31), got {self.seed!r}")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        bad = [t for t in self.stop_token_ids if not isinstance(t, int)]
+        if bad:
+            raise ValueError(f"stop_token_ids must be ints, got {bad[0]!r}")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingArrays:
-    """Per logit row: f32 temperature, i32 top_k, f32 top_p, i32 seed, i32 position of the sampled token."""
+    """Per logit row: f32 temperature, i32 top_k, f32 top_p, i32 seed, i32 position of the sampled token; and
+    (static) how many top logprobs the step returns per row, 0 or MAX_TOP_LOGPROBS."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     seed: jax.Array
     position: jax.Array
+    num_top_logprobs: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @staticmethod
     def build(params: list[SamplingParams | None], positions: list[int], rows: int) -> "SamplingArrays":
-        """Rows without params (padding, unfinished prefill chunks) sample greedily and are ignored."""
+        """Rows without params (padding, unfinished prefill chunks) sample greedily and are ignored. The top
+        logprobs are on (MAX_TOP_LOGPROBS of them) when any row asks for some."""
         t = np.zeros(rows, np.float32)
         k = np.zeros(rows, np.int32)
         p = np.ones(rows, np.float32)
@@ -58,11 +75,15 @@ class SamplingArrays:
             if sp is None:
                 continue
             t[i], k[i], p[i], s[i], pos[i] = sp.temperature, sp.top_k, sp.top_p, sp.seed, ps
-        return SamplingArrays(t, k, p, s, pos)
+        top = MAX_TOP_LOGPROBS if any(sp is not None and sp.top_logprobs > 0 for sp in params) else 0
+        return SamplingArrays(t, k, p, s, pos, top)
 
 
 def sample(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
-    """logits f32[R, vocab] -> (token ids i32[R], logprobs f32[R] of those tokens under log_softmax(logits))."""
+    """logits f32[R, vocab] -> (token ids i32[R], logprobs f32[R] of those tokens under log_softmax(logits)).
+
+    With `s.num_top_logprobs` = n > 0 both gain a trailing axis of 1 + n: column 0 the sampled token and its
+    logprob, columns 1..n the n most likely tokens (most likely first) and theirs."""
     R, Vocab = logits.shape
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -86,4 +107,9 @@ def sample(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
     choice = jax.vmap(draw)(s.seed, s.position, filtered)  # index into the sorted order
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     tokens = jnp.where(s.temperature > 0, sampled, greedy)
-    return tokens, jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    logprobs = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    if not s.num_top_logprobs:
+        return tokens, logprobs
+    top_lp, top_ids = jax.lax.top_k(logprobs_all, s.num_top_logprobs)
+    return (jnp.concatenate([tokens[:, None], top_ids.astype(jnp.int32)], axis=1),
+            jnp.concatenate([logprobs[:, None], top_lp], axis=1))

@@ -7,6 +7,13 @@ request reaches the end of its tokens in a step, the step samples its next token
 newest running request is preempted: its pages are freed and it goes back to the front of the waiting queue
 with nothing computed; it is recomputed later from its prompt and outputs so far, and since samples depend only
 on (seed, position), its outputs do not change.
+
+With prefix caching (the pool's `enable_prefix_caching`), a request admitted from the waiting queue starts
+with the longest run of its full pages found in the cache (`PagePool.cached_prefix` over its chain hashes) as
+computed context, at most all but its last token, which must be computed to sample from; only the rest is
+prefilled, the cached part read as chunked context. After each step `cache_computed` registers the request's
+newly completed full pages. A preempted request drops its references like a finished one; its pages stay
+cached until evicted, so its recompute is often mostly a cache hit.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import itertools
 from collections import deque
 from typing import Hashable
 
-from mla_jax.allocator import OutOfPages, PagePool
+from mla_jax.allocator import OutOfPages, PagePool, page_hashes
 from mla_jax.sampling import SamplingParams
 
 
@@ -34,10 +41,14 @@ class Request:
     arrival: int
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # chain hashes of its full pages so far
+    num_cached_pages: int = 0  # leading pages it holds that are in the prefix cache (hits or registered)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its (last) admission
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -72,11 +83,35 @@ class Scheduler:
         self.running: list[Request] = []
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        # Prefix cache counters (tokens), over every admission from the waiting queue: tokens looked up, tokens
+        # found cached.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.pool.enable_prefix_caching
 
     def add(self, request_id: Hashable, prompt: list[int], params: SamplingParams) -> Request:
         r = Request(request_id, list(prompt), params, next(self._arrivals))
         self.waiting.append(r)
         return r
+
+    def abort(self, request_id: Hashable) -> Request | None:
+        """Removes a waiting or running request and releases its pages; None if it is not (or no longer) here."""
+        for r in self.running:
+            if r.request_id == request_id:
+                self.finish(r, "abort")
+                return r
+        for r in self.waiting:
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+                if request_id in self.pool:  # waiting requests hold no pages; be safe
+                    self.pool.free(request_id)
+                r.status = Status.FINISHED
+                r.finish_reason = "abort"
+                return r
+        return None
 
     @property
     def has_unfinished(self) -> bool:
@@ -87,11 +122,38 @@ class Scheduler:
         self.running.remove(victim)
         self.pool.free(victim.request_id)
         victim.num_computed_tokens = 0
+        victim.num_cached_pages = 0
         victim.status = Status.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
         return victim
+
+    def _cached_prefix(self, r: Request) -> list[int]:
+        """Cached pages a newly admitted request can start from: its longest cached chain of full pages,
+        leaving at least its last token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        G = self.pool.page_size
+        n = (r.num_tokens - 1) // G
+        if len(r.block_hashes) < n:
+            r.block_hashes = page_hashes(r.all_token_ids[:n * G], G, r.block_hashes)
+        return self.pool.cached_prefix(r.block_hashes[:n])
+
+    def cache_computed(self, r: Request) -> None:
+        """Registers the request's full pages whose tokens are now all computed (call after each step that
+        computed some of its tokens). A page whose content is already cached elsewhere stays private."""
+        if not self.enable_prefix_caching or r.request_id not in self.pool:
+            return
+        G = self.pool.page_size
+        full = r.num_computed_tokens // G
+        if r.num_cached_pages >= full:
+            return
+        if len(r.block_hashes) < full:
+            r.block_hashes = page_hashes(r.all_token_ids[:full * G], G, r.block_hashes)
+        for i in range(r.num_cached_pages, full):
+            self.pool.cache_page(r.request_id, i, r.block_hashes[i])
+        r.num_cached_pages = full
 
     def _grow(self, r: Request, upto: int) -> None:
         have = self.pool.num_tokens(r.request_id) if r.request_id in self.pool else 0
@@ -133,19 +195,27 @@ class Scheduler:
         # only hand the freed pages back and forth.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
-            n = min(r.num_tokens, budget)
+            hits = self._cached_prefix(r)
+            start = len(hits) * self.pool.page_size
+            n = min(r.num_tokens - start, budget)
             if n > 1 and prefills >= self.max_prefills:
                 break
             try:
-                self._grow(r, n)
+                self.pool.allocate(r.request_id, start + n, cached_pages=hits)
             except OutOfPages:
                 break
             self.waiting.popleft()
             r.status = Status.RUNNING
+            r.num_computed_tokens = start
+            r.num_cached_pages = len(hits)
+            r.num_cached_tokens = start
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += r.num_tokens
+                self.prefix_cache_hits += start
             self.running.append(r)
             prefills += n > 1
             budget -= n
-            out.append(ScheduledChunk(r, 0, n))
+            out.append(ScheduledChunk(r, start, n))
         return out
 
     def finish(self, r: Request, reason: str) -> None:

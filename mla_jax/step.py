@@ -121,7 +121,11 @@ def engine_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: Attenti
                 sampling: SamplingArrays, *, backend: str, plan: ParallelPlan | None = None,
                 batch_invariant: bool = False, gmm_impl: str = "ragged_dot") -> tuple[jax.Array, jax.Array, KVCache]:
     """Forward + sampling: (token ids i32[num_logits], logprobs f32[num_logits], updated cache). On a mesh the
-    logits are all-gathered and every device samples the same tokens."""
+    logits are all-gathered and every device samples the same tokens.
+
+    With `sampling.num_top_logprobs` = n > 0 (static: a separate compiled variant, used only for steps where a
+    request asks for top logprobs) token ids and logprobs are [num_logits, 1 + n]: column 0 the sampled token,
+    columns 1..n the n most likely ones (`mla_jax.sampling.sample`)."""
     logits, cache = forward_step(params, cfg, cache, md, backend=backend, plan=plan, batch_invariant=batch_invariant,
                                  gmm_impl=gmm_impl)
     if plan is None:

@@ -211,3 +211,17 @@ class PoolMachine(RuleBasedStateMachine):
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_prefix_caching_pool_without_registrations_behaves_the_same():
+    """With prefix caching on but no page registered, page ids and counts are those of the plain pool."""
+    plain, cached = PagePool(9, 4), PagePool(9, 4, enable_prefix_caching=True)
+    for pool in (plain, cached):
+        pool.allocate("a", 5)
+        pool.allocate("b", 9)
+        pool.append("a", 4)
+        pool.free("b")
+        pool.allocate("c", 2)
+    assert _snapshot(plain) == _snapshot(cached)
+    assert cached.num_cached_pages == 0 and cached.num_free_pages == plain.num_free_pages
+    cached.check_invariants()

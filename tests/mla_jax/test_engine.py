@@ -132,3 +132,46 @@ def test_bad_requests_rejected_without_disturbing_others(tiny, prompt, sp, match
         eng.add_request(prompt, sp)
     final = eng.run()
     assert final[good].token_ids == greedy_reference(params, cfg, [5, 6, 7], 4)
+
+
+def test_abort_waiting_and_running(tiny):
+    cfg, params = tiny
+    eng = Engine(params, cfg, EngineConfig(**SMALL))
+    a = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=20))
+    b = eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=4))
+    c = eng.add_request([7, 8], SamplingParams(max_new_tokens=4))
+    assert eng.abort(c)  # still waiting
+    eng.step()
+    eng.step()
+    assert a in eng.pool
+    assert eng.abort(a) and not eng.abort(a) and not eng.abort("unknown")
+    assert a not in eng.pool
+    eng.pool.check_invariants()
+    final = eng.run()
+    assert set(final) == {b} and final[b].token_ids == greedy_reference(params, cfg, [5, 6, 7], 4)
+    assert eng.pool.num_free_pages == eng.pool.num_usable_pages
+    assert eng.add_request([1, 2], SamplingParams(max_new_tokens=1), request_id=a) == a  # the id is free again
+
+
+def test_top_logprobs(tiny):
+    """top_logprobs = n gives the n most likely tokens of the raw distribution at each position; a request in the
+    same step that asks for none is unaffected, and check_request rejects too many."""
+    cfg, params = tiny
+    prompt = list(range(1, 12))
+    sp = SamplingParams(temperature=1.0, seed=5, max_new_tokens=6, top_logprobs=3)
+    a, b = generate(params, cfg, [prompt, [5, 6, 7]], [sp, SamplingParams(max_new_tokens=4)], EngineConfig(**SMALL))
+    assert b.top_logprobs is None and b.logprobs is None
+    assert b.token_ids == greedy_reference(params, cfg, [5, 6, 7], 4)
+    ids = np.asarray([prompt + a.token_ids], np.int32)
+    lp = np.asarray(jax.nn.log_softmax(model.forward(params, cfg, jnp.asarray(ids))[0], axis=-1))
+    assert len(a.top_logprobs) == len(a.token_ids) == len(a.logprobs)
+    for t, (tok, top) in enumerate(zip(a.token_ids, a.top_logprobs)):
+        row = lp[len(prompt) - 1 + t]
+        want = np.argsort(-row)[:3]
+        assert [i for i, _ in top] == want.tolist()
+        np.testing.assert_allclose([v for _, v in top], row[want], atol=1e-4)
+        np.testing.assert_allclose(a.logprobs[t], row[tok], atol=1e-4)
+    eng = Engine(params, cfg, EngineConfig(**SMALL))
+    with pytest.raises(ValueError, match="top_logprobs"):
+        eng.check_request([1], SamplingParams(top_logprobs=21))
+    assert eng.check_request((np.int32(3), 4), SamplingParams()) == [3, 4]
