@@ -1,7 +1,12 @@
-"""DeepSeek V2 / V2-Lite / V3 configuration, read from a Hugging Face `config.json`.
+"""DeepSeek V2 / V2-Lite / V3 / V3.2 (and GLM-MoE-DSA) configuration, read from a Hugging Face `config.json`.
 
 Shape legend used across the project: B batch (requests), T tokens, N heads, D hidden, L kv_lora_rank (512),
-R qk_rope_head_dim (64), P qk_nope_head_dim (128), V v_head_dim (128), G page size, E routed experts.
+R qk_rope_head_dim (64), P qk_nope_head_dim (128), V v_head_dim (128), G page size, E routed experts; for
+DeepSeek Sparse Attention (V3.2's lightning indexer) H_I index_n_heads (64), D_I index_head_dim (128),
+K index_topk (2048).
+
+Sparse models: `deepseek_v32` runs the indexer in every layer; `glm_moe_dsa` may mark layers "shared"
+(`indexer_types`), which reuse the top-k of the last "full" layer before them (vLLM's index groups).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ DEEPSEEK_V3 = dict(
                       mscale=1.0, mscale_all_dim=1.0),
     quantization_config=dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8",
                              weight_block_size=[128, 128]))
+DEEPSEEK_V32 = dict(DEEPSEEK_V3, model_type="deepseek_v32", index_topk=2048, index_n_heads=64, index_head_dim=128)
 DEEPSEEK_V2_LITE = dict(
     model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
     num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -94,6 +100,12 @@ class DeepseekConfig:
     hidden_act: str = "silu"
     attention_bias: bool = False
     quantization: QuantizationConfig | None = None
+    # DeepSeek Sparse Attention (None: a dense model).
+    index_topk: int | None = None  # K
+    index_n_heads: int = 0  # H_I
+    index_head_dim: int = 0  # D_I (its first R dims carry RoPE)
+    index_rope_interleave: bool = False  # V3.2: half-split RoPE in the indexer; GLM-MoE-DSA: interleaved pairs
+    indexer_types: tuple[str, ...] | None = None  # per layer "full" (runs the indexer) | "shared" (reuses)
 
     # Derived dims.
     @property
@@ -120,6 +132,29 @@ class DeepseekConfig:
     def is_moe_layer(self, i: int) -> bool:
         return (self.n_routed_experts is not None and i >= self.first_k_dense_replace
                 and i % self.moe_layer_freq == 0)
+
+    @property
+    def use_sparse(self) -> bool:
+        """DeepSeek Sparse Attention: MLA reads only the indexer's top `index_topk` tokens of each query."""
+        return self.index_topk is not None
+
+    def is_indexer_layer(self, i: int) -> bool:
+        """Layer i runs its own indexer ("full"); a "shared" layer reuses the previous full layer's top-k."""
+        return self.use_sparse and (self.indexer_types is None or self.indexer_types[i] == "full")
+
+    @property
+    def num_indexer_layers(self) -> int:
+        """Layers with an indexer, hence with an index-key cache."""
+        return sum(self.is_indexer_layer(i) for i in range(self.num_hidden_layers))
+
+    def indexer_slot(self, i: int) -> int:
+        """Index-key cache layer of the indexer whose top-k layer i uses (its own, or its group's)."""
+        return sum(self.is_indexer_layer(j) for j in range(i + 1)) - 1
+
+    @property
+    def shares_topk(self) -> bool:
+        """Some layer reuses another's top-k (index groups of more than one layer)."""
+        return self.use_sparse and self.num_indexer_layers < self.num_hidden_layers
 
     @property
     def num_dense_layers(self) -> int:
@@ -153,7 +188,8 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
-_SUPPORTED = ("deepseek_v2", "deepseek_v3")
+_SUPPORTED = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+_SPARSE = ("deepseek_v32", "glm_moe_dsa")
 
 
 def _get(d: Mapping[str, Any], key: str, typ: type | tuple[type, ...], default: Any = ..., *,
@@ -232,7 +268,7 @@ def _parse(d: Mapping[str, Any]) -> DeepseekConfig:
     model_type = _get(d, "model_type", str)
     if model_type not in _SUPPORTED:
         raise ConfigError(f"config.json: model_type '{model_type}' is not supported ({', '.join(_SUPPORTED)})")
-    v3 = model_type == "deepseek_v3"
+    v3 = model_type != "deepseek_v2"  # V3.2 and GLM-MoE-DSA route like V3 (sigmoid, noaux_tc)
     theta, rope_scaling = _parse_rope(d)
     n_heads = _get(d, "num_attention_heads", int, positive=True)
     n_kv = d.get("num_key_value_heads", n_heads)
@@ -275,12 +311,49 @@ def _parse(d: Mapping[str, Any]) -> DeepseekConfig:
         hidden_act=_get(d, "hidden_act", str, "silu"),
         attention_bias=_get(d, "attention_bias", bool, False),
         quantization=_parse_quant(d),
+        **(_parse_sparse(d, model_type) if model_type in _SPARSE else {}),
     )
     _validate(cfg)
     return cfg
 
 
+def _parse_sparse(d: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The DSA fields: index_topk / index_n_heads / index_head_dim, and GLM-MoE-DSA's per-layer indexer types
+    (`indexer_types`, else `index_topk_pattern` "FSS..." or `index_topk_freq` / `index_skip_topk_offset`, as
+    transformers derives them)."""
+    n = _get(d, "num_hidden_layers", int, positive=True)
+    out: dict[str, Any] = dict(
+        index_topk=_get(d, "index_topk", int, 2048, positive=True),
+        index_n_heads=_get(d, "index_n_heads", int, 64 if model_type == "deepseek_v32" else 32, positive=True),
+        index_head_dim=_get(d, "index_head_dim", int, 128, positive=True),
+        index_rope_interleave=model_type == "glm_moe_dsa",
+    )
+    if model_type != "glm_moe_dsa":
+        return out
+    types = d.get("indexer_types")
+    if types is None and d.get("index_topk_pattern") is not None:
+        pat = d["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pat] if isinstance(pat, str) else list(pat)
+    if types is None:
+        freq = max(_get(d, "index_topk_freq", int, 1), 1)
+        offset = _get(d, "index_skip_topk_offset", int, 2)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if not isinstance(types, (list, tuple)) or len(types) != n or any(t not in ("full", "shared") for t in types):
+        raise ConfigError(f"config.json: indexer_types must list 'full' or 'shared' for each of the {n} layers, "
+                          f"got {types!r}")
+    if types[0] != "full":
+        raise ConfigError("config.json: indexer_types[0] must be 'full' (a shared layer reuses an earlier top-k)")
+    out["indexer_types"] = None if all(t == "full" for t in types) else tuple(types)
+    return out
+
+
 def _validate(c: DeepseekConfig) -> None:
+    if c.use_sparse:
+        if c.q_lora_rank is None:
+            raise ConfigError(f"config.json: {c.model_type} needs q_lora_rank (the indexer reads the q latent)")
+        if not c.qk_rope_head_dim <= c.index_head_dim:
+            raise ConfigError(f"config.json: index_head_dim ({c.index_head_dim}) must be >= qk_rope_head_dim "
+                              f"({c.qk_rope_head_dim}): the indexer ropes its first qk_rope_head_dim dims")
     if c.hidden_act != "silu":
         raise ConfigError(f"config.json: hidden_act '{c.hidden_act}' is not supported (only 'silu')")
     if c.attention_bias:

@@ -13,10 +13,12 @@ k_pe [T, 1, R]. Then either
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from mla_jax import reference
 from mla_jax.config import DeepseekConfig
+from mla_jax.indexer import topk_mask
 from mla_jax.layers import linear, rms_norm
 from mla_jax.rope import apply_rope, rope_cos_sin
 
@@ -33,12 +35,21 @@ def split_kv_b_proj(kv_b_weight: jnp.ndarray, cfg: DeepseekConfig) -> tuple[jnp.
 def mla_project(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.ndarray
                 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """x [T, D], positions i32[T] -> q [T, N, P+R] (rope applied to q_pe), kv_c_normed [T, L], k_pe [T, 1, R]."""
+    return mla_project_with_q_latent(p, cfg, x, positions)[:3]
+
+
+def mla_project_with_q_latent(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.ndarray
+                              ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray | None]:
+    """`mla_project` plus the q latent q_a_layernorm(q_a_proj(x)) [T, Q_lora] (None without q-LoRA), which the
+    sparse-attention indexer reads."""
     T = x.shape[0]
     N, P, L = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
+        q_resid = None
         q = linear(p["q_proj"], x)
     else:
-        q = linear(p["q_b_proj"], rms_norm(p["q_a_layernorm"], linear(p["q_a_proj"], x), cfg.rms_norm_eps))
+        q_resid = rms_norm(p["q_a_layernorm"], linear(p["q_a_proj"], x), cfg.rms_norm_eps)  # [T, Q_lora]
+        q = linear(p["q_b_proj"], q_resid)
     q = q.reshape(T, N, cfg.qk_head_dim)  # [T, N, P+R]
     kv = linear(p["kv_a_proj_with_mqa"], x)  # [T, L+R]
     kv_c_normed = rms_norm(p["kv_a_layernorm"], kv[:, :L], cfg.rms_norm_eps)  # norm on the latent only
@@ -46,7 +57,7 @@ def mla_project(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.nda
     q_pe = apply_rope(q[..., P:], cos, sin)  # [T, N, R]
     k_pe = apply_rope(kv[:, None, L:], cos, sin)  # [T, 1, R]: one head shared by all query heads
     q = jnp.concatenate([q[..., :P], q_pe], axis=-1)
-    return q, kv_c_normed, k_pe
+    return q, kv_c_normed, k_pe, q_resid
 
 
 def absorb_q(p: dict, cfg: DeepseekConfig, q: jnp.ndarray) -> jnp.ndarray:
@@ -76,22 +87,48 @@ def o_proj(p: dict, attn: jnp.ndarray) -> jnp.ndarray:
 
 
 def mla_forward_full(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.ndarray, *,
-                     algorithm: str = "naive", scale: float | None = None) -> jnp.ndarray:
+                     algorithm: str = "naive", scale: float | None = None,
+                     topk_indices: jnp.ndarray | None = None) -> jnp.ndarray:
     """Whole-sequence causal MLA for one sequence, no cache: x [S, D] -> [S, D].
 
     `algorithm` "naive" is the compute-friendly MHA path, "absorbed" the data-movement MQA path; both must
-    agree. `scale` overrides the softmax scale (tests use it to show 576^-0.5 is wrong).
+    agree. `scale` overrides the softmax scale (tests use it to show 576^-0.5 is wrong). `topk_indices`
+    i32[S, K] (sparse attention; -1 = none): query s attends only to the causal positions among its row.
     """
     scale = cfg.softmax_scale if scale is None else scale
     q, kv_c_normed, k_pe = mla_project(p, cfg, x, positions)
+    mask = None if topk_indices is None else topk_mask(topk_indices, x.shape[0])  # [S, S]
     if algorithm == "naive":
         k, v = up_project_kv(p, cfg, kv_c_normed, k_pe)
-        attn = reference.causal_mha(q, k, v, scale)  # [S, N, V]
+        attn = reference.causal_mha(q, k, v, scale) if mask is None else masked_mha(q, k, v, scale, mask)
     elif algorithm == "absorbed":
         q_mqa = absorb_q(p, cfg, q)  # [S, N, L+R]
         kv_c_and_k_pe = jnp.concatenate([kv_c_normed, k_pe[:, 0, :].astype(kv_c_normed.dtype)], axis=-1)
-        latent = reference.causal_mqa(q_mqa, kv_c_and_k_pe, scale, cfg.kv_lora_rank)  # [S, N, L]
+        if mask is None:
+            latent = reference.causal_mqa(q_mqa, kv_c_and_k_pe, scale, cfg.kv_lora_rank)  # [S, N, L]
+        else:
+            latent = masked_mqa(q_mqa, kv_c_and_k_pe, scale, cfg.kv_lora_rank, mask)
         attn = v_up_proj(p, latent)  # [S, N, V]
     else:
         raise ValueError(f"algorithm must be 'naive' or 'absorbed', got {algorithm!r}")
     return o_proj(p, attn.astype(x.dtype))
+
+
+def masked_mha(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, scale: float, mask: jnp.ndarray) -> jnp.ndarray:
+    """`reference.causal_mha` with an extra mask bool[S, S] (True = attend) on top of causality (f32)."""
+    S = q.shape[0]
+    logits = jnp.einsum("snd,tnd->nst", q.astype(jnp.float32), k.astype(jnp.float32)) * scale  # [N, S, S]
+    keep = jnp.tril(jnp.ones((S, S), bool)) & mask
+    probs = jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("nst,tnv->snv", probs, v.astype(jnp.float32))
+
+
+def masked_mqa(q: jnp.ndarray, kv_c_and_k_pe: jnp.ndarray, scale: float, kv_lora_rank: int, mask: jnp.ndarray
+               ) -> jnp.ndarray:
+    """`reference.causal_mqa` with an extra mask bool[S, S] (True = attend) on top of causality (f32)."""
+    S = q.shape[0]
+    kv = kv_c_and_k_pe.astype(jnp.float32)
+    logits = jnp.einsum("snd,td->nst", q.astype(jnp.float32), kv) * scale  # [N, S, S]
+    keep = jnp.tril(jnp.ones((S, S), bool)) & mask
+    probs = jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("nst,tl->snl", probs, kv[:, :kv_lora_rank])

@@ -13,6 +13,11 @@ q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm, o_proj 
 W_UK_T [N, P, L] and W_UV [N, L, V] (split once by `prepare_params`). A MoE `mlp` holds gate {weight,
 e_score_correction_bias}, experts {gate_proj, up_proj, down_proj} stacked to [E, out, in], shared_experts.
 Layers of each kind are stacked so the forward is a `lax.scan` (compile time independent of depth).
+
+Sparse models (DeepSeek-V3.2, GLM-MoE-DSA) add `self_attn["indexer"]` = {wq_b [H_I*D_I, Q_lora], wk [D_I, D],
+k_norm {weight, bias} [D_I], weights_proj [H_I, D] (float32, as HF keeps it)}. Layers that reuse an earlier
+layer's top-k ("shared") have no indexer in the checkpoint; they hold zeros of the same shapes so that the
+layers still stack, and never read them.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import jax.numpy as jnp
 
 from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import ConfigError, DeepseekConfig
+from mla_jax.indexer import causal_topk
 from mla_jax.layers import linear, mlp, moe, rms_norm
 from mla_jax.mla import mla_forward_full, split_kv_b_proj
 
@@ -69,11 +75,21 @@ def init_params(cfg: DeepseekConfig, key: jax.Array, dtype=jnp.float32, std: flo
                   "q_b_proj": {"weight": w(N * (P + R), cfg.q_lora_rank)}}
         return a
 
+    def indexer(full):
+        H, Di = cfg.index_n_heads, cfg.index_head_dim
+        ind = {"wq_b": {"weight": w(H * Di, cfg.q_lora_rank)}, "wk": {"weight": w(Di, D)},
+               "k_norm": {"weight": norm(Di)["weight"], "bias": w(Di, s=0.1)},
+               "weights_proj": {"weight": w(H, D, s=1.0 / D**0.5).astype(jnp.float32)}}
+        return ind if full else jax.tree.map(jnp.zeros_like, ind)
+
     def dense_mlp(inter):
         return {"gate_proj": {"weight": w(inter, D)}, "up_proj": {"weight": w(inter, D)},
                 "down_proj": {"weight": w(D, inter)}}
 
-    def layer(is_moe):
+    def layer(i, is_moe):
+        a = attn()
+        if cfg.use_sparse:
+            a["indexer"] = indexer(cfg.is_indexer_layer(i))
         if is_moe:
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
             m = {"gate": {"weight": w(E, D, s=1.0 / D**0.5).astype(jnp.float32),
@@ -84,11 +100,11 @@ def init_params(cfg: DeepseekConfig, key: jax.Array, dtype=jnp.float32, std: flo
                 m["shared_experts"] = dense_mlp(I * cfg.n_shared_experts)
         else:
             m = dense_mlp(cfg.intermediate_size)
-        return {"input_layernorm": norm(D), "self_attn": attn(), "post_attention_layernorm": norm(D), "mlp": m}
+        return {"input_layernorm": norm(D), "self_attn": a, "post_attention_layernorm": norm(D), "mlp": m}
 
     model: Params = {"embed_tokens": {"weight": w(cfg.vocab_size, D, s=1.0)}, "norm": norm(D)}
     for name, start, n in layer_groups(cfg):
-        model[name] = stack_layers([layer(name == "moe_layers") for _ in range(n)])
+        model[name] = stack_layers([layer(i, name == "moe_layers") for i in range(start, start + n)])
     params: Params = {"model": model}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = {"weight": w(cfg.vocab_size, D)}
@@ -202,5 +218,36 @@ def forward(params: Params, cfg: DeepseekConfig, input_ids: jnp.ndarray, *, atte
             h.reshape(B, S, -1))  # [B, S, D]
         return out.reshape(B * S, -1), state
 
-    x, _ = decoder_layers(params, cfg, embed(params, cfg, input_ids.reshape(-1)), attn, None, gmm_impl=gmm_impl)
+    def sparse_attn(p, h, topk, layer):
+        """Sparse attention: the indexer's causal top-k (or, on a "shared" layer, the carried one) masks MLA."""
+        hb = h.reshape(B, S, -1)  # [B, S, D]
+
+        def own_topk():
+            q_resid = jax.vmap(lambda hs: q_latent(p, cfg, hs))(hb)  # [B, S, Q_lora]
+            return jax.vmap(lambda hs, qr: causal_topk(p["indexer"], cfg, hs, qr, positions))(hb, q_resid)
+
+        if cfg.shares_topk:
+            topk = jax.lax.cond(indexer_layer_table(cfg)[layer], own_topk, lambda: topk)
+        else:
+            topk = own_topk()  # [B, S, min(K, S)]
+        out = jax.vmap(lambda hs, ti: mla_forward_full(p, cfg, hs, positions, algorithm=attention, scale=scale,
+                                                       topk_indices=ti))(hb, topk)  # [B, S, D]
+        return out.reshape(B * S, -1), topk
+
+    x = embed(params, cfg, input_ids.reshape(-1))
+    if cfg.use_sparse:
+        topk0 = jnp.zeros((B, S, min(cfg.index_topk, S)), jnp.int32)
+        x, _ = decoder_layers(params, cfg, x, sparse_attn, topk0, gmm_impl=gmm_impl)
+    else:
+        x, _ = decoder_layers(params, cfg, x, attn, None, gmm_impl=gmm_impl)
     return lm_logits(params, cfg, x).reshape(B, S, -1)
+
+
+def q_latent(p: Params, cfg: DeepseekConfig, x: jax.Array) -> jax.Array:
+    """MLA's q latent q_a_layernorm(q_a_proj(x)) [T, Q_lora], which the indexer reads."""
+    return rms_norm(p["q_a_layernorm"], linear(p["q_a_proj"], x), cfg.rms_norm_eps)
+
+
+def indexer_layer_table(cfg: DeepseekConfig) -> jax.Array:
+    """bool[num_layers]: which layers run their own indexer (indexed by the layer loop's traced layer)."""
+    return jnp.asarray([cfg.is_indexer_layer(i) for i in range(cfg.num_hidden_layers)])

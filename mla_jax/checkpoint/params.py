@@ -17,7 +17,7 @@ import numpy as np
 from mla_jax.dtypes import FP8_E4M3
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
-from mla_jax.checkpoint.validate import check_float_dtype, check_tensors
+from mla_jax.checkpoint.validate import check_float_dtype, check_tensors, indexer_source_layer
 from mla_jax.config import DeepseekConfig
 from mla_jax.model import Params, layer_groups, prepare_params, stack_layers
 
@@ -53,6 +53,12 @@ def build_params(get: Callable[[str], np.ndarray], cfg: DeepseekConfig, *, fused
         attn: Params = {k: linear(a + k) for k in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")}
         keys = ("q_proj",) if cfg.q_lora_rank is None else ("q_a_proj", "q_a_layernorm", "q_b_proj")
         attn |= {k: linear(a + k) for k in keys}
+        if cfg.use_sparse:
+            ind = f"model.layers.{indexer_source_layer(cfg, i)}.self_attn.indexer."
+            attn["indexer"] = {
+                "wq_b": linear(ind + "wq_b"), "wk": linear(ind + "wk"),
+                "k_norm": {"weight": arr(get(ind + "k_norm.weight")), "bias": arr(get(ind + "k_norm.bias"))},
+                "weights_proj": {"weight": arr(get(ind + "weights_proj.weight"), keep_f32=True)}}  # f32 as in HF
         m = pre + "mlp."
         if cfg.is_moe_layer(i):
             gate = {"weight": arr(get(m + "gate.weight"), keep_f32=True)}

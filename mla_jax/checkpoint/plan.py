@@ -25,11 +25,17 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from mla_jax.dtypes import BF16, F32, as_dtype
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, fp8_block, fp8_scale_shape
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
-from mla_jax.checkpoint.validate import IGNORED, check_fp8_scales, check_tensors
+from mla_jax.checkpoint.validate import (
+    IGNORED,
+    check_fp8_scales,
+    check_tensors,
+    indexer_source_layer,
+    indexer_tensor_specs,
+)
 from mla_jax.config import DeepseekConfig
+from mla_jax.dtypes import BF16, F32, as_dtype
 from mla_jax.model import layer_groups
 
 DEFAULT_MAX_GROUP_MB = 2048
@@ -187,6 +193,12 @@ def make_plan(ckpt: CheckpointDir, cfg: DeepseekConfig, *, dtype: Any = "bf16", 
             kvb = pre + "self_attn.kv_b_proj.weight"  # always dequantized: split per head across 128-row blocks
             leaves += [Leaf(("self_attn", "W_UK_T"), (N, P, L), D, (kvb,), kvb, op="uk"),
                        Leaf(("self_attn", "W_UV"), (N, L, V), D, (kvb,), kvb, op="uv")]
+            if cfg.use_sparse:  # a layer sharing an earlier top-k stores its group's indexer (never read)
+                ind = f"model.layers.{indexer_source_layer(cfg, i)}.self_attn.indexer."
+                for rel in indexer_tensor_specs(cfg):
+                    keep_f32 = rel.startswith("weights_proj")  # float32 in HF
+                    leaves += weight(("self_attn", "indexer", *rel.split(".")), ind + rel, ckpt.spec(ind + rel)[1],
+                                     out_dtype="float32" if keep_f32 else D)
             if stack == "moe_layers":
                 leaves += weight(*hf("mlp.gate.weight"), out_dtype="float32")
                 if cfg.topk_method == "noaux_tc":

@@ -37,6 +37,8 @@ def hf_tensor_specs(cfg: DeepseekConfig, *, fused_experts: bool = False) -> dict
         s[a + "kv_a_layernorm.weight"] = (L,)
         s[a + "kv_b_proj.weight"] = (N * (P + V), L)
         s[a + "o_proj.weight"] = (D, N * V)
+        if cfg.is_indexer_layer(i):
+            s.update({a + "indexer." + k: shape for k, shape in indexer_tensor_specs(cfg).items()})
         m = pre + "mlp."
         if cfg.is_moe_layer(i):
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -61,6 +63,19 @@ def hf_tensor_specs(cfg: DeepseekConfig, *, fused_experts: bool = False) -> dict
             s[m + "up_proj.weight"] = (cfg.intermediate_size, D)
             s[m + "down_proj.weight"] = (D, cfg.intermediate_size)
     return s
+
+
+def indexer_tensor_specs(cfg: DeepseekConfig) -> dict[str, tuple[int, ...]]:
+    """The lightning indexer's tensors of one layer (names under `self_attn.indexer.`) with their shapes."""
+    H, Di, D = cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size
+    return {"wq_b.weight": (H * Di, cfg.q_lora_rank), "wk.weight": (Di, D), "k_norm.weight": (Di,),
+            "k_norm.bias": (Di,), "weights_proj.weight": (H, D)}
+
+
+def indexer_source_layer(cfg: DeepseekConfig, i: int) -> int:
+    """The layer whose indexer tensors fill layer i's indexer params: its own, or for a layer that shares an
+    earlier top-k (no indexer in the checkpoint) the group's full layer, as a placeholder it never reads."""
+    return max(j for j in range(i + 1) if cfg.is_indexer_layer(j))
 
 
 def is_mtp(name: str, cfg: DeepseekConfig) -> bool:

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from mla_jax.config import DEEPSEEK_V2_LITE, DEEPSEEK_V3, ConfigError, DeepseekConfig
+from mla_jax.config import DEEPSEEK_V2_LITE, DEEPSEEK_V3, DEEPSEEK_V32, ConfigError, DeepseekConfig
 from tests.mla_jax.helpers import FIXTURES
 
 V3 = DEEPSEEK_V3
@@ -30,10 +30,50 @@ def test_no_rope_scaling_scale():
     assert DeepseekConfig.from_dict(d).softmax_scale == pytest.approx(192 ** -0.5)
 
 
-@pytest.mark.parametrize("name", ["v2", "v2_lite", "v3"])
+@pytest.mark.parametrize("name", ["v2", "v2_lite", "v3", "v32", "glm_dsa"])
 def test_reads_fixture_configs(name):
     cfg = DeepseekConfig.from_json(f"{FIXTURES}/{name}")
-    assert cfg.model_type.startswith("deepseek_v")
+    assert cfg.model_type.startswith("deepseek_v") or cfg.model_type == "glm_moe_dsa"
+    assert cfg.use_sparse == (name in ("v32", "glm_dsa"))
+
+
+def test_v32_sparse_fields():
+    cfg = DeepseekConfig.from_dict(DEEPSEEK_V32)
+    assert (cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim) == (2048, 64, 128)
+    assert cfg.use_sparse and not cfg.shares_topk and not cfg.index_rope_interleave
+    assert cfg.num_indexer_layers == 61 and cfg.indexer_slot(60) == 60
+    assert cfg.topk_method == "noaux_tc" and cfg.scoring_func == "sigmoid"  # V3's router
+    assert not DeepseekConfig.from_dict(DEEPSEEK_V3).use_sparse
+
+
+def test_glm_dsa_index_groups():
+    cfg = DeepseekConfig.from_json(f"{FIXTURES}/glm_dsa")
+    assert cfg.indexer_types == ("full", "shared", "full") and cfg.index_rope_interleave
+    assert [cfg.indexer_slot(i) for i in range(3)] == [0, 0, 1] and cfg.num_indexer_layers == 2
+    d = json.load(open(f"{FIXTURES}/glm_dsa/config.json"))
+    del d["indexer_types"]
+    # transformers' derivation: layer i is full iff max(i - offset + 1, 0) % freq == 0
+    got = DeepseekConfig.from_dict({**d, "index_topk_freq": 2, "index_skip_topk_offset": 1})
+    assert got.indexer_types == ("full", "shared", "full")
+    assert DeepseekConfig.from_dict({**d, "index_topk_pattern": "FSF"}).indexer_types == ("full", "shared", "full")
+    assert DeepseekConfig.from_dict(d).indexer_types is None  # default freq 1: every layer full
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q_lora_rank=None), "q_lora_rank"), (dict(index_head_dim=32), "index_head_dim"),
+    (dict(index_topk=0), "index_topk"), (dict(index_n_heads="64"), "index_n_heads"),
+])
+def test_invalid_sparse_fields_are_named(change, match):
+    with pytest.raises(ConfigError, match=match):
+        DeepseekConfig.from_dict({**DEEPSEEK_V32, **change})
+
+
+@pytest.mark.parametrize("types,match", [(["shared", "full", "full"], r"indexer_types\[0\]"),
+                                         (["full", "half", "full"], "indexer_types"), (["full"], "indexer_types")])
+def test_invalid_indexer_types_are_named(types, match):
+    d = json.load(open(f"{FIXTURES}/glm_dsa/config.json"))
+    with pytest.raises(ConfigError, match=match):
+        DeepseekConfig.from_dict({**d, "indexer_types": types})
 
 
 def test_transformers5_rope_parameters():
