@@ -34,7 +34,7 @@ gpu-bench-kernels:
 	$(GPU_ENV) python3 bench/prefill.py --out $(RESULTS)
 	$(GPU_ENV) python3 bench/moe.py --out $(RESULTS)
 gpu-bench-e2e:
-	$(GPU_ENV) python3 bench/e2e.py --out $(RESULTS)
+	$(GPU_ENV) python3 -m mla_jax.bench.e2e --out $(RESULTS)
 
 clean:
 	rm -rf $(VENV)

@@ -30,7 +30,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)  # the Triton low
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench import common  # noqa: E402
+from mla_jax.bench import common  # noqa: E402
 from pallas_kernels import mla_decode as md  # noqa: E402
 from pallas_kernels import mla_decode_sm90 as k90  # noqa: E402
 from pallas_kernels import testing  # noqa: E402

@@ -60,7 +60,7 @@ if __package__ in (None, ""):  # `python3 bench/moe.py` (also how the workers ar
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench import common  # noqa: E402
+from mla_jax.bench import common  # noqa: E402
 from pallas_kernels import grouped_matmul as gm  # noqa: E402
 
 CONFIGS = {  # D hidden, I expert intermediate, E local experts, E_total routed experts, top_k

@@ -42,8 +42,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from bench.common import measure_ceilings, results_header, write_results  # noqa: E402
-from bench.e2e import V2_LITE, weight_bytes  # noqa: E402
+from mla_jax.bench.common import measure_ceilings, results_header, write_results  # noqa: E402
+from mla_jax.bench.e2e import V2_LITE, weight_bytes  # noqa: E402
 from mla_jax import attention, model, parallel  # noqa: E402
 from mla_jax.cache import KVCache  # noqa: E402
 from mla_jax.config import DeepseekConfig  # noqa: E402

@@ -33,7 +33,7 @@ warnings.filterwarnings("ignore", message=".*[Tt]riton.*")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench import common  # noqa: E402
+from mla_jax.bench import common  # noqa: E402
 from pallas_kernels import flash_prefill as fp  # noqa: E402
 from pallas_kernels import flash_prefill_sm90 as fp90  # noqa: E402
 from pallas_kernels import gather_cache as gc  # noqa: E402

@@ -169,25 +169,17 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bench/results", help="directory for e2e-h200.json (default bench/results)")
+    p.add_argument("--out", default=None, help="directory for e2e-h200.json (default: print the rows only)")
     _add_backend(p)
     p.add_argument("--layers", type=int, default=27)
-    p.add_argument("--smoke", action="store_true", help="tiny dims: check the benchmark on a CPU")
+    p.add_argument("--smoke", action="store_true", help="tiny dims and sizes: check the benchmark on a CPU")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    import importlib
-    import os
+    from mla_jax.bench import e2e
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.exists(os.path.join(root, "bench", "e2e.py")):
-        print("mla-jax bench: error: bench/e2e.py not found next to the package; run it from a checkout of the "
-              "repository", file=sys.stderr)
-        return 1
-    sys.path.insert(0, root)
-    e2e = importlib.import_module("bench.e2e")
-    argv = ["--out", args.out, "--layers", str(args.layers)] + (["--backend", args.backend] if args.backend else [])
-    e2e.main(argv + (["--smoke"] if args.smoke else []))
+    argv = ["--layers", str(args.layers)] + (["--out", args.out] if args.out else [])
+    e2e.main(argv + (["--backend", args.backend] if args.backend else []) + (["--smoke"] if args.smoke else []))
     return 0
 
 

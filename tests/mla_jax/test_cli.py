@@ -78,3 +78,17 @@ def test_help_lists_commands():
     assert r.returncode == 0
     for cmd in ("generate", "convert", "bench"):
         assert cmd in r.stdout
+
+
+def test_bench_smoke_writes_only_where_told(tmp_path):
+    """`mla-jax bench --smoke` runs on a CPU (the benchmark lives in the package: no checkout needed) and
+    writes its results only into --out."""
+    import json
+
+    results = os.path.join(ROOT, "bench", "results")
+    before = {f: os.path.getmtime(os.path.join(results, f)) for f in os.listdir(results)}
+    r = _cli("bench", "--smoke", "--layers", "2", "--out", str(tmp_path), timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "e2e-h200.json").read_text())
+    assert {row["phase"] for row in res["rows"]} == {"decode", "prefill"} and res["ceilings"]["copy_TBps"] > 0
+    assert {f: os.path.getmtime(os.path.join(results, f)) for f in os.listdir(results)} == before

@@ -39,13 +39,15 @@ def time_fn(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iters: int = 2
     return statistics.median(samples)
 
 
-def measure_ceilings() -> dict[str, float]:
-    """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured now on this device."""
+def measure_ceilings(*, small: bool = False) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured now on this device. `small`
+    (smoke runs on a CPU): a 32 MB copy and a 1024^3 matmul, so the figures mean nothing but cost nothing."""
     out: dict[str, float] = {}
+    n, m = (1 << 24, 1024) if small else (1 << 30, 8192)
     try:  # torch's copy_ reaches the HBM ceiling; XLA's elementwise kernels do not.
         import torch
 
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and not small:
             x = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
             y = torch.empty_like(x)
             a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -68,17 +70,16 @@ def measure_ceilings() -> dict[str, float]:
             torch.cuda.empty_cache()
     except ImportError:
         pass
-    n = 1 << 30
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
     copy = jax.jit(lambda v: v + jnp.bfloat16(1))
     us = time_fn(copy, [(x,)], iters=10, reps=5)
     out["copy_TBps_xla"] = 2 * n * 2 / (us * 1e-6) / 1e12
     del x
     k = jax.random.split(jax.random.key(1), 2)
-    a = jax.random.normal(k[0], (8192, 8192), jnp.bfloat16)
-    b = jax.random.normal(k[1], (8192, 8192), jnp.bfloat16)
+    a = jax.random.normal(k[0], (m, m), jnp.bfloat16)
+    b = jax.random.normal(k[1], (m, m), jnp.bfloat16)
     us = time_fn(jax.jit(jnp.dot), [(a, b)], iters=10, reps=5)
-    out["matmul_TFLOPs_xla"] = 2 * 8192**3 / (us * 1e-6) / 1e12
+    out["matmul_TFLOPs_xla"] = 2 * m**3 / (us * 1e-6) / 1e12
     out["copy_TBps"] = max(out.get("copy_TBps_torch", 0.0), out["copy_TBps_xla"])
     out["matmul_TFLOPs"] = max(out.get("matmul_TFLOPs_torch", 0.0), out["matmul_TFLOPs_xla"])
     return {k: round(v, 3) for k, v in out.items()}

@@ -1,11 +1,13 @@
 """End-to-end benchmark on the GPU: a DeepSeek-V2-Lite-shaped model with random bf16 weights.
 
-    PYTHONPATH=. python3 bench/e2e.py --out DIR        (also: `mla-jax bench`)
+    mla-jax bench --out DIR            (or: python3 -m mla_jax.bench.e2e --out DIR)
+    mla-jax bench --smoke              (tiny dims on a CPU; prints the rows, writes nothing)
 
 Decode step time and tokens/s at batch 1, 32, 128 with context 1k and 4k (the cache is filled with random rows,
 every request reading its own pages), prefill throughput for 8 prompts of 2k tokens, warm-up compile time.
 Each step time is set against its roofline: bytes of weights and KV the step must read over the copy bandwidth
-measured in the same run. Writes DIR/e2e-h200.json (format: ../shared/notes/bench-results.md).
+measured in the same run. With --out, writes DIR/e2e-h200.json (format: shared/notes/bench-results.md);
+without it, only prints.
 """
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import measure_ceilings, profile_summary, results_header, write_results
 from mla_jax import attention, model
+from mla_jax.bench.common import measure_ceilings, profile_summary, results_header, write_results
 from mla_jax.cache import KVCache
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
-from mla_jax.engine import Engine, EngineConfig, engine_step
+from mla_jax.engine import Engine, EngineConfig
 from mla_jax.metadata import ScheduledRequest, build_metadata
+from mla_jax.step import engine_step
 from mla_jax.sampling import SamplingArrays
 
 V2_LITE = DEEPSEEK_V2_LITE
@@ -40,7 +43,7 @@ def weight_bytes(params, cfg: DeepseekConfig, tokens: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default=None, help="directory for e2e-h200.json (default: print only)")
     ap.add_argument("--backend", default=None, help="attention backend (default: the engine's for this GPU)")
     ap.add_argument("--layers", type=int, default=27, help="fewer layers for a quick look")
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes: checks the script on a CPU")
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         if "num_key_value_heads" in d:  # must equal the heads for MLA
             d["num_key_value_heads"] = d["num_attention_heads"]
     cfg = DeepseekConfig.from_dict(d)
-    ceilings = measure_ceilings()
+    ceilings = measure_ceilings(small=args.smoke)
     res = results_header(ceilings)
     res["model"] = "DeepSeek-V2-Lite shape, random bf16 weights, " + f"{args.layers} layers"
     res["backend"] = args.backend
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
                     jax.block_until_ready(tok)
                 summary = profile_summary(args.profile)
                 summary["shape"] = dict(batch=B, ctx=ctx, steps=5, backend=args.backend, gmm_impl=args.gmm)
-                write_results(f"{args.out}/profile-decode.json", summary)
+                if args.out:
+                    write_results(f"{args.out}/profile-decode.json", summary)
             eng.cache = cache
             step_s = float(np.median(times))
             nbytes = weight_bytes(params, cfg, B) + B * ctx * row_bytes * cfg.num_hidden_layers
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             print(row, flush=True)
 
     if args.no_prefill:
-        write_results(f"{args.out}/e2e-h200.json", res)
+        _finish(args, res)
         return
     # Prefill: P prompts of S new tokens in one step.
     reqs = [ScheduledRequest(list(np.random.default_rng(p).integers(0, cfg.vocab_size, S)), 0,
@@ -165,7 +169,14 @@ def main(argv: list[str] | None = None) -> None:
                x_roofline=round(step_s / roof, 2), compile_s=round(compile_s, 1))
     res["rows"].append(row)
     print(row, flush=True)
-    write_results(f"{args.out}/e2e-h200.json", res)
+    _finish(args, res)
+
+
+def _finish(args, res) -> None:
+    if args.out:
+        write_results(f"{args.out}/e2e-h200.json", res)
+    else:
+        print("not written (no --out)", flush=True)
 
 
 if __name__ == "__main__":
