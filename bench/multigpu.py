@@ -9,9 +9,9 @@ model with random bf16 weights, against one GPU.
 Configs: tp in {1, 2, 4} x dcp in {1, 2, 4} on tp*dcp devices (`mla_jax.parallel`: heads split tp*dcp-way, the
 latent cache dcp-way, experts over all devices; vLLM's `-tp T -dcp D` is tp=T/D, dcp=D here); configs needing more
 GPUs than are visible are skipped. Batch 32 and 128, context 4k and 32k: every request decodes one token after
-ctx-1 cached tokens (random latent rows), each reading its own pages; the step is `parallel.engine_step`
-(forward + all-gather of the logits + sampling), timed as bench/e2e.py times engine_step. The one-GPU baseline is
-the plain `mla_jax.engine.engine_step` (path "single"); `speedup` = its step time / this one and `scaling_eff` =
+ctx-1 cached tokens (random latent rows), each reading its own pages; the step is `mla_jax.step.engine_step`
+with the plan (forward + all-gather of the logits + sampling), timed as mla_jax.bench.e2e times it. The one-GPU
+baseline is the same step without a plan (path "single"); `speedup` = its step time / this one and `scaling_eff` =
 speedup / devices. A configuration whose weights + cache do not fit (e.g. batch 128 x 32k on one GPU: a 130 GB
 cache) is listed under "skipped" with the reason. `roofline_ms` = (weights read per device + its KV share) / copy
 bandwidth, communication not counted.
@@ -47,19 +47,17 @@ from mla_jax.bench.e2e import V2_LITE, weight_bytes  # noqa: E402
 from mla_jax import attention, model, parallel  # noqa: E402
 from mla_jax.cache import KVCache  # noqa: E402
 from mla_jax.config import DeepseekConfig  # noqa: E402
-from mla_jax.engine import default_gmm_impl, engine_step  # noqa: E402
+from mla_jax.engine import default_gmm_impl  # noqa: E402
+from mla_jax.step import engine_step  # noqa: E402
 from mla_jax.metadata import BatchShape, ScheduledRequest, build_metadata  # noqa: E402
 from mla_jax.sampling import SamplingArrays  # noqa: E402
+from pallas_kernels.util import cdiv  # noqa: E402
 
 RESULT_FILE = "multigpu-h200.json"
 
 
 def _ints(s: str) -> tuple[int, ...]:
     return tuple(int(x) for x in s.split(",") if x)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def device_bytes_limit() -> int | None:
@@ -100,7 +98,7 @@ def run_row(*, params, cfg, plan, batch, ctx, page, backend, gmm, steps, reps, c
     """One decode measurement; returns the row. `plan` None: the plain one-device engine_step."""
     dcp = plan.dcp if plan is not None else 1
     gv = page * dcp  # virtual page of the block tables
-    pages_per_req = _cdiv(ctx, gv)
+    pages_per_req = cdiv(ctx, gv)
     num_pages = batch * pages_per_req + 1
     shape = (cfg.num_hidden_layers, num_pages, gv, cfg.cache_row_dim)
     if plan is None:
@@ -115,18 +113,12 @@ def run_row(*, params, cfg, plan, batch, ctx, page, backend, gmm, steps, reps, c
     sp = SamplingArrays.build([], [], md.shape.num_logits)
     if plan is None:
         md, sp = md.to_device(), jax.tree.map(jnp.asarray, sp)
-
-        def step(cache):
-            t, _, cache = engine_step(params, cfg, cache, md, sp, backend=backend, batch_invariant=False,
-                                      gmm_impl=gmm)
-            return t, cache
     else:
         md, sp = plan.replicate(md), plan.replicate(sp)
 
-        def step(cache):
-            t, _, cache = parallel.engine_step(params, cfg, cache, md, sp, plan=plan, backend=backend,
-                                               batch_invariant=False, gmm_impl=gmm)
-            return t, cache
+    def step(cache):
+        t, _, cache = engine_step(params, cfg, cache, md, sp, plan=plan, backend=backend, gmm_impl=gmm)
+        return t, cache
 
     t0 = time.perf_counter()
     tok, cache = step(cache)
@@ -199,7 +191,7 @@ def main() -> None:
     if args.smoke:  # the ceilings' 2 GiB copies and 8192^3 matmuls take minutes on a CPU
         ceilings = {"copy_TBps": 0.01, "matmul_TFLOPs": 0.1, "smoke": True}
     else:
-        ceilings = measure_ceilings()
+        ceilings = measure_ceilings(small=args.smoke)
     res = results_header(ceilings)
     res["model"] = f"DeepSeek-V2-Lite shape, random bf16 weights, {cfg.num_hidden_layers} layers"
     res["backend"] = backend
@@ -258,7 +250,7 @@ def main() -> None:
                 params = plan.shard_params(params_host, cfg)
             jax.block_until_ready(params)
             cur = (path, tp, dcp)
-        cache_bytes = batch * _cdiv(ctx, args.page * dcp) * args.page * 2 * cfg.cache_row_dim * cfg.num_hidden_layers
+        cache_bytes = batch * cdiv(ctx, args.page * dcp) * args.page * 2 * cfg.cache_row_dim * cfg.num_hidden_layers
         need = per_device_param_bytes(params_host, cfg, plan) + cache_bytes
         if limit and need > 0.92 * limit:
             skip = dict(path=path, tp=tp, dcp=dcp, batch=batch, ctx=ctx,
