@@ -190,6 +190,9 @@ COMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Callab
      _add_convert, _run_convert),
     ("bench", "run the end-to-end benchmark (a DeepSeek-V2-Lite-shaped model, random weights) on the GPU",
      _add_bench, _run_bench),
+    ("serve", "serve an OpenAI-compatible HTTP API (completions, chat, streaming) with continuous batching",
+     lambda p: __import__("mla_jax.serve.cli", fromlist=["cli"]).add_arguments(p),
+     lambda args: __import__("mla_jax.serve.cli", fromlist=["cli"]).run(args)),
 ]
 EPILOGS = {"convert": CONVERT_EPILOG, "generate": GENERATE_EPILOG}
 

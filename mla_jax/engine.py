@@ -221,13 +221,17 @@ class Engine:
             batch_invariant=self.config.batch_invariant, gmm_impl=self.config.gmm_impl)
         return to_host(tokens), to_host(logprobs)
 
-    def warmup(self, prefill: bool = True, top_logprobs: bool = False) -> float:
-        """Compiles every decode bucket (and, with `prefill`, the largest prefill bucket; with `top_logprobs`,
+    def warmup(self, prefill: bool = True, top_logprobs: bool = False, all_shapes: bool = False) -> float:
+        """Compiles every decode bucket (and, with `prefill`, the largest prefill bucket; with `all_shapes`, every
+        prefill bucket alone and with every decode bucket, so that no step compiles later; with `top_logprobs`,
         the variants of these shapes that return top logprobs too); returns seconds."""
         t0 = time.perf_counter()
-        shapes = [self.batch_shape(nd, 0) for nd in self.config.decode_buckets]
-        if prefill:
-            shapes.append(self.batch_shape(0, self.config.token_budget))
+        c = self.config
+        shapes = [self.batch_shape(nd, 0) for nd in c.decode_buckets]
+        if all_shapes:
+            shapes += [self.batch_shape(nd, tp) for tp in c.prefill_buckets for nd in (0,) + c.decode_buckets]
+        elif prefill:
+            shapes.append(self.batch_shape(0, c.token_budget))
         for shape in shapes:
             for top in (False, True) if top_logprobs else (False,):
                 self._run_empty(shape, top)
