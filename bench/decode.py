@@ -13,6 +13,7 @@ pallas_kernels/mla_decode.py (rows "pallas") and, on Hopper, the Mosaic GPU pall
     per shape (Triton: block_h, block_kv, num_warps, num_stages, num_kv_splits; sm90: num_kv_splits,
     num_stages, fp8_compute) into DIR/decode-sweep.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,333 +40,397 @@ from pallas_kernels.util import cdiv, num_sms  # noqa: E402
 L, R = 512, 64
 PAGE = 64
 SCALE = testing.DECODE_SCALE  # DeepSeek-V3: 192^-0.5 * mscale^2
-SHAPES = [(64, 16, 4096), (128, 16, 8192), (64, 128, 4096), (128, 128, 8192), (1, 128, 32768),
-          (32, 16, 1024)]
+SHAPES = [(64, 16, 4096), (128, 16, 8192), (64, 128, 4096), (128, 128, 8192), (1, 128, 32768), (32, 16, 1024)]
 ROW_BYTES = {"bf16": (L + R) * 2, "fp8": (L + R) + 4}
 L2_BYTES = 60 << 20
 
 
 def log(*a):
-  print(*a, flush=True)
+    print(*a, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
 # Inputs, built on device.
 
+
 def make_inputs(key, b, nq, n, ctx, dtype, *, page=PAGE, extra_pages=3, width=L + R):
-  """Cache pool with B*ctx/page used pages in random order (plus spare pages), uniform lengths;
-  rows `width` wide (L + R)."""
-  ppr = ctx // page
-  num_pages = b * ppr + extra_pages
-  k = jax.random.split(key, 4)
-  q = jax.random.normal(k[0], (b, nq, n, width), jnp.bfloat16)
-  bt = jax.random.permutation(k[1], num_pages)[: b * ppr].reshape(b, ppr).astype(jnp.int32)
-  if dtype == "bf16":
-    cache = jax.random.normal(k[2], (num_pages, page, width), jnp.bfloat16)
-    kv_scale = None
-  else:
-    cache = (jax.random.normal(k[2], (num_pages, page, width), jnp.float32) * 2.0).astype(
-        jnp.float8_e4m3fn)
-    kv_scale = jax.random.uniform(k[3], (num_pages, page), jnp.float32, 0.25, 0.75)
-  seq_lens = jnp.full((b, nq), ctx, jnp.int32)
-  return q, cache, bt, seq_lens, kv_scale
+    """Cache pool with B*ctx/page used pages in random order (plus spare pages), uniform lengths;
+    rows `width` wide (L + R)."""
+    ppr = ctx // page
+    num_pages = b * ppr + extra_pages
+    k = jax.random.split(key, 4)
+    q = jax.random.normal(k[0], (b, nq, n, width), jnp.bfloat16)
+    bt = jax.random.permutation(k[1], num_pages)[: b * ppr].reshape(b, ppr).astype(jnp.int32)
+    if dtype == "bf16":
+        cache = jax.random.normal(k[2], (num_pages, page, width), jnp.bfloat16)
+        kv_scale = None
+    else:
+        cache = (jax.random.normal(k[2], (num_pages, page, width), jnp.float32) * 2.0).astype(jnp.float8_e4m3fn)
+        kv_scale = jax.random.uniform(k[3], (num_pages, page), jnp.float32, 0.25, 0.75)
+    seq_lens = jnp.full((b, nq), ctx, jnp.int32)
+    return q, cache, bt, seq_lens, kv_scale
 
 
 def check_correctness(decode, kernel) -> bool:
-  """Kernel vs float32 reference on the GPU: the `bench` cases of `kernel` in
-  pallas_kernels/testing.py (bf16 and fp8, splits, causal Q>1, ragged, empty), at the GPU tests'
-  tolerances."""
-  ok = True
-  for i, case in enumerate(testing.cases_for(testing.DECODE_GPU_CASES, kernel, bench=True)):
-    inp, kw = case.inputs, case.kernel
-    b, nq, n, g = inp["b"], inp["nq"], inp["n"], inp.get("g", PAGE)
-    dtype, causal = inp.get("cache_dtype", "bf16"), inp.get("causal", False)
-    try:
-      q, cache, bt, sl, ks = case.make()
-      out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **kw)
-      tol, lse_tol = testing.decode_gpu_tolerance(case.kind)
-      note = ""
-      if kw.get("fp8_qk"):
-        # The kernel's logits are those of the per-row fp8 q, accumulated by the fp8 wgmma with
-        # reduced precision (pallas_kernels/testing.py DECODE_TOL["fp8_qk"]); the error against
-        # the exact q is reported, not checked: it is the mode's quantization error.
-        exact = np.asarray(md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)[0],
-                           np.float32)
-        exact_err = float(np.nanmax(np.abs(np.asarray(out, np.float32) - exact)))
-        note = f" (vs exact q: max|err| {exact_err:.2e})"
-      ref, ref_lse = testing.decode_reference(q, cache, bt, sl, ks, kw, case.l, scale=SCALE)
-      out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-      lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
-      # bf16 output rounding: elementwise |err| <= 2e-2 + 2e-2 |ref|, and 1e-2 relative in norm.
-      err = float(np.max(np.abs(out - ref) - tol * np.abs(ref)))
-      rel = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-      lse_fin = np.isfinite(ref_lse)
-      lse_err = float(np.max(np.abs(np.where(lse_fin, lse, 0.0) - np.where(lse_fin, ref_lse, 0.0))))
-      good = (np.all(np.isfinite(out)) and err < tol and rel < tol / 2 and lse_err < lse_tol
-              and np.array_equal(np.isfinite(lse), lse_fin))
-      log(f"check {i}: B={b} Q={nq} N={n} G={g} {dtype} causal={causal} {kw}: max(|err|-{tol}|ref|)={err:.2e} "
-          f"rel={rel:.2e} lse_err={lse_err:.2e}{note} {'ok' if good else 'FAIL'}")
-    except Exception as e:  # noqa: BLE001
-      good = False
-      log(f"check {i}: ERROR {type(e).__name__}: {e}")
-      traceback.print_exc()
-    ok &= bool(good)
-  return ok
+    """Kernel vs float32 reference on the GPU: the `bench` cases of `kernel` in
+    pallas_kernels/testing.py (bf16 and fp8, splits, causal Q>1, ragged, empty), at the GPU tests'
+    tolerances."""
+    ok = True
+    for i, case in enumerate(testing.cases_for(testing.DECODE_GPU_CASES, kernel, bench=True)):
+        inp, kw = case.inputs, case.kernel
+        b, nq, n, g = inp["b"], inp["nq"], inp["n"], inp.get("g", PAGE)
+        dtype, causal = inp.get("cache_dtype", "bf16"), inp.get("causal", False)
+        try:
+            q, cache, bt, sl, ks = case.make()
+            out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **kw)
+            tol, lse_tol = testing.decode_gpu_tolerance(case.kind)
+            note = ""
+            if kw.get("fp8_qk"):
+                # The kernel's logits are those of the per-row fp8 q, accumulated by the fp8 wgmma with
+                # reduced precision (pallas_kernels/testing.py DECODE_TOL["fp8_qk"]); the error against
+                # the exact q is reported, not checked: it is the mode's quantization error.
+                exact = np.asarray(md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)[0], np.float32)
+                exact_err = float(np.nanmax(np.abs(np.asarray(out, np.float32) - exact)))
+                note = f" (vs exact q: max|err| {exact_err:.2e})"
+            ref, ref_lse = testing.decode_reference(q, cache, bt, sl, ks, kw, case.l, scale=SCALE)
+            out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+            lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+            # bf16 output rounding: elementwise |err| <= 2e-2 + 2e-2 |ref|, and 1e-2 relative in norm.
+            err = float(np.max(np.abs(out - ref) - tol * np.abs(ref)))
+            rel = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+            lse_fin = np.isfinite(ref_lse)
+            lse_err = float(np.max(np.abs(np.where(lse_fin, lse, 0.0) - np.where(lse_fin, ref_lse, 0.0))))
+            good = (
+                np.all(np.isfinite(out))
+                and err < tol
+                and rel < tol / 2
+                and lse_err < lse_tol
+                and np.array_equal(np.isfinite(lse), lse_fin)
+            )
+            log(
+                f"check {i}: B={b} Q={nq} N={n} G={g} {dtype} causal={causal} {kw}: max(|err|-{tol}|ref|)={err:.2e} "
+                f"rel={rel:.2e} lse_err={lse_err:.2e}{note} {'ok' if good else 'FAIL'}"
+            )
+        except Exception as e:  # noqa: BLE001
+            good = False
+            log(f"check {i}: ERROR {type(e).__name__}: {e}")
+            traceback.print_exc()
+        ok &= bool(good)
+    return ok
 
 
 # ----------------------------------------------------------------------------------------------
 # Timing.
 
+
 def timed(fn, arg_sets, iters, reps):
-  return common.time_fn(fn, arg_sets, iters=iters, reps=reps, warmup=2)
+    return common.time_fn(fn, arg_sets, iters=iters, reps=reps, warmup=2)
 
 
 def arg_sets_for(b, n, ctx, dtype, seed=0):
-  nbytes = b * ctx * ROW_BYTES[dtype]
-  n_sets = int(min(6, max(1, math.ceil(3 * L2_BYTES / nbytes))))
-  return [make_inputs(jax.random.key(seed + j), b, 1, n, ctx, dtype) for j in range(n_sets)]
+    nbytes = b * ctx * ROW_BYTES[dtype]
+    n_sets = int(min(6, max(1, math.ceil(3 * L2_BYTES / nbytes))))
+    return [make_inputs(jax.random.key(seed + j), b, 1, n, ctx, dtype) for j in range(n_sets)]
 
 
 def kernel_fn(**tuning):
-  def f(q, cache, bt, sl, ks):
-    return md.mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **tuning)
-  return jax.jit(f)
+    def f(q, cache, bt, sl, ks):
+        return md.mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **tuning)
+
+    return jax.jit(f)
 
 
 def sm90_fn(**tuning):
-  def f(q, cache, bt, sl, ks):
-    return k90.mla_decode_sm90(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **tuning)
-  return jax.jit(f)
+    def f(q, cache, bt, sl, ks):
+        return k90.mla_decode_sm90(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **tuning)
+
+    return jax.jit(f)
 
 
 def sm90_splits(b, n, ctx):
-  return k90.choose_num_kv_splits_sm90(b, cdiv(n, k90.TILE_M), cdiv(ctx, PAGE), num_sms())
+    return k90.choose_num_kv_splits_sm90(b, cdiv(n, k90.TILE_M), cdiv(ctx, PAGE), num_sms())
 
 
 def sm90_sweep_variants(dtype, splits):
-  variants = [{"num_kv_splits": s} for s in (splits * 2, max(1, splits // 2))
-              if s != splits and s <= 2 * 132]
-  variants.append({"num_stages": 1} if dtype == "bf16" else {"fp8_compute": "float16"})
-  if dtype == "fp8":
-    variants.append({"fp8_stages": 1})
-    # fp8 QK^T (q quantized per row): fp8 ring depth vs V ring depth, and the f16 cast of V.
-    variants += [{"fp8_qk": True, "fp8_stages": 2}, {"fp8_qk": True, "num_stages": 2, "fp8_stages": 1},
-                 {"fp8_qk": True, "fp8_compute": "float16"}]
-  return variants
+    variants = [{"num_kv_splits": s} for s in (splits * 2, max(1, splits // 2)) if s != splits and s <= 2 * 132]
+    variants.append({"num_stages": 1} if dtype == "bf16" else {"fp8_compute": "float16"})
+    if dtype == "fp8":
+        variants.append({"fp8_stages": 1})
+        # fp8 QK^T (q quantized per row): fp8 ring depth vs V ring depth, and the f16 cast of V.
+        variants += [
+            {"fp8_qk": True, "fp8_stages": 2},
+            {"fp8_qk": True, "num_stages": 2, "fp8_stages": 1},
+            {"fp8_qk": True, "fp8_compute": "float16"},
+        ]
+    return variants
 
 
 def stage1_fn(**tuning):
-  """Stage 1 alone (partials), to see what the LSE merge costs."""
-  def f(q, cache, bt, sl, ks):
-    tun = {k: tuning.get(k) for k in ("block_h", "block_kv", "num_warps", "num_stages",
-                                       "num_kv_splits")}
-    return md._mla_decode_impl(q, cache, bt, sl, ks, scale=SCALE, kv_lora_rank=L,
-                               batch_invariant=False, interpret=False, return_partials=True,
-                               **tun)
-  return jax.jit(f)
+    """Stage 1 alone (partials), to see what the LSE merge costs."""
+
+    def f(q, cache, bt, sl, ks):
+        tun = {k: tuning.get(k) for k in ("block_h", "block_kv", "num_warps", "num_stages", "num_kv_splits")}
+        return md._mla_decode_impl(
+            q,
+            cache,
+            bt,
+            sl,
+            ks,
+            scale=SCALE,
+            kv_lora_rank=L,
+            batch_invariant=False,
+            interpret=False,
+            return_partials=True,
+            **tun,
+        )
+
+    return jax.jit(f)
 
 
 def xla_fn():
-  def f(q, cache, bt, sl, ks):
-    return md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
-  return jax.jit(f)
+    def f(q, cache, bt, sl, ks):
+        return md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
+
+    return jax.jit(f)
 
 
 def row_for(kernel, b, n, ctx, dtype, us, ceil, **extra):
-  tbps = b * ctx * ROW_BYTES[dtype] / (us * 1e-6) / 1e12
-  tflops = 2 * b * n * ctx * (576 + 512) / (us * 1e-6) / 1e12
-  row = {"kernel": kernel, "B": b, "N": n, "ctx": ctx, "page": PAGE, "dtype": dtype,
-         "us": round(us, 2), "TBps": round(tbps, 3), "TFLOPs": round(tflops, 1),
-         "frac_copy": round(tbps / ceil["copy_TBps"], 3),
-         "frac_matmul": round(tflops / ceil["matmul_TFLOPs"], 3)}
-  row.update(extra)
-  return row
+    tbps = b * ctx * ROW_BYTES[dtype] / (us * 1e-6) / 1e12
+    tflops = 2 * b * n * ctx * (576 + 512) / (us * 1e-6) / 1e12
+    row = {
+        "kernel": kernel,
+        "B": b,
+        "N": n,
+        "ctx": ctx,
+        "page": PAGE,
+        "dtype": dtype,
+        "us": round(us, 2),
+        "TBps": round(tbps, 3),
+        "TFLOPs": round(tflops, 1),
+        "frac_copy": round(tbps / ceil["copy_TBps"], 3),
+        "frac_matmul": round(tflops / ceil["matmul_TFLOPs"], 3),
+    }
+    row.update(extra)
+    return row
 
 
 def variant_row(kernel, make_fn, v, sets, srow, ceil, device_time=False):
-  """A sweep row for tuning variant `v`: its timing (compile included in compile_and_time_s), with
-  device_time also the GPU's busy time per call (what decides at batch 1, where launch overhead
-  dominates the wall time), or the error that stopped it (recorded, skipped)."""
-  t0 = time.time()
-  try:
-    fn = make_fn()
-    us = timed(fn, sets, 10, 3)
-    extra = common.device_time_us(fn, sets) if device_time else {}
-    return row_for(kernel, srow["B"], srow["N"], srow["ctx"], srow["dtype"], us, ceil, variant=v,
-                   compile_and_time_s=round(time.time() - t0, 1), **extra)
-  except Exception as e:  # noqa: BLE001
-    return {**srow, "kernel": kernel, "variant": v, "error": f"{type(e).__name__}: {str(e)[-300:]}"}
+    """A sweep row for tuning variant `v`: its timing (compile included in compile_and_time_s), with
+    device_time also the GPU's busy time per call (what decides at batch 1, where launch overhead
+    dominates the wall time), or the error that stopped it (recorded, skipped)."""
+    t0 = time.time()
+    try:
+        fn = make_fn()
+        us = timed(fn, sets, 10, 3)
+        extra = common.device_time_us(fn, sets) if device_time else {}
+        return row_for(
+            kernel,
+            srow["B"],
+            srow["N"],
+            srow["ctx"],
+            srow["dtype"],
+            us,
+            ceil,
+            variant=v,
+            compile_and_time_s=round(time.time() - t0, 1),
+            **extra,
+        )
+    except Exception as e:  # noqa: BLE001
+        return {**srow, "kernel": kernel, "variant": v, "error": f"{type(e).__name__}: {str(e)[-300:]}"}
 
 
 def sweep_variants(n, dtype, num_splits_default):
-  """Prune: one-at-a-time moves around the default, most informative first (compile time is the
-  cost: ~1 s a bf16 variant, up to ~10 s an fp8 one at 16 rows)."""
-  variants = [{}]
-  if dtype == "fp8":
-    variants.append({"fp8_mode": "dequant_tile"})
-  s0 = num_splits_default
-  for s in (s0 * 2, max(1, s0 // 2), s0 * 4, s0 * 8):   # x4, x8: few-request shapes
-    if s != s0 and s <= 2 * 132:
-      variants.append({"num_kv_splits": s})
-  if n <= 16:
-    cand = {"block_kv": [32, 64, 128] if dtype == "fp8" else [64, 128],
-            "num_stages": [2, 3], "num_warps": [4, 8]}
-  else:
-    cand = {"block_kv": [32, 64], "num_stages": [2, 3], "block_h": [32, 64], "num_warps": [8]}
-  for k, vals in cand.items():
-    for v in vals:
-      variants.append({k: v})
-  if n > 64:  # all 128 rows in one program: K read once, 16 warps to hold the [128, L] accumulator
-    variants.append({"block_h": 128, "num_warps": 16, "block_kv": 32, "num_stages": 2})
-  out, seen = [], set()
-  for v in variants:
-    key = tuple(sorted(v.items()))
-    if key not in seen:
-      seen.add(key)
-      out.append(v)
-  return out
+    """Prune: one-at-a-time moves around the default, most informative first (compile time is the
+    cost: ~1 s a bf16 variant, up to ~10 s an fp8 one at 16 rows)."""
+    variants = [{}]
+    if dtype == "fp8":
+        variants.append({"fp8_mode": "dequant_tile"})
+    s0 = num_splits_default
+    for s in (s0 * 2, max(1, s0 // 2), s0 * 4, s0 * 8):  # x4, x8: few-request shapes
+        if s != s0 and s <= 2 * 132:
+            variants.append({"num_kv_splits": s})
+    if n <= 16:
+        cand = {"block_kv": [32, 64, 128] if dtype == "fp8" else [64, 128], "num_stages": [2, 3], "num_warps": [4, 8]}
+    else:
+        cand = {"block_kv": [32, 64], "num_stages": [2, 3], "block_h": [32, 64], "num_warps": [8]}
+    for k, vals in cand.items():
+        for v in vals:
+            variants.append({k: v})
+    if n > 64:  # all 128 rows in one program: K read once, 16 warps to hold the [128, L] accumulator
+        variants.append({"block_h": 128, "num_warps": 16, "block_kv": 32, "num_stages": 2})
+    out, seen = [], set()
+    for v in variants:
+        key = tuple(sorted(v.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(v)
+    return out
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default="bench/results")
-  ap.add_argument("--sweep", action="store_true", help="also time tuning variants")
-  ap.add_argument("--quick", action="store_true", help="two shapes, no sweep/xla (smoke run)")
-  ap.add_argument("--shapes", default="", help="subset, e.g. 128x16x8192,1x128x32768")
-  ap.add_argument("--dtypes", default="bf16,fp8")
-  ap.add_argument("--no-check", action="store_true", help="skip the correctness check (tuning runs)")
-  ap.add_argument("--device-time", action="store_true",
-                  help="also record each kernel's device time from a profiler trace (device_us, span_us)")
-  ap.add_argument("--sweep-budget-s", type=float, default=180.0,
-                  help="sweep time over all shapes (split evenly; later variants are skipped)")
-  ap.add_argument("--kernels", default="pallas,pallas_sm90",
-                  help="Pallas kernels to time: pallas (Triton) and/or pallas_sm90 (Hopper only)")
-  args = ap.parse_args()
-  t_start = time.time()
-  dev = jax.devices()[0]
-  log(f"device: {dev.device_kind}, SMs: {num_sms()}, jax {jax.__version__}")
-  kernels = args.kernels.split(",")
-  run_triton = "pallas" in kernels
-  run_sm90 = "pallas_sm90" in kernels and k90.is_sm90(dev)
-  if "pallas_sm90" in kernels and not run_sm90:
-    log(f"pallas_sm90: skipped, needs compute capability 9.x "
-        f"(got {getattr(dev, 'compute_capability', None)})")
-  checks = {}
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--sweep", action="store_true", help="also time tuning variants")
+    ap.add_argument("--quick", action="store_true", help="two shapes, no sweep/xla (smoke run)")
+    ap.add_argument("--shapes", default="", help="subset, e.g. 128x16x8192,1x128x32768")
+    ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--no-check", action="store_true", help="skip the correctness check (tuning runs)")
+    ap.add_argument(
+        "--device-time",
+        action="store_true",
+        help="also record each kernel's device time from a profiler trace (device_us, span_us)",
+    )
+    ap.add_argument(
+        "--sweep-budget-s",
+        type=float,
+        default=180.0,
+        help="sweep time over all shapes (split evenly; later variants are skipped)",
+    )
+    ap.add_argument(
+        "--kernels",
+        default="pallas,pallas_sm90",
+        help="Pallas kernels to time: pallas (Triton) and/or pallas_sm90 (Hopper only)",
+    )
+    args = ap.parse_args()
+    t_start = time.time()
+    dev = jax.devices()[0]
+    log(f"device: {dev.device_kind}, SMs: {num_sms()}, jax {jax.__version__}")
+    kernels = args.kernels.split(",")
+    run_triton = "pallas" in kernels
+    run_sm90 = "pallas_sm90" in kernels and k90.is_sm90(dev)
+    if "pallas_sm90" in kernels and not run_sm90:
+        log(f"pallas_sm90: skipped, needs compute capability 9.x (got {getattr(dev, 'compute_capability', None)})")
+    checks = {}
 
-  if not args.no_check:
-    if run_triton:
-      ok = check_correctness(md.mla_decode, testing.MLA_DECODE)
-      checks["pallas"] = "PASS" if ok else "FAIL"
-      log(f"correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
-      if not ok:
-        sys.exit(1)
-    if run_sm90:
-      ok = check_correctness(k90.mla_decode_sm90, testing.MLA_DECODE_SM90)
-      checks["pallas_sm90"] = "PASS" if ok else "FAIL"
-      log(f"correctness pallas_sm90: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
-      run_sm90 = ok  # time only a kernel that computes the right thing
+    if not args.no_check:
+        if run_triton:
+            ok = check_correctness(md.mla_decode, testing.MLA_DECODE)
+            checks["pallas"] = "PASS" if ok else "FAIL"
+            log(f"correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
+            if not ok:
+                sys.exit(1)
+        if run_sm90:
+            ok = check_correctness(k90.mla_decode_sm90, testing.MLA_DECODE_SM90)
+            checks["pallas_sm90"] = "PASS" if ok else "FAIL"
+            log(f"correctness pallas_sm90: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
+            run_sm90 = ok  # time only a kernel that computes the right thing
 
-  ceil = common.measure_ceilings()
-  log(f"ceilings: {ceil}")
-  results = common.results_header(ceil)
-  if checks:
-    results["checks"] = checks
-  sweep = common.results_header(ceil)
-  shapes = SHAPES[:1] + SHAPES[4:5] if args.quick else SHAPES
-  if args.shapes:
-    shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
-  dtypes = args.dtypes.split(",")
+    ceil = common.measure_ceilings()
+    log(f"ceilings: {ceil}")
+    results = common.results_header(ceil)
+    if checks:
+        results["checks"] = checks
+    sweep = common.results_header(ceil)
+    shapes = SHAPES[:1] + SHAPES[4:5] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+    dtypes = args.dtypes.split(",")
 
-  for (b, n, ctx) in shapes:
-    for dtype in dtypes:
-      sets = arg_sets_for(b, n, ctx, dtype)
-      splits = md.choose_num_kv_splits(b, n, ctx, num_sms())
-      timed_kernels = []  # (kernel, jitted fn, extra row fields)
-      if run_triton:
-        timed_kernels.append(("pallas", kernel_fn(), {"num_kv_splits": splits}))
-      if run_sm90:  # both schedules of the sm90 kernel (static splits; on-device work list)
-        timed_kernels.append(("pallas_sm90", sm90_fn(),
-                              {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx)}))
-        timed_kernels.append(("pallas_sm90", sm90_fn(schedule="worklist"),
-                              {"schedule": "worklist"}))
-        if dtype == "fp8":  # QK^T as an fp8 wgmma (q quantized per row): its own rows
-          timed_kernels.append(("pallas_sm90", sm90_fn(fp8_qk=True),
-                                {"schedule": "grid", "fp8_qk": True,
-                                 "num_kv_splits": sm90_splits(b, n, ctx)}))
-      for name, fn, extra in timed_kernels:
-        try:
-          us = timed(fn, sets, 20, 7)
-          if args.device_time:  # kernel time without host dispatch (see common.device_time_us)
-            extra = {**extra, **common.device_time_us(fn, sets)}
-          results["rows"].append(row_for(name, b, n, ctx, dtype, us, ceil, **extra))
-          log(f"{name} {dtype} B={b} N={n} ctx={ctx}: {us:.1f} us {extra} "
-              f"{results['rows'][-1]['TBps']} TB/s {results['rows'][-1]['TFLOPs']} TFLOP/s")
-        except Exception as e:  # noqa: BLE001
-          log(f"{name} {dtype} B={b} N={n} ctx={ctx} {extra}: ERROR {type(e).__name__}: "
-              f"{str(e)[:400]}")
-          results["rows"].append({"kernel": name, "B": b, "N": n, "ctx": ctx, "page": PAGE,
-                                  "dtype": dtype, **extra,
-                                  "error": f"{type(e).__name__}: {str(e)[:400]}"})
-      if dtype == "bf16" and not args.quick:
-        us = timed(xla_fn(), sets, 5, 3)
-        results["rows"].append(row_for("xla", b, n, ctx, dtype, us, ceil))
-        log(f"xla    {dtype} B={b} N={n} ctx={ctx}: {us:.1f} us")
-      if args.sweep and not args.quick and run_sm90:
-        srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype, "kernel": "pallas_sm90"}
-        for v in sm90_sweep_variants(dtype, sm90_splits(b, n, ctx)):
-          sweep["rows"].append(variant_row("pallas_sm90", lambda: sm90_fn(**v), v, sets, srow, ceil,
-                                           args.device_time))
-      if args.sweep and not args.quick and run_triton:
-        srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype}
-        try:
-          us = timed(stage1_fn(), sets, 10, 3)
-          sweep["rows"].append(row_for("pallas_stage1", b, n, ctx, dtype, us, ceil,
-                                       num_kv_splits=splits))
-        except Exception as e:  # noqa: BLE001
-          sweep["rows"].append({**srow, "kernel": "pallas_stage1", "error": str(e)[:300]})
-        t_cfg = time.time()
-        for v in sweep_variants(n, dtype, splits):
-          if time.time() - t_cfg > args.sweep_budget_s / (len(dtypes) * len(shapes)):
-            sweep["rows"].append({**srow, "kernel": "pallas", "variant": v,
-                                  "error": "skipped: budget"})
+    for b, n, ctx in shapes:
+        for dtype in dtypes:
+            sets = arg_sets_for(b, n, ctx, dtype)
+            splits = md.choose_num_kv_splits(b, n, ctx, num_sms())
+            timed_kernels = []  # (kernel, jitted fn, extra row fields)
+            if run_triton:
+                timed_kernels.append(("pallas", kernel_fn(), {"num_kv_splits": splits}))
+            if run_sm90:  # both schedules of the sm90 kernel (static splits; on-device work list)
+                timed_kernels.append(
+                    ("pallas_sm90", sm90_fn(), {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx)})
+                )
+                timed_kernels.append(("pallas_sm90", sm90_fn(schedule="worklist"), {"schedule": "worklist"}))
+                if dtype == "fp8":  # QK^T as an fp8 wgmma (q quantized per row): its own rows
+                    timed_kernels.append(
+                        (
+                            "pallas_sm90",
+                            sm90_fn(fp8_qk=True),
+                            {"schedule": "grid", "fp8_qk": True, "num_kv_splits": sm90_splits(b, n, ctx)},
+                        )
+                    )
+            for name, fn, extra in timed_kernels:
+                try:
+                    us = timed(fn, sets, 20, 7)
+                    if args.device_time:  # kernel time without host dispatch (see common.device_time_us)
+                        extra = {**extra, **common.device_time_us(fn, sets)}
+                    results["rows"].append(row_for(name, b, n, ctx, dtype, us, ceil, **extra))
+                    log(
+                        f"{name} {dtype} B={b} N={n} ctx={ctx}: {us:.1f} us {extra} "
+                        f"{results['rows'][-1]['TBps']} TB/s {results['rows'][-1]['TFLOPs']} TFLOP/s"
+                    )
+                except Exception as e:  # noqa: BLE001
+                    log(f"{name} {dtype} B={b} N={n} ctx={ctx} {extra}: ERROR {type(e).__name__}: {str(e)[:400]}")
+                    results["rows"].append(
+                        {
+                            "kernel": name,
+                            "B": b,
+                            "N": n,
+                            "ctx": ctx,
+                            "page": PAGE,
+                            "dtype": dtype,
+                            **extra,
+                            "error": f"{type(e).__name__}: {str(e)[:400]}",
+                        }
+                    )
+            if dtype == "bf16" and not args.quick:
+                us = timed(xla_fn(), sets, 5, 3)
+                results["rows"].append(row_for("xla", b, n, ctx, dtype, us, ceil))
+                log(f"xla    {dtype} B={b} N={n} ctx={ctx}: {us:.1f} us")
+            if args.sweep and not args.quick and run_sm90:
+                srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype, "kernel": "pallas_sm90"}
+                for v in sm90_sweep_variants(dtype, sm90_splits(b, n, ctx)):
+                    sweep["rows"].append(
+                        variant_row("pallas_sm90", lambda: sm90_fn(**v), v, sets, srow, ceil, args.device_time)
+                    )
+            if args.sweep and not args.quick and run_triton:
+                srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype}
+                try:
+                    us = timed(stage1_fn(), sets, 10, 3)
+                    sweep["rows"].append(row_for("pallas_stage1", b, n, ctx, dtype, us, ceil, num_kv_splits=splits))
+                except Exception as e:  # noqa: BLE001
+                    sweep["rows"].append({**srow, "kernel": "pallas_stage1", "error": str(e)[:300]})
+                t_cfg = time.time()
+                for v in sweep_variants(n, dtype, splits):
+                    if time.time() - t_cfg > args.sweep_budget_s / (len(dtypes) * len(shapes)):
+                        sweep["rows"].append({**srow, "kernel": "pallas", "variant": v, "error": "skipped: budget"})
+                        continue
+                    sweep["rows"].append(
+                        variant_row("pallas", lambda: kernel_fn(**v), v, sets, srow, ceil, args.device_time)
+                    )
+            del sets
+        # Written after every shape so a run cut short by a time limit still leaves its rows.
+        common.write_results(os.path.join(args.out, "decode-h200.json"), results)
+        if args.sweep:
+            common.write_results(os.path.join(args.out, "decode-sweep.json"), sweep)
+
+    log("\n kernel               dtype    B    N    ctx       us   TB/s  TFLOP/s  frac_copy  frac_mm")
+    for r in results["rows"]:
+        kname = r["kernel"] + (f"/{r['schedule']}" if "schedule" in r else "")
+        if "error" in r:
+            log(f" {kname:20s} {r['dtype']:5s} {r['B']:4d} {r['N']:4d} {r['ctx']:6d}  ERROR")
             continue
-          sweep["rows"].append(variant_row("pallas", lambda: kernel_fn(**v), v, sets, srow, ceil,
-                                           args.device_time))
-      del sets
-    # Written after every shape so a run cut short by a time limit still leaves its rows.
-    common.write_results(os.path.join(args.out, "decode-h200.json"), results)
+        log(
+            f" {kname:20s} {r['dtype']:5s} {r['B']:4d} {r['N']:4d} {r['ctx']:6d} {r['us']:8.1f} "
+            f"{r['TBps']:6.2f} {r['TFLOPs']:8.1f} {r['frac_copy']:10.3f} {r['frac_matmul']:8.3f}"
+        )
     if args.sweep:
-      common.write_results(os.path.join(args.out, "decode-sweep.json"), sweep)
-
-  log("\n kernel               dtype    B    N    ctx       us   TB/s  TFLOP/s  frac_copy  frac_mm")
-  for r in results["rows"]:
-    kname = r["kernel"] + (f"/{r['schedule']}" if "schedule" in r else "")
-    if "error" in r:
-      log(f" {kname:20s} {r['dtype']:5s} {r['B']:4d} {r['N']:4d} {r['ctx']:6d}  ERROR")
-      continue
-    log(f" {kname:20s} {r['dtype']:5s} {r['B']:4d} {r['N']:4d} {r['ctx']:6d} {r['us']:8.1f} "
-        f"{r['TBps']:6.2f} {r['TFLOPs']:8.1f} {r['frac_copy']:10.3f} {r['frac_matmul']:8.3f}")
-  if args.sweep:
-    log("\n best sweep variant per shape (us; default first):")
-    groups = {}
-    for r in sweep["rows"]:
-      groups.setdefault((r["B"], r["N"], r["ctx"], r["dtype"]), []).append(r)
-    for key, rows in groups.items():
-      for r in rows:
-        if r["kernel"] == "pallas_sm90" and "us" in r:
-          log(f" {key} pallas_sm90 {r['variant']}: {r['us']:.1f}")
-      timed_rows = [r for r in rows if "us" in r and r["kernel"] == "pallas"]
-      s1 = [r for r in rows if r["kernel"] == "pallas_stage1" and "us" in r]
-      if not timed_rows:
-        continue
-      best = min(timed_rows, key=lambda r: r["us"])
-      default = timed_rows[0]
-      nerr = sum("error" in r for r in rows)
-      stage1 = f" (stage1 {s1[0]['us']:.1f})" if s1 else ""
-      log(f" {key}: default {default['us']:.1f}{stage1} best {best['us']:.1f} "
-          f"{best['variant']} errors={nerr}")
-  log(f"total {time.time() - t_start:.0f}s")
+        log("\n best sweep variant per shape (us; default first):")
+        groups = {}
+        for r in sweep["rows"]:
+            groups.setdefault((r["B"], r["N"], r["ctx"], r["dtype"]), []).append(r)
+        for key, rows in groups.items():
+            for r in rows:
+                if r["kernel"] == "pallas_sm90" and "us" in r:
+                    log(f" {key} pallas_sm90 {r['variant']}: {r['us']:.1f}")
+            timed_rows = [r for r in rows if "us" in r and r["kernel"] == "pallas"]
+            s1 = [r for r in rows if r["kernel"] == "pallas_stage1" and "us" in r]
+            if not timed_rows:
+                continue
+            best = min(timed_rows, key=lambda r: r["us"])
+            default = timed_rows[0]
+            nerr = sum("error" in r for r in rows)
+            stage1 = f" (stage1 {s1[0]['us']:.1f})" if s1 else ""
+            log(f" {key}: default {default['us']:.1f}{stage1} best {best['us']:.1f} {best['variant']} errors={nerr}")
+    log(f"total {time.time() - t_start:.0f}s")
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -21,6 +21,7 @@ more than one 10-minute command. The script writes the JSON after every row and 
 --budget-min minutes; run it again with --resume on the file it wrote to continue (it prints the command).
 Writes DIR/multigpu-h200.json (format: ../shared/notes/bench-results.md; rows carry `tp` and `dcp`).
 """
+
 from __future__ import annotations
 
 import os
@@ -42,15 +43,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
+from mla_jax import attention, model, parallel  # noqa: E402
 from mla_jax.bench.common import measure_ceilings, results_header, write_results  # noqa: E402
 from mla_jax.bench.e2e import V2_LITE, weight_bytes  # noqa: E402
-from mla_jax import attention, model, parallel  # noqa: E402
 from mla_jax.cache import KVCache  # noqa: E402
 from mla_jax.config import DeepseekConfig  # noqa: E402
 from mla_jax.engine import default_gmm_impl  # noqa: E402
-from mla_jax.step import engine_step  # noqa: E402
 from mla_jax.metadata import BatchShape, ScheduledRequest, build_metadata  # noqa: E402
 from mla_jax.sampling import SamplingArrays  # noqa: E402
+from mla_jax.step import engine_step  # noqa: E402
 from pallas_kernels.util import cdiv  # noqa: E402
 
 RESULT_FILE = "multigpu-h200.json"
@@ -76,7 +77,7 @@ def per_device_param_bytes(params, cfg: DeepseekConfig, plan: parallel.ParallelP
     for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(plan.param_shardings(params, cfg))):
         shards = 1
         for entry in s.spec:
-            for a in (entry if isinstance(entry, tuple) else (entry,)):
+            for a in entry if isinstance(entry, tuple) else (entry,):
                 if a is not None:
                     shards *= plan.size(a)
         total += x.size * x.dtype.itemsize // shards
@@ -86,6 +87,7 @@ def per_device_param_bytes(params, cfg: DeepseekConfig, plan: parallel.ParallelP
 def random_cache(shape: tuple[int, ...], sharding, dtype) -> KVCache:
     """Random latent rows without a full-size temporary: one random [G*dcp, L+R] page broadcast to every page and
     layer (values only need to look like latents), created directly in its sharding."""
+
     def make(key):
         page = jax.random.normal(key, shape[2:], jnp.float32).astype(dtype)
         return KVCache(jnp.broadcast_to(page, shape), None)
@@ -104,12 +106,17 @@ def run_row(*, params, cfg, plan, batch, ctx, page, backend, gmm, steps, reps, c
     if plan is None:
         cache = random_cache(shape, None, jnp.bfloat16)
     else:
-        cache = random_cache(shape, NamedSharding(plan.mesh, plan.cache_specs(False).kv_c_and_k_pe_cache),
-                             jnp.bfloat16)
-    reqs = [ScheduledRequest([7], ctx - 1, list(range(1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)))
-            for b in range(batch)]
-    md, _ = build_metadata(reqs, page_size=gv, num_pages=num_pages,
-                           shape=BatchShape(num_decodes=batch, decode_query_len=1, max_pages=pages_per_req))
+        cache = random_cache(shape, NamedSharding(plan.mesh, plan.cache_specs(False).kv_c_and_k_pe_cache), jnp.bfloat16)
+    reqs = [
+        ScheduledRequest([7], ctx - 1, list(range(1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)))
+        for b in range(batch)
+    ]
+    md, _ = build_metadata(
+        reqs,
+        page_size=gv,
+        num_pages=num_pages,
+        shape=BatchShape(num_decodes=batch, decode_query_len=1, max_pages=pages_per_req),
+    )
     sp = SamplingArrays.build([], [], md.shape.num_logits)
     if plan is None:
         md, sp = md.to_device(), jax.tree.map(jnp.asarray, sp)
@@ -139,11 +146,21 @@ def run_row(*, params, cfg, plan, batch, ctx, page, backend, gmm, steps, reps, c
     devices = plan.num_devices if plan is not None else 1
     kv_bytes = batch * ctx * 2 * cfg.cache_row_dim * cfg.num_hidden_layers / dcp
     roof = (nbytes_weights(batch) / devices + kv_bytes) / (ceilings["copy_TBps"] * 1e12)
-    return dict(tp=plan.tp if plan is not None else 1, dcp=dcp, devices=devices, gmm_impl=gmm,
-                path="parallel" if plan is not None else "single", batch=batch, ctx=ctx, phase="decode",
-                step_ms=round(step_s * 1e3, 3), tokens_per_s=round(batch / step_s, 1),
-                roofline_ms=round(roof * 1e3, 3), x_roofline=round(step_s / roof, 2),
-                compile_s=round(compile_s, 1))
+    return dict(
+        tp=plan.tp if plan is not None else 1,
+        dcp=dcp,
+        devices=devices,
+        gmm_impl=gmm,
+        path="parallel" if plan is not None else "single",
+        batch=batch,
+        ctx=ctx,
+        phase="decode",
+        step_ms=round(step_s * 1e3, 3),
+        tokens_per_s=round(batch / step_s, 1),
+        roofline_ms=round(roof * 1e3, 3),
+        x_roofline=round(step_s / roof, 2),
+        compile_s=round(compile_s, 1),
+    )
 
 
 def add_scaling(rows: list[dict]) -> None:
@@ -159,8 +176,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--backend", default=None, help="attention backend (default: the engine's for this device)")
-    ap.add_argument("--gmm", choices=("ragged_dot", "pallas"), default=None,
-                    help="MoE expert matmul (default: the engine's for this device: pallas on GPU)")
+    ap.add_argument(
+        "--gmm",
+        choices=("ragged_dot", "pallas"),
+        default=None,
+        help="MoE expert matmul (default: the engine's for this device: pallas on GPU)",
+    )
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--tp", type=_ints, default=(1, 2, 4))
     ap.add_argument("--dcp", type=_ints, default=(1, 2, 4))
@@ -177,9 +198,20 @@ def main() -> None:
     d = {**V2_LITE, "num_hidden_layers": args.layers}
     steps, reps = 10, 5
     if args.smoke:
-        d |= dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                  num_attention_heads=8, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-                  n_routed_experts=8, num_experts_per_tok=2, num_hidden_layers=2)
+        d |= dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_attention_heads=8,
+            kv_lora_rank=64,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+        )
         if "num_key_value_heads" in d:  # must equal the heads for MLA
             d["num_key_value_heads"] = d["num_attention_heads"]
         args.batch, args.ctx, args.page = (4,), (32, 128), 16
@@ -213,15 +245,17 @@ def main() -> None:
     params_dev = model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
     params_host = jax.device_get(params_dev)  # every layout is placed from the host copy
     del params_dev
-    print(f"params: {sum(x.nbytes for x in jax.tree.leaves(params_host)) / 1e9:.1f} GB "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(
+        f"params: {sum(x.nbytes for x in jax.tree.leaves(params_host)) / 1e9:.1f} GB "
+        f"({time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
     nbytes_weights = lambda b: weight_bytes(params_host, cfg, b)  # noqa: E731
     limit = device_bytes_limit()
 
     configs: list[tuple[str, int, int]] = [] if args.no_baseline else [("single", 1, 1)]
     # tp=1, dcp=1 through shard_map is the one-GPU baseline again; keep it only when asked for alone
-    configs += [("parallel", tp, dcp) for tp in args.tp for dcp in args.dcp
-                if tp * dcp > 1 or args.no_baseline]
+    configs += [("parallel", tp, dcp) for tp in args.tp for dcp in args.dcp if tp * dcp > 1 or args.no_baseline]
     todo = []
     for path, tp, dcp in configs:
         if tp * dcp > n_dev:
@@ -230,8 +264,7 @@ def main() -> None:
         if cfg.num_attention_heads % (tp * dcp):
             print(f"skip tp={tp} dcp={dcp}: {cfg.num_attention_heads} heads do not divide", flush=True)
             continue
-        todo += [(path, tp, dcp, b, c) for b in args.batch for c in args.ctx
-                 if (path, tp, dcp, b, c) not in done]
+        todo += [(path, tp, dcp, b, c) for b in args.batch for c in args.ctx if (path, tp, dcp, b, c) not in done]
 
     left = list(todo)
     cur = None  # (path, tp, dcp) whose params are placed
@@ -253,15 +286,32 @@ def main() -> None:
         cache_bytes = batch * cdiv(ctx, args.page * dcp) * args.page * 2 * cfg.cache_row_dim * cfg.num_hidden_layers
         need = per_device_param_bytes(params_host, cfg, plan) + cache_bytes
         if limit and need > 0.92 * limit:
-            skip = dict(path=path, tp=tp, dcp=dcp, batch=batch, ctx=ctx,
-                        reason=f"memory: ~{need / 1e9:.0f} GB per device > 92% of {limit / 1e9:.0f} GB")
+            skip = dict(
+                path=path,
+                tp=tp,
+                dcp=dcp,
+                batch=batch,
+                ctx=ctx,
+                reason=f"memory: ~{need / 1e9:.0f} GB per device > 92% of {limit / 1e9:.0f} GB",
+            )
             res["skipped"].append(skip)
             print("skip", skip, flush=True)
         else:
             try:
-                row = run_row(params=params, cfg=cfg, plan=plan, batch=batch, ctx=ctx, page=args.page,
-                              backend=backend, gmm=gmm, steps=steps, reps=reps, ceilings=ceilings,
-                              nbytes_weights=nbytes_weights)
+                row = run_row(
+                    params=params,
+                    cfg=cfg,
+                    plan=plan,
+                    batch=batch,
+                    ctx=ctx,
+                    page=args.page,
+                    backend=backend,
+                    gmm=gmm,
+                    steps=steps,
+                    reps=reps,
+                    ceilings=ceilings,
+                    nbytes_weights=nbytes_weights,
+                )
                 row["mem_gb_per_device"] = round(need / 1e9, 1)
                 res["rows"].append(row)
                 print(row, flush=True)
@@ -278,10 +328,15 @@ def main() -> None:
     add_scaling(res["rows"])
     write_results(out_path, res)
     if left:
-        print(f"{len(left)} rows left after {args.budget_min} min; continue with:\n  PYTHONPATH=. python3 "
-              f"bench/multigpu.py{' --smoke' if args.smoke else ''} --out {args.out} --resume {out_path}" + "".join(
-                  f" --{k} {','.join(map(str, v))}" for k, v in (("tp", args.tp), ("dcp", args.dcp),
-                                                               ("batch", args.batch), ("ctx", args.ctx))), flush=True)
+        print(
+            f"{len(left)} rows left after {args.budget_min} min; continue with:\n  PYTHONPATH=. python3 "
+            f"bench/multigpu.py{' --smoke' if args.smoke else ''} --out {args.out} --resume {out_path}"
+            + "".join(
+                f" --{k} {','.join(map(str, v))}"
+                for k, v in (("tp", args.tp), ("dcp", args.dcp), ("batch", args.batch), ("ctx", args.ctx))
+            ),
+            flush=True,
+        )
     else:
         print("all rows done", flush=True)
 

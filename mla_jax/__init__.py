@@ -8,6 +8,7 @@
 The public API is re-exported here; the modules hold the rest (`mla_jax.step` for the jitted model step,
 `mla_jax.attention` for the kernel backends, `mla_jax.cache` for the paged latent cache, ...).
 """
+
 from mla_jax.checkpoint import CheckpointError, convert, load_hf_checkpoint, load_model
 from mla_jax.config import ConfigError, DeepseekConfig
 from mla_jax.engine import Engine, EngineConfig, RequestOutput, generate
@@ -16,6 +17,22 @@ from mla_jax.module import MLAAttention
 from mla_jax.parallel import ParallelPlan, make_mesh
 from mla_jax.sampling import SamplingParams
 
-__all__ = ["CheckpointError", "ConfigError", "DeepseekConfig", "Engine", "EngineConfig", "MLAAttention",
-           "ParallelPlan", "RequestOutput", "SamplingParams", "convert", "forward", "generate", "init_params",
-           "load_hf_checkpoint", "load_model", "make_mesh", "prepare_params"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DeepseekConfig",
+    "Engine",
+    "EngineConfig",
+    "MLAAttention",
+    "ParallelPlan",
+    "RequestOutput",
+    "SamplingParams",
+    "convert",
+    "forward",
+    "generate",
+    "init_params",
+    "load_hf_checkpoint",
+    "load_model",
+    "make_mesh",
+    "prepare_params",
+]

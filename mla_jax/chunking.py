@@ -44,8 +44,7 @@ def workspace_rows(max_model_len: int, max_num_seqs: int, page_size: int) -> int
     ``min(max(8 * max_model_len, 4 * max_num_seqs * page_size), 64K)``, raised to at least
     ``max_num_seqs * page_size`` so that every prefill of a full batch gets >= one page per chunk.
     """
-    for name, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
-                    ("page_size", page_size)):
+    for name, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs), ("page_size", page_size)):
         if not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     w = min(max(8 * max_model_len, 4 * max_num_seqs * page_size), WORKSPACE_CAP_ROWS)
@@ -60,15 +59,15 @@ class ChunkPlan:
     extra chunks are empty (length 0, start 0).
     """
 
-    chunk_starts: np.ndarray   # int32 [C, S] first context position of each chunk (multiple of G)
-    chunk_lens: np.ndarray     # int32 [C, S] rows of each sequence in each chunk (>= 0)
+    chunk_starts: np.ndarray  # int32 [C, S] first context position of each chunk (multiple of G)
+    chunk_lens: np.ndarray  # int32 [C, S] rows of each sequence in each chunk (>= 0)
     cu_chunk_lens: np.ndarray  # int32 [C, S+1] exclusive prefix sums of chunk_lens along S
-    num_chunks: int            # real chunks (<= C)
-    max_chunk_rows: int        # max over chunks of the chunk's total rows (<= workspace_rows)
-    chunk_size: int            # per-prefill rows per chunk (0 if there is no context)
-    context_lens: np.ndarray   # int32 [S]
-    workspace_rows: int        # W
-    page_size: int             # G
+    num_chunks: int  # real chunks (<= C)
+    max_chunk_rows: int  # max over chunks of the chunk's total rows (<= workspace_rows)
+    chunk_size: int  # per-prefill rows per chunk (0 if there is no context)
+    context_lens: np.ndarray  # int32 [S]
+    workspace_rows: int  # W
+    page_size: int  # G
 
     @property
     def num_seqs(self) -> int:
@@ -94,9 +93,12 @@ class ChunkPlan:
         def pad(a, width):
             return np.concatenate([a, np.zeros((extra, width), np.int32)], axis=0)
 
-        return dataclasses.replace(self, chunk_starts=pad(self.chunk_starts, s),
-                                   chunk_lens=pad(self.chunk_lens, s),
-                                   cu_chunk_lens=pad(self.cu_chunk_lens, s + 1))
+        return dataclasses.replace(
+            self,
+            chunk_starts=pad(self.chunk_starts, s),
+            chunk_lens=pad(self.chunk_lens, s),
+            cu_chunk_lens=pad(self.cu_chunk_lens, s + 1),
+        )
 
     def row_seq_and_pos(self, num_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Per workspace row of each chunk: (sequence index, context position), int32 [C, num_rows].
@@ -112,8 +114,11 @@ class ChunkPlan:
             return np.full((c, n), -1, np.int32), np.full((c, n), -1, np.int32)
         r = np.arange(n, dtype=np.int64)
         # Row r of chunk i belongs to the sequence s with cu[i, s] <= r < cu[i, s+1] (empty ones skipped).
-        seq = np.stack([np.searchsorted(self.cu_chunk_lens[i], r, side="right") - 1 for i in range(c)]) \
-            if c else np.zeros((0, n), np.int64)
+        seq = (
+            np.stack([np.searchsorted(self.cu_chunk_lens[i], r, side="right") - 1 for i in range(c)])
+            if c
+            else np.zeros((0, n), np.int64)
+        )
         seq_c = np.clip(seq, 0, self.num_seqs - 1)
         valid = r[None, :] < self.chunk_total_rows[:, None]
         cu = np.take_along_axis(self.cu_chunk_lens.astype(np.int64), seq_c, axis=1)
@@ -141,14 +146,17 @@ def plan_context_chunks(context_lens: Sequence[int], workspace_rows: int, page_s
     n_ctx = int(np.count_nonzero(ctx))
     if n_ctx == 0:
         z = np.zeros((0, s), np.int32)
-        return ChunkPlan(z, z, np.zeros((0, s + 1), np.int32), 0, 0, 0, ctx.astype(np.int32),
-                         int(workspace_rows), int(page_size))
+        return ChunkPlan(
+            z, z, np.zeros((0, s + 1), np.int32), 0, 0, 0, ctx.astype(np.int32), int(workspace_rows), int(page_size)
+        )
     per_seq = workspace_rows // n_ctx
     chunk = per_seq // page_size * page_size
     if chunk == 0:
-        raise ValueError(f"workspace of {workspace_rows} rows gives {n_ctx} prefills with context "
-                         f"{per_seq} rows each, less than one page ({page_size}); enlarge the workspace "
-                         f"(workspace_rows() guarantees >= max_num_seqs * page_size) or split the batch")
+        raise ValueError(
+            f"workspace of {workspace_rows} rows gives {n_ctx} prefills with context "
+            f"{per_seq} rows each, less than one page ({page_size}); enlarge the workspace "
+            f"(workspace_rows() guarantees >= max_num_seqs * page_size) or split the batch"
+        )
     num_chunks = cdiv(int(ctx.max()), chunk)
     starts = np.broadcast_to((np.arange(num_chunks, dtype=np.int64) * chunk)[:, None], (num_chunks, s))
     lens = np.clip(np.minimum(ctx[None, :], starts + chunk) - starts, 0, None)

@@ -21,6 +21,7 @@ Token position p lives on rank (p // I) % dcp at local index (p // (dcp*I)) * I 
 interleave). The host side (allocator, scheduler, `build_metadata`) uses the virtual page size G*dcp and is
 otherwise unchanged.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,10 +77,10 @@ class Comm:
             return md
         interleave = self.interleave(page_size)
         rank = jax.lax.axis_index(DCP)
-        decode = DecodeMetadata(md.decode.block_table,
-                                dcp_local_len(md.decode.seq_lens, self.dcp, interleave, rank))
+        decode = DecodeMetadata(md.decode.block_table, dcp_local_len(md.decode.seq_lens, self.dcp, interleave, rank))
         return dataclasses.replace(
-            md, slot_mapping=dcp_local_slots(md.slot_mapping, page_size, self.dcp, interleave, rank), decode=decode)
+            md, slot_mapping=dcp_local_slots(md.slot_mapping, page_size, self.dcp, interleave, rank), decode=decode
+        )
 
     def interleave(self, page_size: int) -> int:
         i = self.dcp_interleave or page_size
@@ -105,9 +106,18 @@ class Comm:
         part = jnp.where(w[..., None] > 0, latent.astype(jnp.float32) * w[..., None], 0.0)  # no NaN from empty rows
         return jax.lax.psum_scatter(part, DCP, scatter_dimension=latent.ndim - 2, tiled=True)
 
-    def gather_cache(self, gather: Callable[..., jax.Array], kv_cache: jax.Array, block_table: jax.Array,
-                     chunk_starts: jax.Array, cu_chunk_lens: jax.Array, *, workspace_rows: int,
-                     kv_scale: jax.Array | None, out_dtype) -> jax.Array:
+    def gather_cache(
+        self,
+        gather: Callable[..., jax.Array],
+        kv_cache: jax.Array,
+        block_table: jax.Array,
+        chunk_starts: jax.Array,
+        cu_chunk_lens: jax.Array,
+        *,
+        workspace_rows: int,
+        kv_scale: jax.Array | None,
+        out_dtype,
+    ) -> jax.Array:
         """`gather` (a backend's `gather_cache`) with the one-device contract: workspace [W, L+R] of one context
         chunk. Under DCP each rank gathers its own rows of the chunk, the shares are all-gathered over "dcp" and
         laid out as the one-device workspace (sequence s's rows at cu_chunk_lens[s]..; the order inside a
@@ -126,8 +136,9 @@ class Comm:
         lens_all = dcp_local_len(lens[None, :], dcp, interleave, ranks)  # [dcp, Sp]
         cu_all = jnp.concatenate([jnp.zeros((dcp, 1), jnp.int32), jnp.cumsum(lens_all, axis=1)], axis=1)
         w_loc = local_workspace_rows(workspace_rows, sp, dcp, interleave)
-        ws = gather(kv_cache, block_table, chunk_starts // dcp, cu_all[rank].astype(jnp.int32),
-                    workspace_rows=w_loc, **kw)  # [w_loc, L+R]
+        ws = gather(
+            kv_cache, block_table, chunk_starts // dcp, cu_all[rank].astype(jnp.int32), workspace_rows=w_loc, **kw
+        )  # [w_loc, L+R]
         ws_all = jax.lax.all_gather(ws, DCP, axis=0, tiled=True)  # [dcp * w_loc, L+R], rank-major
         # Row g of the one-device workspace: sequence s, k-th row of s in this chunk; take it from the rank whose
         # share of s covers k (shares of s in rank order).
@@ -155,8 +166,9 @@ def dcp_local_len(n: jax.Array, dcp: int, interleave: int, rank: jax.Array | int
     return (n // span) * interleave + jnp.clip(n % span - rank * interleave, 0, interleave)
 
 
-def dcp_local_slots(slot_mapping: jax.Array, page_size: int, dcp: int, interleave: int, rank: jax.Array | int
-                    ) -> jax.Array:
+def dcp_local_slots(
+    slot_mapping: jax.Array, page_size: int, dcp: int, interleave: int, rank: jax.Array | int
+) -> jax.Array:
     """Global slots (virtual page of page_size*dcp rows) -> this rank's physical slots, -1 where another rank
     owns the token (or for padding)."""
     gv = page_size * dcp

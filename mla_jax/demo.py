@@ -1,6 +1,7 @@
 """`make demo` (second half): the Python API on the shipped demo model (mla_jax/data/demo, a 7 M-parameter
 DeepSeek-V3-architecture model trained on the Python standard library). Three prompts go through `generate`
 together (paged latent cache, continuous batching), one greedy and two sampled with their own seeds."""
+
 from __future__ import annotations
 
 import os
@@ -21,14 +22,21 @@ def main() -> None:
 
     tok = Tokenizer.from_file(os.path.join(DEMO_DIR, "tokenizer.json"))
     cfg, params = load_model(DEMO_DIR, dtype=jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-    prompts = ["import os\n\n\ndef list_python_files(root):", "class Stack:\n    def push(self, item):",
-               "    for i, line in enumerate("]
+    prompts = [
+        "import os\n\n\ndef list_python_files(root):",
+        "class Stack:\n    def push(self, item):",
+        "    for i, line in enumerate(",
+    ]
     eos = eos_token_ids(DEMO_DIR)
-    sampling = [SamplingParams(max_new_tokens=48, stop_token_ids=eos),  # greedy
-                SamplingParams(max_new_tokens=48, temperature=0.7, top_p=0.95, seed=1, stop_token_ids=eos),
-                SamplingParams(max_new_tokens=48, temperature=0.8, top_k=40, seed=2, stop_token_ids=eos)]
-    print(f"model: {DEMO_DIR} ({cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
-          f"L={cfg.kv_lora_rank}, {cfg.n_routed_experts} experts), {jax.default_backend()}")
+    sampling = [
+        SamplingParams(max_new_tokens=48, stop_token_ids=eos),  # greedy
+        SamplingParams(max_new_tokens=48, temperature=0.7, top_p=0.95, seed=1, stop_token_ids=eos),
+        SamplingParams(max_new_tokens=48, temperature=0.8, top_k=40, seed=2, stop_token_ids=eos),
+    ]
+    print(
+        f"model: {DEMO_DIR} ({cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
+        f"L={cfg.kv_lora_rank}, {cfg.n_routed_experts} experts), {jax.default_backend()}"
+    )
     t0 = time.perf_counter()
     outs = generate(params, cfg, [tok.encode(p).ids for p in prompts], sampling)
     dt = time.perf_counter() - t0

@@ -2,6 +2,7 @@
 
 Weights keep the HF (torch Linear) layout [out, in]; stacked experts are [E, out, in].
 """
+
 from __future__ import annotations
 
 import jax
@@ -78,8 +79,13 @@ def _mask_groups(scores: jnp.ndarray, group_scores: jnp.ndarray, cfg: DeepseekCo
     return jnp.where(keep, scores, fill)
 
 
-def expert_gmm(lhs: jnp.ndarray, w: jnp.ndarray, group_sizes: jnp.ndarray, impl: str = "ragged_dot",
-               layer: jnp.ndarray | int | None = None) -> jnp.ndarray:
+def expert_gmm(
+    lhs: jnp.ndarray,
+    w: jnp.ndarray,
+    group_sizes: jnp.ndarray,
+    impl: str = "ragged_dot",
+    layer: jnp.ndarray | int | None = None,
+) -> jnp.ndarray:
     """Grouped matmul of expert-sorted rows: lhs [M, in] x w [E, out, in] (HF layout) -> [M, out].
 
     Row block e (group_sizes[e] rows) uses expert e; rows past sum(group_sizes) come out 0. "ragged_dot" is
@@ -89,20 +95,30 @@ def expert_gmm(lhs: jnp.ndarray, w: jnp.ndarray, group_sizes: jnp.ndarray, impl:
     the Pallas kernel reads it in place (no per-layer copy of the experts), ragged_dot slices it out.
     """
     if impl == "pallas":
-        return gmm_kernel.grouped_matmul(lhs, w, group_sizes, transpose_rhs=True, rhs_index=layer,
-                                         interpret=jax.default_backend() == "cpu")
+        return gmm_kernel.grouped_matmul(
+            lhs, w, group_sizes, transpose_rhs=True, rhs_index=layer, interpret=jax.default_backend() == "cpu"
+        )
     if impl != "ragged_dot":
         raise ValueError(f"gmm_impl must be one of {GMM_IMPLS}, got {impl!r}")
     if layer is not None:
         w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
     # rhs is [E, out, in] (HF layout): contract lhs dim 1 with rhs dim 2.
     dn = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+    )
     return jax.lax.ragged_dot_general(lhs, w, group_sizes, dn)
 
 
-def moe(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, *, gmm_impl: str = "ragged_dot",
-        experts: dict | None = None, layer: jnp.ndarray | int | None = None, comm: Comm = LOCAL) -> jnp.ndarray:
+def moe(
+    p: dict,
+    cfg: DeepseekConfig,
+    x: jnp.ndarray,
+    *,
+    gmm_impl: str = "ragged_dot",
+    experts: dict | None = None,
+    layer: jnp.ndarray | int | None = None,
+    comm: Comm = LOCAL,
+) -> jnp.ndarray:
     """Routed experts + shared experts. x [T, D] -> [T, D].
 
     Token copies are sorted by expert and run through grouped matmuls (`expert_gmm` with `gmm_impl`), so

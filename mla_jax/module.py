@@ -5,6 +5,7 @@ Its params are exactly one layer's `self_attn` tensors of the HF checkpoint, by 
 `o_proj`), so `MLAAttention(cfg).apply({"params": tensors}, x, positions)` runs checkpoint weights as they are.
 kv_b_proj is split into W_UK_T / W_UV on the fly (a reshape); the model itself stores the split once instead.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -33,12 +34,18 @@ class MLAAttention(nn.Module):
         def norm(name, n):
             return {"weight": self.param(name, lambda k: {"weight": jnp.ones((n,), self.dtype)})["weight"]}
 
-        p = {"kv_a_proj_with_mqa": w("kv_a_proj_with_mqa", L + R, D), "kv_a_layernorm": norm("kv_a_layernorm", L),
-             "o_proj": w("o_proj", D, N * V)}
+        p = {
+            "kv_a_proj_with_mqa": w("kv_a_proj_with_mqa", L + R, D),
+            "kv_a_layernorm": norm("kv_a_layernorm", L),
+            "o_proj": w("o_proj", D, N * V),
+        }
         if c.q_lora_rank is None:
             p["q_proj"] = w("q_proj", N * (P + R), D)
         else:
-            p |= {"q_a_proj": w("q_a_proj", c.q_lora_rank, D), "q_a_layernorm": norm("q_a_layernorm", c.q_lora_rank),
-                  "q_b_proj": w("q_b_proj", N * (P + R), c.q_lora_rank)}
+            p |= {
+                "q_a_proj": w("q_a_proj", c.q_lora_rank, D),
+                "q_a_layernorm": norm("q_a_layernorm", c.q_lora_rank),
+                "q_b_proj": w("q_b_proj", N * (P + R), c.q_lora_rank),
+            }
         p["W_UK_T"], p["W_UV"] = split_kv_b_proj(w("kv_b_proj", N * (P + V), L)["weight"], c)
         return mla_forward_full(p, c, x, positions, algorithm=algorithm)

@@ -34,6 +34,7 @@ Multi-host: the same code; call `jax.distributed.initialize(...)` first (on CPU 
 processes' devices), and run the same host logic (scheduler, metadata) in every process: `replicate` turns the
 host arrays into global replicated arrays, `to_host` reads results back.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -123,8 +124,13 @@ class ParallelPlan:
 
     def comm(self, cfg: DeepseekConfig) -> Comm:
         """The step's collectives on this mesh (`mla_jax.comm`)."""
-        return Comm(head_axes=self.head_axes, model_axes=self.model_axes, head_shards=self.head_shards,
-                    dcp=self.dcp, dcp_interleave=self.dcp_interleave)
+        return Comm(
+            head_axes=self.head_axes,
+            model_axes=self.model_axes,
+            head_shards=self.head_shards,
+            dcp=self.dcp,
+            dcp_interleave=self.dcp_interleave,
+        )
 
     def describe(self) -> str:
         return f"tp={self.tp} dcp={self.dcp} ep={self.ep} moe={self.moe} ({self.num_devices} devices)"
@@ -139,11 +145,14 @@ class ParallelPlan:
         if cfg.n_routed_experts and self.model_shards > 1:
             m = self.model_shards
             if self.moe == "ep" and cfg.n_routed_experts % m:
-                raise ValueError(f"{cfg.n_routed_experts} routed experts do not divide over {m} devices "
-                                 "(expert parallel); use moe='tp' or another mesh")
+                raise ValueError(
+                    f"{cfg.n_routed_experts} routed experts do not divide over {m} devices "
+                    "(expert parallel); use moe='tp' or another mesh"
+                )
             if self.moe == "tp" and cfg.moe_intermediate_size % m:
-                raise ValueError(f"moe_intermediate_size {cfg.moe_intermediate_size} does not divide over {m} "
-                                 "devices (moe='tp')")
+                raise ValueError(
+                    f"moe_intermediate_size {cfg.moe_intermediate_size} does not divide over {m} devices (moe='tp')"
+                )
 
     def param_shardings(self, params: Any, cfg: DeepseekConfig) -> Any:
         if not self.model_axes:  # a mesh of one axis-less device: everything replicated
@@ -171,8 +180,9 @@ class ParallelPlan:
             return KVCache(P(None, None, DCP, None), P(None, None, DCP) if fp8 else None)
         return KVCache(P(), P() if fp8 else None)
 
-    def init_cache(self, cfg: DeepseekConfig, num_pages: int, page_size: int, *, dtype: Any = "bf16",
-                   fill: float = 0.0) -> KVCache:
+    def init_cache(
+        self, cfg: DeepseekConfig, num_pages: int, page_size: int, *, dtype: Any = "bf16", fill: float = 0.0
+    ) -> KVCache:
         """The stacked cache, created directly in its sharding (never whole on one device).
 
         `page_size` is the physical page G of each device; the global page axis holds G*dcp rows, the virtual
@@ -182,8 +192,10 @@ class ParallelPlan:
         fp8 = d == jnp.dtype(jnp.float8_e4m3fn)
         shape = (cfg.num_hidden_layers, num_pages, page_size * self.dcp, cfg.cache_row_dim)
         specs = self.cache_specs(fp8)
-        out = KVCache(NamedSharding(self.mesh, specs.kv_c_and_k_pe_cache),
-                      NamedSharding(self.mesh, specs.kv_scale) if fp8 else None)
+        out = KVCache(
+            NamedSharding(self.mesh, specs.kv_c_and_k_pe_cache),
+            NamedSharding(self.mesh, specs.kv_scale) if fp8 else None,
+        )
 
         def make():
             return KVCache(jnp.full(shape, fill, d), jnp.ones(shape[:3], jnp.float32) if fp8 else None)
@@ -211,4 +223,5 @@ def to_host(x: jax.Array) -> np.ndarray:
     if x.sharding.is_fully_replicated:
         return np.asarray(x.addressable_shards[0].data)
     from jax.experimental import multihost_utils
+
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))

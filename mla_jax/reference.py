@@ -1,4 +1,5 @@
 """Plain-jnp whole-sequence causal attention in float32: the ground truth for the model's paths."""
+
 from __future__ import annotations
 
 import jax

@@ -5,6 +5,7 @@ frequency (GPT-J style, vLLM's `is_neox_style=False`). We rotate the pairs in pl
 cache keeps the checkpoint's order. (HF's `apply_rotary_pos_emb_interleave` returns the pairs de-interleaved as
 [evens | odds]; q·k is the same either way because q_pe and k_pe are permuted alike.)
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,9 @@ from mla_jax.config import DeepseekConfig, RopeScaling, yarn_get_mscale
 
 def _yarn_correction_range(rs: RopeScaling, dim: int, base: float) -> tuple[float, float]:
     def correction_dim(num_rotations: float) -> float:
-        return (dim * math.log(rs.original_max_position_embeddings / (num_rotations * 2 * math.pi))
-                / (2 * math.log(base)))
+        return (
+            dim * math.log(rs.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+        )
 
     low = math.floor(correction_dim(rs.beta_fast))
     high = math.ceil(correction_dim(rs.beta_slow))

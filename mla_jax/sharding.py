@@ -26,6 +26,7 @@ for the attention tensors, so a head is never cut in two; E or the expert interm
 intermediate size for MLPs; vocab for embed/lm_head). Otherwise that tensor is replicated, so any mesh works and
 only memory/speed changes (for checkpoint restore; `mla_jax.parallel` requires the heads and experts to divide).
 """
+
 from __future__ import annotations
 
 import math
@@ -62,8 +63,9 @@ def axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
     return axes[0] if len(axes) == 1 else axes
 
 
-def _spec(path: tuple[str, ...], ndim: int, cfg: DeepseekConfig, heads: tuple[Any, int], model: tuple[Any, int],
-          moe: str) -> PartitionSpec:
+def _spec(
+    path: tuple[str, ...], ndim: int, cfg: DeepseekConfig, heads: tuple[Any, int], model: tuple[Any, int], moe: str
+) -> PartitionSpec:
     stacked = len(path) > 2 and path[0] == "model" and path[1] in _STACKS
     rel = path[2:] if stacked else path
     lead = 1 if stacked else 0
@@ -112,8 +114,9 @@ def param_shardings(params_or_abstract: Any, cfg: DeepseekConfig, mesh: Mesh, *,
         raise ValueError(f"moe must be one of {MOE_MODES}, got {moe!r}")
     head_axes, model_axes = mesh_axes(mesh)
     if not model_axes:
-        raise ValueError(f"mesh axes {mesh.axis_names} have no '{TP}' axis (nor '{DCP}' or '{EP}') for model "
-                         "parallelism")
+        raise ValueError(
+            f"mesh axes {mesh.axis_names} have no '{TP}' axis (nor '{DCP}' or '{EP}') for model parallelism"
+        )
     heads = (axes_entry(head_axes), math.prod(mesh.shape[a] for a in head_axes))
     model = (axes_entry(model_axes), math.prod(mesh.shape[a] for a in model_axes))
 

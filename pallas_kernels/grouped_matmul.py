@@ -41,6 +41,7 @@ arbitrary: edges are masked); dots need M, N, K >= 16; dot operands share one dt
 Tests: interpret mode on CPU, the compiled kernel with `-m gpu`; H200 numbers: bench/moe.py,
 docs/perf-notes.md and bench/results/moe-h200.json.
 """
+
 from __future__ import annotations
 
 import functools
@@ -54,311 +55,429 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.util import FLOAT_DTYPES, cdiv, is_pow2, next_pow2, num_sms
 
 
-def _validate(lhs, rhs, group_sizes, transpose_rhs, block_m, block_n, block_k, num_warps,
-              num_stages, num_k_splits, preferred_element_type, rhs_index=None):
-  if not hasattr(lhs, "ndim") or lhs.ndim != 2:
-    raise ValueError(f"lhs must be [M, K], got shape {getattr(lhs, 'shape', None)}")
-  stacked = rhs_index is not None
-  if not hasattr(rhs, "ndim") or rhs.ndim != 3 + stacked:
-    want = ("[Lyr, G, N, K] (transpose_rhs=True) or [Lyr, G, K, N] with rhs_index" if stacked
-            else "[G, N, K] (transpose_rhs=True) or [G, K, N] (a stacked rhs needs rhs_index)")
-    raise ValueError(f"rhs must be {want}, got shape {getattr(rhs, 'shape', None)}")
-  if stacked:
-    _check_rhs_index(rhs_index, rhs.shape[0])
-    rhs = jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype)  # one layer, for the checks below
-  if jnp.dtype(lhs.dtype) not in FLOAT_DTYPES:
-    raise ValueError(f"lhs dtype must be bfloat16, float16 or float32, got {lhs.dtype}")
-  if lhs.dtype != rhs.dtype:
-    raise ValueError(f"lhs and rhs dtypes differ: {lhs.dtype} vs {rhs.dtype} (cast one first)")
-  m, k = lhs.shape
-  g = rhs.shape[0]
-  k_rhs = rhs.shape[2] if transpose_rhs else rhs.shape[1]
-  if k_rhs != k:
-    layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
-    raise ValueError(f"rhs {rhs.shape} read as {layout} has K={k_rhs}, but lhs {lhs.shape} has "
-                     f"K={k} (transpose_rhs={transpose_rhs})")
-  if m < 1 or k < 1 or g < 1 or min(rhs.shape) < 1:
-    raise ValueError(f"empty dimension: lhs {lhs.shape}, rhs {rhs.shape}")
-  if not hasattr(group_sizes, "ndim") or group_sizes.ndim != 1 or group_sizes.shape[0] != g:
-    raise ValueError(f"group_sizes must be i32[G={g}], got shape "
-                     f"{getattr(group_sizes, 'shape', None)}")
-  if jnp.dtype(group_sizes.dtype) != jnp.int32:
-    raise ValueError(f"group_sizes dtype must be int32, got {group_sizes.dtype}")
-  for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-    if b is not None and not (is_pow2(b) and b >= 16):
-      raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot)")
-  if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
-    raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
-  if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
-    raise ValueError(f"num_stages must be a positive int, got {num_stages}")
-  if num_k_splits is not None and not (isinstance(num_k_splits, int) and num_k_splits >= 1):
-    raise ValueError(f"num_k_splits must be a positive int, got {num_k_splits}")
-  if (preferred_element_type is not None
-      and jnp.dtype(preferred_element_type) not in FLOAT_DTYPES):
-    raise ValueError("preferred_element_type must be None, bfloat16, float16 or float32, got "
-                     f"{preferred_element_type}")
+def _validate(
+    lhs,
+    rhs,
+    group_sizes,
+    transpose_rhs,
+    block_m,
+    block_n,
+    block_k,
+    num_warps,
+    num_stages,
+    num_k_splits,
+    preferred_element_type,
+    rhs_index=None,
+):
+    if not hasattr(lhs, "ndim") or lhs.ndim != 2:
+        raise ValueError(f"lhs must be [M, K], got shape {getattr(lhs, 'shape', None)}")
+    stacked = rhs_index is not None
+    if not hasattr(rhs, "ndim") or rhs.ndim != 3 + stacked:
+        want = (
+            "[Lyr, G, N, K] (transpose_rhs=True) or [Lyr, G, K, N] with rhs_index"
+            if stacked
+            else "[G, N, K] (transpose_rhs=True) or [G, K, N] (a stacked rhs needs rhs_index)"
+        )
+        raise ValueError(f"rhs must be {want}, got shape {getattr(rhs, 'shape', None)}")
+    if stacked:
+        _check_rhs_index(rhs_index, rhs.shape[0])
+        rhs = jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype)  # one layer, for the checks below
+    if jnp.dtype(lhs.dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"lhs dtype must be bfloat16, float16 or float32, got {lhs.dtype}")
+    if lhs.dtype != rhs.dtype:
+        raise ValueError(f"lhs and rhs dtypes differ: {lhs.dtype} vs {rhs.dtype} (cast one first)")
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    k_rhs = rhs.shape[2] if transpose_rhs else rhs.shape[1]
+    if k_rhs != k:
+        layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
+        raise ValueError(
+            f"rhs {rhs.shape} read as {layout} has K={k_rhs}, but lhs {lhs.shape} has "
+            f"K={k} (transpose_rhs={transpose_rhs})"
+        )
+    if m < 1 or k < 1 or g < 1 or min(rhs.shape) < 1:
+        raise ValueError(f"empty dimension: lhs {lhs.shape}, rhs {rhs.shape}")
+    if not hasattr(group_sizes, "ndim") or group_sizes.ndim != 1 or group_sizes.shape[0] != g:
+        raise ValueError(f"group_sizes must be i32[G={g}], got shape {getattr(group_sizes, 'shape', None)}")
+    if jnp.dtype(group_sizes.dtype) != jnp.int32:
+        raise ValueError(f"group_sizes dtype must be int32, got {group_sizes.dtype}")
+    for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if b is not None and not (is_pow2(b) and b >= 16):
+            raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot)")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
+    if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
+        raise ValueError(f"num_stages must be a positive int, got {num_stages}")
+    if num_k_splits is not None and not (isinstance(num_k_splits, int) and num_k_splits >= 1):
+        raise ValueError(f"num_k_splits must be a positive int, got {num_k_splits}")
+    if preferred_element_type is not None and jnp.dtype(preferred_element_type) not in FLOAT_DTYPES:
+        raise ValueError(
+            f"preferred_element_type must be None, bfloat16, float16 or float32, got {preferred_element_type}"
+        )
 
 
 def _check_rhs_index(rhs_index, num_layers: int):
-  """rhs_index: an integer scalar; a static one must lie in [0, num_layers) (a traced one is
-  clamped there by `grouped_matmul`)."""
-  shape = getattr(rhs_index, "shape", ())
-  dtype = getattr(rhs_index, "dtype", None)
-  if isinstance(rhs_index, bool) or shape != () or not (
-      isinstance(rhs_index, int) or (dtype is not None and jnp.issubdtype(dtype, jnp.integer))):
-    raise ValueError(f"rhs_index must be an integer scalar, got {rhs_index!r}")
-  try:
-    value = int(rhs_index)  # static: a Python or numpy int, or a concrete array
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    return
-  if not 0 <= value < num_layers:
-    raise ValueError(f"rhs_index={value} is out of range for rhs with {num_layers} stacked layers")
+    """rhs_index: an integer scalar; a static one must lie in [0, num_layers) (a traced one is
+    clamped there by `grouped_matmul`)."""
+    shape = getattr(rhs_index, "shape", ())
+    dtype = getattr(rhs_index, "dtype", None)
+    if (
+        isinstance(rhs_index, bool)
+        or shape != ()
+        or not (isinstance(rhs_index, int) or (dtype is not None and jnp.issubdtype(dtype, jnp.integer)))
+    ):
+        raise ValueError(f"rhs_index must be an integer scalar, got {rhs_index!r}")
+    try:
+        value = int(rhs_index)  # static: a Python or numpy int, or a concrete array
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return
+    if not 0 <= value < num_layers:
+        raise ValueError(f"rhs_index={value} is out of range for rhs with {num_layers} stacked layers")
 
 
 def default_tuning(m: int, n: int, k: int, g: int, dtype, sms: int | None = None):
-  """(block_m, block_n, block_k, num_warps, num_stages, num_k_splits) from static shapes.
+    """(block_m, block_n, block_k, num_warps, num_stages, num_k_splits) from static shapes.
 
-  Untuned guesses (no GPU measurement yet; bench/moe.py --sweep times alternatives):
-  - row tile from the mean rows per group M/G (an upper bound on the real mean under expert
-    parallelism, where part of M is padding): 16 for decode, up to 128 for prefill;
-  - decode (row tile <= 32) is weight-bandwidth bound: 64-wide N blocks, 128-deep K steps, 4
-    stages in flight; split K when even one item per group could not fill the SMs;
-  - prefill: 128 x 128 x 64 tiles, 8 warps, 3 stages (32 KB of bf16 operands per stage).
-  float32 (tests, not a fast path) uses smaller tiles for registers and shared memory.
-  """
-  bm = min(128, max(16, next_pow2(cdiv(m, g))))
-  if jnp.dtype(dtype) == jnp.float32:
-    bm, bn, bk, warps, stages = min(bm, 64), 64, 32, 4, 2
-  elif bm <= 32:
-    bn, bk, warps, stages = 64, 128, 4, 4
-  else:
-    bn, bk, warps, stages = 128, 64, 8, 3
-  # Don't make tiny problems pay for big blocks.
-  bn = max(16, min(bn, next_pow2(n)))
-  bk = max(16, min(bk, next_pow2(k)))
-  splits = 1
-  if bm <= 32:
-    sms = num_sms() if sms is None else sms
-    best_case_programs = min(g, m) * cdiv(n, bn)
-    steps = cdiv(k, bk)
-    while best_case_programs * splits < sms and splits * 2 <= min(8, steps // 4):
-      splits *= 2
-  return bm, bn, bk, warps, stages, splits
+    Untuned guesses (no GPU measurement yet; bench/moe.py --sweep times alternatives):
+    - row tile from the mean rows per group M/G (an upper bound on the real mean under expert
+      parallelism, where part of M is padding): 16 for decode, up to 128 for prefill;
+    - decode (row tile <= 32) is weight-bandwidth bound: 64-wide N blocks, 128-deep K steps, 4
+      stages in flight; split K when even one item per group could not fill the SMs;
+    - prefill: 128 x 128 x 64 tiles, 8 warps, 3 stages (32 KB of bf16 operands per stage).
+    float32 (tests, not a fast path) uses smaller tiles for registers and shared memory.
+    """
+    bm = min(128, max(16, next_pow2(cdiv(m, g))))
+    if jnp.dtype(dtype) == jnp.float32:
+        bm, bn, bk, warps, stages = min(bm, 64), 64, 32, 4, 2
+    elif bm <= 32:
+        bn, bk, warps, stages = 64, 128, 4, 4
+    else:
+        bn, bk, warps, stages = 128, 64, 8, 3
+    # Don't make tiny problems pay for big blocks.
+    bn = max(16, min(bn, next_pow2(n)))
+    bk = max(16, min(bk, next_pow2(k)))
+    splits = 1
+    if bm <= 32:
+        sms = num_sms() if sms is None else sms
+        best_case_programs = min(g, m) * cdiv(n, bn)
+        steps = cdiv(k, bk)
+        while best_case_programs * splits < sms and splits * 2 <= min(8, steps // 4):
+            splits *= 2
+    return bm, bn, bk, warps, stages, splits
 
 
 def work_items(group_sizes, m: int, block_m: int):
-  """Static-length work list from traced group sizes: i32[W] arrays (tile, lo, hi, group).
+    """Static-length work list from traced group sizes: i32[W] arrays (tile, lo, hi, group).
 
-  Item w covers rows [max(lo, tile*block_m), min(hi, (tile+1)*block_m)) of segment `group`:
-  group < G is an expert, group == G the padding segment [sum, M) (zeros). Unused items have
-  lo == hi == 0 (they store nothing) and group G. W = cdiv(M, block_m) + min(G, M).
-  """
-  g = group_sizes.shape[0]
-  sizes = jnp.maximum(group_sizes, 0)
-  ends = jnp.minimum(jnp.cumsum(sizes), m)  # sum > M is invalid input: clip, never read past M
-  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-  seg_lo = jnp.concatenate([starts, ends[-1:]])  # [G+1]: the groups, then the padding segment
-  seg_hi = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
-  first = seg_lo // block_m
-  count = jnp.where(seg_hi > seg_lo, (seg_hi - 1) // block_m - first + 1, 0)
-  cum = jnp.cumsum(count)  # inclusive
-  num_items = cdiv(m, block_m) + min(g, m)
-  w = jnp.arange(num_items, dtype=jnp.int32)
-  # compare_all is one fusion; the default "scan" is a while loop (a host round trip per step).
-  seg = jnp.searchsorted(cum, w, side="right", method="compare_all").astype(jnp.int32)
-  valid = w < cum[-1]
-  seg = jnp.minimum(seg, g)
-  tile = first[seg] + (w - (cum[seg] - count[seg]))
-  zero = jnp.zeros_like(w)
-  return (jnp.where(valid, tile, zero), jnp.where(valid, seg_lo[seg], zero),
-          jnp.where(valid, seg_hi[seg], zero), jnp.where(valid, seg, g))
+    Item w covers rows [max(lo, tile*block_m), min(hi, (tile+1)*block_m)) of segment `group`:
+    group < G is an expert, group == G the padding segment [sum, M) (zeros). Unused items have
+    lo == hi == 0 (they store nothing) and group G. W = cdiv(M, block_m) + min(G, M).
+    """
+    g = group_sizes.shape[0]
+    sizes = jnp.maximum(group_sizes, 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)  # sum > M is invalid input: clip, never read past M
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    seg_lo = jnp.concatenate([starts, ends[-1:]])  # [G+1]: the groups, then the padding segment
+    seg_hi = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    first = seg_lo // block_m
+    count = jnp.where(seg_hi > seg_lo, (seg_hi - 1) // block_m - first + 1, 0)
+    cum = jnp.cumsum(count)  # inclusive
+    num_items = cdiv(m, block_m) + min(g, m)
+    w = jnp.arange(num_items, dtype=jnp.int32)
+    # compare_all is one fusion; the default "scan" is a while loop (a host round trip per step).
+    seg = jnp.searchsorted(cum, w, side="right", method="compare_all").astype(jnp.int32)
+    valid = w < cum[-1]
+    seg = jnp.minimum(seg, g)
+    tile = first[seg] + (w - (cum[seg] - count[seg]))
+    zero = jnp.zeros_like(w)
+    return (
+        jnp.where(valid, tile, zero),
+        jnp.where(valid, seg_lo[seg], zero),
+        jnp.where(valid, seg_hi[seg], zero),
+        jnp.where(valid, seg, g),
+    )
 
 
 def _load(ref, mask):
-  return ref[...] if mask is None else pltriton.load(ref, mask=mask, other=0)
+    return ref[...] if mask is None else pltriton.load(ref, mask=mask, other=0)
 
 
 def _and(a, b):
-  if a is None:
-    return b
-  return a if b is None else a & b
+    if a is None:
+        return b
+    return a if b is None else a & b
 
 
-def _kernel(tile_ref, lo_ref, hi_ref, grp_ref, layer_ref, lhs_ref, rhs_ref, out_ref, *, m: int,
-            n: int, k: int, num_groups: int, bm: int, bn: int, bk: int, steps_per_split: int,
-            transpose_rhs: bool, stacked: bool, precision):
-  j = pl.program_id(0)  # N block (fastest: programs in flight share the row tile and expert)
-  i = pl.program_id(1)  # work item
-  s = pl.program_id(2)  # K split
-  tile, lo, hi, grp = tile_ref[i], lo_ref[i], hi_ref[i], grp_ref[i]
-  row0 = tile * bm
-  col0 = j * bn
-  rows = row0 + jnp.arange(bm, dtype=jnp.int32)
-  cols = col0 + jnp.arange(bn, dtype=jnp.int32)
-  row_in = (rows < m)[:, None] if m % bm else None  # static: only a ragged last tile needs it
-  col_in = cols < n if n % bn else None
-  is_gemm = grp < num_groups
-  g = jnp.minimum(grp, num_groups - 1)
-  lead = (layer_ref[0], g) if stacked else (g,)  # rhs[layer, g] of stacked layers, else rhs[g]
-  if transpose_rhs:  # rhs tile [bn, bk], contract both operands' dim 1
-    dims = (((1,), (1,)), ((), ()))
-  else:  # rhs tile [bk, bn]
-    dims = (((1,), (0,)), ((), ()))
+def _kernel(
+    tile_ref,
+    lo_ref,
+    hi_ref,
+    grp_ref,
+    layer_ref,
+    lhs_ref,
+    rhs_ref,
+    out_ref,
+    *,
+    m: int,
+    n: int,
+    k: int,
+    num_groups: int,
+    bm: int,
+    bn: int,
+    bk: int,
+    steps_per_split: int,
+    transpose_rhs: bool,
+    stacked: bool,
+    precision,
+):
+    j = pl.program_id(0)  # N block (fastest: programs in flight share the row tile and expert)
+    i = pl.program_id(1)  # work item
+    s = pl.program_id(2)  # K split
+    tile, lo, hi, grp = tile_ref[i], lo_ref[i], hi_ref[i], grp_ref[i]
+    row0 = tile * bm
+    col0 = j * bn
+    rows = row0 + jnp.arange(bm, dtype=jnp.int32)
+    cols = col0 + jnp.arange(bn, dtype=jnp.int32)
+    row_in = (rows < m)[:, None] if m % bm else None  # static: only a ragged last tile needs it
+    col_in = cols < n if n % bn else None
+    is_gemm = grp < num_groups
+    g = jnp.minimum(grp, num_groups - 1)
+    lead = (layer_ref[0], g) if stacked else (g,)  # rhs[layer, g] of stacked layers, else rhs[g]
+    if transpose_rhs:  # rhs tile [bn, bk], contract both operands' dim 1
+        dims = (((1,), (1,)), ((), ()))
+    else:  # rhs tile [bk, bn]
+        dims = (((1,), (0,)), ((), ()))
 
-  def step(kk, acc, k_in=None):
-    k0 = kk * bk
-    x = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)],
-              _and(row_in, None if k_in is None else k_in[None, :]))
-    if transpose_rhs:
-      w = _load(rhs_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))],
-                _and(None if col_in is None else col_in[:, None],
-                     None if k_in is None else k_in[None, :]))
-    else:
-      w = _load(rhs_ref.at[(*lead, pl.ds(k0, bk), pl.ds(col0, bn))],
-                _and(None if k_in is None else k_in[:, None],
-                     None if col_in is None else col_in[None, :]))
-    return acc + lax.dot_general(x, w, dims, precision=precision,
-                                 preferred_element_type=jnp.float32)
+    def step(kk, acc, k_in=None):
+        k0 = kk * bk
+        x = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], _and(row_in, None if k_in is None else k_in[None, :]))
+        if transpose_rhs:
+            w = _load(
+                rhs_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))],
+                _and(None if col_in is None else col_in[:, None], None if k_in is None else k_in[None, :]),
+            )
+        else:
+            w = _load(
+                rhs_ref.at[(*lead, pl.ds(k0, bk), pl.ds(col0, bn))],
+                _and(None if k_in is None else k_in[:, None], None if col_in is None else col_in[None, :]),
+            )
+        return acc + lax.dot_general(x, w, dims, precision=precision, preferred_element_type=jnp.float32)
 
-  full_steps = k // bk
-  first = s * steps_per_split
-  last = jnp.minimum(first + steps_per_split, full_steps)
-  n_full = jnp.where(is_gemm, jnp.maximum(last - first, 0), 0)
-  acc = jnp.zeros((bm, bn), jnp.float32)
-  acc = lax.fori_loop(first, first + n_full, step, acc)
-  if k % bk:  # static: one masked step for the ragged end of K, run by the split that owns it
-    k_in = full_steps * bk + jnp.arange(bk, dtype=jnp.int32) < k
-    owns_tail = is_gemm & (full_steps >= first) & (full_steps < first + steps_per_split)
-    # (the loop index keeps the tail's K offset dynamic: a static slice past K fails to trace)
-    acc = lax.fori_loop(0, owns_tail.astype(jnp.int32),
-                        lambda t, a: step(full_steps + t, a, k_in), acc)
-  mine = (rows >= lo) & (rows < hi)  # hi <= M, so this also keeps the store in bounds
-  mask = _and(mine[:, None], None if col_in is None else col_in[None, :])
-  pltriton.store(out_ref.at[s, pl.ds(row0, bm), pl.ds(col0, bn)], acc.astype(out_ref.dtype),
-                 mask=mask)
-
-
-@functools.partial(jax.jit, static_argnames=("transpose_rhs", "interpret", "block_m", "block_n",
-                                             "block_k", "num_warps", "num_stages", "num_k_splits",
-                                             "out_dtype"))
-def _gmm_impl(lhs, rhs, group_sizes, layer, *, transpose_rhs, interpret, block_m, block_n, block_k,
-              num_warps, num_stages, num_k_splits, out_dtype):
-  """layer: i32[1], the index into rhs's leading axis when rhs is stacked [Lyr, G, ...] (4-D)."""
-  stacked = rhs.ndim == 4
-  lead = ((0, 0),) * (1 + stacked)  # no padding on the (layer,) group axes
-  m, k = lhs.shape
-  g = rhs.shape[-3]
-  n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
-  out_dtype = jnp.dtype(out_dtype)
-  # Interpret mode cannot slice a block larger than the array (the GPU just masks): zero-pad a
-  # dimension smaller than its block (tiny problems only: blocks are clamped to the next power of
-  # two of their dimension by the caller, so the padding is under one block; a stacked rhs is
-  # padded, so copied, whole: CPU tests only).
-  m_out, n_out = m, n
-  if interpret and m < block_m:
-    lhs = jnp.pad(lhs, ((0, block_m - m), (0, 0)))  # padding segment rows: output 0, sliced off
-    m = block_m
-  if interpret and k < block_k:  # zeros in K add nothing
-    lhs = jnp.pad(lhs, ((0, 0), (0, block_k - k)))
-    rhs = jnp.pad(rhs, lead + (((0, 0), (0, block_k - k)) if transpose_rhs else
-                               ((0, block_k - k), (0, 0))))
-    k = block_k
-  if interpret and n < block_n:
-    rhs = jnp.pad(rhs, lead + (((0, block_n - n), (0, 0)) if transpose_rhs else
-                               ((0, 0), (0, block_n - n))))
-    n = block_n
-  tile, lo, hi, grp = work_items(group_sizes, m, block_m)
-  num_items = tile.shape[0]
-  steps_per_split = cdiv(cdiv(k, block_k), num_k_splits)
-  splits = cdiv(cdiv(k, block_k), steps_per_split)  # no empty splits
-  part_dtype = out_dtype if splits == 1 else jnp.float32
-  precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None  # exact f32, not TF32
-  kernel = functools.partial(
-      _kernel, m=m, n=n, k=k, num_groups=g, bm=block_m, bn=block_n, bk=block_k,
-      steps_per_split=steps_per_split, transpose_rhs=transpose_rhs, stacked=stacked,
-      precision=precision)
-  whole = lambda shape: pl.BlockSpec(shape, lambda j, i, s: (0,) * len(shape))  # noqa: E731
-  out = pl.pallas_call(
-      kernel,
-      grid=(cdiv(n, block_n), num_items, splits),
-      # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
-      # kernel offsets by its work item itself.
-      in_specs=[whole((num_items,))] * 4 + [whole((1,)), whole(lhs.shape), whole(rhs.shape)],
-      out_specs=whole((splits, m, n)),
-      out_shape=jax.ShapeDtypeStruct((splits, m, n), part_dtype),
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
-      name=(f"grouped_matmul_bm{block_m}_bn{block_n}_bk{block_k}_w{num_warps}_s{num_stages}"
-            f"_ks{splits}"),
-  )(tile, lo, hi, grp, layer, lhs, rhs)
-  out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(out_dtype)
-  if (m_out, n_out) != (m, n):
-    out = out[:m_out, :n_out]
-  return out
+    full_steps = k // bk
+    first = s * steps_per_split
+    last = jnp.minimum(first + steps_per_split, full_steps)
+    n_full = jnp.where(is_gemm, jnp.maximum(last - first, 0), 0)
+    acc = jnp.zeros((bm, bn), jnp.float32)
+    acc = lax.fori_loop(first, first + n_full, step, acc)
+    if k % bk:  # static: one masked step for the ragged end of K, run by the split that owns it
+        k_in = full_steps * bk + jnp.arange(bk, dtype=jnp.int32) < k
+        owns_tail = is_gemm & (full_steps >= first) & (full_steps < first + steps_per_split)
+        # (the loop index keeps the tail's K offset dynamic: a static slice past K fails to trace)
+        acc = lax.fori_loop(0, owns_tail.astype(jnp.int32), lambda t, a: step(full_steps + t, a, k_in), acc)
+    mine = (rows >= lo) & (rows < hi)  # hi <= M, so this also keeps the store in bounds
+    mask = _and(mine[:, None], None if col_in is None else col_in[None, :])
+    pltriton.store(out_ref.at[s, pl.ds(row0, bm), pl.ds(col0, bn)], acc.astype(out_ref.dtype), mask=mask)
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = True, interpret: bool = False,
-                   block_m: int | None = None, block_n: int | None = None,
-                   block_k: int | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None, num_k_splits: int | None = None,
-                   preferred_element_type=None, rhs_index=None):
-  """out[r] = lhs[r] @ W[g(r)] for each row r of group g(r); rows >= sum(group_sizes) give 0.
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "transpose_rhs",
+        "interpret",
+        "block_m",
+        "block_n",
+        "block_k",
+        "num_warps",
+        "num_stages",
+        "num_k_splits",
+        "out_dtype",
+    ),
+)
+def _gmm_impl(
+    lhs,
+    rhs,
+    group_sizes,
+    layer,
+    *,
+    transpose_rhs,
+    interpret,
+    block_m,
+    block_n,
+    block_k,
+    num_warps,
+    num_stages,
+    num_k_splits,
+    out_dtype,
+):
+    """layer: i32[1], the index into rhs's leading axis when rhs is stacked [Lyr, G, ...] (4-D)."""
+    stacked = rhs.ndim == 4
+    lead = ((0, 0),) * (1 + stacked)  # no padding on the (layer,) group axes
+    m, k = lhs.shape
+    g = rhs.shape[-3]
+    n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
+    out_dtype = jnp.dtype(out_dtype)
+    # Interpret mode cannot slice a block larger than the array (the GPU just masks): zero-pad a
+    # dimension smaller than its block (tiny problems only: blocks are clamped to the next power of
+    # two of their dimension by the caller, so the padding is under one block; a stacked rhs is
+    # padded, so copied, whole: CPU tests only).
+    m_out, n_out = m, n
+    if interpret and m < block_m:
+        lhs = jnp.pad(lhs, ((0, block_m - m), (0, 0)))  # padding segment rows: output 0, sliced off
+        m = block_m
+    if interpret and k < block_k:  # zeros in K add nothing
+        lhs = jnp.pad(lhs, ((0, 0), (0, block_k - k)))
+        rhs = jnp.pad(rhs, lead + (((0, 0), (0, block_k - k)) if transpose_rhs else ((0, block_k - k), (0, 0))))
+        k = block_k
+    if interpret and n < block_n:
+        rhs = jnp.pad(rhs, lead + (((0, block_n - n), (0, 0)) if transpose_rhs else ((0, 0), (0, block_n - n))))
+        n = block_n
+    tile, lo, hi, grp = work_items(group_sizes, m, block_m)
+    num_items = tile.shape[0]
+    steps_per_split = cdiv(cdiv(k, block_k), num_k_splits)
+    splits = cdiv(cdiv(k, block_k), steps_per_split)  # no empty splits
+    part_dtype = out_dtype if splits == 1 else jnp.float32
+    precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None  # exact f32, not TF32
+    kernel = functools.partial(
+        _kernel,
+        m=m,
+        n=n,
+        k=k,
+        num_groups=g,
+        bm=block_m,
+        bn=block_n,
+        bk=block_k,
+        steps_per_split=steps_per_split,
+        transpose_rhs=transpose_rhs,
+        stacked=stacked,
+        precision=precision,
+    )
+    whole = lambda shape: pl.BlockSpec(shape, lambda j, i, s: (0,) * len(shape))  # noqa: E731
+    out = pl.pallas_call(
+        kernel,
+        grid=(cdiv(n, block_n), num_items, splits),
+        # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
+        # kernel offsets by its work item itself.
+        in_specs=[whole((num_items,))] * 4 + [whole((1,)), whole(lhs.shape), whole(rhs.shape)],
+        out_specs=whole((splits, m, n)),
+        out_shape=jax.ShapeDtypeStruct((splits, m, n), part_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=(f"grouped_matmul_bm{block_m}_bn{block_n}_bk{block_k}_w{num_warps}_s{num_stages}_ks{splits}"),
+    )(tile, lo, hi, grp, layer, lhs, rhs)
+    out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(out_dtype)
+    if (m_out, n_out) != (m, n):
+        out = out[:m_out, :n_out]
+    return out
 
-  lhs [M, K] rows sorted by group; rhs [G, N, K] (HF [out, in] layout, transpose_rhs=True) or
-  [G, K, N]; group_sizes i32[G] with sum <= M (a larger sum is clipped at M). Returns [M, N] in
-  preferred_element_type (default lhs.dtype), accumulated in float32. Same result as
-  `jax.lax.ragged_dot_general` contracting lhs dim 1 with rhs dim 2 (or 1).
 
-  rhs_index: with rhs stacked over layers, [Lyr, G, N, K] (or [Lyr, G, K, N]), an integer scalar
-  (static or traced) picking the layer, read in place (W = rhs[rhs_index]); a static index must be
-  in range, a traced one is clamped to [0, Lyr).
+def grouped_matmul(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    transpose_rhs: bool = True,
+    interpret: bool = False,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    num_k_splits: int | None = None,
+    preferred_element_type=None,
+    rhs_index=None,
+):
+    """out[r] = lhs[r] @ W[g(r)] for each row r of group g(r); rows >= sum(group_sizes) give 0.
 
-  Tuning (None = `default_tuning`): block_m rows per tile, block_n, block_k (powers of two >= 16),
-  num_warps, num_stages (Triton pipelining), num_k_splits (K split into float32 partials).
-  """
-  _validate(lhs, rhs, group_sizes, transpose_rhs, block_m, block_n, block_k, num_warps, num_stages,
-            num_k_splits, preferred_element_type, rhs_index)
-  m, k = lhs.shape
-  g = rhs.shape[-3]
-  n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
-  d = default_tuning(m, n, k, g, lhs.dtype)
-  bm, bn, bk, warps, stages, splits = (d[i] if v is None else v for i, v in enumerate(
-      (block_m, block_n, block_k, num_warps, num_stages, num_k_splits)))
-  # No block larger than its (power-of-two rounded) dimension: it would only compute padding.
-  bm, bn, bk = (min(b, max(16, next_pow2(x))) for b, x in ((bm, m), (bn, n), (bk, k)))
-  out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
-  layer = (jnp.zeros((1,), jnp.int32) if rhs_index is None else
-           jnp.clip(jnp.asarray(rhs_index, jnp.int32), 0, rhs.shape[0] - 1).reshape(1))
-  return _gmm_impl(lhs, rhs, group_sizes, layer, transpose_rhs=bool(transpose_rhs),
-                   interpret=bool(interpret), block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
-                   num_stages=stages, num_k_splits=splits, out_dtype=out_dtype.name)
+    lhs [M, K] rows sorted by group; rhs [G, N, K] (HF [out, in] layout, transpose_rhs=True) or
+    [G, K, N]; group_sizes i32[G] with sum <= M (a larger sum is clipped at M). Returns [M, N] in
+    preferred_element_type (default lhs.dtype), accumulated in float32. Same result as
+    `jax.lax.ragged_dot_general` contracting lhs dim 1 with rhs dim 2 (or 1).
+
+    rhs_index: with rhs stacked over layers, [Lyr, G, N, K] (or [Lyr, G, K, N]), an integer scalar
+    (static or traced) picking the layer, read in place (W = rhs[rhs_index]); a static index must be
+    in range, a traced one is clamped to [0, Lyr).
+
+    Tuning (None = `default_tuning`): block_m rows per tile, block_n, block_k (powers of two >= 16),
+    num_warps, num_stages (Triton pipelining), num_k_splits (K split into float32 partials).
+    """
+    _validate(
+        lhs,
+        rhs,
+        group_sizes,
+        transpose_rhs,
+        block_m,
+        block_n,
+        block_k,
+        num_warps,
+        num_stages,
+        num_k_splits,
+        preferred_element_type,
+        rhs_index,
+    )
+    m, k = lhs.shape
+    g = rhs.shape[-3]
+    n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
+    d = default_tuning(m, n, k, g, lhs.dtype)
+    bm, bn, bk, warps, stages, splits = (
+        d[i] if v is None else v for i, v in enumerate((block_m, block_n, block_k, num_warps, num_stages, num_k_splits))
+    )
+    # No block larger than its (power-of-two rounded) dimension: it would only compute padding.
+    bm, bn, bk = (min(b, max(16, next_pow2(x))) for b, x in ((bm, m), (bn, n), (bk, k)))
+    out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
+    layer = (
+        jnp.zeros((1,), jnp.int32)
+        if rhs_index is None
+        else jnp.clip(jnp.asarray(rhs_index, jnp.int32), 0, rhs.shape[0] - 1).reshape(1)
+    )
+    return _gmm_impl(
+        lhs,
+        rhs,
+        group_sizes,
+        layer,
+        transpose_rhs=bool(transpose_rhs),
+        interpret=bool(interpret),
+        block_m=bm,
+        block_n=bn,
+        block_k=bk,
+        num_warps=warps,
+        num_stages=stages,
+        num_k_splits=splits,
+        out_dtype=out_dtype.name,
+    )
 
 
-def grouped_matmul_reference(lhs, rhs, group_sizes, *, transpose_rhs: bool = True,
-                             interpret: bool = False, preferred_element_type=None, rhs_index=None,
-                             **tuning):
-  """Float32 plain-JAX reference (returns float32): a masked dense matmul per group, summed.
+def grouped_matmul_reference(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    transpose_rhs: bool = True,
+    interpret: bool = False,
+    preferred_element_type=None,
+    rhs_index=None,
+    **tuning,
+):
+    """Float32 plain-JAX reference (returns float32): a masked dense matmul per group, summed.
 
-  With rhs_index, rhs is stacked [Lyr, ...] and the layer is sliced out first (clamped as the
-  kernel does). Costs G dense [M, K] x [K, N] products: for tests and moderate benchmark checks
-  only.
-  """
-  del interpret, tuning, preferred_element_type
-  _validate(lhs, rhs, group_sizes, transpose_rhs, None, None, None, None, None, None, None,
-            rhs_index)
-  if rhs_index is not None:
-    rhs = lax.dynamic_index_in_dim(rhs, jnp.clip(rhs_index, 0, rhs.shape[0] - 1), keepdims=False)
-  m = lhs.shape[0]
-  x = lhs.astype(jnp.float32)
-  w = rhs.astype(jnp.float32)
-  w = jnp.swapaxes(w, 1, 2) if transpose_rhs else w  # [G, K, N]
-  ends = jnp.cumsum(jnp.maximum(group_sizes, 0))
-  starts = ends - jnp.maximum(group_sizes, 0)
-  rows = jnp.arange(m)
+    With rhs_index, rhs is stacked [Lyr, ...] and the layer is sliced out first (clamped as the
+    kernel does). Costs G dense [M, K] x [K, N] products: for tests and moderate benchmark checks
+    only.
+    """
+    del interpret, tuning, preferred_element_type
+    _validate(lhs, rhs, group_sizes, transpose_rhs, None, None, None, None, None, None, None, rhs_index)
+    if rhs_index is not None:
+        rhs = lax.dynamic_index_in_dim(rhs, jnp.clip(rhs_index, 0, rhs.shape[0] - 1), keepdims=False)
+    m = lhs.shape[0]
+    x = lhs.astype(jnp.float32)
+    w = rhs.astype(jnp.float32)
+    w = jnp.swapaxes(w, 1, 2) if transpose_rhs else w  # [G, K, N]
+    ends = jnp.cumsum(jnp.maximum(group_sizes, 0))
+    starts = ends - jnp.maximum(group_sizes, 0)
+    rows = jnp.arange(m)
 
-  def body(g, acc):
-    inside = (rows >= starts[g]) & (rows < ends[g])
-    xg = jnp.where(inside[:, None], x, 0.0)  # where, not multiply: NaN padding must not leak
-    return acc + jnp.dot(xg, w[g], precision=lax.Precision.HIGHEST)
+    def body(g, acc):
+        inside = (rows >= starts[g]) & (rows < ends[g])
+        xg = jnp.where(inside[:, None], x, 0.0)  # where, not multiply: NaN padding must not leak
+        return acc + jnp.dot(xg, w[g], precision=lax.Precision.HIGHEST)
 
-  return lax.fori_loop(0, w.shape[0], body, jnp.zeros((m, w.shape[2]), jnp.float32))
+    return lax.fori_loop(0, w.shape[0], body, jnp.zeros((m, w.shape[2]), jnp.float32))

@@ -1,5 +1,6 @@
 """Helpers shared by the Mosaic GPU (Hopper) kernels: shared-memory layouts and budget, the
 interpreter switch, and the wgmma/TMA idioms both kernels use."""
+
 from __future__ import annotations
 
 import math
@@ -14,72 +15,76 @@ SMEM_BYTES = 227 * 1024  # per-block opt-in shared memory on H100/H200
 
 
 def tiled(dtype, minor_bytes=128):
-  """Tiling + swizzle transforms for a wgmma/TMA operand with `minor_bytes`-byte swizzle."""
-  elems = minor_bytes // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(minor_bytes))
+    """Tiling + swizzle transforms for a wgmma/TMA operand with `minor_bytes`-byte swizzle."""
+    elems = minor_bytes // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(minor_bytes))
 
 
 def smem_bytes(refs) -> int:
-  """Bytes of shared memory the `plgpu.SMEM` refs take, each starting at a 1 KB boundary."""
-  total = 0
-  for ref in refs:
-    total = cdiv(total, 1024) * 1024 + math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
-  return total
+    """Bytes of shared memory the `plgpu.SMEM` refs take, each starting at a 1 KB boundary."""
+    total = 0
+    for ref in refs:
+        total = cdiv(total, 1024) * 1024 + math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
+    return total
 
 
 def interpret_params(interpret):
-  """`plgpu.kernel`'s `interpret` argument: the caller's `plgpu.InterpretGPUParams`, default
-  parameters for True, None (compile for the GPU) for False."""
-  if isinstance(interpret, plgpu.InterpretGPUParams):
-    return interpret
-  return plgpu.InterpretGPUParams() if interpret else None
+    """`plgpu.kernel`'s `interpret` argument: the caller's `plgpu.InterpretGPUParams`, default
+    parameters for True, None (compile for the GPU) for False."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    return plgpu.InterpretGPUParams() if interpret else None
 
 
 def static_interpret(interpret):
-  """`interpret` as a hashable static jit argument: the params object itself, or a bool."""
-  return interpret if isinstance(interpret, plgpu.InterpretGPUParams) else bool(interpret)
+    """`interpret` as a hashable static jit argument: the params object itself, or a bool."""
+    return interpret if isinstance(interpret, plgpu.InterpretGPUParams) else bool(interpret)
 
 
 def wgmma_accumulate(acc, a, b, *, interpret: bool):
-  """acc + a @ b with one wgmma accumulating into `acc`'s registers (waits for completion).
+    """acc + a @ b with one wgmma accumulating into `acc`'s registers (waits for completion).
 
-  `a` is a shared-memory ref or a register value, `b` a shared-memory ref. The Mosaic GPU interpreter
-  (jax 0.11.2) can run neither `pl.run_state` over a wgmma accumulator ("MLIR translation rule for
-  primitive 'wgmma' not found for platform cpu") nor a register-operand wgmma: there the product goes
-  to a fresh zero accumulator and is added in registers (same math, one extra f32 rounding; it would
-  double the registers on a GPU).
-  """
-  if interpret:
+    `a` is a shared-memory ref or a register value, `b` a shared-memory ref. The Mosaic GPU interpreter
+    (jax 0.11.2) can run neither `pl.run_state` over a wgmma accumulator ("MLIR translation rule for
+    primitive 'wgmma' not found for platform cpu") nor a register-operand wgmma: there the product goes
+    to a fresh zero accumulator and is added in registers (same math, one extra f32 rounding; it would
+    double the registers on a GPU).
+    """
+    if interpret:
+
+        def mm(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+            return acc_ref[...]
+
+        return acc + pl.run_scoped(mm, plgpu.ACC(acc.shape, jnp.float32))
+
     def mm(acc_ref):
-      plgpu.wgmma(acc_ref, a, b)
-      return acc_ref[...]
-    return acc + pl.run_scoped(mm, plgpu.ACC(acc.shape, jnp.float32))
+        plgpu.wgmma(acc_ref, a, b)
 
-  def mm(acc_ref):
-    plgpu.wgmma(acc_ref, a, b)
-  return pl.run_state(mm)(plgpu.ACC.init(acc))
+    return pl.run_state(mm)(plgpu.ACC.init(acc))
 
 
 def copy_zeroing_rows(src, dst, ready, raw_bar, *, partial, lo, hi):
-  """TMA `src` (GMEM) into `dst` (SMEM, [rows, cols], both multiples of 64) so that `ready` fires.
+    """TMA `src` (GMEM) into `dst` (SMEM, [rows, cols], both multiples of 64) so that `ready` fires.
 
-  When `partial`, the copy lands on `raw_bar` instead, the rows of `dst` outside [lo, hi) are
-  zeroed (they hold keys no query sees, possibly NaN padding: p = 0 there, but 0 * NaN would still
-  poison a P.V wgmma), and only then does the caller's warpgroup arrive on `ready`."""
-  @pl.when(jnp.logical_not(partial))
-  def _():
-    plgpu.copy_gmem_to_smem(src, dst, ready)
+    When `partial`, the copy lands on `raw_bar` instead, the rows of `dst` outside [lo, hi) are
+    zeroed (they hold keys no query sees, possibly NaN padding: p = 0 there, but 0 * NaN would still
+    poison a P.V wgmma), and only then does the caller's warpgroup arrive on `ready`."""
 
-  @pl.when(partial)
-  def _():
-    plgpu.copy_gmem_to_smem(src, dst, raw_bar)
-    plgpu.barrier_wait(raw_bar)
-    rows, cols = dst.shape
-    for rb in range(rows // 64):
-      row = plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=plgpu.Layout.WGMMA) + rb * 64
-      keep = (row >= lo) & (row < hi)
-      for c in range(cols // 64):
-        block = dst.at[pl.ds(rb * 64, 64), pl.ds(c * 64, 64)]
-        block[...] = jnp.where(keep, block[...], jnp.zeros((), dst.dtype))
-    plgpu.commit_smem()   # generic-proxy writes before the consumers' wgmma reads
-    plgpu.barrier_arrive(ready)
+    @pl.when(jnp.logical_not(partial))
+    def _():
+        plgpu.copy_gmem_to_smem(src, dst, ready)
+
+    @pl.when(partial)
+    def _():
+        plgpu.copy_gmem_to_smem(src, dst, raw_bar)
+        plgpu.barrier_wait(raw_bar)
+        rows, cols = dst.shape
+        for rb in range(rows // 64):
+            row = plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=plgpu.Layout.WGMMA) + rb * 64
+            keep = (row >= lo) & (row < hi)
+            for c in range(cols // 64):
+                block = dst.at[pl.ds(rb * 64, 64), pl.ds(c * 64, 64)]
+                block[...] = jnp.where(keep, block[...], jnp.zeros((), dst.dtype))
+        plgpu.commit_smem()  # generic-proxy writes before the consumers' wgmma reads
+        plgpu.barrier_arrive(ready)

@@ -25,6 +25,7 @@ fp8 tile through extra shared-memory copies and layout conversions (its compile 
 Measured speed of both, against the copy/matmul ceilings and the XLA path: docs/perf-notes.md and
 bench/results/decode-h200.json.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,453 +36,508 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.util import (FP8, LN2, LOG2E, M_INIT, cdiv, next_pow2, num_sms,
-                                 validate_decode)
+from pallas_kernels.util import FP8, LN2, LOG2E, M_INIT, cdiv, next_pow2, num_sms, validate_decode
 
 
 def choose_num_kv_splits(batch: int, rows_per_request: int, max_seq_len: int, num_sms: int) -> int:
-  """Static number of KV splits for stage 1.
+    """Static number of KV splits for stage 1.
 
-  vLLM's Triton MLA uses next_pow2(max_seq_len // 512) splits capped at 2 x SMs. That ignores the
-  programs the batch already provides (batch x head blocks), and every extra split costs a partial
-  [block_h, L] f32 write + merge read and a pipeline prologue. So: split only until the programs
-  reach a target number of waves, with a floor on tokens per split. Both depend on the regime
-  (H200 sweeps, page 64, bf16; the timings are in docs/perf-notes.md):
-  - rows_per_request <= 32 (e.g. N=16): memory-bound, one big-tile program per SM, so
-    over-subscribe ~4 waves for latency hiding and ragged-length balance, down to ~256 tokens per
-    split.
-  - more rows (N=128): compute-bound with two head blocks re-reading K from L2; ~2 waves suffice,
-    and more splits (or < 512 tokens per split, vLLM's floor) only add merge traffic.
-  - one memory-bound request: down to 128 tokens per split while the splits fit one per SM (judged
-    by GPU time per call, which launch overhead hides in wall time at batch 1).
-  """
-  head_blocks = max(1, cdiv(rows_per_request, 64))
-  programs = max(1, batch) * head_blocks
-  memory_bound = rows_per_request <= 32
-  waves = 4 if memory_bound else 2
-  floor = 512 if not memory_bound else 128 if programs == 1 else 256
-  ideal = next_pow2(max(1, max_seq_len // floor))
-  if memory_bound and programs == 1:
-    ideal = min(ideal, max(1, next_pow2(num_sms + 1) // 2))   # one split per SM at most
-  fill = cdiv(waves * num_sms, programs)
-  return int(max(1, min(ideal, fill, 2 * num_sms)))
+    vLLM's Triton MLA uses next_pow2(max_seq_len // 512) splits capped at 2 x SMs. That ignores the
+    programs the batch already provides (batch x head blocks), and every extra split costs a partial
+    [block_h, L] f32 write + merge read and a pipeline prologue. So: split only until the programs
+    reach a target number of waves, with a floor on tokens per split. Both depend on the regime
+    (H200 sweeps, page 64, bf16; the timings are in docs/perf-notes.md):
+    - rows_per_request <= 32 (e.g. N=16): memory-bound, one big-tile program per SM, so
+      over-subscribe ~4 waves for latency hiding and ragged-length balance, down to ~256 tokens per
+      split.
+    - more rows (N=128): compute-bound with two head blocks re-reading K from L2; ~2 waves suffice,
+      and more splits (or < 512 tokens per split, vLLM's floor) only add merge traffic.
+    - one memory-bound request: down to 128 tokens per split while the splits fit one per SM (judged
+      by GPU time per call, which launch overhead hides in wall time at batch 1).
+    """
+    head_blocks = max(1, cdiv(rows_per_request, 64))
+    programs = max(1, batch) * head_blocks
+    memory_bound = rows_per_request <= 32
+    waves = 4 if memory_bound else 2
+    floor = 512 if not memory_bound else 128 if programs == 1 else 256
+    ideal = next_pow2(max(1, max_seq_len // floor))
+    if memory_bound and programs == 1:
+        ideal = min(ideal, max(1, next_pow2(num_sms + 1) // 2))  # one split per SM at most
+    fill = cdiv(waves * num_sms, programs)
+    return int(max(1, min(ideal, fill, 2 * num_sms)))
 
 
-def _default_tuning(m_rows, l, r, cache_dtype, compute_dtype, block_h, block_kv, num_warps,
-                    num_stages, fp8_mode):
-  """Defaults from the H200 sweep (227 KB shared memory per block)."""
-  if block_h is None:
-    # Up to 64 rows per program: a [64, L] f32 accumulator already takes 128 registers/thread at 8
-    # warps; 128 rows would spill. Fewer rows when the request has fewer (pad to >= 16 for the dot).
-    block_h = min(64, max(16, next_pow2(m_rows)))
-  is_fp8 = jnp.dtype(cache_dtype) == FP8
-  if block_kv is None:
-    if block_h >= 64:
-      # q [64, L+R] stays in shared memory (72 KB) next to the K tiles; an upcast fp8 tile needs
-      # its own bf16 copies (fp8 with 64 tokens asked for 242 KB, 128 tokens 410 KB).
-      block_kv = 32 if is_fp8 or jnp.dtype(compute_dtype).itemsize == 4 else 64
-    elif is_fp8:
-      block_kv = 64  # (128,16,8192) fp8: 64 tokens 1.6x faster than 128 (upcast cost)
-    else:
-      block_kv = 128  # N=16 bf16: 128 tokens per step beat 64 by 8-15%
-  if num_warps is None:
-    num_warps = 8 if block_h >= 64 else 4  # 4 warps at 64 rows ran 2x slower
-  if num_stages is None:
-    num_stages = 3 if block_h >= 64 and not is_fp8 else 2  # 1 stage ran 2x slower at N=16
-  if fp8_mode is None:
-    fp8_mode = "scale_logits"
-  return block_h, block_kv, num_warps, num_stages, fp8_mode
+def _default_tuning(m_rows, l, r, cache_dtype, compute_dtype, block_h, block_kv, num_warps, num_stages, fp8_mode):
+    """Defaults from the H200 sweep (227 KB shared memory per block)."""
+    if block_h is None:
+        # Up to 64 rows per program: a [64, L] f32 accumulator already takes 128 registers/thread at 8
+        # warps; 128 rows would spill. Fewer rows when the request has fewer (pad to >= 16 for the dot).
+        block_h = min(64, max(16, next_pow2(m_rows)))
+    is_fp8 = jnp.dtype(cache_dtype) == FP8
+    if block_kv is None:
+        if block_h >= 64:
+            # q [64, L+R] stays in shared memory (72 KB) next to the K tiles; an upcast fp8 tile needs
+            # its own bf16 copies (fp8 with 64 tokens asked for 242 KB, 128 tokens 410 KB).
+            block_kv = 32 if is_fp8 or jnp.dtype(compute_dtype).itemsize == 4 else 64
+        elif is_fp8:
+            block_kv = 64  # (128,16,8192) fp8: 64 tokens 1.6x faster than 128 (upcast cost)
+        else:
+            block_kv = 128  # N=16 bf16: 128 tokens per step beat 64 by 8-15%
+    if num_warps is None:
+        num_warps = 8 if block_h >= 64 else 4  # 4 warps at 64 rows ran 2x slower
+    if num_stages is None:
+        num_stages = 3 if block_h >= 64 and not is_fp8 else 2  # 1 stage ran 2x slower at N=16
+    if fp8_mode is None:
+        fp8_mode = "scale_logits"
+    return block_h, block_kv, num_warps, num_stages, fp8_mode
 
 
 def _stage1_kernel(
-    q_ref,         # [block_h, L+R]
-    kv_ref,        # [num_pages*G, L+R] (whole pool; rows gathered via the block table)
+    q_ref,  # [block_h, L+R]
+    kv_ref,  # [num_pages*G, L+R] (whole pool; rows gathered via the block table)
     kv_scale_ref,  # [num_pages*G] f32, or None
-    bt_ref,        # i32[max_pages]: this request's block table row
-    lens_ref,      # i32[block_h]: tokens each row attends to (0 for padding rows)
-    o_ref,         # [block_h, L]: normalized partial output
-    lse_ref,       # f32[block_h]
-    *, l: int, r: int, page_size: int, block_kv: int, split_tokens: int, sm_scale: float,
-    compute_dtype, dequant_tile: bool,
+    bt_ref,  # i32[max_pages]: this request's block table row
+    lens_ref,  # i32[block_h]: tokens each row attends to (0 for padding rows)
+    o_ref,  # [block_h, L]: normalized partial output
+    lse_ref,  # f32[block_h]
+    *,
+    l: int,
+    r: int,
+    page_size: int,
+    block_kv: int,
+    split_tokens: int,
+    sm_scale: float,
+    compute_dtype,
+    dequant_tile: bool,
 ):
-  split = pl.program_id(1)
-  page_shift = page_size.bit_length() - 1
-  lens = lens_ref[...]
-  block_h = lens.shape[0]
-  split_start = split * split_tokens
-  # Steps are aligned to the split, and the split to block_kv, so only the length bounds the loop.
-  end = jnp.minimum(jnp.max(lens), split_start + split_tokens)
-  n_steps = (jnp.maximum(end - split_start, 0) + block_kv - 1) // block_kv
+    split = pl.program_id(1)
+    page_shift = page_size.bit_length() - 1
+    lens = lens_ref[...]
+    block_h = lens.shape[0]
+    split_start = split * split_tokens
+    # Steps are aligned to the split, and the split to block_kv, so only the length bounds the loop.
+    end = jnp.minimum(jnp.max(lens), split_start + split_tokens)
+    n_steps = (jnp.maximum(end - split_start, 0) + block_kv - 1) // block_kv
 
-  q_nope = q_ref[:, pl.ds(0, l)].astype(compute_dtype)  # [block_h, L]
-  q_pe = q_ref[:, pl.ds(l, r)].astype(compute_dtype)    # [block_h, R]
-  qk_scale = sm_scale * LOG2E                         # logits in log2 units for exp2
-  cols_nope = jnp.arange(l, dtype=jnp.int32)[None, :]
-  cols_pe = l + jnp.arange(r, dtype=jnp.int32)[None, :]
+    q_nope = q_ref[:, pl.ds(0, l)].astype(compute_dtype)  # [block_h, L]
+    q_pe = q_ref[:, pl.ds(l, r)].astype(compute_dtype)  # [block_h, R]
+    qk_scale = sm_scale * LOG2E  # logits in log2 units for exp2
+    cols_nope = jnp.arange(l, dtype=jnp.int32)[None, :]
+    cols_pe = l + jnp.arange(r, dtype=jnp.int32)[None, :]
 
-  def body(i, carry):
-    acc, m_prev, l_prev = carry
-    tok = split_start + i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [block_kv]
-    tok_ok = tok < end
-    page = pltriton.load(bt_ref.at[lax.shift_right_logical(tok, page_shift)], mask=tok_ok, other=0)
-    row = page * page_size + (tok & (page_size - 1))  # [bkv] rows of the flattened pool
-    # Masked loads: rows past the block's longest length are never read (and read as 0, not NaN).
-    # Columns are int-array indices too (interpret mode cannot mix gathers with slices).
-    row2 = row[:, None]
-    k_nope = pltriton.load(kv_ref.at[row2, cols_nope], mask=tok_ok[:, None], other=0.0)  # [bkv, L]
-    k_pe = pltriton.load(kv_ref.at[row2, cols_pe], mask=tok_ok[:, None], other=0.0)      # [bkv, R]
-    if kv_scale_ref is not None:
-      ks = pltriton.load(kv_scale_ref.at[row], mask=tok_ok, other=0.0)  # [bkv] f32
-    if kv_scale_ref is not None and dequant_tile:
-      # Scale the upcast tile itself, in f32 then one rounding: a scale rounded to bf16 would shift
-      # every logit of its token by the same ~0.2% (lse off by ~5e-2 on long peaky rows).
-      ks_c = ks[:, None]
-      k_nope = (k_nope.astype(jnp.float32) * ks_c).astype(compute_dtype)
-      k_pe = (k_pe.astype(jnp.float32) * ks_c).astype(compute_dtype)
-    else:
-      k_nope = k_nope.astype(compute_dtype)
-      k_pe = k_pe.astype(compute_dtype)
-    dims = (((1,), (1,)), ((), ()))
-    qk = (lax.dot_general(q_nope, k_nope, dims, preferred_element_type=jnp.float32)
-          + lax.dot_general(q_pe, k_pe, dims, preferred_element_type=jnp.float32))  # [bh, bkv]
-    scale_logits = kv_scale_ref is not None and not dequant_tile
-    if scale_logits:  # logits of the fp8 rows times the per-token scale
-      s = qk * (ks * qk_scale)[None, :]
-    else:
-      s = qk * qk_scale
-    valid = tok[None, :] < lens[:, None]  # [bh, bkv]: per-row (causal) length
-    s = jnp.where(valid, s, -jnp.inf)
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    alpha = jnp.exp2(m_prev - m_next)
-    p = jnp.exp2(s - m_next[:, None])
-    l_next = l_prev * alpha + jnp.sum(p, axis=1)
-    if scale_logits:
-      p = p * ks[None, :]  # V = fp8 row * scale: fold the scale into p
-    pv = jnp.dot(p.astype(compute_dtype), k_nope, preferred_element_type=jnp.float32)  # [bh, L]
-    return acc * alpha[:, None] + pv, m_next, l_next
+    def body(i, carry):
+        acc, m_prev, l_prev = carry
+        tok = split_start + i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [block_kv]
+        tok_ok = tok < end
+        page = pltriton.load(bt_ref.at[lax.shift_right_logical(tok, page_shift)], mask=tok_ok, other=0)
+        row = page * page_size + (tok & (page_size - 1))  # [bkv] rows of the flattened pool
+        # Masked loads: rows past the block's longest length are never read (and read as 0, not NaN).
+        # Columns are int-array indices too (interpret mode cannot mix gathers with slices).
+        row2 = row[:, None]
+        k_nope = pltriton.load(kv_ref.at[row2, cols_nope], mask=tok_ok[:, None], other=0.0)  # [bkv, L]
+        k_pe = pltriton.load(kv_ref.at[row2, cols_pe], mask=tok_ok[:, None], other=0.0)  # [bkv, R]
+        if kv_scale_ref is not None:
+            ks = pltriton.load(kv_scale_ref.at[row], mask=tok_ok, other=0.0)  # [bkv] f32
+        if kv_scale_ref is not None and dequant_tile:
+            # Scale the upcast tile itself, in f32 then one rounding: a scale rounded to bf16 would shift
+            # every logit of its token by the same ~0.2% (lse off by ~5e-2 on long peaky rows).
+            ks_c = ks[:, None]
+            k_nope = (k_nope.astype(jnp.float32) * ks_c).astype(compute_dtype)
+            k_pe = (k_pe.astype(jnp.float32) * ks_c).astype(compute_dtype)
+        else:
+            k_nope = k_nope.astype(compute_dtype)
+            k_pe = k_pe.astype(compute_dtype)
+        dims = (((1,), (1,)), ((), ()))
+        qk = lax.dot_general(q_nope, k_nope, dims, preferred_element_type=jnp.float32) + lax.dot_general(
+            q_pe, k_pe, dims, preferred_element_type=jnp.float32
+        )  # [bh, bkv]
+        scale_logits = kv_scale_ref is not None and not dequant_tile
+        if scale_logits:  # logits of the fp8 rows times the per-token scale
+            s = qk * (ks * qk_scale)[None, :]
+        else:
+            s = qk * qk_scale
+        valid = tok[None, :] < lens[:, None]  # [bh, bkv]: per-row (causal) length
+        s = jnp.where(valid, s, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - m_next[:, None])
+        l_next = l_prev * alpha + jnp.sum(p, axis=1)
+        if scale_logits:
+            p = p * ks[None, :]  # V = fp8 row * scale: fold the scale into p
+        pv = jnp.dot(p.astype(compute_dtype), k_nope, preferred_element_type=jnp.float32)  # [bh, L]
+        return acc * alpha[:, None] + pv, m_next, l_next
 
-  acc = jnp.zeros((block_h, l), jnp.float32)
-  m_i = jnp.full((block_h,), M_INIT, jnp.float32)
-  l_i = jnp.zeros((block_h,), jnp.float32)
-  acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
+    acc = jnp.zeros((block_h, l), jnp.float32)
+    m_i = jnp.full((block_h,), M_INIT, jnp.float32)
+    l_i = jnp.zeros((block_h,), jnp.float32)
+    acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
 
-  has = l_i > 0
-  inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
-  o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
+    has = l_i > 0
+    inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+    o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
 
 
 def merge_splits_reference(o_part, lse_part):
-  """LSE-merge of per-split partials: o_part f32[..., S, M, L], lse_part f32[..., S, M] (plain jnp).
-  A split with lse -inf (no keys; its o_part may be unwritten memory) contributes nothing."""
-  lse_max = jnp.max(lse_part, axis=-2)                       # [..., M]
-  safe = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-  alive = jnp.isfinite(lse_part)
-  w = jnp.where(alive, jnp.exp(lse_part - safe[..., None, :]), 0.0)   # [..., S, M]
-  denom = jnp.sum(w, axis=-2)
-  # Multiply-and-sum rather than einsum: XLA fuses it into one column reduction over S (an
-  # einsum becomes a batched GEMV with K=S).
-  out = jnp.sum(jnp.where(alive[..., None], w[..., None] * o_part, 0.0), axis=-3)  # [..., M, L]
-  has = denom > 0
-  out = out * jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)[..., None]
-  lse = jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)
-  return out, lse
+    """LSE-merge of per-split partials: o_part f32[..., S, M, L], lse_part f32[..., S, M] (plain jnp).
+    A split with lse -inf (no keys; its o_part may be unwritten memory) contributes nothing."""
+    lse_max = jnp.max(lse_part, axis=-2)  # [..., M]
+    safe = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    alive = jnp.isfinite(lse_part)
+    w = jnp.where(alive, jnp.exp(lse_part - safe[..., None, :]), 0.0)  # [..., S, M]
+    denom = jnp.sum(w, axis=-2)
+    # Multiply-and-sum rather than einsum: XLA fuses it into one column reduction over S (an
+    # einsum becomes a batched GEMV with K=S).
+    out = jnp.sum(jnp.where(alive[..., None], w[..., None] * o_part, 0.0), axis=-3)  # [..., M, L]
+    has = denom > 0
+    out = out * jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)[..., None]
+    lse = jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)
+    return out, lse
 
 
 _MERGE_TILE = 8192  # f32 elements of partials one merge program holds: [S', block_l]
 
 
-def _merge_splits_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, s_pad: int,
-                         rows_m: int):
-  """Program (row, j) of grid (B*M, L / block_l): row b*M+m's S partials over one column block.
-  The row's merged lse goes out as an [S'] vector (the kernel's vectors are S' wide; Triton has no
-  scalar block store), read back at [..., 0]."""
-  block_l = out_ref.shape[-1]
-  row, j = pl.program_id(0), pl.program_id(1)
-  b = row // rows_m
-  s = jnp.arange(s_pad, dtype=jnp.int32)
-  s_ok = s < splits
-  part = (b * splits + s) * rows_m + (row - b * rows_m)     # [S'] rows of the [B*S*M, L] partials
-  lse = pltriton.load(lse_ref.at[part], mask=s_ok, other=-jnp.inf)   # [S']
-  alive = lse > -jnp.inf
-  lse_max = jnp.max(lse)
-  safe = jnp.where(lse_max > -jnp.inf, lse_max, 0.0)
-  w = jnp.where(alive, jnp.exp(lse - safe), 0.0)
-  denom = jnp.sum(w)
-  cols = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
-  # Dead splits are never read: an sm90 piece with no pages leaves its partial unwritten.
-  o = pltriton.load(o_ref.at[part[:, None], cols[None, :]], mask=alive[:, None], other=0.0)
-  has = denom > 0
-  inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)
-  out_ref[...] = (jnp.sum(w[:, None] * o, axis=0) * inv).astype(out_ref.dtype)
-  lse_out_ref[...] = jnp.full(lse_out_ref.shape, jnp.where(has, safe + jnp.log(jnp.where(
-      has, denom, 1.0)), -jnp.inf), jnp.float32)
+def _merge_splits_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, s_pad: int, rows_m: int):
+    """Program (row, j) of grid (B*M, L / block_l): row b*M+m's S partials over one column block.
+    The row's merged lse goes out as an [S'] vector (the kernel's vectors are S' wide; Triton has no
+    scalar block store), read back at [..., 0]."""
+    block_l = out_ref.shape[-1]
+    row, j = pl.program_id(0), pl.program_id(1)
+    b = row // rows_m
+    s = jnp.arange(s_pad, dtype=jnp.int32)
+    s_ok = s < splits
+    part = (b * splits + s) * rows_m + (row - b * rows_m)  # [S'] rows of the [B*S*M, L] partials
+    lse = pltriton.load(lse_ref.at[part], mask=s_ok, other=-jnp.inf)  # [S']
+    alive = lse > -jnp.inf
+    lse_max = jnp.max(lse)
+    safe = jnp.where(lse_max > -jnp.inf, lse_max, 0.0)
+    w = jnp.where(alive, jnp.exp(lse - safe), 0.0)
+    denom = jnp.sum(w)
+    cols = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
+    # Dead splits are never read: an sm90 piece with no pages leaves its partial unwritten.
+    o = pltriton.load(o_ref.at[part[:, None], cols[None, :]], mask=alive[:, None], other=0.0)
+    has = denom > 0
+    inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)
+    out_ref[...] = (jnp.sum(w[:, None] * o, axis=0) * inv).astype(out_ref.dtype)
+    lse_out_ref[...] = jnp.full(
+        lse_out_ref.shape, jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf), jnp.float32
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def merge_splits(o_part, lse_part, *, out_dtype=jnp.float32, interpret=False):
-  """`merge_splits_reference` as one Pallas kernel: (out [B, M, L] out_dtype, lse f32[B, M]) from
-  o_part f32[B, S, M, L], lse_part f32[B, S, M]. One launch and one pass over the partials, where
-  XLA's version takes 5-7 kernels, a third of a short many-split decode such as (1, 128, 32k) on
-  the H200 (docs/perf-notes.md)."""
-  b, splits, m, l = o_part.shape
-  s_pad = next_pow2(splits)
-  if l & (l - 1):   # Triton tiles are powers of two
-    out, lse = merge_splits_reference(o_part, lse_part)
-    return out.astype(out_dtype), lse
-  block_l = min(l, max(16, _MERGE_TILE // s_pad))
-  n_lb = l // block_l
-  out, lse = pl.pallas_call(
-      functools.partial(_merge_splits_kernel, splits=splits, s_pad=s_pad, rows_m=m),
-      grid=(b * m, n_lb),
-      in_specs=[pl.BlockSpec((b * splits * m, l), lambda r, j: (0, 0)),
-                pl.BlockSpec((b * splits * m,), lambda r, j: (0,))],
-      out_specs=[pl.BlockSpec((None, block_l), lambda r, j: (r, j)),
-                 pl.BlockSpec((None, None, s_pad), lambda r, j: (r, j, 0))],
-      out_shape=[jax.ShapeDtypeStruct((b * m, l), out_dtype),
-                 jax.ShapeDtypeStruct((b * m, n_lb, s_pad), jnp.float32)],
-      interpret=interpret,
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-      name=f"mla_decode_merge_s{splits}",
-  )(o_part.reshape(b * splits * m, l), lse_part.reshape(b * splits * m))
-  return out.reshape(b, m, l), lse[:, 0, 0].reshape(b, m)
+    """`merge_splits_reference` as one Pallas kernel: (out [B, M, L] out_dtype, lse f32[B, M]) from
+    o_part f32[B, S, M, L], lse_part f32[B, S, M]. One launch and one pass over the partials, where
+    XLA's version takes 5-7 kernels, a third of a short many-split decode such as (1, 128, 32k) on
+    the H200 (docs/perf-notes.md)."""
+    b, splits, m, l = o_part.shape
+    s_pad = next_pow2(splits)
+    if l & (l - 1):  # Triton tiles are powers of two
+        out, lse = merge_splits_reference(o_part, lse_part)
+        return out.astype(out_dtype), lse
+    block_l = min(l, max(16, _MERGE_TILE // s_pad))
+    n_lb = l // block_l
+    out, lse = pl.pallas_call(
+        functools.partial(_merge_splits_kernel, splits=splits, s_pad=s_pad, rows_m=m),
+        grid=(b * m, n_lb),
+        in_specs=[
+            pl.BlockSpec((b * splits * m, l), lambda r, j: (0, 0)),
+            pl.BlockSpec((b * splits * m,), lambda r, j: (0,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, block_l), lambda r, j: (r, j)),
+            pl.BlockSpec((None, None, s_pad), lambda r, j: (r, j, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b * m, l), out_dtype),
+            jax.ShapeDtypeStruct((b * m, n_lb, s_pad), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name=f"mla_decode_merge_s{splits}",
+    )(o_part.reshape(b * splits * m, l), lse_part.reshape(b * splits * m))
+    return out.reshape(b, m, l), lse[:, 0, 0].reshape(b, m)
 
 
 def segments_from_slot_tile(slot_tile, num_tiles: int):
-  """(seg_first, seg_count) i32[U] from slot_tile i32[P], the tile of each partial slot or -1 for
-  an unused slot. A tile's slots must be consecutive; a tile with no slot gets (0, 0)."""
-  p = slot_tile.shape[0]
-  ids = jnp.where(slot_tile >= 0, slot_tile, num_tiles)          # [P]; bin U collects unused slots
-  count = jnp.zeros((num_tiles + 1,), jnp.int32).at[ids].add(1)[:num_tiles]
-  first = jnp.full((num_tiles + 1,), p, jnp.int32).at[ids].min(
-      jnp.arange(p, dtype=jnp.int32))[:num_tiles]
-  return jnp.where(count > 0, first, 0), count
+    """(seg_first, seg_count) i32[U] from slot_tile i32[P], the tile of each partial slot or -1 for
+    an unused slot. A tile's slots must be consecutive; a tile with no slot gets (0, 0)."""
+    p = slot_tile.shape[0]
+    ids = jnp.where(slot_tile >= 0, slot_tile, num_tiles)  # [P]; bin U collects unused slots
+    count = jnp.zeros((num_tiles + 1,), jnp.int32).at[ids].add(1)[:num_tiles]
+    first = jnp.full((num_tiles + 1,), p, jnp.int32).at[ids].min(jnp.arange(p, dtype=jnp.int32))[:num_tiles]
+    return jnp.where(count > 0, first, 0), count
 
 
 def merge_segments_reference(out, lse, o_part, lse_part, seg_first, seg_count):
-  """Plain-jnp (segment_sum) `merge_segments`: tiles with seg_count >= 2 get the LSE merge of their
-  slots seg_first .. seg_first + seg_count - 1 (math of `merge_splits_reference`); the others keep
-  out/lse. out [U, M, L], lse f32[U, M], o_part f32[P * M, L], lse_part f32[P * M]."""
-  u, m, l = out.shape
-  p = lse_part.shape[0] // m
-  s = jnp.arange(p, dtype=jnp.int32)
-  split = seg_count >= 2                                                          # [U]
-  in_seg = split[:, None] & (s >= seg_first[:, None]) & (s < (seg_first + seg_count)[:, None])
-  owner = jnp.where(jnp.any(in_seg, axis=0), jnp.argmax(in_seg, axis=0), u)      # [P]; U: none
-  used = owner < u
-  lse_s = jnp.where(used[:, None], lse_part.reshape(p, m), -jnp.inf)             # [P, M]
-  lse_max = jax.ops.segment_max(lse_s, owner, num_segments=u)                    # [U, M]
-  safe = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-  alive = jnp.isfinite(lse_s)
-  w = jnp.where(alive, jnp.exp(lse_s - safe[jnp.minimum(owner, u - 1)]), 0.0)   # [P, M]
-  # Dead partials (and unused slots) may hold NaN: select them away before the multiply.
-  o = jnp.where(alive[..., None], o_part.reshape(p, m, l), 0.0)
-  num = jax.ops.segment_sum(w[..., None] * o, owner, num_segments=u)            # [U, M, L]
-  den = jax.ops.segment_sum(w, owner, num_segments=u)                           # [U, M]
-  has = den > 0
-  merged = num * jnp.where(has, 1.0 / jnp.where(has, den, 1.0), 0.0)[..., None]
-  merged_lse = jnp.where(has, safe + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
-  out = jnp.where(split[:, None, None], merged.astype(out.dtype), out)
-  lse = jnp.where(split[:, None], merged_lse, lse)
-  return out, lse
+    """Plain-jnp (segment_sum) `merge_segments`: tiles with seg_count >= 2 get the LSE merge of their
+    slots seg_first .. seg_first + seg_count - 1 (math of `merge_splits_reference`); the others keep
+    out/lse. out [U, M, L], lse f32[U, M], o_part f32[P * M, L], lse_part f32[P * M]."""
+    u, m, l = out.shape
+    p = lse_part.shape[0] // m
+    s = jnp.arange(p, dtype=jnp.int32)
+    split = seg_count >= 2  # [U]
+    in_seg = split[:, None] & (s >= seg_first[:, None]) & (s < (seg_first + seg_count)[:, None])
+    owner = jnp.where(jnp.any(in_seg, axis=0), jnp.argmax(in_seg, axis=0), u)  # [P]; U: none
+    used = owner < u
+    lse_s = jnp.where(used[:, None], lse_part.reshape(p, m), -jnp.inf)  # [P, M]
+    lse_max = jax.ops.segment_max(lse_s, owner, num_segments=u)  # [U, M]
+    safe = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    alive = jnp.isfinite(lse_s)
+    w = jnp.where(alive, jnp.exp(lse_s - safe[jnp.minimum(owner, u - 1)]), 0.0)  # [P, M]
+    # Dead partials (and unused slots) may hold NaN: select them away before the multiply.
+    o = jnp.where(alive[..., None], o_part.reshape(p, m, l), 0.0)
+    num = jax.ops.segment_sum(w[..., None] * o, owner, num_segments=u)  # [U, M, L]
+    den = jax.ops.segment_sum(w, owner, num_segments=u)  # [U, M]
+    has = den > 0
+    merged = num * jnp.where(has, 1.0 / jnp.where(has, den, 1.0), 0.0)[..., None]
+    merged_lse = jnp.where(has, safe + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
+    out = jnp.where(split[:, None, None], merged.astype(out.dtype), out)
+    lse = jnp.where(split[:, None], merged_lse, lse)
+    return out, lse
 
 
 _SEG_CHUNK = 16  # segments per step of `merge_segments`' loop: [chunk, block_l] partials per load
 
 
-def _merge_segments_kernel(tile_ref, first_ref, count_ref, o_part_ref, lse_part_ref, out_in,
-                           lse_in, out_ref, lse_out_ref, *, num_tiles: int, slots: int, s_pad: int,
-                           chunk: int, block_l: int):
-  """Program (r, m, j) of grid (R, M, L / block_l): row m of the r-th split tile over one column
-  block. out_ref/lse_out_ref are the whole [U, M, L] / [U, M] arrays, aliased to out_in/lse_in."""
-  del out_in, lse_in   # same buffers as out_ref/lse_out_ref
-  rows_m = out_ref.shape[1]
-  r, m, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  tile, first, count = tile_ref[r], first_ref[r], count_ref[r]
+def _merge_segments_kernel(
+    tile_ref,
+    first_ref,
+    count_ref,
+    o_part_ref,
+    lse_part_ref,
+    out_in,
+    lse_in,
+    out_ref,
+    lse_out_ref,
+    *,
+    num_tiles: int,
+    slots: int,
+    s_pad: int,
+    chunk: int,
+    block_l: int,
+):
+    """Program (r, m, j) of grid (R, M, L / block_l): row m of the r-th split tile over one column
+    block. out_ref/lse_out_ref are the whole [U, M, L] / [U, M] arrays, aliased to out_in/lse_in."""
+    del out_in, lse_in  # same buffers as out_ref/lse_out_ref
+    rows_m = out_ref.shape[1]
+    r, m, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tile, first, count = tile_ref[r], first_ref[r], count_ref[r]
 
-  @pl.when(tile < num_tiles)   # padding entries of the split-tile list: nothing to do
-  def _():
-    # All the row's lse values at once (S' >= count): the max and the denominator.
-    s = jnp.arange(s_pad, dtype=jnp.int32)
-    part = jnp.minimum(first + s, slots - 1) * rows_m + m                 # [S'] rows of o_part
-    lse = pltriton.load(lse_part_ref.at[part], mask=s < count, other=-jnp.inf)
-    lse_max = jnp.max(lse)
-    safe = jnp.where(lse_max > -jnp.inf, lse_max, 0.0)
-    denom = jnp.sum(jnp.where(lse > -jnp.inf, jnp.exp(lse - safe), 0.0))
-    cols = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
-
-    def step(c, acc):   # segments c*chunk .. c*chunk + chunk - 1
-      sc = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-      pc = jnp.minimum(first + sc, slots - 1) * rows_m + m                # [chunk]
-      lc = pltriton.load(lse_part_ref.at[pc], mask=sc < count, other=-jnp.inf)
-      alive = lc > -jnp.inf
-      w = jnp.where(alive, jnp.exp(lc - safe), 0.0)
-      # Dead partials are never read: an sm90 piece with no pages leaves its partial unwritten.
-      o = pltriton.load(o_part_ref.at[pc[:, None], cols[None, :]], mask=alive[:, None],
-                        other=0.0)                                        # [chunk, block_l]
-      return acc + jnp.sum(w[:, None] * o, axis=0)                        # [block_l]
-
-    acc = lax.fori_loop(0, (count + chunk - 1) // chunk, step,
-                        jnp.zeros((block_l,), jnp.float32))
-    has = denom > 0
-    inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)
-    pltriton.store(out_ref.at[tile, m, pl.ds(j * block_l, block_l)],
-                   (acc * inv).astype(out_ref.dtype))
-
-    @pl.when(j == 0)
+    @pl.when(tile < num_tiles)  # padding entries of the split-tile list: nothing to do
     def _():
-      pltriton.store(lse_out_ref.at[tile, m],
-                     jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf))
+        # All the row's lse values at once (S' >= count): the max and the denominator.
+        s = jnp.arange(s_pad, dtype=jnp.int32)
+        part = jnp.minimum(first + s, slots - 1) * rows_m + m  # [S'] rows of o_part
+        lse = pltriton.load(lse_part_ref.at[part], mask=s < count, other=-jnp.inf)
+        lse_max = jnp.max(lse)
+        safe = jnp.where(lse_max > -jnp.inf, lse_max, 0.0)
+        denom = jnp.sum(jnp.where(lse > -jnp.inf, jnp.exp(lse - safe), 0.0))
+        cols = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
+
+        def step(c, acc):  # segments c*chunk .. c*chunk + chunk - 1
+            sc = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            pc = jnp.minimum(first + sc, slots - 1) * rows_m + m  # [chunk]
+            lc = pltriton.load(lse_part_ref.at[pc], mask=sc < count, other=-jnp.inf)
+            alive = lc > -jnp.inf
+            w = jnp.where(alive, jnp.exp(lc - safe), 0.0)
+            # Dead partials are never read: an sm90 piece with no pages leaves its partial unwritten.
+            o = pltriton.load(
+                o_part_ref.at[pc[:, None], cols[None, :]], mask=alive[:, None], other=0.0
+            )  # [chunk, block_l]
+            return acc + jnp.sum(w[:, None] * o, axis=0)  # [block_l]
+
+        acc = lax.fori_loop(0, (count + chunk - 1) // chunk, step, jnp.zeros((block_l,), jnp.float32))
+        has = denom > 0
+        inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)
+        pltriton.store(out_ref.at[tile, m, pl.ds(j * block_l, block_l)], (acc * inv).astype(out_ref.dtype))
+
+        @pl.when(j == 0)
+        def _():
+            pltriton.store(
+                lse_out_ref.at[tile, m], jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)
+            )
 
 
 @functools.partial(jax.jit, static_argnames=("max_segment", "interpret"))
-def merge_segments(out, lse, o_part, lse_part, seg_first, seg_count, *, max_segment=None,
-                   interpret=False):
-  """`merge_segments_reference` as one Pallas kernel, in place: (out [U, M, L], lse f32[U, M]) with
-  each split tile (seg_count >= 2) replaced by the LSE merge of its slots of o_part f32[P * M, L],
-  lse_part f32[P * M]. Replaces the work-list merge's XLA segment_sum (it scatters ~23 MB over
-  every slot and tile; ~9x slower on the H200, docs/perf-notes.md): one launch that reads only
-  live split slots and writes only split tiles. out/lse are aliased to the
-  outputs: where out is dead after the call (the sm90 decode) unsplit tiles are neither read nor
-  copied; a standalone call copies out once.
+def merge_segments(out, lse, o_part, lse_part, seg_first, seg_count, *, max_segment=None, interpret=False):
+    """`merge_segments_reference` as one Pallas kernel, in place: (out [U, M, L], lse f32[U, M]) with
+    each split tile (seg_count >= 2) replaced by the LSE merge of its slots of o_part f32[P * M, L],
+    lse_part f32[P * M]. Replaces the work-list merge's XLA segment_sum (it scatters ~23 MB over
+    every slot and tile; ~9x slower on the H200, docs/perf-notes.md): one launch that reads only
+    live split slots and writes only split tiles. out/lse are aliased to the
+    outputs: where out is dead after the call (the sm90 decode) unsplit tiles are neither read nor
+    copied; a standalone call copies out once.
 
-  Segments of different tiles must be disjoint (so at most R = min(U, P // 2) tiles are split) and
-  seg_count <= max_segment (static; default P). Grid (R, M, L / block_l) over the compacted list of
-  split tiles, padded to R (padding programs exit at once), rather than over all U tiles: the grid
-  is static and most tiles are usually whole. A program loops over its tile's segments in chunks
-  of min(S', 16) (S' = next power of two of max_segment; the lse max and denominator use one
-  S'-wide load), so its column block can be wide (_MERGE_TILE / chunk: all of L = 512) and the
-  grid small: 88 x 64 programs at work-list size on the H200 (177 slots, S' = 256), where
-  S'-wide [S', 32] blocks as in merge_splits would launch 16x as many, nearly all masked off."""
-  u, m, l = out.shape
-  slots = lse_part.shape[0] // m
-  max_segment = slots if max_segment is None else int(max_segment)
-  n_split = min(u, slots // 2)
-  if l & (l - 1) or n_split == 0:   # Triton tiles are powers of two
-    return merge_segments_reference(out, lse, o_part, lse_part, seg_first, seg_count)
-  s_pad = next_pow2(max(max_segment, 1))
-  chunk = min(s_pad, _SEG_CHUNK)
-  block_l = min(l, max(16, _MERGE_TILE // chunk))
-  # The r-th split tile (U: padding), its first slot and its segment count (0: padding).
-  tile = jnp.nonzero(seg_count >= 2, size=n_split, fill_value=u)[0].astype(jnp.int32)   # [R]
-  safe_tile = jnp.minimum(tile, u - 1)
-  first = seg_first[safe_tile].astype(jnp.int32)
-  count = jnp.where(tile < u, seg_count[safe_tile], 0).astype(jnp.int32)
-  whole = lambda shape: pl.BlockSpec(shape, lambda r, i, j: (0,) * len(shape))  # noqa: E731
-  return pl.pallas_call(
-      functools.partial(_merge_segments_kernel, num_tiles=u, slots=slots, s_pad=s_pad,
-                        chunk=chunk, block_l=block_l),
-      grid=(n_split, m, l // block_l),
-      # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
-      # kernel indexes rows and tiles itself.
-      in_specs=[whole((n_split,))] * 3 + [whole((slots * m, l)), whole((slots * m,)),
-                                          whole((u, m, l)), whole((u, m))],
-      out_specs=[whole((u, m, l)), whole((u, m))],
-      out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype),
-                 jax.ShapeDtypeStruct(lse.shape, jnp.float32)],
-      input_output_aliases={5: 0, 6: 1},
-      interpret=interpret,
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-      name=f"mla_decode_merge_segments_s{s_pad}",
-  )(tile, first, count, o_part, lse_part, out, lse.astype(jnp.float32))
+    Segments of different tiles must be disjoint (so at most R = min(U, P // 2) tiles are split) and
+    seg_count <= max_segment (static; default P). Grid (R, M, L / block_l) over the compacted list of
+    split tiles, padded to R (padding programs exit at once), rather than over all U tiles: the grid
+    is static and most tiles are usually whole. A program loops over its tile's segments in chunks
+    of min(S', 16) (S' = next power of two of max_segment; the lse max and denominator use one
+    S'-wide load), so its column block can be wide (_MERGE_TILE / chunk: all of L = 512) and the
+    grid small: 88 x 64 programs at work-list size on the H200 (177 slots, S' = 256), where
+    S'-wide [S', 32] blocks as in merge_splits would launch 16x as many, nearly all masked off."""
+    u, m, l = out.shape
+    slots = lse_part.shape[0] // m
+    max_segment = slots if max_segment is None else int(max_segment)
+    n_split = min(u, slots // 2)
+    if l & (l - 1) or n_split == 0:  # Triton tiles are powers of two
+        return merge_segments_reference(out, lse, o_part, lse_part, seg_first, seg_count)
+    s_pad = next_pow2(max(max_segment, 1))
+    chunk = min(s_pad, _SEG_CHUNK)
+    block_l = min(l, max(16, _MERGE_TILE // chunk))
+    # The r-th split tile (U: padding), its first slot and its segment count (0: padding).
+    tile = jnp.nonzero(seg_count >= 2, size=n_split, fill_value=u)[0].astype(jnp.int32)  # [R]
+    safe_tile = jnp.minimum(tile, u - 1)
+    first = seg_first[safe_tile].astype(jnp.int32)
+    count = jnp.where(tile < u, seg_count[safe_tile], 0).astype(jnp.int32)
+    whole = lambda shape: pl.BlockSpec(shape, lambda r, i, j: (0,) * len(shape))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_merge_segments_kernel, num_tiles=u, slots=slots, s_pad=s_pad, chunk=chunk, block_l=block_l),
+        grid=(n_split, m, l // block_l),
+        # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
+        # kernel indexes rows and tiles itself.
+        in_specs=[whole((n_split,))] * 3
+        + [whole((slots * m, l)), whole((slots * m,)), whole((u, m, l)), whole((u, m))],
+        out_specs=[whole((u, m, l)), whole((u, m))],
+        out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32)],
+        input_output_aliases={5: 0, 6: 1},
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name=f"mla_decode_merge_segments_s{s_pad}",
+    )(tile, first, count, o_part, lse_part, out, lse.astype(jnp.float32))
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "batch_invariant", "interpret",
-                     "block_h", "block_kv", "num_warps", "num_stages", "fp8_mode",
-                     "return_partials"),
+    static_argnames=(
+        "scale",
+        "kv_lora_rank",
+        "num_kv_splits",
+        "batch_invariant",
+        "interpret",
+        "block_h",
+        "block_kv",
+        "num_warps",
+        "num_stages",
+        "fp8_mode",
+        "return_partials",
+    ),
 )
-def _mla_decode_impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank,
-                     num_kv_splits, batch_invariant, interpret, block_h, block_kv, num_warps,
-                     num_stages, fp8_mode=None, return_partials=False):
-  b, nq, n, d = q.shape
-  l = kv_lora_rank
-  r = d - l
-  num_pages, g, _ = cache.shape
-  max_pages = block_table.shape[1]
-  capacity = max_pages * g
-  m_rows = nq * n
-  is_fp8 = jnp.dtype(cache.dtype) == FP8
-  compute_dtype = q.dtype if is_fp8 else jnp.promote_types(q.dtype, cache.dtype)
-  block_h, block_kv, num_warps, num_stages, fp8_mode = _default_tuning(
-      m_rows, l, r, cache.dtype, compute_dtype, block_h, block_kv, num_warps, num_stages,
-      fp8_mode)
+def _mla_decode_impl(
+    q,
+    cache,
+    block_table,
+    seq_lens,
+    kv_scale,
+    *,
+    scale,
+    kv_lora_rank,
+    num_kv_splits,
+    batch_invariant,
+    interpret,
+    block_h,
+    block_kv,
+    num_warps,
+    num_stages,
+    fp8_mode=None,
+    return_partials=False,
+):
+    b, nq, n, d = q.shape
+    l = kv_lora_rank
+    r = d - l
+    num_pages, g, _ = cache.shape
+    max_pages = block_table.shape[1]
+    capacity = max_pages * g
+    m_rows = nq * n
+    is_fp8 = jnp.dtype(cache.dtype) == FP8
+    compute_dtype = q.dtype if is_fp8 else jnp.promote_types(q.dtype, cache.dtype)
+    block_h, block_kv, num_warps, num_stages, fp8_mode = _default_tuning(
+        m_rows, l, r, cache.dtype, compute_dtype, block_h, block_kv, num_warps, num_stages, fp8_mode
+    )
 
-  # Splits: static (seq_lens are traced), from the capacity; page- and step-aligned.
-  if batch_invariant:
-    num_splits = 1
-  elif num_kv_splits is not None:
-    num_splits = num_kv_splits
-  else:
-    num_splits = choose_num_kv_splits(b, m_rows, capacity, num_sms())
-  align = max(g, block_kv)
-  split_tokens = cdiv(cdiv(capacity, num_splits), align) * align
-  num_splits = cdiv(capacity, split_tokens)
+    # Splits: static (seq_lens are traced), from the capacity; page- and step-aligned.
+    if batch_invariant:
+        num_splits = 1
+    elif num_kv_splits is not None:
+        num_splits = num_kv_splits
+    else:
+        num_splits = choose_num_kv_splits(b, m_rows, capacity, num_sms())
+    align = max(g, block_kv)
+    split_tokens = cdiv(cdiv(capacity, num_splits), align) * align
+    num_splits = cdiv(capacity, split_tokens)
 
-  # Fold (Q, N) into rows; pad rows to a multiple of block_h (padding rows get length 0).
-  m_pad = cdiv(m_rows, block_h) * block_h
-  q_rows = q.reshape(b, m_rows, d)                                     # [B, M, L+R]
-  row_lens = jnp.repeat(seq_lens, n, axis=1)                           # [B, M]: row t*N+n -> t
-  if m_pad != m_rows:
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, m_pad - m_rows), (0, 0)))
-    row_lens = jnp.pad(row_lens, ((0, 0), (0, m_pad - m_rows)))
-  row_lens = jnp.minimum(row_lens, capacity)
-  kv_rows = cache.reshape(num_pages * g, d)                            # [num_pages*G, L+R]
-  scale_rows = kv_scale.reshape(num_pages * g) if is_fp8 else None
+    # Fold (Q, N) into rows; pad rows to a multiple of block_h (padding rows get length 0).
+    m_pad = cdiv(m_rows, block_h) * block_h
+    q_rows = q.reshape(b, m_rows, d)  # [B, M, L+R]
+    row_lens = jnp.repeat(seq_lens, n, axis=1)  # [B, M]: row t*N+n -> t
+    if m_pad != m_rows:
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, m_pad - m_rows), (0, 0)))
+        row_lens = jnp.pad(row_lens, ((0, 0), (0, m_pad - m_rows)))
+    row_lens = jnp.minimum(row_lens, capacity)
+    kv_rows = cache.reshape(num_pages * g, d)  # [num_pages*G, L+R]
+    scale_rows = kv_scale.reshape(num_pages * g) if is_fp8 else None
 
-  final = num_splits == 1
-  o_dtype = q.dtype if final and not return_partials else jnp.float32
-  head_blocks = m_pad // block_h
-  grid = (head_blocks, num_splits, b)  # head blocks fastest: programs sharing a KV slice run together
-  kernel = functools.partial(
-      _stage1_kernel, l=l, r=r, page_size=g, block_kv=block_kv, split_tokens=split_tokens,
-      sm_scale=float(scale), compute_dtype=compute_dtype,
-      dequant_tile=is_fp8 and fp8_mode == "dequant_tile")
-  in_specs = [
-      pl.BlockSpec((None, block_h, d), lambda h, s, i: (i, h, 0)),
-      pl.BlockSpec((num_pages * g, d), lambda h, s, i: (0, 0)),
-      pl.BlockSpec((num_pages * g,), lambda h, s, i: (0,)) if is_fp8 else None,
-      pl.BlockSpec((None, max_pages), lambda h, s, i: (i, 0)),
-      pl.BlockSpec((None, block_h), lambda h, s, i: (i, h)),
-  ]
-  out_specs = [
-      pl.BlockSpec((None, None, block_h, l), lambda h, s, i: (i, s, h, 0)),
-      pl.BlockSpec((None, None, block_h), lambda h, s, i: (i, s, h)),
-  ]
-  out_shape = [
-      jax.ShapeDtypeStruct((b, num_splits, m_pad, l), o_dtype),
-      jax.ShapeDtypeStruct((b, num_splits, m_pad), jnp.float32),
-  ]
-  o_part, lse_part = pl.pallas_call(
-      kernel,
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      interpret=interpret,
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      name=f"mla_decode_{block_h=}_{block_kv=}_{num_splits=}_{num_warps=}_{num_stages=}",
-  )(q_rows, kv_rows, scale_rows, block_table, row_lens)
-  if return_partials:
-    return o_part, lse_part
-  if final:
-    out, lse = o_part[:, 0], lse_part[:, 0]
-  else:
-    out, lse = merge_splits(o_part, lse_part, out_dtype=q.dtype, interpret=interpret)
-  out = out[:, :m_rows].reshape(b, nq, n, l).astype(q.dtype)
-  lse = lse[:, :m_rows].reshape(b, nq, n)
-  return out, lse
+    final = num_splits == 1
+    o_dtype = q.dtype if final and not return_partials else jnp.float32
+    head_blocks = m_pad // block_h
+    grid = (head_blocks, num_splits, b)  # head blocks fastest: programs sharing a KV slice run together
+    kernel = functools.partial(
+        _stage1_kernel,
+        l=l,
+        r=r,
+        page_size=g,
+        block_kv=block_kv,
+        split_tokens=split_tokens,
+        sm_scale=float(scale),
+        compute_dtype=compute_dtype,
+        dequant_tile=is_fp8 and fp8_mode == "dequant_tile",
+    )
+    in_specs = [
+        pl.BlockSpec((None, block_h, d), lambda h, s, i: (i, h, 0)),
+        pl.BlockSpec((num_pages * g, d), lambda h, s, i: (0, 0)),
+        pl.BlockSpec((num_pages * g,), lambda h, s, i: (0,)) if is_fp8 else None,
+        pl.BlockSpec((None, max_pages), lambda h, s, i: (i, 0)),
+        pl.BlockSpec((None, block_h), lambda h, s, i: (i, h)),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, block_h, l), lambda h, s, i: (i, s, h, 0)),
+        pl.BlockSpec((None, None, block_h), lambda h, s, i: (i, s, h)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, num_splits, m_pad, l), o_dtype),
+        jax.ShapeDtypeStruct((b, num_splits, m_pad), jnp.float32),
+    ]
+    o_part, lse_part = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"mla_decode_{block_h=}_{block_kv=}_{num_splits=}_{num_warps=}_{num_stages=}",
+    )(q_rows, kv_rows, scale_rows, block_table, row_lens)
+    if return_partials:
+        return o_part, lse_part
+    if final:
+        out, lse = o_part[:, 0], lse_part[:, 0]
+    else:
+        out, lse = merge_splits(o_part, lse_part, out_dtype=q.dtype, interpret=interpret)
+    out = out[:, :m_rows].reshape(b, nq, n, l).astype(q.dtype)
+    lse = lse[:, :m_rows].reshape(b, nq, n)
+    return out, lse
 
 
 def mla_decode(
-    q,                    # [B, Q, N, L+R] bf16/f16/f32: absorbed q_nope (L) then q_pe (R)
+    q,  # [B, Q, N, L+R] bf16/f16/f32: absorbed q_nope (L) then q_pe (R)
     kv_c_and_k_pe_cache,  # [num_pages, G, L+R] bf16/f16/f32, or float8_e4m3fn with kv_scale
-    block_table,          # i32[B, max_pages]
-    seq_lens,             # i32[B, Q]: cache tokens query row (b, t) attends to; 0 = empty row
+    block_table,  # i32[B, max_pages]
+    seq_lens,  # i32[B, Q]: cache tokens query row (b, t) attends to; 0 = empty row
     *,
     scale: float,
-    kv_scale=None,        # f32[num_pages, G]: row value = fp8 row * kv_scale (fp8 cache only)
+    kv_scale=None,  # f32[num_pages, G]: row value = fp8 row * kv_scale (fp8 cache only)
     kv_lora_rank: int = 512,
     num_kv_splits: int | None = None,
     batch_invariant: bool = False,
@@ -492,56 +548,108 @@ def mla_decode(
     num_stages: int | None = None,
     fp8_mode: str | None = None,
 ):
-  """Paged latent-MQA decode attention. Returns (out [B, Q, N, L] in q.dtype, lse f32[B, Q, N]).
+    """Paged latent-MQA decode attention. Returns (out [B, Q, N, L] in q.dtype, lse f32[B, Q, N]).
 
-  lse is the natural log of sum(exp(scale * logits)) over the attended tokens; rows with seq_len 0
-  give out 0 and lse -inf. Lengths beyond the block table's capacity (max_pages * G) are clamped.
+    lse is the natural log of sum(exp(scale * logits)) over the attended tokens; rows with seq_len 0
+    give out 0 and lse -inf. Lengths beyond the block table's capacity (max_pages * G) are clamped.
 
-  num_kv_splits: static stage-1 split count (None: `choose_num_kv_splits` on the static capacity).
-  batch_invariant: one split, so a request's result is bitwise independent of the rest of the batch.
-  Tuning (None = defaults for H200): block_h rows of Q*N per program (pow2 >= 16), block_kv tokens
-  per step (pow2 >= 16, independent of the page size), num_warps, num_stages (Triton pipelining),
-  fp8_mode: "scale_logits" (per-token scale on logits and p) or "dequant_tile" (scale the upcast tile).
-  """
-  validate_decode(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank,
-                  num_kv_splits, scale, block_h, block_kv, num_warps, num_stages, fp8_mode)
-  return _mla_decode_impl(
-      q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, scale=float(scale),
-      kv_lora_rank=int(kv_lora_rank), num_kv_splits=num_kv_splits,
-      batch_invariant=bool(batch_invariant), interpret=bool(interpret), block_h=block_h,
-      block_kv=block_kv, num_warps=num_warps, num_stages=num_stages, fp8_mode=fp8_mode)
+    num_kv_splits: static stage-1 split count (None: `choose_num_kv_splits` on the static capacity).
+    batch_invariant: one split, so a request's result is bitwise independent of the rest of the batch.
+    Tuning (None = defaults for H200): block_h rows of Q*N per program (pow2 >= 16), block_kv tokens
+    per step (pow2 >= 16, independent of the page size), num_warps, num_stages (Triton pipelining),
+    fp8_mode: "scale_logits" (per-token scale on logits and p) or "dequant_tile" (scale the upcast tile).
+    """
+    validate_decode(
+        q,
+        kv_c_and_k_pe_cache,
+        block_table,
+        seq_lens,
+        kv_scale,
+        kv_lora_rank,
+        num_kv_splits,
+        scale,
+        block_h,
+        block_kv,
+        num_warps,
+        num_stages,
+        fp8_mode,
+    )
+    return _mla_decode_impl(
+        q,
+        kv_c_and_k_pe_cache,
+        block_table,
+        seq_lens,
+        kv_scale,
+        scale=float(scale),
+        kv_lora_rank=int(kv_lora_rank),
+        num_kv_splits=num_kv_splits,
+        batch_invariant=bool(batch_invariant),
+        interpret=bool(interpret),
+        block_h=block_h,
+        block_kv=block_kv,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        fp8_mode=fp8_mode,
+    )
 
 
 def mla_decode_reference(
-    q, kv_c_and_k_pe_cache, block_table, seq_lens, *, scale: float, kv_scale=None,
-    kv_lora_rank: int = 512, num_kv_splits=None, batch_invariant=False, interpret=False,
-    block_h=None, block_kv=None, num_warps=None, num_stages=None, fp8_mode=None,
+    q,
+    kv_c_and_k_pe_cache,
+    block_table,
+    seq_lens,
+    *,
+    scale: float,
+    kv_scale=None,
+    kv_lora_rank: int = 512,
+    num_kv_splits=None,
+    batch_invariant=False,
+    interpret=False,
+    block_h=None,
+    block_kv=None,
+    num_warps=None,
+    num_stages=None,
+    fp8_mode=None,
 ):
-  """Float32 reference on rows gathered per request (un-paged). Same signature and outputs."""
-  del num_kv_splits, batch_invariant, interpret, block_h, block_kv, num_warps, num_stages, fp8_mode
-  validate_decode(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank, None,
-                  scale, None, None, None, None, for_kernel=False)
-  b, nq, n, d = q.shape
-  l = kv_lora_rank
-  _, g, _ = kv_c_and_k_pe_cache.shape
-  ctx = block_table.shape[1] * g
-  kv = kv_c_and_k_pe_cache[block_table].astype(jnp.float32)           # [B, max_pages, G, L+R]
-  if kv_scale is not None:
-    kv = kv * kv_scale[block_table][..., None]
-  kv = kv.reshape(b, ctx, d)                                           # [B, ctx, L+R]
-  pos = jnp.arange(ctx, dtype=jnp.int32)
-  # Zero rows no query row of the request attends to, so garbage there cannot reach p @ v.
-  kv = jnp.where((pos[None, :] < jnp.max(seq_lens, axis=1)[:, None])[..., None], kv, 0.0)
-  logits = scale * jnp.einsum("bqnd,bsd->bqns", q.astype(jnp.float32), kv,
-                              precision=lax.Precision.HIGHEST)         # [B, Q, N, ctx]
-  mask = (pos[None, None, :] < seq_lens[:, :, None])[:, :, None, :]   # [B, Q, 1, ctx]
-  logits = jnp.where(mask, logits, -jnp.inf)
-  m = jnp.max(logits, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  e = jnp.exp(logits - m)
-  denom = jnp.sum(e, axis=-1, keepdims=True)                           # [B, Q, N, 1]
-  has = denom > 0
-  p = e / jnp.where(has, denom, 1.0)
-  out = jnp.einsum("bqns,bsl->bqnl", p, kv[..., :l], precision=lax.Precision.HIGHEST)
-  lse = jnp.where(has, m + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)[..., 0]
-  return out.astype(q.dtype), lse
+    """Float32 reference on rows gathered per request (un-paged). Same signature and outputs."""
+    del num_kv_splits, batch_invariant, interpret, block_h, block_kv, num_warps, num_stages, fp8_mode
+    validate_decode(
+        q,
+        kv_c_and_k_pe_cache,
+        block_table,
+        seq_lens,
+        kv_scale,
+        kv_lora_rank,
+        None,
+        scale,
+        None,
+        None,
+        None,
+        None,
+        for_kernel=False,
+    )
+    b, nq, n, d = q.shape
+    l = kv_lora_rank
+    _, g, _ = kv_c_and_k_pe_cache.shape
+    ctx = block_table.shape[1] * g
+    kv = kv_c_and_k_pe_cache[block_table].astype(jnp.float32)  # [B, max_pages, G, L+R]
+    if kv_scale is not None:
+        kv = kv * kv_scale[block_table][..., None]
+    kv = kv.reshape(b, ctx, d)  # [B, ctx, L+R]
+    pos = jnp.arange(ctx, dtype=jnp.int32)
+    # Zero rows no query row of the request attends to, so garbage there cannot reach p @ v.
+    kv = jnp.where((pos[None, :] < jnp.max(seq_lens, axis=1)[:, None])[..., None], kv, 0.0)
+    logits = scale * jnp.einsum(
+        "bqnd,bsd->bqns", q.astype(jnp.float32), kv, precision=lax.Precision.HIGHEST
+    )  # [B, Q, N, ctx]
+    mask = (pos[None, None, :] < seq_lens[:, :, None])[:, :, None, :]  # [B, Q, 1, ctx]
+    logits = jnp.where(mask, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(logits - m)
+    denom = jnp.sum(e, axis=-1, keepdims=True)  # [B, Q, N, 1]
+    has = denom > 0
+    p = e / jnp.where(has, denom, 1.0)
+    out = jnp.einsum("bqns,bsl->bqnl", p, kv[..., :l], precision=lax.Precision.HIGHEST)
+    lse = jnp.where(has, m + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)[..., 0]
+    return out.astype(q.dtype), lse

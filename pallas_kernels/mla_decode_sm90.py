@@ -69,6 +69,7 @@ consumers' phases carry `jax.named_scope`s: with `TRACE` set, Mosaic GPU's profi
 per warpgroup (bench/trace_sm90.py). What limits it, measured that way, and the schedules tried
 (FlashMLA's seesaw was slower with two page buffers): docs/perf-notes.md.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -80,91 +81,117 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu import (SMEM_BYTES, copy_zeroing_rows, interpret_params, smem_bytes,
-                                 static_interpret, tiled, wgmma_accumulate)
-from pallas_kernels.mla_decode import (merge_segments, merge_splits, mla_decode_reference,
-                                       segments_from_slot_tile)
-from pallas_kernels.util import (BF16, F16, FP8, LN2, LOG2E, M_INIT, cdiv,
-                                 check_interpreter_workers, is_sm90, validate_decode)
+from pallas_kernels.mgpu import (
+    SMEM_BYTES,
+    copy_zeroing_rows,
+    interpret_params,
+    smem_bytes,
+    static_interpret,
+    tiled,
+    wgmma_accumulate,
+)
+from pallas_kernels.mla_decode import merge_segments, merge_splits, mla_decode_reference, segments_from_slot_tile
+from pallas_kernels.util import (
+    BF16,
+    F16,
+    FP8,
+    LN2,
+    LOG2E,
+    M_INIT,
+    cdiv,
+    check_interpreter_workers,
+    is_sm90,
+    validate_decode,
+)
 from pallas_kernels.util import num_sms as _device_num_sms
 
-__all__ = ["mla_decode_sm90", "mla_decode_reference", "choose_num_kv_splits_sm90", "is_sm90",
-           "unsupported_reason", "quantize_q_fp8", "fp8_qk_reference_q", "TILE_M", "PAGE_SIZE"]
+__all__ = [
+    "mla_decode_sm90",
+    "mla_decode_reference",
+    "choose_num_kv_splits_sm90",
+    "is_sm90",
+    "unsupported_reason",
+    "quantize_q_fp8",
+    "fp8_qk_reference_q",
+    "TILE_M",
+    "PAGE_SIZE",
+]
 
-TILE_M = 64      # query rows per CTA (wgmma M)
-PAGE_SIZE = 64   # the only supported page size (one page = one KV tile, FlashMLA's block size)
+TILE_M = 64  # query rows per CTA (wgmma M)
+PAGE_SIZE = 64  # the only supported page size (one page = one KV tile, FlashMLA's block size)
 
 
 def unsupported_reason(q, cache, kv_lora_rank: int = 512) -> str | None:
-  """None when this kernel takes these (static) shapes and dtypes, else why not; callers fall
-  back to the portable `pallas_kernels.mla_decode` (page sizes other than 64, f32/f16 caches...)."""
-  l, d = kv_lora_rank, q.shape[-1]
-  if cache.ndim != 3 or cache.shape[1] != PAGE_SIZE:
-    return f"page size {cache.shape[1:2]} is not {PAGE_SIZE}"
-  if jnp.dtype(cache.dtype) not in (BF16, FP8):
-    return f"cache dtype {cache.dtype} is not bfloat16 or float8_e4m3fn"
-  if l % 128 or l > 512 or (d - l) % 64 or d <= l:
-    return f"L={l}, R={d - l}: needs L % 128 == 0, L <= 512, R % 64 == 0"
-  return None
+    """None when this kernel takes these (static) shapes and dtypes, else why not; callers fall
+    back to the portable `pallas_kernels.mla_decode` (page sizes other than 64, f32/f16 caches...)."""
+    l, d = kv_lora_rank, q.shape[-1]
+    if cache.ndim != 3 or cache.shape[1] != PAGE_SIZE:
+        return f"page size {cache.shape[1:2]} is not {PAGE_SIZE}"
+    if jnp.dtype(cache.dtype) not in (BF16, FP8):
+        return f"cache dtype {cache.dtype} is not bfloat16 or float8_e4m3fn"
+    if l % 128 or l > 512 or (d - l) % 64 or d <= l:
+        return f"L={l}, R={d - l}: needs L % 128 == 0, L <= 512, R % 64 == 0"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
-  l: int              # latent width (output columns), split in two halves, one per consumer WG
-  d: int              # L + R
-  head_tiles: int     # 64-row tiles per request
-  tail: int           # rows moved for the last tile: its real rows rounded up to 8 (<= 64)
-  stages: int         # ring depth (tiles in the wgmma dtype)
-  fp8_stages: int     # fp8 ring depth (0: bf16 cache)
-  sm_scale: float
-  final_dtype: object  # dtype of the final output (q.dtype); partials are f32
-  interpret: bool     # Mosaic GPU interpreter (CPU): see mgpu.wgmma_accumulate
-  cdt: object = BF16  # wgmma operand dtype (Q, ring, P): bf16, or f16 for an fp8 cache if asked
-  qk8: bool = False    # fp8 cache: QK^T as an fp8 wgmma on the fp8 ring (fp8 Q, per-row scale);
-                       # the bf16 ring then holds only the L columns of V
+    l: int  # latent width (output columns), split in two halves, one per consumer WG
+    d: int  # L + R
+    head_tiles: int  # 64-row tiles per request
+    tail: int  # rows moved for the last tile: its real rows rounded up to 8 (<= 64)
+    stages: int  # ring depth (tiles in the wgmma dtype)
+    fp8_stages: int  # fp8 ring depth (0: bf16 cache)
+    sm_scale: float
+    final_dtype: object  # dtype of the final output (q.dtype); partials are f32
+    interpret: bool  # Mosaic GPU interpreter (CPU): see mgpu.wgmma_accumulate
+    cdt: object = BF16  # wgmma operand dtype (Q, ring, P): bf16, or f16 for an fp8 cache if asked
+    qk8: bool = False  # fp8 cache: QK^T as an fp8 wgmma on the fp8 ring (fp8 Q, per-row scale);
+    # the bf16 ring then holds only the L columns of V
 
 
 def _smem_plan(cfg: _Cfg):
-  """(aliased groups, per-CTA bytes) of the shared-memory plan; see the module docstring.
+    """(aliased groups, per-CTA bytes) of the shared-memory plan; see the module docstring.
 
-  Group A lives during the page loop; B1 (final output staging) and B2 (f32 partial staging) in
-  the epilogue only, so all three share one `plgpu.RefUnion`."""
-  f32 = jnp.float32
-  cdt = cfg.cdt
-  # 576 fp8 columns are not a multiple of 128: fp8 tiles use the 64-byte swizzle.
-  q = (plgpu.SMEM((TILE_M, cfg.d), FP8, transforms=tiled(FP8, 64)) if cfg.qk8
-       else plgpu.SMEM((TILE_M, cfg.d), cdt, transforms=tiled(cdt)))
-  ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l if cfg.qk8 else cfg.d), cdt,
-                    transforms=tiled(cdt))
-  p = plgpu.SMEM((TILE_M, PAGE_SIZE), cdt, transforms=tiled(cdt))
-  # Row vectors used during the loop, indexed by the _ROW_* constants.
-  loop_rows = plgpu.SMEM((_ROWS + _extra_rows(cfg), TILE_M), f32)
-  group_a = [q, ring, p, loop_rows]
-  if cfg.fp8_stages:
-    group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), FP8,
-                              transforms=tiled(FP8, 64)))
-    group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE), f32))
-  half = cfg.l // 2
-  groups = [group_a]
-  for dt in (cfg.final_dtype, f32):
-    # [2, 64, L/2] output staging (one half per consumer WG) and the epilogue's row vectors:
-    # [0] 1/l (WG0 -> WG1), [1] lse.
-    groups.append([plgpu.SMEM((2, TILE_M, half), dt, transforms=tiled(dt)),
-                   plgpu.SMEM((2, TILE_M), f32)])
-  return groups, max(map(smem_bytes, groups))
+    Group A lives during the page loop; B1 (final output staging) and B2 (f32 partial staging) in
+    the epilogue only, so all three share one `plgpu.RefUnion`."""
+    f32 = jnp.float32
+    cdt = cfg.cdt
+    # 576 fp8 columns are not a multiple of 128: fp8 tiles use the 64-byte swizzle.
+    q = (
+        plgpu.SMEM((TILE_M, cfg.d), FP8, transforms=tiled(FP8, 64))
+        if cfg.qk8
+        else plgpu.SMEM((TILE_M, cfg.d), cdt, transforms=tiled(cdt))
+    )
+    ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l if cfg.qk8 else cfg.d), cdt, transforms=tiled(cdt))
+    p = plgpu.SMEM((TILE_M, PAGE_SIZE), cdt, transforms=tiled(cdt))
+    # Row vectors used during the loop, indexed by the _ROW_* constants.
+    loop_rows = plgpu.SMEM((_ROWS + _extra_rows(cfg), TILE_M), f32)
+    group_a = [q, ring, p, loop_rows]
+    if cfg.fp8_stages:
+        group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), FP8, transforms=tiled(FP8, 64)))
+        group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE), f32))
+    half = cfg.l // 2
+    groups = [group_a]
+    for dt in (cfg.final_dtype, f32):
+        # [2, 64, L/2] output staging (one half per consumer WG) and the epilogue's row vectors:
+        # [0] 1/l (WG0 -> WG1), [1] lse.
+        groups.append([plgpu.SMEM((2, TILE_M, half), dt, transforms=tiled(dt)), plgpu.SMEM((2, TILE_M), f32)])
+    return groups, max(map(smem_bytes, groups))
 
 
 # Rows of the loop's row-vector buffer; fp8 adds [_ROWS + slot]: the per-token scales of the
 # page in ring slot `slot` (producer -> WG0); fp8 QK^T adds [_ROWS]: Q's per-row scales instead
 # (WG0 reads the token scales from the scale ring itself).
 _ROW_ALPHA = 0  # alpha_i (WG0 -> WG1)
-_ROW_LENS = 1   # row lengths (f32, exact below 2^24), TMA'd with Q
+_ROW_LENS = 1  # row lengths (f32, exact below 2^24), TMA'd with Q
 _ROWS = 2
 _ROW_QSCALE = _ROWS
 
 
 def _extra_rows(cfg):
-  return 1 if cfg.qk8 else cfg.stages if cfg.fp8_stages else 0
+    return 1 if cfg.qk8 else cfg.stages if cfg.fp8_stages else 0
+
 
 # Piece metadata, one row per CTA: (b, head tile, first page, pages, slot, tile length).
 # slot: -1 final output, >= 0 f32 partial slot, -2 no work (padding of the work list).
@@ -172,537 +199,630 @@ _META = 6
 
 
 def _barriers(cfg):
-  """The pipeline's mbarriers, by name (see the module docstring)."""
-  bars = dict(
-      q_bar=plgpu.Barrier(num_arrivals=3 if cfg.qk8 else 2),  # Q, row lengths (, Q's scales)
-      kv_ready=plgpu.Barrier(num_barriers=cfg.stages),
-      # With fp8 QK^T each consumer casts the V half it reads: only WG0 releases the
-      # producer's half.
-      kv_consumed=plgpu.Barrier(num_arrivals=1 if cfg.qk8 else 2, num_barriers=cfg.stages),
-      p_ready=plgpu.Barrier(),
-      p_consumed=plgpu.Barrier(),
-      epi_bar=plgpu.Barrier(num_arrivals=2),
-      fin_bar=plgpu.Barrier(),
-      raw_bar=plgpu.Barrier())
-  if cfg.fp8_stages:
-    bars.update(fp8_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages),
-                scale_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages))
-  if cfg.qk8:  # WG0's QK^T and both casts (producer, WG1) read the fp8 slot
-    bars.update(fp8_consumed=plgpu.Barrier(num_arrivals=3, num_barriers=cfg.fp8_stages))
-  return bars
+    """The pipeline's mbarriers, by name (see the module docstring)."""
+    bars = dict(
+        q_bar=plgpu.Barrier(num_arrivals=3 if cfg.qk8 else 2),  # Q, row lengths (, Q's scales)
+        kv_ready=plgpu.Barrier(num_barriers=cfg.stages),
+        # With fp8 QK^T each consumer casts the V half it reads: only WG0 releases the
+        # producer's half.
+        kv_consumed=plgpu.Barrier(num_arrivals=1 if cfg.qk8 else 2, num_barriers=cfg.stages),
+        p_ready=plgpu.Barrier(),
+        p_consumed=plgpu.Barrier(),
+        epi_bar=plgpu.Barrier(num_arrivals=2),
+        fin_bar=plgpu.Barrier(),
+        raw_bar=plgpu.Barrier(),
+    )
+    if cfg.fp8_stages:
+        bars.update(
+            fp8_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages), scale_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages)
+        )
+    if cfg.qk8:  # WG0's QK^T and both casts (producer, WG1) read the fp8 slot
+        bars.update(fp8_consumed=plgpu.Barrier(num_arrivals=3, num_barriers=cfg.fp8_stages))
+    return bars
 
 
 def _kernel(*refs, cfg: _Cfg):
-  is_fp8 = cfg.fp8_stages > 0
-  refs = list(refs)
-  ks_gmem = refs.pop(2) if is_fp8 else None
-  qs_gmem = refs.pop(5) if cfg.qk8 else None   # after q, kv, block table, lengths, meta
-  names = ("q_gmem", "kv_gmem", "bt_gmem", "lens_gmem", "meta_gmem", "out_gmem", "lse_gmem",
-           "opart_gmem", "lsepart_gmem")
-  gmem = dict(zip(names, refs), ks_gmem=ks_gmem, qs_gmem=qs_gmem)
-  groups, _ = _smem_plan(cfg)
+    is_fp8 = cfg.fp8_stages > 0
+    refs = list(refs)
+    ks_gmem = refs.pop(2) if is_fp8 else None
+    qs_gmem = refs.pop(5) if cfg.qk8 else None  # after q, kv, block table, lengths, meta
+    names = (
+        "q_gmem",
+        "kv_gmem",
+        "bt_gmem",
+        "lens_gmem",
+        "meta_gmem",
+        "out_gmem",
+        "lse_gmem",
+        "opart_gmem",
+        "lsepart_gmem",
+    )
+    gmem = dict(zip(names, refs), ks_gmem=ks_gmem, qs_gmem=qs_gmem)
+    groups, _ = _smem_plan(cfg)
 
-  def scoped(union, **bars):
-    refs_a, final_stage, part_stage = union   # one tree of refs per aliased group
-    q_smem, ring, p_smem, loop_rows = refs_a[:4]
-    fp8_ring, scale_ring = refs_a[4:] if is_fp8 else (None, None)
-    r = dict(gmem, q_smem=q_smem, ring=ring, p_smem=p_smem, loop_rows=loop_rows,
-             fp8_ring=fp8_ring, scale_ring=scale_ring, final_stage=final_stage,
-             part_stage=part_stage, **bars)
-    _body(cfg, r, _Piece(cfg, r))
+    def scoped(union, **bars):
+        refs_a, final_stage, part_stage = union  # one tree of refs per aliased group
+        q_smem, ring, p_smem, loop_rows = refs_a[:4]
+        fp8_ring, scale_ring = refs_a[4:] if is_fp8 else (None, None)
+        r = dict(
+            gmem,
+            q_smem=q_smem,
+            ring=ring,
+            p_smem=p_smem,
+            loop_rows=loop_rows,
+            fp8_ring=fp8_ring,
+            scale_ring=scale_ring,
+            final_stage=final_stage,
+            part_stage=part_stage,
+            **bars,
+        )
+        _body(cfg, r, _Piece(cfg, r))
 
-  pl.run_scoped(scoped, plgpu.RefUnion(*(tuple(g) for g in groups)), collective_axes="wg",
-                **_barriers(cfg))
+    pl.run_scoped(scoped, plgpu.RefUnion(*(tuple(g) for g in groups)), collective_axes="wg", **_barriers(cfg))
 
 
 class _Piece:
-  """This CTA's piece and what every warpgroup derives from it: pages [first, first + n) of
-  request b's block table for head tile h, and where its outputs go."""
+    """This CTA's piece and what every warpgroup derives from it: pages [first, first + n) of
+    request b's block table for head tile h, and where its outputs go."""
 
-  def __init__(self, cfg, r):
-    self.cfg, self.r = cfg, r
-    meta = r["meta_gmem"]
-    piece = lax.axis_index("piece")
-    self.b, self.h, self.first, self.n, self.slot, self.tile_len = (
-        meta[piece, k] for k in range(_META))
-    # Valid rows of the last page (< G only on the request's partial last page).
-    self.last_rows = jnp.minimum(self.tile_len - (self.first + self.n - 1) * PAGE_SIZE, PAGE_SIZE)
-    self.final, self.partial = self.slot == -1, self.slot >= 0
-    self.has_out = self.slot != -2
+    def __init__(self, cfg, r):
+        self.cfg, self.r = cfg, r
+        meta = r["meta_gmem"]
+        piece = lax.axis_index("piece")
+        self.b, self.h, self.first, self.n, self.slot, self.tile_len = (meta[piece, k] for k in range(_META))
+        # Valid rows of the last page (< G only on the request's partial last page).
+        self.last_rows = jnp.minimum(self.tile_len - (self.first + self.n - 1) * PAGE_SIZE, PAGE_SIZE)
+        self.final, self.partial = self.slot == -1, self.slot >= 0
+        self.has_out = self.slot != -2
 
-  def by_rows(self, fn):
-    """fn(rows) with the static number of real rows of this tile (fewer only in the last tile:
-    e.g. N=16 moves 16 rows of Q and of the outputs, not 64)."""
-    cfg = self.cfg
-    if cfg.tail == TILE_M:
-      fn(TILE_M)
-    else:
-      last = self.h == cfg.head_tiles - 1
-      pl.when(last)(lambda: fn(cfg.tail))
-      if cfg.head_tiles > 1:
-        pl.when(jnp.logical_not(last))(lambda: fn(TILE_M))
+    def by_rows(self, fn):
+        """fn(rows) with the static number of real rows of this tile (fewer only in the last tile:
+        e.g. N=16 moves 16 rows of Q and of the outputs, not 64)."""
+        cfg = self.cfg
+        if cfg.tail == TILE_M:
+            fn(TILE_M)
+        else:
+            last = self.h == cfg.head_tiles - 1
+            pl.when(last)(lambda: fn(cfg.tail))
+            if cfg.head_tiles > 1:
+                pl.when(jnp.logical_not(last))(lambda: fn(TILE_M))
 
-  def out_dsts(self, cols):
-    """(staging refs, output refs(rows), lse refs(rows)) of the final and of the partial outputs."""
-    r, b, h = self.r, self.b, self.h
-    rpt = _rows_per_tile(self.cfg)
-    fin_o, fin_rows = r["final_stage"]
-    part_o, part_rows = r["part_stage"]
-    row0 = self.slot * rpt
-    return ((fin_o, fin_rows, lambda k: r["out_gmem"].at[b, pl.ds(h * rpt, k), cols],
-             lambda k: r["lse_gmem"].at[b, pl.ds(h * rpt, k)]),
-            (part_o, part_rows, lambda k: r["opart_gmem"].at[pl.ds(row0, k), cols],
-             lambda k: r["lsepart_gmem"].at[pl.ds(row0, k)]))
+    def out_dsts(self, cols):
+        """(staging refs, output refs(rows), lse refs(rows)) of the final and of the partial outputs."""
+        r, b, h = self.r, self.b, self.h
+        rpt = _rows_per_tile(self.cfg)
+        fin_o, fin_rows = r["final_stage"]
+        part_o, part_rows = r["part_stage"]
+        row0 = self.slot * rpt
+        return (
+            (
+                fin_o,
+                fin_rows,
+                lambda k: r["out_gmem"].at[b, pl.ds(h * rpt, k), cols],
+                lambda k: r["lse_gmem"].at[b, pl.ds(h * rpt, k)],
+            ),
+            (
+                part_o,
+                part_rows,
+                lambda k: r["opart_gmem"].at[pl.ds(row0, k), cols],
+                lambda k: r["lsepart_gmem"].at[pl.ds(row0, k)],
+            ),
+        )
 
-  def load_q(self):
-    """WG0: TMA the real rows of Q and the row lengths (q_bar). The rest of the tile keeps
-    whatever shared memory held (even NaN), harmless since those rows have length 0 and their
-    logits are replaced by -inf."""
-    r = self.r
-    self.by_rows(lambda k: plgpu.copy_gmem_to_smem(
-        r["q_gmem"].at[self.b, pl.ds(self.h * TILE_M, k)], r["q_smem"].at[pl.ds(0, k)],
-        r["q_bar"]))
-    plgpu.copy_gmem_to_smem(r["lens_gmem"].at[self.b, pl.ds(self.h * TILE_M, TILE_M)],
-                            r["loop_rows"].at[_ROW_LENS], r["q_bar"])
-    if self.cfg.qk8:
-      plgpu.copy_gmem_to_smem(r["qs_gmem"].at[self.b, pl.ds(self.h * TILE_M, TILE_M)],
-                              r["loop_rows"].at[_ROW_QSCALE], r["q_bar"])
+    def load_q(self):
+        """WG0: TMA the real rows of Q and the row lengths (q_bar). The rest of the tile keeps
+        whatever shared memory held (even NaN), harmless since those rows have length 0 and their
+        logits are replaced by -inf."""
+        r = self.r
+        self.by_rows(
+            lambda k: plgpu.copy_gmem_to_smem(
+                r["q_gmem"].at[self.b, pl.ds(self.h * TILE_M, k)], r["q_smem"].at[pl.ds(0, k)], r["q_bar"]
+            )
+        )
+        plgpu.copy_gmem_to_smem(
+            r["lens_gmem"].at[self.b, pl.ds(self.h * TILE_M, TILE_M)], r["loop_rows"].at[_ROW_LENS], r["q_bar"]
+        )
+        if self.cfg.qk8:
+            plgpu.copy_gmem_to_smem(
+                r["qs_gmem"].at[self.b, pl.ds(self.h * TILE_M, TILE_M)], r["loop_rows"].at[_ROW_QSCALE], r["q_bar"]
+            )
 
-  def logit_scale(self):
-    """sm_scale in log2 units, times Q's per-row scale when Q is fp8 (a [64] row vector)."""
-    c = self.cfg.sm_scale * LOG2E
-    if not self.cfg.qk8:
-      return c
-    return plgpu.load(self.r["loop_rows"].at[_ROW_QSCALE], layout=_ROW_LAYOUT) * c
+    def logit_scale(self):
+        """sm_scale in log2 units, times Q's per-row scale when Q is fp8 (a [64] row vector)."""
+        c = self.cfg.sm_scale * LOG2E
+        if not self.cfg.qk8:
+            return c
+        return plgpu.load(self.r["loop_rows"].at[_ROW_QSCALE], layout=_ROW_LAYOUT) * c
 
-  def logits(self, s, page, scale):
-    """Scaled logits (log2 units) of this piece's page `page`, -inf past each row's length."""
-    g = PAGE_SIZE
-    lens = plgpu.load(self.r["loop_rows"].at[_ROW_LENS], layout=_ROW_LAYOUT).astype(jnp.int32)
-    tok = (self.first + page) * g + plgpu.broadcasted_iota(jnp.int32, (TILE_M, g), 1,
-                                                           layout=plgpu.Layout.WGMMA)
-    valid = tok < lax.broadcast_in_dim(lens, (TILE_M, g), [0])
-    scale = scale if isinstance(scale, float) else _rows_bcast(scale, s.shape)
-    return jnp.where(valid, s * scale, -jnp.inf)
+    def logits(self, s, page, scale):
+        """Scaled logits (log2 units) of this piece's page `page`, -inf past each row's length."""
+        g = PAGE_SIZE
+        lens = plgpu.load(self.r["loop_rows"].at[_ROW_LENS], layout=_ROW_LAYOUT).astype(jnp.int32)
+        tok = (self.first + page) * g + plgpu.broadcasted_iota(jnp.int32, (TILE_M, g), 1, layout=plgpu.Layout.WGMMA)
+        valid = tok < lax.broadcast_in_dim(lens, (TILE_M, g), [0])
+        scale = scale if isinstance(scale, float) else _rows_bcast(scale, s.shape)
+        return jnp.where(valid, s * scale, -jnp.inf)
 
-  def epilogue_wg0(self, acc, m_i, l_i):
-    """Normalize WG0's half and write it with the lse (after both consumers are done with the
-    loop's buffers, which the staging aliases); publish 1/l for WG1."""
-    r, half = self.r, self.cfg.l // 2
+    def epilogue_wg0(self, acc, m_i, l_i):
+        """Normalize WG0's half and write it with the lse (after both consumers are done with the
+        loop's buffers, which the staging aliases); publish 1/l for WG1."""
+        r, half = self.r, self.cfg.l // 2
 
-    def epilogue(stage, rows, o_dst, lse_dst, write_o):
-      has = l_i > 0
-      safe_l = jnp.where(has, l_i, 1.0)
-      inv = jnp.where(has, 1.0 / safe_l, 0.0)
-      lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * LN2, -jnp.inf)
-      rows[0] = inv
-      rows[1] = lse
-      pl.when(write_o)(lambda: _write_out(acc, inv, stage.at[0], o_dst, self.by_rows))
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(r["fin_bar"])      # 1/l published for WG1
-      self.by_rows(lambda k: plgpu.copy_smem_to_gmem(rows.at[1, pl.ds(0, k)], lse_dst(k)))
-      plgpu.wait_smem_to_gmem(0)
+        def epilogue(stage, rows, o_dst, lse_dst, write_o):
+            has = l_i > 0
+            safe_l = jnp.where(has, l_i, 1.0)
+            inv = jnp.where(has, 1.0 / safe_l, 0.0)
+            lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * LN2, -jnp.inf)
+            rows[0] = inv
+            rows[1] = lse
+            pl.when(write_o)(lambda: _write_out(acc, inv, stage.at[0], o_dst, self.by_rows))
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(r["fin_bar"])  # 1/l published for WG1
+            self.by_rows(lambda k: plgpu.copy_smem_to_gmem(rows.at[1, pl.ds(0, k)], lse_dst(k)))
+            plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(self.has_out)
-    def _():
-      plgpu.barrier_arrive(r["epi_bar"])
-      plgpu.barrier_wait(r["epi_bar"])        # both consumers are done with Q, the ring and P
-      fin, part = self.out_dsts(pl.ds(0, half))
-      pl.when(self.final)(lambda: epilogue(*fin, True))
-      pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))  # empty split: lse = -inf only
+        @pl.when(self.has_out)
+        def _():
+            plgpu.barrier_arrive(r["epi_bar"])
+            plgpu.barrier_wait(r["epi_bar"])  # both consumers are done with Q, the ring and P
+            fin, part = self.out_dsts(pl.ds(0, half))
+            pl.when(self.final)(lambda: epilogue(*fin, True))
+            pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))  # empty split: lse = -inf only
 
-  def epilogue_wg1(self, acc):
-    r, half = self.r, self.cfg.l // 2
+    def epilogue_wg1(self, acc):
+        r, half = self.r, self.cfg.l // 2
 
-    def epilogue(stage, rows, o_dst, lse_dst, write_o):
-      del lse_dst
+        def epilogue(stage, rows, o_dst, lse_dst, write_o):
+            del lse_dst
 
-      @pl.when(write_o)
-      def _():
-        inv = plgpu.load(rows.at[0], layout=_ROW_LAYOUT)
-        _write_out(acc, inv, stage.at[1], o_dst, self.by_rows)
-        plgpu.wait_smem_to_gmem(0)
+            @pl.when(write_o)
+            def _():
+                inv = plgpu.load(rows.at[0], layout=_ROW_LAYOUT)
+                _write_out(acc, inv, stage.at[1], o_dst, self.by_rows)
+                plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(self.has_out)
-    def _():
-      plgpu.barrier_arrive(r["epi_bar"])
-      plgpu.barrier_wait(r["epi_bar"])
-      plgpu.barrier_wait(r["fin_bar"])        # WG0 has written 1/l
-      fin, part = self.out_dsts(pl.ds(half, half))
-      pl.when(self.final)(lambda: epilogue(*fin, True))
-      pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))
+        @pl.when(self.has_out)
+        def _():
+            plgpu.barrier_arrive(r["epi_bar"])
+            plgpu.barrier_wait(r["epi_bar"])
+            plgpu.barrier_wait(r["fin_bar"])  # WG0 has written 1/l
+            fin, part = self.out_dsts(pl.ds(half, half))
+            pl.when(self.final)(lambda: epilogue(*fin, True))
+            pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))
 
 
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
 
 
 def _init_state(cfg):
-  f32 = jnp.float32
-  acc = plgpu.layout_cast(jnp.zeros((TILE_M, cfg.l // 2), f32), plgpu.Layout.WGMMA)
-  m_i = plgpu.layout_cast(jnp.full((TILE_M,), M_INIT, f32), _ROW_LAYOUT)
-  l_i = plgpu.layout_cast(jnp.zeros((TILE_M,), f32), _ROW_LAYOUT)
-  return acc, m_i, l_i
+    f32 = jnp.float32
+    acc = plgpu.layout_cast(jnp.zeros((TILE_M, cfg.l // 2), f32), plgpu.Layout.WGMMA)
+    m_i = plgpu.layout_cast(jnp.full((TILE_M,), M_INIT, f32), _ROW_LAYOUT)
+    l_i = plgpu.layout_cast(jnp.zeros((TILE_M,), f32), _ROW_LAYOUT)
+    return acc, m_i, l_i
 
 
 def _rows_bcast(v, shape):
-  return lax.broadcast_in_dim(v, shape, [0])
+    return lax.broadcast_in_dim(v, shape, [0])
 
 
 def _body(cfg, r, pc):
-  """One page at a time: WG0 runs QK^T, the softmax and P.V for columns [0, L/2); WG1 waits for
-  P and runs P.V for [L/2, L); the producer keeps the next page in flight."""
-  wg = lax.axis_index("wg")
-  g = PAGE_SIZE
-  half = cfg.l // 2
-  stages = cfg.stages
-  f32 = jnp.float32
-  is_fp8 = cfg.fp8_stages > 0
-  n, first, last_rows = pc.n, pc.first, pc.last_rows
-  ring, loop_rows, p_smem = r["ring"], r["loop_rows"], r["p_smem"]
-  kv_ready, kv_consumed = r["kv_ready"], r["kv_consumed"]
-  p_ready, p_consumed = r["p_ready"], r["p_consumed"]
-  fst = cfg.fp8_stages
+    """One page at a time: WG0 runs QK^T, the softmax and P.V for columns [0, L/2); WG1 waits for
+    P and runs P.V for [L/2, L); the producer keeps the next page in flight."""
+    wg = lax.axis_index("wg")
+    g = PAGE_SIZE
+    half = cfg.l // 2
+    stages = cfg.stages
+    f32 = jnp.float32
+    is_fp8 = cfg.fp8_stages > 0
+    n, first, last_rows = pc.n, pc.first, pc.last_rows
+    ring, loop_rows, p_smem = r["ring"], r["loop_rows"], r["p_smem"]
+    kv_ready, kv_consumed = r["kv_ready"], r["kv_consumed"]
+    p_ready, p_consumed = r["p_ready"], r["p_consumed"]
+    fst = cfg.fp8_stages
 
-  def slot_of(i, depth):
-    return lax.rem(i, jnp.int32(depth))
+    def slot_of(i, depth):
+        return lax.rem(i, jnp.int32(depth))
 
-  def page_rows(i):
-    """Rows of page i inside the tile's length (< G only on its partial last page)."""
-    return jnp.where(i == n - 1, last_rows, g)
+    def page_rows(i):
+        """Rows of page i inside the tile's length (< G only on its partial last page)."""
+        return jnp.where(i == n - 1, last_rows, g)
 
-  def cast_fp8(fslot, slot_i, valid_rows, chunks):
-    """The exact fp8 -> wgmma-dtype cast of 64-column chunks of the fp8 slot into the ring
-    slot, rows past the length zeroed (p = 0 there, but 0 * NaN garbage would poison P.V)."""
-    with jax.named_scope("convert"):
-      keep = plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=plgpu.Layout.WGMMA) < valid_rows
-      for c in chunks:
-        x = r["fp8_ring"].at[fslot, :, pl.ds(64 * c, 64)][...]
-        # sm_90 converts e4m3 to f16 natively; to bf16 only through f32 (both exact).
-        x = x.astype(cfg.cdt) if cfg.cdt == F16 else x.astype(f32).astype(cfg.cdt)
-        ring.at[slot_i, :, pl.ds(64 * c, 64)][...] = jnp.where(keep, x, jnp.zeros((), cfg.cdt))
-      plgpu.commit_smem()   # generic reads/writes before the next TMA / the wgmmas
+    def cast_fp8(fslot, slot_i, valid_rows, chunks):
+        """The exact fp8 -> wgmma-dtype cast of 64-column chunks of the fp8 slot into the ring
+        slot, rows past the length zeroed (p = 0 there, but 0 * NaN garbage would poison P.V)."""
+        with jax.named_scope("convert"):
+            keep = plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=plgpu.Layout.WGMMA) < valid_rows
+            for c in chunks:
+                x = r["fp8_ring"].at[fslot, :, pl.ds(64 * c, 64)][...]
+                # sm_90 converts e4m3 to f16 natively; to bf16 only through f32 (both exact).
+                x = x.astype(cfg.cdt) if cfg.cdt == F16 else x.astype(f32).astype(cfg.cdt)
+                ring.at[slot_i, :, pl.ds(64 * c, 64)][...] = jnp.where(keep, x, jnp.zeros((), cfg.cdt))
+            plgpu.commit_smem()  # generic reads/writes before the next TMA / the wgmmas
 
-  @pl.when(wg == 0)
-  def _softmax_wg():
-    plgpu.set_max_registers(_regs(is_fp8)[0], action="increase")
+    @pl.when(wg == 0)
+    def _softmax_wg():
+        plgpu.set_max_registers(_regs(is_fp8)[0], action="increase")
 
-    @pl.when(n > 0)
-    def _():
-      pc.load_q()
-      plgpu.barrier_wait(r["q_bar"])
-    logit_scale = pc.logit_scale()
-    col_layout = plgpu.Layout.WGMMA.reduce(0)
-
-    def step(i, carry):
-      acc, m_i, l_i = carry
-      slot_i = slot_of(i, stages)
-      if cfg.qk8:  # K^T straight from the fp8 slot; V (bf16) is waited for before P.V
-        fslot = slot_of(i, fst)
-        with jax.named_scope("wait_kv"):
-          plgpu.barrier_wait(r["fp8_ready"].at[fslot])
-          plgpu.barrier_wait(r["scale_ready"].at[fslot])
-        k_t = r["fp8_ring"].at[fslot].T
-      else:
-        with jax.named_scope("wait_kv"):
-          plgpu.barrier_wait(kv_ready.at[slot_i])
-        k_t = ring.at[slot_i].T
-
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, r["q_smem"], k_t)
-        return acc_ref[...]
-      with jax.named_scope("qk"):
-        s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))      # [64, G] f32
-      with jax.named_scope("softmax"):
-        if cfg.qk8:
-          # Token scales, 0 past the length (p * scale must stay 0 next to garbage); then the
-          # fp8 slot is free for its next page as far as WG0 is concerned.
-          ks = plgpu.load(r["scale_ring"].at[fslot], layout=col_layout)
-          tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=col_layout)
-          ks = jnp.where(tok < page_rows(i), ks, 0.0)
-          plgpu.commit_smem()   # the generic-proxy read before the next TMA into the slot
-          plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
-        elif is_fp8:
-          ks = plgpu.load(loop_rows.at[_ROWS + slot_i], layout=col_layout)
-        if is_fp8:  # logits of the fp8 rows times their per-token scale
-          ks = lax.broadcast_in_dim(ks, s.shape, [1])
-          s = s * ks
-        s = pc.logits(s, i, logit_scale)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - _rows_bcast(m_new, s.shape))
-        l_i = l_i * alpha + p.sum(axis=1)
-
-      @pl.when(i > 0)
-      @jax.named_scope("wait_p_consumed")
-      def _():
-        plgpu.barrier_wait(p_consumed)   # WG1 is done with P_{i-1} and alpha_{i-1}
-      with jax.named_scope("store_p"):
-        # V = fp8 row * scale: fold the per-token scale into p.
-        p_smem[...] = (p * ks if is_fp8 else p).astype(cfg.cdt)
-        loop_rows[_ROW_ALPHA] = alpha
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(p_ready)
-
-      if cfg.qk8:
-        with jax.named_scope("wait_v"):
-          plgpu.barrier_wait(kv_ready.at[slot_i])
-      with jax.named_scope("pv"):
-        acc = acc * _rows_bcast(alpha, acc.shape)
-        acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)],
-                               interpret=cfg.interpret)
-      plgpu.barrier_arrive(kv_consumed.at[slot_i])
-      return acc, m_new, l_i
-
-    acc, m_i, l_i = lax.fori_loop(0, n, step, _init_state(cfg))
-    pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
-    pc.epilogue_wg0(acc, m_i, l_i)
-
-  @pl.when(wg == 1)
-  def _pv_wg():
-    plgpu.set_max_registers(_regs(is_fp8)[0], action="increase")
-
-    def step(i, acc):
-      slot_i = slot_of(i, stages)
-      if cfg.qk8:
-        # WG1 casts its own V half (columns [L/2, L)) while WG0 runs QK^T and the softmax:
-        # the cast, not the wgmmas, bounds the fp8 page time, and only WG1 touches this half.
-        fslot = slot_of(i, fst)
-        with jax.named_scope("wait_fp8"):
-          plgpu.barrier_wait(r["fp8_ready"].at[fslot])
-        cast_fp8(fslot, slot_i, page_rows(i), range(half // 64, cfg.l // 64))
-        plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
-        with jax.named_scope("wait_p"):
-          plgpu.barrier_wait(p_ready)
-      else:
-        with jax.named_scope("wait_p"):
-          plgpu.barrier_wait(kv_ready.at[slot_i])
-          plgpu.barrier_wait(p_ready)
-      with jax.named_scope("pv"):
-        alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], layout=_ROW_LAYOUT)
-        acc = acc * _rows_bcast(alpha, acc.shape)
-        acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(half, half)],
-                               interpret=cfg.interpret)
-      plgpu.barrier_arrive(p_consumed)
-      if not cfg.qk8:
-        plgpu.barrier_arrive(kv_consumed.at[slot_i])
-      return acc
-
-    acc = lax.fori_loop(0, n, step, _init_state(cfg)[0])
-    pc.epilogue_wg1(acc)
-
-  @pl.when(wg == 2)
-  def _producer_wg():
-    plgpu.set_max_registers(_regs(is_fp8)[1], action="decrease")
-
-    def page_id(i):
-      return r["bt_gmem"][pc.b, first + i]
-
-    if not is_fp8:
-      def step(i, _):
-        slot_i = slot_of(i, stages)
-
-        @pl.when(i >= stages)
-        @jax.named_scope("wait_free")
+        @pl.when(n > 0)
         def _():
-          plgpu.barrier_wait(kv_consumed.at[slot_i])
-        # The request's partial last page: its rows past the length are zeroed.
-        copy_zeroing_rows(r["kv_gmem"].at[page_id(i)], ring.at[slot_i], kv_ready.at[slot_i],
-                          r["raw_bar"], partial=(i == n - 1) & (last_rows < g), lo=0, hi=last_rows)
-        return ()
-      lax.fori_loop(0, n, step, ())
-    else:
-      fp8_ring, scale_ring = r["fp8_ring"], r["scale_ring"]
-      fp8_ready, scale_ready = r["fp8_ready"], r["scale_ready"]
+            pc.load_q()
+            plgpu.barrier_wait(r["q_bar"])
 
-      def fetch(i):
-        fslot = slot_of(i, fst)
-        page = page_id(i)
-        plgpu.copy_gmem_to_smem(r["kv_gmem"].at[page], fp8_ring.at[fslot], fp8_ready.at[fslot])
-        plgpu.copy_gmem_to_smem(r["ks_gmem"].at[page], scale_ring.at[fslot], scale_ready.at[fslot])
+        logit_scale = pc.logit_scale()
+        col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-      for j in range(fst):
-        pl.when(j < n)(functools.partial(fetch, jnp.int32(j)))
+        def step(i, carry):
+            acc, m_i, l_i = carry
+            slot_i = slot_of(i, stages)
+            if cfg.qk8:  # K^T straight from the fp8 slot; V (bf16) is waited for before P.V
+                fslot = slot_of(i, fst)
+                with jax.named_scope("wait_kv"):
+                    plgpu.barrier_wait(r["fp8_ready"].at[fslot])
+                    plgpu.barrier_wait(r["scale_ready"].at[fslot])
+                k_t = r["fp8_ring"].at[fslot].T
+            else:
+                with jax.named_scope("wait_kv"):
+                    plgpu.barrier_wait(kv_ready.at[slot_i])
+                k_t = ring.at[slot_i].T
 
-      def step(i, _):
-        fslot = slot_of(i, fst)
-        slot_i = slot_of(i, stages)
-        with jax.named_scope("wait_fp8"):
-          plgpu.barrier_wait(fp8_ready.at[fslot])
-          if not cfg.qk8:   # with fp8 QK^T, WG0 reads the scales itself
-            plgpu.barrier_wait(scale_ready.at[fslot])
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, r["q_smem"], k_t)
+                return acc_ref[...]
 
-        @pl.when(i >= stages)
-        @jax.named_scope("wait_free")
-        def _():
-          plgpu.barrier_wait(kv_consumed.at[slot_i])
-        valid_rows = page_rows(i)
-        if not cfg.qk8:
-          # Per-token scales for WG0 (0 past the length: p * scale must stay 0 next to garbage).
-          scale = plgpu.load(scale_ring.at[fslot], layout=_ROW_LAYOUT)         # [G] f32
-          tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_ROW_LAYOUT)
-          loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
-        # All 576 columns (K and V) or, with fp8 QK^T, V's first half (WG1 casts the second).
-        cast_fp8(fslot, slot_i, valid_rows, range(half // 64 if cfg.qk8 else cfg.d // 64))
-        plgpu.barrier_arrive(kv_ready.at[slot_i])
-        if cfg.qk8:   # WG0's QK^T and WG1's cast must be done with the slot too (waited on
-          # every page: each waiter observes every phase)
-          plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
-          with jax.named_scope("wait_qk"):
-            plgpu.barrier_wait(r["fp8_consumed"].at[fslot])
-        pl.when(i + fst < n)(lambda: fetch(i + fst))
-        return ()
-      lax.fori_loop(0, n, step, ())
-    _drain(kv_consumed, n, stages)
+            with jax.named_scope("qk"):
+                s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))  # [64, G] f32
+            with jax.named_scope("softmax"):
+                if cfg.qk8:
+                    # Token scales, 0 past the length (p * scale must stay 0 next to garbage); then the
+                    # fp8 slot is free for its next page as far as WG0 is concerned.
+                    ks = plgpu.load(r["scale_ring"].at[fslot], layout=col_layout)
+                    tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=col_layout)
+                    ks = jnp.where(tok < page_rows(i), ks, 0.0)
+                    plgpu.commit_smem()  # the generic-proxy read before the next TMA into the slot
+                    plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
+                elif is_fp8:
+                    ks = plgpu.load(loop_rows.at[_ROWS + slot_i], layout=col_layout)
+                if is_fp8:  # logits of the fp8 rows times their per-token scale
+                    ks = lax.broadcast_in_dim(ks, s.shape, [1])
+                    s = s * ks
+                s = pc.logits(s, i, logit_scale)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - _rows_bcast(m_new, s.shape))
+                l_i = l_i * alpha + p.sum(axis=1)
+
+            @pl.when(i > 0)
+            @jax.named_scope("wait_p_consumed")
+            def _():
+                plgpu.barrier_wait(p_consumed)  # WG1 is done with P_{i-1} and alpha_{i-1}
+
+            with jax.named_scope("store_p"):
+                # V = fp8 row * scale: fold the per-token scale into p.
+                p_smem[...] = (p * ks if is_fp8 else p).astype(cfg.cdt)
+                loop_rows[_ROW_ALPHA] = alpha
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready)
+
+            if cfg.qk8:
+                with jax.named_scope("wait_v"):
+                    plgpu.barrier_wait(kv_ready.at[slot_i])
+            with jax.named_scope("pv"):
+                acc = acc * _rows_bcast(alpha, acc.shape)
+                acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)], interpret=cfg.interpret)
+            plgpu.barrier_arrive(kv_consumed.at[slot_i])
+            return acc, m_new, l_i
+
+        acc, m_i, l_i = lax.fori_loop(0, n, step, _init_state(cfg))
+        pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
+        pc.epilogue_wg0(acc, m_i, l_i)
+
+    @pl.when(wg == 1)
+    def _pv_wg():
+        plgpu.set_max_registers(_regs(is_fp8)[0], action="increase")
+
+        def step(i, acc):
+            slot_i = slot_of(i, stages)
+            if cfg.qk8:
+                # WG1 casts its own V half (columns [L/2, L)) while WG0 runs QK^T and the softmax:
+                # the cast, not the wgmmas, bounds the fp8 page time, and only WG1 touches this half.
+                fslot = slot_of(i, fst)
+                with jax.named_scope("wait_fp8"):
+                    plgpu.barrier_wait(r["fp8_ready"].at[fslot])
+                cast_fp8(fslot, slot_i, page_rows(i), range(half // 64, cfg.l // 64))
+                plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
+                with jax.named_scope("wait_p"):
+                    plgpu.barrier_wait(p_ready)
+            else:
+                with jax.named_scope("wait_p"):
+                    plgpu.barrier_wait(kv_ready.at[slot_i])
+                    plgpu.barrier_wait(p_ready)
+            with jax.named_scope("pv"):
+                alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], layout=_ROW_LAYOUT)
+                acc = acc * _rows_bcast(alpha, acc.shape)
+                acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(half, half)], interpret=cfg.interpret)
+            plgpu.barrier_arrive(p_consumed)
+            if not cfg.qk8:
+                plgpu.barrier_arrive(kv_consumed.at[slot_i])
+            return acc
+
+        acc = lax.fori_loop(0, n, step, _init_state(cfg)[0])
+        pc.epilogue_wg1(acc)
+
+    @pl.when(wg == 2)
+    def _producer_wg():
+        plgpu.set_max_registers(_regs(is_fp8)[1], action="decrease")
+
+        def page_id(i):
+            return r["bt_gmem"][pc.b, first + i]
+
+        if not is_fp8:
+
+            def step(i, _):
+                slot_i = slot_of(i, stages)
+
+                @pl.when(i >= stages)
+                @jax.named_scope("wait_free")
+                def _():
+                    plgpu.barrier_wait(kv_consumed.at[slot_i])
+
+                # The request's partial last page: its rows past the length are zeroed.
+                copy_zeroing_rows(
+                    r["kv_gmem"].at[page_id(i)],
+                    ring.at[slot_i],
+                    kv_ready.at[slot_i],
+                    r["raw_bar"],
+                    partial=(i == n - 1) & (last_rows < g),
+                    lo=0,
+                    hi=last_rows,
+                )
+                return ()
+
+            lax.fori_loop(0, n, step, ())
+        else:
+            fp8_ring, scale_ring = r["fp8_ring"], r["scale_ring"]
+            fp8_ready, scale_ready = r["fp8_ready"], r["scale_ready"]
+
+            def fetch(i):
+                fslot = slot_of(i, fst)
+                page = page_id(i)
+                plgpu.copy_gmem_to_smem(r["kv_gmem"].at[page], fp8_ring.at[fslot], fp8_ready.at[fslot])
+                plgpu.copy_gmem_to_smem(r["ks_gmem"].at[page], scale_ring.at[fslot], scale_ready.at[fslot])
+
+            for j in range(fst):
+                pl.when(j < n)(functools.partial(fetch, jnp.int32(j)))
+
+            def step(i, _):
+                fslot = slot_of(i, fst)
+                slot_i = slot_of(i, stages)
+                with jax.named_scope("wait_fp8"):
+                    plgpu.barrier_wait(fp8_ready.at[fslot])
+                    if not cfg.qk8:  # with fp8 QK^T, WG0 reads the scales itself
+                        plgpu.barrier_wait(scale_ready.at[fslot])
+
+                @pl.when(i >= stages)
+                @jax.named_scope("wait_free")
+                def _():
+                    plgpu.barrier_wait(kv_consumed.at[slot_i])
+
+                valid_rows = page_rows(i)
+                if not cfg.qk8:
+                    # Per-token scales for WG0 (0 past the length: p * scale must stay 0 next to garbage).
+                    scale = plgpu.load(scale_ring.at[fslot], layout=_ROW_LAYOUT)  # [G] f32
+                    tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_ROW_LAYOUT)
+                    loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
+                # All 576 columns (K and V) or, with fp8 QK^T, V's first half (WG1 casts the second).
+                cast_fp8(fslot, slot_i, valid_rows, range(half // 64 if cfg.qk8 else cfg.d // 64))
+                plgpu.barrier_arrive(kv_ready.at[slot_i])
+                if cfg.qk8:  # WG0's QK^T and WG1's cast must be done with the slot too (waited on
+                    # every page: each waiter observes every phase)
+                    plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
+                    with jax.named_scope("wait_qk"):
+                        plgpu.barrier_wait(r["fp8_consumed"].at[fslot])
+                pl.when(i + fst < n)(lambda: fetch(i + fst))
+                return ()
+
+            lax.fori_loop(0, n, step, ())
+        _drain(kv_consumed, n, stages)
 
 
 def _drain(kv_consumed, n, stages):
-  """Wait for the consumers' last release of every used slot: each waiter observes every phase."""
-  def body(i, _):
-    plgpu.barrier_wait(kv_consumed.at[lax.rem(i, jnp.int32(stages))])
-    return ()
-  lax.fori_loop(jnp.maximum(n - stages, 0), n, body, ())
+    """Wait for the consumers' last release of every used slot: each waiter observes every phase."""
+
+    def body(i, _):
+        plgpu.barrier_wait(kv_consumed.at[lax.rem(i, jnp.int32(stages))])
+        return ()
+
+    lax.fori_loop(jnp.maximum(n - stages, 0), n, body, ())
 
 
 def _regs(is_fp8):
-  """(consumer, producer) registers per thread. The CTA holds what it was launched with,
-  384 threads x 168 = 64512, so 2 x 128 x consumer + 128 x producer <= 64512. Consumers hold a
-  [64, L/2] f32 accumulator (128) plus the [64, 64] logits; the fp8 producer converts 64x64
-  chunks."""
-  return (208, 88) if is_fp8 else (224, 56)
+    """(consumer, producer) registers per thread. The CTA holds what it was launched with,
+    384 threads x 168 = 64512, so 2 x 128 x consumer + 128 x producer <= 64512. Consumers hold a
+    [64, L/2] f32 accumulator (128) plus the [64, 64] logits; the fp8 producer converts 64x64
+    chunks."""
+    return (208, 88) if is_fp8 else (224, 56)
 
 
 def _write_out(acc, inv, stage, dst, by_rows):
-  """Normalize, stage in shared memory, TMA the real rows to the output (this warpgroup's half
-  of the columns); dst(rows) is the destination ref."""
-  out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-  stage[...] = out.astype(stage.dtype)
-  plgpu.commit_smem()
-  by_rows(lambda k: plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, k)], dst(k)))
+    """Normalize, stage in shared memory, TMA the real rows to the output (this warpgroup's half
+    of the columns); dst(rows) is the destination ref."""
+    out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    stage[...] = out.astype(stage.dtype)
+    plgpu.commit_smem()
+    by_rows(lambda k: plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, k)], dst(k)))
 
 
 def _rows_per_tile(cfg):
-  """Rows per head tile in the output arrays: 64, or the single tile's real rows (N=16: 16)."""
-  return TILE_M if cfg.head_tiles > 1 else cfg.tail
+    """Rows per head tile in the output arrays: 64, or the single tile's real rows (N=16: 16)."""
+    return TILE_M if cfg.head_tiles > 1 else cfg.tail
 
 
-def choose_num_kv_splits_sm90(batch: int, head_tiles: int, max_pages: int, num_sms: int, *,
-                              cta_overhead_pages: float = 2.0, merge_cost: float = 0.25) -> int:
-  """Static split count: minimize a makespan model over the SMs (one 225 KB CTA per SM).
+def choose_num_kv_splits_sm90(
+    batch: int,
+    head_tiles: int,
+    max_pages: int,
+    num_sms: int,
+    *,
+    cta_overhead_pages: float = 2.0,
+    merge_cost: float = 0.25,
+) -> int:
+    """Static split count: minimize a makespan model over the SMs (one 225 KB CTA per SM).
 
-  T(S) = waves(S) * (ceil(pages / S) + c0) + c1 * S * B * head_tiles / SMs, in page-times: c0 is
-  the per-CTA fixed cost (Q load, pipeline fill, the [64, L] f32 partial write: ~2 pages), c1 the
-  merge cost per partial. With uniform lengths this picks S so that B * head_tiles * S fills whole
-  waves: (1,128,32768) -> 64-66 splits of 8 pages; (64,16,4096) -> 2; (128,128,8192) -> 1.
-  Its tuning variants are timed by bench/decode.py --sweep.
-  """
-  ctas = max(1, batch * head_tiles)
-  best, best_t = 1, None
-  for s in range(1, max(1, min(max_pages, 2 * num_sms)) + 1):
-    pps = cdiv(max_pages, s)
-    s_eff = cdiv(max_pages, pps)
-    waves = cdiv(ctas * s_eff, num_sms)
-    t = waves * (pps + cta_overhead_pages) + merge_cost * s_eff * ctas / num_sms * (s_eff > 1)
-    if best_t is None or t < best_t - 1e-9:
-      best, best_t = s_eff, t
-  return int(best)
+    T(S) = waves(S) * (ceil(pages / S) + c0) + c1 * S * B * head_tiles / SMs, in page-times: c0 is
+    the per-CTA fixed cost (Q load, pipeline fill, the [64, L] f32 partial write: ~2 pages), c1 the
+    merge cost per partial. With uniform lengths this picks S so that B * head_tiles * S fills whole
+    waves: (1,128,32768) -> 64-66 splits of 8 pages; (64,16,4096) -> 2; (128,128,8192) -> 1.
+    Its tuning variants are timed by bench/decode.py --sweep.
+    """
+    ctas = max(1, batch * head_tiles)
+    best, best_t = 1, None
+    for s in range(1, max(1, min(max_pages, 2 * num_sms)) + 1):
+        pps = cdiv(max_pages, s)
+        s_eff = cdiv(max_pages, pps)
+        waves = cdiv(ctas * s_eff, num_sms)
+        t = waves * (pps + cta_overhead_pages) + merge_cost * s_eff * ctas / num_sms * (s_eff > 1)
+        if best_t is None or t < best_t - 1e-9:
+            best, best_t = s_eff, t
+    return int(best)
 
 
-def _validate_sm90(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
-                   num_stages, fp8_stages, fp8_compute, sms, interpret, schedule):
-  validate_decode(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
-                  None, None, None, None, for_kernel=False)
-  l = kv_lora_rank
-  d = q.shape[-1]
-  if l % 128 or l > 512:
-    raise ValueError(f"kv_lora_rank must be a multiple of 128 and <= 512 (two consumer warpgroups "
-                     f"of <= 256 wgmma columns), got {kv_lora_rank}")
-  if (d - l) % 64:
-    raise ValueError(f"rope dim (q last dim {d} - kv_lora_rank {l}) must be a multiple of 64")
-  if cache.shape[1] != PAGE_SIZE:
-    raise ValueError(f"kv_c_and_k_pe_cache page size G={cache.shape[1]} is not supported by the "
-                     f"sm90 kernel (G={PAGE_SIZE} only); use pallas_kernels.mla_decode")
-  if block_table.shape[1] * PAGE_SIZE >= 2**24:
-    raise ValueError(f"block_table width {block_table.shape[1]} x page size {PAGE_SIZE} exceeds "
-                     "2^24 tokens (row lengths travel as exact float32)")
-  if jnp.dtype(cache.dtype) not in (BF16, FP8):
-    raise ValueError(f"kv_c_and_k_pe_cache dtype must be bfloat16 or float8_e4m3fn for the sm90 "
-                     f"kernel, got {cache.dtype}")
-  if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
-    raise ValueError(f"num_stages must be a positive int, got {num_stages}")
-  if fp8_stages is not None and not (isinstance(fp8_stages, int) and fp8_stages >= 1):
-    raise ValueError(f"fp8_stages must be a positive int, got {fp8_stages}")
-  if fp8_compute not in ("bfloat16", "float16"):
-    raise ValueError(f"fp8_compute must be 'bfloat16' or 'float16', got {fp8_compute!r}")
-  if sms is not None and not (isinstance(sms, int) and sms >= 1):
-    raise ValueError(f"num_sms must be a positive int, got {sms}")
-  if schedule not in ("grid", "worklist"):
-    raise ValueError(f"schedule must be 'grid' or 'worklist', got {schedule!r}")
-  if schedule == "worklist" and num_kv_splits is not None:
-    raise ValueError("num_kv_splits applies to schedule='grid'; the work list sizes its pieces")
-  check_interpreter_workers(interpret)
+def _validate_sm90(
+    q,
+    cache,
+    block_table,
+    seq_lens,
+    kv_scale,
+    kv_lora_rank,
+    num_kv_splits,
+    scale,
+    num_stages,
+    fp8_stages,
+    fp8_compute,
+    sms,
+    interpret,
+    schedule,
+):
+    validate_decode(
+        q,
+        cache,
+        block_table,
+        seq_lens,
+        kv_scale,
+        kv_lora_rank,
+        num_kv_splits,
+        scale,
+        None,
+        None,
+        None,
+        None,
+        for_kernel=False,
+    )
+    l = kv_lora_rank
+    d = q.shape[-1]
+    if l % 128 or l > 512:
+        raise ValueError(
+            f"kv_lora_rank must be a multiple of 128 and <= 512 (two consumer warpgroups "
+            f"of <= 256 wgmma columns), got {kv_lora_rank}"
+        )
+    if (d - l) % 64:
+        raise ValueError(f"rope dim (q last dim {d} - kv_lora_rank {l}) must be a multiple of 64")
+    if cache.shape[1] != PAGE_SIZE:
+        raise ValueError(
+            f"kv_c_and_k_pe_cache page size G={cache.shape[1]} is not supported by the "
+            f"sm90 kernel (G={PAGE_SIZE} only); use pallas_kernels.mla_decode"
+        )
+    if block_table.shape[1] * PAGE_SIZE >= 2**24:
+        raise ValueError(
+            f"block_table width {block_table.shape[1]} x page size {PAGE_SIZE} exceeds "
+            "2^24 tokens (row lengths travel as exact float32)"
+        )
+    if jnp.dtype(cache.dtype) not in (BF16, FP8):
+        raise ValueError(
+            f"kv_c_and_k_pe_cache dtype must be bfloat16 or float8_e4m3fn for the sm90 kernel, got {cache.dtype}"
+        )
+    if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
+        raise ValueError(f"num_stages must be a positive int, got {num_stages}")
+    if fp8_stages is not None and not (isinstance(fp8_stages, int) and fp8_stages >= 1):
+        raise ValueError(f"fp8_stages must be a positive int, got {fp8_stages}")
+    if fp8_compute not in ("bfloat16", "float16"):
+        raise ValueError(f"fp8_compute must be 'bfloat16' or 'float16', got {fp8_compute!r}")
+    if sms is not None and not (isinstance(sms, int) and sms >= 1):
+        raise ValueError(f"num_sms must be a positive int, got {sms}")
+    if schedule not in ("grid", "worklist"):
+        raise ValueError(f"schedule must be 'grid' or 'worklist', got {schedule!r}")
+    if schedule == "worklist" and num_kv_splits is not None:
+        raise ValueError("num_kv_splits applies to schedule='grid'; the work list sizes its pieces")
+    check_interpreter_workers(interpret)
 
 
 def _grid_pieces(tile_len, max_pages, splits):
-  """Static schedule: piece (b, s, h) = split s of head tile h of request b (h fastest, so the
-  CTAs that share a KV slice run together). Returns (meta [B*S*T, 6], splits)."""
-  b, t = tile_len.shape
-  pps = cdiv(max_pages, min(splits, max_pages))     # pages per split
-  splits = cdiv(max_pages, pps)
-  bb, ss, hh = (x.reshape(-1) for x in jnp.meshgrid(
-      jnp.arange(b), jnp.arange(splits), jnp.arange(t), indexing="ij"))
-  tl = tile_len[bb, hh]
-  p0 = ss * pps
-  n = jnp.clip((tl + PAGE_SIZE - 1) // PAGE_SIZE - p0, 0, pps)
-  slot = jnp.full_like(n, -1) if splits == 1 else jnp.arange(b * splits * t, dtype=jnp.int32)
-  return jnp.stack([bb, hh, p0, n, slot, tl], axis=-1).astype(jnp.int32), splits
+    """Static schedule: piece (b, s, h) = split s of head tile h of request b (h fastest, so the
+    CTAs that share a KV slice run together). Returns (meta [B*S*T, 6], splits)."""
+    b, t = tile_len.shape
+    pps = cdiv(max_pages, min(splits, max_pages))  # pages per split
+    splits = cdiv(max_pages, pps)
+    bb, ss, hh = (x.reshape(-1) for x in jnp.meshgrid(jnp.arange(b), jnp.arange(splits), jnp.arange(t), indexing="ij"))
+    tl = tile_len[bb, hh]
+    p0 = ss * pps
+    n = jnp.clip((tl + PAGE_SIZE - 1) // PAGE_SIZE - p0, 0, pps)
+    slot = jnp.full_like(n, -1) if splits == 1 else jnp.arange(b * splits * t, dtype=jnp.int32)
+    return jnp.stack([bb, hh, p0, n, slot, tl], axis=-1).astype(jnp.int32), splits
 
 
 def worklist_slots(num_sms: int) -> int:
-  """Partial-output slots of the work-list schedule: a tile is split only when it holds >= 1.5
-  target pieces, so split pieces number at most 4/3 of the SMs (round(x) <= 4x/3 for x >= 1.5)."""
-  return cdiv(4 * num_sms, 3) + 1
+    """Partial-output slots of the work-list schedule: a tile is split only when it holds >= 1.5
+    target pieces, so split pieces number at most 4/3 of the SMs (round(x) <= 4x/3 for x >= 1.5)."""
+    return cdiv(4 * num_sms, 3) + 1
 
 
 def _worklist_pieces(tile_len, num_sms, min_pages):
-  """Length-adaptive schedule (the metadata step, on device): each head tile with P pages is cut
-  into k = clip(round(P / target), 1, P) equal pieces, target = max(total pages / SMs,
-  min_pages), so long requests spread over many SMs and short ones stay whole (no merge).
-  Returns (meta [B*T + slots, 6], slot_tile [slots]: the tile of each partial slot or -1)."""
-  b, t = tile_len.shape
-  nt = b * t
-  slots = worklist_slots(num_sms)
-  tl = tile_len.reshape(-1)
-  pages = (tl + PAGE_SIZE - 1) // PAGE_SIZE                                   # [BT]
-  target = jnp.maximum(jnp.sum(pages) / num_sms, float(min_pages))
-  k = jnp.clip(jnp.floor(pages / target + 0.5).astype(jnp.int32), 1, jnp.maximum(pages, 1))
-  end = jnp.cumsum(k)
-  start = end - k
-  split = k > 1
-  split_start = jnp.cumsum(jnp.where(split, k, 0)) - jnp.where(split, k, 0)
-  j = jnp.arange(nt + slots, dtype=jnp.int32)
-  tile = jnp.minimum(jnp.searchsorted(end, j, side="right"), nt - 1).astype(jnp.int32)
-  i = j - start[tile]
-  kt, pg = k[tile], pages[tile]
-  p0 = i * pg // kt
-  n = (i + 1) * pg // kt - p0
-  valid = j < end[-1]
-  slot = jnp.where(split[tile], split_start[tile] + i, -1)
-  slot = jnp.where(valid, slot, -2)
-  meta = jnp.stack([tile // t, tile % t, p0, jnp.where(valid, n, 0), slot, tl[tile]], axis=-1)
-  slot_tile = jnp.full((slots,), -1, jnp.int32).at[jnp.where(slot >= 0, slot, slots)].set(
-      tile, mode="drop")
-  return meta.astype(jnp.int32), slot_tile
+    """Length-adaptive schedule (the metadata step, on device): each head tile with P pages is cut
+    into k = clip(round(P / target), 1, P) equal pieces, target = max(total pages / SMs,
+    min_pages), so long requests spread over many SMs and short ones stay whole (no merge).
+    Returns (meta [B*T + slots, 6], slot_tile [slots]: the tile of each partial slot or -1)."""
+    b, t = tile_len.shape
+    nt = b * t
+    slots = worklist_slots(num_sms)
+    tl = tile_len.reshape(-1)
+    pages = (tl + PAGE_SIZE - 1) // PAGE_SIZE  # [BT]
+    target = jnp.maximum(jnp.sum(pages) / num_sms, float(min_pages))
+    k = jnp.clip(jnp.floor(pages / target + 0.5).astype(jnp.int32), 1, jnp.maximum(pages, 1))
+    end = jnp.cumsum(k)
+    start = end - k
+    split = k > 1
+    split_start = jnp.cumsum(jnp.where(split, k, 0)) - jnp.where(split, k, 0)
+    j = jnp.arange(nt + slots, dtype=jnp.int32)
+    tile = jnp.minimum(jnp.searchsorted(end, j, side="right"), nt - 1).astype(jnp.int32)
+    i = j - start[tile]
+    kt, pg = k[tile], pages[tile]
+    p0 = i * pg // kt
+    n = (i + 1) * pg // kt - p0
+    valid = j < end[-1]
+    slot = jnp.where(split[tile], split_start[tile] + i, -1)
+    slot = jnp.where(valid, slot, -2)
+    meta = jnp.stack([tile // t, tile % t, p0, jnp.where(valid, n, 0), slot, tl[tile]], axis=-1)
+    slot_tile = jnp.full((slots,), -1, jnp.int32).at[jnp.where(slot >= 0, slot, slots)].set(tile, mode="drop")
+    return meta.astype(jnp.int32), slot_tile
 
 
 def _merge_worklist(out, lse, o_part, lse_part, slot_tile, interpret=False):
-  """LSE-merge the partial slots of each split tile into out [BT, 64, L] / lse [BT, 64], in place.
+    """LSE-merge the partial slots of each split tile into out [BT, 64, L] / lse [BT, 64], in place.
 
-  Slots of a tile are consecutive (slot_tile: the tile of each slot, -1 unused). One Pallas kernel
-  (`merge_segments`) reads only the live slots of split tiles and writes only those tiles; it
-  replaced a much slower XLA segment_sum scatter (docs/perf-notes.md)."""
-  seg_first, seg_count = segments_from_slot_tile(slot_tile, out.shape[0])       # i32[BT] each
-  return merge_segments(out, lse, o_part.reshape(-1, o_part.shape[-1]), lse_part.reshape(-1),
-                        seg_first, seg_count, max_segment=slot_tile.shape[0], interpret=interpret)
+    Slots of a tile are consecutive (slot_tile: the tile of each slot, -1 unused). One Pallas kernel
+    (`merge_segments`) reads only the live slots of split tiles and writes only those tiles; it
+    replaced a much slower XLA segment_sum scatter (docs/perf-notes.md)."""
+    seg_first, seg_count = segments_from_slot_tile(slot_tile, out.shape[0])  # i32[BT] each
+    return merge_segments(
+        out,
+        lse,
+        o_part.reshape(-1, o_part.shape[-1]),
+        lse_part.reshape(-1),
+        seg_first,
+        seg_count,
+        max_segment=slot_tile.shape[0],
+        interpret=interpret,
+    )
 
 
 # Developer tracing: (events per warpgroup, directory) makes the next compiled kernels write a
@@ -711,130 +831,181 @@ def _merge_worklist(out, lse, o_part, lse_part, slot_tile, interpret=False):
 TRACE: tuple[int, str] | None = None
 
 _WORKLIST_MIN_PAGES = 4  # no piece shorter than this unless its tile is (FlashMLA: ~5 blocks)
-_FP8_QK_STAGES = 3       # fp8 ring depth with fp8 QK^T: Q (fp8) and a V-only bf16 slot leave room
+_FP8_QK_STAGES = 3  # fp8 ring depth with fp8 QK^T: Q (fp8) and a V-only bf16 slot leave room
 
 
 def quantize_q_fp8(q):
-  """q [..., D] -> (float8_e4m3fn q / scale, f32 scale [...]): one scale per row (head, token),
-  amax / 448, e4m3's largest finite value; all-zero rows get scale 1. What `fp8_qk=True` feeds
-  the QK^T wgmma: its logits are those of q8 * scale, the reference's input for that mode."""
-  q = q.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(q), axis=-1)
-  scale = jnp.where(amax > 0, amax / 448.0, 1.0)
-  return (q / scale[..., None]).astype(FP8), scale
+    """q [..., D] -> (float8_e4m3fn q / scale, f32 scale [...]): one scale per row (head, token),
+    amax / 448, e4m3's largest finite value; all-zero rows get scale 1. What `fp8_qk=True` feeds
+    the QK^T wgmma: its logits are those of q8 * scale, the reference's input for that mode."""
+    q = q.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(q), axis=-1)
+    scale = jnp.where(amax > 0, amax / 448.0, 1.0)
+    return (q / scale[..., None]).astype(FP8), scale
 
 
 def fp8_qk_reference_q(q):
-  """The f32 q whose exact logits `fp8_qk=True` computes: `quantize_q_fp8`'s q8 * scale (the
-  reference's input for that mode)."""
-  q8, scale = quantize_q_fp8(q)
-  return q8.astype(jnp.float32) * scale[..., None]
+    """The f32 q whose exact logits `fp8_qk=True` computes: `quantize_q_fp8`'s q8 * scale (the
+    reference's input for that mode)."""
+    q8, scale = quantize_q_fp8(q)
+    return q8.astype(jnp.float32) * scale[..., None]
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "batch_invariant", "interpret",
-                     "num_stages", "fp8_stages", "fp8_compute", "fp8_qk", "sms", "schedule"))
-def _impl(q, cache, block_table, seq_lens, kv_scale, *, scale, kv_lora_rank, num_kv_splits,
-          batch_invariant, interpret, num_stages, fp8_stages, fp8_compute, fp8_qk, sms,
-          schedule):
-  b, nq, n, d = q.shape
-  l = kv_lora_rank
-  _, g, _ = cache.shape
-  max_pages = block_table.shape[1]
-  m_rows = nq * n
-  head_tiles = cdiv(m_rows, TILE_M)
-  m_pad = head_tiles * TILE_M
-  tail = cdiv(m_rows - (head_tiles - 1) * TILE_M, 8) * 8   # real rows of the last tile, to 8
-  is_fp8 = jnp.dtype(cache.dtype) == FP8
-  cdt = F16 if is_fp8 and fp8_compute == "float16" else BF16
-  qk8 = bool(fp8_qk) and is_fp8
-  if num_stages is None:
-    num_stages = 1 if is_fp8 else 2
-  if fp8_stages is None:
-    fp8_stages = _FP8_QK_STAGES if qk8 else 2
-  cfg = _Cfg(l=l, d=d, head_tiles=head_tiles, tail=tail, stages=num_stages,
-             fp8_stages=fp8_stages if is_fp8 else 0, sm_scale=float(scale),
-             final_dtype=jnp.dtype(q.dtype), interpret=bool(interpret), cdt=cdt, qk8=qk8)
-  _, smem = _smem_plan(cfg)
-  if smem > SMEM_BYTES:
-    raise ValueError(f"num_stages={num_stages} (fp8_stages={fp8_stages}) needs {smem} B of shared "
-                     f"memory per CTA; {SMEM_BYTES} B are available")
+    static_argnames=(
+        "scale",
+        "kv_lora_rank",
+        "num_kv_splits",
+        "batch_invariant",
+        "interpret",
+        "num_stages",
+        "fp8_stages",
+        "fp8_compute",
+        "fp8_qk",
+        "sms",
+        "schedule",
+    ),
+)
+def _impl(
+    q,
+    cache,
+    block_table,
+    seq_lens,
+    kv_scale,
+    *,
+    scale,
+    kv_lora_rank,
+    num_kv_splits,
+    batch_invariant,
+    interpret,
+    num_stages,
+    fp8_stages,
+    fp8_compute,
+    fp8_qk,
+    sms,
+    schedule,
+):
+    b, nq, n, d = q.shape
+    l = kv_lora_rank
+    _, g, _ = cache.shape
+    max_pages = block_table.shape[1]
+    m_rows = nq * n
+    head_tiles = cdiv(m_rows, TILE_M)
+    m_pad = head_tiles * TILE_M
+    tail = cdiv(m_rows - (head_tiles - 1) * TILE_M, 8) * 8  # real rows of the last tile, to 8
+    is_fp8 = jnp.dtype(cache.dtype) == FP8
+    cdt = F16 if is_fp8 and fp8_compute == "float16" else BF16
+    qk8 = bool(fp8_qk) and is_fp8
+    if num_stages is None:
+        num_stages = 1 if is_fp8 else 2
+    if fp8_stages is None:
+        fp8_stages = _FP8_QK_STAGES if qk8 else 2
+    cfg = _Cfg(
+        l=l,
+        d=d,
+        head_tiles=head_tiles,
+        tail=tail,
+        stages=num_stages,
+        fp8_stages=fp8_stages if is_fp8 else 0,
+        sm_scale=float(scale),
+        final_dtype=jnp.dtype(q.dtype),
+        interpret=bool(interpret),
+        cdt=cdt,
+        qk8=qk8,
+    )
+    _, smem = _smem_plan(cfg)
+    if smem > SMEM_BYTES:
+        raise ValueError(
+            f"num_stages={num_stages} (fp8_stages={fp8_stages}) needs {smem} B of shared "
+            f"memory per CTA; {SMEM_BYTES} B are available"
+        )
 
-  rpt = _rows_per_tile(cfg)
-  m_out = head_tiles * rpt                      # rows per request in the output arrays
-  # Fold (Q, N) into rows t*N + n. The kernel moves whole tiles but the last one's real rows
-  # rounded to 8 (q padded to that with zeros); row lengths cover whole tiles (padding rows: 0).
-  if qk8:
-    q_rows, q_scale = quantize_q_fp8(q.reshape(b, m_rows, d))                  # [B, M, D], [B, M]
-    q_scale = jnp.pad(q_scale, ((0, 0), (0, m_pad - m_rows)), constant_values=1.0)
-  else:
-    q_rows = q.reshape(b, m_rows, d).astype(cdt)
-  m_q = (head_tiles - 1) * TILE_M + tail
-  if m_q != m_rows:
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, m_q - m_rows), (0, 0)))
-  row_lens = jnp.minimum(jnp.repeat(seq_lens, n, axis=1), max_pages * g)        # [B, M]
-  if m_pad != m_rows:
-    row_lens = jnp.pad(row_lens, ((0, 0), (0, m_pad - m_rows)))
-  tile_len = jnp.max(row_lens.reshape(b, head_tiles, TILE_M), axis=-1)          # [B, T]
-  row_lens = row_lens.astype(jnp.float32)  # TMA'd into an f32 row-vector buffer (exact < 2^24)
+    rpt = _rows_per_tile(cfg)
+    m_out = head_tiles * rpt  # rows per request in the output arrays
+    # Fold (Q, N) into rows t*N + n. The kernel moves whole tiles but the last one's real rows
+    # rounded to 8 (q padded to that with zeros); row lengths cover whole tiles (padding rows: 0).
+    if qk8:
+        q_rows, q_scale = quantize_q_fp8(q.reshape(b, m_rows, d))  # [B, M, D], [B, M]
+        q_scale = jnp.pad(q_scale, ((0, 0), (0, m_pad - m_rows)), constant_values=1.0)
+    else:
+        q_rows = q.reshape(b, m_rows, d).astype(cdt)
+    m_q = (head_tiles - 1) * TILE_M + tail
+    if m_q != m_rows:
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, m_q - m_rows), (0, 0)))
+    row_lens = jnp.minimum(jnp.repeat(seq_lens, n, axis=1), max_pages * g)  # [B, M]
+    if m_pad != m_rows:
+        row_lens = jnp.pad(row_lens, ((0, 0), (0, m_pad - m_rows)))
+    tile_len = jnp.max(row_lens.reshape(b, head_tiles, TILE_M), axis=-1)  # [B, T]
+    row_lens = row_lens.astype(jnp.float32)  # TMA'd into an f32 row-vector buffer (exact < 2^24)
 
-  if batch_invariant:
-    schedule, num_kv_splits = "grid", 1   # a request's pieces must not depend on the batch
-  if schedule == "grid":
-    splits = num_kv_splits or choose_num_kv_splits_sm90(b, head_tiles, max_pages, sms)
-    meta, splits = _grid_pieces(tile_len, max_pages, splits)
-    n_slots = meta.shape[0] if splits > 1 else 1
-    name = f"grid{splits}"
-  else:
-    meta, slot_tile = _worklist_pieces(tile_len, sms, _WORKLIST_MIN_PAGES)
-    n_slots = slot_tile.shape[0]
-    name = "worklist"
+    if batch_invariant:
+        schedule, num_kv_splits = "grid", 1  # a request's pieces must not depend on the batch
+    if schedule == "grid":
+        splits = num_kv_splits or choose_num_kv_splits_sm90(b, head_tiles, max_pages, sms)
+        meta, splits = _grid_pieces(tile_len, max_pages, splits)
+        n_slots = meta.shape[0] if splits > 1 else 1
+        name = f"grid{splits}"
+    else:
+        meta, slot_tile = _worklist_pieces(tile_len, sms, _WORKLIST_MIN_PAGES)
+        n_slots = slot_tile.shape[0]
+        name = "worklist"
 
-  args = ([q_rows, cache] + ([kv_scale] if is_fp8 else []) + [block_table, row_lens, meta]
-          + ([q_scale] if qk8 else []))
-  out_type = (jax.ShapeDtypeStruct((b, m_out, l), q.dtype),               # final outputs
-              jax.ShapeDtypeStruct((b, m_out), jnp.float32),
-              jax.ShapeDtypeStruct((n_slots * rpt, l), jnp.float32),     # f32 partials, by slot
-              jax.ShapeDtypeStruct((n_slots * rpt,), jnp.float32))
-  kernel = plgpu.kernel(
-      functools.partial(_kernel, cfg=cfg),
-      out_type=out_type,
-      grid=(meta.shape[0],),
-      grid_names=("piece",),
-      num_threads=3,
-      thread_name="wg",
-      # Row reductions of the WGMMA layout stay within a warp: no cross-warp reduction scratch.
-      compiler_params=plgpu.CompilerParams(
-          approx_math=True, reduction_scratch_bytes=0,
-          **(dict(profile_space=TRACE[0], profile_dir=TRACE[1]) if TRACE else {})),
-      interpret=interpret_params(interpret),
-      kernel_name=(f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}"
-                   + ("_qk8" if qk8 else "")),
-  )
-  out, lse, o_part, lse_part = kernel(*args)
-  if schedule == "grid" and splits > 1:
-    # Pieces with no pages wrote only lse = -inf; the merge never reads their outputs.
-    out, lse = merge_splits(o_part.reshape(b, splits, m_out, l), lse_part.reshape(b, splits, m_out),
-                            out_dtype=q.dtype, interpret=bool(interpret))
-  elif schedule == "worklist":
-    out, lse = _merge_worklist(out.reshape(b * head_tiles, rpt, l),
-                               lse.reshape(b * head_tiles, rpt), o_part.reshape(-1, rpt, l),
-                               lse_part.reshape(-1, rpt), slot_tile, bool(interpret))
-    out, lse = out.reshape(b, m_out, l), lse.reshape(b, m_out)
-  out = out[:, :m_rows].reshape(b, nq, n, l).astype(q.dtype)
-  lse = lse[:, :m_rows].reshape(b, nq, n)
-  return out, lse
+    args = [q_rows, cache] + ([kv_scale] if is_fp8 else []) + [block_table, row_lens, meta] + ([q_scale] if qk8 else [])
+    out_type = (
+        jax.ShapeDtypeStruct((b, m_out, l), q.dtype),  # final outputs
+        jax.ShapeDtypeStruct((b, m_out), jnp.float32),
+        jax.ShapeDtypeStruct((n_slots * rpt, l), jnp.float32),  # f32 partials, by slot
+        jax.ShapeDtypeStruct((n_slots * rpt,), jnp.float32),
+    )
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, cfg=cfg),
+        out_type=out_type,
+        grid=(meta.shape[0],),
+        grid_names=("piece",),
+        num_threads=3,
+        thread_name="wg",
+        # Row reductions of the WGMMA layout stay within a warp: no cross-warp reduction scratch.
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True,
+            reduction_scratch_bytes=0,
+            **(dict(profile_space=TRACE[0], profile_dir=TRACE[1]) if TRACE else {}),
+        ),
+        interpret=interpret_params(interpret),
+        kernel_name=(f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}" + ("_qk8" if qk8 else "")),
+    )
+    out, lse, o_part, lse_part = kernel(*args)
+    if schedule == "grid" and splits > 1:
+        # Pieces with no pages wrote only lse = -inf; the merge never reads their outputs.
+        out, lse = merge_splits(
+            o_part.reshape(b, splits, m_out, l),
+            lse_part.reshape(b, splits, m_out),
+            out_dtype=q.dtype,
+            interpret=bool(interpret),
+        )
+    elif schedule == "worklist":
+        out, lse = _merge_worklist(
+            out.reshape(b * head_tiles, rpt, l),
+            lse.reshape(b * head_tiles, rpt),
+            o_part.reshape(-1, rpt, l),
+            lse_part.reshape(-1, rpt),
+            slot_tile,
+            bool(interpret),
+        )
+        out, lse = out.reshape(b, m_out, l), lse.reshape(b, m_out)
+    out = out[:, :m_rows].reshape(b, nq, n, l).astype(q.dtype)
+    lse = lse[:, :m_rows].reshape(b, nq, n)
+    return out, lse
 
 
 def mla_decode_sm90(
-    q,                    # [B, Q, N, L+R]: absorbed q_nope (L) then q_pe (R); computed in bf16
+    q,  # [B, Q, N, L+R]: absorbed q_nope (L) then q_pe (R); computed in bf16
     kv_c_and_k_pe_cache,  # [num_pages, 64, L+R] bf16, or float8_e4m3fn with kv_scale
-    block_table,          # i32[B, max_pages]
-    seq_lens,             # i32[B, Q]: cache tokens query row (b, t) attends to; 0 = empty row
+    block_table,  # i32[B, max_pages]
+    seq_lens,  # i32[B, Q]: cache tokens query row (b, t) attends to; 0 = empty row
     *,
     scale: float,
-    kv_scale=None,        # f32[num_pages, 64]: row value = fp8 row * kv_scale (fp8 cache only)
+    kv_scale=None,  # f32[num_pages, 64]: row value = fp8 row * kv_scale (fp8 cache only)
     kv_lora_rank: int = 512,
     num_kv_splits: int | None = None,
     batch_invariant: bool = False,
@@ -846,40 +1017,63 @@ def mla_decode_sm90(
     num_sms: int | None = None,
     schedule: str = "grid",
 ):
-  """Hopper paged latent-MQA decode. Returns (out [B, Q, N, L] in q.dtype, lse f32[B, Q, N]).
+    """Hopper paged latent-MQA decode. Returns (out [B, Q, N, L] in q.dtype, lse f32[B, Q, N]).
 
-  Same contract as `pallas_kernels.mla_decode.mla_decode`: lse is the natural log of
-  sum(exp(scale * logits)); rows with seq_len 0 give out 0 and lse -inf; lengths beyond the block
-  table's capacity are clamped. Page size 64 only; L a multiple of 128 up to 512; R a multiple of
-  64; cache bf16 or fp8 e4m3 (cast to bf16 in shared memory, bf16 wgmma, per-token scale applied
-  to the logits and to p).
+    Same contract as `pallas_kernels.mla_decode.mla_decode`: lse is the natural log of
+    sum(exp(scale * logits)); rows with seq_len 0 give out 0 and lse -inf; lengths beyond the block
+    table's capacity are clamped. Page size 64 only; L a multiple of 128 up to 512; R a multiple of
+    64; cache bf16 or fp8 e4m3 (cast to bf16 in shared memory, bf16 wgmma, per-token scale applied
+    to the logits and to p).
 
-  schedule: "grid" (default): every head tile of every request cut into the same static number
-  of splits, `num_kv_splits` (None: `choose_num_kv_splits_sm90` for `num_sms` SMs, default the
-  device's), over the block table's capacity; "worklist": a metadata step on device cuts each tile
-  by its actual length so the pieces balance over `num_sms` SMs (FlashMLA's get_mla_metadata idea;
-  split tiles merged by LSE afterwards). batch_invariant: one piece per tile (bitwise independent
-  of the rest of the batch). num_stages: bf16 ring depth (default 2; 1 for fp8,
-  whose ring of `fp8_stages` (default 2) fp8 pages takes the rest of shared memory).
-  fp8_compute: wgmma dtype for an fp8 cache: "bfloat16" (default; q as bf16) or "float16" (sm_90
-  casts e4m3 -> f16 in one instruction, -> bf16 only through f32; q must stay below 65504 in
-  magnitude). fp8_qk (fp8 cache only): QK^T as an fp8 wgmma straight on the fp8 page, q quantized
-  per row to e4m3 (`quantize_q_fp8`: the logits are those of the quantized q), so only V's L
-  columns are cast for P.V (fp8 wgmma takes B only K-major: V, N-major in the page, cannot be fp8);
-  fp8_stages then defaults to 3.
-  interpret: run under the Mosaic GPU interpreter (CPU testing): True, or the interpreter's
-  `plgpu.InterpretGPUParams` (e.g. detect_races=True). It needs >= 3 XLA CPU workers (NPROC).
-  """
-  _validate_sm90(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, kv_lora_rank,
-                 num_kv_splits, scale, num_stages, fp8_stages, fp8_compute, num_sms, interpret,
-                 schedule)
-  if fp8_qk and jnp.dtype(kv_c_and_k_pe_cache.dtype) != FP8:
-    raise ValueError(f"fp8_qk=True needs a float8_e4m3fn kv_c_and_k_pe_cache, got "
-                     f"{kv_c_and_k_pe_cache.dtype}")
-  return _impl(q, kv_c_and_k_pe_cache, block_table, seq_lens, kv_scale, scale=float(scale),
-               kv_lora_rank=int(kv_lora_rank), num_kv_splits=num_kv_splits,
-               batch_invariant=bool(batch_invariant),
-               interpret=static_interpret(interpret),
-               num_stages=num_stages, fp8_stages=fp8_stages, fp8_compute=fp8_compute,
-               fp8_qk=bool(fp8_qk), sms=int(num_sms) if num_sms is not None else _device_num_sms(),
-               schedule=schedule)
+    schedule: "grid" (default): every head tile of every request cut into the same static number
+    of splits, `num_kv_splits` (None: `choose_num_kv_splits_sm90` for `num_sms` SMs, default the
+    device's), over the block table's capacity; "worklist": a metadata step on device cuts each tile
+    by its actual length so the pieces balance over `num_sms` SMs (FlashMLA's get_mla_metadata idea;
+    split tiles merged by LSE afterwards). batch_invariant: one piece per tile (bitwise independent
+    of the rest of the batch). num_stages: bf16 ring depth (default 2; 1 for fp8,
+    whose ring of `fp8_stages` (default 2) fp8 pages takes the rest of shared memory).
+    fp8_compute: wgmma dtype for an fp8 cache: "bfloat16" (default; q as bf16) or "float16" (sm_90
+    casts e4m3 -> f16 in one instruction, -> bf16 only through f32; q must stay below 65504 in
+    magnitude). fp8_qk (fp8 cache only): QK^T as an fp8 wgmma straight on the fp8 page, q quantized
+    per row to e4m3 (`quantize_q_fp8`: the logits are those of the quantized q), so only V's L
+    columns are cast for P.V (fp8 wgmma takes B only K-major: V, N-major in the page, cannot be fp8);
+    fp8_stages then defaults to 3.
+    interpret: run under the Mosaic GPU interpreter (CPU testing): True, or the interpreter's
+    `plgpu.InterpretGPUParams` (e.g. detect_races=True). It needs >= 3 XLA CPU workers (NPROC).
+    """
+    _validate_sm90(
+        q,
+        kv_c_and_k_pe_cache,
+        block_table,
+        seq_lens,
+        kv_scale,
+        kv_lora_rank,
+        num_kv_splits,
+        scale,
+        num_stages,
+        fp8_stages,
+        fp8_compute,
+        num_sms,
+        interpret,
+        schedule,
+    )
+    if fp8_qk and jnp.dtype(kv_c_and_k_pe_cache.dtype) != FP8:
+        raise ValueError(f"fp8_qk=True needs a float8_e4m3fn kv_c_and_k_pe_cache, got {kv_c_and_k_pe_cache.dtype}")
+    return _impl(
+        q,
+        kv_c_and_k_pe_cache,
+        block_table,
+        seq_lens,
+        kv_scale,
+        scale=float(scale),
+        kv_lora_rank=int(kv_lora_rank),
+        num_kv_splits=num_kv_splits,
+        batch_invariant=bool(batch_invariant),
+        interpret=static_interpret(interpret),
+        num_stages=num_stages,
+        fp8_stages=fp8_stages,
+        fp8_compute=fp8_compute,
+        fp8_qk=bool(fp8_qk),
+        sms=int(num_sms) if num_sms is not None else _device_num_sms(),
+        schedule=schedule,
+    )

@@ -3,6 +3,7 @@ prefill row windows and the input checks that several kernels share.
 
 Nothing here imports `mla_jax`; `mla_jax` uses `cdiv` from here.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,9 +22,9 @@ BF16 = jnp.dtype(jnp.bfloat16)
 F16 = jnp.dtype(jnp.float16)
 F32 = jnp.dtype(jnp.float32)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
-FLOAT_DTYPES = (BF16, F16, F32)          # what the Triton-lowered kernels compute in
-HALF_DTYPES = (BF16, F16)                # wgmma operands of the Hopper kernels
-CACHE_DTYPES = FLOAT_DTYPES + (FP8,)     # paged KV caches (fp8 with a per-token scale)
+FLOAT_DTYPES = (BF16, F16, F32)  # what the Triton-lowered kernels compute in
+HALF_DTYPES = (BF16, F16)  # wgmma operands of the Hopper kernels
+CACHE_DTYPES = FLOAT_DTYPES + (FP8,)  # paged KV caches (fp8 with a per-token scale)
 # Short names used by the tests, the benchmarks and their case tables.
 DTYPE_NAMES = {"bf16": BF16, "f16": F16, "f32": F32, "fp8": FP8}
 
@@ -44,16 +45,16 @@ BIG = 1 << 30  # "no window" sentinel for row bounds (fits int32 arithmetic with
 
 
 def is_pow2(x) -> bool:
-  return isinstance(x, (int, np.integer)) and x > 0 and (x & (x - 1)) == 0
+    return isinstance(x, (int, np.integer)) and x > 0 and (x & (x - 1)) == 0
 
 
 def next_pow2(x: int) -> int:
-  return 1 << max(0, int(x) - 1).bit_length()
+    return 1 << max(0, int(x) - 1).bit_length()
 
 
 def cdiv(a, b):
-  """ceil(a / b) for integers (Python ints or integer arrays), b > 0."""
-  return -(-a // b)
+    """ceil(a / b) for integers (Python ints or integer arrays), b > 0."""
+    return -(-a // b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,40 +62,41 @@ def cdiv(a, b):
 
 
 def num_sms() -> int:
-  """SM count of the default device (132 on H200); 132 when unknown (CPU, interpret mode)."""
-  try:
-    n = getattr(jax.devices()[0], "core_count", None)
-    return int(n) if n else H200_SMS
-  except Exception:  # pragma: no cover - no backend at all
-    return H200_SMS
+    """SM count of the default device (132 on H200); 132 when unknown (CPU, interpret mode)."""
+    try:
+        n = getattr(jax.devices()[0], "core_count", None)
+        return int(n) if n else H200_SMS
+    except Exception:  # pragma: no cover - no backend at all
+        return H200_SMS
 
 
 def is_sm90(device=None) -> bool:
-  """True on a Hopper GPU (compute capability 9.x), the only target of the Mosaic GPU kernels."""
-  try:
-    device = device or jax.devices()[0]
-  except RuntimeError:  # pragma: no cover - no backend
-    return False
-  cc = str(getattr(device, "compute_capability", "") or "")
-  return device.platform == "gpu" and cc.split(".")[0] == "9"
+    """True on a Hopper GPU (compute capability 9.x), the only target of the Mosaic GPU kernels."""
+    try:
+        device = device or jax.devices()[0]
+    except RuntimeError:  # pragma: no cover - no backend
+        return False
+    cc = str(getattr(device, "compute_capability", "") or "")
+    return device.platform == "gpu" and cc.split(".")[0] == "9"
 
 
 def cpu_workers() -> int:
-  """XLA's CPU thread-pool size: $NPROC if set (read when the client is created), else the cores."""
-  try:
-    return int(os.environ.get("NPROC") or len(os.sched_getaffinity(0)))
-  except (ValueError, AttributeError):
-    return os.cpu_count() or 1
+    """XLA's CPU thread-pool size: $NPROC if set (read when the client is created), else the cores."""
+    try:
+        return int(os.environ.get("NPROC") or len(os.sched_getaffinity(0)))
+    except (ValueError, AttributeError):
+        return os.cpu_count() or 1
 
 
 def check_interpreter_workers(interpret) -> None:
-  """The Mosaic GPU interpreter runs each of a kernel's 3 warpgroups as a program that blocks in
-  host callbacks at barriers: with fewer than 3 XLA CPU workers it would deadlock."""
-  if interpret and cpu_workers() < 3:
-    raise ValueError(
-        f"interpret=True needs >= 3 XLA CPU workers (the kernel's 3 warpgroups block in host "
-        f"callbacks at barriers and would deadlock); this process has {cpu_workers()}: set the "
-        f"environment variable NPROC=8 before JAX creates its CPU client")
+    """The Mosaic GPU interpreter runs each of a kernel's 3 warpgroups as a program that blocks in
+    host callbacks at barriers: with fewer than 3 XLA CPU workers it would deadlock."""
+    if interpret and cpu_workers() < 3:
+        raise ValueError(
+            f"interpret=True needs >= 3 XLA CPU workers (the kernel's 3 warpgroups block in host "
+            f"callbacks at barriers and would deadlock); this process has {cpu_workers()}: set the "
+            f"environment variable NPROC=8 before JAX creates its CPU client"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,128 +104,144 @@ def check_interpreter_workers(interpret) -> None:
 
 
 def validate_prefill(q, k, v, q_start_loc, k_start_loc):
-  """The varlen attention contract both prefill kernels (and their reference) share."""
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if x.ndim != 3:
-      raise ValueError(f"{name} must be [T, N, H], got shape {x.shape}")
-    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
-      raise ValueError(f"{name} dtype must be bfloat16, float16 or float32, got {x.dtype}")
-  if not (q.dtype == k.dtype == v.dtype):
-    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-  if not (q.shape[1] == k.shape[1] == v.shape[1]):
-    raise ValueError(f"head counts differ: q {q.shape}, k {k.shape}, v {v.shape}")
-  if q.shape[2] != k.shape[2]:
-    raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
-  if k.shape[0] != v.shape[0]:
-    raise ValueError(f"k and v token counts differ: k {k.shape}, v {v.shape}")
-  for name, x in (("q_start_loc", q_start_loc), ("k_start_loc", k_start_loc)):
-    if x.ndim != 1 or x.shape[0] < 2:
-      raise ValueError(f"{name} must be i32[S+1] with S >= 1, got shape {x.shape}")
-    if x.dtype != jnp.int32:
-      raise ValueError(f"{name} must be int32, got {x.dtype}")
-  if q_start_loc.shape != k_start_loc.shape:
-    raise ValueError(f"q_start_loc {q_start_loc.shape} and k_start_loc {k_start_loc.shape} "
-                     "must describe the same number of sequences")
-  if q.shape[0] == 0 or k.shape[0] == 0:
-    raise ValueError(f"empty token axis: q {q.shape}, k {k.shape}")
+    """The varlen attention contract both prefill kernels (and their reference) share."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be [T, N, H], got shape {x.shape}")
+        if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+            raise ValueError(f"{name} dtype must be bfloat16, float16 or float32, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.shape[1] == k.shape[1] == v.shape[1]):
+        raise ValueError(f"head counts differ: q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v token counts differ: k {k.shape}, v {v.shape}")
+    for name, x in (("q_start_loc", q_start_loc), ("k_start_loc", k_start_loc)):
+        if x.ndim != 1 or x.shape[0] < 2:
+            raise ValueError(f"{name} must be i32[S+1] with S >= 1, got shape {x.shape}")
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}")
+    if q_start_loc.shape != k_start_loc.shape:
+        raise ValueError(
+            f"q_start_loc {q_start_loc.shape} and k_start_loc {k_start_loc.shape} "
+            "must describe the same number of sequences"
+        )
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        raise ValueError(f"empty token axis: q {q.shape}, k {k.shape}")
 
 
 def row_windows(q_start_loc, k_start_loc, tq: int, tk: int, causal: bool):
-  """Per q row, the key rows [lo, hi) it attends to; empty rows get lo=BIG, hi=0.
+    """Per q row, the key rows [lo, hi) it attends to; empty rows get lo=BIG, hi=0.
 
-  Sequence membership and bottom-right-aligned causality both live in this window, so one kernel
-  serves the causal new-token pass and the non-causal context-chunk pass."""
-  qs, ks = q_start_loc, k_start_loc
-  n_seq = qs.shape[0] - 1
-  rows = jnp.arange(tq, dtype=jnp.int32)
-  # qs[s] <= row < qs[s+1]; compare_all is one fusion (the default "scan" is a while loop, which
-  # costs a host round trip per step on GPU).
-  seq = jnp.searchsorted(qs[1:], rows, side="right", method="compare_all").astype(jnp.int32)
-  valid = (rows >= qs[0]) & (seq < n_seq)
-  seq = jnp.minimum(seq, n_seq - 1)
-  q0, q1, k0, k1 = qs[seq], qs[seq + 1], ks[seq], ks[seq + 1]
-  k_len = k1 - k0
-  if causal:
-    n_vis = jnp.clip(k_len - (q1 - q0) + (rows - q0) + 1, 0, k_len)
-  else:
-    n_vis = k_len
-  lo = jnp.clip(k0, 0, tk)
-  hi = jnp.clip(k0 + n_vis, 0, tk)  # clipping keeps bad start locs from reading out of bounds
-  ok = valid & (hi > lo)
-  return jnp.where(ok, lo, BIG), jnp.where(ok, hi, 0)
+    Sequence membership and bottom-right-aligned causality both live in this window, so one kernel
+    serves the causal new-token pass and the non-causal context-chunk pass."""
+    qs, ks = q_start_loc, k_start_loc
+    n_seq = qs.shape[0] - 1
+    rows = jnp.arange(tq, dtype=jnp.int32)
+    # qs[s] <= row < qs[s+1]; compare_all is one fusion (the default "scan" is a while loop, which
+    # costs a host round trip per step on GPU).
+    seq = jnp.searchsorted(qs[1:], rows, side="right", method="compare_all").astype(jnp.int32)
+    valid = (rows >= qs[0]) & (seq < n_seq)
+    seq = jnp.minimum(seq, n_seq - 1)
+    q0, q1, k0, k1 = qs[seq], qs[seq + 1], ks[seq], ks[seq + 1]
+    k_len = k1 - k0
+    if causal:
+        n_vis = jnp.clip(k_len - (q1 - q0) + (rows - q0) + 1, 0, k_len)
+    else:
+        n_vis = k_len
+    lo = jnp.clip(k0, 0, tk)
+    hi = jnp.clip(k0 + n_vis, 0, tk)  # clipping keeps bad start locs from reading out of bounds
+    ok = valid & (hi > lo)
+    return jnp.where(ok, lo, BIG), jnp.where(ok, hi, 0)
 
 
 # ---------------------------------------------------------------------------------------------
 # Decode: input checks (mla_decode, mla_decode_sm90 and their reference)
 
 
-def validate_decode(q, cache, block_table, seq_lens, kv_scale, kv_lora_rank, num_kv_splits, scale,
-                    block_h, block_kv, num_warps, num_stages, fp8_mode=None, *, for_kernel=True):
-  """The paged decode contract. `for_kernel=False` (the reference, the Hopper kernel) accepts any
-  L, R and page size; the Triton kernel needs powers of two >= 16."""
-  if not hasattr(q, "ndim") or q.ndim != 4:
-    raise ValueError(f"q must be [B, Q, N, L+R], got shape {getattr(q, 'shape', None)}")
-  if jnp.dtype(q.dtype) not in FLOAT_DTYPES:
-    raise ValueError(f"q dtype must be bfloat16, float16 or float32, got {q.dtype}")
-  b, nq, n, d = q.shape
-  l = kv_lora_rank
-  r = d - l
-  if not (isinstance(l, (int, np.integer)) and 0 < l < d):
-    raise ValueError(f"kv_lora_rank must be an int in (0, {d}), got {kv_lora_rank}")
-  if for_kernel and not (is_pow2(int(l)) and l >= 16):
-    raise ValueError(f"kv_lora_rank must be a power of two >= 16, got {kv_lora_rank}")
-  if for_kernel and not (is_pow2(r) and r >= 16):
-    raise ValueError(
-        f"q last dim {d} minus kv_lora_rank {l} = rope dim {r} must be a power of two >= 16")
-  if b < 1 or nq < 1 or n < 1:
-    raise ValueError(f"q has an empty dimension: shape {q.shape}")
-  if cache.ndim != 3:
-    raise ValueError(f"kv_c_and_k_pe_cache must be [num_pages, G, L+R], got shape {cache.shape}")
-  num_pages, g, dc = cache.shape
-  if dc != d:
-    raise ValueError(f"kv_c_and_k_pe_cache last dim {dc} != q last dim {d} (L+R)")
-  if for_kernel and not is_pow2(g):
-    raise ValueError(f"kv_c_and_k_pe_cache page size G={g} must be a power of two")
-  if num_pages < 1:
-    raise ValueError("kv_c_and_k_pe_cache has no pages")
-  cdt = jnp.dtype(cache.dtype)
-  if cdt not in CACHE_DTYPES:
-    raise ValueError(f"kv_c_and_k_pe_cache dtype must be bf16/f16/f32/float8_e4m3fn, got {cdt}")
-  if cdt == FP8:
-    if kv_scale is None:
-      raise ValueError("kv_scale is required when kv_c_and_k_pe_cache is float8_e4m3fn")
-    if kv_scale.shape != (num_pages, g):
-      raise ValueError(f"kv_scale must be [num_pages, G] = {(num_pages, g)}, got {kv_scale.shape}")
-    if jnp.dtype(kv_scale.dtype) != jnp.float32:
-      raise ValueError(f"kv_scale dtype must be float32, got {kv_scale.dtype}")
-  elif kv_scale is not None:
-    raise ValueError(f"kv_scale is only for a float8_e4m3fn cache; the cache is {cdt}")
-  if block_table.ndim != 2 or block_table.shape[0] != b:
-    raise ValueError(f"block_table must be i32[B={b}, max_pages], got shape {block_table.shape}")
-  if jnp.dtype(block_table.dtype) != jnp.int32:
-    raise ValueError(f"block_table dtype must be int32, got {block_table.dtype}")
-  max_pages = block_table.shape[1]
-  if max_pages < 1:
-    raise ValueError("block_table must have at least one page column")
-  if max_pages * g >= 2**31 or num_pages * g >= 2**31:  # token and row indices are int32
-    raise ValueError(f"block_table width {max_pages} or num_pages {num_pages} x page size {g} "
-                     "exceeds int32 token indexing")
-  if seq_lens.shape != (b, nq):
-    raise ValueError(f"seq_lens must be i32[B, Q] = {(b, nq)}, got shape {seq_lens.shape}")
-  if jnp.dtype(seq_lens.dtype) != jnp.int32:
-    raise ValueError(f"seq_lens dtype must be int32, got {seq_lens.dtype}")
-  if num_kv_splits is not None and not (isinstance(num_kv_splits, (int, np.integer))
-                                        and num_kv_splits >= 1):
-    raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits}")
-  if not isinstance(scale, (float, int, np.floating)):
-    raise ValueError(f"scale must be a static Python float, got {type(scale).__name__}")
-  if block_h is not None and not (is_pow2(block_h) and block_h >= 16):
-    raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
-  if block_kv is not None and not (is_pow2(block_kv) and block_kv >= 16):
-    raise ValueError(f"block_kv must be a power of two >= 16, got {block_kv}")
-  if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
-    raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
-  if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
-    raise ValueError(f"num_stages must be a positive int, got {num_stages}")
-  if fp8_mode not in (None, "scale_logits", "dequant_tile"):
-    raise ValueError(f"fp8_mode must be 'scale_logits' or 'dequant_tile', got {fp8_mode!r}")
+def validate_decode(
+    q,
+    cache,
+    block_table,
+    seq_lens,
+    kv_scale,
+    kv_lora_rank,
+    num_kv_splits,
+    scale,
+    block_h,
+    block_kv,
+    num_warps,
+    num_stages,
+    fp8_mode=None,
+    *,
+    for_kernel=True,
+):
+    """The paged decode contract. `for_kernel=False` (the reference, the Hopper kernel) accepts any
+    L, R and page size; the Triton kernel needs powers of two >= 16."""
+    if not hasattr(q, "ndim") or q.ndim != 4:
+        raise ValueError(f"q must be [B, Q, N, L+R], got shape {getattr(q, 'shape', None)}")
+    if jnp.dtype(q.dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"q dtype must be bfloat16, float16 or float32, got {q.dtype}")
+    b, nq, n, d = q.shape
+    l = kv_lora_rank
+    r = d - l
+    if not (isinstance(l, (int, np.integer)) and 0 < l < d):
+        raise ValueError(f"kv_lora_rank must be an int in (0, {d}), got {kv_lora_rank}")
+    if for_kernel and not (is_pow2(int(l)) and l >= 16):
+        raise ValueError(f"kv_lora_rank must be a power of two >= 16, got {kv_lora_rank}")
+    if for_kernel and not (is_pow2(r) and r >= 16):
+        raise ValueError(f"q last dim {d} minus kv_lora_rank {l} = rope dim {r} must be a power of two >= 16")
+    if b < 1 or nq < 1 or n < 1:
+        raise ValueError(f"q has an empty dimension: shape {q.shape}")
+    if cache.ndim != 3:
+        raise ValueError(f"kv_c_and_k_pe_cache must be [num_pages, G, L+R], got shape {cache.shape}")
+    num_pages, g, dc = cache.shape
+    if dc != d:
+        raise ValueError(f"kv_c_and_k_pe_cache last dim {dc} != q last dim {d} (L+R)")
+    if for_kernel and not is_pow2(g):
+        raise ValueError(f"kv_c_and_k_pe_cache page size G={g} must be a power of two")
+    if num_pages < 1:
+        raise ValueError("kv_c_and_k_pe_cache has no pages")
+    cdt = jnp.dtype(cache.dtype)
+    if cdt not in CACHE_DTYPES:
+        raise ValueError(f"kv_c_and_k_pe_cache dtype must be bf16/f16/f32/float8_e4m3fn, got {cdt}")
+    if cdt == FP8:
+        if kv_scale is None:
+            raise ValueError("kv_scale is required when kv_c_and_k_pe_cache is float8_e4m3fn")
+        if kv_scale.shape != (num_pages, g):
+            raise ValueError(f"kv_scale must be [num_pages, G] = {(num_pages, g)}, got {kv_scale.shape}")
+        if jnp.dtype(kv_scale.dtype) != jnp.float32:
+            raise ValueError(f"kv_scale dtype must be float32, got {kv_scale.dtype}")
+    elif kv_scale is not None:
+        raise ValueError(f"kv_scale is only for a float8_e4m3fn cache; the cache is {cdt}")
+    if block_table.ndim != 2 or block_table.shape[0] != b:
+        raise ValueError(f"block_table must be i32[B={b}, max_pages], got shape {block_table.shape}")
+    if jnp.dtype(block_table.dtype) != jnp.int32:
+        raise ValueError(f"block_table dtype must be int32, got {block_table.dtype}")
+    max_pages = block_table.shape[1]
+    if max_pages < 1:
+        raise ValueError("block_table must have at least one page column")
+    if max_pages * g >= 2**31 or num_pages * g >= 2**31:  # token and row indices are int32
+        raise ValueError(
+            f"block_table width {max_pages} or num_pages {num_pages} x page size {g} exceeds int32 token indexing"
+        )
+    if seq_lens.shape != (b, nq):
+        raise ValueError(f"seq_lens must be i32[B, Q] = {(b, nq)}, got shape {seq_lens.shape}")
+    if jnp.dtype(seq_lens.dtype) != jnp.int32:
+        raise ValueError(f"seq_lens dtype must be int32, got {seq_lens.dtype}")
+    if num_kv_splits is not None and not (isinstance(num_kv_splits, (int, np.integer)) and num_kv_splits >= 1):
+        raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits}")
+    if not isinstance(scale, (float, int, np.floating)):
+        raise ValueError(f"scale must be a static Python float, got {type(scale).__name__}")
+    if block_h is not None and not (is_pow2(block_h) and block_h >= 16):
+        raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
+    if block_kv is not None and not (is_pow2(block_kv) and block_kv >= 16):
+        raise ValueError(f"block_kv must be a power of two >= 16, got {block_kv}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
+    if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
+        raise ValueError(f"num_stages must be a positive int, got {num_stages}")
+    if fp8_mode not in (None, "scale_logits", "dequant_tile"):
+        raise ValueError(f"fp8_mode must be 'scale_logits' or 'dequant_tile', got {fp8_mode!r}")

@@ -9,6 +9,7 @@ through the model in float64 (eager attention, no cache) and writes MODEL_DIR/hf
 input_ids i32[S] and logits f32[S, vocab], with the transformers/torch versions in its metadata.
 tests/mla_jax/test_demo_model.py compares our float32 forward with these logits. Imports no jax.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,12 @@ def main(argv: list[str]) -> int:
     assert hf_ids == ids, f"PreTrainedTokenizerFast gives {hf_ids}, tokenizers gives {ids}"
 
     model, info = DeepseekV3ForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
-        output_loading_info=True)
+        str(model_dir),
+        dtype=torch.float32,
+        attn_implementation="eager",
+        experts_implementation="eager",
+        output_loading_info=True,
+    )
     bad = {k: v for k, v in info.items() if v}
     assert not bad, f"transformers could not load every tensor: {bad}"
     model.eval()
@@ -47,16 +52,22 @@ def main(argv: list[str]) -> int:
         l64 = model.double()(input_ids=x, use_cache=False).logits[0]
     cfg = json.loads((model_dir / "config.json").read_text())
     assert l64.shape == (len(ids), cfg["vocab_size"]), l64.shape
-    meta = {"prompt": PROMPT, "transformers": transformers.__version__, "torch": torch.__version__,
-            "note": "HF DeepseekV3ForCausalLM cast with model.double() (its router and RMSNorm stay float32), "
-                    "eager attention, position_ids 0..S-1, use_cache=False; logits stored as float32",
-            "max_abs_diff_hf_float32_vs_float64": f"{(l32 - l64).abs().max().item():.3e}"}
+    meta = {
+        "prompt": PROMPT,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "note": "HF DeepseekV3ForCausalLM cast with model.double() (its router and RMSNorm stay float32), "
+        "eager attention, position_ids 0..S-1, use_cache=False; logits stored as float32",
+        "max_abs_diff_hf_float32_vs_float64": f"{(l32 - l64).abs().max().item():.3e}",
+    }
     out = model_dir / "hf_reference.safetensors"
     save_file({"input_ids": np.asarray(ids, np.int32), "logits": l64.float().numpy()}, str(out), metadata=meta)
     greedy = tok.decode(l64.argmax(-1).tolist())
-    print(f"transformers {transformers.__version__} loaded {model_dir}: {sum(p.numel() for p in model.parameters())} "
-          f"params; {len(ids)} prompt tokens; HF fp32 vs fp64 max |diff| {meta['max_abs_diff_hf_float32_vs_float64']}; "
-          f"next-token argmax: {greedy!r} -> {out}")
+    print(
+        f"transformers {transformers.__version__} loaded {model_dir}: {sum(p.numel() for p in model.parameters())} "
+        f"params; {len(ids)} prompt tokens; HF fp32 vs fp64 max |diff| {meta['max_abs_diff_hf_float32_vs_float64']}; "
+        f"next-token argmax: {greedy!r} -> {out}"
+    )
     return 0
 
 

@@ -17,6 +17,7 @@ or are not valid Python for this interpreter (`ast.parse`; drops lib2to3's Pytho
 deliberately broken `badsyntax_*` test files). Line endings are normalised to "\\n".
 The PSF licence of the sources permits this use; the corpus itself is not committed (it lives under .cache/).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,9 @@ def list_sources(root: str) -> list[str]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = os.path.relpath(dirpath, root)
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not
-                             (rel_dir == "." and d.startswith("config-")))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in _SKIP_DIRS and not (rel_dir == "." and d.startswith("config-"))
+        )
         for f in filenames:
             if f.endswith(".py") and not f.startswith("_sysconfigdata_"):
                 out.append(os.path.normpath(os.path.join(rel_dir, f)).replace(os.sep, "/"))
@@ -100,8 +102,13 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     return tok
 
@@ -124,8 +131,9 @@ def _sha(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def build_corpus(out_dir: str, *, root: str | None = None, vocab_size: int = 4096, limit: int | None = None,
-                 quiet: bool = False) -> dict:
+def build_corpus(
+    out_dir: str, *, root: str | None = None, vocab_size: int = 4096, limit: int | None = None, quiet: bool = False
+) -> dict:
     """Writes tokenizer.json, train.bin, val.bin and corpus.json into out_dir; returns the corpus record.
     `limit` keeps only the first N kept files (tests)."""
     t0 = time.time()
@@ -147,17 +155,16 @@ def build_corpus(out_dir: str, *, root: str | None = None, vocab_size: int = 409
         return sum(len(t.encode()) for _, t in fs)
 
     rec = {
-        "source": "Python standard library sources (*.py) shipped with the interpreter, tests included; "
-                  "PSF licence",
+        "source": "Python standard library sources (*.py) shipped with the interpreter, tests included; PSF licence",
         "stdlib_dir": root,
         "python": platform.python_version(),
         "python_implementation": platform.python_implementation(),
         "selection": "all *.py except site-packages/, __pycache__/, config-*/, _sysconfigdata_*; dropped: not "
-                     "UTF-8, empty, or not parsed by ast.parse",
+        "UTF-8, empty, or not parsed by ast.parse",
         "split": f"by file: sha256(relative path) % 100 < {VAL_PERCENT} -> validation",
         "vocab_size": tok.get_vocab_size(),
         "tokenizer": f"byte-level BPE (tokenizers {_tokenizers_version()}), GPT-2 pre-tokenizer regex, "
-                     f"min_frequency 2, special token {EOS!r} = id {tok.token_to_id(EOS)}",
+        f"min_frequency 2, special token {EOS!r} = id {tok.token_to_id(EOS)}",
         "eos_token": EOS,
         "eos_token_id": tok.token_to_id(EOS),
         "dtype": "uint16",
@@ -174,8 +181,10 @@ def build_corpus(out_dir: str, *, root: str | None = None, vocab_size: int = 409
         json.dump(rec, f, indent=1)
         f.write("\n")
     if not quiet:
-        print(f"corpus: {rec['files']} files, {rec['bytes']} bytes, {rec['tokens']} tokens, vocab "
-              f"{rec['vocab_size']}, {rec['bytes_per_token']} bytes/token, {rec['build_seconds']} s -> {out_dir}")
+        print(
+            f"corpus: {rec['files']} files, {rec['bytes']} bytes, {rec['tokens']} tokens, vocab "
+            f"{rec['vocab_size']}, {rec['bytes_per_token']} bytes/token, {rec['build_seconds']} s -> {out_dir}"
+        )
     return rec
 
 

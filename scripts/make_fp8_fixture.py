@@ -15,6 +15,7 @@ DeepSeek-V3's FP8 checkpoint format (its `inference/fp8_cast_bf16.py` reverses i
 The fixture dims are < 128 (one partial block per tensor) except kv_b_proj (128 rows: one full block).
 Written as two shards with model.safetensors.index.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,19 +46,24 @@ def quantize_blocks(w: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.n
     s = np.empty((-(-M // block), -(-K // block)), np.float32)
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
-            blk = w[i * block:(i + 1) * block, j * block:(j + 1) * block].astype(np.float32)
+            blk = w[i * block : (i + 1) * block, j * block : (j + 1) * block].astype(np.float32)
             amax = float(np.abs(blk).max())
             scale = np.float32(amax / E4M3_MAX if amax > 0 else 1.0)
             s[i, j] = scale
-            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = np.clip(
-                blk / scale, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+            q[i * block : (i + 1) * block, j * block : (j + 1) * block] = np.clip(
+                blk / scale, -E4M3_MAX, E4M3_MAX
+            ).astype(ml_dtypes.float8_e4m3fn)
     return q, s
 
 
 def main() -> None:
     cfg = json.loads((SRC / "config.json").read_text())
-    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                  "weight_block_size": [BLOCK, BLOCK]}
+    cfg["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [BLOCK, BLOCK],
+    }
     cfg["dtype"] = "bfloat16"
     n_layers = cfg["num_hidden_layers"]
     src = CheckpointDir(SRC)
@@ -77,7 +83,8 @@ def main() -> None:
     tensors[mtp + "enorm.weight"] = np.ones(D, ml_dtypes.bfloat16)
     tensors[mtp + "hnorm.weight"] = np.ones(D, ml_dtypes.bfloat16)
     tensors[mtp + "eh_proj.weight"], tensors[mtp + "eh_proj.weight_scale_inv"] = quantize_blocks(
-        rng.normal(size=(D, 2 * D)).astype(np.float32))
+        rng.normal(size=(D, 2 * D)).astype(np.float32)
+    )
     tensors[mtp + "shared_head.norm.weight"] = np.ones(D, ml_dtypes.bfloat16)
 
     OUT.mkdir(parents=True, exist_ok=True)
@@ -91,9 +98,20 @@ def main() -> None:
         save_file({n: tensors[n] for n in part}, OUT / fname, metadata={"format": "pt"})
         weight_map.update({n: fname for n in part})
     total = sum(t.nbytes for t in tensors.values())
-    (OUT / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total, "generated_by": "scripts/make_fp8_fixture.py from tests/fixtures/hf/v3"},
-         "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
+    (OUT / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {
+                    "total_size": total,
+                    "generated_by": "scripts/make_fp8_fixture.py from tests/fixtures/hf/v3",
+                },
+                "weight_map": weight_map,
+            },
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"
+    )
     (OUT / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     size = sum(os.path.getsize(f) for f in OUT.iterdir())
     assert size < MAX_BYTES, f"fixture is {size} bytes"

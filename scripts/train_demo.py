@@ -29,6 +29,7 @@ to JAX's portable dense decomposition (`jax_ragged_dot_use_ragged_dot_instructio
 runs. It costs E x the routed-expert FLOPs, which this small model can afford. `--native-ragged-dot` keeps the
 instruction.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,26 +52,68 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mla_jax import model  # noqa: E402
+from mla_jax.checkpoint import SafetensorsFile, save_file  # noqa: E402
 from mla_jax.config import DeepseekConfig  # noqa: E402
 from mla_jax.layers import mlp, moe, rms_norm, route  # noqa: E402
 from mla_jax.mla import mla_forward_full  # noqa: E402
-from mla_jax.checkpoint import SafetensorsFile, save_file  # noqa: E402
 
 # Dims: rope/nope/v/latent are powers of two >= 16 so the Pallas kernels accept them.
 PRESETS: dict[str, dict[str, Any]] = {
-    "demo": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, q_lora_rank=96, kv_lora_rank=64,
-                 qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, intermediate_size=768,
-                 moe_intermediate_size=96, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
-                 first_k_dense_replace=1, n_group=4, topk_group=2),
+    "demo": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        intermediate_size=768,
+        moe_intermediate_size=96,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+    ),
     # For a few minutes of CPU training (2 cores): the same architecture, narrower, 8 experts.
-    "small": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64,
-                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, intermediate_size=384,
-                  moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-                  first_k_dense_replace=1, n_group=4, topk_group=2),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
-                 qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, intermediate_size=128,
-                 moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-                 first_k_dense_replace=1, n_group=4, topk_group=2),
+    "small": dict(
+        hidden_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        intermediate_size=384,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+    ),
 }
 # No trailing newline: byte-level BPE merges "\n" with the indentation after it, so a prompt that ends in a bare
 # "\n" asks for an unindented next line.
@@ -78,21 +121,39 @@ SAMPLE_PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(", "
 
 
 def model_config(preset: str, vocab_size: int, max_len: int) -> DeepseekConfig:
-    d = dict(model_type="deepseek_v3", vocab_size=vocab_size, max_position_embeddings=max_len,
-             routed_scaling_factor=2.5, norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid",
-             rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, **PRESETS[preset])
+    d = dict(
+        model_type="deepseek_v3",
+        vocab_size=vocab_size,
+        max_position_embeddings=max_len,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        **PRESETS[preset],
+    )
     return DeepseekConfig.from_dict(d)
 
 
 def count_params(params, cfg: DeepseekConfig) -> dict[str, int]:
     total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    experts = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params["model"].get("moe_layers", {})
-                                                                   .get("mlp", {}).get("experts", {})))
+    experts = sum(
+        int(np.prod(x.shape))
+        for x in jax.tree.leaves(params["model"].get("moe_layers", {}).get("mlp", {}).get("experts", {}))
+    )
     E, K = cfg.n_routed_experts or 1, cfg.num_experts_per_tok or 1
     emb = int(np.prod(params["model"]["embed_tokens"]["weight"].shape))
     head = int(np.prod(params["lm_head"]["weight"].shape)) if "lm_head" in params else 0
-    return {"total": total, "routed_experts": experts, "active_per_token": total - experts + experts * K // E,
-            "embedding": emb, "lm_head": head, "non_embedding": total - emb - head}
+    return {
+        "total": total,
+        "routed_experts": experts,
+        "active_per_token": total - experts + experts * K // E,
+        "embedding": emb,
+        "lm_head": head,
+        "non_embedding": total - emb - head,
+    }
 
 
 # ---- params ------------------------------------------------------------------------------------------------
@@ -125,6 +186,7 @@ def init_train_params(cfg: DeepseekConfig, seed: int) -> model.Params:
 def weight_decay_mask(params):
     """1.0 for the weight matrices (decayed), 0.0 for norm weights and the router (weight and bias). By name:
     layer leaves carry a leading stacking axis, so ndim does not tell a norm from a matrix."""
+
     def m(path, x):
         names = [str(getattr(k, "key", "")) for k in path]
         return 0.0 if any("norm" in n for n in names) or "gate" in names else 1.0
@@ -233,14 +295,20 @@ def make_train_step(cfg: DeepseekConfig, h: Hyper, tx, params_template, compute_
         grads = jax.tree.map(lambda g, f: jnp.zeros_like(g) if f else g, grads, frozen)
         gnorm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
-        updates = jax.tree.map(lambda u, p, d, f: jnp.zeros_like(p) if f else -lr * (u + h.weight_decay * d * p),
-                               updates, params, decay, frozen)
+        updates = jax.tree.map(
+            lambda u, p, d, f: jnp.zeros_like(p) if f else -lr * (u + h.weight_decay * d * p),
+            updates,
+            params,
+            decay,
+            frozen,
+        )
         new = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": gnorm}
         if has_bias:
             rows = max(1, int(ids.shape[0] * h.probe_frac))
-            loads, _ = routing_loads(cast_for_compute(jax.lax.stop_gradient(params), compute_dtype), cfg,
-                                     ids[:rows, :-1])
+            loads, _ = routing_loads(
+                cast_for_compute(jax.lax.stop_gradient(params), compute_dtype), cfg, ids[:rows, :-1]
+            )
             loads = loads.astype(jnp.float32)  # [n_moe, E]
             mean = jnp.mean(loads, axis=-1, keepdims=True)
             mp = dict(new["model"])
@@ -288,7 +356,7 @@ def train_batch(stream: np.ndarray, batch: int, seq: int, seed: int, step: int) 
     """Random windows of seq+1 tokens; a function of (seed, step) only, so a resumed run sees the same data."""
     rng = np.random.default_rng([seed, step])
     off = rng.integers(0, len(stream) - seq - 1, size=batch)
-    return np.stack([stream[o:o + seq + 1] for o in off]).astype(np.int32)
+    return np.stack([stream[o : o + seq + 1] for o in off]).astype(np.int32)
 
 
 def val_windows(stream: np.ndarray, seq: int, limit: int | None = None) -> np.ndarray:
@@ -297,14 +365,14 @@ def val_windows(stream: np.ndarray, seq: int, limit: int | None = None) -> np.nd
     idx = np.arange(n)
     if limit is not None and limit < n:
         idx = np.linspace(0, n - 1, limit).round().astype(int)
-    return np.stack([stream[i * seq:i * seq + seq + 1] for i in idx]).astype(np.int32)
+    return np.stack([stream[i * seq : i * seq + seq + 1] for i in idx]).astype(np.int32)
 
 
 def eval_loss(ev, params, windows: np.ndarray, batch: int) -> float:
     """Mean loss over windows (all of the same length, so the batch means weigh tokens equally)."""
     total, n = 0.0, 0
     for i in range(0, len(windows), batch):  # a shorter last batch compiles once more
-        w = windows[i:i + batch]
+        w = windows[i : i + batch]
         total += float(ev(params, jnp.asarray(w))) * len(w)
         n += len(w)
     return total / n
@@ -353,18 +421,33 @@ def samples(params, cfg: DeepseekConfig, tokenizer_path: str, eos_id: int, max_n
 
     tok = Tokenizer.from_file(tokenizer_path)
     prompts = [tok.encode(p).ids for p in SAMPLE_PROMPTS]
-    sps = [SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(eos_id,)),
-           SamplingParams(max_new_tokens=max_new_tokens, temperature=0.8, top_p=0.95, seed=1,
-                          stop_token_ids=(eos_id,))]
+    sps = [
+        SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(eos_id,)),
+        SamplingParams(max_new_tokens=max_new_tokens, temperature=0.8, top_p=0.95, seed=1, stop_token_ids=(eos_id,)),
+    ]
     out = []
     for sp in sps:
         longest = max(len(p) for p in prompts) + max_new_tokens
-        ec = EngineConfig(max_model_len=max(64, 1 << (longest - 1).bit_length()), max_num_seqs=4, page_size=16,
-                          token_budget=256, max_prefills=4, cache_dtype="fp32", backend="xla")
+        ec = EngineConfig(
+            max_model_len=max(64, 1 << (longest - 1).bit_length()),
+            max_num_seqs=4,
+            page_size=16,
+            token_budget=256,
+            max_prefills=4,
+            cache_dtype="fp32",
+            backend="xla",
+        )
         res = generate(params, cfg, prompts, sp, ec)
         for text, r in zip(SAMPLE_PROMPTS, res):
-            out.append({"prompt": text, "temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed,
-                        "completion": tok.decode(r.token_ids)})
+            out.append(
+                {
+                    "prompt": text,
+                    "temperature": sp.temperature,
+                    "top_p": sp.top_p,
+                    "seed": sp.seed,
+                    "completion": tok.decode(r.token_ids),
+                }
+            )
     return out
 
 
@@ -378,39 +461,68 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny dims and a few steps: a quick CPU check")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
     p.add_argument("--steps", type=int, default=None, help="maximum steps (default 100000; --tiny 30)")
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="wall budget of the whole script (training stops --reserve-minutes before)")
-    p.add_argument("--reserve-minutes", type=float, default=None,
-                   help="kept for the final eval, export and samples (default 1.5; --tiny 0.5)")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="wall budget of the whole script (training stops --reserve-minutes before)",
+    )
+    p.add_argument(
+        "--reserve-minutes",
+        type=float,
+        default=None,
+        help="kept for the final eval, export and samples (default 1.5; --tiny 0.5)",
+    )
     p.add_argument("--batch-size", type=int, default=None, help="default 64 (--tiny 4)")
     p.add_argument("--seq-len", type=int, default=None, help="default 512 (--tiny 64)")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--warmup-steps", type=int, default=None)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--bias-rate", type=float, default=1e-3, help="aux-loss-free bias update speed (0: off)")
-    p.add_argument("--compute-dtype", choices=("bf16", "fp32"), default=None,
-                   help="forward/backward dtype (master weights stay fp32); default bf16 on GPU, fp32 on CPU")
+    p.add_argument(
+        "--compute-dtype",
+        choices=("bf16", "fp32"),
+        default=None,
+        help="forward/backward dtype (master weights stay fp32); default bf16 on GPU, fp32 on CPU",
+    )
     p.add_argument("--export-dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--eval-every", type=int, default=None, help="default 100 (--tiny 10)")
     p.add_argument("--eval-windows", type=int, default=None, help="val windows per periodic eval (64; --tiny 8)")
-    p.add_argument("--final-eval-windows", type=int, default=None,
-                   help="val windows for the final loss of the exported weights (default: all)")
+    p.add_argument(
+        "--final-eval-windows",
+        type=int,
+        default=None,
+        help="val windows for the final loss of the exported weights (default: all)",
+    )
     p.add_argument("--log-every", type=int, default=None, help="default 50 (--tiny 5)")
     p.add_argument("--ckpt-every", type=int, default=None, help="default 1000 (--tiny 20)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corpus-files", type=int, default=None,
-                   help="when building the corpus: keep only the first N files (tests)")
+    p.add_argument(
+        "--corpus-files", type=int, default=None, help="when building the corpus: keep only the first N files (tests)"
+    )
     p.add_argument("--vocab-size", type=int, default=None, help="when building the corpus (default 4096)")
     p.add_argument("--sample-tokens", type=int, default=96, help="tokens per sample in the record (0: none)")
-    p.add_argument("--native-ragged-dot", action="store_true",
-                   help="keep XLA's ragged-dot instruction for the MoE matmuls on GPU (see the module doc)")
+    p.add_argument(
+        "--native-ragged-dot",
+        action="store_true",
+        help="keep XLA's ragged-dot instruction for the MoE matmuls on GPU (see the module doc)",
+    )
     a = p.parse_args(argv)
     tiny = a.tiny
-    dflt = dict(preset="tiny" if tiny else "demo", steps=30 if tiny else 100_000, batch_size=4 if tiny else 64,
-                seq_len=64 if tiny else 512, lr=3e-3 if tiny else 2e-3, warmup_steps=5 if tiny else 200,
-                eval_every=10 if tiny else 100, eval_windows=8 if tiny else 64, log_every=5 if tiny else 50,
-                ckpt_every=20 if tiny else 1000, vocab_size=512 if tiny else 4096,
-                reserve_minutes=0.5 if tiny else 1.5)
+    dflt = dict(
+        preset="tiny" if tiny else "demo",
+        steps=30 if tiny else 100_000,
+        batch_size=4 if tiny else 64,
+        seq_len=64 if tiny else 512,
+        lr=3e-3 if tiny else 2e-3,
+        warmup_steps=5 if tiny else 200,
+        eval_every=10 if tiny else 100,
+        eval_windows=8 if tiny else 64,
+        log_every=5 if tiny else 50,
+        ckpt_every=20 if tiny else 1000,
+        vocab_size=512 if tiny else 4096,
+        reserve_minutes=0.5 if tiny else 1.5,
+    )
     for k, v in dflt.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -434,7 +546,8 @@ def _run(args: argparse.Namespace) -> dict:
     t_start = time.time()
     backend = jax.default_backend()
     compute_dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[
-        args.compute_dtype or ("fp32" if backend == "cpu" else "bf16")]
+        args.compute_dtype or ("fp32" if backend == "cpu" else "bf16")
+    ]
     budget_s = args.max_minutes * 60 if args.max_minutes else float("inf")
     train_deadline = t_start + budget_s - args.reserve_minutes * 60
 
@@ -452,8 +565,11 @@ def _run(args: argparse.Namespace) -> dict:
         params, opt_state, start_step = load_checkpoint(args.resume, params, opt_state)
         print(f"resumed from {args.resume} at step {start_step}", flush=True)
     counts = count_params(params, cfg)
-    print(f"model: {args.preset} {counts}; corpus {crec['tokens']} tokens; {backend}, compute "
-          f"{jnp.dtype(compute_dtype).name}; batch {args.batch_size}x{args.seq_len}", flush=True)
+    print(
+        f"model: {args.preset} {counts}; corpus {crec['tokens']} tokens; {backend}, compute "
+        f"{jnp.dtype(compute_dtype).name}; batch {args.batch_size}x{args.seq_len}",
+        flush=True,
+    )
 
     step_fn = make_train_step(cfg, h, tx, params, compute_dtype)
     ev = make_eval(cfg, compute_dtype)
@@ -477,8 +593,14 @@ def _run(args: argparse.Namespace) -> dict:
     def do_eval(step):
         nonlocal best
         v = eval_loss(ev, params, val_small, args.batch_size)
-        vcurve.append({"step": step, "tokens": step * args.batch_size * args.seq_len,
-                       "elapsed_s": round(time.time() - t_start, 1), "val_loss": round(v, 5)})
+        vcurve.append(
+            {
+                "step": step,
+                "tokens": step * args.batch_size * args.seq_len,
+                "elapsed_s": round(time.time() - t_start, 1),
+                "val_loss": round(v, 5),
+            }
+        )
         if v < best[0]:
             best = (v, step, jax.device_get(params))
         print(f"step {step}: val {v:.4f} (best {best[0]:.4f} @ {best[1]})", flush=True)
@@ -505,10 +627,14 @@ def _run(args: argparse.Namespace) -> dict:
         acc.append((m, lr))
         if step % args.log_every == 0 or step == args.steps:
             ms = jax.device_get([a[0] for a in acc])
-            row = {"step": step, "tokens": step * args.batch_size * args.seq_len,
-                   "elapsed_s": round(time.time() - t_start, 1), "lr": acc[-1][1],
-                   "train_loss": round(float(np.mean([x["loss"] for x in ms])), 5),
-                   "grad_norm": round(float(np.mean([x["grad_norm"] for x in ms])), 4)}
+            row = {
+                "step": step,
+                "tokens": step * args.batch_size * args.seq_len,
+                "elapsed_s": round(time.time() - t_start, 1),
+                "lr": acc[-1][1],
+                "train_loss": round(float(np.mean([x["loss"] for x in ms])), 5),
+                "grad_norm": round(float(np.mean([x["grad_norm"] for x in ms])), 4),
+            }
             if "load_max_over_mean" in ms[0]:
                 row["load_max_over_mean"] = round(float(np.mean([x["load_max_over_mean"] for x in ms])), 3)
             if not math.isfinite(row["train_loss"]):
@@ -516,8 +642,11 @@ def _run(args: argparse.Namespace) -> dict:
             curve.append(row)
             acc = []
             rate = (step - steps_done_at_t0) / max(1e-9, time.time() - loop_t0)
-            print(f"step {step}: train {row['train_loss']:.4f} lr {lr:.2e} gnorm {row['grad_norm']:.3f} "
-                  f"{rate:.2f} steps/s", flush=True)
+            print(
+                f"step {step}: train {row['train_loss']:.4f} lr {lr:.2e} gnorm {row['grad_norm']:.3f} "
+                f"{rate:.2f} steps/s",
+                flush=True,
+            )
         if step % args.eval_every == 0:
             do_eval(step)
         if step % args.ckpt_every == 0:
@@ -531,46 +660,74 @@ def _run(args: argparse.Namespace) -> dict:
     from mla_jax.checkpoint import export_hf, load_hf_checkpoint
 
     best_val, best_step, best_params = best
-    files = export_hf(best_params, cfg, data["tokenizer"], out_dir, dtype=args.export_dtype,
-                      eos_token=crec["eos_token"], model_max_length=args.seq_len,
-                      metadata={"trained_by": "scripts/train_demo.py", "step": str(best_step)})
+    files = export_hf(
+        best_params,
+        cfg,
+        data["tokenizer"],
+        out_dir,
+        dtype=args.export_dtype,
+        eos_token=crec["eos_token"],
+        model_max_length=args.seq_len,
+        metadata={"trained_by": "scripts/train_demo.py", "step": str(best_step)},
+    )
     cfg2, loaded = load_hf_checkpoint(out_dir, dtype=jnp.float32)
     assert cfg2 == cfg, "exported config.json does not round-trip"
     ev32 = ev if compute_dtype == jnp.float32 else make_eval(cfg, jnp.float32)
     val_all = val_windows(data["val"], args.seq_len, args.final_eval_windows)
     final_val = eval_loss(ev32, loaded, val_all, args.batch_size)
-    print(f"exported step {best_step} to {out_dir} {files}; val loss of the exported weights (fp32 compute, "
-          f"{len(val_all)} windows): {final_val:.4f}", flush=True)
+    print(
+        f"exported step {best_step} to {out_dir} {files}; val loss of the exported weights (fp32 compute, "
+        f"{len(val_all)} windows): {final_val:.4f}",
+        flush=True,
+    )
     steps_run = step - start_step
     rec = {
         "what": "training record of the embedded demo model (scripts/train_demo.py)",
         "date": time.strftime("%Y-%m-%d"),
         "device": f"{backend}: {jax.devices()[0].device_kind}",
-        "jax": jax.__version__, "python": platform.python_version(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
         "argv": sys.argv[1:] if __name__ == "__main__" else None,
-        "model": {"preset": args.preset, "config": json.loads(open(os.path.join(out_dir, "config.json")).read()),
-                  "params": counts},
+        "model": {
+            "preset": args.preset,
+            "config": json.loads(open(os.path.join(out_dir, "config.json")).read()),
+            "params": counts,
+        },
         "corpus": {k: v for k, v in crec.items() if k not in ("dropped_files",)},
-        "hyper": {**dataclasses.asdict(h), "batch_size": args.batch_size, "seq_len": args.seq_len,
-                  "tokens_per_step": args.batch_size * args.seq_len, "max_steps": args.steps,
-                  "max_minutes": args.max_minutes, "compute_dtype": jnp.dtype(compute_dtype).name,
-                  "master_dtype": "float32", "export_dtype": args.export_dtype, "seed": args.seed,
-                  "optimizer": "AdamW (optax clip_by_global_norm + scale_by_adam, decoupled decay on matrices)",
-                  "schedule": "linear warmup, cosine to min_lr_frac over min(max_steps, time budget)",
-                  "routing_bias": "aux-loss-free: bias += bias_rate * sign(mean_load - load) per step",
-                  "moe_matmul": "native ragged-dot" if args.native_ragged_dot else "dense decomposition"},
-        "run": {"steps": step, "steps_this_run": steps_run, "resumed_from_step": start_step,
-                "tokens_seen": step * args.batch_size * args.seq_len, "stop": stop_reason,
-                "compile_s": round(compile_s or 0.0, 1), "train_s": round(train_s, 1),
-                "steps_per_s": round((step - steps_done_at_t0) / train_s, 3) if train_s > 0 else None,
-                "wall_s": round(time.time() - t_start, 1)},
+        "hyper": {
+            **dataclasses.asdict(h),
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "tokens_per_step": args.batch_size * args.seq_len,
+            "max_steps": args.steps,
+            "max_minutes": args.max_minutes,
+            "compute_dtype": jnp.dtype(compute_dtype).name,
+            "master_dtype": "float32",
+            "export_dtype": args.export_dtype,
+            "seed": args.seed,
+            "optimizer": "AdamW (optax clip_by_global_norm + scale_by_adam, decoupled decay on matrices)",
+            "schedule": "linear warmup, cosine to min_lr_frac over min(max_steps, time budget)",
+            "routing_bias": "aux-loss-free: bias += bias_rate * sign(mean_load - load) per step",
+            "moe_matmul": "native ragged-dot" if args.native_ragged_dot else "dense decomposition",
+        },
+        "run": {
+            "steps": step,
+            "steps_this_run": steps_run,
+            "resumed_from_step": start_step,
+            "tokens_seen": step * args.batch_size * args.seq_len,
+            "stop": stop_reason,
+            "compile_s": round(compile_s or 0.0, 1),
+            "train_s": round(train_s, 1),
+            "steps_per_s": round((step - steps_done_at_t0) / train_s, 3) if train_s > 0 else None,
+            "wall_s": round(time.time() - t_start, 1),
+        },
         "exported": {"step": best_step, "val_loss_at_export_step": round(best_val, 5), "files": files},
         "final_val_loss": round(final_val, 5),
         "final_val_loss_note": f"mean next-token NLL (nats) over {len(val_all)} non-overlapping "
-                               f"{args.seq_len}-token windows of the val split "
-                               f"({'all' if args.final_eval_windows is None else 'evenly spaced'}), exported "
-                               f"{args.export_dtype} "
-                               "weights loaded back, fp32 compute",
+        f"{args.seq_len}-token windows of the val split "
+        f"({'all' if args.final_eval_windows is None else 'evenly spaced'}), exported "
+        f"{args.export_dtype} "
+        "weights loaded back, fp32 compute",
         "final_val_bits_per_byte": round(final_val / math.log(2) / crec["bytes_per_token"], 4),
         "curve": curve,
         "val_curve": vcurve,
@@ -586,8 +743,11 @@ def _run(args: argparse.Namespace) -> dict:
             print(json.dumps(s), flush=True)
     rec["run"]["wall_s"] = round(time.time() - t_start, 1)
     write_record(args.out, rec)
-    print(f"done in {rec['run']['wall_s']} s: {step} steps, final val loss {final_val:.4f} -> "
-          f"{os.path.join(args.out, 'train-demo.json')}", flush=True)
+    print(
+        f"done in {rec['run']['wall_s']} s: {step} steps, final val loss {final_val:.4f} -> "
+        f"{os.path.join(args.out, 'train-demo.json')}",
+        flush=True,
+    )
     return rec
 
 

@@ -4,6 +4,7 @@ inside the tests so that collecting this file works without it (e.g. `make gpu` 
 
 The notebooks are committed without outputs. `NOTEBOOK_OUTPUT_DIR=dir` writes the executed copies, with their
 plots, into dir (also when a cell fails)."""
+
 import os
 import pathlib
 import time
@@ -41,9 +42,14 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(path, as_version=4)
     # kernel_name "python3" is ipykernel's own spec; jupyter_client runs it with this interpreter (sys.executable).
-    client = NotebookClient(nb, kernel_name="python3", timeout=CELL_TIMEOUT_S, startup_timeout=120,
-                            extra_arguments=["--InteractiveShell.colors=nocolor"],  # plain tracebacks in failures
-                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})  # run from notebooks/
+    client = NotebookClient(
+        nb,
+        kernel_name="python3",
+        timeout=CELL_TIMEOUT_S,
+        startup_timeout=120,
+        extra_arguments=["--InteractiveShell.colors=nocolor"],  # plain tracebacks in failures
+        resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
+    )  # run from notebooks/
     t0 = time.perf_counter()
     try:
         client.execute()  # raises CellExecutionError, with the cell's traceback, if a cell raises

@@ -2,6 +2,7 @@
 
 Results format: ../shared/notes/bench-results.md (one JSON object per benchmark file).
 """
+
 from __future__ import annotations
 
 import collections
@@ -19,8 +20,9 @@ import jax
 import jax.numpy as jnp
 
 
-def time_fn(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iters: int = 20, reps: int = 7,
-            warmup: int = 3) -> float:
+def time_fn(
+    fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iters: int = 20, reps: int = 7, warmup: int = 3
+) -> float:
     """Median microseconds per call of `fn(*args)`.
 
     Calls run back to back (async dispatch hides host overhead) cycling through `arg_sets`, whose
@@ -89,8 +91,7 @@ def git_commit() -> str:
     if os.environ.get("MLA_JAX_COMMIT"):  # the GPU machine's copy of the tree may carry a stale .git
         return os.environ["MLA_JAX_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -137,10 +138,18 @@ def profile_summary(trace_dir: str, *, top: int = 40) -> dict[str, Any]:
                 lo, hi = min(lo, ev.start_ns), max(hi, ev.start_ns + ev.duration_ns)
             if not agg:
                 continue
-            out["lines"].append({
-                "plane": plane.name, "line": line.name, "events": sum(cnt.values()),
-                "busy_ms": round(sum(agg.values()) / 1e6, 3), "span_ms": round((hi - lo) / 1e6, 3),
-                "top": [{"name": n[:160], "ms": round(t / 1e6, 3), "count": cnt[n]} for n, t in agg.most_common(top)]})
+            out["lines"].append(
+                {
+                    "plane": plane.name,
+                    "line": line.name,
+                    "events": sum(cnt.values()),
+                    "busy_ms": round(sum(agg.values()) / 1e6, 3),
+                    "span_ms": round((hi - lo) / 1e6, 3),
+                    "top": [
+                        {"name": n[:160], "ms": round(t / 1e6, 3), "count": cnt[n]} for n, t in agg.most_common(top)
+                    ],
+                }
+            )
     return out
 
 
@@ -179,7 +188,10 @@ def device_time_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iters: 
         if b > end:
             busy += b - max(a, end)
             end = b
-    return {"device_us": round(busy / iters / 1e3, 2),
-            "span_us": round((spans[-1][1] - spans[0][0]) / iters / 1e3, 2), "kernels_per_call": len(spans) / iters,
-            # where the device time goes: the 6 largest kernels, us per call
-            "kernels_us": {k: round(t / iters / 1e3, 2) for k, t in per_kernel.most_common(6)}}
+    return {
+        "device_us": round(busy / iters / 1e3, 2),
+        "span_us": round((spans[-1][1] - spans[0][0]) / iters / 1e3, 2),
+        "kernels_per_call": len(spans) / iters,
+        # where the device time goes: the 6 largest kernels, us per call
+        "kernels_us": {k: round(t / iters / 1e3, 2) for k, t in per_kernel.most_common(6)},
+    }

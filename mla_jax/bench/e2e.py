@@ -9,6 +9,7 @@ Each step time is set against its roofline: bytes of weights and KV the step mus
 measured in the same run. With --out, writes DIR/e2e-h200.json (format: shared/notes/bench-results.md);
 without it, only prints.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,8 @@ from mla_jax.cache import KVCache
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
 from mla_jax.engine import Engine, EngineConfig
 from mla_jax.metadata import ScheduledRequest, build_metadata
-from mla_jax.step import engine_step
 from mla_jax.sampling import SamplingArrays
+from mla_jax.step import engine_step
 
 V2_LITE = DEEPSEEK_V2_LITE
 
@@ -47,21 +48,39 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", default=None, help="attention backend (default: the engine's for this GPU)")
     ap.add_argument("--layers", type=int, default=27, help="fewer layers for a quick look")
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes: checks the script on a CPU")
-    ap.add_argument("--gmm", choices=("ragged_dot", "pallas"), default="pallas",
-                    help="MoE expert matmul (mla_jax.layers.expert_gmm)")
+    ap.add_argument(
+        "--gmm",
+        choices=("ragged_dot", "pallas"),
+        default="pallas",
+        help="MoE expert matmul (mla_jax.layers.expert_gmm)",
+    )
     ap.add_argument("--batches", default="1,32,128", help="decode batch sizes")
     ap.add_argument("--ctxs", default="1024,4096", help="decode contexts (at most 4096)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill row")
-    ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="trace 5 steps of the last decode shape into DIR; writes OUT/profile-decode.json")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="trace 5 steps of the last decode shape into DIR; writes OUT/profile-decode.json",
+    )
     args = ap.parse_args(argv)
     args.backend = args.backend or attention.default_backend_name()
 
     d = {**V2_LITE, "num_hidden_layers": args.layers}
     if args.smoke:
-        d |= dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                  num_attention_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-                  n_routed_experts=8, num_experts_per_tok=2)
+        d |= dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_attention_heads=4,
+            kv_lora_rank=64,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+        )
         if "num_key_value_heads" in d:  # must equal the heads for MLA
             d["num_key_value_heads"] = d["num_attention_heads"]
     cfg = DeepseekConfig.from_dict(d)
@@ -79,10 +98,18 @@ def main(argv: list[str] | None = None) -> None:
     S, P = 2048, 8
     if args.smoke:
         G, max_ctx, batches, ctxs, S, P = 16, 128 + 16, (1, 4), (32, 128), 64, 2
-    ec = EngineConfig(max_model_len=max_ctx, max_num_seqs=max(batches), page_size=G,
-                      num_pages=max(batches) * (max_ctx // G) + 1, token_budget=S * P, max_prefills=P,
-                      decode_buckets=tuple(sorted(set(batches) | {max(batches)})), prefill_buckets=(S * P,),
-                      backend=args.backend, gmm_impl=args.gmm)
+    ec = EngineConfig(
+        max_model_len=max_ctx,
+        max_num_seqs=max(batches),
+        page_size=G,
+        num_pages=max(batches) * (max_ctx // G) + 1,
+        token_budget=S * P,
+        max_prefills=P,
+        decode_buckets=tuple(sorted(set(batches) | {max(batches)})),
+        prefill_buckets=(S * P,),
+        backend=args.backend,
+        gmm_impl=args.gmm,
+    )
     eng = Engine(params, cfg, ec)
     t0 = time.perf_counter()
     eng.warmup(prefill=True)
@@ -97,16 +124,18 @@ def main(argv: list[str] | None = None) -> None:
 
     for B in batches:
         for ctx in ctxs:
-            reqs = [ScheduledRequest([7], ctx - 1, list(range(1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)))
-                    for b in range(B)]
-            md, _ = build_metadata(reqs, page_size=G, num_pages=ec.num_pages,
-                                   shape=eng.batch_shape(B, 0))
+            reqs = [
+                ScheduledRequest([7], ctx - 1, list(range(1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)))
+                for b in range(B)
+            ]
+            md, _ = build_metadata(reqs, page_size=G, num_pages=ec.num_pages, shape=eng.batch_shape(B, 0))
             md = md.to_device()
             sp = jax.tree.map(jnp.asarray, SamplingArrays.build([], [], md.shape.num_logits))
 
             def step(cache):
-                t, _, cache = engine_step(eng.params, cfg, cache, md, sp, backend=args.backend,
-                                          batch_invariant=False, gmm_impl=args.gmm)
+                t, _, cache = engine_step(
+                    eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
+                )
                 return t, cache
 
             cache = eng.cache
@@ -133,9 +162,16 @@ def main(argv: list[str] | None = None) -> None:
             step_s = float(np.median(times))
             nbytes = weight_bytes(params, cfg, B) + B * ctx * row_bytes * cfg.num_hidden_layers
             roof = nbytes / (ceilings["copy_TBps"] * 1e12)
-            row = dict(batch=B, ctx=ctx, phase="decode", step_ms=round(step_s * 1e3, 3),
-                       tokens_per_s=round(B / step_s, 1), roofline_ms=round(roof * 1e3, 3),
-                       x_roofline=round(step_s / roof, 2), compile_s=round(compile_s, 1))
+            row = dict(
+                batch=B,
+                ctx=ctx,
+                phase="decode",
+                step_ms=round(step_s * 1e3, 3),
+                tokens_per_s=round(B / step_s, 1),
+                roofline_ms=round(roof * 1e3, 3),
+                x_roofline=round(step_s / roof, 2),
+                compile_s=round(compile_s, 1),
+            )
             res["rows"].append(row)
             print(row, flush=True)
 
@@ -143,30 +179,46 @@ def main(argv: list[str] | None = None) -> None:
         _finish(args, res)
         return
     # Prefill: P prompts of S new tokens in one step.
-    reqs = [ScheduledRequest(list(np.random.default_rng(p).integers(0, cfg.vocab_size, S)), 0,
-                             list(range(1 + p * pages_per_req, 1 + p * pages_per_req + S // G))) for p in range(P)]
-    md, _ = build_metadata(reqs, page_size=G, num_pages=ec.num_pages, workspace_rows=eng.workspace_rows,
-                           shape=eng.batch_shape(0, S * P))
+    reqs = [
+        ScheduledRequest(
+            list(np.random.default_rng(p).integers(0, cfg.vocab_size, S)),
+            0,
+            list(range(1 + p * pages_per_req, 1 + p * pages_per_req + S // G)),
+        )
+        for p in range(P)
+    ]
+    md, _ = build_metadata(
+        reqs, page_size=G, num_pages=ec.num_pages, workspace_rows=eng.workspace_rows, shape=eng.batch_shape(0, S * P)
+    )
     md = md.to_device()
     sp = jax.tree.map(jnp.asarray, SamplingArrays.build([], [], md.shape.num_logits))
     cache = eng.cache
     for _ in range(2):
-        _, _, cache = engine_step(eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False,
-                                  gmm_impl=args.gmm)
+        _, _, cache = engine_step(
+            eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
+        )
     jax.block_until_ready(cache)
     times = []
     for _ in range(3):
         t1 = time.perf_counter()
-        tok, _, cache = engine_step(eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False,
-                                  gmm_impl=args.gmm)
+        tok, _, cache = engine_step(
+            eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
+        )
         jax.block_until_ready(tok)
         times.append(time.perf_counter() - t1)
     step_s = float(np.median(times))
     nbytes = weight_bytes(params, cfg, S * P)
     roof = nbytes / (ceilings["copy_TBps"] * 1e12)
-    row = dict(batch=P, ctx=S, phase="prefill", step_ms=round(step_s * 1e3, 3),
-               tokens_per_s=round(S * P / step_s, 1), roofline_ms=round(roof * 1e3, 3),
-               x_roofline=round(step_s / roof, 2), compile_s=round(compile_s, 1))
+    row = dict(
+        batch=P,
+        ctx=S,
+        phase="prefill",
+        step_ms=round(step_s * 1e3, 3),
+        tokens_per_s=round(S * P / step_s, 1),
+        roofline_ms=round(roof * 1e3, 3),
+        x_roofline=round(step_s / roof, 2),
+        compile_s=round(compile_s, 1),
+    )
     res["rows"].append(row)
     print(row, flush=True)
     _finish(args, res)

@@ -15,6 +15,7 @@ Modules:
     load      `load_model`, `load_checkpoint`, `abstract_params`, `read_metadata`
     export    our params -> an HF DeepSeek-V3 checkpoint (`export_hf`)
 """
+
 from mla_jax.checkpoint.export import export_hf, hf_config_dict, hf_tensors, merge_kv_b_proj
 from mla_jax.checkpoint.fp8 import dequantize_fp8_blocks
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError, SafetensorsFile, eos_token_ids, save_file
@@ -24,7 +25,27 @@ from mla_jax.checkpoint.plan import ConvertError, make_plan
 from mla_jax.checkpoint.validate import hf_tensor_specs
 from mla_jax.checkpoint.write import ConvertResult, convert
 
-__all__ = ["CheckpointDir", "CheckpointError", "ConvertError", "ConvertResult", "SafetensorsFile",
-           "abstract_params", "build_params", "convert", "dequantize_fp8_blocks", "eos_token_ids", "export_hf",
-           "hf_config_dict", "hf_tensor_specs", "hf_tensors", "is_converted", "load_checkpoint", "load_hf_checkpoint",
-           "load_model", "make_plan", "merge_kv_b_proj", "read_metadata", "save_file"]
+__all__ = [
+    "CheckpointDir",
+    "CheckpointError",
+    "ConvertError",
+    "ConvertResult",
+    "SafetensorsFile",
+    "abstract_params",
+    "build_params",
+    "convert",
+    "dequantize_fp8_blocks",
+    "eos_token_ids",
+    "export_hf",
+    "hf_config_dict",
+    "hf_tensor_specs",
+    "hf_tensors",
+    "is_converted",
+    "load_checkpoint",
+    "load_hf_checkpoint",
+    "load_model",
+    "make_plan",
+    "merge_kv_b_proj",
+    "read_metadata",
+    "save_file",
+]

@@ -8,6 +8,7 @@ hub layout (kv_b_proj merged back from W_UK_T / W_UV, layers unstacked to `model
 `dtype` (bf16 by default, as DeepSeek ships them) except `e_score_correction_bias`, which stays float32 as in
 the hub checkpoints. `load_hf_checkpoint(out_dir)` gives back exactly the params cast to those dtypes.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mla_jax.dtypes import DTYPES
 from mla_jax.checkpoint.hf import save_file
 from mla_jax.checkpoint.validate import hf_tensor_specs
 from mla_jax.config import DeepseekConfig
+from mla_jax.dtypes import DTYPES
 from mla_jax.model import Params, layer_groups
 
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
@@ -41,8 +42,9 @@ def merge_kv_b_proj(w_uk_t: jnp.ndarray, w_uv: jnp.ndarray) -> jnp.ndarray:
     return w.reshape(N * w.shape[1], L)
 
 
-def hf_config_dict(cfg: DeepseekConfig, *, dtype: str = "bf16", bos_token_id: int | None = None,
-                   eos_token_id: int | None = None) -> dict[str, Any]:
+def hf_config_dict(
+    cfg: DeepseekConfig, *, dtype: str = "bf16", bos_token_id: int | None = None, eos_token_id: int | None = None
+) -> dict[str, Any]:
     """config.json for transformers' DeepseekV3ForCausalLM (and our `DeepseekConfig.from_json`)."""
     if cfg.model_type != "deepseek_v3":
         raise ValueError(f"export writes DeepSeek-V3 checkpoints; config has model_type {cfg.model_type!r}")
@@ -91,10 +93,15 @@ def hf_config_dict(cfg: DeepseekConfig, *, dtype: str = "bf16", bos_token_id: in
     if rs is None:
         d["rope_scaling"] = None
     else:
-        d["rope_scaling"] = {"type": "yarn", "factor": rs.factor,
-                             "original_max_position_embeddings": rs.original_max_position_embeddings,
-                             "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow, "mscale": rs.mscale,
-                             "mscale_all_dim": rs.mscale_all_dim}
+        d["rope_scaling"] = {
+            "type": "yarn",
+            "factor": rs.factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+            "beta_fast": rs.beta_fast,
+            "beta_slow": rs.beta_slow,
+            "mscale": rs.mscale,
+            "mscale_all_dim": rs.mscale_all_dim,
+        }
     if bos_token_id is not None:
         d["bos_token_id"] = bos_token_id
     if eos_token_id is not None:
@@ -120,8 +127,15 @@ def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> d
             put(pre + "input_layernorm.weight", lp["input_layernorm"]["weight"])
             put(pre + "post_attention_layernorm.weight", lp["post_attention_layernorm"]["weight"])
             a = lp["self_attn"]
-            for key in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
-                        "o_proj"):
+            for key in (
+                "q_proj",
+                "q_a_proj",
+                "q_a_layernorm",
+                "q_b_proj",
+                "kv_a_proj_with_mqa",
+                "kv_a_layernorm",
+                "o_proj",
+            ):
                 if key in a:
                     put(pre + f"self_attn.{key}.weight", a[key]["weight"])
             kv_b = a["kv_b_proj"]["weight"] if "kv_b_proj" in a else merge_kv_b_proj(a["W_UK_T"], a["W_UV"])
@@ -130,8 +144,7 @@ def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> d
             if group == "moe_layers":
                 put(pre + "mlp.gate.weight", m["gate"]["weight"])
                 if cfg.topk_method == "noaux_tc":
-                    put(pre + "mlp.gate.e_score_correction_bias", m["gate"]["e_score_correction_bias"],
-                        keep_f32=True)
+                    put(pre + "mlp.gate.e_score_correction_bias", m["gate"]["e_score_correction_bias"], keep_f32=True)
                 for j in range(cfg.n_routed_experts):
                     for proj in ("gate_proj", "up_proj", "down_proj"):
                         put(pre + f"mlp.experts.{j}.{proj}.weight", m["experts"][proj]["weight"][j])
@@ -153,9 +166,17 @@ def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> d
     return {name: out[name] for name in specs}
 
 
-def export_hf(params: Params, cfg: DeepseekConfig, tokenizer: Any, out_dir: str | os.PathLike, *,
-              dtype: str = "bf16", eos_token: str | None = "<|endoftext|>", model_max_length: int | None = None,
-              metadata: dict[str, str] | None = None) -> dict[str, int]:
+def export_hf(
+    params: Params,
+    cfg: DeepseekConfig,
+    tokenizer: Any,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str = "bf16",
+    eos_token: str | None = "<|endoftext|>",
+    model_max_length: int | None = None,
+    metadata: dict[str, str] | None = None,
+) -> dict[str, int]:
     """Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json into out_dir (created).
 
     `tokenizer` is a `tokenizers.Tokenizer`, a path to a tokenizer.json, or its JSON text; `eos_token` (looked up
@@ -191,8 +212,12 @@ def export_hf(params: Params, cfg: DeepseekConfig, tokenizer: Any, out_dir: str 
         f.write("\n")
     with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
         f.write(tok_json)
-    tcfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-                            "add_bos_token": False, "add_eos_token": False}
+    tcfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
     if eos_token is not None:
         tcfg |= {"bos_token": eos_token, "eos_token": eos_token}
     if model_max_length:

@@ -1,12 +1,13 @@
 """DeepSeek-V3's block FP8: e4m3 weights [..., M, K] with a float32 `weight_scale_inv` [..., ceil(M/bm),
 ceil(K/bk)] over bm x bk blocks (128x128), dequantized as w * scale_inv per block."""
+
 from __future__ import annotations
 
 import numpy as np
 
-from mla_jax.dtypes import FP8_E4M3
 from mla_jax.checkpoint.hf import CheckpointError
 from mla_jax.config import DeepseekConfig
+from mla_jax.dtypes import FP8_E4M3
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -23,8 +24,9 @@ def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int
     return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
 
 
-def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128),
-                          name: str = "?") -> np.ndarray:
+def dequantize_fp8_blocks(
+    w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128), name: str = "?"
+) -> np.ndarray:
     """w e4m3 [..., M, K], scale_inv f32 [..., ceil(M/bm), ceil(K/bk)] -> f32 w * scale_inv per block (a multiply
     despite the name); edge blocks are partial. Leading dims (stacked or fused experts) are batch dims."""
     bm, bk = block
@@ -33,12 +35,14 @@ def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int
     K = w.shape[-1]
     want = fp8_scale_shape(w.shape, block)
     if scale_inv.shape != want:
-        raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' has shape {scale_inv.shape}, expected {want} for "
-                              f"weight {w.shape} with {bm}x{bk} blocks")
+        raise CheckpointError(
+            f"tensor '{name}{SCALE_SUFFIX}' has shape {scale_inv.shape}, expected {want} for "
+            f"weight {w.shape} with {bm}x{bk} blocks"
+        )
     out = _TABLE[np.asarray(w).view(np.uint8)]
     scale = np.asarray(scale_inv, np.float32)
     for r in range(want[-2]):  # one row of blocks at a time: no full-size float32 scale temporary
-        out[..., r * bm:(r + 1) * bm, :] *= np.repeat(scale[..., r, :], bk, axis=-1)[..., None, :K]
+        out[..., r * bm : (r + 1) * bm, :] *= np.repeat(scale[..., r, :], bk, axis=-1)[..., None, :K]
     return out
 
 

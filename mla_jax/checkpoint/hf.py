@@ -15,6 +15,7 @@ cannot do:
 
 Every problem raises `CheckpointError` naming the file and tensor.
 """
+
 from __future__ import annotations
 
 import json
@@ -168,14 +169,18 @@ class CheckpointDir:
         return self._where[name].get(name, index)
 
 
-def save_file(tensors: Mapping[str, np.ndarray], path: str | os.PathLike,
-              metadata: Mapping[str, str] | None = None) -> None:
+def save_file(
+    tensors: Mapping[str, np.ndarray], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
+) -> None:
     """Write numpy tensors (bf16 / fp8 through ml_dtypes too) as one safetensors file, with the permissions
     `open()` would give it (the library renames a 0600 temporary file into place)."""
     path = os.fspath(path)
     try:
-        safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path,
-                                    metadata=dict(metadata) if metadata else None)
+        safetensors.numpy.save_file(
+            {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+            path,
+            metadata=dict(metadata) if metadata else None,
+        )
     except SafetensorError as e:
         raise CheckpointError(f"{path}: {e}") from None
     umask = os.umask(0)
@@ -194,4 +199,3 @@ def eos_token_ids(model_dir: str | os.PathLike) -> tuple[int, ...]:
                 eos = json.load(f).get("eos_token_id")
             ids += eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
     return tuple(dict.fromkeys(ids))
-

@@ -8,6 +8,7 @@
 
 Units and groups are described in `plan`. The router (gate.weight, e_score_correction_bias) is always float32.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -8,6 +8,7 @@ converted one; `abstract_params` / `read_metadata` describe one without reading 
 needs host memory for about one group + one layer, never the model. FP8 weights kept by `keep_fp8` are
 dequantized per layer, so the params returned are always plain weights that the model runs.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mla_jax.dtypes import F32, FP8_E4M3, as_dtype
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block
 from mla_jax.checkpoint.hf import CheckpointError
 from mla_jax.checkpoint.layout import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, get_path, is_router, set_path
 from mla_jax.checkpoint.params import load_hf_checkpoint
 from mla_jax.checkpoint.plan import weight_dtype
 from mla_jax.config import DeepseekConfig
+from mla_jax.dtypes import F32, FP8_E4M3, as_dtype
 from mla_jax.model import Params, init_params
 
 
@@ -38,16 +39,19 @@ def read_metadata(path: str) -> dict:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory")
     if not os.path.isfile(mpath):
-        raise CheckpointError(f"{path}: no {METADATA}: not a converted mla-jax checkpoint (or an interrupted "
-                              "conversion)")
+        raise CheckpointError(
+            f"{path}: no {METADATA}: not a converted mla-jax checkpoint (or an interrupted conversion)"
+        )
     try:
         with open(mpath) as f:
             meta = json.load(f)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{mpath}: corrupted ({e})") from None
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{mpath}: format {meta.get('format')!r} v{meta.get('format_version')!r} is not "
-                              f"{FORMAT!r} v{FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{mpath}: format {meta.get('format')!r} v{meta.get('format_version')!r} is not "
+            f"{FORMAT!r} v{FORMAT_VERSION}"
+        )
     return meta
 
 
@@ -77,8 +81,9 @@ def abstract_params(path: str, dtype: Any = None) -> tuple[DeepseekConfig, Param
         want_flat = {k: v for k, v in want_flat.items() if "e_score_correction_bias" not in k}
     for k in sorted(set(got_flat) | set(want_flat)):
         if got_flat.get(k) != want_flat.get(k):
-            raise CheckpointError(f"{path}: param {k} is {got_flat.get(k)} in {METADATA} but config.json needs "
-                                  f"{want_flat.get(k)}")
+            raise CheckpointError(
+                f"{path}: param {k} is {got_flat.get(k)} in {METADATA} but config.json needs {want_flat.get(k)}"
+            )
     return cfg, tree
 
 
@@ -147,8 +152,9 @@ def _update(stack, layer, i):
     return jax.tree.map(lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x.astype(s.dtype), i, 0), stack, layer)
 
 
-def load_checkpoint(path: str, *, dtype: Any = None, mesh: jax.sharding.Mesh | None = None
-                    ) -> tuple[DeepseekConfig, Params]:
+def load_checkpoint(
+    path: str, *, dtype: Any = None, mesh: jax.sharding.Mesh | None = None
+) -> tuple[DeepseekConfig, Params]:
     """A converted checkpoint -> (config, params) in the layout `mla_jax.model.forward` takes.
 
     `dtype` (bf16 / fp32) casts the weights (the router stays float32); default: the dtype it was converted
@@ -184,9 +190,15 @@ def load_checkpoint(path: str, *, dtype: Any = None, mesh: jax.sharding.Mesh | N
         out_sh = {"out_shardings": s_sh} if s_sh is not None else {}
         leaves, treedef = jax.tree.flatten(s_abs)
         stacks[stack] = jax.jit(_alloc, static_argnums=0, **out_sh)(
-            (treedef, tuple((a.shape, a.dtype.name) for a in leaves)))  # one compile per stack, not per shape
-        layer_sh[stack] = None if s_sh is None else jax.tree.map(
-            lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[1:])), s_sh)
+            (treedef, tuple((a.shape, a.dtype.name) for a in leaves))
+        )  # one compile per stack, not per shape
+        layer_sh[stack] = (
+            None
+            if s_sh is None
+            else jax.tree.map(
+                lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[1:])), s_sh
+            )
+        )
         update[stack] = jax.jit(_update, donate_argnums=0, **out_sh)
 
     pending: dict[tuple, dict] = {}
@@ -212,8 +224,7 @@ def load_checkpoint(path: str, *, dtype: Any = None, mesh: jax.sharding.Mesh | N
                 layer = _finalize(pending.pop(slot), target, block)
                 stack = u["stack"]
                 if jax.tree.structure(layer) != jax.tree.structure(abstract["model"][stack]):
-                    raise CheckpointError(f"{path}: the units of {stack}[{u['index']}] do not hold the layer's "
-                                          "params")
+                    raise CheckpointError(f"{path}: the units of {stack}[{u['index']}] do not hold the layer's params")
                 if layer_sh[stack] is not None:
                     dev = jax.tree.map(put, layer, layer_sh[stack])
                 else:
@@ -230,8 +241,7 @@ def load_checkpoint(path: str, *, dtype: Any = None, mesh: jax.sharding.Mesh | N
     return cfg, params
 
 
-def load_model(path: str, dtype: Any = None, mesh: jax.sharding.Mesh | None = None
-               ) -> tuple[DeepseekConfig, Params]:
+def load_model(path: str, dtype: Any = None, mesh: jax.sharding.Mesh | None = None) -> tuple[DeepseekConfig, Params]:
     """Load a converted mla-jax checkpoint or a Hugging Face checkpoint directory, optionally onto a
     tensor-parallel `mesh` (see `load_checkpoint`)."""
     path = os.fspath(path)
@@ -239,12 +249,16 @@ def load_model(path: str, dtype: Any = None, mesh: jax.sharding.Mesh | None = No
         return load_checkpoint(path, dtype=dtype, mesh=mesh)
     has_weights = os.path.isdir(path) and any(
         f == "model.safetensors.index.json" or (f.startswith("model") and f.endswith(".safetensors"))
-        for f in os.listdir(path))
+        for f in os.listdir(path)
+    )
     if not (has_weights and os.path.isfile(os.path.join(path, "config.json"))):
-        raise CheckpointError(f"{path}: neither a converted mla-jax checkpoint ({METADATA}) nor a Hugging Face "
-                              "checkpoint (config.json + model*.safetensors)")
+        raise CheckpointError(
+            f"{path}: neither a converted mla-jax checkpoint ({METADATA}) nor a Hugging Face "
+            "checkpoint (config.json + model*.safetensors)"
+        )
     cfg, params = load_hf_checkpoint(path, dtype=None if dtype is None else jnp.dtype(weight_dtype(dtype)))
     if mesh is not None:
         from mla_jax.sharding import shard_params
+
         params = shard_params(params, cfg, mesh)
     return cfg, params

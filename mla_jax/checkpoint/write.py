@@ -11,6 +11,7 @@ metadata, no config.json); the next run removes partial directories of dead proc
 renamed aside, the new one renamed in, the old one deleted (a crash between the two renames leaves the old one
 as `.OUT.old-<pid>`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,16 +28,21 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
-from mla_jax.dtypes import FP8_E4M3, as_dtype
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block, has_fp8_nan
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
 from mla_jax.checkpoint.layout import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, set_path
 from mla_jax.checkpoint.plan import DEFAULT_MAX_GROUP_MB, ConvertError, Leaf, Plan, describe_plan, fmt_bytes, make_plan
 from mla_jax.config import DeepseekConfig
+from mla_jax.dtypes import FP8_E4M3, as_dtype
 from mla_jax.model import layer_groups
 
-EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-               "generation_config.json")
+EXTRA_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+)
 
 
 # -------------------------------------------------------------------------------------------- materialize
@@ -55,7 +61,7 @@ def _read(ckpt: CheckpointDir, name: str, part: str, select, block) -> np.ndarra
         r0, r1 = select[2:]
         if part == "value":  # dequantize whole row blocks, then slice (r0 need not be block-aligned)
             return dequantize_fp8_blocks(w, s, block, name)[:, r0:r1]
-        w, s = w[:, r0:r1], s[:, r0 // block[0]:-(-r1 // block[0])]
+        w, s = w[:, r0:r1], s[:, r0 // block[0] : -(-r1 // block[0])]
     if part == "value":
         return dequantize_fp8_blocks(w, s, block, name)
     if part == "fp8":
@@ -86,8 +92,7 @@ def materialize(ckpt: CheckpointDir, leaf: Leaf, cfg: DeepseekConfig) -> np.ndar
         for j, name in enumerate(leaf.sources):  # one expert at a time: no [E, ...] float32 temporary
             out[j] = _finish(_read(ckpt, name, leaf.part, None, block), leaf, cfg, name)
     else:
-        out[...] = _finish(_read(ckpt, leaf.sources[0], leaf.part, leaf.select, block), leaf, cfg,
-                           leaf.sources[0])
+        out[...] = _finish(_read(ckpt, leaf.sources[0], leaf.part, leaf.select, block), leaf, cfg, leaf.sources[0])
     return out
 
 
@@ -108,6 +113,7 @@ class ConvertResult:
 
 def _versions() -> dict[str, str]:
     from importlib import metadata as md
+
     out = {"python": sys.version.split()[0]}
     for pkg in ("mla-jax", "jax", "jaxlib", "orbax-checkpoint", "numpy", "ml_dtypes", "tensorstore", "safetensors"):
         try:
@@ -139,8 +145,11 @@ def _stale_dirs(parent: str, name: str, kinds: tuple[str, ...]) -> list[str]:
 
 
 def _replaceable(path: str) -> bool:
-    return os.path.isdir(path) and not os.path.islink(path) and (
-        not os.listdir(path) or os.path.exists(os.path.join(path, METADATA)))
+    return (
+        os.path.isdir(path)
+        and not os.path.islink(path)
+        and (not os.listdir(path) or os.path.exists(os.path.join(path, METADATA)))
+    )
 
 
 def _check_output(src: str, out: str, force: bool) -> None:
@@ -151,8 +160,10 @@ def _check_output(src: str, out: str, force: bool) -> None:
         if not force:
             raise ConvertError(f"{out} already exists; pass --force to replace it")
         if not _replaceable(out):
-            raise ConvertError(f"{out} exists and is not an mla-jax checkpoint (no {METADATA}); refusing to "
-                               "replace it, even with --force")
+            raise ConvertError(
+                f"{out} exists and is not an mla-jax checkpoint (no {METADATA}); refusing to "
+                "replace it, even with --force"
+            )
 
 
 def _fsync(path: str) -> None:
@@ -163,9 +174,19 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def convert(hf_dir: str, out_dir: str, *, dtype: Any = "bf16", keep_fp8: bool = False, force: bool = False,
-            dry_run: bool = False, max_group_mb: float = DEFAULT_MAX_GROUP_MB, log: TextIO | None = sys.stderr,
-            progress: bool = True, on_group_written: Callable[[int], None] | None = None) -> ConvertResult:
+def convert(
+    hf_dir: str,
+    out_dir: str,
+    *,
+    dtype: Any = "bf16",
+    keep_fp8: bool = False,
+    force: bool = False,
+    dry_run: bool = False,
+    max_group_mb: float = DEFAULT_MAX_GROUP_MB,
+    log: TextIO | None = sys.stderr,
+    progress: bool = True,
+    on_group_written: Callable[[int], None] | None = None,
+) -> ConvertResult:
     """Convert `hf_dir` (config.json + safetensors, single or sharded) into `out_dir`; see the module doc.
 
     Everything is validated from the headers before anything is written. `dry_run` prints the mapping to stdout
@@ -183,8 +204,16 @@ def convert(hf_dir: str, out_dir: str, *, dtype: Any = "bf16", keep_fp8: bool = 
             log.flush()
 
     def result(out):
-        return ConvertResult(out, len(plan.groups), plan.num_params, plan.source_bytes, plan.stored_bytes,
-                             plan.largest_group.nbytes, len(plan.skipped), time.monotonic() - t0)
+        return ConvertResult(
+            out,
+            len(plan.groups),
+            plan.num_params,
+            plan.source_bytes,
+            plan.stored_bytes,
+            plan.largest_group.nbytes,
+            len(plan.skipped),
+            time.monotonic() - t0,
+        )
 
     if dry_run:
         lines = describe_plan(plan, os.path.abspath(hf_dir), os.path.abspath(out_dir) + " (dry run)")
@@ -198,8 +227,10 @@ def convert(hf_dir: str, out_dir: str, *, dtype: Any = "bf16", keep_fp8: bool = 
     if keep_fp8 and not plan.quantized:
         say("note: --keep-fp8: the source has no fp8 weights; nothing to keep")
     if plan.skipped:
-        say(f"skipping {len(plan.skipped)} MTP tensors (model.layers.{cfg.num_hidden_layers}.*): multi-token "
-            "prediction is not used for inference here")
+        say(
+            f"skipping {len(plan.skipped)} MTP tensors (model.layers.{cfg.num_hidden_layers}.*): multi-token "
+            "prediction is not used for inference here"
+        )
 
     out = os.path.abspath(out_dir)
     parent, name = os.path.dirname(out), os.path.basename(out)
@@ -211,9 +242,16 @@ def convert(hf_dir: str, out_dir: str, *, dtype: Any = "bf16", keep_fp8: bool = 
     shutil.rmtree(tmp, ignore_errors=True)
     os.mkdir(tmp)
     try:
-        bar = tqdm(total=plan.source_bytes, unit="B", unit_scale=True, file=log, disable=not progress or log is None,
-                   desc="converting", bar_format="{desc} {percentage:5.1f}%|{bar}| {n_fmt}{unit}/{total_fmt}{unit} "
-                   "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+        bar = tqdm(
+            total=plan.source_bytes,
+            unit="B",
+            unit_scale=True,
+            file=log,
+            disable=not progress or log is None,
+            desc="converting",
+            bar_format="{desc} {percentage:5.1f}%|{bar}| {n_fmt}{unit}/{total_fmt}{unit} "
+            "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
+        )
         with bar:
             _write(plan, ckpt, tmp, bar, on_group_written)
         for f in EXTRA_FILES:
@@ -244,8 +282,10 @@ def convert(hf_dir: str, out_dir: str, *, dtype: Any = "bf16", keep_fp8: bool = 
     for stale in _stale_dirs(parent, name, ("partial", "old")):
         shutil.rmtree(stale, ignore_errors=True)
     res = result(out)
-    say(f"wrote {out}: {plan.num_params} params, {fmt_bytes(plan.stored_bytes)} {plan.dtype.name}"
-        f"{' + fp8' if keep_fp8 and plan.quantized else ''} in {len(plan.groups)} groups, {res.seconds:.1f} s")
+    say(
+        f"wrote {out}: {plan.num_params} params, {fmt_bytes(plan.stored_bytes)} {plan.dtype.name}"
+        f"{' + fp8' if keep_fp8 and plan.quantized else ''} in {len(plan.groups)} groups, {res.seconds:.1f} s"
+    )
     return res
 
 
@@ -290,15 +330,29 @@ def _metadata(plan: Plan, ckpt: CheckpointDir, hf_dir: str) -> dict:
         "keep_fp8": bool(plan.keep_fp8 and plan.quantized),
         "fp8_block": list(fp8_block(plan.cfg)),
         "versions": _versions(),
-        "tensors": {"source": plan.source_tensors, "skipped_mtp": len(plan.skipped), "ignored": len(plan.ignored),
-                    "fp8_weights": len(plan.quantized), "params": plan.num_params,
-                    "stored_arrays": sum(len(u.leaves) for u in plan.units)},
-        "bytes": {"source": plan.source_bytes, "stored": plan.stored_bytes,
-                  "largest_group": plan.largest_group.nbytes},
+        "tensors": {
+            "source": plan.source_tensors,
+            "skipped_mtp": len(plan.skipped),
+            "ignored": len(plan.ignored),
+            "fp8_weights": len(plan.quantized),
+            "params": plan.num_params,
+            "stored_arrays": sum(len(u.leaves) for u in plan.units),
+        },
+        "bytes": {"source": plan.source_bytes, "stored": plan.stored_bytes, "largest_group": plan.largest_group.nbytes},
         "stacks": {name: {"first_layer": start, "num_layers": n} for name, start, n in layer_groups(plan.cfg)},
         "groups": [{"name": g.name, "units": [u.key for u in g.units]} for g in plan.groups],
-        "units": [{"key": u.key, "stack": u.stack, "index": u.index, "layer": u.layer,
-                   "experts": list(u.experts) if u.experts else None,
-                   "leaves": [{"path": list(lf.path), "shape": list(lf.shape), "dtype": lf.dtype, "from": lf.origin}
-                              for lf in u.leaves]} for u in plan.units],
+        "units": [
+            {
+                "key": u.key,
+                "stack": u.stack,
+                "index": u.index,
+                "layer": u.layer,
+                "experts": list(u.experts) if u.experts else None,
+                "leaves": [
+                    {"path": list(lf.path), "shape": list(lf.shape), "dtype": lf.dtype, "from": lf.origin}
+                    for lf in u.leaves
+                ],
+            }
+            for u in plan.units
+        ],
     }

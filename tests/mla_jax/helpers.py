@@ -1,4 +1,5 @@
 """Tiny configs and checkpoint-editing helpers shared by the model tests."""
+
 import os
 import shutil
 
@@ -8,13 +9,39 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
 
 
 def tiny_config(**overrides) -> DeepseekConfig:
-    d = dict(model_type="deepseek_v3", vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-             q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
-             intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
-             num_experts_per_tok=2, first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
-             routed_scaling_factor=2.5, max_position_embeddings=256, rms_norm_eps=1e-6,
-             rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0,
-                               mscale_all_dim=0.8, beta_fast=32, beta_slow=1))
+    d = dict(
+        model_type="deepseek_v3",
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_scaling=dict(
+            type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=16,
+            mscale=1.0,
+            mscale_all_dim=0.8,
+            beta_fast=32,
+            beta_slow=1,
+        ),
+    )
     d.update(overrides)
     return DeepseekConfig.from_dict(d)
 
@@ -24,8 +51,21 @@ def paged_config(**overrides) -> DeepseekConfig:
     return tiny_config(**{"qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, **overrides})
 
 
-def run_schedule(params, cfg, seqs, schedule, *, page_size, num_pages=64, cache_dtype="fp32", backend="xla",
-                 workspace_rows=0, reorder_batch_threshold=1, causal=True, fill=float("nan")):
+def run_schedule(
+    params,
+    cfg,
+    seqs,
+    schedule,
+    *,
+    page_size,
+    num_pages=64,
+    cache_dtype="fp32",
+    backend="xla",
+    workspace_rows=0,
+    reorder_batch_threshold=1,
+    causal=True,
+    fill=float("nan"),
+):
     """Teacher-forced run through the paged cache: `schedule` is a list of steps, each a list of
     (request index, number of new tokens). Returns [(request, position, logits f32[vocab])] for every logit
     row the steps produce, to compare with the full forward at that position."""
@@ -37,15 +77,28 @@ def run_schedule(params, cfg, seqs, schedule, *, page_size, num_pages=64, cache_
     from mla_jax.step import jit_step
 
     pool = PagePool(num_pages, page_size)
-    cache = init_kv_cache(cfg.num_hidden_layers, num_pages, page_size, kv_lora_rank=cfg.kv_lora_rank,
-                          rope_dim=cfg.qk_rope_head_dim, dtype=cache_dtype, allow_any_page_size=True, fill=fill)
+    cache = init_kv_cache(
+        cfg.num_hidden_layers,
+        num_pages,
+        page_size,
+        kv_lora_rank=cfg.kv_lora_rank,
+        rope_dim=cfg.qk_rope_head_dim,
+        dtype=cache_dtype,
+        allow_any_page_size=True,
+        fill=fill,
+    )
     done = [0] * len(seqs)
     out = []
     for step in schedule:
         reqs = step_requests(pool, seqs, done, step)
-        md, order = build_metadata(reqs, page_size=page_size, num_pages=num_pages,
-                                   reorder_batch_threshold=reorder_batch_threshold, causal=causal,
-                                   workspace_rows=workspace_rows)
+        md, order = build_metadata(
+            reqs,
+            page_size=page_size,
+            num_pages=num_pages,
+            reorder_batch_threshold=reorder_batch_threshold,
+            causal=causal,
+            workspace_rows=workspace_rows,
+        )
         logits, cache = jit_step(params, cfg, cache, md.to_device(), backend=backend)
         logits = np.asarray(logits)
         out += step_logits(logits, md.shape, md.shape.num_decodes, step, order, done)
@@ -63,7 +116,7 @@ def step_requests(pool, seqs, done, step):
             pool.allocate(r, n)
         else:
             pool.append(r, n)
-        reqs.append(ScheduledRequest(seqs[r][done[r]:done[r] + n], done[r], pool.pages(r)))
+        reqs.append(ScheduledRequest(seqs[r][done[r] : done[r] + n], done[r], pool.pages(r)))
     return reqs
 
 

@@ -6,6 +6,7 @@ the teacher-forced paged schedule and a greedy `generate`, and writes the result
 
     python -m tests.mla_jax.multihost_worker --process-id 0 --num-processes 2 --port 12345 --out r0.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,7 @@ REF_SHAPE = (8, 72)  # full-forward references: one padded batch shape (causal: 
 def fast_jit(fn, **jit_kwargs):
     """A jax.jit-decorated function recompiled with FAST_COMPILE (its own compile cache)."""
     import jax
+
     return jax.jit(getattr(fn, "__wrapped__", fn), compiler_options=FAST_COMPILE, **jit_kwargs)
 
 
@@ -45,6 +47,7 @@ _FORWARD = []
 
 def _forward(params, cfg, ids):
     from mla_jax import model
+
     if not _FORWARD:
         _FORWARD.append(fast_jit(model.forward, static_argnames=("cfg", "attention", "scale")))
     return _FORWARD[0](params, cfg, ids)
@@ -53,6 +56,7 @@ def _forward(params, cfg, ids):
 def full_logits(params, cfg, seqs):
     """One-device full-forward logits of each sequence, f32[len, vocab] each."""
     import numpy as np
+
     ids = np.zeros(REF_SHAPE, np.int32)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = s
@@ -63,6 +67,7 @@ def full_logits(params, cfg, seqs):
 def greedy_tokens(params, cfg, prompt_list, n):
     """One-device greedy decoding over the full forward, all prompts in one padded batch."""
     import numpy as np
+
     ids = np.zeros(REF_SHAPE, np.int32)
     for i, p in enumerate(prompt_list):
         ids[i, : len(p)] = p
@@ -79,6 +84,7 @@ def greedy_tokens(params, cfg, prompt_list, n):
 def fast_engine_step():
     """`step.engine_step` recompiled with FAST_COMPILE (patched in for the engine tests)."""
     from mla_jax import step
+
     return fast_jit(step.engine_step, static_argnames=step.STATIC_ARGNAMES, donate_argnames=("cache",))
 
 
@@ -91,6 +97,7 @@ def random_params(cfg, seed: int, std: float = 0.02):
     import numpy as np
 
     from mla_jax import model
+
     rng = np.random.default_rng(seed)
     abstract = jax.eval_shape(lambda k: model.init_params(cfg, k, std=std), jax.random.key(0))
 
@@ -100,7 +107,7 @@ def random_params(cfg, seed: int, std: float = 0.02):
         if "norm" in name:
             x = 1.0 + 0.1 * x
         elif "gate']['weight" in name and "experts" not in name:
-            x = x / cfg.hidden_size ** 0.5
+            x = x / cfg.hidden_size**0.5
         elif "e_score_correction_bias" in name:
             x = 0.05 * x
         elif "embed_tokens" in name:
@@ -116,57 +123,93 @@ def parallel_config(**overrides):
     """Tiny 2-layer model (1 dense + 1 MoE) whose dims divide over 8 devices: 8 heads, 8 experts, vocab 96,
     intermediate 48, expert intermediate 16."""
     from tests.mla_jax.helpers import paged_config
+
     return paged_config(**{"num_attention_heads": 8, "num_hidden_layers": 2, **overrides})
 
 
 def sequences(cfg, seed=1):
     import numpy as np
+
     rng = np.random.default_rng(seed)
     return [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in SEQ_LENS]
 
 
 def prompts(cfg, seed=0):
     import numpy as np
+
     rng = np.random.default_rng(seed)
     return [rng.integers(0, cfg.vocab_size, n).tolist() for n in PROMPTS[0]]
 
 
 def engine_config():
     from mla_jax.engine import EngineConfig
+
     # Every prompt fits the first step (budget 128 >= 95 prompt tokens, 8 prefills), then decodes only: two
     # compiled shapes (mixed steps are covered by SCHEDULE).
-    return EngineConfig(max_model_len=64, max_num_seqs=8, page_size=PAGE, token_budget=128, max_prefills=8,
-                        decode_buckets=(8,), prefill_buckets=(128,), cache_dtype="fp32")
+    return EngineConfig(
+        max_model_len=64,
+        max_num_seqs=8,
+        page_size=PAGE,
+        token_budget=128,
+        max_prefills=8,
+        decode_buckets=(8,),
+        prefill_buckets=(128,),
+        cache_dtype="fp32",
+    )
 
 
 def fixed_shape(virtual_page: int, workspace_rows: int):
     """One static shape for every step of SCHEDULE (one compile per mesh)."""
     from mla_jax.metadata import BatchShape
     from pallas_kernels.util import cdiv
+
     max_pages = cdiv(max(SEQ_LENS), virtual_page)
-    return BatchShape(num_decodes=4, decode_query_len=4, num_prefills=4, num_prefill_tokens=40,
-                      max_pages=max_pages, workspace_rows=workspace_rows,
-                      max_chunks=max_pages)
+    return BatchShape(
+        num_decodes=4,
+        decode_query_len=4,
+        num_prefills=4,
+        num_prefill_tokens=40,
+        max_pages=max_pages,
+        workspace_rows=workspace_rows,
+        max_chunks=max_pages,
+    )
 
 
-def run_schedule_parallel(params, cfg, seqs, schedule, *, plan=None, page_size=PAGE, num_pages=NUM_PAGES,
-                          cache_dtype="fp32", backend="xla", reorder_batch_threshold=4, fill=float("nan"),
-                          return_state=False, compiler_options=FAST_COMPILE):
+def run_schedule_parallel(
+    params,
+    cfg,
+    seqs,
+    schedule,
+    *,
+    plan=None,
+    page_size=PAGE,
+    num_pages=NUM_PAGES,
+    cache_dtype="fp32",
+    backend="xla",
+    reorder_batch_threshold=4,
+    fill=float("nan"),
+    return_state=False,
+    compiler_options=FAST_COMPILE,
+):
     """Teacher-forced run through the paged cache (`mla_jax.step.jit_step`) on `plan`'s mesh (None: one device),
     with the virtual page size page_size * dcp and one static shape. Returns [(request, position, logits)]
     (and with `return_state`, the final cache and page pool too)."""
+    import jax
     import numpy as np
 
-    import jax
-
-    from mla_jax import parallel, step as step_lib
+    from mla_jax import parallel
+    from mla_jax import step as step_lib
     from mla_jax.allocator import PagePool
     from mla_jax.cache import init_kv_cache
     from mla_jax.metadata import build_metadata
-    from tests.mla_jax.helpers import step_requests, step_logits
+    from tests.mla_jax.helpers import step_logits, step_requests
 
-    jit_step = jax.jit(step_lib.jit_step.__wrapped__, static_argnames=step_lib.STATIC_ARGNAMES,
-                       donate_argnames=("cache",), compiler_options=compiler_options)
+    jit_step = jax.jit(
+        step_lib.jit_step.__wrapped__,
+        static_argnames=step_lib.STATIC_ARGNAMES,
+        donate_argnames=("cache",),
+        compiler_options=compiler_options,
+    )
 
     dcp = plan.dcp if plan is not None else 1
     gv = page_size * dcp
@@ -174,8 +217,16 @@ def run_schedule_parallel(params, cfg, seqs, schedule, *, plan=None, page_size=P
     shape = fixed_shape(gv, workspace)
     pool = PagePool(num_pages, gv)
     if plan is None:
-        cache = init_kv_cache(cfg.num_hidden_layers, num_pages, gv, kv_lora_rank=cfg.kv_lora_rank,
-                              rope_dim=cfg.qk_rope_head_dim, dtype=cache_dtype, allow_any_page_size=True, fill=fill)
+        cache = init_kv_cache(
+            cfg.num_hidden_layers,
+            num_pages,
+            gv,
+            kv_lora_rank=cfg.kv_lora_rank,
+            rope_dim=cfg.qk_rope_head_dim,
+            dtype=cache_dtype,
+            allow_any_page_size=True,
+            fill=fill,
+        )
     else:
         cache = plan.init_cache(cfg, num_pages, page_size, dtype=cache_dtype, fill=fill)
         params = plan.shard_params(params, cfg)
@@ -183,9 +234,14 @@ def run_schedule_parallel(params, cfg, seqs, schedule, *, plan=None, page_size=P
     out = []
     for step in schedule:
         reqs = step_requests(pool, seqs, done, step)
-        md, order = build_metadata(reqs, page_size=gv, num_pages=num_pages,
-                                   reorder_batch_threshold=reorder_batch_threshold, workspace_rows=workspace,
-                                   shape=shape)
+        md, order = build_metadata(
+            reqs,
+            page_size=gv,
+            num_pages=num_pages,
+            reorder_batch_threshold=reorder_batch_threshold,
+            workspace_rows=workspace,
+            shape=shape,
+        )
         if plan is None:
             logits, cache = jit_step(params, cfg, cache, md.to_device(), backend=backend)
             logits = np.asarray(logits)
@@ -211,10 +267,15 @@ def main(argv=None) -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.local_devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on CPU
     jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
-    jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=args.num_processes,
-                               process_id=args.process_id, initialization_timeout=60)
+    jax.distributed.initialize(
+        coordinator_address=f"localhost:{args.port}",
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        initialization_timeout=60,
+    )
     from mla_jax import engine, parallel, step
     from mla_jax.sampling import SamplingParams
 
@@ -230,11 +291,16 @@ def main(argv=None) -> None:
     out = run_schedule_parallel(params, cfg, sequences(cfg), SCHEDULE, plan=plan)
     gen_params = random_params(cfg, 1, std=0.3)
     step.engine_step = fast_engine_step()
-    gens = engine.generate(gen_params, cfg, prompts(cfg), SamplingParams(max_new_tokens=PROMPTS[1]),
-                             engine_config(), plan=plan)
-    res = {"process_id": jax.process_index(), "devices": jax.device_count(), "plan": plan.describe(),
-           "logits": [[r, pos, [float(v) for v in lg]] for r, pos, lg in out],
-           "tokens": [o.token_ids for o in gens]}
+    gens = engine.generate(
+        gen_params, cfg, prompts(cfg), SamplingParams(max_new_tokens=PROMPTS[1]), engine_config(), plan=plan
+    )
+    res = {
+        "process_id": jax.process_index(),
+        "devices": jax.device_count(),
+        "plan": plan.describe(),
+        "logits": [[r, pos, [float(v) for v in lg]] for r, pos, lg in out],
+        "tokens": [o.token_ids for o in gens],
+    }
     with open(args.out, "w") as f:
         json.dump(res, f)
     jax.distributed.shutdown()

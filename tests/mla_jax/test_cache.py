@@ -207,7 +207,7 @@ def test_fp8_quantize_rows_bound():
     assert np.abs(qf).max() <= FP8_MAX and np.isfinite(qf).all()
     back = np.asarray(dequantize_rows(q, jnp.asarray(s)))
     # e4m3: 3 mantissa bits -> relative error <= 2^-4 for normals; subnormal spacing 2^-9 (scaled).
-    bound = np.abs(x) * 2.0 ** -4 + s[:, None] * 2.0 ** -10 + 1e-30
+    bound = np.abs(x) * 2.0**-4 + s[:, None] * 2.0**-10 + 1e-30
     assert (np.abs(back - x) <= bound).all()
     np.testing.assert_array_equal(back[5], 0.0)
 
@@ -222,7 +222,7 @@ def test_fp8_write_round_trip_and_untouched():
     rows = np.concatenate([np.asarray(kv_c, np.float32), np.asarray(k_pe, np.float32)], -1)
     got = np.asarray(gather_rows(*new.layer(1), jnp.asarray(slots)))
     amax = np.abs(rows).max(-1, keepdims=True)
-    assert (np.abs(got - rows) <= np.abs(rows) * 2.0 ** -4 + amax / FP8_MAX * 2.0 ** -10).all()
+    assert (np.abs(got - rows) <= np.abs(rows) * 2.0**-4 + amax / FP8_MAX * 2.0**-10).all()
     scale = np.asarray(new.kv_scale[1]).reshape(-1)
     np.testing.assert_allclose(scale[slots], amax[:, 0] / FP8_MAX, rtol=1e-6)
     kv = np.asarray(new.kv_c_and_k_pe_cache).astype(np.float32)
@@ -300,7 +300,7 @@ def test_update_cache_is_in_place(dt):
         assert scale_in.is_deleted()
     got = np.asarray(gather_rows(*out.layer(2), slots))
     rows = np.concatenate([np.asarray(kv_c, np.float32), np.asarray(k_pe, np.float32)], -1)
-    np.testing.assert_allclose(got, rows, rtol=2.0 ** -4 if dt == "fp8" else 0, atol=1e-2 if dt == "fp8" else 0)
+    np.testing.assert_allclose(got, rows, rtol=2.0**-4 if dt == "fp8" else 0, atol=1e-2 if dt == "fp8" else 0)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
 """The HF checkpoint loader: layouts (single, sharded, fused experts, FP8 blocks) and errors that name the tensor."""
+
 import json
 import os
 import struct
@@ -28,8 +29,14 @@ def _raw_safetensors(path, header, data):
 def test_overlapping_offsets_are_rejected(tmp_path):
     """The library validates offsets: two tensors sharing bytes (our former reader accepted them) are refused."""
     p = tmp_path / "x.safetensors"
-    _raw_safetensors(p, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                         "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12))
+    _raw_safetensors(
+        p,
+        {
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+        },
+        bytes(12),
+    )
     with pytest.raises(CheckpointError, match="x.safetensors: corrupted .*offset"):
         SafetensorsFile(p)
 
@@ -150,20 +157,24 @@ def test_fp8_weights_load(tmp_path):
     t[name + "_scale_inv"] = np.ones((-(-w.shape[0] // 128), -(-w.shape[1] // 128)), np.float32)
     rewrite_tensors(d, t)
     _, got = load_hf_checkpoint(str(d))
-    np.testing.assert_array_equal(np.asarray(got["model"]["dense_layers"]["self_attn"]["q_proj"]["weight"][0]),
-                                  q.astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(got["model"]["dense_layers"]["self_attn"]["q_proj"]["weight"][0]), q.astype(np.float32)
+    )
     del t[name + "_scale_inv"]
     rewrite_tensors(d, t)
     with pytest.raises(CheckpointError, match="q_proj.weight_scale_inv"):
         load_hf_checkpoint(str(d))
 
 
-@pytest.mark.parametrize("mutation,match", [
-    ("missing", "missing tensor 'model.layers.1.self_attn.o_proj.weight'"),
-    ("unexpected", "unexpected tensor 'model.layers.0.bogus.weight'"),
-    ("shape", r"model.layers.0.self_attn.kv_b_proj.weight' has shape \(3, 4\)"),
-    ("dtype", "model.norm.weight' has dtype int32"),
-])
+@pytest.mark.parametrize(
+    "mutation,match",
+    [
+        ("missing", "missing tensor 'model.layers.1.self_attn.o_proj.weight'"),
+        ("unexpected", "unexpected tensor 'model.layers.0.bogus.weight'"),
+        ("shape", r"model.layers.0.self_attn.kv_b_proj.weight' has shape \(3, 4\)"),
+        ("dtype", "model.norm.weight' has dtype int32"),
+    ],
+)
 def test_bad_tensors_are_named(tmp_path, mutation, match):
     d = copy_fixture("v2", tmp_path)
     t = read_tensors(d)
@@ -196,8 +207,11 @@ def test_truncated_and_corrupted_files(tmp_path):
 
 
 def test_roundtrip_writer(tmp_path):
-    t = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(5, ml_dtypes.bfloat16),
-         "c": np.full((2, 2), 1.5, ml_dtypes.float8_e4m3fn)}
+    t = {
+        "a": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "b": np.ones(5, ml_dtypes.bfloat16),
+        "c": np.full((2, 2), 1.5, ml_dtypes.float8_e4m3fn),
+    }
     save_file(t, tmp_path / "x.safetensors", metadata={"format": "np"})
     f = SafetensorsFile(tmp_path / "x.safetensors")
     for k, v in t.items():

@@ -39,8 +39,11 @@ def _check_plan(plan: ChunkPlan, ctx, w, g):
 def _check_rows(plan: ChunkPlan):
     seq, pos = plan.row_seq_and_pos()
     for k in range(plan.num_padded_chunks):
-        want = [(i, p) for i in range(plan.num_seqs)
-                for p in range(plan.chunk_starts[k, i], plan.chunk_starts[k, i] + plan.chunk_lens[k, i])]
+        want = [
+            (i, p)
+            for i in range(plan.num_seqs)
+            for p in range(plan.chunk_starts[k, i], plan.chunk_starts[k, i] + plan.chunk_lens[k, i])
+        ]
         n = len(want)
         assert list(zip(seq[k, :n].tolist(), pos[k, :n].tolist())) == want
         assert (seq[k, n:] == -1).all() and (pos[k, n:] == -1).all()
@@ -136,8 +139,8 @@ def test_pad_to():
     q = p.pad_to(p.num_chunks + 2)
     assert q.num_chunks == p.num_chunks and q.num_padded_chunks == p.num_chunks + 2
     np.testing.assert_array_equal(q.chunk_lens[: p.num_chunks], p.chunk_lens)
-    assert not q.chunk_lens[p.num_chunks:].any() and not q.cu_chunk_lens[p.num_chunks:].any()
-    assert not q.chunk_starts[p.num_chunks:].any()
+    assert not q.chunk_lens[p.num_chunks :].any() and not q.cu_chunk_lens[p.num_chunks :].any()
+    assert not q.chunk_starts[p.num_chunks :].any()
     _check_plan(q, [100, 30], 64, 16)
     _check_rows(q)
     assert p.pad_to(p.num_chunks).num_padded_chunks == p.num_chunks
@@ -148,8 +151,12 @@ def test_pad_to():
 
 
 @settings(max_examples=150, deadline=None)
-@given(ctx=st.lists(st.integers(0, 3000), max_size=12),
-       w=st.integers(1, 4096), g=st.sampled_from([1, 4, 16, 64, 128]), pad=st.integers(0, 3))
+@given(
+    ctx=st.lists(st.integers(0, 3000), max_size=12),
+    w=st.integers(1, 4096),
+    g=st.sampled_from([1, 4, 16, 64, 128]),
+    pad=st.integers(0, 3),
+)
 def test_plan_properties(ctx, w, g, pad):
     n_ctx = sum(1 for c in ctx if c > 0)
     if n_ctx and w // n_ctx < g:

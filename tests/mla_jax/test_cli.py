@@ -1,4 +1,5 @@
 """`mla-jax generate` end to end (subprocess), with a tokenizer trained here for the tiny HF fixture."""
+
 import os
 import shutil
 import subprocess
@@ -13,8 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _cli(*args, timeout=240):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, "-m", "mla_jax.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "mla_jax.cli", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +29,9 @@ def model_dir(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=[])
+    trainer = trainers.BpeTrainer(
+        vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[]
+    )
     tok.train_from_iterator(["def hello(world):\n    return world * 2\n"] * 20, trainer)
     assert tok.get_vocab_size() <= 256
     tok.save(str(d / "tokenizer.json"))
@@ -49,8 +52,7 @@ def test_generate_ids_greedy_matches_python_api(model_dir):
     from mla_jax.engine import generate
     from mla_jax.sampling import SamplingParams
 
-    r = _cli("generate", "--model", str(model_dir), "--prompt-ids", "5,9,200", "--max-new-tokens", "5",
-             "--no-stop")
+    r = _cli("generate", "--model", str(model_dir), "--prompt-ids", "5,9,200", "--max-new-tokens", "5", "--no-stop")
     assert r.returncode == 0, r.stderr
     got = [int(t) for t in r.stdout.strip().split(",")]
     cfg, params = load_hf_checkpoint(str(model_dir), dtype=jnp.float32)
@@ -58,11 +60,14 @@ def test_generate_ids_greedy_matches_python_api(model_dir):
     assert got == want
 
 
-@pytest.mark.parametrize("args,code,msg", [
-    (["--prompt-ids", "1,x"], 2, "comma-separated integers"),
-    (["--prompt-ids", "1,999"], 2, "out of vocab"),
-    (["--prompt-ids", "1", "--max-new-tokens", "0"], 2, "max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "args,code,msg",
+    [
+        (["--prompt-ids", "1,x"], 2, "comma-separated integers"),
+        (["--prompt-ids", "1,999"], 2, "out of vocab"),
+        (["--prompt-ids", "1", "--max-new-tokens", "0"], 2, "max_new_tokens"),
+    ],
+)
 def test_generate_bad_input(model_dir, args, code, msg):
     r = _cli("generate", "--model", str(model_dir), *args)
     assert r.returncode == code and msg in r.stderr, (r.returncode, r.stderr)

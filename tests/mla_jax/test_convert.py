@@ -5,6 +5,7 @@ Params must be *equal* to the direct loader's (`load_hf_checkpoint`): the conver
 Logits on a mesh differ from single-device ones by reduction order only: float32 logits of magnitude ~12,
 |diff| <= 1e-4 (measured ~1e-5).
 """
+
 import dataclasses
 import json
 import os
@@ -22,9 +23,20 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from mla_jax import model
-from mla_jax.checkpoint import (CheckpointDir, CheckpointError, ConvertError, SafetensorsFile, build_params, convert,
-                                hf_tensor_specs, load_checkpoint, load_hf_checkpoint, load_model, read_metadata,
-                                save_file)
+from mla_jax.checkpoint import (
+    CheckpointDir,
+    CheckpointError,
+    ConvertError,
+    SafetensorsFile,
+    build_params,
+    convert,
+    hf_tensor_specs,
+    load_checkpoint,
+    load_hf_checkpoint,
+    load_model,
+    read_metadata,
+    save_file,
+)
 from mla_jax.config import ConfigError, DeepseekConfig
 from mla_jax.sharding import param_shardings
 from tests.mla_jax.helpers import FIXTURES, assert_same_params, copy_fixture, read_tensors, rewrite_tensors
@@ -62,25 +74,31 @@ def ref_dequant(w8, s, block=(128, 128)):
     bm, bk = block
     for i in range(0, w.shape[-2], bm):
         for j in range(0, w.shape[-1], bk):
-            out[..., i:i + bm, j:j + bk] = w[..., i:i + bm, j:j + bk] * np.asarray(s)[..., i // bm, j // bk, None,
-                                                                                     None]
+            out[..., i : i + bm, j : j + bk] = (
+                w[..., i : i + bm, j : j + bk] * np.asarray(s)[..., i // bm, j // bk, None, None]
+            )
     return out
 
 
 def quantize(w, rng, block=128):
     """float [..., M, K] -> e4m3 + float32 scale_inv with scale = block amax / 448, blocks given distinct
     magnitudes so a wrong block index shows."""
-    w = w * rng.uniform(0.25, 4.0, size=(*w.shape[:-2], -(-w.shape[-2] // block), -(-w.shape[-1] // block))
-                        ).repeat(block, -2).repeat(block, -1)[..., :w.shape[-2], :w.shape[-1]]
+    w = (
+        w
+        * rng.uniform(0.25, 4.0, size=(*w.shape[:-2], -(-w.shape[-2] // block), -(-w.shape[-1] // block)))
+        .repeat(block, -2)
+        .repeat(block, -1)[..., : w.shape[-2], : w.shape[-1]]
+    )
     s = np.zeros((*w.shape[:-2], -(-w.shape[-2] // block), -(-w.shape[-1] // block)), np.float32)
     q = np.zeros(w.shape, E4M3)
     for i in range(s.shape[-2]):
         for j in range(s.shape[-1]):
-            blk = w[..., i * block:(i + 1) * block, j * block:(j + 1) * block]
+            blk = w[..., i * block : (i + 1) * block, j * block : (j + 1) * block]
             amax = np.abs(blk).max(axis=(-1, -2))
             s[..., i, j] = amax / 448.0
-            q[..., i * block:(i + 1) * block, j * block:(j + 1) * block] = (
-                blk / s[..., i, j, None, None]).astype(E4M3)
+            q[..., i * block : (i + 1) * block, j * block : (j + 1) * block] = (blk / s[..., i, j, None, None]).astype(
+                E4M3
+            )
     return q, s
 
 
@@ -95,8 +113,12 @@ def write_synthetic(d, cfg_dict, *, shard_bytes=None, seed=0, fp8=False, fused=F
             x = (0.1 if "bias" in name else 1.0) + 0.1 * rng.standard_normal(shape, np.float32)
         else:
             x = (rng.standard_normal(shape, np.float32) / np.sqrt(shape[-1])).astype(np.float32)
-        if fp8 and name.startswith("model.layers.") and name.endswith("_proj.weight") or (
-                fp8 and name.endswith("kv_a_proj_with_mqa.weight")):
+        if (
+            fp8
+            and name.startswith("model.layers.")
+            and name.endswith("_proj.weight")
+            or (fp8 and name.endswith("kv_a_proj_with_mqa.weight"))
+        ):
             tensors[name], tensors[name + "_scale_inv"] = quantize(x, rng)
         else:
             tensors[name] = x
@@ -110,7 +132,7 @@ def write_synthetic(d, cfg_dict, *, shard_bytes=None, seed=0, fp8=False, fused=F
             for j in range(E):
                 for p in ("gate_proj", "up_proj", "down_proj"):
                     tensors.pop(f"{m}{j}.{p}.weight_scale_inv", None)
-            gate, up, down = (np.stack(get[k * E:(k + 1) * E]).astype(np.float32) for k in range(3))
+            gate, up, down = (np.stack(get[k * E : (k + 1) * E]).astype(np.float32) for k in range(3))
             gu = np.concatenate([gate, up], axis=1)
             if fp8:
                 tensors[m + "gate_up_proj"], tensors[m + "gate_up_proj_scale_inv"] = quantize(gu, rng)
@@ -266,7 +288,15 @@ def test_fp8_fixture_dequantized_and_kept(tmp_path, capsys):
     assert stored[("mlp", "experts", "gate_proj", "weight")] == "float8_e4m3fn"
     assert stored[("mlp", "experts", "gate_proj", "weight_scale_inv")] == "float32"
     assert stored[("self_attn", "o_proj", "weight")] == "float8_e4m3fn"
-    assert stored[("self_attn", "W_UK_T",)] == "bfloat16"  # kv_b_proj is always dequantized (split per head)
+    assert (
+        stored[
+            (
+                "self_attn",
+                "W_UK_T",
+            )
+        ]
+        == "bfloat16"
+    )  # kv_b_proj is always dequantized (split per head)
     assert meta["bytes"]["stored"] < read_metadata(out)["bytes"]["stored"] / 2
     _, k32 = load_checkpoint(keep, dtype="fp32")
     _, bf = load_hf_checkpoint(FP8_FIXTURE, dtype=jnp.bfloat16)
@@ -281,12 +311,33 @@ def test_fp8_fixture_dequantized_and_kept(tmp_path, capsys):
         np.testing.assert_array_equal(np.asarray(flat_keep[path]), np.asarray(x), err_msg=k)
 
 
-FP8_CFG = dict(model_type="deepseek_v3", vocab_size=64, hidden_size=200, num_hidden_layers=2, num_attention_heads=2,
-               q_lora_rank=136, kv_lora_rank=160, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-               intermediate_size=264, moe_intermediate_size=136, n_routed_experts=4, n_shared_experts=1,
-               num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1, max_position_embeddings=64,
-               quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                    "weight_block_size": [128, 128]})
+FP8_CFG = dict(
+    model_type="deepseek_v3",
+    vocab_size=64,
+    hidden_size=200,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    q_lora_rank=136,
+    kv_lora_rank=160,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    intermediate_size=264,
+    moe_intermediate_size=136,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+    max_position_embeddings=64,
+    quantization_config={
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -315,9 +366,11 @@ def test_fp8_multiblock_partial_edges(tmp_path, fused):
         convert(src, keep, keep_fp8=True, **_quiet())
         _, k = load_checkpoint(keep, dtype="fp32")
         e = ("model", "moe_layers", "mlp", "experts", "down_proj", "weight")
-        np.testing.assert_array_equal(np.asarray(k["model"]["moe_layers"]["mlp"]["experts"]["down_proj"]["weight"]),
-                                      np.asarray(got["model"]["moe_layers"]["mlp"]["experts"]["down_proj"]["weight"]),
-                                      err_msg=str(e))
+        np.testing.assert_array_equal(
+            np.asarray(k["model"]["moe_layers"]["mlp"]["experts"]["down_proj"]["weight"]),
+            np.asarray(got["model"]["moe_layers"]["mlp"]["experts"]["down_proj"]["weight"]),
+            err_msg=str(e),
+        )
 
 
 # ------------------------------------------------------------------------------------------ mesh / sharding
@@ -343,8 +396,7 @@ def test_restore_on_tensor_parallel_mesh(tmp_path):
     assert m["moe_layers"]["self_attn"]["W_UV"].sharding.spec == PartitionSpec(None, tp, None, None)
     assert m["dense_layers"]["self_attn"]["q_b_proj"]["weight"].sharding.spec == PartitionSpec(None, tp, None)
     assert m["dense_layers"]["self_attn"]["o_proj"]["weight"].sharding.spec == PartitionSpec(None, None, tp)
-    assert m["moe_layers"]["mlp"]["experts"]["gate_proj"]["weight"].sharding.spec == PartitionSpec(None, tp, None,
-                                                                                                     None)
+    assert m["moe_layers"]["mlp"]["experts"]["gate_proj"]["weight"].sharding.spec == PartitionSpec(None, tp, None, None)
     assert m["embed_tokens"]["weight"].sharding.spec == PartitionSpec(tp, None)
     assert sharded["lm_head"]["weight"].sharding.spec == PartitionSpec(tp, None)
     assert m["norm"]["weight"].sharding.is_fully_replicated
@@ -367,8 +419,9 @@ def test_restore_on_tensor_parallel_mesh(tmp_path):
     m8 = s8["model"]
     assert m8["moe_layers"]["self_attn"]["W_UK_T"].sharding.is_fully_replicated
     assert m8["moe_layers"]["self_attn"]["o_proj"]["weight"].sharding.is_fully_replicated
-    assert m8["moe_layers"]["mlp"]["experts"]["down_proj"]["weight"].sharding.spec == PartitionSpec(None, tp, None,
-                                                                                                     None)
+    assert m8["moe_layers"]["mlp"]["experts"]["down_proj"]["weight"].sharding.spec == PartitionSpec(
+        None, tp, None, None
+    )
     assert m8["embed_tokens"]["weight"].sharding.spec == PartitionSpec(tp, None)
     with pytest.raises(ValueError, match="no 'tp' axis"):
         param_shardings(single, cfg, Mesh(devs, ("dp",)))
@@ -410,20 +463,30 @@ def _mutate(d, what):
         rewrite_tensors(d, t)
 
 
-@pytest.mark.parametrize("what,error,match", [
-    ("missing", CheckpointError, "missing tensor 'model.layers.1.self_attn.o_proj.weight'"),
-    ("unexpected", CheckpointError, "unexpected tensor 'model.layers.0.bogus.weight'"),
-    ("shape", CheckpointError, r"'model.layers.0.self_attn.kv_b_proj.weight' has shape \(3, 4\)"),
-    ("dtype", CheckpointError, "'model.norm.weight' has dtype int32"),
-    ("nan", CheckpointError, "'model.layers.2.mlp.experts.5.up_proj.weight' contains NaN"),
-    ("e5m2", CheckpointError, "'model.layers.0.self_attn.q_a_proj.weight' is float8_e5m2: unsupported quantization"),
-    ("no_scale", CheckpointError, "q_a_proj.weight' is fp8 but 'model.layers.0.self_attn.q_a_proj.weight_scale_inv'"
-                                  " is missing"),
-    ("scale_shape", CheckpointError, r"q_a_proj.weight_scale_inv' has shape \(2, 2\), expected \(1, 1\)"),
-    ("scale_for_float", CheckpointError, "q_a_proj.weight_scale_inv' is a block scale but"),
-    ("awq", ConfigError, "quant_method 'awq' is not supported"),
-    ("fmt_e5m2", ConfigError, "fmt 'e5m2' is not supported"),
-])
+@pytest.mark.parametrize(
+    "what,error,match",
+    [
+        ("missing", CheckpointError, "missing tensor 'model.layers.1.self_attn.o_proj.weight'"),
+        ("unexpected", CheckpointError, "unexpected tensor 'model.layers.0.bogus.weight'"),
+        ("shape", CheckpointError, r"'model.layers.0.self_attn.kv_b_proj.weight' has shape \(3, 4\)"),
+        ("dtype", CheckpointError, "'model.norm.weight' has dtype int32"),
+        ("nan", CheckpointError, "'model.layers.2.mlp.experts.5.up_proj.weight' contains NaN"),
+        (
+            "e5m2",
+            CheckpointError,
+            "'model.layers.0.self_attn.q_a_proj.weight' is float8_e5m2: unsupported quantization",
+        ),
+        (
+            "no_scale",
+            CheckpointError,
+            "q_a_proj.weight' is fp8 but 'model.layers.0.self_attn.q_a_proj.weight_scale_inv' is missing",
+        ),
+        ("scale_shape", CheckpointError, r"q_a_proj.weight_scale_inv' has shape \(2, 2\), expected \(1, 1\)"),
+        ("scale_for_float", CheckpointError, "q_a_proj.weight_scale_inv' is a block scale but"),
+        ("awq", ConfigError, "quant_method 'awq' is not supported"),
+        ("fmt_e5m2", ConfigError, "fmt 'e5m2' is not supported"),
+    ],
+)
 def test_errors_name_the_tensor_and_leave_nothing(tmp_path, what, error, match):
     d = copy_fixture("v2", tmp_path)
     _mutate(d, what)
@@ -476,12 +539,20 @@ def test_output_directory_rules(tmp_path):
 
 
 def _cli(*args, env=None, **kw):
-    return subprocess.run([sys.executable, "-m", "mla_jax.cli", *args], capture_output=True, text=True,
-                          env=env or ENV, cwd=ROOT, timeout=120, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "mla_jax.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env or ENV,
+        cwd=ROOT,
+        timeout=120,
+        **kw,
+    )
 
 
 def test_cli_convert_dry_run_help_and_errors(tmp_path, capsys):
     from mla_jax.cli import main
+
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "convert" in capsys.readouterr().out
@@ -494,8 +565,10 @@ def test_cli_convert_dry_run_help_and_errors(tmp_path, capsys):
     r = _cli("convert", FP8_FIXTURE, out, "--dry-run")
     assert r.returncode == 0, r.stderr
     assert not os.path.exists(out)
-    assert ("model.layers.{2..3}.mlp.experts.{0..7}.gate_proj.weight -> model/moe_layers/mlp/experts/gate_proj/"
-            "weight [2, 8, 32, 64] bfloat16  (fp8 dequantized)") in r.stdout
+    assert (
+        "model.layers.{2..3}.mlp.experts.{0..7}.gate_proj.weight -> model/moe_layers/mlp/experts/gate_proj/"
+        "weight [2, 8, 32, 64] bfloat16  (fp8 dequantized)"
+    ) in r.stdout
     assert "-> model/dense_layers/self_attn/W_UK_T [2, 4, 16, 32] bfloat16" in r.stdout
     assert "skipping 5 MTP tensors (model.layers.4.*)" in r.stdout
 
@@ -535,8 +608,14 @@ sys.exit(main(["convert", *sys.argv[2:]]))
 
 def _run_until_paused(args, pause_after, sig=signal.SIGKILL):
     """Start the CLI, wait until the test hook says it paused after `pause_after` groups, then kill it."""
-    p = subprocess.Popen([sys.executable, "-c", PAUSING_CLI, str(pause_after), *args], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    p = subprocess.Popen(
+        [sys.executable, "-c", PAUSING_CLI, str(pause_after), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+    )
     watchdog = threading.Timer(90, p.kill)
     watchdog.start()
     try:
@@ -584,11 +663,27 @@ def test_interrupted_conversion_is_never_loadable_and_rerun_replaces_it(tmp_path
 
 
 # 10 layers, 16 experts x 192 x 256: ~100 MB float32 in 8 MB shards; the largest group is one 3 MB expert stack.
-BIG_CFG = dict(model_type="deepseek_v3", vocab_size=2048, hidden_size=256, num_hidden_layers=10,
-               num_attention_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
-               v_head_dim=32, intermediate_size=512, moe_intermediate_size=192, n_routed_experts=16,
-               n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=4, topk_group=2,
-               max_position_embeddings=256)
+BIG_CFG = dict(
+    model_type="deepseek_v3",
+    vocab_size=2048,
+    hidden_size=256,
+    num_hidden_layers=10,
+    num_attention_heads=4,
+    q_lora_rank=128,
+    kv_lora_rank=128,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    intermediate_size=512,
+    moe_intermediate_size=192,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+    max_position_embeddings=256,
+)
 
 MEASURE = r"""
 import json, resource, sys
@@ -625,14 +720,22 @@ def test_streaming_peak_memory_is_about_one_group(tmp_path):
     src = str(tmp_path / "big")
     write_synthetic(src, BIG_CFG, shard_bytes=8 << 20, seed=1)
     assert len([f for f in os.listdir(src) if f.endswith(".safetensors")]) >= 8
-    r = subprocess.run([sys.executable, "-c", MEASURE, os.path.join(FIXTURES, "v2"), src, str(tmp_path / "out")],
-                       capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", MEASURE, os.path.join(FIXTURES, "v2"), src, str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout.strip().splitlines()[-1])
     growth = m["peak"] - m["base"]
-    print(f"\nstreaming: model {m['model'] / 1e6:.1f} MB in {m['groups']} groups, largest group "
-          f"{m['largest_group'] / 1e6:.1f} MB, peak RSS growth {growth / 1e6:.1f} MB "
-          f"(base {m['base'] / 1e6:.0f} MB, peak {m['peak'] / 1e6:.0f} MB), {m['seconds']:.1f} s")
+    print(
+        f"\nstreaming: model {m['model'] / 1e6:.1f} MB in {m['groups']} groups, largest group "
+        f"{m['largest_group'] / 1e6:.1f} MB, peak RSS growth {growth / 1e6:.1f} MB "
+        f"(base {m['base'] / 1e6:.0f} MB, peak {m['peak'] / 1e6:.0f} MB), {m['seconds']:.1f} s"
+    )
     assert m["model"] > 90e6 and m["largest_group"] < m["model"] / 25
     # Loading the whole model would grow RSS by >= the model; streaming stays at a few groups plus allocator
     # slack (measured ~30 MB, independent of the model size: the same at 145 MB).
@@ -640,7 +743,9 @@ def test_streaming_peak_memory_is_about_one_group(tmp_path):
     meta = read_metadata(str(tmp_path / "out"))
     assert len(meta["source"]["files"]) == len([f for f in os.listdir(src) if f.endswith(".safetensors")])
     import orbax.checkpoint as ocp
+
     assert meta["groups"][0]["units"][0] == "embed"
     first = ocp.PyTreeCheckpointer().restore(str(tmp_path / "out" / "params" / meta["groups"][0]["name"]))
-    np.testing.assert_array_equal(first["embed"]["model"]["embed_tokens"]["weight"],
-                                  CheckpointDir(src).get("model.embed_tokens.weight"))
+    np.testing.assert_array_equal(
+        first["embed"]["model"]["embed_tokens"]["weight"], CheckpointDir(src).get("model.embed_tokens.weight")
+    )

@@ -13,6 +13,7 @@ Tolerances (all float32 on CPU):
   as in test_hf_parity.py.
 - export round trip: exact (the exported dtype's values come back bit for bit).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -56,10 +57,31 @@ def tiny_run(tmp_path_factory):
     pytest.importorskip("optax", reason="training needs the `train` extra (optax)")
     td = _script("train_demo")
     out = tmp_path_factory.mktemp("demo_pipeline")
-    args = td.parse_args(["--tiny", "--data", str(out / "corpus"), "--out", str(out / "run"),
-                          "--ckpt-dir", str(out / "ckpt"), "--steps", "8", "--corpus-files", "12",
-                          "--eval-every", "4", "--log-every", "2", "--eval-windows", "4", "--final-eval-windows", "8",
-                          "--sample-tokens", "0"])
+    args = td.parse_args(
+        [
+            "--tiny",
+            "--data",
+            str(out / "corpus"),
+            "--out",
+            str(out / "run"),
+            "--ckpt-dir",
+            str(out / "ckpt"),
+            "--steps",
+            "8",
+            "--corpus-files",
+            "12",
+            "--eval-every",
+            "4",
+            "--log-every",
+            "2",
+            "--eval-windows",
+            "4",
+            "--final-eval-windows",
+            "8",
+            "--sample-tokens",
+            "0",
+        ]
+    )
     rec = td.run(args)
     return td, args, rec
 
@@ -179,7 +201,7 @@ def test_paged_decode_val_loss_equals_full_forward(demo):
     the full forward (naive attention)."""
     path, cfg, params, tok, val = demo
     n = 40
-    seqs = [val[:n].tolist(), val[len(val) // 2:len(val) // 2 + n].tolist()]
+    seqs = [val[:n].tolist(), val[len(val) // 2 : len(val) // 2 + n].tolist()]
     rows = run_schedule(params, cfg, seqs, [[(0, 1), (1, 1)]] * n, page_size=16, num_pages=16)
     paged = np.zeros((2, n, cfg.vocab_size), np.float32)
     for r, pos, lg in rows:
@@ -202,8 +224,15 @@ def test_seeded_generation_is_deterministic(demo):
     path, cfg, params, tok, val = demo
     prompt = tok.encode("def parse(self, text):").ids
     # The engine shape `mla-jax generate` uses for a short prompt on CPU: the CLI test reuses these compiles.
-    ec = EngineConfig(max_model_len=64, max_num_seqs=1, page_size=16, token_budget=64, max_prefills=1,
-                      cache_dtype="fp32", backend="xla")
+    ec = EngineConfig(
+        max_model_len=64,
+        max_num_seqs=1,
+        page_size=16,
+        token_budget=64,
+        max_prefills=1,
+        cache_dtype="fp32",
+        backend="xla",
+    )
 
     def run(seed):
         sp = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.95, seed=seed)
@@ -233,7 +262,7 @@ def test_hf_reference_logits(demo):
         pytest.skip("no hf_reference.safetensors: run /tmp/hfvenv/bin/python scripts/check_demo_hf.py DIR")
     ref = SafetensorsFile(ref_path)
     ids = np.asarray(ref.get("input_ids"))
-    assert ids.tolist() == tok.encode(ref.metadata["prompt"]).ids[:len(ids)]
+    assert ids.tolist() == tok.encode(ref.metadata["prompt"]).ids[: len(ids)]
     want = np.asarray(ref.get("logits"), np.float64)
     for algorithm in ("naive", "absorbed"):
         got = np.asarray(model.forward(params, cfg, jnp.asarray(ids)[None], attention=algorithm)[0])

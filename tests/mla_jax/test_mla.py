@@ -1,4 +1,5 @@
 """Both MLA algorithms agree; the absorbed one needs the 192-based scale."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +25,7 @@ def test_absorbed_equals_naive(seed, S, q_lora):
     b = mla_forward_full(p, cfg, x, pos, algorithm="absorbed")
     assert float(jnp.abs(a).max()) > 1e-2
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-5)
-    wrong = mla_forward_full(p, cfg, x, pos, algorithm="absorbed", scale=cfg.cache_row_dim ** -0.5)
+    wrong = mla_forward_full(p, cfg, x, pos, algorithm="absorbed", scale=cfg.cache_row_dim**-0.5)
     if S > 1:
         assert float(jnp.abs(wrong - a).max()) > 100 * 2e-5
 

@@ -21,7 +21,7 @@ def test_flax_module_runs_checkpoint_tensors(name):
     # init declares exactly the checkpoint's self_attn tensors (names and shapes)
     shapes = jax.tree.map(lambda a: a.shape, mod.init(jax.random.key(1), x, pos)["params"])
     pre = "model.layers.0.self_attn."
-    want = {k[len(pre):].split(".")[0]: v for k, v in hf_tensor_specs(cfg).items() if k.startswith(pre)}
+    want = {k[len(pre) :].split(".")[0]: v for k, v in hf_tensor_specs(cfg).items() if k.startswith(pre)}
     assert {k: v["weight"] for k, v in shapes.items()} == want
     # apply on the raw HF tensors == the functional layer on the prepared (split) params
     ck = CheckpointDir(path)

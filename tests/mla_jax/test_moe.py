@@ -1,23 +1,45 @@
 """MoE routing and the sorted ragged_dot expert path against a dense per-token reference in numpy."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mla_jax.layers import moe, route
 from mla_jax import model
+from mla_jax.layers import moe, route
 from tests.mla_jax.helpers import tiny_config
 from tests.mla_jax.multihost_worker import random_params
 
 CASES = {
     "v3_noaux_tc": dict(),
     "v3_no_norm": dict(norm_topk_prob=False),
-    "v2_greedy": dict(model_type="deepseek_v2", topk_method="greedy", scoring_func="softmax", n_group=1,
-                      topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.5),
-    "v2_group_limited": dict(model_type="deepseek_v2", topk_method="group_limited_greedy", scoring_func="softmax",
-                             n_group=4, topk_group=2, norm_topk_prob=False, routed_scaling_factor=16.0),
-    "v2_norm": dict(model_type="deepseek_v2", topk_method="greedy", scoring_func="softmax", n_group=1,
-                    topk_group=1, norm_topk_prob=True, num_experts_per_tok=3),
+    "v2_greedy": dict(
+        model_type="deepseek_v2",
+        topk_method="greedy",
+        scoring_func="softmax",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.5,
+    ),
+    "v2_group_limited": dict(
+        model_type="deepseek_v2",
+        topk_method="group_limited_greedy",
+        scoring_func="softmax",
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=False,
+        routed_scaling_factor=16.0,
+    ),
+    "v2_norm": dict(
+        model_type="deepseek_v2",
+        topk_method="greedy",
+        scoring_func="softmax",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        num_experts_per_tok=3,
+    ),
 }
 
 

@@ -17,6 +17,7 @@ Tolerances: float32; the interpret-mode kernel and ragged_dot differ only in sum
 changes the order of sums (all-reduces), logits of magnitude ~5: ATOL = 1e-4 as in test_paged.py and
 test_parallel.py.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,22 +40,33 @@ def setup():
     cfg = parallel_config(num_hidden_layers=3, moe_intermediate_size=64)
     params = random_params(cfg, 0, std=0.2)
     rng = np.random.default_rng(3)
-    reqs = [ScheduledRequest(rng.integers(0, cfg.vocab_size, n).tolist(), 0, list(range(4 * i, 4 * i + 4)))
-            for i, n in enumerate((7, 3, 11))]
+    reqs = [
+        ScheduledRequest(rng.integers(0, cfg.vocab_size, n).tolist(), 0, list(range(4 * i, 4 * i + 4)))
+        for i, n in enumerate((7, 3, 11))
+    ]
     md, _ = build_metadata(reqs, page_size=PAGE, num_pages=NUM_PAGES)
     return cfg, params, md
 
 
 def _cache(cfg, dtype="fp32"):
-    return init_kv_cache(cfg.num_hidden_layers, NUM_PAGES, PAGE, kv_lora_rank=cfg.kv_lora_rank,
-                         rope_dim=cfg.qk_rope_head_dim, dtype=dtype, allow_any_page_size=True)
+    return init_kv_cache(
+        cfg.num_hidden_layers,
+        NUM_PAGES,
+        PAGE,
+        kv_lora_rank=cfg.kv_lora_rank,
+        rope_dim=cfg.qk_rope_head_dim,
+        dtype=dtype,
+        allow_any_page_size=True,
+    )
 
 
 def _expert_shapes(group) -> set[tuple[int, ...]]:
     """Stacked shapes [layers, E, out, in] of a layer group's expert weights as one device holds them, checked to
     be the shape of no other param (the checks below find the experts by shape)."""
+
     def local(w):
         return tuple(w.addressable_shards[0].data.shape)
+
     shapes = {local(w) for w in jax.tree.leaves(group["mlp"]["experts"])}
     others = {local(w) for w in jax.tree.leaves({**group, "mlp": {**group["mlp"], "experts": None}})}
     assert not shapes & others, (shapes, others)  # gate/up [.., I, D], down [.., D, I] (the same when I == D)
@@ -66,7 +78,7 @@ def _eqns(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
         for v in eqn.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
                 if isinstance(sub, jax.extend.core.ClosedJaxpr):
                     yield from _eqns(sub.jaxpr)
                 elif isinstance(sub, jax.extend.core.Jaxpr):
@@ -77,7 +89,7 @@ def _scan_xs(eqn) -> list:
     """A scan equation's scanned operands (its operands are consts, carry, xs)."""
     p = eqn.params
     if "num_consts" in p:  # older jax
-        return list(eqn.invars[p["num_consts"] + p["num_carry"]:])
+        return list(eqn.invars[p["num_consts"] + p["num_carry"] :])
     _, _, xs = p["ft_in"].update(list(eqn.invars)).unpack()  # jax 0.11: a flat tree of the three groups
     return list(xs)
 
@@ -101,14 +113,16 @@ def test_one_device_step_reads_stacked_experts_in_place(setup):
     cache, mdd = _cache(cfg), md.to_device()
     for gmm_impl in ("pallas", "ragged_dot"):
         scanned, kernel_in, kernels = _expert_operands(
-            lambda: step.jit_step(params, cfg, cache, mdd, gmm_impl=gmm_impl), shapes)
+            lambda: step.jit_step(params, cfg, cache, mdd, gmm_impl=gmm_impl), shapes
+        )
         if gmm_impl == "pallas":
             assert scanned == []  # the scan slices no expert weights
             assert kernels == 3 and len(kernel_in) == 3  # gate, up, down: each reads the whole stack
         else:  # the ragged_dot path still scans the experts: the check would catch the old pallas path
             assert len(scanned) == 3 and kernels == 0
     scanned, kernel_in, kernels = _expert_operands(
-        lambda: model.forward(params, cfg, jnp.zeros((1, 5), jnp.int32), gmm_impl="pallas"), shapes)
+        lambda: model.forward(params, cfg, jnp.zeros((1, 5), jnp.int32), gmm_impl="pallas"), shapes
+    )
     assert scanned == [] and kernels == 3 and len(kernel_in) == 3
 
 
@@ -120,7 +134,8 @@ def test_parallel_step_reads_stacked_experts_in_place(setup):
         shapes = _expert_shapes(sp["model"]["moe_layers"])
         cache, mdr = plan.init_cache(cfg, NUM_PAGES, PAGE, dtype="fp32"), plan.replicate(md)
         scanned, kernel_in, kernels = _expert_operands(
-            lambda: step.jit_step(sp, cfg, cache, mdr, plan=plan, gmm_impl="pallas"), shapes)
+            lambda: step.jit_step(sp, cfg, cache, mdr, plan=plan, gmm_impl="pallas"), shapes
+        )
         assert scanned == [] and kernels == 3 and len(kernel_in) == 3, (mesh, scanned, kernel_in)
 
 
@@ -149,8 +164,9 @@ def test_step_temp_memory_holds_no_expert_copy():
 def test_gpu_step_temp_memory_holds_no_expert_copy():
     """The same on the GPU (the real Triton kernel, no interpret mode) with DeepSeek-V2-Lite's experts
     (64 x 1408 x 2048 bf16, 369 MB a matrix): the step's scratch must be far below one matrix."""
-    cfg = parallel_config(num_hidden_layers=3, hidden_size=2048, moe_intermediate_size=1408, n_routed_experts=64,
-                          num_experts_per_tok=6)
+    cfg = parallel_config(
+        num_hidden_layers=3, hidden_size=2048, moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6
+    )
     temp, one = _step_temp_bytes(cfg, jnp.bfloat16, "pallas")
     assert temp < one / 4, (temp, one)
 
@@ -159,11 +175,9 @@ def _step_logits(params, cfg, md, gmm_impl, plan=None):
     if plan is None:
         f = jax.jit(step.jit_step.__wrapped__, static_argnames=("cfg", "gmm_impl"), compiler_options=FAST_COMPILE)
         return np.asarray(f(params, cfg, _cache(cfg), md.to_device(), gmm_impl=gmm_impl)[0])
-    f = jax.jit(step.jit_step.__wrapped__, static_argnames=("cfg", "plan", "gmm_impl"),
-                compiler_options=FAST_COMPILE)
+    f = jax.jit(step.jit_step.__wrapped__, static_argnames=("cfg", "plan", "gmm_impl"), compiler_options=FAST_COMPILE)
     cache = plan.init_cache(cfg, NUM_PAGES, PAGE // plan.dcp, dtype="fp32")  # virtual pages of PAGE rows
-    out = f(plan.shard_params(params, cfg), cfg, cache,
-            plan.replicate(md), plan=plan, gmm_impl=gmm_impl)[0]
+    out = f(plan.shard_params(params, cfg), cfg, cache, plan.replicate(md), plan=plan, gmm_impl=gmm_impl)[0]
     return parallel.to_host(out)
 
 
@@ -176,8 +190,9 @@ def test_stacked_experts_numerics(setup):
     assert np.abs(one - want).max() < ATOL and np.abs(want).max() > 1
     ids = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
     fwd = jax.jit(model.forward.__wrapped__, static_argnames=("cfg", "gmm_impl"), compiler_options=FAST_COMPILE)
-    np.testing.assert_allclose(np.asarray(fwd(params, cfg, ids, gmm_impl="pallas")),
-                               np.asarray(fwd(params, cfg, ids)), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(fwd(params, cfg, ids, gmm_impl="pallas")), np.asarray(fwd(params, cfg, ids)), atol=ATOL, rtol=0
+    )
     for mesh, moe in ((dict(ep=8), "ep"), (dict(tp=2), "tp"), (dict(tp=2, dcp=2, ep=2), "ep")):
         plan = parallel.ParallelPlan(parallel.make_mesh(**mesh), moe=moe)
         got = _step_logits(params, cfg, md, "pallas", plan)

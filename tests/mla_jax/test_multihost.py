@@ -3,6 +3,7 @@
 the same code as one process: the paged schedule's logits equal the one-device full forward within 1e-4 (see
 test_parallel.py), the greedy tokens are identical, and both processes return the same results (replicated
 outputs, bit for bit)."""
+
 import json
 import os
 import socket
@@ -11,8 +12,15 @@ import sys
 
 import numpy as np
 
-from tests.mla_jax.multihost_worker import (PROMPTS, full_logits, greedy_tokens, parallel_config, prompts,
-                                            random_params, sequences)
+from tests.mla_jax.multihost_worker import (
+    PROMPTS,
+    full_logits,
+    greedy_tokens,
+    parallel_config,
+    prompts,
+    random_params,
+    sequences,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 150  # each worker: start-up, 3 compiles (~5 s each on 2 busy cores), the runs
@@ -30,18 +38,37 @@ def test_two_processes_equal_one(tmp_path):
     env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     outs = [tmp_path / f"process{i}.json" for i in range(2)]
     logs = [open(tmp_path / f"process{i}.log", "w") for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.mla_jax.multihost_worker", "--process-id", str(i),
-                               "--num-processes", "2", "--port", str(port), "--local-devices", "4",
-                               "--out", str(outs[i])], cwd=ROOT, env=env, stdout=logs[i], stderr=subprocess.STDOUT)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.mla_jax.multihost_worker",
+                "--process-id",
+                str(i),
+                "--num-processes",
+                "2",
+                "--port",
+                str(port),
+                "--local-devices",
+                "4",
+                "--out",
+                str(outs[i]),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=logs[i],
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
     try:
         # The one-process reference, computed while the workers start up.
         cfg = parallel_config()
         params = random_params(cfg, 0, std=0.2)
         seqs = sequences(cfg)
         full = full_logits(params, cfg, seqs)
-        want_tokens = greedy_tokens(random_params(cfg, 1, std=0.3), cfg, prompts(cfg),
-                                    PROMPTS[1])
+        want_tokens = greedy_tokens(random_params(cfg, 1, std=0.3), cfg, prompts(cfg), PROMPTS[1])
         for p in procs:
             p.wait(timeout=TIMEOUT_S)
     finally:
@@ -59,6 +86,7 @@ def test_two_processes_equal_one(tmp_path):
     assert res[0]["logits"] == res[1]["logits"] and res[0]["tokens"] == res[1]["tokens"]
     assert len(res[0]["logits"]) == 17
     for r, pos, got in res[0]["logits"]:
-        np.testing.assert_allclose(np.asarray(got, np.float32), full[r][pos], atol=1e-4, rtol=0,
-                                   err_msg=f"request {r} position {pos}")
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), full[r][pos], atol=1e-4, rtol=0, err_msg=f"request {r} position {pos}"
+        )
     assert res[0]["tokens"] == want_tokens

@@ -9,6 +9,7 @@ combine over DCP ranks, the row order inside context chunks), so logits of magni
 ATOL = 1e-4 as in test_paged.py. Greedy tokens must be identical (argmax margins here are far above 1e-4).
 Steps are compiled at XLA optimisation level 0 (multihost_worker.FAST_COMPILE) to keep the file's time down.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,9 +18,21 @@ import pytest
 from mla_jax import comm, parallel, step
 from mla_jax.engine import generate
 from mla_jax.sampling import SamplingParams
-from tests.mla_jax.multihost_worker import (FAST_COMPILE, PAGE, PROMPTS, SCHEDULE, engine_config, fast_engine_step,
-                                            full_logits, greedy_tokens, parallel_config, prompts, random_params,
-                                            run_schedule_parallel, sequences)
+from tests.mla_jax.multihost_worker import (
+    FAST_COMPILE,
+    PAGE,
+    PROMPTS,
+    SCHEDULE,
+    engine_config,
+    fast_engine_step,
+    full_logits,
+    greedy_tokens,
+    parallel_config,
+    prompts,
+    random_params,
+    run_schedule_parallel,
+    sequences,
+)
 
 ATOL = 1e-4
 
@@ -41,14 +54,18 @@ def test_eight_devices():
     assert jax.device_count() == 8
 
 
-@pytest.mark.parametrize("mesh,plan_kw,cache_dtype", [
-    (dict(tp=2), dict(moe="tp"), "fp32"),  # experts split by their intermediate dim
-    (dict(tp=4), {}, "fp32"),  # 2 heads, 2 experts per device
-    (dict(tp=8), {}, "fp32"),  # 1 head, 1 expert per device
-    (dict(dcp=2), dict(dcp_interleave=1), "fp32"),  # vLLM's token interleave
-    (dict(dcp=4), {}, "fp8"),  # page interleave, fp8 rows with their per-token scales split alike
-    (dict(tp=2, dcp=2, ep=2), {}, "fp32"),  # heads 4-way, cache 2-way, experts 8-way; attention replicated on ep
-], ids=["tp2-moe_tp", "tp4", "tp8", "dcp2-tok", "dcp4-fp8", "tp2xdcp2xep2"])
+@pytest.mark.parametrize(
+    "mesh,plan_kw,cache_dtype",
+    [
+        (dict(tp=2), dict(moe="tp"), "fp32"),  # experts split by their intermediate dim
+        (dict(tp=4), {}, "fp32"),  # 2 heads, 2 experts per device
+        (dict(tp=8), {}, "fp32"),  # 1 head, 1 expert per device
+        (dict(dcp=2), dict(dcp_interleave=1), "fp32"),  # vLLM's token interleave
+        (dict(dcp=4), {}, "fp8"),  # page interleave, fp8 rows with their per-token scales split alike
+        (dict(tp=2, dcp=2, ep=2), {}, "fp32"),  # heads 4-way, cache 2-way, experts 8-way; attention replicated on ep
+    ],
+    ids=["tp2-moe_tp", "tp4", "tp8", "dcp2-tok", "dcp4-fp8", "tp2xdcp2xep2"],
+)
 def test_paged_logits_match_one_device(setup, mesh, plan_kw, cache_dtype):
     """Mixed batches (prefills with multi-chunk contexts, single- and multi-token decodes) through the paged cache
     on the mesh equal the one-device full forward (fp32 cache) or the one-device paged run with the same virtual
@@ -57,8 +74,9 @@ def test_paged_logits_match_one_device(setup, mesh, plan_kw, cache_dtype):
     would show."""
     cfg, params, seqs, full = setup
     plan = parallel.ParallelPlan(parallel.make_mesh(**mesh), **plan_kw)
-    out, cache, pool = run_schedule_parallel(params, cfg, seqs, SCHEDULE, plan=plan, cache_dtype=cache_dtype,
-                                             return_state=True)
+    out, cache, pool = run_schedule_parallel(
+        params, cfg, seqs, SCHEDULE, plan=plan, cache_dtype=cache_dtype, return_state=True
+    )
     if cache_dtype == "fp32":
         assert _max_err(out, lambda r, pos: full[r][pos]) < ATOL
     else:
@@ -110,8 +128,7 @@ def test_dcp_indexing_against_enumeration(dcp, interleave, page):
         lens = np.asarray(comm.dcp_local_len(jnp.arange(n_pos + 1), dcp, interleave, r))
         np.testing.assert_array_equal(lens, [np.sum(mine < n) for n in range(n_pos + 1)])
         slots = blocks[np.arange(n_pos) // gv] * gv + np.arange(n_pos) % gv
-        local = np.asarray(comm.dcp_local_slots(jnp.asarray(np.append(slots, -1), jnp.int32), page, dcp,
-                                                    interleave, r))
+        local = np.asarray(comm.dcp_local_slots(jnp.asarray(np.append(slots, -1), jnp.int32), page, dcp, interleave, r))
         want = np.full(n_pos + 1, -1)
         li = np.arange(len(mine))
         want[mine] = blocks[li // page] * page + li % page  # local index -> the same block ids, page G
@@ -182,13 +199,22 @@ def test_plan_errors():
 def _alias_check(plan, backend, compiler_options):
     """The donated cache is updated in place on every device (DCP exists to save this memory)."""
     from mla_jax.metadata import BatchShape, ScheduledRequest, build_metadata
+
     cfg = parallel_config()
     params = plan.shard_params(random_params(cfg, 0), cfg)
     cache = plan.init_cache(cfg, 64, 16, dtype="bf16")
-    md, _ = build_metadata([ScheduledRequest([1], 5, [1])], page_size=16 * plan.dcp, num_pages=64,
-                           shape=BatchShape(num_decodes=4, max_pages=4))
-    jit_step = jax.jit(step.jit_step.__wrapped__, static_argnames=step.STATIC_ARGNAMES,
-                       donate_argnames=("cache",), compiler_options=compiler_options)
+    md, _ = build_metadata(
+        [ScheduledRequest([1], 5, [1])],
+        page_size=16 * plan.dcp,
+        num_pages=64,
+        shape=BatchShape(num_decodes=4, max_pages=4),
+    )
+    jit_step = jax.jit(
+        step.jit_step.__wrapped__,
+        static_argnames=step.STATIC_ARGNAMES,
+        donate_argnames=("cache",),
+        compiler_options=compiler_options,
+    )
     ma = jit_step.lower(params, cfg, cache, plan.replicate(md), plan=plan, backend=backend).compile().memory_analysis()
     local = cache.kv_c_and_k_pe_cache.addressable_shards[0].data.nbytes
     assert ma.alias_size_in_bytes >= local and ma.temp_size_in_bytes < local, ma
@@ -199,8 +225,9 @@ def test_cache_updated_in_place():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mesh", [dict(tp=2), dict(dcp=2), dict(tp=2, dcp=2), dict(dcp=4)],
-                         ids=["tp2", "dcp2", "tp2xdcp2", "dcp4"])
+@pytest.mark.parametrize(
+    "mesh", [dict(tp=2), dict(dcp=2), dict(tp=2, dcp=2), dict(dcp=4)], ids=["tp2", "dcp2", "tp2xdcp2", "dcp4"]
+)
 def test_pallas_kernels_on_gpus(mesh):
     """The Pallas backend (Triton decode, prefill, gather, merge) inside shard_map on real GPUs, against the
     one-GPU Pallas run with the same virtual pages. float32 model and cache; Triton's f32 dots may run as tf32,
@@ -213,8 +240,9 @@ def test_pallas_kernels_on_gpus(mesh):
     seqs = sequences(cfg)
     plan = parallel.ParallelPlan(parallel.make_mesh(**mesh))
     out = run_schedule_parallel(params, cfg, seqs, SCHEDULE, plan=plan, backend="pallas", compiler_options=None)
-    one = run_schedule_parallel(params, cfg, seqs, SCHEDULE, page_size=PAGE * plan.dcp, backend="pallas",
-                                compiler_options=None)
+    one = run_schedule_parallel(
+        params, cfg, seqs, SCHEDULE, page_size=PAGE * plan.dcp, backend="pallas", compiler_options=None
+    )
     ref = {(r, pos): lg for r, pos, lg in one}
     assert _max_err(out, lambda r, pos: ref[r, pos]) < 2e-2
     _alias_check(plan, "pallas", None)

@@ -1,6 +1,7 @@
 """Soak: 1,000 requests of random prompt and output lengths through the scheduler with a page pool small enough
 to force preemption. Batch-invariant mode: every output equals the same request run alone, and every page is
 free at the end."""
+
 import jax
 import numpy as np
 import pytest
@@ -10,8 +11,16 @@ from mla_jax.engine import Engine, EngineConfig
 from mla_jax.sampling import SamplingParams
 from tests.mla_jax.helpers import paged_config
 
-CONFIG = dict(max_model_len=48, max_num_seqs=16, page_size=16, token_budget=64, max_prefills=2,
-              prefill_buckets=(16, 32, 64), cache_dtype="fp32", batch_invariant=True)
+CONFIG = dict(
+    max_model_len=48,
+    max_num_seqs=16,
+    page_size=16,
+    token_budget=64,
+    max_prefills=2,
+    prefill_buckets=(16, 32, 64),
+    cache_dtype="fp32",
+    batch_invariant=True,
+)
 
 
 @pytest.mark.slow
@@ -23,8 +32,12 @@ def test_soak_1000_requests_with_preemption():
     for i in range(1000):
         prompt = rng.integers(0, cfg.vocab_size, int(rng.integers(1, 25))).tolist()
         hot = rng.random() < 0.3
-        sp = SamplingParams(max_new_tokens=int(rng.integers(1, 12)), temperature=1.0 if hot else 0.0, seed=i,
-                            stop_token_ids=(int(rng.integers(0, cfg.vocab_size)),) if rng.random() < 0.2 else ())
+        sp = SamplingParams(
+            max_new_tokens=int(rng.integers(1, 12)),
+            temperature=1.0 if hot else 0.0,
+            seed=i,
+            stop_token_ids=(int(rng.integers(0, cfg.vocab_size)),) if rng.random() < 0.2 else (),
+        )
         reqs.append((prompt, sp))
 
     # 12 pages (11 usable) of 16 tokens for up to 16 requests of up to 36 tokens: preemption is certain.

@@ -1,12 +1,11 @@
 """grouped_matmul vs its float32 reference (CPU: interpret mode; GPU: `-m gpu`)."""
-import numpy as np
-import pytest
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from pallas_kernels.grouped_matmul import (default_tuning, grouped_matmul,
-                                           grouped_matmul_reference, work_items)
+from pallas_kernels.grouped_matmul import default_tuning, grouped_matmul, grouped_matmul_reference, work_items
 
 # |out - ref| <= ATOL + RTOL |ref| with outputs of unit scale; bf16 rounds the output to 8 bits.
 TOL = {jnp.bfloat16: (2e-2, 2e-2), jnp.float32: (2e-5, 1e-5)}
@@ -14,327 +13,365 @@ SMALL = dict(block_m=16, block_n=16, block_k=32)  # many tiles, straddles and ed
 
 
 def _inputs(seed, sizes, m, n, k, dtype, transpose_rhs=True):
-  """lhs rows past sum(sizes) are NaN (padding must not leak); rhs scaled for unit outputs."""
-  rng = np.random.default_rng(seed)
-  sizes = np.asarray(sizes, np.int32)
-  lhs = rng.standard_normal((m, k), np.float32)
-  lhs[int(sizes.sum()):] = np.nan
-  shape = (len(sizes), n, k) if transpose_rhs else (len(sizes), k, n)
-  rhs = rng.standard_normal(shape, np.float32) / np.sqrt(k)
-  return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(sizes)
+    """lhs rows past sum(sizes) are NaN (padding must not leak); rhs scaled for unit outputs."""
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(sizes, np.int32)
+    lhs = rng.standard_normal((m, k), np.float32)
+    lhs[int(sizes.sum()) :] = np.nan
+    shape = (len(sizes), n, k) if transpose_rhs else (len(sizes), k, n)
+    rhs = rng.standard_normal(shape, np.float32) / np.sqrt(k)
+    return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(sizes)
 
 
-def _check(sizes, m, n, k, *, dtype=jnp.float32, transpose_rhs=True, seed=0, interpret=True,
-           preferred_element_type=None, **tuning):
-  lhs, rhs, gs = _inputs(seed, sizes, m, n, k, dtype, transpose_rhs)
-  out = grouped_matmul(lhs, rhs, gs, transpose_rhs=transpose_rhs, interpret=interpret,
-                       preferred_element_type=preferred_element_type, **tuning)
-  ref = grouped_matmul_reference(lhs, rhs, gs, transpose_rhs=transpose_rhs)
-  want_dtype = dtype if preferred_element_type is None else preferred_element_type
-  assert out.shape == (m, n) and out.dtype == want_dtype
-  out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref)
-  assert np.all(np.isfinite(out))
-  total = int(np.sum(sizes))
-  assert np.all(out[total:] == 0)  # padding rows: exactly 0
-  atol, rtol = TOL[dtype]
-  np.testing.assert_allclose(out, ref, atol=atol, rtol=rtol)
-  return out
+def _check(
+    sizes,
+    m,
+    n,
+    k,
+    *,
+    dtype=jnp.float32,
+    transpose_rhs=True,
+    seed=0,
+    interpret=True,
+    preferred_element_type=None,
+    **tuning,
+):
+    lhs, rhs, gs = _inputs(seed, sizes, m, n, k, dtype, transpose_rhs)
+    out = grouped_matmul(
+        lhs,
+        rhs,
+        gs,
+        transpose_rhs=transpose_rhs,
+        interpret=interpret,
+        preferred_element_type=preferred_element_type,
+        **tuning,
+    )
+    ref = grouped_matmul_reference(lhs, rhs, gs, transpose_rhs=transpose_rhs)
+    want_dtype = dtype if preferred_element_type is None else preferred_element_type
+    assert out.shape == (m, n) and out.dtype == want_dtype
+    out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref)
+    assert np.all(np.isfinite(out))
+    total = int(np.sum(sizes))
+    assert np.all(out[total:] == 0)  # padding rows: exactly 0
+    atol, rtol = TOL[dtype]
+    np.testing.assert_allclose(out, ref, atol=atol, rtol=rtol)
+    return out
 
 
 def _sizes(seed, g, total, empty_frac=0.3):
-  """Random split of `total` rows over g groups, about empty_frac of them empty."""
-  rng = np.random.default_rng(seed)
-  w = rng.random(g) * (rng.random(g) > empty_frac)
-  if w.sum() == 0:
-    w[0] = 1.0
-  cuts = np.floor(np.cumsum(w) / w.sum() * total).astype(np.int64)
-  return np.diff(np.concatenate([[0], cuts])).astype(np.int32)
+    """Random split of `total` rows over g groups, about empty_frac of them empty."""
+    rng = np.random.default_rng(seed)
+    w = rng.random(g) * (rng.random(g) > empty_frac)
+    if w.sum() == 0:
+        w[0] = 1.0
+    cuts = np.floor(np.cumsum(w) / w.sum() * total).astype(np.int64)
+    return np.diff(np.concatenate([[0], cuts])).astype(np.int32)
 
 
 # ---- work list (no kernel) ----
 
+
 @pytest.mark.parametrize("seed", range(4))
 def test_work_items_cover_every_row_once(seed):
-  rng = np.random.default_rng(seed)
-  g, m, bm = int(rng.integers(1, 12)), int(rng.integers(1, 200)), int(rng.choice([16, 32]))
-  sizes = _sizes(seed, g, int(rng.integers(0, m + 1)))
-  tile, lo, hi, grp = (np.asarray(a) for a in work_items(jnp.asarray(sizes), m, bm))
-  assert len(tile) == -(-m // bm) + min(g, m)  # the static bound
-  ends = np.cumsum(sizes)
-  owner = np.searchsorted(ends, np.arange(m), side="right")  # group of each row; g = padding
-  hits = np.zeros(m, int)
-  for t, a, b, s in zip(tile, lo, hi, grp):
-    rows = np.arange(max(a, t * bm), min(b, (t + 1) * bm))
-    assert np.all(owner[rows] == s)
-    hits[rows] += 1
-  np.testing.assert_array_equal(hits, 1)
+    rng = np.random.default_rng(seed)
+    g, m, bm = int(rng.integers(1, 12)), int(rng.integers(1, 200)), int(rng.choice([16, 32]))
+    sizes = _sizes(seed, g, int(rng.integers(0, m + 1)))
+    tile, lo, hi, grp = (np.asarray(a) for a in work_items(jnp.asarray(sizes), m, bm))
+    assert len(tile) == -(-m // bm) + min(g, m)  # the static bound
+    ends = np.cumsum(sizes)
+    owner = np.searchsorted(ends, np.arange(m), side="right")  # group of each row; g = padding
+    hits = np.zeros(m, int)
+    for t, a, b, s in zip(tile, lo, hi, grp):
+        rows = np.arange(max(a, t * bm), min(b, (t + 1) * bm))
+        assert np.all(owner[rows] == s)
+        hits[rows] += 1
+    np.testing.assert_array_equal(hits, 1)
 
 
 # ---- interpret mode ----
 
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("transpose_rhs", [True, False])
 def test_random_groups_with_empty_ones(dtype, transpose_rhs):
-  # N = 40 and K = 72 are not multiples of the blocks (16, 32): masked edges and a K tail step
-  sizes = _sizes(1, 7, 90)
-  assert np.any(sizes == 0)
-  _check(sizes, 96, 40, 72, dtype=dtype, transpose_rhs=transpose_rhs, **SMALL)
+    # N = 40 and K = 72 are not multiples of the blocks (16, 32): masked edges and a K tail step
+    sizes = _sizes(1, 7, 90)
+    assert np.any(sizes == 0)
+    _check(sizes, 96, 40, 72, dtype=dtype, transpose_rhs=transpose_rhs, **SMALL)
 
 
 def test_one_group_holds_everything():
-  _check([0, 0, 61, 0], 61, 24, 48, **SMALL)
+    _check([0, 0, 61, 0], 61, 24, 48, **SMALL)
 
 
 def test_padding_rows_are_zero_and_nan_free():
-  # sum < M: 37 NaN rows after the groups (expert-parallel layout), output rows 0 there
-  _check([5, 0, 9, 13], 64, 32, 32, **SMALL)
+    # sum < M: 37 NaN rows after the groups (expert-parallel layout), output rows 0 there
+    _check([5, 0, 9, 13], 64, 32, 32, **SMALL)
 
 
 def test_all_groups_empty():
-  _check([0, 0, 0], 20, 16, 16, **SMALL)
+    _check([0, 0, 0], 20, 16, 16, **SMALL)
 
 
 def test_tiny_groups_straddle_tiles():
-  # 1-3 row groups: each 16- or 32-row tile is shared by up to ~16 work items
-  sizes = np.random.default_rng(2).integers(0, 4, 30).astype(np.int32)
-  _check(sizes, int(sizes.sum()) + 3, 16, 40, block_m=32, block_n=16, block_k=16)
-  _check(sizes, int(sizes.sum()) + 3, 16, 40, dtype=jnp.bfloat16, **SMALL)
+    # 1-3 row groups: each 16- or 32-row tile is shared by up to ~16 work items
+    sizes = np.random.default_rng(2).integers(0, 4, 30).astype(np.int32)
+    _check(sizes, int(sizes.sum()) + 3, 16, 40, block_m=32, block_n=16, block_k=16)
+    _check(sizes, int(sizes.sum()) + 3, 16, 40, dtype=jnp.bfloat16, **SMALL)
 
 
 @pytest.mark.parametrize("splits", [2, 3])
 def test_k_splits(splits):
-  # K = 88: 3 steps of 32 (the last one partial) split 2 or 3 ways into float32 partials
-  _check(_sizes(3, 5, 50), 53, 24, 88, num_k_splits=splits, **SMALL)
+    # K = 88: 3 steps of 32 (the last one partial) split 2 or 3 ways into float32 partials
+    _check(_sizes(3, 5, 50), 53, 24, 88, num_k_splits=splits, **SMALL)
 
 
 def test_default_tuning_and_f32_output():
-  # decode-like: 12 rows over 9 experts, default blocks; bf16 in, float32 out
-  out = _check([2, 0, 1, 3, 0, 0, 4, 1, 1], 12, 48, 64, dtype=jnp.bfloat16,
-               preferred_element_type=jnp.float32)
-  assert out.dtype == np.float32
+    # decode-like: 12 rows over 9 experts, default blocks; bf16 in, float32 out
+    out = _check([2, 0, 1, 3, 0, 0, 4, 1, 1], 12, 48, 64, dtype=jnp.bfloat16, preferred_element_type=jnp.float32)
+    assert out.dtype == np.float32
 
 
 def test_default_tuning_table():
-  # decode: 16-row tiles; prefill: 128; tiny problems get tiny blocks; split K only when idle SMs
-  assert default_tuning(6, 1408, 2048, 64, jnp.bfloat16, sms=132)[0] == 16
-  assert default_tuning(98304, 1408, 2048, 64, jnp.bfloat16, sms=132)[:3] == (128, 128, 64)
-  assert default_tuning(5, 20, 20, 2, jnp.bfloat16, sms=132)[1:3] == (32, 32)
-  assert default_tuning(8, 2048, 7168, 1, jnp.bfloat16, sms=132)[5] > 1
-  assert default_tuning(768, 1408, 2048, 64, jnp.bfloat16, sms=132)[5] == 1
+    # decode: 16-row tiles; prefill: 128; tiny problems get tiny blocks; split K only when idle SMs
+    assert default_tuning(6, 1408, 2048, 64, jnp.bfloat16, sms=132)[0] == 16
+    assert default_tuning(98304, 1408, 2048, 64, jnp.bfloat16, sms=132)[:3] == (128, 128, 64)
+    assert default_tuning(5, 20, 20, 2, jnp.bfloat16, sms=132)[1:3] == (32, 32)
+    assert default_tuning(8, 2048, 7168, 1, jnp.bfloat16, sms=132)[5] > 1
+    assert default_tuning(768, 1408, 2048, 64, jnp.bfloat16, sms=132)[5] == 1
 
 
 def test_moe_pipeline_matches_dense_per_token_reference():
-  """sort by expert -> gate/up/down grouped matmuls -> weighted unsort, jitted, vs numpy per token.
+    """sort by expert -> gate/up/down grouped matmuls -> weighted unsort, jitted, vs numpy per token.
 
-  Also the expert-parallel shard layout: only experts [e0, e0 + e_loc) are local; the other copies
-  sort past the groups, must come out 0 and so contribute nothing.
-  """
-  t, k, e, d, inter = 13, 3, 6, 32, 40
-  rng = np.random.default_rng(4)
-  x = rng.standard_normal((t, d), np.float32)
-  ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)  # distinct experts
-  wts = rng.random((t, k)).astype(np.float32)
-  wg, wu = (rng.standard_normal((e, inter, d), np.float32) / np.sqrt(d) for _ in range(2))
-  wd = rng.standard_normal((e, d, inter), np.float32) / np.sqrt(inter)
+    Also the expert-parallel shard layout: only experts [e0, e0 + e_loc) are local; the other copies
+    sort past the groups, must come out 0 and so contribute nothing.
+    """
+    t, k, e, d, inter = 13, 3, 6, 32, 40
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((t, d), np.float32)
+    ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)  # distinct experts
+    wts = rng.random((t, k)).astype(np.float32)
+    wg, wu = (rng.standard_normal((e, inter, d), np.float32) / np.sqrt(d) for _ in range(2))
+    wd = rng.standard_normal((e, d, inter), np.float32) / np.sqrt(inter)
 
-  def silu(v):
-    return v / (1 + np.exp(-v))
+    def silu(v):
+        return v / (1 + np.exp(-v))
 
-  @jax.jit
-  def routed(x, ids, wts, wg, wu, wd, e0):
-    e_loc = wg.shape[0]
-    flat = ids.reshape(-1) - e0
-    mine = (flat >= 0) & (flat < e_loc)
-    key = jnp.where(mine, flat, e_loc)
-    order = jnp.argsort(key, stable=True)
-    token = order // k
-    gs = jnp.bincount(key, length=e_loc).astype(jnp.int32)
-    xs = x[token]  # [T*K, D]
-    gmm = lambda a, w: grouped_matmul(a, w, gs, interpret=True, **SMALL)  # noqa: E731
-    h = jax.nn.silu(gmm(xs, wg)) * gmm(xs, wu)  # [T*K, I]
-    y = gmm(h, wd)  # [T*K, D]
-    w_sorted = jnp.where(mine[order], wts.reshape(-1)[order], 0.0)
-    return jnp.zeros_like(x).at[token].add(y * w_sorted[:, None])
+    @jax.jit
+    def routed(x, ids, wts, wg, wu, wd, e0):
+        e_loc = wg.shape[0]
+        flat = ids.reshape(-1) - e0
+        mine = (flat >= 0) & (flat < e_loc)
+        key = jnp.where(mine, flat, e_loc)
+        order = jnp.argsort(key, stable=True)
+        token = order // k
+        gs = jnp.bincount(key, length=e_loc).astype(jnp.int32)
+        xs = x[token]  # [T*K, D]
+        gmm = lambda a, w: grouped_matmul(a, w, gs, interpret=True, **SMALL)  # noqa: E731
+        h = jax.nn.silu(gmm(xs, wg)) * gmm(xs, wu)  # [T*K, I]
+        y = gmm(h, wd)  # [T*K, D]
+        w_sorted = jnp.where(mine[order], wts.reshape(-1)[order], 0.0)
+        return jnp.zeros_like(x).at[token].add(y * w_sorted[:, None])
 
-  for e0, e_loc in ((0, e), (2, 3)):
-    want = np.zeros((t, d), np.float64)
-    for i in range(t):
-      for j in range(k):
-        ex = ids[i, j]
-        if e0 <= ex < e0 + e_loc:
-          h = silu(wg[ex] @ x[i]) * (wu[ex] @ x[i])
-          want[i] += wts[i, j] * (wd[ex] @ h)
-    sl = slice(e0, e0 + e_loc)
-    got = routed(x, ids, wts, wg[sl], wu[sl], wd[sl], e0)
-    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+    for e0, e_loc in ((0, e), (2, 3)):
+        want = np.zeros((t, d), np.float64)
+        for i in range(t):
+            for j in range(k):
+                ex = ids[i, j]
+                if e0 <= ex < e0 + e_loc:
+                    h = silu(wg[ex] @ x[i]) * (wu[ex] @ x[i])
+                    want[i] += wts[i, j] * (wd[ex] @ h)
+        sl = slice(e0, e0 + e_loc)
+        got = routed(x, ids, wts, wg[sl], wu[sl], wd[sl], e0)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
 
 
 # ---- stacked layers: rhs [Lyr, G, ...] read in place at rhs_index ----
 
-def _stacked(seed, sizes, m, n, k, layers, dtype, transpose_rhs=True):
-  """Inputs plus rhs stacked over `layers` layers whose other layers are NaN except the one wanted,
-  which the caller picks: returns (lhs, one layer's rhs, group sizes, stack builder)."""
-  lhs, rhs, gs = _inputs(seed, sizes, m, n, k, dtype, transpose_rhs)
 
-  def stack(index):  # layer `index` holds rhs, every other layer NaN: reading the wrong one shows
-    return jnp.full((layers,) + rhs.shape, jnp.nan, dtype).at[index].set(rhs)
-  return lhs, rhs, gs, stack
+def _stacked(seed, sizes, m, n, k, layers, dtype, transpose_rhs=True):
+    """Inputs plus rhs stacked over `layers` layers whose other layers are NaN except the one wanted,
+    which the caller picks: returns (lhs, one layer's rhs, group sizes, stack builder)."""
+    lhs, rhs, gs = _inputs(seed, sizes, m, n, k, dtype, transpose_rhs)
+
+    def stack(index):  # layer `index` holds rhs, every other layer NaN: reading the wrong one shows
+        return jnp.full((layers,) + rhs.shape, jnp.nan, dtype).at[index].set(rhs)
+
+    return lhs, rhs, gs, stack
 
 
 @pytest.mark.parametrize("transpose_rhs", [True, False])
 def test_stacked_rhs_static_index(transpose_rhs):
-  lhs, rhs, gs, stack = _stacked(9, _sizes(9, 5, 40), 45, 24, 40, 3, jnp.float32, transpose_rhs)
-  want = grouped_matmul(lhs, rhs, gs, transpose_rhs=transpose_rhs, interpret=True, **SMALL)
-  ref = grouped_matmul_reference(lhs, rhs, gs, transpose_rhs=transpose_rhs)
-  for index in (0, 2, np.int32(1)):
-    st = stack(int(index))
-    got = grouped_matmul(lhs, st, gs, transpose_rhs=transpose_rhs, interpret=True, rhs_index=index,
-                         **SMALL)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # same kernel, same sums
-    ref_st = grouped_matmul_reference(lhs, st, gs, transpose_rhs=transpose_rhs, rhs_index=index)
-    np.testing.assert_array_equal(np.asarray(ref_st), np.asarray(ref))
+    lhs, rhs, gs, stack = _stacked(9, _sizes(9, 5, 40), 45, 24, 40, 3, jnp.float32, transpose_rhs)
+    want = grouped_matmul(lhs, rhs, gs, transpose_rhs=transpose_rhs, interpret=True, **SMALL)
+    ref = grouped_matmul_reference(lhs, rhs, gs, transpose_rhs=transpose_rhs)
+    for index in (0, 2, np.int32(1)):
+        st = stack(int(index))
+        got = grouped_matmul(lhs, st, gs, transpose_rhs=transpose_rhs, interpret=True, rhs_index=index, **SMALL)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # same kernel, same sums
+        ref_st = grouped_matmul_reference(lhs, st, gs, transpose_rhs=transpose_rhs, rhs_index=index)
+        np.testing.assert_array_equal(np.asarray(ref_st), np.asarray(ref))
 
 
 def test_stacked_rhs_traced_index_in_jit_and_scan():
-  """A traced index under jit (clamped when out of range) and the layer counter of a lax.scan whose
-  body closes over the stacked weights (the model's use), each layer's weights distinct."""
-  layers, sizes, m, n, k = 3, _sizes(10, 6, 30), 34, 40, 72
-  lhs, _, gs = _inputs(10, sizes, m, n, k, jnp.bfloat16)
-  rng = np.random.default_rng(11)
-  st = jnp.asarray(rng.standard_normal((layers, len(sizes), n, k), np.float32) / np.sqrt(k),
-                   jnp.bfloat16)
-  per_layer = [np.asarray(grouped_matmul(lhs, st[i], gs, interpret=True, **SMALL)
-                          .astype(jnp.float32)) for i in range(layers)]
+    """A traced index under jit (clamped when out of range) and the layer counter of a lax.scan whose
+    body closes over the stacked weights (the model's use), each layer's weights distinct."""
+    layers, sizes, m, n, k = 3, _sizes(10, 6, 30), 34, 40, 72
+    lhs, _, gs = _inputs(10, sizes, m, n, k, jnp.bfloat16)
+    rng = np.random.default_rng(11)
+    st = jnp.asarray(rng.standard_normal((layers, len(sizes), n, k), np.float32) / np.sqrt(k), jnp.bfloat16)
+    per_layer = [
+        np.asarray(grouped_matmul(lhs, st[i], gs, interpret=True, **SMALL).astype(jnp.float32)) for i in range(layers)
+    ]
 
-  f = jax.jit(lambda i: grouped_matmul(lhs, st, gs, interpret=True, rhs_index=i, **SMALL))
-  for i, want in ((1, 1), (2, 2), (-4, 0), (7, layers - 1)):  # out of range: clamped
-    np.testing.assert_array_equal(np.asarray(f(jnp.int32(i)).astype(jnp.float32)), per_layer[want])
+    f = jax.jit(lambda i: grouped_matmul(lhs, st, gs, interpret=True, rhs_index=i, **SMALL))
+    for i, want in ((1, 1), (2, 2), (-4, 0), (7, layers - 1)):  # out of range: clamped
+        np.testing.assert_array_equal(np.asarray(f(jnp.int32(i)).astype(jnp.float32)), per_layer[want])
 
-  def body(i, _):
-    return i + 1, grouped_matmul(lhs, st, gs, interpret=True, rhs_index=i, **SMALL)
-  _, outs = jax.jit(lambda: jax.lax.scan(body, jnp.int32(0), None, length=layers))()
-  for i in range(layers):
-    np.testing.assert_array_equal(np.asarray(outs[i].astype(jnp.float32)), per_layer[i])
-    ref = grouped_matmul_reference(lhs, st, gs, rhs_index=jnp.int32(i))
-    atol, rtol = TOL[jnp.bfloat16]
-    np.testing.assert_allclose(per_layer[i], np.asarray(ref), atol=atol, rtol=rtol)
+    def body(i, _):
+        return i + 1, grouped_matmul(lhs, st, gs, interpret=True, rhs_index=i, **SMALL)
+
+    _, outs = jax.jit(lambda: jax.lax.scan(body, jnp.int32(0), None, length=layers))()
+    for i in range(layers):
+        np.testing.assert_array_equal(np.asarray(outs[i].astype(jnp.float32)), per_layer[i])
+        ref = grouped_matmul_reference(lhs, st, gs, rhs_index=jnp.int32(i))
+        atol, rtol = TOL[jnp.bfloat16]
+        np.testing.assert_allclose(per_layer[i], np.asarray(ref), atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("rhs_shape, index, match", [
-    ((2, 3, 20, 16), None, "needs rhs_index"),  # stacked rhs without an index
-    ((3, 20, 16), 0, r"\[Lyr, G, N, K\]"),  # an index with an unstacked rhs
-    ((2, 3, 20, 16), 2, "rhs_index=2 is out of range for rhs with 2 stacked layers"),
-    ((2, 3, 20, 16), -1, "rhs_index=-1 is out of range"),
-    ((2, 3, 20, 16), jnp.int32(5), "rhs_index=5"),  # concrete arrays are static too
-    ((2, 3, 20, 16), 1.0, "integer scalar"),
-    ((2, 3, 20, 16), jnp.zeros((1,), jnp.int32), "integer scalar"),
-    ((2, 3, 20, 24), 1, "K=24"),  # the per-layer checks still apply
-])
+@pytest.mark.parametrize(
+    "rhs_shape, index, match",
+    [
+        ((2, 3, 20, 16), None, "needs rhs_index"),  # stacked rhs without an index
+        ((3, 20, 16), 0, r"\[Lyr, G, N, K\]"),  # an index with an unstacked rhs
+        ((2, 3, 20, 16), 2, "rhs_index=2 is out of range for rhs with 2 stacked layers"),
+        ((2, 3, 20, 16), -1, "rhs_index=-1 is out of range"),
+        ((2, 3, 20, 16), jnp.int32(5), "rhs_index=5"),  # concrete arrays are static too
+        ((2, 3, 20, 16), 1.0, "integer scalar"),
+        ((2, 3, 20, 16), jnp.zeros((1,), jnp.int32), "integer scalar"),
+        ((2, 3, 20, 24), 1, "K=24"),  # the per-layer checks still apply
+    ],
+)
 def test_stacked_validation(rhs_shape, index, match):
-  lhs = jnp.zeros((8, 16), jnp.float32)
-  gs = jnp.array([3, 0, 5], jnp.int32)
-  rhs = jnp.zeros(rhs_shape, jnp.float32)
-  with pytest.raises(ValueError, match=match):
-    grouped_matmul(lhs, rhs, gs, interpret=True, rhs_index=index)
-  with pytest.raises(ValueError, match=match):
-    grouped_matmul_reference(lhs, rhs, gs, rhs_index=index)
+    lhs = jnp.zeros((8, 16), jnp.float32)
+    gs = jnp.array([3, 0, 5], jnp.int32)
+    rhs = jnp.zeros(rhs_shape, jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        grouped_matmul(lhs, rhs, gs, interpret=True, rhs_index=index)
+    with pytest.raises(ValueError, match=match):
+        grouped_matmul_reference(lhs, rhs, gs, rhs_index=index)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(lhs=np.zeros((8,), np.float32)), r"lhs must be \[M, K\]"),
-    (dict(lhs=np.zeros((8, 16), np.int32)), "lhs dtype"),
-    (dict(rhs=np.zeros((3, 16, 16), np.float16)), "dtypes differ"),
-    (dict(rhs=np.zeros((3, 16), np.float32)), "rhs must be"),
-    (dict(rhs=np.zeros((3, 16, 24), np.float32)), "K=24"),
-    (dict(group_sizes=np.zeros((4,), np.int32)), r"group_sizes must be i32\[G=3\]"),
-    (dict(group_sizes=np.zeros((3,), np.float32)), "group_sizes dtype"),
-    (dict(block_m=24), "block_m=24"),
-    (dict(block_k=8), "block_k=8"),
-    (dict(num_warps=3), "num_warps"),
-    (dict(num_k_splits=0), "num_k_splits"),
-    (dict(preferred_element_type=jnp.int32), "preferred_element_type"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(lhs=np.zeros((8,), np.float32)), r"lhs must be \[M, K\]"),
+        (dict(lhs=np.zeros((8, 16), np.int32)), "lhs dtype"),
+        (dict(rhs=np.zeros((3, 16, 16), np.float16)), "dtypes differ"),
+        (dict(rhs=np.zeros((3, 16), np.float32)), "rhs must be"),
+        (dict(rhs=np.zeros((3, 16, 24), np.float32)), "K=24"),
+        (dict(group_sizes=np.zeros((4,), np.int32)), r"group_sizes must be i32\[G=3\]"),
+        (dict(group_sizes=np.zeros((3,), np.float32)), "group_sizes dtype"),
+        (dict(block_m=24), "block_m=24"),
+        (dict(block_k=8), "block_k=8"),
+        (dict(num_warps=3), "num_warps"),
+        (dict(num_k_splits=0), "num_k_splits"),
+        (dict(preferred_element_type=jnp.int32), "preferred_element_type"),
+    ],
+)
 def test_validation(bad, match):
-  args = dict(lhs=np.zeros((8, 16), np.float32), rhs=np.zeros((3, 20, 16), np.float32),
-              group_sizes=np.array([3, 0, 5], np.int32))
-  tuning = {}
-  for key, val in bad.items():
-    (args if key in args else tuning)[key] = val
-  args = {key: jnp.asarray(val) for key, val in args.items()}
-  with pytest.raises(ValueError, match=match):
-    grouped_matmul(**args, interpret=True, **tuning)
+    args = dict(
+        lhs=np.zeros((8, 16), np.float32),
+        rhs=np.zeros((3, 20, 16), np.float32),
+        group_sizes=np.array([3, 0, 5], np.int32),
+    )
+    tuning = {}
+    for key, val in bad.items():
+        (args if key in args else tuning)[key] = val
+    args = {key: jnp.asarray(val) for key, val in args.items()}
+    with pytest.raises(ValueError, match=match):
+        grouped_matmul(**args, interpret=True, **tuning)
 
 
 # ---- GPU: the real Triton kernel (run by `make gpu`) ----
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("transpose_rhs", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_gpu_random_groups(dtype, transpose_rhs):
-  # DeepSeek-V2-Lite gate/up shape (N 1408, K 2048) with ragged groups, empty ones, NaN padding
-  _check(_sizes(5, 64, 1500), 1600, 1408, 2048, dtype=dtype, transpose_rhs=transpose_rhs,
-         interpret=False)
+    # DeepSeek-V2-Lite gate/up shape (N 1408, K 2048) with ragged groups, empty ones, NaN padding
+    _check(_sizes(5, 64, 1500), 1600, 1408, 2048, dtype=dtype, transpose_rhs=transpose_rhs, interpret=False)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [
-    {},  # defaults (decode: 16-row tiles)
-    dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
-    dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
-    dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, num_k_splits=4),
-])
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        {},  # defaults (decode: 16-row tiles)
+        dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
+        dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+        dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, num_k_splits=4),
+    ],
+)
 def test_gpu_tuning_variants_and_edges(tuning):
-  # down-proj shape (K 1408 = 11 x 128, not a multiple of 256), odd N, tiny groups, padding
-  sizes = np.random.default_rng(6).integers(0, 5, 64).astype(np.int32)
-  _check(sizes, int(sizes.sum()) + 21, 2000, 1408, dtype=jnp.bfloat16, interpret=False, **tuning)
-  _check(_sizes(7, 32, 3000), 3100, 7168 + 48, 1408 + 40, dtype=jnp.bfloat16, interpret=False,
-         **tuning)
+    # down-proj shape (K 1408 = 11 x 128, not a multiple of 256), odd N, tiny groups, padding
+    sizes = np.random.default_rng(6).integers(0, 5, 64).astype(np.int32)
+    _check(sizes, int(sizes.sum()) + 21, 2000, 1408, dtype=jnp.bfloat16, interpret=False, **tuning)
+    _check(_sizes(7, 32, 3000), 3100, 7168 + 48, 1408 + 40, dtype=jnp.bfloat16, interpret=False, **tuning)
 
 
 @pytest.mark.gpu
 def test_gpu_deterministic_and_matches_ragged_dot():
-  lhs, rhs, gs = _inputs(8, _sizes(8, 64, 3000), 3000, 1408, 2048, jnp.bfloat16)
-  f = jax.jit(lambda a, b, c: grouped_matmul(a, b, c))
-  a, b = f(lhs, rhs, gs), f(lhs, rhs, gs)
-  np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
-                                np.asarray(b.astype(jnp.float32)))
-  dn = jax.lax.RaggedDotDimensionNumbers(
-      dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
-      rhs_group_dimensions=[0])
-  want = jax.lax.ragged_dot_general(lhs, rhs, gs, dn, preferred_element_type=jnp.float32)
-  np.testing.assert_allclose(np.asarray(a.astype(jnp.float32)), np.asarray(want), atol=2e-2,
-                             rtol=2e-2)
+    lhs, rhs, gs = _inputs(8, _sizes(8, 64, 3000), 3000, 1408, 2048, jnp.bfloat16)
+    f = jax.jit(lambda a, b, c: grouped_matmul(a, b, c))
+    a, b = f(lhs, rhs, gs), f(lhs, rhs, gs)
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    dn = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+    )
+    want = jax.lax.ragged_dot_general(lhs, rhs, gs, dn, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(a.astype(jnp.float32)), np.asarray(want), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("transpose_rhs", [True, False])
 def test_gpu_stacked_rhs(transpose_rhs):
-  """rhs [Lyr, G, ...] indexed by a traced layer inside a jitted scan (the model's decode use) on
-  the real kernel: every layer's output equals the unstacked call; other layers NaN in the static
-  case."""
-  layers, sizes, m, n, k = 3, _sizes(12, 64, 12), 12, 1408, 2048  # decode-like: tiny groups
-  lhs, rhs, gs, stack = _stacked(12, sizes, m, n, k, layers, jnp.bfloat16, transpose_rhs)
-  want = np.asarray(grouped_matmul(lhs, rhs, gs, transpose_rhs=transpose_rhs).astype(jnp.float32))
-  got = grouped_matmul(lhs, stack(1), gs, transpose_rhs=transpose_rhs, rhs_index=1)
-  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
-  rng = np.random.default_rng(13)
-  st = jnp.asarray(rng.standard_normal((layers,) + rhs.shape, np.float32) / np.sqrt(k),
-                   jnp.bfloat16)
+    """rhs [Lyr, G, ...] indexed by a traced layer inside a jitted scan (the model's decode use) on
+    the real kernel: every layer's output equals the unstacked call; other layers NaN in the static
+    case."""
+    layers, sizes, m, n, k = 3, _sizes(12, 64, 12), 12, 1408, 2048  # decode-like: tiny groups
+    lhs, rhs, gs, stack = _stacked(12, sizes, m, n, k, layers, jnp.bfloat16, transpose_rhs)
+    want = np.asarray(grouped_matmul(lhs, rhs, gs, transpose_rhs=transpose_rhs).astype(jnp.float32))
+    got = grouped_matmul(lhs, stack(1), gs, transpose_rhs=transpose_rhs, rhs_index=1)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+    rng = np.random.default_rng(13)
+    st = jnp.asarray(rng.standard_normal((layers,) + rhs.shape, np.float32) / np.sqrt(k), jnp.bfloat16)
 
-  def body(i, _):
-    return i + 1, grouped_matmul(lhs, st, gs, transpose_rhs=transpose_rhs, rhs_index=i)
-  _, outs = jax.jit(lambda: jax.lax.scan(body, jnp.int32(0), None, length=layers))()
-  for i in range(layers):
-    one = grouped_matmul(lhs, st[i], gs, transpose_rhs=transpose_rhs)
-    np.testing.assert_array_equal(np.asarray(outs[i].astype(jnp.float32)),
-                                  np.asarray(one.astype(jnp.float32)))
+    def body(i, _):
+        return i + 1, grouped_matmul(lhs, st, gs, transpose_rhs=transpose_rhs, rhs_index=i)
+
+    _, outs = jax.jit(lambda: jax.lax.scan(body, jnp.int32(0), None, length=layers))()
+    for i in range(layers):
+        one = grouped_matmul(lhs, st[i], gs, transpose_rhs=transpose_rhs)
+        np.testing.assert_array_equal(np.asarray(outs[i].astype(jnp.float32)), np.asarray(one.astype(jnp.float32)))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("transpose_rhs", [True, False])
 def test_gpu_dims_smaller_than_blocks(transpose_rhs):
-  # On the GPU nothing is padded: M, N, K below the block sizes are masked in the kernel
-  _check([2, 0, 3, 1], 9, 20, 24, dtype=jnp.bfloat16, transpose_rhs=transpose_rhs,
-         interpret=False, block_m=16, block_n=32, block_k=32)
-  _check([2, 0, 3, 1], 9, 20, 24, dtype=jnp.float32, transpose_rhs=transpose_rhs,
-         interpret=False)
+    # On the GPU nothing is padded: M, N, K below the block sizes are masked in the kernel
+    _check(
+        [2, 0, 3, 1],
+        9,
+        20,
+        24,
+        dtype=jnp.bfloat16,
+        transpose_rhs=transpose_rhs,
+        interpret=False,
+        block_m=16,
+        block_n=32,
+        block_k=32,
+    )
+    _check([2, 0, 3, 1], 9, 20, 24, dtype=jnp.float32, transpose_rhs=transpose_rhs, interpret=False)

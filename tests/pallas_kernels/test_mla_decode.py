@@ -5,297 +5,335 @@ tolerances are the shared decode suite's (tests/pallas_kernels/decode_suite.py,
 pallas_kernels/testing.py); this file adds the Triton kernel's own tests: the reference itself,
 split counts, batch invariance, bad inputs and the split merges.
 """
-from __future__ import annotations
 
-import numpy as np
-import pytest
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from pallas_kernels.mla_decode import (choose_num_kv_splits, merge_segments,
-                                       merge_segments_reference, merge_splits,
-                                       merge_splits_reference, mla_decode, mla_decode_reference,
-                                       segments_from_slot_tile)
-from pallas_kernels.testing import MLA_DECODE, assert_decode_close, decode_inputs
+from pallas_kernels.mla_decode import (
+    choose_num_kv_splits,
+    merge_segments,
+    merge_segments_reference,
+    merge_splits,
+    merge_splits_reference,
+    mla_decode,
+    mla_decode_reference,
+    segments_from_slot_tile,
+)
 from pallas_kernels.testing import DECODE_SCALE as SCALE
+from pallas_kernels.testing import MLA_DECODE, assert_decode_close, decode_inputs
 from tests.pallas_kernels.decode_suite import DecodeSuite
 
 
 class TestMlaDecode(DecodeSuite):
-  KERNEL = MLA_DECODE
+    KERNEL = MLA_DECODE
 
-  def decode(self, q, cache, bt, sl, ks, *, l, interpret, **kernel_kw):
-    return mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=l,
-                      interpret=interpret, **kernel_kw)
+    def decode(self, q, cache, bt, sl, ks, *, l, interpret, **kernel_kw):
+        return mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=l, interpret=interpret, **kernel_kw)
 
 
 def test_reference_matches_dense_numpy():
-  """The reference itself, against a per-request float64 loop over the block table."""
-  b, nq, n, l, r, g = 2, 2, 4, 32, 16, 8
-  q, cache, bt, sl, _ = decode_inputs(7, b=b, nq=nq, n=n, l=l, r=r, g=g, max_pages=4,
-                                      lens=[19, 8], causal=True)
-  ref, ref_lse = mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_lora_rank=l)
-  qn, cn, btn, sln = (np.asarray(x, np.float64) for x in (q.astype(jnp.float32),
-                                                          cache.astype(jnp.float32), bt, sl))
-  for i in range(b):
-    rows = cn[btn[i].astype(int)].reshape(-1, l + r)
-    for t in range(nq):
-      k = rows[: int(sln[i, t])]
-      logits = SCALE * qn[i, t] @ k.T                               # [N, len]
-      lse = np.log(np.sum(np.exp(logits), axis=-1))
-      out = np.exp(logits - lse[:, None]) @ k[:, :l]
-      np.testing.assert_allclose(np.asarray(ref_lse[i, t]), lse, rtol=0, atol=1e-4)
-      np.testing.assert_allclose(np.asarray(ref[i, t], np.float32), out, rtol=2e-2, atol=2e-2)
+    """The reference itself, against a per-request float64 loop over the block table."""
+    b, nq, n, l, r, g = 2, 2, 4, 32, 16, 8
+    q, cache, bt, sl, _ = decode_inputs(7, b=b, nq=nq, n=n, l=l, r=r, g=g, max_pages=4, lens=[19, 8], causal=True)
+    ref, ref_lse = mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_lora_rank=l)
+    qn, cn, btn, sln = (np.asarray(x, np.float64) for x in (q.astype(jnp.float32), cache.astype(jnp.float32), bt, sl))
+    for i in range(b):
+        rows = cn[btn[i].astype(int)].reshape(-1, l + r)
+        for t in range(nq):
+            k = rows[: int(sln[i, t])]
+            logits = SCALE * qn[i, t] @ k.T  # [N, len]
+            lse = np.log(np.sum(np.exp(logits), axis=-1))
+            out = np.exp(logits - lse[:, None]) @ k[:, :l]
+            np.testing.assert_allclose(np.asarray(ref_lse[i, t]), lse, rtol=0, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(ref[i, t], np.float32), out, rtol=2e-2, atol=2e-2)
 
 
 def test_num_kv_splits_agree():
-  kw = dict(b=2, nq=1, n=16, l=64, r=16, g=16, max_pages=8, lens=[100, 57])
-  q, cache, bt, sl, _ = decode_inputs(11, **kw)
-  outs = [mla_decode(q, cache, bt, sl, scale=SCALE, kv_lora_rank=64, interpret=True,
-                     num_kv_splits=s, block_kv=16) for s in (1, 4)]
-  ref, ref_lse = mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_lora_rank=64)
-  for out, lse in outs:
-    assert_decode_close(out, lse, ref, ref_lse, "bf16")
-  np.testing.assert_allclose(np.asarray(outs[0][0], np.float32), np.asarray(outs[1][0], np.float32),
-                             rtol=2e-2, atol=2e-2)
-  np.testing.assert_allclose(np.asarray(outs[0][1]), np.asarray(outs[1][1]), rtol=0, atol=1e-4)
+    kw = dict(b=2, nq=1, n=16, l=64, r=16, g=16, max_pages=8, lens=[100, 57])
+    q, cache, bt, sl, _ = decode_inputs(11, **kw)
+    outs = [
+        mla_decode(q, cache, bt, sl, scale=SCALE, kv_lora_rank=64, interpret=True, num_kv_splits=s, block_kv=16)
+        for s in (1, 4)
+    ]
+    ref, ref_lse = mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_lora_rank=64)
+    for out, lse in outs:
+        assert_decode_close(out, lse, ref, ref_lse, "bf16")
+    np.testing.assert_allclose(
+        np.asarray(outs[0][0], np.float32), np.asarray(outs[1][0], np.float32), rtol=2e-2, atol=2e-2
+    )
+    np.testing.assert_allclose(np.asarray(outs[0][1]), np.asarray(outs[1][1]), rtol=0, atol=1e-4)
 
 
 def test_batch_invariant_bitwise():
-  kw = dict(b=3, nq=1, n=16, l=64, r=16, g=16, max_pages=6, lens=[90, 33, 7])
-  q, cache, bt, sl, _ = decode_inputs(5, **kw)
-  common = dict(scale=SCALE, kv_lora_rank=64, interpret=True, batch_invariant=True, block_kv=32)
-  out, lse = mla_decode(q, cache, bt, sl, **common)
-  out1, lse1 = mla_decode(q[1:2], cache, bt[1:2], sl[1:2], **common)
-  np.testing.assert_array_equal(np.asarray(out[1:2], np.float32), np.asarray(out1, np.float32))
-  np.testing.assert_array_equal(np.asarray(lse[1:2]), np.asarray(lse1))
+    kw = dict(b=3, nq=1, n=16, l=64, r=16, g=16, max_pages=6, lens=[90, 33, 7])
+    q, cache, bt, sl, _ = decode_inputs(5, **kw)
+    common = dict(scale=SCALE, kv_lora_rank=64, interpret=True, batch_invariant=True, block_kv=32)
+    out, lse = mla_decode(q, cache, bt, sl, **common)
+    out1, lse1 = mla_decode(q[1:2], cache, bt[1:2], sl[1:2], **common)
+    np.testing.assert_array_equal(np.asarray(out[1:2], np.float32), np.asarray(out1, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse[1:2]), np.asarray(lse1))
 
 
 def _bad(**over):
-  q, cache, bt, sl, _ = decode_inputs(3, b=2, nq=1, n=16, l=64, r=16, g=16, max_pages=2,
-                                      lens=[20, 3])
-  args = dict(q=q, kv_c_and_k_pe_cache=cache, block_table=bt, seq_lens=sl, scale=SCALE,
-              kv_lora_rank=64, interpret=True)
-  args.update(over)
-  return args
+    q, cache, bt, sl, _ = decode_inputs(3, b=2, nq=1, n=16, l=64, r=16, g=16, max_pages=2, lens=[20, 3])
+    args = dict(
+        q=q, kv_c_and_k_pe_cache=cache, block_table=bt, seq_lens=sl, scale=SCALE, kv_lora_rank=64, interpret=True
+    )
+    args.update(over)
+    return args
 
 
-@pytest.mark.parametrize("over, match", [
-    (lambda a: dict(q=a["q"][0]), "q must be"),
-    (lambda a: dict(q=a["q"].astype(jnp.int32)), "q dtype"),
-    (lambda a: dict(kv_lora_rank=48), "kv_lora_rank"),
-    (lambda a: dict(q=a["q"][..., :72], kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][..., :72]),
-     "rope dim"),
-    (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][..., :72]), "last dim"),
-    (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][:, :12]), "page size"),
-    (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.float8_e4m3fn)),
-     "kv_scale is required"),
-    (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.float8_e4m3fn),
-                    kv_scale=jnp.ones((3, 16), jnp.float32)), "kv_scale must be"),
-    (lambda a: dict(kv_scale=jnp.ones(a["kv_c_and_k_pe_cache"].shape[:2], jnp.float32)),
-     "only for a float8"),
-    (lambda a: dict(block_table=a["block_table"][:1]), "block_table must be"),
-    (lambda a: dict(block_table=a["block_table"].astype(jnp.int64)
-                    if jax.config.jax_enable_x64 else a["block_table"].astype(jnp.int16)),
-     "block_table dtype"),
-    (lambda a: dict(block_table=a["block_table"][:, :0]), "at least one page"),
-    (lambda a: dict(seq_lens=a["seq_lens"][:, 0]), "seq_lens must be"),
-    (lambda a: dict(seq_lens=a["seq_lens"].astype(jnp.float32)), "seq_lens dtype"),
-    (lambda a: dict(num_kv_splits=0), "num_kv_splits"),
-    (lambda a: dict(block_h=24), "block_h"),
-    (lambda a: dict(block_kv=8), "block_kv"),
-    (lambda a: dict(fp8_mode="fast"), "fp8_mode"),
-])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (lambda a: dict(q=a["q"][0]), "q must be"),
+        (lambda a: dict(q=a["q"].astype(jnp.int32)), "q dtype"),
+        (lambda a: dict(kv_lora_rank=48), "kv_lora_rank"),
+        (lambda a: dict(q=a["q"][..., :72], kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][..., :72]), "rope dim"),
+        (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][..., :72]), "last dim"),
+        (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][:, :12]), "page size"),
+        (
+            lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.float8_e4m3fn)),
+            "kv_scale is required",
+        ),
+        (
+            lambda a: dict(
+                kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.float8_e4m3fn),
+                kv_scale=jnp.ones((3, 16), jnp.float32),
+            ),
+            "kv_scale must be",
+        ),
+        (lambda a: dict(kv_scale=jnp.ones(a["kv_c_and_k_pe_cache"].shape[:2], jnp.float32)), "only for a float8"),
+        (lambda a: dict(block_table=a["block_table"][:1]), "block_table must be"),
+        (
+            lambda a: dict(
+                block_table=a["block_table"].astype(jnp.int64)
+                if jax.config.jax_enable_x64
+                else a["block_table"].astype(jnp.int16)
+            ),
+            "block_table dtype",
+        ),
+        (lambda a: dict(block_table=a["block_table"][:, :0]), "at least one page"),
+        (lambda a: dict(seq_lens=a["seq_lens"][:, 0]), "seq_lens must be"),
+        (lambda a: dict(seq_lens=a["seq_lens"].astype(jnp.float32)), "seq_lens dtype"),
+        (lambda a: dict(num_kv_splits=0), "num_kv_splits"),
+        (lambda a: dict(block_h=24), "block_h"),
+        (lambda a: dict(block_kv=8), "block_kv"),
+        (lambda a: dict(fp8_mode="fast"), "fp8_mode"),
+    ],
+)
 def test_bad_inputs_raise(over, match):
-  args = _bad()
-  args.update(over(args))
-  with pytest.raises(ValueError, match=match):
-    mla_decode(**args)
+    args = _bad()
+    args.update(over(args))
+    with pytest.raises(ValueError, match=match):
+        mla_decode(**args)
 
 
 def test_choose_num_kv_splits():
-  for b, rows, ctx in [(1, 16, 64), (64, 16, 4096), (128, 128, 8192), (1, 128, 32768),
-                       (32, 16, 1024), (512, 16, 163840)]:
-    s = choose_num_kv_splits(b, rows, ctx, 132)
-    assert 1 <= s <= 264
-  assert choose_num_kv_splits(1, 16, 64, 132) == 1          # short context: no split
-  assert choose_num_kv_splits(1, 128, 32768, 132) > 16      # one request: split to fill SMs
-  # One memory-bound request: 128-token splits, at most one per SM (H200 device-time sweep).
-  assert choose_num_kv_splits(1, 16, 4096, 132) == 32
-  assert choose_num_kv_splits(1, 16, 32768, 132) == 128
-  assert choose_num_kv_splits(512, 128, 8192, 132) == 1     # batch alone fills the SMs
-  assert (choose_num_kv_splits(8, 16, 8192, 132) >= choose_num_kv_splits(64, 16, 8192, 132))
+    for b, rows, ctx in [
+        (1, 16, 64),
+        (64, 16, 4096),
+        (128, 128, 8192),
+        (1, 128, 32768),
+        (32, 16, 1024),
+        (512, 16, 163840),
+    ]:
+        s = choose_num_kv_splits(b, rows, ctx, 132)
+        assert 1 <= s <= 264
+    assert choose_num_kv_splits(1, 16, 64, 132) == 1  # short context: no split
+    assert choose_num_kv_splits(1, 128, 32768, 132) > 16  # one request: split to fill SMs
+    # One memory-bound request: 128-token splits, at most one per SM (H200 device-time sweep).
+    assert choose_num_kv_splits(1, 16, 4096, 132) == 32
+    assert choose_num_kv_splits(1, 16, 32768, 132) == 128
+    assert choose_num_kv_splits(512, 128, 8192, 132) == 1  # batch alone fills the SMs
+    assert choose_num_kv_splits(8, 16, 8192, 132) >= choose_num_kv_splits(64, 16, 8192, 132)
 
 
-@pytest.mark.parametrize("b,splits,m,l", [(2, 5, 24, 64), (1, 64, 16, 512), (3, 2, 8, 32),
-                                           (1, 1, 16, 64), (2, 3, 8, 48)])
+@pytest.mark.parametrize(
+    "b,splits,m,l", [(2, 5, 24, 64), (1, 64, 16, 512), (3, 2, 8, 32), (1, 1, 16, 64), (2, 3, 8, 48)]
+)
 def test_merge_splits_kernel(b, splits, m, l):
-  """The stage-2 merge kernel against its jnp reference: dead splits (lse -inf) hold NaN partials
-  that must never be read, one row has no live split at all (out 0, lse -inf)."""
-  rng = np.random.default_rng(splits * 100 + l)
-  o_part = rng.standard_normal((b, splits, m, l)).astype(np.float32)
-  lse_part = rng.uniform(-3.0, 8.0, (b, splits, m)).astype(np.float32)
-  dead = rng.random((b, splits, m)) < 0.3
-  dead[0, :, 1] = True
-  lse_part[dead] = -np.inf
-  o_part[dead] = np.nan
-  out, lse = merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part), out_dtype=jnp.float32,
-                          interpret=True)
-  ref, ref_lse = merge_splits_reference(jnp.asarray(o_part), jnp.asarray(lse_part))
-  assert out.shape == (b, m, l) and lse.shape == (b, m)
-  assert np.all(np.isfinite(np.asarray(out)))
-  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-6)
-  assert np.all(np.asarray(out)[0, 1] == 0) and np.asarray(lse)[0, 1] == -np.inf
-  # the reference itself, against float64 numpy over the live splits
-  w = np.where(dead, 0.0, np.exp(lse_part.astype(np.float64)))
-  expect = np.nansum(np.where(dead[..., None], 0.0, w[..., None] * o_part), axis=1)
-  denom = w.sum(axis=1)
-  live = denom > 0
-  np.testing.assert_allclose(np.asarray(ref)[live], (expect / np.where(live, denom, 1)[..., None])[live],
-                             rtol=1e-5, atol=1e-6)
-  bf, _ = merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part), out_dtype=jnp.bfloat16,
-                       interpret=True)
-  assert bf.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(bf, np.float32), np.asarray(ref), rtol=1e-2, atol=1e-2)
+    """The stage-2 merge kernel against its jnp reference: dead splits (lse -inf) hold NaN partials
+    that must never be read, one row has no live split at all (out 0, lse -inf)."""
+    rng = np.random.default_rng(splits * 100 + l)
+    o_part = rng.standard_normal((b, splits, m, l)).astype(np.float32)
+    lse_part = rng.uniform(-3.0, 8.0, (b, splits, m)).astype(np.float32)
+    dead = rng.random((b, splits, m)) < 0.3
+    dead[0, :, 1] = True
+    lse_part[dead] = -np.inf
+    o_part[dead] = np.nan
+    out, lse = merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part), out_dtype=jnp.float32, interpret=True)
+    ref, ref_lse = merge_splits_reference(jnp.asarray(o_part), jnp.asarray(lse_part))
+    assert out.shape == (b, m, l) and lse.shape == (b, m)
+    assert np.all(np.isfinite(np.asarray(out)))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-6)
+    assert np.all(np.asarray(out)[0, 1] == 0) and np.asarray(lse)[0, 1] == -np.inf
+    # the reference itself, against float64 numpy over the live splits
+    w = np.where(dead, 0.0, np.exp(lse_part.astype(np.float64)))
+    expect = np.nansum(np.where(dead[..., None], 0.0, w[..., None] * o_part), axis=1)
+    denom = w.sum(axis=1)
+    live = denom > 0
+    np.testing.assert_allclose(
+        np.asarray(ref)[live], (expect / np.where(live, denom, 1)[..., None])[live], rtol=1e-5, atol=1e-6
+    )
+    bf, _ = merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part), out_dtype=jnp.bfloat16, interpret=True)
+    assert bf.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(bf, np.float32), np.asarray(ref), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.gpu
 def test_gpu_merge_splits():
-  if jax.default_backend() != "gpu":
-    pytest.skip("needs a GPU")
-  rng = np.random.default_rng(7)
-  b, splits, m, l = 2, 64, 128, 512   # (1, 128, 32k)-like: 64 splits, block_l 128
-  o_part = rng.standard_normal((b, splits, m, l)).astype(np.float32)
-  lse_part = rng.uniform(-3.0, 8.0, (b, splits, m)).astype(np.float32)
-  dead = rng.random((b, splits, m)) < 0.3
-  lse_part[dead], o_part[dead] = -np.inf, np.nan
-  out, lse = merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part))
-  ref, ref_lse = merge_splits_reference(jnp.asarray(o_part), jnp.asarray(lse_part))
-  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-5)
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(7)
+    b, splits, m, l = 2, 64, 128, 512  # (1, 128, 32k)-like: 64 splits, block_l 128
+    o_part = rng.standard_normal((b, splits, m, l)).astype(np.float32)
+    lse_part = rng.uniform(-3.0, 8.0, (b, splits, m)).astype(np.float32)
+    dead = rng.random((b, splits, m)) < 0.3
+    lse_part[dead], o_part[dead] = -np.inf, np.nan
+    out, lse = merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part))
+    ref, ref_lse = merge_splits_reference(jnp.asarray(o_part), jnp.asarray(lse_part))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-5)
 
 
 def _segment_case(seed, m, l, counts, out_dtype):
-  """Inputs of merge_segments for tiles with counts[u] slots each (laid out in a shuffled tile
-  order, with an unused slot after some tiles). NaN poison: unused slots and the one slot of a
-  count-1 tile hold NaN with a finite lse (read only if the kernel merges a tile it must not);
-  dead partials (lse -inf) of split tiles hold NaN; row 1 of the first split tile has no live
-  partial at all. Returns numpy arrays and the expected (seg_first, seg_count)."""
-  rng = np.random.default_rng(seed)
-  u = len(counts)
-  slot_tile, first = [], np.zeros(u, np.int32)
-  for t in rng.permutation(u):
-    first[t] = len(slot_tile) if counts[t] else 0
-    slot_tile += [t] * counts[t] + ([-1] if rng.random() < 0.5 else [])
-  slot_tile = np.asarray(slot_tile, np.int32)
-  p = len(slot_tile)
-  o_part = rng.standard_normal((p, m, l)).astype(np.float32)
-  lse_part = rng.uniform(-3.0, 8.0, (p, m)).astype(np.float32)
-  counts = np.asarray(counts, np.int32)
-  split = counts >= 2
-  owner = np.where(slot_tile >= 0, slot_tile, 0)
-  in_split = (slot_tile >= 0) & split[owner]                             # [P]
-  dead = in_split[:, None] & (rng.random((p, m)) < 0.3)                  # [P, M]
-  if split.any():
-    dead[slot_tile == np.flatnonzero(split)[0], 1] = True
-  lse_part[dead] = -np.inf
-  o_part[dead | ~in_split[:, None]] = np.nan
-  out = rng.standard_normal((u, m, l)).astype(np.float32)
-  out = np.asarray(jnp.asarray(out).astype(out_dtype))
-  lse = rng.uniform(-3.0, 8.0, (u, m)).astype(np.float32)
-  return (out, lse, o_part.reshape(p * m, l), lse_part.reshape(p * m), slot_tile, first, counts,
-          dead)
+    """Inputs of merge_segments for tiles with counts[u] slots each (laid out in a shuffled tile
+    order, with an unused slot after some tiles). NaN poison: unused slots and the one slot of a
+    count-1 tile hold NaN with a finite lse (read only if the kernel merges a tile it must not);
+    dead partials (lse -inf) of split tiles hold NaN; row 1 of the first split tile has no live
+    partial at all. Returns numpy arrays and the expected (seg_first, seg_count)."""
+    rng = np.random.default_rng(seed)
+    u = len(counts)
+    slot_tile, first = [], np.zeros(u, np.int32)
+    for t in rng.permutation(u):
+        first[t] = len(slot_tile) if counts[t] else 0
+        slot_tile += [t] * counts[t] + ([-1] if rng.random() < 0.5 else [])
+    slot_tile = np.asarray(slot_tile, np.int32)
+    p = len(slot_tile)
+    o_part = rng.standard_normal((p, m, l)).astype(np.float32)
+    lse_part = rng.uniform(-3.0, 8.0, (p, m)).astype(np.float32)
+    counts = np.asarray(counts, np.int32)
+    split = counts >= 2
+    owner = np.where(slot_tile >= 0, slot_tile, 0)
+    in_split = (slot_tile >= 0) & split[owner]  # [P]
+    dead = in_split[:, None] & (rng.random((p, m)) < 0.3)  # [P, M]
+    if split.any():
+        dead[slot_tile == np.flatnonzero(split)[0], 1] = True
+    lse_part[dead] = -np.inf
+    o_part[dead | ~in_split[:, None]] = np.nan
+    out = rng.standard_normal((u, m, l)).astype(np.float32)
+    out = np.asarray(jnp.asarray(out).astype(out_dtype))
+    lse = rng.uniform(-3.0, 8.0, (u, m)).astype(np.float32)
+    return (out, lse, o_part.reshape(p * m, l), lse_part.reshape(p * m), slot_tile, first, counts, dead)
 
 
 def _merge_segments_float64(out, lse, o_part, lse_part, slot_tile, counts, dead):
-  """The merge of each split tile's live slots in float64 numpy (other tiles: their input)."""
-  u, m, l = out.shape
-  p = slot_tile.shape[0]
-  o_part, lse_part = o_part.reshape(p, m, l), lse_part.reshape(p, m).astype(np.float64)
-  exp_out, exp_lse = out.astype(np.float64), lse.astype(np.float64)
-  for t in np.flatnonzero(counts >= 2):
-    sl = slot_tile == t
-    w = np.where(dead[sl], 0.0, np.exp(lse_part[sl]))                   # [S, M]
-    num = np.where(dead[sl][..., None], 0.0, w[..., None] * o_part[sl]).sum(axis=0)
-    den = w.sum(axis=0)
-    has = den > 0
-    exp_out[t] = np.where(has[:, None], num / np.where(has, den, 1.0)[:, None], 0.0)
-    exp_lse[t] = np.where(has, np.log(np.where(has, den, 1.0)), -np.inf)
-  return exp_out, exp_lse
+    """The merge of each split tile's live slots in float64 numpy (other tiles: their input)."""
+    u, m, l = out.shape
+    p = slot_tile.shape[0]
+    o_part, lse_part = o_part.reshape(p, m, l), lse_part.reshape(p, m).astype(np.float64)
+    exp_out, exp_lse = out.astype(np.float64), lse.astype(np.float64)
+    for t in np.flatnonzero(counts >= 2):
+        sl = slot_tile == t
+        w = np.where(dead[sl], 0.0, np.exp(lse_part[sl]))  # [S, M]
+        num = np.where(dead[sl][..., None], 0.0, w[..., None] * o_part[sl]).sum(axis=0)
+        den = w.sum(axis=0)
+        has = den > 0
+        exp_out[t] = np.where(has[:, None], num / np.where(has, den, 1.0)[:, None], 0.0)
+        exp_lse[t] = np.where(has, np.log(np.where(has, den, 1.0)), -np.inf)
+    return exp_out, exp_lse
 
 
-@pytest.mark.parametrize("m,l,counts,max_segment,out_dtype", [
-    (8, 32, [3, 1, 0, 5, 2], None, jnp.float32),
-    (16, 64, [3, 1, 0, 5, 2], 5, jnp.bfloat16),
-    (8, 64, [2, 0, 20, 1, 4], 20, jnp.bfloat16),   # 20 segments: two steps of 16
-    (16, 32, [0, 2, 1, 0, 0], None, jnp.float32),
-    (8, 32, [1, 0, 1, 0, 0], None, jnp.float32),   # nothing split: only padding programs
-    (8, 48, [3, 1, 0, 5, 2], None, jnp.bfloat16),  # L not a power of two: the jnp fallback
-])
+@pytest.mark.parametrize(
+    "m,l,counts,max_segment,out_dtype",
+    [
+        (8, 32, [3, 1, 0, 5, 2], None, jnp.float32),
+        (16, 64, [3, 1, 0, 5, 2], 5, jnp.bfloat16),
+        (8, 64, [2, 0, 20, 1, 4], 20, jnp.bfloat16),  # 20 segments: two steps of 16
+        (16, 32, [0, 2, 1, 0, 0], None, jnp.float32),
+        (8, 32, [1, 0, 1, 0, 0], None, jnp.float32),  # nothing split: only padding programs
+        (8, 48, [3, 1, 0, 5, 2], None, jnp.bfloat16),  # L not a power of two: the jnp fallback
+    ],
+)
 def test_merge_segments_kernel(m, l, counts, max_segment, out_dtype):
-  """The work-list merge kernel against its jnp reference, and the reference against float64
-  numpy: split tiles get the LSE merge of their live slots, all other tiles stay bit-identical."""
-  out, lse, o_part, lse_part, slot_tile, first, count, dead = _segment_case(
-      sum(counts) * 10 + l, m, l, counts, out_dtype)
-  seg_first, seg_count = segments_from_slot_tile(jnp.asarray(slot_tile), len(counts))
-  np.testing.assert_array_equal(np.asarray(seg_first), first)
-  np.testing.assert_array_equal(np.asarray(seg_count), count)
-  args = tuple(jnp.asarray(x) for x in (out, lse, o_part, lse_part)) + (seg_first, seg_count)
-  got, got_lse = merge_segments(*args, max_segment=max_segment, interpret=True)
-  ref, ref_lse = merge_segments_reference(*args)
-  assert got.dtype == out.dtype and got.shape == out.shape and got_lse.shape == lse.shape
-  got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
-  got_lse, ref_lse = np.asarray(got_lse), np.asarray(ref_lse)
-  split = count >= 2
-  for res, res_lse in ((got, got_lse), (ref, ref_lse)):
-    np.testing.assert_array_equal(res[~split], np.asarray(out, np.float32)[~split])
-    np.testing.assert_array_equal(res_lse[~split], lse[~split])
-    assert np.all(np.isfinite(res))
-  if split.any():   # row 1 of the first split tile has no live partial
-    t = np.flatnonzero(split)[0]
-    assert np.all(got[t, 1] == 0) and got_lse[t, 1] == -np.inf
-  tol = 1e-5 if out_dtype == jnp.float32 else 1e-2
-  np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
-  np.testing.assert_allclose(got_lse, ref_lse, rtol=1e-6, atol=1e-6)
-  exp_out, exp_lse = _merge_segments_float64(np.asarray(out, np.float32), lse, o_part, lse_part,
-                                             slot_tile, count, dead)
-  np.testing.assert_allclose(ref, exp_out, rtol=tol, atol=tol)
-  np.testing.assert_allclose(ref_lse, exp_lse, rtol=1e-6, atol=1e-5)
+    """The work-list merge kernel against its jnp reference, and the reference against float64
+    numpy: split tiles get the LSE merge of their live slots, all other tiles stay bit-identical."""
+    out, lse, o_part, lse_part, slot_tile, first, count, dead = _segment_case(
+        sum(counts) * 10 + l, m, l, counts, out_dtype
+    )
+    seg_first, seg_count = segments_from_slot_tile(jnp.asarray(slot_tile), len(counts))
+    np.testing.assert_array_equal(np.asarray(seg_first), first)
+    np.testing.assert_array_equal(np.asarray(seg_count), count)
+    args = tuple(jnp.asarray(x) for x in (out, lse, o_part, lse_part)) + (seg_first, seg_count)
+    got, got_lse = merge_segments(*args, max_segment=max_segment, interpret=True)
+    ref, ref_lse = merge_segments_reference(*args)
+    assert got.dtype == out.dtype and got.shape == out.shape and got_lse.shape == lse.shape
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    got_lse, ref_lse = np.asarray(got_lse), np.asarray(ref_lse)
+    split = count >= 2
+    for res, res_lse in ((got, got_lse), (ref, ref_lse)):
+        np.testing.assert_array_equal(res[~split], np.asarray(out, np.float32)[~split])
+        np.testing.assert_array_equal(res_lse[~split], lse[~split])
+        assert np.all(np.isfinite(res))
+    if split.any():  # row 1 of the first split tile has no live partial
+        t = np.flatnonzero(split)[0]
+        assert np.all(got[t, 1] == 0) and got_lse[t, 1] == -np.inf
+    tol = 1e-5 if out_dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(got_lse, ref_lse, rtol=1e-6, atol=1e-6)
+    exp_out, exp_lse = _merge_segments_float64(
+        np.asarray(out, np.float32), lse, o_part, lse_part, slot_tile, count, dead
+    )
+    np.testing.assert_allclose(ref, exp_out, rtol=tol, atol=tol)
+    np.testing.assert_allclose(ref_lse, exp_lse, rtol=1e-6, atol=1e-5)
 
 
 def test_merge_segments_lowers_to_triton(monkeypatch):
-  """Triton IR generation on CPU (Pallas's lowering rules, not the Triton compiler) at work-list
-  size (200 tiles, 177 slots on an H200), with an H200 stand-in for the device query: one kernel,
-  grid (88 split tiles at most, 64 rows, 1 column block), out/lse aliased to its inputs."""
-  from jax._src.pallas.triton import gpu_info, pallas_call_registration
-  monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-  u, m, l, p = 200, 64, 512, 177
-  shapes = [((u, m, l), jnp.bfloat16), ((u, m), jnp.float32), ((p * m, l), jnp.float32),
-            ((p * m,), jnp.float32), ((u,), jnp.int32), ((u,), jnp.int32)]
-  f = jax.jit(lambda *a: merge_segments(*a, max_segment=p))
-  text = f.trace(*(jax.ShapeDtypeStruct(*x) for x in shapes)).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert text.count("__gpu$xla.gpu.triton") == 1
-  assert "grid_x = 88 : i32, grid_y = 64 : i32, grid_z = 1 : i32" in text
-  assert text.count("stablehlo.output_operand_alias") == 2
+    """Triton IR generation on CPU (Pallas's lowering rules, not the Triton compiler) at work-list
+    size (200 tiles, 177 slots on an H200), with an H200 stand-in for the device query: one kernel,
+    grid (88 split tiles at most, 64 rows, 1 column block), out/lse aliased to its inputs."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    monkeypatch.setattr(
+        pallas_call_registration.gpu_info_lib,
+        "get_gpu_info",
+        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
+    )
+    u, m, l, p = 200, 64, 512, 177
+    shapes = [
+        ((u, m, l), jnp.bfloat16),
+        ((u, m), jnp.float32),
+        ((p * m, l), jnp.float32),
+        ((p * m,), jnp.float32),
+        ((u,), jnp.int32),
+        ((u,), jnp.int32),
+    ]
+    f = jax.jit(lambda *a: merge_segments(*a, max_segment=p))
+    text = f.trace(*(jax.ShapeDtypeStruct(*x) for x in shapes)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "grid_x = 88 : i32, grid_y = 64 : i32, grid_z = 1 : i32" in text
+    assert text.count("stablehlo.output_operand_alias") == 2
+
 
 @pytest.mark.gpu
 def test_gpu_merge_segments():
-  if jax.default_backend() != "gpu":
-    pytest.skip("needs a GPU")
-  # Work-list-like: 4 tiles of 64 rows, one split into 66 slots (5 steps of 16), one into 3.
-  out, lse, o_part, lse_part, slot_tile, _, count, _ = _segment_case(
-      11, 64, 512, [0, 66, 1, 3], jnp.bfloat16)
-  seg_first, seg_count = segments_from_slot_tile(jnp.asarray(slot_tile), 4)
-  args = tuple(jnp.asarray(x) for x in (out, lse, o_part, lse_part)) + (seg_first, seg_count)
-  got, got_lse = merge_segments(*args, max_segment=slot_tile.shape[0])
-  ref, ref_lse = merge_segments_reference(*args)
-  got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
-  split = count >= 2
-  np.testing.assert_array_equal(got[~split], np.asarray(out, np.float32)[~split])
-  np.testing.assert_array_equal(np.asarray(got_lse)[~split], lse[~split])
-  np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2)
-  np.testing.assert_allclose(np.asarray(got_lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-5)
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    # Work-list-like: 4 tiles of 64 rows, one split into 66 slots (5 steps of 16), one into 3.
+    out, lse, o_part, lse_part, slot_tile, _, count, _ = _segment_case(11, 64, 512, [0, 66, 1, 3], jnp.bfloat16)
+    seg_first, seg_count = segments_from_slot_tile(jnp.asarray(slot_tile), 4)
+    args = tuple(jnp.asarray(x) for x in (out, lse, o_part, lse_part)) + (seg_first, seg_count)
+    got, got_lse = merge_segments(*args, max_segment=slot_tile.shape[0])
+    ref, ref_lse = merge_segments_reference(*args)
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    split = count >= 2
+    np.testing.assert_array_equal(got[~split], np.asarray(out, np.float32)[~split])
+    np.testing.assert_array_equal(np.asarray(got_lse)[~split], lse[~split])
+    np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-5)

@@ -13,18 +13,18 @@ the GPU its own (testing.DECODE_TOL["fp8_qk"]).
 
 The interpreter's 3 warpgroups need >= 3 XLA CPU workers: see mosaic_interpreter.py.
 """
-from __future__ import annotations
 
-import numpy as np
-import pytest
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from pallas_kernels import mla_decode, mla_decode_sm90 as k90
+from pallas_kernels import mla_decode
+from pallas_kernels import mla_decode_sm90 as k90
 from pallas_kernels.testing import DECODE_SCALE as SCALE
-from pallas_kernels.testing import (MLA_DECODE_SM90, assert_decode_close, decode_inputs,
-                                    decode_reference)
+from pallas_kernels.testing import MLA_DECODE_SM90, assert_decode_close, decode_inputs, decode_reference
 from tests.pallas_kernels.decode_suite import DecodeSuite
 from tests.pallas_kernels.mosaic_interpreter import NPROC_IN_TIME, run_interpreted
 
@@ -32,233 +32,257 @@ L, R, G = 512, 64, 64
 
 
 class TestMlaDecodeSm90(DecodeSuite):
-  KERNEL = MLA_DECODE_SM90
+    KERNEL = MLA_DECODE_SM90
 
-  def decode(self, q, cache, bt, sl, ks, *, l, interpret, **kernel_kw):
-    if interpret:
-      return run_interpreted(k90.mla_decode_sm90, q, cache, bt, sl, scale=SCALE, kv_scale=ks,
-                             kv_lora_rank=l, **kernel_kw)
-    return k90.mla_decode_sm90(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=l,
-                               **kernel_kw)
+    def decode(self, q, cache, bt, sl, ks, *, l, interpret, **kernel_kw):
+        if interpret:
+            return run_interpreted(
+                k90.mla_decode_sm90, q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=l, **kernel_kw
+            )
+        return k90.mla_decode_sm90(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=l, **kernel_kw)
 
-  def check_case(self, case, seq_lens):
-    if case.kernel.get("schedule") == "worklist":  # the case must exercise split and whole tiles
-      rows = np.repeat(np.asarray(seq_lens), case.inputs["n"], axis=1)
-      rows = np.pad(rows, ((0, 0), (0, -rows.shape[1] % k90.TILE_M)))
-      tile_len = rows.reshape(rows.shape[0], -1, k90.TILE_M).max(-1)
-      meta, _ = k90._worklist_pieces(jnp.asarray(tile_len), case.kernel["num_sms"],
-                                     k90._WORKLIST_MIN_PAGES)
-      slots = np.asarray(meta)[:, 4]
-      assert (slots >= 0).any() and (slots == -1).any()
+    def check_case(self, case, seq_lens):
+        if case.kernel.get("schedule") == "worklist":  # the case must exercise split and whole tiles
+            rows = np.repeat(np.asarray(seq_lens), case.inputs["n"], axis=1)
+            rows = np.pad(rows, ((0, 0), (0, -rows.shape[1] % k90.TILE_M)))
+            tile_len = rows.reshape(rows.shape[0], -1, k90.TILE_M).max(-1)
+            meta, _ = k90._worklist_pieces(jnp.asarray(tile_len), case.kernel["num_sms"], k90._WORKLIST_MIN_PAGES)
+            slots = np.asarray(meta)[:, 4]
+            assert (slots >= 0).any() and (slots == -1).any()
 
 
 def run_decode(q, cache, bt, sl, ks, **kw):
-  """The interpreted kernel (race detector on) at L = 512."""
-  return run_interpreted(k90.mla_decode_sm90, q, cache, bt, sl, scale=SCALE, kv_scale=ks,
-                         kv_lora_rank=L, **kw)
+    """The interpreted kernel (race detector on) at L = 512."""
+    return run_interpreted(k90.mla_decode_sm90, q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L, **kw)
 
 
 @pytest.mark.parametrize("num_sms", [1, 4, 132])
 def test_worklist_pieces_cover_each_tile(num_sms):
-  """The metadata step: pieces tile [0, pages) of every head tile in order, split pieces get
-  consecutive unique slots within the static bound, and the grid bound holds."""
-  rng = np.random.default_rng(num_sms)
-  pieces_fn = jax.jit(k90._worklist_pieces, static_argnums=(1, 2))
-  b, t = 7, 2
-  for trial in range(12):
-    tile_len = rng.integers(0, [700, 20000, 200000][trial % 3], (b, t)).astype(np.int32)
-    tile_len[rng.random((b, t)) < 0.2] = 0
-    meta, slot_tile = pieces_fn(jnp.asarray(tile_len), num_sms, k90._WORKLIST_MIN_PAGES)
-    meta, slot_tile = np.asarray(meta), np.asarray(slot_tile)
-    assert meta.shape == (b * t + k90.worklist_slots(num_sms), 6)
-    pages = -(-tile_len.reshape(-1) // G)
-    seen = {tile: [] for tile in range(b * t)}
-    for bb, hh, p0, n, slot, tl in meta:
-      if slot == -2:
-        assert n == 0
-        continue
-      tile = bb * t + hh
-      assert tl == tile_len[bb, hh]
-      seen[tile].append((p0, n, slot))
-    for tile, pieces in seen.items():
-      assert pieces, f"tile {tile} has no piece"
-      assert [p0 for p0, _, _ in pieces] == list(np.cumsum([0] + [n for _, n, _ in pieces])[:-1])
-      assert sum(n for _, n, _ in pieces) == pages[tile]
-      slots = [slot for _, _, slot in pieces]
-      if len(pieces) == 1:
-        assert slots == [-1]
-      else:
-        assert all(n > 0 for _, n, _ in pieces)
-        assert slots == list(range(slots[0], slots[0] + len(slots)))
-        assert all(slot_tile[sl] == tile for sl in slots)
-    assert (slot_tile >= 0).sum() == sum(len(p) for p in seen.values() if len(p) > 1)
+    """The metadata step: pieces tile [0, pages) of every head tile in order, split pieces get
+    consecutive unique slots within the static bound, and the grid bound holds."""
+    rng = np.random.default_rng(num_sms)
+    pieces_fn = jax.jit(k90._worklist_pieces, static_argnums=(1, 2))
+    b, t = 7, 2
+    for trial in range(12):
+        tile_len = rng.integers(0, [700, 20000, 200000][trial % 3], (b, t)).astype(np.int32)
+        tile_len[rng.random((b, t)) < 0.2] = 0
+        meta, slot_tile = pieces_fn(jnp.asarray(tile_len), num_sms, k90._WORKLIST_MIN_PAGES)
+        meta, slot_tile = np.asarray(meta), np.asarray(slot_tile)
+        assert meta.shape == (b * t + k90.worklist_slots(num_sms), 6)
+        pages = -(-tile_len.reshape(-1) // G)
+        seen = {tile: [] for tile in range(b * t)}
+        for bb, hh, p0, n, slot, tl in meta:
+            if slot == -2:
+                assert n == 0
+                continue
+            tile = bb * t + hh
+            assert tl == tile_len[bb, hh]
+            seen[tile].append((p0, n, slot))
+        for tile, pieces in seen.items():
+            assert pieces, f"tile {tile} has no piece"
+            assert [p0 for p0, _, _ in pieces] == list(np.cumsum([0] + [n for _, n, _ in pieces])[:-1])
+            assert sum(n for _, n, _ in pieces) == pages[tile]
+            slots = [slot for _, _, slot in pieces]
+            if len(pieces) == 1:
+                assert slots == [-1]
+            else:
+                assert all(n > 0 for _, n, _ in pieces)
+                assert slots == list(range(slots[0], slots[0] + len(slots)))
+                assert all(slot_tile[sl] == tile for sl in slots)
+        assert (slot_tile >= 0).sum() == sum(len(p) for p in seen.values() if len(p) > 1)
 
 
 def test_batch_invariant_bitwise():
-  kw = dict(b=3, nq=1, n=16, l=L, r=R, g=G, max_pages=2, lens=[90, 33, 128])
-  q, cache, bt, sl, _ = decode_inputs(5, **kw)
-  out, lse = run_decode(q, cache, bt, sl, None, batch_invariant=True)
-  out1, lse1 = run_decode(q[1:2], cache, bt[1:2], sl[1:2], None, batch_invariant=True)
-  np.testing.assert_array_equal(np.asarray(out[1:2], np.float32), np.asarray(out1, np.float32))
-  np.testing.assert_array_equal(np.asarray(lse[1:2]), np.asarray(lse1))
+    kw = dict(b=3, nq=1, n=16, l=L, r=R, g=G, max_pages=2, lens=[90, 33, 128])
+    q, cache, bt, sl, _ = decode_inputs(5, **kw)
+    out, lse = run_decode(q, cache, bt, sl, None, batch_invariant=True)
+    out1, lse1 = run_decode(q[1:2], cache, bt[1:2], sl[1:2], None, batch_invariant=True)
+    np.testing.assert_array_equal(np.asarray(out[1:2], np.float32), np.asarray(out1, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse[1:2]), np.asarray(lse1))
 
 
 def test_attention_backend_pallas_sm90(monkeypatch):
-  """get_backend("pallas_sm90") decodes through this kernel for page 64 when heads x query tokens fill
-  its 64-row tile, through the portable kernel otherwise; CPU keeps "xla" as the default backend."""
-  from mla_jax import attention
-  calls = []
-  real = k90.mla_decode_sm90
-  monkeypatch.setattr(k90, "mla_decode_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-  if not NPROC_IN_TIME:
-    pytest.skip("NPROC was raised too late for the interpreter")
-  decode = attention.get_backend("pallas_sm90").mla_decode
-  for g, nq, n_calls in ((G, 4, 1), (16, 4, 1), (G, 1, 1)):  # sm90; page 16; 16 rows < 64
-    q, cache, bt, sl, _ = decode_inputs(21, b=2, nq=nq, n=16, l=L, r=R, g=g, max_pages=128 // g,
-                                        lens=[100, 7])
-    out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=None, kv_lora_rank=L)
-    ref, ref_lse = k90.mla_decode_reference(q, cache, bt, sl, scale=SCALE)
-    assert_decode_close(out, lse, ref, ref_lse, "bf16")
-    assert len(calls) == n_calls
-  assert attention.default_backend_name() == "xla"
+    """get_backend("pallas_sm90") decodes through this kernel for page 64 when heads x query tokens fill
+    its 64-row tile, through the portable kernel otherwise; CPU keeps "xla" as the default backend."""
+    from mla_jax import attention
+
+    calls = []
+    real = k90.mla_decode_sm90
+    monkeypatch.setattr(k90, "mla_decode_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    if not NPROC_IN_TIME:
+        pytest.skip("NPROC was raised too late for the interpreter")
+    decode = attention.get_backend("pallas_sm90").mla_decode
+    for g, nq, n_calls in ((G, 4, 1), (16, 4, 1), (G, 1, 1)):  # sm90; page 16; 16 rows < 64
+        q, cache, bt, sl, _ = decode_inputs(21, b=2, nq=nq, n=16, l=L, r=R, g=g, max_pages=128 // g, lens=[100, 7])
+        out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=None, kv_lora_rank=L)
+        ref, ref_lse = k90.mla_decode_reference(q, cache, bt, sl, scale=SCALE)
+        assert_decode_close(out, lse, ref, ref_lse, "bf16")
+        assert len(calls) == n_calls
+    assert attention.default_backend_name() == "xla"
 
 
 def test_attention_backend_pallas_sm90_fp8qk(monkeypatch):
-  """"pallas_sm90_fp8qk" decodes an fp8 cache with fp8_qk=True (against the reference on the quantized q)
-  and a bf16 cache exactly like "pallas_sm90"."""
-  from mla_jax import attention
-  calls = []
-  real = k90.mla_decode_sm90
-  monkeypatch.setattr(k90, "mla_decode_sm90",
-                      lambda *a, **kw: calls.append(kw.get("fp8_qk", False)) or real(*a, **kw))
-  if not NPROC_IN_TIME:
-    pytest.skip("NPROC was raised too late for the interpreter")
-  decode = attention.get_backend("pallas_sm90_fp8qk").mla_decode
-  for cache_dtype in ("fp8", "bf16"):
-    q, cache, bt, sl, ks = decode_inputs(23, b=2, nq=4, n=16, l=L, r=R, g=G, max_pages=3,
-                                         lens=[150, 7], cache_dtype=cache_dtype)
-    out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L)
-    fp8_qk = cache_dtype == "fp8"
-    ref, ref_lse = decode_reference(q, cache, bt, sl, ks, {"fp8_qk": fp8_qk})
-    assert_decode_close(out, lse, ref, ref_lse, "bf16")
-    assert calls[-1] == fp8_qk
-  assert len(calls) == 2
+    """ "pallas_sm90_fp8qk" decodes an fp8 cache with fp8_qk=True (against the reference on the quantized q)
+    and a bf16 cache exactly like "pallas_sm90"."""
+    from mla_jax import attention
+
+    calls = []
+    real = k90.mla_decode_sm90
+    monkeypatch.setattr(
+        k90, "mla_decode_sm90", lambda *a, **kw: calls.append(kw.get("fp8_qk", False)) or real(*a, **kw)
+    )
+    if not NPROC_IN_TIME:
+        pytest.skip("NPROC was raised too late for the interpreter")
+    decode = attention.get_backend("pallas_sm90_fp8qk").mla_decode
+    for cache_dtype in ("fp8", "bf16"):
+        q, cache, bt, sl, ks = decode_inputs(
+            23, b=2, nq=4, n=16, l=L, r=R, g=G, max_pages=3, lens=[150, 7], cache_dtype=cache_dtype
+        )
+        out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L)
+        fp8_qk = cache_dtype == "fp8"
+        ref, ref_lse = decode_reference(q, cache, bt, sl, ks, {"fp8_qk": fp8_qk})
+        assert_decode_close(out, lse, ref, ref_lse, "bf16")
+        assert calls[-1] == fp8_qk
+    assert len(calls) == 2
 
 
 def _lower_for_sm90(cache_dtype, n=16, **kw):
-  q, cache, bt, sl, ks = decode_inputs(9, b=2, nq=1, n=n, l=L, r=R, g=G, max_pages=3,
-                                       lens=[150, 7], cache_dtype=cache_dtype)
-  f = jax.jit(lambda *a: k90.mla_decode_sm90(*a[:4], kv_scale=a[4], scale=SCALE, **kw))
-  return f.trace(q, cache, bt, sl, ks).lower(lowering_platforms=("cuda",)).as_text()
+    q, cache, bt, sl, ks = decode_inputs(
+        9, b=2, nq=1, n=n, l=L, r=R, g=G, max_pages=3, lens=[150, 7], cache_dtype=cache_dtype
+    )
+    f = jax.jit(lambda *a: k90.mla_decode_sm90(*a[:4], kv_scale=a[4], scale=SCALE, **kw))
+    return f.trace(q, cache, bt, sl, ks).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("cache_dtype, kw", [
-    ("bf16", dict(num_kv_splits=2, num_sms=132)),
-    ("bf16", dict(num_kv_splits=1, num_sms=132)),
-    ("fp8", dict(num_kv_splits=2, num_sms=132)),
-    ("fp8", dict(num_kv_splits=1, fp8_compute="float16", num_sms=132)),
-    ("bf16", dict(schedule="worklist", num_sms=132)),
-    ("bf16", dict(n=80, num_kv_splits=2, num_sms=132)),   # 2 tiles, the last with 16 rows
-    ("fp8", dict(n=128, schedule="worklist", num_sms=132)),
-    ("fp8", dict(num_kv_splits=1, fp8_qk=True, num_sms=132)),
-    ("fp8", dict(n=128, schedule="worklist", fp8_qk=True, fp8_compute="float16", num_sms=132)),
-])
+@pytest.mark.parametrize(
+    "cache_dtype, kw",
+    [
+        ("bf16", dict(num_kv_splits=2, num_sms=132)),
+        ("bf16", dict(num_kv_splits=1, num_sms=132)),
+        ("fp8", dict(num_kv_splits=2, num_sms=132)),
+        ("fp8", dict(num_kv_splits=1, fp8_compute="float16", num_sms=132)),
+        ("bf16", dict(schedule="worklist", num_sms=132)),
+        ("bf16", dict(n=80, num_kv_splits=2, num_sms=132)),  # 2 tiles, the last with 16 rows
+        ("fp8", dict(n=128, schedule="worklist", num_sms=132)),
+        ("fp8", dict(num_kv_splits=1, fp8_qk=True, num_sms=132)),
+        ("fp8", dict(n=128, schedule="worklist", fp8_qk=True, fp8_compute="float16", num_sms=132)),
+    ],
+)
 def test_lowers_for_sm90(cache_dtype, kw, monkeypatch):
-  """The GPU code path (which differs from the interpreted one in `_accumulate`) passes Mosaic
-  GPU's Python lowering for sm_90: layouts, wgmma and TMA shapes, 227 KB of shared memory.
-  The split merges are Triton kernels, which cannot lower without a GPU: their jnp references stand
-  in here (the kernel has its own interpreter and GPU tests in test_mla_decode.py)."""
-  def merge_ref(o_part, lse_part, *, out_dtype, interpret):
-    out, lse = mla_decode.merge_splits_reference(o_part, lse_part)
-    return out.astype(out_dtype), lse
-  monkeypatch.setattr(k90, "merge_splits", merge_ref)
-  monkeypatch.setattr(k90, "merge_segments", lambda *a, max_segment, interpret:
-                      mla_decode.merge_segments_reference(*a))
-  text = _lower_for_sm90(cache_dtype, **kw)
-  assert "mosaic_gpu" in text
+    """The GPU code path (which differs from the interpreted one in `_accumulate`) passes Mosaic
+    GPU's Python lowering for sm_90: layouts, wgmma and TMA shapes, 227 KB of shared memory.
+    The split merges are Triton kernels, which cannot lower without a GPU: their jnp references stand
+    in here (the kernel has its own interpreter and GPU tests in test_mla_decode.py)."""
+
+    def merge_ref(o_part, lse_part, *, out_dtype, interpret):
+        out, lse = mla_decode.merge_splits_reference(o_part, lse_part)
+        return out.astype(out_dtype), lse
+
+    monkeypatch.setattr(k90, "merge_splits", merge_ref)
+    monkeypatch.setattr(
+        k90, "merge_segments", lambda *a, max_segment, interpret: mla_decode.merge_segments_reference(*a)
+    )
+    text = _lower_for_sm90(cache_dtype, **kw)
+    assert "mosaic_gpu" in text
 
 
 def test_shared_memory_budget_error():
-  with pytest.raises(ValueError, match="shared memory"):
-    _lower_for_sm90("bf16", num_stages=3, num_sms=132)
+    with pytest.raises(ValueError, match="shared memory"):
+        _lower_for_sm90("bf16", num_stages=3, num_sms=132)
 
 
 def _bad(**over):
-  q, cache, bt, sl, ks = decode_inputs(3, b=2, nq=1, n=16, l=L, r=R, g=G, max_pages=2,
-                                       lens=[20, 3])
-  args = dict(q=q, kv_c_and_k_pe_cache=cache, block_table=bt, seq_lens=sl, scale=SCALE,
-              kv_scale=ks, interpret=True)
-  args.update(over)
-  return args
+    q, cache, bt, sl, ks = decode_inputs(3, b=2, nq=1, n=16, l=L, r=R, g=G, max_pages=2, lens=[20, 3])
+    args = dict(q=q, kv_c_and_k_pe_cache=cache, block_table=bt, seq_lens=sl, scale=SCALE, kv_scale=ks, interpret=True)
+    args.update(over)
+    return args
 
 
-@pytest.mark.parametrize("over, match", [
-    (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][:, :32]), "page size G=32"),
-    (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.float32)),
-     "dtype must be bfloat16 or float8"),
-    (lambda a: dict(q=a["q"][..., :544], kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][..., :544],
-                    kv_lora_rank=480), "kv_lora_rank must be a multiple of 128"),
-    (lambda a: dict(q=a["q"][..., :544], kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][..., :544]),
-     "rope dim"),
-    (lambda a: dict(q=a["q"][0]), "q must be"),
-    (lambda a: dict(block_table=a["block_table"][:1]), "block_table must be"),
-    (lambda a: dict(num_stages=0), "num_stages"),
-    (lambda a: dict(fp8_compute="fp8"), "fp8_compute"),
-    (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.bfloat16),
-                    kv_scale=None, fp8_qk=True), "fp8_qk=True needs a float8_e4m3fn"),
-    (lambda a: dict(num_sms=0), "num_sms"),
-    (lambda a: dict(schedule="persistent"), "schedule"),
-    (lambda a: dict(schedule="worklist", num_kv_splits=2), "num_kv_splits applies"),
-])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][:, :32]), "page size G=32"),
+        (
+            lambda a: dict(kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.float32)),
+            "dtype must be bfloat16 or float8",
+        ),
+        (
+            lambda a: dict(
+                q=a["q"][..., :544], kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][..., :544], kv_lora_rank=480
+            ),
+            "kv_lora_rank must be a multiple of 128",
+        ),
+        (lambda a: dict(q=a["q"][..., :544], kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"][..., :544]), "rope dim"),
+        (lambda a: dict(q=a["q"][0]), "q must be"),
+        (lambda a: dict(block_table=a["block_table"][:1]), "block_table must be"),
+        (lambda a: dict(num_stages=0), "num_stages"),
+        (lambda a: dict(fp8_compute="fp8"), "fp8_compute"),
+        (
+            lambda a: dict(
+                kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.bfloat16), kv_scale=None, fp8_qk=True
+            ),
+            "fp8_qk=True needs a float8_e4m3fn",
+        ),
+        (lambda a: dict(num_sms=0), "num_sms"),
+        (lambda a: dict(schedule="persistent"), "schedule"),
+        (lambda a: dict(schedule="worklist", num_kv_splits=2), "num_kv_splits applies"),
+    ],
+)
 def test_bad_inputs_raise(over, match):
-  args = _bad()
-  args.update(over(args))
-  with pytest.raises(ValueError, match=match):
-    k90.mla_decode_sm90(**args)
+    args = _bad()
+    args.update(over(args))
+    with pytest.raises(ValueError, match=match):
+        k90.mla_decode_sm90(**args)
 
 
 def test_choose_num_kv_splits_sm90():
-  sms = 132
-  # One request, 2 head tiles, 512 pages: fill the SMs with ~8-page splits.
-  s = k90.choose_num_kv_splits_sm90(1, 2, 512, sms)
-  assert 60 <= s <= 66 and 2 * s <= sms
-  assert k90.choose_num_kv_splits_sm90(128, 2, 128, sms) == 1     # 256 CTAs: 2 full waves
-  assert k90.choose_num_kv_splits_sm90(64, 1, 64, sms) == 2       # 64 CTAs -> 128
-  assert k90.choose_num_kv_splits_sm90(1, 1, 1, sms) == 1
-  for b, t, p in [(32, 1, 16), (64, 2, 64), (512, 2, 2560), (3, 1, 7)]:
-    s = k90.choose_num_kv_splits_sm90(b, t, p, sms)
-    assert 1 <= s <= p
+    sms = 132
+    # One request, 2 head tiles, 512 pages: fill the SMs with ~8-page splits.
+    s = k90.choose_num_kv_splits_sm90(1, 2, 512, sms)
+    assert 60 <= s <= 66 and 2 * s <= sms
+    assert k90.choose_num_kv_splits_sm90(128, 2, 128, sms) == 1  # 256 CTAs: 2 full waves
+    assert k90.choose_num_kv_splits_sm90(64, 1, 64, sms) == 2  # 64 CTAs -> 128
+    assert k90.choose_num_kv_splits_sm90(1, 1, 1, sms) == 1
+    for b, t, p in [(32, 1, 16), (64, 2, 64), (512, 2, 2560), (3, 1, 7)]:
+        s = k90.choose_num_kv_splits_sm90(b, t, p, sms)
+        assert 1 <= s <= p
 
 
 # ----------------------------------------------------------------------------------------------
 # GPU (make gpu): the real kernel; the shared cases run in TestMlaDecodeSm90.
 
+
 @pytest.mark.gpu
 def test_gpu_batch_invariant_bitwise():
-  if jax.default_backend() != "gpu":
-    pytest.skip("needs a GPU")
-  q, cache, bt, sl, _ = decode_inputs(77, b=3, nq=1, n=128, l=L, r=R, g=G, max_pages=40,
-                                      lens=[2500, 700, 64])
-  out, lse = k90.mla_decode_sm90(q, cache, bt, sl, scale=SCALE, batch_invariant=True)
-  out1, lse1 = k90.mla_decode_sm90(q[1:2], cache, bt[1:2], sl[1:2], scale=SCALE,
-                                   batch_invariant=True)
-  np.testing.assert_array_equal(np.asarray(out[1:2], np.float32), np.asarray(out1, np.float32))
-  np.testing.assert_array_equal(np.asarray(lse[1:2]), np.asarray(lse1))
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q, cache, bt, sl, _ = decode_inputs(77, b=3, nq=1, n=128, l=L, r=R, g=G, max_pages=40, lens=[2500, 700, 64])
+    out, lse = k90.mla_decode_sm90(q, cache, bt, sl, scale=SCALE, batch_invariant=True)
+    out1, lse1 = k90.mla_decode_sm90(q[1:2], cache, bt[1:2], sl[1:2], scale=SCALE, batch_invariant=True)
+    np.testing.assert_array_equal(np.asarray(out[1:2], np.float32), np.asarray(out1, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse[1:2]), np.asarray(lse1))
 
 
 def test_trace_summary():
-  """bench/trace_sm90.py's reduction of Mosaic GPU profiler events: nested scopes per warpgroup,
-  per-CTA totals and the mean CTA span (tid = 1 + warpgroup + 3 * block)."""
-  from bench import trace_sm90 as trace
-  ev = lambda name, ph, ts, tid: {"name": name, "ph": ph, "ts": ts, "pid": 1, "tid": tid}
-  events = []
-  for block, t0 in ((0, 0.0), (1, 100.0)):
-    wg0, wg1 = 1 + 3 * block, 2 + 3 * block
-    events += [ev("qk", "B", t0, wg0), ev("qk", "E", t0 + 2, wg0),
-               ev("pv", "B", t0 + 2, wg0), ev("wait", "B", t0 + 3, wg0), ev("wait", "E", t0 + 4, wg0),
-               ev("pv", "E", t0 + 6, wg0),
-               ev("pv", "B", t0 + 1, wg1), ev("pv", "E", t0 + 9, wg1)]
-  scopes, span = trace.summarize(events)
-  assert span == 9.0
-  assert scopes[0]["qk"] == (2, 2.0, 2.0) and scopes[0]["pv"] == (2, 4.0, 4.0)
-  assert scopes[0]["wait"] == (2, 1.0, 1.0) and scopes[1]["pv"] == (2, 8.0, 8.0)
+    """bench/trace_sm90.py's reduction of Mosaic GPU profiler events: nested scopes per warpgroup,
+    per-CTA totals and the mean CTA span (tid = 1 + warpgroup + 3 * block)."""
+    from bench import trace_sm90 as trace
+
+    ev = lambda name, ph, ts, tid: {"name": name, "ph": ph, "ts": ts, "pid": 1, "tid": tid}
+    events = []
+    for block, t0 in ((0, 0.0), (1, 100.0)):
+        wg0, wg1 = 1 + 3 * block, 2 + 3 * block
+        events += [
+            ev("qk", "B", t0, wg0),
+            ev("qk", "E", t0 + 2, wg0),
+            ev("pv", "B", t0 + 2, wg0),
+            ev("wait", "B", t0 + 3, wg0),
+            ev("wait", "E", t0 + 4, wg0),
+            ev("pv", "E", t0 + 6, wg0),
+            ev("pv", "B", t0 + 1, wg1),
+            ev("pv", "E", t0 + 9, wg1),
+        ]
+    scopes, span = trace.summarize(events)
+    assert span == 9.0
+    assert scopes[0]["qk"] == (2, 2.0, 2.0) and scopes[0]["pv"] == (2, 4.0, 4.0)
+    assert scopes[0]["wait"] == (2, 1.0, 1.0) and scopes[1]["pv"] == (2, 8.0, 8.0)
