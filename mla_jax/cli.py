@@ -140,7 +140,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     if tok is not None:
         sys.stdout.write(args.prompt)
     sys.stdout.flush()
-    shown, ids, first = "", [], None
+    detok = None
+    if tok is not None:  # incremental: each token adds its text (none while a multi-byte character is incomplete)
+        from mla_jax.serve.detokenizer import IncrementalDetokenizer
+
+        detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    ids, first = [], None
     t1 = time.perf_counter()
     while engine.has_unfinished:
         for o in engine.step():
@@ -149,11 +154,8 @@ def _run_generate(args: argparse.Namespace) -> int:
             if first is None:
                 first = time.perf_counter()  # prefill and compiles are done
             ids = o.token_ids
-            if tok is not None:
-                text = tok.decode(ids)
-                if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                    sys.stdout.write(text[len(shown):])
-                    shown = text
+            if detok is not None:
+                sys.stdout.write("".join(detok.add(t) for t in o.new_token_ids))
             else:
                 sys.stdout.write(("" if len(ids) == 1 else ",") + ",".join(map(str, o.new_token_ids)))
             sys.stdout.flush()
