@@ -24,6 +24,9 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+# One server for the whole module: with pytest-xdist, `--dist loadgroup` keeps these tests on one worker.
+pytestmark = pytest.mark.xdist_group("serve")
+
 DEMO = os.path.join(os.path.dirname(__file__), "..", "..", "mla_jax", "data", "demo")
 NAME = "demo"
 TEMPLATE = ("{% for m in messages %}{{ '### ' + m['role'] + '\\n' + m['content'] + '\\n' }}{% endfor %}"
@@ -33,7 +36,7 @@ ENGINE = dict(max_model_len=128, max_num_seqs=16, page_size=16, token_budget=64,
               prefill_buckets=(64,), cache_dtype="fp32")
 ARGS = ["--max-model-len", "128", "--max-num-seqs", "16", "--page-size", "16", "--max-num-batched-tokens", "64",
         "--max-prefills", "2", "--decode-buckets", "16", "--prefill-buckets", "64", "--cache-dtype", "fp32",
-        "--warmup", "full", "--no-access-log", "--timeout-graceful-shutdown", "10"]
+        "--warmup", "full", "--warmup-logprobs", "--no-access-log", "--timeout-graceful-shutdown", "10"]
 GEN_MAX_NEW = 24  # generation_config.json's max_new_tokens: the default max_tokens of chat requests
 STARTUP_S = 240
 
@@ -45,12 +48,19 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_dir, port, log_path):
+    def __init__(self, model_dir, port, log_path, compile_cache):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        import jax
+
+        # the server compiles every step shape into a persistent cache that this process's reference then loads:
+        # the same XLA flags (inherited) and jax config (the tests' matmul precision) give the same programs
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": compile_cache,
+               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+        if jax.config.jax_default_matmul_precision:
+            env["JAX_DEFAULT_MATMUL_PRECISION"] = str(jax.config.jax_default_matmul_precision)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mla_jax.cli", "serve", "--model", model_dir, "--served-model-name", NAME,
              "--host", "127.0.0.1", "--port", str(port), *ARGS], stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -98,8 +108,26 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    srv = Server(model_dir, _free_port(), str(tmp_path_factory.mktemp("serve_log") / "server.log"))
+def compile_cache(tmp_path_factory):
+    """A persistent compilation cache shared by the server process and this one (restored afterwards)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    path = str(tmp_path_factory.mktemp("jax_cache"))
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    old = {n: getattr(jax.config, n) for n in names}
+    try:
+        yield path
+    finally:
+        for n, v in old.items():
+            jax.config.update(n, v)
+        compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, compile_cache, tmp_path_factory):
+    srv = Server(model_dir, _free_port(), str(tmp_path_factory.mktemp("serve_log") / "server.log"), compile_cache)
     try:
         yield srv
     finally:
@@ -134,10 +162,16 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def ref(server, model_dir):
-    r = Reference(model_dir)
-    r.greedy(["warm up"], 2)  # compile here, in parallel with the server's own warm-up
+def ref(server, model_dir, compile_cache):
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    r = Reference(model_dir)  # loads the model while the server compiles
     server.wait_ready()
+    jax.config.update("jax_compilation_cache_dir", compile_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compilation_cache.reset_cache()  # read the directory from now on
     return r
 
 
