@@ -139,7 +139,7 @@ def run_row(params, cfg, ec: EngineConfig, trace: list[TraceRequest]) -> dict:
         try:
             return await run_trace(ae, trace)
         finally:
-            ae.shutdown()
+            await ae.aclose()
 
     row = asyncio.run(main(eng))
     s = eng.scheduler

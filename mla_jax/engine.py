@@ -5,6 +5,11 @@ Static shapes play the role of vLLM's CUDA graphs. A decode-only step is compile
 tables always have the width of `max_model_len`, the context workspace and chunk count are fixed, so nothing
 else varies. Padding rows have seq_len 0 and slot -1: they write nowhere and attend to nothing. The cache is
 donated to every step and updated in place.
+
+Requests join (`add_request`) and leave (finished, or `abort`) between steps. With
+`EngineConfig.enable_prefix_caching` a request whose tokens start with full pages already in the cache (kept from
+earlier requests, `mla_jax.allocator`) prefills only the rest, the cached part as chunked context. A step in which
+some request asks for top logprobs runs the step variant that returns them (`SamplingArrays.num_top_logprobs`).
 """
 from __future__ import annotations
 

@@ -40,11 +40,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
+        ints = (int, np.integer)
+        if not isinstance(self.seed, ints) or not 0 <= self.seed < 2**31:
             raise ValueError(f"seed must be an int in [0, 2^31), got {self.seed!r}")
-        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+        if not isinstance(self.top_logprobs, ints) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
-        bad = [t for t in self.stop_token_ids if not isinstance(t, int)]
+        bad = [t for t in self.stop_token_ids if not isinstance(t, ints)]
         if bad:
             raise ValueError(f"stop_token_ids must be ints, got {bad[0]!r}")
 

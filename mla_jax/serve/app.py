@@ -107,7 +107,7 @@ def build_app(serving: OpenAIServing, metrics: ServeMetrics | None = None, *, sh
             await engine.start()
         yield
         if shutdown_engine:
-            await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+            await engine.aclose()
 
     app = FastAPI(title="mla-jax", description="OpenAI-compatible server for DeepSeek MLA models in JAX.",
                   lifespan=lifespan)

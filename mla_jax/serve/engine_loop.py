@@ -159,17 +159,27 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="mla-jax-engine", daemon=True)
         self._thread.start()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stops the thread after its current step; open streams raise EngineDeadError."""
+    def stop_thread(self, timeout: float = 30.0) -> None:
+        """Stops the engine thread after its current step and waits for it (safe from any thread)."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
         if self.error is None:
             self.error = EngineDeadError("the engine was shut down")
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """`stop_thread`, then open streams raise EngineDeadError. Call it from the event loop's thread (or once
+        the loop is gone): streams belong to the loop."""
+        self.stop_thread(timeout)
         for s in list(self._streams.values()):
             s._put(EngineDeadError("the engine was shut down"))
         self._streams.clear()
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """`shutdown` from a coroutine, without blocking the event loop while the thread finishes its step."""
+        await asyncio.get_running_loop().run_in_executor(None, self.stop_thread, timeout)
+        self.shutdown(timeout)
 
     @property
     def healthy(self) -> bool:

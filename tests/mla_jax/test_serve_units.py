@@ -222,6 +222,6 @@ def test_engine_loop_streams_aborts_and_fails():
         assert not ae.healthy
         with pytest.raises(EngineDeadError):
             ae.add_request([1], SamplingParams())
-        ae.shutdown()
+        await ae.aclose()
 
     asyncio.run(main())
