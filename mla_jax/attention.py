@@ -30,6 +30,7 @@ from pallas_kernels import gather_cache as gc
 from pallas_kernels import merge_attn_states as ms
 from pallas_kernels import mla_decode as md
 from pallas_kernels import mla_decode_sm90 as md90
+from pallas_kernels import sparse_mla_decode as smd
 
 
 def _interpret() -> bool:
@@ -127,6 +128,18 @@ def _merge_auto(*args):
     return ms.merge_attn_states(*args, impl="auto")
 
 
+# ---- sparse attention (DeepSeek-V3.2): (q [B, Q, N, L+R], cache [pages, G, L+R], topk_slots i32[B, Q, K], *,
+#      scale, kv_scale, kv_lora_rank) -> (out [B, Q, N, L], lse f32[B, Q, N]); rows read only their K named slots.
+
+SPARSE_DECODE_XLA = Kernel("xla", smd.sparse_mla_decode_reference)
+
+# Prefill rows of sparse layers: sequences up to this many tokens take the masked dense MHA path, longer ones the
+# token-sparse MQA path, keyed by query heads per device (`sparse_prefill_mha_max_len`). To be measured on the
+# H200 with `bench/sparse.py --threshold`; until a row is measured the model's index_topk is used (below it MHA
+# is exactly dense attention, which it is always cheapest at).
+SPARSE_PREFILL_MHA_MAX_LEN: dict[int, int] = {}
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     name: str
@@ -134,9 +147,15 @@ class Backend:
     prefill: tuple[Kernel, ...]
     gather_cache: Callable[..., jax.Array]  # pallas_kernels.gather_cache signature
     merge_attn_states: Callable[..., tuple[jax.Array, jax.Array]]  # pallas_kernels.merge_attn_states signature
+    sparse_decode: tuple[Kernel, ...] = (SPARSE_DECODE_XLA,)
+    # None: SPARSE_PREFILL_MHA_MAX_LEN / index_topk; a number forces it (tests pick a path with 0 or a large one)
+    sparse_prefill_mha_max_len: int | None = None
 
     def mla_decode(self, *args, **kw) -> tuple[jax.Array, jax.Array]:
         return pick(self.decode, *args, **kw).fn(*args, **kw)
+
+    def sparse_mla_decode(self, *args, **kw) -> tuple[jax.Array, jax.Array]:
+        return pick(self.sparse_decode, *args, **kw).fn(*args, **kw)
 
     def flash_prefill(self, *args, **kw) -> tuple[jax.Array, jax.Array]:
         return pick(self.prefill, *args, **kw).fn(*args, **kw)
@@ -163,6 +182,13 @@ BACKENDS: dict[str, Backend] = {
     "pallas_sm90_fp8qk": Backend("pallas_sm90_fp8qk", (DECODE_SM90_FP8QK, DECODE_SM90, DECODE_TRITON),
                                  (PREFILL_SM90, PREFILL_TRITON), _gather_auto, _merge_auto),
 }
+
+
+def sparse_prefill_mha_max_len(backend: Backend, cfg: DeepseekConfig, num_heads: int) -> int:
+    """Longest prefill sequence (tokens) that takes the masked dense MHA path on a sparse layer."""
+    if backend.sparse_prefill_mha_max_len is not None:
+        return backend.sparse_prefill_mha_max_len
+    return SPARSE_PREFILL_MHA_MAX_LEN.get(num_heads, cfg.index_topk)
 
 
 def get_backend(name: str) -> Backend:

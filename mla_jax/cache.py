@@ -30,6 +30,12 @@ fp8/bf16 natively. (XLA:CPU float-normalises an fp8 scatter by upcasting the who
 back, i.e. one full copy per write; that is a CPU-only cost and the reason the fp8 no-copy test is
 GPU-only. A uint8 bitcast does not help there: CPU materialises the bitcast-convert too.)
 
+Index-key cache (sparse attention, DeepSeek-V3.2): ``index_k_cache`` ``[num_index_layers, num_pages, G, D_I]``
+holds each token's lightning-indexer key (D_I = index_head_dim, 128), one layer per indexer ("full") layer,
+paged exactly like the latent rows and written at the same ``slot_mapping`` in the same step. bf16, fp32, or
+fp8 e4m3 with a per-token f32 scale ``index_k_scale`` (vLLM's format: one scale per 128-wide key, as above).
+None (both) for dense models.
+
 In-place updates: ``update_cache`` is jitted with the cache donated, so XLA aliases the output to
 the input buffers (no copy of the cache per step). Inside a scan/fori over layers, keep the
 ``KVCache`` in the carry and call ``write_kv_layer`` with the (traced) layer index; do not pass the
@@ -113,6 +119,8 @@ class KVCache:
 
     kv_c_and_k_pe_cache: jax.Array  # [num_layers, num_pages, G, L+R]  bf16 | float8_e4m3fn | f32
     kv_scale: jax.Array | None      # [num_layers, num_pages, G] f32 (fp8 only)
+    index_k_cache: jax.Array | None = None  # [num_index_layers, num_pages, G, D_I] (sparse attention only)
+    index_k_scale: jax.Array | None = None  # [num_index_layers, num_pages, G] f32 (fp8 index cache only)
 
     @property
     def num_layers(self) -> int:
@@ -153,8 +161,13 @@ class KVCache:
 
 def init_kv_cache(num_layers: int, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE, *,
                   kv_lora_rank: int = 512, rope_dim: int = 64, dtype: Any = "bf16",
-                  allow_any_page_size: bool = False, fill: float = 0.0) -> KVCache:
-    """Allocate a zero-filled cache (``fill`` lets tests poison it, e.g. with NaN; fp8 has a NaN)."""
+                  allow_any_page_size: bool = False, fill: float = 0.0, index_head_dim: int | None = None,
+                  num_index_layers: int | None = None, index_dtype: Any = None) -> KVCache:
+    """Allocate a zero-filled cache (``fill`` lets tests poison it, e.g. with NaN; fp8 has a NaN).
+
+    ``index_head_dim`` (sparse-attention models: ``cfg.index_head_dim``) adds the index-key cache with
+    ``num_index_layers`` layers (default ``num_layers``; ``cfg.num_indexer_layers``) in ``index_dtype``
+    (default: ``dtype``). `init_kv_cache_for` reads all of these from a config."""
     check_page_size(page_size, allow_any_page_size=allow_any_page_size)
     if num_layers < 1 or num_pages < 1:
         raise ValueError(f"num_layers and num_pages must be >= 1, got {num_layers}, {num_pages}")
@@ -162,7 +175,21 @@ def init_kv_cache(num_layers: int, num_pages: int, page_size: int = DEFAULT_PAGE
     shape = (num_layers, num_pages, page_size, kv_lora_rank + rope_dim)
     kv = jnp.full(shape, fill, dtype=d)
     scale = jnp.ones(shape[:3], jnp.float32) if d == jnp.dtype(jnp.float8_e4m3fn) else None
-    return KVCache(kv, scale)
+    if index_head_dim is None:
+        return KVCache(kv, scale)
+    di = cache_dtype(dtype if index_dtype is None else index_dtype)
+    ishape = (num_layers if num_index_layers is None else num_index_layers, num_pages, page_size, index_head_dim)
+    ik = jnp.full(ishape, fill, dtype=di)
+    iscale = jnp.ones(ishape[:3], jnp.float32) if di == jnp.dtype(jnp.float8_e4m3fn) else None
+    return KVCache(kv, scale, ik, iscale)
+
+
+def init_kv_cache_for(cfg: Any, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE, **kw) -> KVCache:
+    """`init_kv_cache` with the dims of a `DeepseekConfig` (the index-key cache too for sparse models)."""
+    if getattr(cfg, "use_sparse", False):
+        kw = dict(index_head_dim=cfg.index_head_dim, num_index_layers=cfg.num_indexer_layers, **kw)
+    return init_kv_cache(cfg.num_hidden_layers, num_pages, page_size, kv_lora_rank=cfg.kv_lora_rank,
+                         rope_dim=cfg.qk_rope_head_dim, **kw)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -280,7 +307,35 @@ def write_kv_layer(cache: KVCache, layer: int | jax.Array, kv_c_normed: jax.Arra
     else:
         flat = flat.at[layer, slots].set(rows.astype(kv.dtype), mode="drop")
         scale = None
-    return KVCache(flat.reshape(nl, p, g, w), scale)
+    return KVCache(flat.reshape(nl, p, g, w), scale, cache.index_k_cache, cache.index_k_scale)
+
+
+def write_index_k_layer(cache: KVCache, index_layer: int | jax.Array, index_k: jax.Array,
+                        slot_mapping: jax.Array) -> KVCache:
+    """Write T tokens' indexer keys index_k [T, D_I] into index layer ``index_layer`` of the index-key cache at
+    ``slot_mapping`` (-1: nowhere), quantized per token for an fp8 cache; one scatter, in place like
+    `write_kv_layer`."""
+    ik = cache.index_k_cache
+    if ik is None:
+        raise ValueError("the cache has no index-key cache (init_kv_cache(index_head_dim=...))")
+    nl, p, g, d = ik.shape
+    fp8 = ik.dtype == jnp.dtype(jnp.float8_e4m3fn)
+    if fp8 != (cache.index_k_scale is not None):
+        raise ValueError(f"index_k_scale must be given exactly for an fp8 index-key cache (dtype {ik.dtype})")
+    if index_k.shape != (slot_mapping.shape[0], d):
+        raise ValueError(f"index_k must be [T, {d}] for T = {slot_mapping.shape[0]} slots, got {index_k.shape}")
+    slots = _drop_padding(slot_mapping.astype(jnp.int32), p * g)
+    layer = jnp.asarray(index_layer, jnp.int32)
+    layer = jnp.where(layer < 0, jnp.int32(nl), layer)
+    flat = ik.reshape(nl, p * g, d)
+    if fp8:
+        q, s = quantize_rows(index_k)
+        flat = flat.at[layer, slots].set(q, mode="drop")
+        scale = cache.index_k_scale.reshape(nl, p * g).at[layer, slots].set(s, mode="drop").reshape(nl, p, g)
+    else:
+        flat = flat.at[layer, slots].set(index_k.astype(ik.dtype), mode="drop")
+        scale = None
+    return dataclasses.replace(cache, index_k_cache=flat.reshape(nl, p, g, d), index_k_scale=scale)
 
 
 # Jitted step entry: the cache (arg 0) is donated so the update is in place. The caller must not use

@@ -87,9 +87,6 @@ def init_params(cfg: DeepseekConfig, key: jax.Array, dtype=jnp.float32, std: flo
                 "down_proj": {"weight": w(D, inter)}}
 
     def layer(i, is_moe):
-        a = attn()
-        if cfg.use_sparse:
-            a["indexer"] = indexer(cfg.is_indexer_layer(i))
         if is_moe:
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
             m = {"gate": {"weight": w(E, D, s=1.0 / D**0.5).astype(jnp.float32),
@@ -100,7 +97,10 @@ def init_params(cfg: DeepseekConfig, key: jax.Array, dtype=jnp.float32, std: flo
                 m["shared_experts"] = dense_mlp(I * cfg.n_shared_experts)
         else:
             m = dense_mlp(cfg.intermediate_size)
-        return {"input_layernorm": norm(D), "self_attn": a, "post_attention_layernorm": norm(D), "mlp": m}
+        out = {"input_layernorm": norm(D), "self_attn": attn(), "post_attention_layernorm": norm(D), "mlp": m}
+        if cfg.use_sparse:  # drawn last: dense models keep their random params
+            out["self_attn"]["indexer"] = indexer(cfg.is_indexer_layer(i))
+        return out
 
     model: Params = {"embed_tokens": {"weight": w(cfg.vocab_size, D, s=1.0)}, "norm": norm(D)}
     for name, start, n in layer_groups(cfg):

@@ -8,6 +8,9 @@ in its carry and is updated in place (it is donated by `jit_step` / `engine_step
 
 With a `ParallelPlan` the same step function runs inside one `shard_map` over the plan's mesh, each device on
 its shards, with the plan's collectives (`mla_jax.comm.Comm`); without one, with `LOCAL`, the identity.
+
+Sparse-attention models (DeepSeek-V3.2) run `mla_jax.sparse.mla_paged_sparse` in the same layer loop instead,
+with the index group's top-k in the loop's carry next to the cache.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mla_jax import attention
+from mla_jax import attention, sparse
 from mla_jax.cache import KVCache, write_kv_layer
 from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
@@ -68,12 +71,24 @@ def _device_step(params: Params, cache: KVCache, md: AttentionMetadata, *, cfg: 
     heads = cfg.num_attention_heads // comm.head_shards
     cfg_loc = cfg if heads == cfg.num_attention_heads else dataclasses.replace(cfg, num_attention_heads=heads)
     view = comm.local_view(md, cache.page_size)  # once per step, for every layer
+    x = embed(params, cfg, md.input_ids, comm)
+    if cfg.use_sparse:  # the loop state also carries the index group's top-k (positions and slots)
+        rows = sparse.token_rows(view)  # once per step
+        K = sparse.topk_budget(cfg, view, cache.page_size)
+        none = jnp.full((md.shape.num_tokens, K), -1, jnp.int32)
+
+        def sparse_attn(p, h, state, layer):
+            out, c, topk = sparse.mla_paged_sparse(p, cfg_loc, h, view, state[0], state[1], layer, be, rows)
+            return out, (c, topk)
+
+        x, (cache, _) = decoder_layers(params, cfg, x, sparse_attn, (cache, (none, none)), gmm_impl=gmm_impl,
+                                       comm=comm)
+        return lm_logits(params, cfg, x[md.logits_indices]), cache
 
     def attn(p, h, cache, layer):
         return mla_paged(p, cfg_loc, h, view, cache, layer, be, comm=comm, batch_invariant=batch_invariant)
 
-    x, cache = decoder_layers(params, cfg, embed(params, cfg, md.input_ids, comm), attn, cache,
-                              gmm_impl=gmm_impl, comm=comm)
+    x, cache = decoder_layers(params, cfg, x, attn, cache, gmm_impl=gmm_impl, comm=comm)
     return lm_logits(params, cfg, x[md.logits_indices]), cache
 
 
@@ -90,6 +105,10 @@ def forward_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: Attent
         raise ValueError(f"cache has {cache.num_layers} layers, the model {cfg.num_hidden_layers}")
     if cache.width != cfg.cache_row_dim:
         raise ValueError(f"cache rows are {cache.width} wide, the model needs L+R = {cfg.cache_row_dim}")
+    if cfg.use_sparse:
+        sparse.check_sparse_cache(cfg, cache)
+        if plan is not None:
+            raise NotImplementedError(f"{cfg.model_type}: sparse attention on a mesh (ParallelPlan) is not supported")
     kw = dict(cfg=cfg, backend=backend, batch_invariant=batch_invariant, gmm_impl=gmm_impl)
     if plan is None:
         return _device_step(params, cache, md, comm=LOCAL, **kw)
