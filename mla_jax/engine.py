@@ -24,7 +24,7 @@ import numpy as np
 from mla_jax import attention
 from mla_jax import step as step_lib
 from mla_jax.allocator import PagePool
-from mla_jax.cache import KVCache, init_kv_cache
+from mla_jax.cache import KVCache, init_kv_cache_for
 from mla_jax.chunking import workspace_rows as default_workspace_rows
 from mla_jax.config import DeepseekConfig
 from mla_jax.metadata import (AttentionMetadata, BatchShape, DecodeMetadata, PrefillMetadata, ScheduledRequest,
@@ -158,8 +158,7 @@ class Engine:
         c, cfg = self.config, self.cfg
         if self.plan is not None:
             return self.plan.init_cache(cfg, c.num_pages, c.page_size // self.plan.dcp, dtype=c.cache_dtype)
-        return init_kv_cache(cfg.num_hidden_layers, c.num_pages, c.page_size, kv_lora_rank=cfg.kv_lora_rank,
-                             rope_dim=cfg.qk_rope_head_dim, dtype=c.cache_dtype, allow_any_page_size=True)
+        return init_kv_cache_for(cfg, c.num_pages, c.page_size, dtype=c.cache_dtype, allow_any_page_size=True)
 
     # ---- requests ------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:

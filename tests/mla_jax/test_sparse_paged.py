@@ -204,12 +204,7 @@ def test_generate_through_the_engine():
     cfg = sparse_config()
     params = model.init_params(cfg, jax.random.key(1), std=0.2)
 
-    class SparseEngine(Engine):  # until the engine builds the cache with init_kv_cache_for (see the report)
-        def _init_cache(self):
-            c = self.config
-            return init_kv_cache_for(self.cfg, c.num_pages, c.page_size, dtype=c.cache_dtype, allow_any_page_size=True)
-
-    eng = SparseEngine(
+    eng = Engine(
         params,
         cfg,
         EngineConfig(
