@@ -10,11 +10,15 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[test,notebooks,train,serve]'
 	touch $(STAMP)
 
-.PHONY: install test demo gpu gpu-test gpu-bench-kernels gpu-bench-e2e clean
+.PHONY: install lint test demo gpu gpu-test gpu-bench-kernels gpu-bench-e2e clean
 install: $(STAMP)
 
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 test: $(STAMP)
-	$(VPY) -m pytest -q -n 2 --durations=15
+	$(VPY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 # The shipped demo model (mla_jax/data/demo) through the CLI, then through the Python `generate` API; on CPU.
 demo: $(STAMP)

@@ -18,6 +18,7 @@ first token per request; ITL every gap), the prefix cache hit rate, preemptions,
 (0: every step shape was compiled in the warm-up). A row starts only while --budget-min allows; results are
 written after every row.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,20 @@ try:  # the shared bench plumbing moved into the package; a checkout may have ei
 except ImportError:  # pragma: no cover
     from bench.common import measure_ceilings, results_header, write_results
 
-SMOKE_DIMS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                  num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, qk_nope_head_dim=32,
-                  qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2)
+SMOKE_DIMS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +100,10 @@ def make_trace(spec: TraceSpec, rate: float, *, shared: bool, vocab: int, seed: 
     bodies = [rng.integers(0, vocab, int(k)).tolist() for k in ins]
     gaps = rng.exponential(1.0, n)  # unit-rate gaps, scaled below: the same arrival pattern at every rate
     arrivals = np.zeros(n) if math.isinf(rate) else np.cumsum(gaps) / rate - gaps[0] / rate
-    return [TraceRequest(float(arrivals[i]), (prefixes[which[i]].tolist() if shared else []) + bodies[i],
-                         int(outs[i])) for i in range(n)]
+    return [
+        TraceRequest(float(arrivals[i]), (prefixes[which[i]].tolist() if shared else []) + bodies[i], int(outs[i]))
+        for i in range(n)
+    ]
 
 
 def _pct(xs, q) -> float | None:
@@ -117,14 +131,21 @@ async def run_trace(ae: AsyncEngine, trace: list[TraceRequest]) -> dict:
     in_tokens = sum(len(r.prompt) for r in trace)
     dur = end - t0
     return {
-        "completed": len(results), "duration_s": round(dur, 3), "input_tokens": in_tokens, "output_tokens": out_tokens,
-        "request_throughput": round(len(results) / dur, 3), "output_throughput": round(out_tokens / dur, 1),
+        "completed": len(results),
+        "duration_s": round(dur, 3),
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "request_throughput": round(len(results) / dur, 3),
+        "output_throughput": round(out_tokens / dur, 1),
         "total_token_throughput": round((in_tokens + out_tokens) / dur, 1),
-        "mean_ttft_ms": round(float(np.mean(ttft)) * 1e3, 3), "p50_ttft_ms": _pct(ttft, 50),
+        "mean_ttft_ms": round(float(np.mean(ttft)) * 1e3, 3),
+        "p50_ttft_ms": _pct(ttft, 50),
         "p99_ttft_ms": _pct(ttft, 99),
-        "mean_tpot_ms": round(float(np.mean(tpot)) * 1e3, 3) if tpot else None, "p50_tpot_ms": _pct(tpot, 50),
+        "mean_tpot_ms": round(float(np.mean(tpot)) * 1e3, 3) if tpot else None,
+        "p50_tpot_ms": _pct(tpot, 50),
         "p99_tpot_ms": _pct(tpot, 99),
-        "mean_itl_ms": round(float(np.mean(itl)) * 1e3, 3) if itl else None, "p50_itl_ms": _pct(itl, 50),
+        "mean_itl_ms": round(float(np.mean(itl)) * 1e3, 3) if itl else None,
+        "p50_itl_ms": _pct(itl, 50),
         "p99_itl_ms": _pct(itl, 99),
     }
 
@@ -143,10 +164,16 @@ def run_row(params, cfg, ec: EngineConfig, trace: list[TraceRequest]) -> dict:
 
     row = asyncio.run(main(eng))
     s = eng.scheduler
-    row.update(prefix_cache_hit_rate=round(s.prefix_cache_hits / s.prefix_cache_queries, 4)
-               if s.prefix_cache_queries else None, prefix_cache_hit_tokens=s.prefix_cache_hits,
-               computed_tokens=eng.num_computed_tokens, preemptions=s.num_preemptions, steps=eng.steps,
-               compiles_during_run=eng.counter.count - compiles)
+    row.update(
+        prefix_cache_hit_rate=round(s.prefix_cache_hits / s.prefix_cache_queries, 4)
+        if s.prefix_cache_queries
+        else None,
+        prefix_cache_hit_tokens=s.prefix_cache_hits,
+        computed_tokens=eng.num_computed_tokens,
+        preemptions=s.num_preemptions,
+        steps=eng.steps,
+        compiles_during_run=eng.counter.count - compiles,
+    )
     assert eng.pool.num_free_pages == eng.pool.num_usable_pages, "pages leaked"
     del eng
     gc.collect()
@@ -163,13 +190,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny dims and trace: checks the script on a CPU")
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--backend", default=None, help="attention backend (default: the engine's for this device)")
-    ap.add_argument("--rates", type=_floats, default=(2.0, 8.0, 32.0, math.inf),
-                    help="request rates in requests/s, comma-separated ('inf': all at once)")
+    ap.add_argument(
+        "--rates",
+        type=_floats,
+        default=(2.0, 8.0, 32.0, math.inf),
+        help="request rates in requests/s, comma-separated ('inf': all at once)",
+    )
     ap.add_argument("--num-prompts", type=int, default=200, help="requests per row, at most")
-    ap.add_argument("--duration", type=float, default=25.0,
-                    help="a row's requests arrive within about this many seconds: min(num-prompts, rate x duration)")
-    ap.add_argument("--modes", default="unique,shared,shared-nocache",
-                    help="traces: unique prompts / shared system prompts (prefix caching on) / shared, caching off")
+    ap.add_argument(
+        "--duration",
+        type=float,
+        default=25.0,
+        help="a row's requests arrive within about this many seconds: min(num-prompts, rate x duration)",
+    )
+    ap.add_argument(
+        "--modes",
+        default="unique,shared,shared-nocache",
+        help="traces: unique prompts / shared system prompts (prefix caching on) / shared, caching off",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-min", type=float, default=8.5, help="start no new row after this many minutes")
@@ -180,10 +218,26 @@ def main(argv: list[str] | None = None) -> None:
     d = {**DEEPSEEK_V2_LITE, "num_hidden_layers": args.layers}
     if args.smoke:
         d |= SMOKE_DIMS | dict(num_hidden_layers=min(args.layers, 2))
-        spec = TraceSpec(num_prompts=min(args.num_prompts, 12), input_median=16, input_range=(2, 40),
-                         output_median=6, output_range=(2, 12), num_prefixes=2, prefix_len=32)
-        ec = EngineConfig(max_model_len=96, max_num_seqs=8, page_size=16, token_budget=64, max_prefills=2,
-                          decode_buckets=(8,), prefill_buckets=(64,), cache_dtype="fp32", backend=backend)
+        spec = TraceSpec(
+            num_prompts=min(args.num_prompts, 12),
+            input_median=16,
+            input_range=(2, 40),
+            output_median=6,
+            output_range=(2, 12),
+            num_prefixes=2,
+            prefix_len=32,
+        )
+        ec = EngineConfig(
+            max_model_len=96,
+            max_num_seqs=8,
+            page_size=16,
+            token_budget=64,
+            max_prefills=2,
+            decode_buckets=(8,),
+            prefill_buckets=(64,),
+            cache_dtype="fp32",
+            backend=backend,
+        )
         rates = (math.inf, 50.0) if args.rates == ap.get_default("rates") else args.rates
         dtype = jnp.float32
     else:
@@ -192,10 +246,17 @@ def main(argv: list[str] | None = None) -> None:
         # few, coarse buckets so that the warm-up compiles every shape: decode padding costs little (weights
         # dominate), prefill chunks are 512 or 2048 tokens
         B = args.max_num_seqs
-        ec = EngineConfig(max_model_len=1 << (longest - 1).bit_length(), max_num_seqs=B, page_size=64,
-                          token_budget=2048, max_prefills=4,
-                          decode_buckets=tuple(sorted({min(16, B), min(64, B), B})), prefill_buckets=(512, 2048),
-                          cache_dtype="bf16", backend=backend)
+        ec = EngineConfig(
+            max_model_len=1 << (longest - 1).bit_length(),
+            max_num_seqs=B,
+            page_size=64,
+            token_budget=2048,
+            max_prefills=4,
+            decode_buckets=tuple(sorted({min(16, B), min(64, B), B})),
+            prefill_buckets=(512, 2048),
+            cache_dtype="bf16",
+            backend=backend,
+        )
         rates = args.rates
         dtype = jnp.bfloat16
     cfg = DeepseekConfig.from_dict(d)
@@ -204,22 +265,36 @@ def main(argv: list[str] | None = None) -> None:
     else:
         ceilings = measure_ceilings()
     res = results_header(ceilings)
-    res["model"] = f"DeepSeek-V2-Lite shape, random {'fp32' if args.smoke else 'bf16'} weights, " \
-                   f"{cfg.num_hidden_layers} layers" + (" (smoke dims)" if args.smoke else "")
-    res["engine"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(ec).items()
-                     if k != "enable_prefix_caching"}  # per row
-    res["trace"] = dataclasses.asdict(spec) | {"seed": args.seed, "duration_s": args.duration,
-                                               "arrivals": "Poisson", "lengths": "lognormal (ShareGPT-like)"}
-    res["note"] = ("client side is the engine loop's event loop (no HTTP); TTFT from submission to the first token "
-                   "on the event loop; outputs run to their drawn length (no stop token)")
+    res["model"] = (
+        f"DeepSeek-V2-Lite shape, random {'fp32' if args.smoke else 'bf16'} weights, "
+        f"{cfg.num_hidden_layers} layers" + (" (smoke dims)" if args.smoke else "")
+    )
+    res["engine"] = {
+        k: (list(v) if isinstance(v, tuple) else v)
+        for k, v in dataclasses.asdict(ec).items()
+        if k != "enable_prefix_caching"
+    }  # per row
+    res["trace"] = dataclasses.asdict(spec) | {
+        "seed": args.seed,
+        "duration_s": args.duration,
+        "arrivals": "Poisson",
+        "lengths": "lognormal (ShareGPT-like)",
+    }
+    res["note"] = (
+        "client side is the engine loop's event loop (no HTTP); TTFT from submission to the first token "
+        "on the event loop; outputs run to their drawn length (no stop token)"
+    )
     print("ceilings", ceilings, flush=True)
     params = model.init_params(cfg, jax.random.key(0), dtype=dtype)
     jax.block_until_ready(params)
 
     warm = Engine(params, cfg, ec)
     c = warm.config
-    print(f"engine: {c.num_pages} pages of {c.page_size}, max_model_len {c.max_model_len}, decode buckets "
-          f"{c.decode_buckets}, prefill buckets {c.prefill_buckets}, backend {c.backend}", flush=True)
+    print(
+        f"engine: {c.num_pages} pages of {c.page_size}, max_model_len {c.max_model_len}, decode buckets "
+        f"{c.decode_buckets}, prefill buckets {c.prefill_buckets}, backend {c.backend}",
+        flush=True,
+    )
     compile_s = warm.warmup(all_shapes=True)
     res["compile_s"] = round(compile_s, 1)
     print(f"warm-up compile (every step shape): {compile_s:.1f} s", flush=True)
@@ -231,8 +306,10 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         raise SystemExit(f"unknown --modes entry {bad[0]!r}")
     path = os.path.join(args.out, "serving-h200.json") if args.out else None
-    header = (f"{'trace':<15}{'rate':>6}{'reqs':>6}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'p99':>9}"
-              f"{'TPOT p50':>10}{'p99':>8}{'hit':>7}")
+    header = (
+        f"{'trace':<15}{'rate':>6}{'reqs':>6}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'p99':>9}"
+        f"{'TPOT p50':>10}{'p99':>8}{'hit':>7}"
+    )
     print(header, flush=True)
     for rate in rates:
         n = spec.num_prompts if math.isinf(rate) else max(1, min(spec.num_prompts, int(rate * args.duration)))
@@ -240,17 +317,29 @@ def main(argv: list[str] | None = None) -> None:
             if (time.perf_counter() - t_start) / 60 > args.budget_min:
                 res.setdefault("skipped", []).append({"trace": mode, "rate": rate, "reason": "time budget"})
                 continue
-            trace = make_trace(dataclasses.replace(spec, num_prompts=n), rate, shared=mode != "unique",
-                               vocab=cfg.vocab_size, seed=args.seed)
+            trace = make_trace(
+                dataclasses.replace(spec, num_prompts=n),
+                rate,
+                shared=mode != "unique",
+                vocab=cfg.vocab_size,
+                seed=args.seed,
+            )
             row = run_row(params, cfg, dataclasses.replace(ec, enable_prefix_caching=mode != "shared-nocache"), trace)
-            row = {"trace": mode.split("-")[0], "prefix_caching": mode != "shared-nocache",
-                   "request_rate": "inf" if math.isinf(rate) else rate, "num_prompts": n} | row
+            row = {
+                "trace": mode.split("-")[0],
+                "prefix_caching": mode != "shared-nocache",
+                "request_rate": "inf" if math.isinf(rate) else rate,
+                "num_prompts": n,
+            } | row
             res["rows"].append(row)
             hit = row["prefix_cache_hit_rate"]
-            print(f"{mode:<15}{row['request_rate']:>6}{n:>6}{row['request_throughput']:>8.2f}"
-                  f"{row['output_throughput']:>11.1f}{row['p50_ttft_ms']:>10.1f}{row['p99_ttft_ms']:>9.1f}"
-                  f"{row['p50_tpot_ms'] or 0:>10.2f}{row['p99_tpot_ms'] or 0:>8.2f}"
-                  f"{'-' if hit is None else f'{hit:.2f}':>7}", flush=True)
+            print(
+                f"{mode:<15}{row['request_rate']:>6}{n:>6}{row['request_throughput']:>8.2f}"
+                f"{row['output_throughput']:>11.1f}{row['p50_ttft_ms']:>10.1f}{row['p99_ttft_ms']:>9.1f}"
+                f"{row['p50_tpot_ms'] or 0:>10.2f}{row['p99_tpot_ms'] or 0:>8.2f}"
+                f"{'-' if hit is None else f'{hit:.2f}':>7}",
+                flush=True,
+            )
             if path:
                 write_results(path, res)
     if not path:

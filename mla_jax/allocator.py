@@ -59,15 +59,22 @@ def page_hashes(token_ids: Sequence[int], page_size: int, prior: Sequence[bytes]
     computed) extended by those of the remaining full pages."""
     out = list(prior)
     for i in range(len(out), len(token_ids) // page_size):
-        out.append(hash_page(out[-1] if out else None, token_ids[i * page_size:(i + 1) * page_size]))
+        out.append(hash_page(out[-1] if out else None, token_ids[i * page_size : (i + 1) * page_size]))
     return out
 
 
 class PagePool:
     """Fixed pool of ``num_pages`` pages of ``page_size`` tokens each, optionally with prefix caching."""
 
-    def __init__(self, num_pages: int, page_size: int, *, reserve_pad_page: bool = True,
-                 pad_page_id: int = 0, enable_prefix_caching: bool = False):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        reserve_pad_page: bool = True,
+        pad_page_id: int = 0,
+        enable_prefix_caching: bool = False,
+    ):
         if not isinstance(page_size, (int, np.integer)) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         first = 1 if reserve_pad_page else 0
@@ -190,8 +197,8 @@ class PagePool:
         if n > self.num_free_pages:
             raise OutOfPages(n, self.num_free_pages, request_id)
         k = min(n, len(self._free))
-        taken = self._free[len(self._free) - k:][::-1]
-        del self._free[len(self._free) - k:]
+        taken = self._free[len(self._free) - k :][::-1]
+        del self._free[len(self._free) - k :]
         while len(taken) < n:
             page, _ = self._evictable.popitem(last=False)
             del self._hash_to_page[self._page_hash.pop(page)]
@@ -217,8 +224,7 @@ class PagePool:
             if bad:
                 raise ValueError(f"page {bad[0]} is not in the prefix cache")
             if num_tokens < len(cached) * self.page_size:
-                raise ValueError(f"{num_tokens} tokens do not fill the {len(cached)} cached pages of "
-                                 f"{self.page_size}")
+                raise ValueError(f"{num_tokens} tokens do not fill the {len(cached)} cached pages of {self.page_size}")
         need = max(0, self.pages_needed(num_tokens) - len(cached))
         free = self.num_free_pages - sum(1 for p in cached if self._ref[p] == 0)  # pinned ones stop being free
         if need > free:
@@ -266,8 +272,10 @@ class PagePool:
             return False
         held = self._get(request_id)
         if not 0 <= index < self._tokens[request_id] // self.page_size:
-            raise ValueError(f"page {index} of request {request_id!r} is not full "
-                             f"({self._tokens[request_id]} tokens, pages of {self.page_size})")
+            raise ValueError(
+                f"page {index} of request {request_id!r} is not full "
+                f"({self._tokens[request_id]} tokens, pages of {self.page_size})"
+            )
         page = held[index]
         have = self._page_hash.get(page)
         if have is not None:
@@ -292,8 +300,9 @@ class PagePool:
 
     # --- kernel metadata -----------------------------------------------------------------------------
 
-    def block_table(self, request_ids: Sequence[Hashable], width: int | None = None, *,
-                    pad_page_id: int | None = None) -> np.ndarray:
+    def block_table(
+        self, request_ids: Sequence[Hashable], width: int | None = None, *, pad_page_id: int | None = None
+    ) -> np.ndarray:
         """int32 [len(request_ids), width] page ids, padded with ``pad_page_id`` (default: the pool's).
 
         ``width`` defaults to the longest page list. Padded entries are never read for data:
@@ -308,7 +317,7 @@ class PagePool:
         pad = self.pad_page_id if pad_page_id is None else pad_page_id
         out = np.full((len(lists), width), pad, dtype=np.int32)
         for i, p in enumerate(lists):
-            out[i, :len(p)] = p
+            out[i, : len(p)] = p
         return out
 
     def slot_mapping(self, request_id: Hashable, start: int, end: int) -> np.ndarray:
@@ -316,8 +325,7 @@ class PagePool:
         held = self._get(request_id)
         n = self._tokens[request_id]
         if not 0 <= start <= end <= n:
-            raise ValueError(f"slot_mapping range [{start}, {end}) not within the {n} tokens of "
-                             f"request {request_id!r}")
+            raise ValueError(f"slot_mapping range [{start}, {end}) not within the {n} tokens of request {request_id!r}")
         pos = np.arange(start, end, dtype=np.int64)
         pages = np.asarray(held, dtype=np.int64)[pos // self.page_size] if len(pos) else pos
         return (pages * self.page_size + pos % self.page_size).astype(np.int32)

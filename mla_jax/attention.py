@@ -12,6 +12,7 @@ accepts it, so the fallback order is the order in the table. The last kernel of 
 Pallas kernels run in interpret mode when the default device is a CPU. Caches arrive flattened over layers,
 [num_layers * num_pages, G, L+R], with block tables already offset to the layer, so no layer slice is copied.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -166,8 +167,9 @@ def pick(kernels: tuple[Kernel, ...], *args, **kw) -> Kernel:
     for k in kernels:
         if k.supports(*args, **kw) is None:
             return k
-    raise ValueError("no kernel supports this call: " + "; ".join(f"{k.name}: {k.supports(*args, **kw)}"
-                                                                   for k in kernels))
+    raise ValueError(
+        "no kernel supports this call: " + "; ".join(f"{k.name}: {k.supports(*args, **kw)}" for k in kernels)
+    )
 
 
 BACKENDS: dict[str, Backend] = {
@@ -176,11 +178,17 @@ BACKENDS: dict[str, Backend] = {
     # the portable Triton-lowered kernels: the default on GPUs other than Hopper
     "pallas": Backend("pallas", (DECODE_TRITON,), (PREFILL_TRITON,), _gather_auto, _merge_auto),
     # the Hopper (Mosaic GPU) kernels where they apply, else the Triton ones: the default on Hopper
-    "pallas_sm90": Backend("pallas_sm90", (DECODE_SM90, DECODE_TRITON), (PREFILL_SM90, PREFILL_TRITON),
-                           _gather_auto, _merge_auto),
+    "pallas_sm90": Backend(
+        "pallas_sm90", (DECODE_SM90, DECODE_TRITON), (PREFILL_SM90, PREFILL_TRITON), _gather_auto, _merge_auto
+    ),
     # "pallas_sm90" with fp8 caches decoded by the fp8 QK^T mode (opt-in: lossy)
-    "pallas_sm90_fp8qk": Backend("pallas_sm90_fp8qk", (DECODE_SM90_FP8QK, DECODE_SM90, DECODE_TRITON),
-                                 (PREFILL_SM90, PREFILL_TRITON), _gather_auto, _merge_auto),
+    "pallas_sm90_fp8qk": Backend(
+        "pallas_sm90_fp8qk",
+        (DECODE_SM90_FP8QK, DECODE_SM90, DECODE_TRITON),
+        (PREFILL_SM90, PREFILL_TRITON),
+        _gather_auto,
+        _merge_auto,
+    ),
 }
 
 
@@ -203,36 +211,73 @@ def default_backend_name() -> str:
     return "pallas_sm90" if md90.is_sm90() else "pallas"
 
 
-def forward_mqa(backend: Backend, q: jax.Array, kv_cache: jax.Array, kv_scale: jax.Array | None,
-                decode: DecodeMetadata, block_offset: jax.Array, *, scale: float, kv_lora_rank: int,
-                batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
+def forward_mqa(
+    backend: Backend,
+    q: jax.Array,
+    kv_cache: jax.Array,
+    kv_scale: jax.Array | None,
+    decode: DecodeMetadata,
+    block_offset: jax.Array,
+    *,
+    scale: float,
+    kv_lora_rank: int,
+    batch_invariant: bool = False,
+) -> tuple[jax.Array, jax.Array]:
     """q [Bd, Q, N, L+R] -> (latent [Bd, Q, N, L], lse f32[Bd, Q, N])."""
-    return backend.mla_decode(q, kv_cache, decode.block_table + block_offset, decode.seq_lens, scale=scale,
-                              kv_scale=kv_scale, kv_lora_rank=kv_lora_rank, batch_invariant=batch_invariant)
+    return backend.mla_decode(
+        q,
+        kv_cache,
+        decode.block_table + block_offset,
+        decode.seq_lens,
+        scale=scale,
+        kv_scale=kv_scale,
+        kv_lora_rank=kv_lora_rank,
+        batch_invariant=batch_invariant,
+    )
 
 
-def forward_mha(backend: Backend, p: dict, cfg: DeepseekConfig, q: jax.Array, kv_c_normed: jax.Array,
-                k_pe: jax.Array, kv_cache: jax.Array, kv_scale: jax.Array | None, prefill: PrefillMetadata,
-                block_offset: jax.Array, *, workspace_rows: int, max_chunks: int, comm: Comm = LOCAL) -> jax.Array:
+def forward_mha(
+    backend: Backend,
+    p: dict,
+    cfg: DeepseekConfig,
+    q: jax.Array,
+    kv_c_normed: jax.Array,
+    k_pe: jax.Array,
+    kv_cache: jax.Array,
+    kv_scale: jax.Array | None,
+    prefill: PrefillMetadata,
+    block_offset: jax.Array,
+    *,
+    workspace_rows: int,
+    max_chunks: int,
+    comm: Comm = LOCAL,
+) -> jax.Array:
     """Prefill attention: q [Tp, N, P+R], kv_c_normed [Tp, L], k_pe [Tp, 1, R] of the new tokens -> [Tp, N, V]."""
     scale = cfg.softmax_scale
     L = cfg.kv_lora_rank
     qsl = prefill.query_start_loc
     k, v = up_project_kv(p, cfg, kv_c_normed, k_pe)  # [Tp, N, P+R], [Tp, N, V]
-    out, lse = backend.flash_prefill(q, k.astype(q.dtype), v.astype(q.dtype), qsl, qsl, causal=True,
-                                     scale=scale)
+    out, lse = backend.flash_prefill(q, k.astype(q.dtype), v.astype(q.dtype), qsl, qsl, causal=True, scale=scale)
     if max_chunks == 0:
         return out
     block_table = prefill.block_table + block_offset
 
     def chunk(c, carry):
         acc, acc_lse = carry
-        ws = comm.gather_cache(backend.gather_cache, kv_cache, block_table, prefill.chunk_starts[c],
-                               prefill.cu_chunk_lens[c], workspace_rows=workspace_rows, kv_scale=kv_scale,
-                               out_dtype=q.dtype)  # [W, L+R]
+        ws = comm.gather_cache(
+            backend.gather_cache,
+            kv_cache,
+            block_table,
+            prefill.chunk_starts[c],
+            prefill.cu_chunk_lens[c],
+            workspace_rows=workspace_rows,
+            kv_scale=kv_scale,
+            out_dtype=q.dtype,
+        )  # [W, L+R]
         kc, vc = up_project_kv(p, cfg, ws[:, :L], ws[:, None, L:])  # [W, N, P+R], [W, N, V]
-        o, l = backend.flash_prefill(q, kc.astype(q.dtype), vc.astype(q.dtype), qsl, prefill.cu_chunk_lens[c],
-                                     causal=False, scale=scale)
+        o, l = backend.flash_prefill(
+            q, kc.astype(q.dtype), vc.astype(q.dtype), qsl, prefill.cu_chunk_lens[c], causal=False, scale=scale
+        )
         return backend.merge_attn_states(acc, acc_lse, o.astype(jnp.float32), l)
 
     # Rows without context keep output 0 and LSE -inf, so they weigh nothing in the final merge.

@@ -87,15 +87,16 @@ def bytes_per_token(num_layers: int, dtype: Any, *, kv_lora_rank: int = 512, rop
     return num_layers * row_bytes(dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
 
 
-def cache_bytes(num_layers: int, num_pages: int, page_size: int, dtype: Any, *,
-                kv_lora_rank: int = 512, rope_dim: int = 64) -> int:
+def cache_bytes(
+    num_layers: int, num_pages: int, page_size: int, dtype: Any, *, kv_lora_rank: int = 512, rope_dim: int = 64
+) -> int:
     """Total bytes of a cache made by ``init_kv_cache`` with these arguments."""
-    return num_pages * page_size * bytes_per_token(num_layers, dtype, kv_lora_rank=kv_lora_rank,
-                                                   rope_dim=rope_dim)
+    return num_pages * page_size * bytes_per_token(num_layers, dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
 
 
-def num_pages_for_bytes(budget_bytes: int, num_layers: int, page_size: int, dtype: Any, *,
-                        kv_lora_rank: int = 512, rope_dim: int = 64) -> int:
+def num_pages_for_bytes(
+    budget_bytes: int, num_layers: int, page_size: int, dtype: Any, *, kv_lora_rank: int = 512, rope_dim: int = 64
+) -> int:
     """Largest page count whose cache fits in ``budget_bytes``."""
     per_page = page_size * bytes_per_token(num_layers, dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
     return max(0, int(budget_bytes) // per_page)
@@ -108,8 +109,10 @@ def check_page_size(page_size: int, *, allow_any_page_size: bool = False) -> Non
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
     elif page_size not in SUPPORTED_PAGE_SIZES:
-        raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES} (or pass allow_any_page_size=True "
-                         f"for tests), got {page_size}")
+        raise ValueError(
+            f"page_size must be one of {SUPPORTED_PAGE_SIZES} (or pass allow_any_page_size=True "
+            f"for tests), got {page_size}"
+        )
 
 
 @jax.tree_util.register_dataclass
@@ -118,7 +121,7 @@ class KVCache:
     """Stacked paged latent cache for all layers (a pytree; ``kv_scale`` is None unless fp8)."""
 
     kv_c_and_k_pe_cache: jax.Array  # [num_layers, num_pages, G, L+R]  bf16 | float8_e4m3fn | f32
-    kv_scale: jax.Array | None      # [num_layers, num_pages, G] f32 (fp8 only)
+    kv_scale: jax.Array | None  # [num_layers, num_pages, G] f32 (fp8 only)
     index_k_cache: jax.Array | None = None  # [num_index_layers, num_pages, G, D_I] (sparse attention only)
     index_k_scale: jax.Array | None = None  # [num_index_layers, num_pages, G] f32 (fp8 index cache only)
 
@@ -159,10 +162,20 @@ class KVCache:
         return self.kv_c_and_k_pe_cache[layer], scale
 
 
-def init_kv_cache(num_layers: int, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE, *,
-                  kv_lora_rank: int = 512, rope_dim: int = 64, dtype: Any = "bf16",
-                  allow_any_page_size: bool = False, fill: float = 0.0, index_head_dim: int | None = None,
-                  num_index_layers: int | None = None, index_dtype: Any = None) -> KVCache:
+def init_kv_cache(
+    num_layers: int,
+    num_pages: int,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    *,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    dtype: Any = "bf16",
+    allow_any_page_size: bool = False,
+    fill: float = 0.0,
+    index_head_dim: int | None = None,
+    num_index_layers: int | None = None,
+    index_dtype: Any = None,
+) -> KVCache:
     """Allocate a zero-filled cache (``fill`` lets tests poison it, e.g. with NaN; fp8 has a NaN).
 
     ``index_head_dim`` (sparse-attention models: ``cfg.index_head_dim``) adds the index-key cache with
@@ -188,8 +201,9 @@ def init_kv_cache_for(cfg: Any, num_pages: int, page_size: int = DEFAULT_PAGE_SI
     """`init_kv_cache` with the dims of a `DeepseekConfig` (the index-key cache too for sparse models)."""
     if getattr(cfg, "use_sparse", False):
         kw = dict(index_head_dim=cfg.index_head_dim, num_index_layers=cfg.num_indexer_layers, **kw)
-    return init_kv_cache(cfg.num_hidden_layers, num_pages, page_size, kv_lora_rank=cfg.kv_lora_rank,
-                         rope_dim=cfg.qk_rope_head_dim, **kw)
+    return init_kv_cache(
+        cfg.num_hidden_layers, num_pages, page_size, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, **kw
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,8 +243,9 @@ def _rows_and_slots(kv_c_normed, k_pe, slot_mapping, width: int):
     if k_pe.shape[0] != t:
         raise ValueError(f"k_pe has {k_pe.shape[0]} tokens, kv_c_normed has {t}")
     if kv_c_normed.shape[1] + k_pe.shape[1] != width:
-        raise ValueError(f"kv_c_normed width {kv_c_normed.shape[1]} + k_pe width {k_pe.shape[1]} "
-                         f"!= cache row width {width}")
+        raise ValueError(
+            f"kv_c_normed width {kv_c_normed.shape[1]} + k_pe width {k_pe.shape[1]} != cache row width {width}"
+        )
     if slot_mapping.shape != (t,):
         raise ValueError(f"slot_mapping must have shape ({t},), got {slot_mapping.shape}")
     if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
@@ -257,8 +272,13 @@ def _check_scale(cache, scale, scale_shape):
     return fp8
 
 
-def write_kv(kv_c_and_k_pe_cache: jax.Array, kv_scale: jax.Array | None, kv_c_normed: jax.Array,
-             k_pe: jax.Array, slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+def write_kv(
+    kv_c_and_k_pe_cache: jax.Array,
+    kv_scale: jax.Array | None,
+    kv_c_normed: jax.Array,
+    k_pe: jax.Array,
+    slot_mapping: jax.Array,
+) -> tuple[jax.Array, jax.Array | None]:
     """Write T tokens into one layer's cache.
 
     kv_c_and_k_pe_cache: [num_pages, G, L+R]; kv_scale: [num_pages, G] f32 or None;
@@ -282,8 +302,9 @@ def write_kv(kv_c_and_k_pe_cache: jax.Array, kv_scale: jax.Array | None, kv_c_no
     return flat.reshape(p, g, w), new_scale
 
 
-def write_kv_layer(cache: KVCache, layer: int | jax.Array, kv_c_normed: jax.Array, k_pe: jax.Array,
-                   slot_mapping: jax.Array) -> KVCache:
+def write_kv_layer(
+    cache: KVCache, layer: int | jax.Array, kv_c_normed: jax.Array, k_pe: jax.Array, slot_mapping: jax.Array
+) -> KVCache:
     """Write T tokens into layer ``layer`` (python int or traced i32 scalar) of the stacked cache.
 
     Scatters straight into the stacked [num_layers, P*G, L+R] view with (layer, slot) indices, so
@@ -310,8 +331,9 @@ def write_kv_layer(cache: KVCache, layer: int | jax.Array, kv_c_normed: jax.Arra
     return KVCache(flat.reshape(nl, p, g, w), scale, cache.index_k_cache, cache.index_k_scale)
 
 
-def write_index_k_layer(cache: KVCache, index_layer: int | jax.Array, index_k: jax.Array,
-                        slot_mapping: jax.Array) -> KVCache:
+def write_index_k_layer(
+    cache: KVCache, index_layer: int | jax.Array, index_k: jax.Array, slot_mapping: jax.Array
+) -> KVCache:
     """Write T tokens' indexer keys index_k [T, D_I] into index layer ``index_layer`` of the index-key cache at
     ``slot_mapping`` (-1: nowhere), quantized per token for an fp8 cache; one scatter, in place like
     `write_kv_layer`."""
@@ -347,8 +369,9 @@ update_cache = jax.jit(write_kv_layer, donate_argnums=(0,))
 # Reads (reference / tests / context gather)
 
 
-def gather_rows(kv_c_and_k_pe_cache: jax.Array, kv_scale: jax.Array | None, slots: jax.Array,
-                dtype: Any = jnp.float32) -> jax.Array:
+def gather_rows(
+    kv_c_and_k_pe_cache: jax.Array, kv_scale: jax.Array | None, slots: jax.Array, dtype: Any = jnp.float32
+) -> jax.Array:
     """Read rows at ``slots`` from one layer ([num_pages, G, L+R]) and dequantize -> [T, L+R].
 
     Slots are clamped into range (callers mask rows they did not ask for, e.g. padding -1).
@@ -364,8 +387,7 @@ def gather_rows(kv_c_and_k_pe_cache: jax.Array, kv_scale: jax.Array | None, slot
 # Host-side validation (metadata builder)
 
 
-def check_slot_mapping(slot_mapping: np.ndarray, num_pages: int, page_size: int, *,
-                       allow_padding: bool = True) -> None:
+def check_slot_mapping(slot_mapping: np.ndarray, num_pages: int, page_size: int, *, allow_padding: bool = True) -> None:
     """Raise ValueError naming the problem if ``slot_mapping`` is not a valid int32 [T] slot list.
 
     Valid: int32, 1-D, every entry in [0, num_pages * page_size) or -1 (padding, if allowed), and no
@@ -382,8 +404,10 @@ def check_slot_mapping(slot_mapping: np.ndarray, num_pages: int, page_size: int,
     bad = np.nonzero((slot_mapping < lo) | (slot_mapping >= num_slots))[0]
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"slot_mapping[{i}] = {int(slot_mapping[i])} out of range [{lo}, {num_slots}) "
-                         f"({bad.size} bad entries; num_pages={num_pages}, page_size={page_size})")
+        raise ValueError(
+            f"slot_mapping[{i}] = {int(slot_mapping[i])} out of range [{lo}, {num_slots}) "
+            f"({bad.size} bad entries; num_pages={num_pages}, page_size={page_size})"
+        )
     real = slot_mapping[slot_mapping >= 0]
     uniq, counts = np.unique(real, return_counts=True)
     if np.any(counts > 1):

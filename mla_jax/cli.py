@@ -6,6 +6,7 @@ A subcommand imports its module (and orbax) inside `run`; parsing imports only t
 1 the checkpoint or config is invalid or the conversion failed (one line on stderr naming the problem), 2 usage,
 130 interrupted. SIGTERM unwinds like Ctrl-C so a conversion removes its partial output.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,33 +31,64 @@ OUT_DIR is only replaced with --force (and only if it is an mla-jax checkpoint o
 def _add_backend(p: argparse.ArgumentParser) -> None:
     from mla_jax.attention import BACKENDS  # the registry is the one list of names
 
-    p.add_argument("--backend", choices=tuple(BACKENDS), default=None,
-                   help="attention backend (default: pallas_sm90 on Hopper, pallas on other GPUs, xla on CPU)")
+    p.add_argument(
+        "--backend",
+        choices=tuple(BACKENDS),
+        default=None,
+        help="attention backend (default: pallas_sm90 on Hopper, pallas on other GPUs, xla on CPU)",
+    )
 
 
 def _add_convert(p: argparse.ArgumentParser) -> None:
-    p.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face checkpoint: config.json + model*.safetensors "
-                   "(single file, or shards with model.safetensors.index.json)")
+    p.add_argument(
+        "hf_dir",
+        metavar="HF_DIR",
+        help="Hugging Face checkpoint: config.json + model*.safetensors "
+        "(single file, or shards with model.safetensors.index.json)",
+    )
     p.add_argument("out_dir", metavar="OUT_DIR", help="output directory (must not exist, unless --force)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="dtype of the stored weights (default bf16); the MoE router stays float32")
-    p.add_argument("--keep-fp8", action="store_true",
-                   help="store DeepSeek-V3 fp8 e4m3 weights as fp8 + float32 weight_scale_inv instead of "
-                   "dequantizing them (half the disk of bf16); they are dequantized to the dtype on load")
-    p.add_argument("--dry-run", action="store_true",
-                   help="validate and print the mapping (HF names -> param path, shape, dtype); write nothing")
+    p.add_argument(
+        "--dtype",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="dtype of the stored weights (default bf16); the MoE router stays float32",
+    )
+    p.add_argument(
+        "--keep-fp8",
+        action="store_true",
+        help="store DeepSeek-V3 fp8 e4m3 weights as fp8 + float32 weight_scale_inv instead of "
+        "dequantizing them (half the disk of bf16); they are dequantized to the dtype on load",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate and print the mapping (HF names -> param path, shape, dtype); write nothing",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing OUT_DIR (an mla-jax checkpoint)")
-    p.add_argument("--max-group-mb", type=float, default=2048, metavar="MB",
-                   help="routed experts are written in chunks of at most this size (default 2048): the peak "
-                   "host memory is about the largest group")
+    p.add_argument(
+        "--max-group-mb",
+        type=float,
+        default=2048,
+        metavar="MB",
+        help="routed experts are written in chunks of at most this size (default 2048): the peak "
+        "host memory is about the largest group",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
 def _run_convert(args: argparse.Namespace) -> int:
     from mla_jax.checkpoint import convert
 
-    convert(args.hf_dir, args.out_dir, dtype=args.dtype, keep_fp8=args.keep_fp8, force=args.force,
-            dry_run=args.dry_run, max_group_mb=args.max_group_mb, progress=not args.quiet)
+    convert(
+        args.hf_dir,
+        args.out_dir,
+        dtype=args.dtype,
+        keep_fp8=args.keep_fp8,
+        force=args.force,
+        dry_run=args.dry_run,
+        max_group_mb=args.max_group_mb,
+        progress=not args.quiet,
+    )
     return 0
 
 
@@ -81,10 +113,15 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 (default): off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 (default): off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
-                   help="weight dtype (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--cache-dtype", choices=("bf16", "fp8", "fp32"), default=None,
-                   help="KV cache dtype (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument(
+        "--dtype", choices=("bf16", "fp32"), default=None, help="weight dtype (default: bf16 on GPU, fp32 on CPU)"
+    )
+    p.add_argument(
+        "--cache-dtype",
+        choices=("bf16", "fp8", "fp32"),
+        default=None,
+        help="KV cache dtype (default: bf16 on GPU, fp32 on CPU)",
+    )
     _add_backend(p)
     p.add_argument("--no-stop", action="store_true", help="do not stop at the model's eos token")
 
@@ -107,8 +144,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     tok_path = os.path.join(args.model, "tokenizer.json")
     if args.prompt is not None:
         if not os.path.exists(tok_path):
-            print(f"mla-jax generate: error: no tokenizer.json in {args.model}; pass --prompt-ids",
-                  file=sys.stderr)
+            print(f"mla-jax generate: error: no tokenizer.json in {args.model}; pass --prompt-ids", file=sys.stderr)
             return 2
         from tokenizers import Tokenizer
 
@@ -118,19 +154,37 @@ def _run_generate(args: argparse.Namespace) -> int:
         try:
             prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
-            print(f"mla-jax generate: error: --prompt-ids must be comma-separated integers, got "
-                  f"{args.prompt_ids!r}", file=sys.stderr)
+            print(
+                f"mla-jax generate: error: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}",
+                file=sys.stderr,
+            )
             return 2
     t0 = time.perf_counter()
     cfg, params = load_model(args.model, dtype=dtype)
     load_s = time.perf_counter() - t0
-    sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                        max_new_tokens=args.max_new_tokens, stop_token_ids=() if args.no_stop else eos_token_ids(args.model))
+    sp = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop_token_ids=() if args.no_stop else eos_token_ids(args.model),
+    )
     need = len(prompt) + args.max_new_tokens
     max_len = max(64, 1 << (need - 1).bit_length())
-    engine = Engine(params, cfg, EngineConfig(
-        max_model_len=max_len, max_num_seqs=1, page_size=16, token_budget=min(max_len, 512), max_prefills=1,
-        cache_dtype=args.cache_dtype or ("fp32" if on_cpu else "bf16"), backend=args.backend))
+    engine = Engine(
+        params,
+        cfg,
+        EngineConfig(
+            max_model_len=max_len,
+            max_num_seqs=1,
+            page_size=16,
+            token_budget=min(max_len, 512),
+            max_prefills=1,
+            cache_dtype=args.cache_dtype or ("fp32" if on_cpu else "bf16"),
+            backend=args.backend,
+        ),
+    )
     try:
         rid = engine.add_request(prompt, sp)
     except ValueError as e:
@@ -164,9 +218,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     n = len(ids)
     rate = (n - 1) / (end - first) if first and n > 1 and end > first else float("nan")
-    print(f"[{n} tokens; {rate:.1f} tokens/s after the first; first token after {first - t1:.2f} s "
-          f"(incl. the prefill compile); decode compile {warm_s:.2f} s; model load {load_s:.2f} s; "
-          f"{jax.default_backend()}, {engine.config.backend} backend]", file=sys.stderr)
+    print(
+        f"[{n} tokens; {rate:.1f} tokens/s after the first; first token after {first - t1:.2f} s "
+        f"(incl. the prefill compile); decode compile {warm_s:.2f} s; model load {load_s:.2f} s; "
+        f"{jax.default_backend()}, {engine.config.backend} backend]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -188,13 +245,24 @@ def _run_bench(args: argparse.Namespace) -> int:
 # name, help, add_arguments, run.
 COMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = [
     ("generate", "generate text with a DeepSeek model, streaming it as it comes", _add_generate, _run_generate),
-    ("convert", "convert a Hugging Face DeepSeek V2/V2-Lite/V3 checkpoint into an mla-jax orbax checkpoint",
-     _add_convert, _run_convert),
-    ("bench", "run the end-to-end benchmark (a DeepSeek-V2-Lite-shaped model, random weights) on the GPU",
-     _add_bench, _run_bench),
-    ("serve", "serve an OpenAI-compatible HTTP API (completions, chat, streaming) with continuous batching",
-     lambda p: __import__("mla_jax.serve.cli", fromlist=["cli"]).add_arguments(p),
-     lambda args: __import__("mla_jax.serve.cli", fromlist=["cli"]).run(args)),
+    (
+        "convert",
+        "convert a Hugging Face DeepSeek V2/V2-Lite/V3 checkpoint into an mla-jax orbax checkpoint",
+        _add_convert,
+        _run_convert,
+    ),
+    (
+        "bench",
+        "run the end-to-end benchmark (a DeepSeek-V2-Lite-shaped model, random weights) on the GPU",
+        _add_bench,
+        _run_bench,
+    ),
+    (
+        "serve",
+        "serve an OpenAI-compatible HTTP API (completions, chat, streaming) with continuous batching",
+        lambda p: __import__("mla_jax.serve.cli", fromlist=["cli"]).add_arguments(p),
+        lambda args: __import__("mla_jax.serve.cli", fromlist=["cli"]).run(args),
+    ),
 ]
 EPILOGS = {"convert": CONVERT_EPILOG, "generate": GENERATE_EPILOG}
 
@@ -204,8 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_, add, run in COMMANDS:
-        p = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".",
-                           epilog=EPILOGS.get(name), formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=help_,
+            description=help_[0].upper() + help_[1:] + ".",
+            epilog=EPILOGS.get(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         add(p)
         p.set_defaults(_run=run)
     return parser
@@ -213,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _version() -> str:
     from importlib import metadata
+
     try:
         return metadata.version("mla-jax")
     except metadata.PackageNotFoundError:
@@ -223,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so partial output is cleaned up (SIGKILL cannot be: see convert's doc).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    from mla_jax.config import ConfigError
     from mla_jax.checkpoint import CheckpointError
+    from mla_jax.config import ConfigError
 
     try:
         return args._run(args)

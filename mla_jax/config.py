@@ -8,6 +8,7 @@ K index_topk (2048).
 Sparse models: `deepseek_v32` runs the indexer in every layer; `glm_moe_dsa` may mark layers "shared"
 (`indexer_types`), which reuse the top-k of the last "full" layer before them (vLLM's index groups).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,29 +17,87 @@ import math
 import os
 from typing import Any, Mapping
 
-
 # The published configs (hub config.json fields), for benchmarks, notebooks and tests: `DeepseekConfig.from_dict`.
 DEEPSEEK_V3 = dict(
-    model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
-    num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-    v_head_dim=128, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
-    num_experts_per_tok=8, first_k_dense_replace=3, moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid",
-    n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, rms_norm_eps=1e-6, rope_theta=10000,
-    max_position_embeddings=163840, tie_word_embeddings=False, hidden_act="silu",
-    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
-                      mscale=1.0, mscale_all_dim=1.0),
-    quantization_config=dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8",
-                             weight_block_size=[128, 128]))
+    model_type="deepseek_v3",
+    vocab_size=129280,
+    hidden_size=7168,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+    moe_layer_freq=1,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    n_group=8,
+    topk_group=4,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    rms_norm_eps=1e-6,
+    rope_theta=10000,
+    max_position_embeddings=163840,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    rope_scaling=dict(
+        type="yarn",
+        factor=40,
+        original_max_position_embeddings=4096,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    quantization_config=dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8", weight_block_size=[128, 128]),
+)
 DEEPSEEK_V32 = dict(DEEPSEEK_V3, model_type="deepseek_v32", index_topk=2048, index_n_heads=64, index_head_dim=128)
 DEEPSEEK_V2_LITE = dict(
-    model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
-    num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-    v_head_dim=128, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2,
-    num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy", scoring_func="softmax",
-    n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, rms_norm_eps=1e-6,
-    max_position_embeddings=163840, rope_theta=10000,
-    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
-                      mscale=0.707, mscale_all_dim=0.707))
+    model_type="deepseek_v2",
+    vocab_size=102400,
+    hidden_size=2048,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    topk_method="greedy",
+    scoring_func="softmax",
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=False,
+    routed_scaling_factor=1.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=163840,
+    rope_theta=10000,
+    rope_scaling=dict(
+        type="yarn",
+        factor=40,
+        original_max_position_embeddings=4096,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=0.707,
+        mscale_all_dim=0.707,
+    ),
+)
 
 
 class ConfigError(ValueError):
@@ -122,7 +181,7 @@ class DeepseekConfig:
     def softmax_scale(self) -> float:
         """qk_head_dim^-0.5 times YaRN's mscale^2. Absorption keeps the dot products equal, so the absorbed
         576-wide decode uses this same scale; 576^-0.5 would flatten every distribution."""
-        scale = self.qk_head_dim ** -0.5
+        scale = self.qk_head_dim**-0.5
         rs = self.rope_scaling
         if rs is not None and rs.mscale_all_dim:
             m = yarn_get_mscale(rs.factor, rs.mscale_all_dim)
@@ -130,8 +189,7 @@ class DeepseekConfig:
         return scale
 
     def is_moe_layer(self, i: int) -> bool:
-        return (self.n_routed_experts is not None and i >= self.first_k_dense_replace
-                and i % self.moe_layer_freq == 0)
+        return self.n_routed_experts is not None and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
 
     @property
     def use_sparse(self) -> bool:
@@ -192,8 +250,15 @@ _SUPPORTED = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 _SPARSE = ("deepseek_v32", "glm_moe_dsa")
 
 
-def _get(d: Mapping[str, Any], key: str, typ: type | tuple[type, ...], default: Any = ..., *,
-         positive: bool = False, aliases: tuple[str, ...] = ()) -> Any:
+def _get(
+    d: Mapping[str, Any],
+    key: str,
+    typ: type | tuple[type, ...],
+    default: Any = ...,
+    *,
+    positive: bool = False,
+    aliases: tuple[str, ...] = (),
+) -> Any:
     for k in (key, *aliases):
         if k in d and d[k] is not None:
             v = d[k]
@@ -207,8 +272,9 @@ def _get(d: Mapping[str, Any], key: str, typ: type | tuple[type, ...], default: 
     if isinstance(v, bool) and typ is not bool:
         raise ConfigError(f"config.json: field '{key}' must be {typ}, got bool {v!r}")
     if not isinstance(v, typ):
-        raise ConfigError(f"config.json: field '{key}' must be {getattr(typ, '__name__', typ)}, "
-                          f"got {type(v).__name__} {v!r}")
+        raise ConfigError(
+            f"config.json: field '{key}' must be {getattr(typ, '__name__', typ)}, got {type(v).__name__} {v!r}"
+        )
     if positive and not v > 0:
         raise ConfigError(f"config.json: field '{key}' must be > 0, got {v!r}")
     return v
@@ -249,16 +315,17 @@ def _parse_quant(d: Mapping[str, Any]) -> QuantizationConfig | None:
         return None
     method = q.get("quant_method")
     if method != "fp8":
-        raise ConfigError(f"config.json: quantization_config.quant_method '{method}' is not supported "
-                          "(only DeepSeek's block fp8)")
+        raise ConfigError(
+            f"config.json: quantization_config.quant_method '{method}' is not supported (only DeepSeek's block fp8)"
+        )
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ConfigError(f"config.json: quantization_config.fmt '{fmt}' is not supported (only e4m3)")
     block = q.get("weight_block_size")
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(b, int) and b > 0 for b in block)):
-        raise ConfigError(f"config.json: quantization_config.weight_block_size must be two positive ints, "
-                          f"got {block!r}")
+    if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ConfigError(
+            f"config.json: quantization_config.weight_block_size must be two positive ints, got {block!r}"
+        )
     return QuantizationConfig(method, fmt, (block[0], block[1]), q.get("activation_scheme", "dynamic"))
 
 
@@ -273,8 +340,9 @@ def _parse(d: Mapping[str, Any]) -> DeepseekConfig:
     n_heads = _get(d, "num_attention_heads", int, positive=True)
     n_kv = d.get("num_key_value_heads", n_heads)
     if n_kv != n_heads:
-        raise ConfigError(f"config.json: num_key_value_heads ({n_kv}) must equal num_attention_heads "
-                          f"({n_heads}) for MLA")
+        raise ConfigError(
+            f"config.json: num_key_value_heads ({n_kv}) must equal num_attention_heads ({n_heads}) for MLA"
+        )
     experts = _get(d, "n_routed_experts", int, None, aliases=("num_experts", "num_local_experts"))
     q_lora = d.get("q_lora_rank")
     if q_lora is not None and (not isinstance(q_lora, int) or isinstance(q_lora, bool) or q_lora <= 0):
@@ -339,8 +407,9 @@ def _parse_sparse(d: Mapping[str, Any], model_type: str) -> dict[str, Any]:
         offset = _get(d, "index_skip_topk_offset", int, 2)
         types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
     if not isinstance(types, (list, tuple)) or len(types) != n or any(t not in ("full", "shared") for t in types):
-        raise ConfigError(f"config.json: indexer_types must list 'full' or 'shared' for each of the {n} layers, "
-                          f"got {types!r}")
+        raise ConfigError(
+            f"config.json: indexer_types must list 'full' or 'shared' for each of the {n} layers, got {types!r}"
+        )
     if types[0] != "full":
         raise ConfigError("config.json: indexer_types[0] must be 'full' (a shared layer reuses an earlier top-k)")
     out["indexer_types"] = None if all(t == "full" for t in types) else tuple(types)
@@ -352,8 +421,10 @@ def _validate(c: DeepseekConfig) -> None:
         if c.q_lora_rank is None:
             raise ConfigError(f"config.json: {c.model_type} needs q_lora_rank (the indexer reads the q latent)")
         if not c.qk_rope_head_dim <= c.index_head_dim:
-            raise ConfigError(f"config.json: index_head_dim ({c.index_head_dim}) must be >= qk_rope_head_dim "
-                              f"({c.qk_rope_head_dim}): the indexer ropes its first qk_rope_head_dim dims")
+            raise ConfigError(
+                f"config.json: index_head_dim ({c.index_head_dim}) must be >= qk_rope_head_dim "
+                f"({c.qk_rope_head_dim}): the indexer ropes its first qk_rope_head_dim dims"
+            )
     if c.hidden_act != "silu":
         raise ConfigError(f"config.json: hidden_act '{c.hidden_act}' is not supported (only 'silu')")
     if c.attention_bias:
@@ -364,8 +435,10 @@ def _validate(c: DeepseekConfig) -> None:
         if c.moe_intermediate_size <= 0:
             raise ConfigError("config.json: field 'moe_intermediate_size' must be > 0 for a MoE model")
         if not 0 < c.num_experts_per_tok <= c.n_routed_experts:
-            raise ConfigError(f"config.json: num_experts_per_tok ({c.num_experts_per_tok}) must be in "
-                              f"[1, n_routed_experts={c.n_routed_experts}]")
+            raise ConfigError(
+                f"config.json: num_experts_per_tok ({c.num_experts_per_tok}) must be in "
+                f"[1, n_routed_experts={c.n_routed_experts}]"
+            )
         if c.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise ConfigError(f"config.json: topk_method '{c.topk_method}' is not supported")
         if c.scoring_func not in ("softmax", "sigmoid"):
@@ -373,10 +446,10 @@ def _validate(c: DeepseekConfig) -> None:
         if c.topk_method == "noaux_tc" and c.scoring_func != "sigmoid":
             raise ConfigError("config.json: topk_method 'noaux_tc' needs scoring_func 'sigmoid'")
         if c.n_routed_experts % c.n_group:
-            raise ConfigError(f"config.json: n_routed_experts ({c.n_routed_experts}) must be divisible by "
-                              f"n_group ({c.n_group})")
+            raise ConfigError(
+                f"config.json: n_routed_experts ({c.n_routed_experts}) must be divisible by n_group ({c.n_group})"
+            )
         if c.topk_group > c.n_group:
             raise ConfigError(f"config.json: topk_group ({c.topk_group}) must be <= n_group ({c.n_group})")
         if c.topk_method == "noaux_tc" and c.n_routed_experts // c.n_group < 2:
-            raise ConfigError("config.json: noaux_tc ranks groups by their top-2 scores: each group needs "
-                              ">= 2 experts")
+            raise ConfigError("config.json: noaux_tc ranks groups by their top-2 scores: each group needs >= 2 experts")

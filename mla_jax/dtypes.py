@@ -1,5 +1,6 @@
-"""The one table of dtype names: the short names users pass (`--dtype bf16`, `cache_dtype="fp8"`) and the codes of
-safetensors headers ("BF16", "F8_E4M3"), each to its numpy dtype (bf16 / fp8 through ml_dtypes)."""
+"""Dtype names -> numpy dtypes (bf16 / fp8 through ml_dtypes): the short names users pass (`--dtype bf16`,
+`cache_dtype="fp8"`; the one table in `pallas_kernels.util.DTYPE_NAMES`) and the codes of safetensors headers
+("BF16", "F8_E4M3")."""
 
 from __future__ import annotations
 
@@ -8,19 +9,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F16 = np.dtype(np.float16)
-F32 = np.dtype(np.float32)
-FP8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+from pallas_kernels.util import BF16, DTYPE_NAMES, F16, F32, FP8
+
+FP8_E4M3 = FP8
 FP8_E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 
 DTYPES: dict[str, np.dtype] = {
-    # short names
-    "bf16": BF16,
-    "fp16": F16,
-    "fp32": F32,
-    "fp8": FP8_E4M3,
-    "fp8_e4m3": FP8_E4M3,
+    **DTYPE_NAMES,  # the short names ("bf16", "fp32", "fp8", ...), shared with the kernels
     # safetensors header codes
     "F64": np.dtype(np.float64),
     "F32": F32,

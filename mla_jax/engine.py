@@ -11,6 +11,7 @@ Requests join (`add_request`) and leave (finished, or `abort`) between steps. Wi
 earlier requests, `mla_jax.allocator`) prefills only the rest, the cached part as chunked context. A step in which
 some request asks for top logprobs runs the step variant that returns them (`SamplingArrays.num_top_logprobs`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,14 @@ from mla_jax.allocator import PagePool
 from mla_jax.cache import KVCache, init_kv_cache_for
 from mla_jax.chunking import workspace_rows as default_workspace_rows
 from mla_jax.config import DeepseekConfig
-from mla_jax.metadata import (AttentionMetadata, BatchShape, DecodeMetadata, PrefillMetadata, ScheduledRequest,
-                              build_metadata)
+from mla_jax.metadata import (
+    AttentionMetadata,
+    BatchShape,
+    DecodeMetadata,
+    PrefillMetadata,
+    ScheduledRequest,
+    build_metadata,
+)
 from mla_jax.model import Params
 from mla_jax.parallel import ParallelPlan, to_host
 from mla_jax.sampling import SamplingArrays, SamplingParams
@@ -77,10 +84,14 @@ class EngineConfig:
             raise ValueError(f"largest decode bucket {max(dec)} < max_num_seqs {self.max_num_seqs}")
         if max(pre) < self.token_budget:
             raise ValueError(f"largest prefill bucket {max(pre)} < token_budget {self.token_budget}")
-        return dataclasses.replace(self, num_pages=pages, decode_buckets=tuple(sorted(dec)),
-                                   prefill_buckets=tuple(sorted(pre)),
-                                   backend=self.backend or attention.default_backend_name(),
-                                   gmm_impl=self.gmm_impl or default_gmm_impl())
+        return dataclasses.replace(
+            self,
+            num_pages=pages,
+            decode_buckets=tuple(sorted(dec)),
+            prefill_buckets=tuple(sorted(pre)),
+            backend=self.backend or attention.default_backend_name(),
+            gmm_impl=self.gmm_impl or default_gmm_impl(),
+        )
 
 
 @dataclasses.dataclass
@@ -129,8 +140,14 @@ class Engine:
     device holds num_pages * G rows per layer). In a multi-process run every process drives an engine with the
     same requests: host-side decisions are deterministic, so they stay in step."""
 
-    def __init__(self, params: Params, cfg: DeepseekConfig, config: EngineConfig = EngineConfig(), *,
-                 plan: ParallelPlan | None = None):
+    def __init__(
+        self,
+        params: Params,
+        cfg: DeepseekConfig,
+        config: EngineConfig = EngineConfig(),
+        *,
+        plan: ParallelPlan | None = None,
+    ):
         self.plan = plan
         if plan is not None:
             params = plan.shard_params(params, cfg)
@@ -139,11 +156,13 @@ class Engine:
         self.config = c = config.resolved()
         self.pool = PagePool(c.num_pages, c.page_size, enable_prefix_caching=c.enable_prefix_caching)
         if self.pool.num_usable_pages < cdiv(c.max_model_len, c.page_size):
-            raise ValueError(f"{c.num_pages} pages of {c.page_size} cannot hold one max_model_len "
-                             f"({c.max_model_len}) request")
+            raise ValueError(
+                f"{c.num_pages} pages of {c.page_size} cannot hold one max_model_len ({c.max_model_len}) request"
+            )
         self.cache = self._init_cache()
-        self.scheduler = Scheduler(self.pool, max_num_seqs=c.max_num_seqs, token_budget=c.token_budget,
-                                   max_prefills=c.max_prefills)
+        self.scheduler = Scheduler(
+            self.pool, max_num_seqs=c.max_num_seqs, token_budget=c.token_budget, max_prefills=c.max_prefills
+        )
         self.max_pages = cdiv(c.max_model_len, c.page_size)
         self.workspace_rows = default_workspace_rows(c.max_model_len, c.max_prefills, c.page_size)
         chunk_min = (self.workspace_rows // c.max_prefills) // c.page_size * c.page_size
@@ -172,12 +191,18 @@ class Engine:
             raise ValueError(f"token id {bad[0]} out of vocab [0, {self.cfg.vocab_size})")
         params.validate()
         if len(prompt) + params.max_new_tokens > self.config.max_model_len:
-            raise ValueError(f"prompt length {len(prompt)} + max_new_tokens {params.max_new_tokens} exceeds "
-                             f"max_model_len {self.config.max_model_len}")
+            raise ValueError(
+                f"prompt length {len(prompt)} + max_new_tokens {params.max_new_tokens} exceeds "
+                f"max_model_len {self.config.max_model_len}"
+            )
         return prompt
 
-    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams(),
-                    request_id: Hashable | None = None) -> Hashable:
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        request_id: Hashable | None = None,
+    ) -> Hashable:
         """Validates and queues a request; a bad one raises ValueError and leaves the engine untouched."""
         prompt = self.check_request(prompt_token_ids, params)
         if request_id is None:
@@ -212,7 +237,8 @@ class Engine:
             num_prefill_tokens=self._bucket(num_prefill_tokens, c.prefill_buckets) if has_prefill else 0,
             max_pages=self.max_pages,
             workspace_rows=self.workspace_rows if has_prefill else 0,
-            max_chunks=self.max_chunks if has_prefill else 0)
+            max_chunks=self.max_chunks if has_prefill else 0,
+        )
 
     def _run(self, md: AttentionMetadata, sampling: SamplingArrays) -> tuple[np.ndarray, np.ndarray]:
         """One jitted step: (sampled tokens, their logprobs) on the host."""
@@ -221,8 +247,16 @@ class Engine:
         else:
             md, sampling = self.plan.replicate(md), self.plan.replicate(sampling)
         tokens, logprobs, self.cache = step_lib.engine_step(
-            self.params, self.cfg, self.cache, md, sampling, backend=self.config.backend, plan=self.plan,
-            batch_invariant=self.config.batch_invariant, gmm_impl=self.config.gmm_impl)
+            self.params,
+            self.cfg,
+            self.cache,
+            md,
+            sampling,
+            backend=self.config.backend,
+            plan=self.plan,
+            batch_invariant=self.config.batch_invariant,
+            gmm_impl=self.config.gmm_impl,
+        )
         return to_host(tokens), to_host(logprobs)
 
     def warmup(self, prefill: bool = True, top_logprobs: bool = False, all_shapes: bool = False) -> float:
@@ -245,13 +279,21 @@ class Engine:
         """A step of padding rows only: writes nothing, reads nothing, compiles the shape."""
         z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
         md = AttentionMetadata(
-            input_ids=z(shape.num_tokens), positions=z(shape.num_tokens),
-            slot_mapping=np.full(shape.num_tokens, -1, np.int32), logits_indices=z(shape.num_logits),
+            input_ids=z(shape.num_tokens),
+            positions=z(shape.num_tokens),
+            slot_mapping=np.full(shape.num_tokens, -1, np.int32),
+            logits_indices=z(shape.num_logits),
             decode=DecodeMetadata(z(shape.num_decodes, shape.max_pages), z(shape.num_decodes, 1)),
-            prefill=PrefillMetadata(z(shape.num_prefills + 1), z(shape.num_prefills),
-                                    z(shape.num_prefills, shape.max_pages), z(shape.max_chunks, shape.num_prefills),
-                                    z(shape.max_chunks, shape.num_prefills + 1), np.zeros((), np.int32)),
-            shape=shape)
+            prefill=PrefillMetadata(
+                z(shape.num_prefills + 1),
+                z(shape.num_prefills),
+                z(shape.num_prefills, shape.max_pages),
+                z(shape.max_chunks, shape.num_prefills),
+                z(shape.max_chunks, shape.num_prefills + 1),
+                np.zeros((), np.int32),
+            ),
+            shape=shape,
+        )
         sp = [SamplingParams(top_logprobs=1)] if top_logprobs else []
         jax.block_until_ready(self._run(md, SamplingArrays.build(sp, [0] * len(sp), shape.num_logits)))
 
@@ -262,13 +304,24 @@ class Engine:
             if self.scheduler.has_unfinished:
                 raise RuntimeError("scheduler made no progress (a request cannot fit in the page pool)")
             return []
-        reqs = [ScheduledRequest(c.request.all_token_ids[c.start:c.start + c.num_tokens], c.start,
-                                 self.pool.pages(c.request.request_id)) for c in chunks]
+        reqs = [
+            ScheduledRequest(
+                c.request.all_token_ids[c.start : c.start + c.num_tokens],
+                c.start,
+                self.pool.pages(c.request.request_id),
+            )
+            for c in chunks
+        ]
         nd = sum(c.num_tokens == 1 for c in chunks)
         tp = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         shape = self.batch_shape(nd, tp)
-        md, order = build_metadata(reqs, page_size=self.config.page_size, num_pages=self.config.num_pages,
-                                   workspace_rows=self.workspace_rows, shape=shape)
+        md, order = build_metadata(
+            reqs,
+            page_size=self.config.page_size,
+            num_pages=self.config.num_pages,
+            workspace_rows=self.workspace_rows,
+            shape=shape,
+        )
         # Logit row of each scheduled chunk (in `order`): decode b -> row b; prefill s -> row Td + s.
         rows = [k if k < nd else shape.num_decode_tokens + (k - nd) for k in range(len(order))]
         sp: list[SamplingParams | None] = [None] * shape.num_logits
@@ -309,10 +362,16 @@ class Engine:
         return outs
 
     def _output(self, r: Request, new: list[int]) -> RequestOutput:
-        return RequestOutput(r.request_id, list(r.output_token_ids),
-                             list(r.output_logprobs) if r.params.logprobs or r.params.top_logprobs else None,
-                             r.status is Status.FINISHED, r.finish_reason, new,
-                             list(r.output_top_logprobs) if r.params.top_logprobs else None, r.num_cached_tokens)
+        return RequestOutput(
+            r.request_id,
+            list(r.output_token_ids),
+            list(r.output_logprobs) if r.params.logprobs or r.params.top_logprobs else None,
+            r.status is Status.FINISHED,
+            r.finish_reason,
+            new,
+            list(r.output_top_logprobs) if r.params.top_logprobs else None,
+            r.num_cached_tokens,
+        )
 
     def run(self) -> dict[Hashable, RequestOutput]:
         """Steps until every request finishes; returns the final output of each."""
@@ -324,9 +383,15 @@ class Engine:
         return final
 
 
-def generate(params: Params, cfg: DeepseekConfig, prompts: Iterable[Sequence[int]],
-             sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-             config: EngineConfig | None = None, *, plan: ParallelPlan | None = None) -> list[RequestOutput]:
+def generate(
+    params: Params,
+    cfg: DeepseekConfig,
+    prompts: Iterable[Sequence[int]],
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    config: EngineConfig | None = None,
+    *,
+    plan: ParallelPlan | None = None,
+) -> list[RequestOutput]:
     """Generates for every prompt through the paged cache with continuous batching; outputs in prompt order.
 
     `sampling` is one SamplingParams for all prompts or one per prompt (per-request seeds, stop ids, ...).
@@ -341,9 +406,12 @@ def generate(params: Params, cfg: DeepseekConfig, prompts: Iterable[Sequence[int
         sampling = [sampling] * len(prompts)
     if config is None:
         longest = max((len(p) + s.max_new_tokens for p, s in zip(prompts, sampling)), default=1)
-        config = EngineConfig(max_model_len=max(64, 1 << (longest - 1).bit_length()),
-                              max_num_seqs=max(1, min(64, 1 << (len(prompts) - 1).bit_length())),
-                              page_size=16, token_budget=512)
+        config = EngineConfig(
+            max_model_len=max(64, 1 << (longest - 1).bit_length()),
+            max_num_seqs=max(1, min(64, 1 << (len(prompts) - 1).bit_length())),
+            page_size=16,
+            token_budget=512,
+        )
     engine = Engine(params, cfg, config, plan=plan)
     ids = [engine.add_request(p, s) for p, s in zip(prompts, sampling)]
     final = engine.run()

@@ -13,6 +13,7 @@ have seq_len 0 and slot -1 (write nowhere).
 Everything here is host-side numpy; `AttentionMetadata.to_device()` gives the jit-able pytree whose static
 fields (the `BatchShape`) select the compiled step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -112,19 +113,28 @@ def _bucket(n: int, buckets: Sequence[int] | None) -> int:
     raise MetadataError(f"{n} exceeds the largest bucket {max(buckets)}")
 
 
-def split_decodes_and_prefills(query_lens: Sequence[int], reorder_batch_threshold: int = 1
-                               ) -> tuple[list[int], list[int]]:
+def split_decodes_and_prefills(
+    query_lens: Sequence[int], reorder_batch_threshold: int = 1
+) -> tuple[list[int], list[int]]:
     """Indices of decode requests (query_len <= threshold) and of prefills, each in arrival order."""
     dec = [i for i, q in enumerate(query_lens) if q <= reorder_batch_threshold]
     pre = [i for i, q in enumerate(query_lens) if q > reorder_batch_threshold]
     return dec, pre
 
 
-def build_metadata(requests: Sequence[ScheduledRequest], *, page_size: int, num_pages: int,
-                   reorder_batch_threshold: int = 1, causal: bool = True, workspace_rows: int = 0,
-                   shape: BatchShape | None = None, decode_buckets: Sequence[int] | None = None,
-                   token_buckets: Sequence[int] | None = None, pad_page: int = 0
-                   ) -> tuple[AttentionMetadata, list[int]]:
+def build_metadata(
+    requests: Sequence[ScheduledRequest],
+    *,
+    page_size: int,
+    num_pages: int,
+    reorder_batch_threshold: int = 1,
+    causal: bool = True,
+    workspace_rows: int = 0,
+    shape: BatchShape | None = None,
+    decode_buckets: Sequence[int] | None = None,
+    token_buckets: Sequence[int] | None = None,
+    pad_page: int = 0,
+) -> tuple[AttentionMetadata, list[int]]:
     """Builds the step's padded metadata (numpy) and the request order used (decodes first, then prefills).
 
     `shape` fixes every static size (it must be large enough); otherwise sizes are the exact need, rounded up
@@ -142,8 +152,10 @@ def build_metadata(requests: Sequence[ScheduledRequest], *, page_size: int, num_
             raise MetadataError(f"request {i}: num_computed_tokens {r.num_computed_tokens} < 0")
         total = r.num_computed_tokens + n
         if total > len(r.block_ids) * page_size:
-            raise MetadataError(f"request {i}: seq_len {total} is past its block table "
-                                f"({len(r.block_ids)} pages of {page_size} = {len(r.block_ids) * page_size} tokens)")
+            raise MetadataError(
+                f"request {i}: seq_len {total} is past its block table "
+                f"({len(r.block_ids)} pages of {page_size} = {len(r.block_ids) * page_size} tokens)"
+            )
         bad = [b for b in r.block_ids if not 0 <= b < num_pages]
         if bad:
             raise MetadataError(f"request {i}: block id {bad[0]} out of range [0, {num_pages})")
@@ -163,21 +175,25 @@ def build_metadata(requests: Sequence[ScheduledRequest], *, page_size: int, num_
     plan = plan_context_chunks(ctx, workspace_rows, page_size) if any(ctx) else None
     if shape is None:
         shape = dataclasses.replace(
-            need, num_decodes=_bucket(need.num_decodes, decode_buckets) if need.num_decodes else 0,
+            need,
+            num_decodes=_bucket(need.num_decodes, decode_buckets) if need.num_decodes else 0,
             num_prefill_tokens=_bucket(need.num_prefill_tokens, token_buckets) if need.num_prefills else 0,
-            workspace_rows=workspace_rows if plan else 0, max_chunks=plan.num_chunks if plan else 0)
+            workspace_rows=workspace_rows if plan else 0,
+            max_chunks=plan.num_chunks if plan else 0,
+        )
     else:
         for f in ("num_decodes", "decode_query_len", "num_prefills", "num_prefill_tokens", "max_pages"):
             if getattr(need, f) > getattr(shape, f):
-                raise MetadataError(f"batch needs {f}={getattr(need, f)} but the static shape has "
-                                    f"{getattr(shape, f)}")
+                raise MetadataError(f"batch needs {f}={getattr(need, f)} but the static shape has {getattr(shape, f)}")
         if plan is not None:
             if shape.workspace_rows != workspace_rows:
-                raise MetadataError(f"workspace_rows {workspace_rows} differs from the static shape's "
-                                    f"{shape.workspace_rows}")
+                raise MetadataError(
+                    f"workspace_rows {workspace_rows} differs from the static shape's {shape.workspace_rows}"
+                )
             if plan.num_chunks > shape.max_chunks:
-                raise MetadataError(f"context needs {plan.num_chunks} chunks but the static shape has "
-                                    f"max_chunks={shape.max_chunks}")
+                raise MetadataError(
+                    f"context needs {plan.num_chunks} chunks but the static shape has max_chunks={shape.max_chunks}"
+                )
     Bd, Q, Sp, MP = shape.num_decodes, shape.decode_query_len, shape.num_prefills, shape.max_pages
     Td, T = shape.num_decode_tokens, shape.num_tokens
     input_ids = np.zeros(T, np.int32)
@@ -195,10 +211,10 @@ def build_metadata(requests: Sequence[ScheduledRequest], *, page_size: int, num_
         r = requests[i]
         n = len(r.token_ids)
         pos = r.num_computed_tokens + np.arange(n)
-        input_ids[start:start + n] = r.token_ids
-        positions[start:start + n] = pos
+        input_ids[start : start + n] = r.token_ids
+        positions[start : start + n] = pos
         blocks = np.asarray(r.block_ids, np.int64)
-        slot_mapping[start:start + n] = blocks[pos // page_size] * page_size + pos % page_size
+        slot_mapping[start : start + n] = blocks[pos // page_size] * page_size + pos % page_size
 
     # Decode block [Bd, Q].
     dec_bt = np.full((Bd, MP), pad_page, np.int32)
@@ -211,14 +227,14 @@ def build_metadata(requests: Sequence[ScheduledRequest], *, page_size: int, num_
             dec_seq[b, :n] = r.num_computed_tokens + np.arange(1, n + 1)
         else:
             dec_seq[b, :n] = r.num_computed_tokens + n
-        logits_indices[b * Q: b * Q + n] = b * Q + np.arange(n)
+        logits_indices[b * Q : b * Q + n] = b * Q + np.arange(n)
     # Prefill segment.
     qsl = np.zeros(Sp + 1, np.int32)
     for s, i in enumerate(pre):
         qsl[s + 1] = qsl[s] + qlens[i]
         place(i, Td + qsl[s])
         logits_indices[Td + s] = Td + qsl[s + 1] - 1
-    qsl[len(pre) + 1:] = qsl[len(pre)]
+    qsl[len(pre) + 1 :] = qsl[len(pre)]
     pre_bt = np.full((Sp, MP), pad_page, np.int32)
     pre_bt[: len(pre)] = table(pre)
     ctx_lens = np.zeros(Sp, np.int32)
@@ -231,15 +247,24 @@ def build_metadata(requests: Sequence[ScheduledRequest], *, page_size: int, num_
         p = plan.pad_to(C)
         chunk_starts[:, : len(pre)] = p.chunk_starts
         cu_chunk[:, : len(pre) + 1] = p.cu_chunk_lens
-        cu_chunk[:, len(pre) + 1:] = p.cu_chunk_lens[:, -1:]
+        cu_chunk[:, len(pre) + 1 :] = p.cu_chunk_lens[:, -1:]
         num_chunks = plan.num_chunks
     md = AttentionMetadata(
-        input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, logits_indices=logits_indices,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        logits_indices=logits_indices,
         decode=DecodeMetadata(block_table=dec_bt, seq_lens=dec_seq),
-        prefill=PrefillMetadata(query_start_loc=qsl, context_lens=ctx_lens, block_table=pre_bt,
-                                chunk_starts=chunk_starts, cu_chunk_lens=cu_chunk,
-                                num_chunks=np.asarray(num_chunks, np.int32)),
-        shape=shape)
+        prefill=PrefillMetadata(
+            query_start_loc=qsl,
+            context_lens=ctx_lens,
+            block_table=pre_bt,
+            chunk_starts=chunk_starts,
+            cu_chunk_lens=cu_chunk,
+            num_chunks=np.asarray(num_chunks, np.int32),
+        ),
+        shape=shape,
+    )
     validate_metadata(md, num_pages=num_pages, page_size=page_size)
     return md, order
 
@@ -248,7 +273,8 @@ def validate_metadata(md: AttentionMetadata, *, num_pages: int, page_size: int) 
     """Host-side checks of (numpy or device) metadata: dtypes, shapes, slots and seq_lens in range."""
     s = md.shape
     expect = {
-        "input_ids": (md.input_ids, (s.num_tokens,)), "positions": (md.positions, (s.num_tokens,)),
+        "input_ids": (md.input_ids, (s.num_tokens,)),
+        "positions": (md.positions, (s.num_tokens,)),
         "slot_mapping": (md.slot_mapping, (s.num_tokens,)),
         "logits_indices": (md.logits_indices, (s.num_logits,)),
         "decode.block_table": (md.decode.block_table, (s.num_decodes, s.max_pages)),
@@ -269,16 +295,17 @@ def validate_metadata(md: AttentionMetadata, *, num_pages: int, page_size: int) 
     bad = slots[(slots < -1) | (slots >= num_pages * page_size)]
     if bad.size:
         raise MetadataError(f"slot_mapping entry {int(bad[0])} out of range [-1, {num_pages * page_size})")
-    for name, bt in (("decode.block_table", md.decode.block_table), ("prefill.block_table",
-                                                                     md.prefill.block_table)):
+    for name, bt in (("decode.block_table", md.decode.block_table), ("prefill.block_table", md.prefill.block_table)):
         bt = np.asarray(bt)
         if bt.size and (bt.min() < 0 or bt.max() >= num_pages):
             raise MetadataError(f"{name} holds page ids outside [0, {num_pages})")
     cap = s.max_pages * page_size
     seq = np.asarray(md.decode.seq_lens)
     if seq.size and (seq.min() < 0 or seq.max() > cap):
-        raise MetadataError(f"decode.seq_lens up to {int(seq.max())} is past the block table "
-                            f"({s.max_pages} pages of {page_size} = {cap} tokens)")
+        raise MetadataError(
+            f"decode.seq_lens up to {int(seq.max())} is past the block table "
+            f"({s.max_pages} pages of {page_size} = {cap} tokens)"
+        )
     qsl = np.asarray(md.prefill.query_start_loc)
     if np.any(np.diff(qsl) < 0) or (qsl.size and qsl[-1] > s.num_prefill_tokens):
         raise MetadataError("prefill.query_start_loc must be non-decreasing and within the prefill tokens")
@@ -289,5 +316,4 @@ def validate_metadata(md: AttentionMetadata, *, num_pages: int, page_size: int) 
         raise MetadataError("max_chunks > 0 needs workspace_rows > 0")
     cu = np.asarray(md.prefill.cu_chunk_lens)
     if cu.size and cu[:, -1].max() > s.workspace_rows:
-        raise MetadataError(f"a context chunk holds {int(cu[:, -1].max())} rows > workspace_rows "
-                            f"{s.workspace_rows}")
+        raise MetadataError(f"a context chunk holds {int(cu[:, -1].max())} rows > workspace_rows {s.workspace_rows}")

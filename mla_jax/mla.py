@@ -11,6 +11,7 @@ k_pe [T, 1, R]. Then either
 `kv_b_proj` [N*(P+V), L] is split once after loading into W_UK_T [N, P, L] and W_UV [N, L, V]
 (`split_kv_b_proj`); both algorithms then use these two tensors, so kv_b_proj is not kept twice.
 """
+
 from __future__ import annotations
 
 import jax
@@ -32,14 +33,16 @@ def split_kv_b_proj(kv_b_weight: jnp.ndarray, cfg: DeepseekConfig) -> tuple[jnp.
     return w[:, :P, :], jnp.swapaxes(w[:, P:, :], 1, 2)
 
 
-def mla_project(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.ndarray
-                ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+def mla_project(
+    p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.ndarray
+) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """x [T, D], positions i32[T] -> q [T, N, P+R] (rope applied to q_pe), kv_c_normed [T, L], k_pe [T, 1, R]."""
     return mla_project_with_q_latent(p, cfg, x, positions)[:3]
 
 
-def mla_project_with_q_latent(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.ndarray
-                              ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray | None]:
+def mla_project_with_q_latent(
+    p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.ndarray
+) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray | None]:
     """`mla_project` plus the q latent q_a_layernorm(q_a_proj(x)) [T, Q_lora] (None without q-LoRA), which the
     sparse-attention indexer reads."""
     T = x.shape[0]
@@ -67,8 +70,9 @@ def absorb_q(p: dict, cfg: DeepseekConfig, q: jnp.ndarray) -> jnp.ndarray:
     return jnp.concatenate([ql_nope, q[..., P:].astype(ql_nope.dtype)], axis=-1)
 
 
-def up_project_kv(p: dict, cfg: DeepseekConfig, kv_c_normed: jnp.ndarray, k_pe: jnp.ndarray
-                  ) -> tuple[jnp.ndarray, jnp.ndarray]:
+def up_project_kv(
+    p: dict, cfg: DeepseekConfig, kv_c_normed: jnp.ndarray, k_pe: jnp.ndarray
+) -> tuple[jnp.ndarray, jnp.ndarray]:
     """kv_c_normed [S, L], k_pe [S, 1, R] -> k [S, N, P+R] (k_pe broadcast to all heads), v [S, N, V]."""
     k_nope = jnp.einsum("sl,npl->snp", kv_c_normed, p["W_UK_T"])  # [S, N, P]
     v = jnp.einsum("sl,nlv->snv", kv_c_normed, p["W_UV"])  # [S, N, V]
@@ -86,9 +90,16 @@ def o_proj(p: dict, attn: jnp.ndarray) -> jnp.ndarray:
     return linear(p["o_proj"], attn.reshape(attn.shape[0], -1).astype(p["o_proj"]["weight"].dtype))
 
 
-def mla_forward_full(p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.ndarray, *,
-                     algorithm: str = "naive", scale: float | None = None,
-                     topk_indices: jnp.ndarray | None = None) -> jnp.ndarray:
+def mla_forward_full(
+    p: dict,
+    cfg: DeepseekConfig,
+    x: jnp.ndarray,
+    positions: jnp.ndarray,
+    *,
+    algorithm: str = "naive",
+    scale: float | None = None,
+    topk_indices: jnp.ndarray | None = None,
+) -> jnp.ndarray:
     """Whole-sequence causal MLA for one sequence, no cache: x [S, D] -> [S, D].
 
     `algorithm` "naive" is the compute-friendly MHA path, "absorbed" the data-movement MQA path; both must
@@ -123,8 +134,9 @@ def masked_mha(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, scale: float, mas
     return jnp.einsum("nst,tnv->snv", probs, v.astype(jnp.float32))
 
 
-def masked_mqa(q: jnp.ndarray, kv_c_and_k_pe: jnp.ndarray, scale: float, kv_lora_rank: int, mask: jnp.ndarray
-               ) -> jnp.ndarray:
+def masked_mqa(
+    q: jnp.ndarray, kv_c_and_k_pe: jnp.ndarray, scale: float, kv_lora_rank: int, mask: jnp.ndarray
+) -> jnp.ndarray:
     """`reference.causal_mqa` with an extra mask bool[S, S] (True = attend) on top of causality (f32)."""
     S = q.shape[0]
     kv = kv_c_and_k_pe.astype(jnp.float32)

@@ -19,6 +19,7 @@ k_norm {weight, bias} [D_I], weights_proj [H_I, D] (float32, as HF keeps it)}. L
 layer's top-k ("shared") have no indexer in the checkpoint; they hold zeros of the same shapes so that the
 layers still stack, and never read them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,8 +39,10 @@ Params = dict[str, Any]
 
 def check_supported(cfg: DeepseekConfig) -> None:
     if cfg.n_routed_experts is not None and cfg.moe_layer_freq != 1:
-        raise ConfigError(f"config.json: moe_layer_freq={cfg.moe_layer_freq} is not supported (DeepSeek "
-                          "V2/V3 use 1: dense layers first, then MoE layers)")
+        raise ConfigError(
+            f"config.json: moe_layer_freq={cfg.moe_layer_freq} is not supported (DeepSeek "
+            "V2/V3 use 1: dense layers first, then MoE layers)"
+        )
 
 
 def layer_groups(cfg: DeepseekConfig) -> list[tuple[str, int, int]]:
@@ -66,33 +69,53 @@ def init_params(cfg: DeepseekConfig, key: jax.Array, dtype=jnp.float32, std: flo
         return {"weight": (1.0 + 0.1 * jax.random.normal(next(keys), (n,), jnp.float32)).astype(dtype)}
 
     def attn():
-        a = {"kv_a_proj_with_mqa": {"weight": w(L + R, D)}, "kv_a_layernorm": norm(L),
-             "kv_b_proj": {"weight": w(N * (P + V), L)}, "o_proj": {"weight": w(D, N * V)}}
+        a = {
+            "kv_a_proj_with_mqa": {"weight": w(L + R, D)},
+            "kv_a_layernorm": norm(L),
+            "kv_b_proj": {"weight": w(N * (P + V), L)},
+            "o_proj": {"weight": w(D, N * V)},
+        }
         if cfg.q_lora_rank is None:
             a["q_proj"] = {"weight": w(N * (P + R), D)}
         else:
-            a |= {"q_a_proj": {"weight": w(cfg.q_lora_rank, D)}, "q_a_layernorm": norm(cfg.q_lora_rank),
-                  "q_b_proj": {"weight": w(N * (P + R), cfg.q_lora_rank)}}
+            a |= {
+                "q_a_proj": {"weight": w(cfg.q_lora_rank, D)},
+                "q_a_layernorm": norm(cfg.q_lora_rank),
+                "q_b_proj": {"weight": w(N * (P + R), cfg.q_lora_rank)},
+            }
         return a
 
     def indexer(full):
         H, Di = cfg.index_n_heads, cfg.index_head_dim
-        ind = {"wq_b": {"weight": w(H * Di, cfg.q_lora_rank)}, "wk": {"weight": w(Di, D)},
-               "k_norm": {"weight": norm(Di)["weight"], "bias": w(Di, s=0.1)},
-               "weights_proj": {"weight": w(H, D, s=1.0 / D**0.5).astype(jnp.float32)}}
+        ind = {
+            "wq_b": {"weight": w(H * Di, cfg.q_lora_rank)},
+            "wk": {"weight": w(Di, D)},
+            "k_norm": {"weight": norm(Di)["weight"], "bias": w(Di, s=0.1)},
+            "weights_proj": {"weight": w(H, D, s=1.0 / D**0.5).astype(jnp.float32)},
+        }
         return ind if full else jax.tree.map(jnp.zeros_like, ind)
 
     def dense_mlp(inter):
-        return {"gate_proj": {"weight": w(inter, D)}, "up_proj": {"weight": w(inter, D)},
-                "down_proj": {"weight": w(D, inter)}}
+        return {
+            "gate_proj": {"weight": w(inter, D)},
+            "up_proj": {"weight": w(inter, D)},
+            "down_proj": {"weight": w(D, inter)},
+        }
 
     def layer(i, is_moe):
         if is_moe:
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-            m = {"gate": {"weight": w(E, D, s=1.0 / D**0.5).astype(jnp.float32),
-                          "e_score_correction_bias": w(E, s=0.05).astype(jnp.float32)},
-                 "experts": {"gate_proj": {"weight": w(E, I, D)}, "up_proj": {"weight": w(E, I, D)},
-                             "down_proj": {"weight": w(E, D, I)}}}
+            m = {
+                "gate": {
+                    "weight": w(E, D, s=1.0 / D**0.5).astype(jnp.float32),
+                    "e_score_correction_bias": w(E, s=0.05).astype(jnp.float32),
+                },
+                "experts": {
+                    "gate_proj": {"weight": w(E, I, D)},
+                    "up_proj": {"weight": w(E, I, D)},
+                    "down_proj": {"weight": w(E, D, I)},
+                },
+            }
             if cfg.n_shared_experts:
                 m["shared_experts"] = dense_mlp(I * cfg.n_shared_experts)
         else:
@@ -161,8 +184,16 @@ def split_experts(group: Params, is_moe: bool, gmm_impl: str) -> tuple[Params, P
 AttentionFn = Callable[[Params, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
 
 
-def decoder_layers(params: Params, cfg: DeepseekConfig, x: jax.Array, attention: AttentionFn, state: Any, *,
-                   gmm_impl: str = "ragged_dot", comm: Comm = LOCAL) -> tuple[jax.Array, Any]:
+def decoder_layers(
+    params: Params,
+    cfg: DeepseekConfig,
+    x: jax.Array,
+    attention: AttentionFn,
+    state: Any,
+    *,
+    gmm_impl: str = "ragged_dot",
+    comm: Comm = LOCAL,
+) -> tuple[jax.Array, Any]:
     """The decoder stack over x [T, D] -> (hidden state after the last layer [T, D], final loop state).
 
     The one layer loop of the model: the full forward (`forward`), the paged step and the multi-device step
@@ -202,8 +233,15 @@ def lm_logits(params: Params, cfg: DeepseekConfig, x: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "scale", "gmm_impl"))
-def forward(params: Params, cfg: DeepseekConfig, input_ids: jnp.ndarray, *, attention: str = "naive",
-            scale: float | None = None, gmm_impl: str = "ragged_dot") -> jnp.ndarray:
+def forward(
+    params: Params,
+    cfg: DeepseekConfig,
+    input_ids: jnp.ndarray,
+    *,
+    attention: str = "naive",
+    scale: float | None = None,
+    gmm_impl: str = "ragged_dot",
+) -> jnp.ndarray:
     """Full-sequence causal forward without a cache: input_ids i32[B, S] -> logits f32[B, S, vocab].
 
     Each row is one sequence at positions 0..S-1. `attention` picks the MLA algorithm ("naive" MHA or
@@ -215,7 +253,8 @@ def forward(params: Params, cfg: DeepseekConfig, input_ids: jnp.ndarray, *, atte
 
     def attn(p, h, state, layer):
         out = jax.vmap(lambda hs: mla_forward_full(p, cfg, hs, positions, algorithm=attention, scale=scale))(
-            h.reshape(B, S, -1))  # [B, S, D]
+            h.reshape(B, S, -1)
+        )  # [B, S, D]
         return out.reshape(B * S, -1), state
 
     def sparse_attn(p, h, topk, layer):
@@ -230,8 +269,9 @@ def forward(params: Params, cfg: DeepseekConfig, input_ids: jnp.ndarray, *, atte
             topk = jax.lax.cond(indexer_layer_table(cfg)[layer], own_topk, lambda: topk)
         else:
             topk = own_topk()  # [B, S, min(K, S)]
-        out = jax.vmap(lambda hs, ti: mla_forward_full(p, cfg, hs, positions, algorithm=attention, scale=scale,
-                                                       topk_indices=ti))(hb, topk)  # [B, S, D]
+        out = jax.vmap(
+            lambda hs, ti: mla_forward_full(p, cfg, hs, positions, algorithm=attention, scale=scale, topk_indices=ti)
+        )(hb, topk)  # [B, S, D]
         return out.reshape(B * S, -1), topk
 
     x = embed(params, cfg, input_ids.reshape(-1))

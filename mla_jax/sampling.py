@@ -9,6 +9,7 @@ Top-n logprobs (OpenAI's `logprobs` / `top_logprobs`) are computed only in steps
 them: `SamplingArrays.num_top_logprobs` is a static field, 0 or `MAX_TOP_LOGPROBS`, so the common step has no
 top-k at all and a step with such a request is one more compiled variant of its shape.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -112,5 +113,7 @@ def sample(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
     if not s.num_top_logprobs:
         return tokens, logprobs
     top_lp, top_ids = jax.lax.top_k(logprobs_all, s.num_top_logprobs)
-    return (jnp.concatenate([tokens[:, None], top_ids.astype(jnp.int32)], axis=1),
-            jnp.concatenate([logprobs[:, None], top_lp], axis=1))
+    return (
+        jnp.concatenate([tokens[:, None], top_ids.astype(jnp.int32)], axis=1),
+        jnp.concatenate([logprobs[:, None], top_lp], axis=1),
+    )

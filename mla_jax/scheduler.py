@@ -15,6 +15,7 @@ prefilled, the cached part read as chunked context. After each step `cache_compu
 newly completed full pages. A preempted request drops its references like a finished one; its pages stay
 cached until evicted, so its recompute is often mostly a cache hit.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,8 +73,15 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, *, max_num_seqs: int, token_budget: int, max_prefills: int,
-                 long_prefill_threshold: int | None = None):
+    def __init__(
+        self,
+        pool: PagePool,
+        *,
+        max_num_seqs: int,
+        token_budget: int,
+        max_prefills: int,
+        long_prefill_threshold: int | None = None,
+    ):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
@@ -137,7 +145,7 @@ class Scheduler:
         G = self.pool.page_size
         n = (r.num_tokens - 1) // G
         if len(r.block_hashes) < n:
-            r.block_hashes = page_hashes(r.all_token_ids[:n * G], G, r.block_hashes)
+            r.block_hashes = page_hashes(r.all_token_ids[: n * G], G, r.block_hashes)
         return self.pool.cached_prefix(r.block_hashes[:n])
 
     def cache_computed(self, r: Request) -> None:
@@ -150,7 +158,7 @@ class Scheduler:
         if r.num_cached_pages >= full:
             return
         if len(r.block_hashes) < full:
-            r.block_hashes = page_hashes(r.all_token_ids[:full * G], G, r.block_hashes)
+            r.block_hashes = page_hashes(r.all_token_ids[: full * G], G, r.block_hashes)
         for i in range(r.num_cached_pages, full):
             self.pool.cache_page(r.request_id, i, r.block_hashes[i])
         r.num_cached_pages = full

@@ -12,6 +12,7 @@ its shards, with the plan's collectives (`mla_jax.comm.Comm`); without one, with
 Sparse-attention models (DeepSeek-V3.2) run `mla_jax.sparse.mla_paged_sparse` in the same layer loop instead,
 with the index group's top-k in the loop's carry next to the cache.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,9 +37,18 @@ if TYPE_CHECKING:
     from mla_jax.parallel import ParallelPlan
 
 
-def mla_paged(p: dict, cfg: DeepseekConfig, x: jax.Array, md: AttentionMetadata, cache: KVCache,
-              layer: jax.Array, backend: attention.Backend, *, comm: Comm = LOCAL, batch_invariant: bool = False
-              ) -> tuple[jax.Array, KVCache]:
+def mla_paged(
+    p: dict,
+    cfg: DeepseekConfig,
+    x: jax.Array,
+    md: AttentionMetadata,
+    cache: KVCache,
+    layer: jax.Array,
+    backend: attention.Backend,
+    *,
+    comm: Comm = LOCAL,
+    batch_invariant: bool = False,
+) -> tuple[jax.Array, KVCache]:
     """x [T, D] -> ([T, D], cache with this step's rows of `layer` written). `cfg` has this device's heads; `md`
     is this device's view (`Comm.local_view`): under DCP its slot_mapping writes only the rank's own tokens."""
     s = md.shape
@@ -51,21 +61,52 @@ def mla_paged(p: dict, cfg: DeepseekConfig, x: jax.Array, md: AttentionMetadata,
     if Td:
         q_mqa = comm.gather_decode_q(absorb_q(p, cfg, q[:Td]).astype(x.dtype))  # [Td, N (dcp*N under DCP), L+R]
         q_mqa = q_mqa.reshape(s.num_decodes, s.decode_query_len, -1, L + R)
-        latent, lse = attention.forward_mqa(backend, q_mqa, kv_flat, scale_flat, md.decode, offset,
-                                            scale=cfg.softmax_scale, kv_lora_rank=L,
-                                            batch_invariant=batch_invariant)  # [Bd, Q, N, L]
+        latent, lse = attention.forward_mqa(
+            backend,
+            q_mqa,
+            kv_flat,
+            scale_flat,
+            md.decode,
+            offset,
+            scale=cfg.softmax_scale,
+            kv_lora_rank=L,
+            batch_invariant=batch_invariant,
+        )  # [Bd, Q, N, L]
         latent = comm.combine_decode(latent, lse)  # [Bd, Q, N, L]
         outs.append(v_up_proj(p, latent.reshape(Td, N, L)))  # [Td, N, V]
     if s.num_prefill_tokens:
-        outs.append(attention.forward_mha(
-            backend, p, cfg, q[Td:], kv_c_normed[Td:], k_pe[Td:], kv_flat, scale_flat, md.prefill, offset,
-            workspace_rows=s.workspace_rows, max_chunks=s.max_chunks, comm=comm))  # [Tp, N, V]
+        outs.append(
+            attention.forward_mha(
+                backend,
+                p,
+                cfg,
+                q[Td:],
+                kv_c_normed[Td:],
+                k_pe[Td:],
+                kv_flat,
+                scale_flat,
+                md.prefill,
+                offset,
+                workspace_rows=s.workspace_rows,
+                max_chunks=s.max_chunks,
+                comm=comm,
+            )
+        )  # [Tp, N, V]
     attn = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
     return o_proj(p, attn.astype(x.dtype)), cache
 
 
-def _device_step(params: Params, cache: KVCache, md: AttentionMetadata, *, cfg: DeepseekConfig, comm: Comm,
-                 backend: str, batch_invariant: bool, gmm_impl: str) -> tuple[jax.Array, KVCache]:
+def _device_step(
+    params: Params,
+    cache: KVCache,
+    md: AttentionMetadata,
+    *,
+    cfg: DeepseekConfig,
+    comm: Comm,
+    backend: str,
+    batch_invariant: bool,
+    gmm_impl: str,
+) -> tuple[jax.Array, KVCache]:
     """The step on one device's shards: (logits f32[num_logits, vocab (this device's rows)], cache)."""
     be = attention.get_backend(backend)
     heads = cfg.num_attention_heads // comm.head_shards
@@ -81,8 +122,7 @@ def _device_step(params: Params, cache: KVCache, md: AttentionMetadata, *, cfg: 
             out, c, topk = sparse.mla_paged_sparse(p, cfg_loc, h, view, state[0], state[1], layer, be, rows)
             return out, (c, topk)
 
-        x, (cache, _) = decoder_layers(params, cfg, x, sparse_attn, (cache, (none, none)), gmm_impl=gmm_impl,
-                                       comm=comm)
+        x, (cache, _) = decoder_layers(params, cfg, x, sparse_attn, (cache, (none, none)), gmm_impl=gmm_impl, comm=comm)
         return lm_logits(params, cfg, x[md.logits_indices]), cache
 
     def attn(p, h, cache, layer):
@@ -92,9 +132,17 @@ def _device_step(params: Params, cache: KVCache, md: AttentionMetadata, *, cfg: 
     return lm_logits(params, cfg, x[md.logits_indices]), cache
 
 
-def forward_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: AttentionMetadata, *,
-                 backend: str = "xla", plan: ParallelPlan | None = None, batch_invariant: bool = False,
-                 gmm_impl: str = "ragged_dot") -> tuple[jax.Array, KVCache]:
+def forward_step(
+    params: Params,
+    cfg: DeepseekConfig,
+    cache: KVCache,
+    md: AttentionMetadata,
+    *,
+    backend: str = "xla",
+    plan: ParallelPlan | None = None,
+    batch_invariant: bool = False,
+    gmm_impl: str = "ragged_dot",
+) -> tuple[jax.Array, KVCache]:
     """One step: (logits f32[num_logits, vocab] at `md.logits_indices`, updated cache).
 
     `backend` names the attention backend (`mla_jax.attention.BACKENDS`), `gmm_impl` the MoE expert matmul
@@ -117,36 +165,59 @@ def forward_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: Attent
         raise ValueError(f"cache page axis {cache.page_size} is not a multiple of dcp={plan.dcp}")
     cspecs = plan.cache_specs(cache.is_fp8)
     f = functools.partial(_device_step, comm=plan.comm(cfg), **kw)
-    return jax.shard_map(f, mesh=plan.mesh, in_specs=(plan.param_specs(params, cfg), cspecs, P()),
-                         out_specs=(plan.logits_spec(params, cfg), cspecs),
-                         check_vma=False)(params, cache, md)  # Pallas calls carry no varying-axes types
+    return jax.shard_map(
+        f,
+        mesh=plan.mesh,
+        in_specs=(plan.param_specs(params, cfg), cspecs, P()),
+        out_specs=(plan.logits_spec(params, cfg), cspecs),
+        check_vma=False,
+    )(params, cache, md)  # Pallas calls carry no varying-axes types
 
 
 STATIC_ARGNAMES = ("cfg", "backend", "plan", "batch_invariant", "gmm_impl")
 
 
 @functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES, donate_argnames=("cache",))
-def jit_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: AttentionMetadata, *, backend: str = "xla",
-             plan: ParallelPlan | None = None, batch_invariant: bool = False, gmm_impl: str = "ragged_dot"
-             ) -> tuple[jax.Array, KVCache]:
+def jit_step(
+    params: Params,
+    cfg: DeepseekConfig,
+    cache: KVCache,
+    md: AttentionMetadata,
+    *,
+    backend: str = "xla",
+    plan: ParallelPlan | None = None,
+    batch_invariant: bool = False,
+    gmm_impl: str = "ragged_dot",
+) -> tuple[jax.Array, KVCache]:
     """`forward_step` compiled once per (config, backend, plan, BatchShape); the cache is donated (updated in
     place)."""
-    return forward_step(params, cfg, cache, md, backend=backend, plan=plan, batch_invariant=batch_invariant,
-                        gmm_impl=gmm_impl)
+    return forward_step(
+        params, cfg, cache, md, backend=backend, plan=plan, batch_invariant=batch_invariant, gmm_impl=gmm_impl
+    )
 
 
 @functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES, donate_argnames=("cache",))
-def engine_step(params: Params, cfg: DeepseekConfig, cache: KVCache, md: AttentionMetadata,
-                sampling: SamplingArrays, *, backend: str, plan: ParallelPlan | None = None,
-                batch_invariant: bool = False, gmm_impl: str = "ragged_dot") -> tuple[jax.Array, jax.Array, KVCache]:
+def engine_step(
+    params: Params,
+    cfg: DeepseekConfig,
+    cache: KVCache,
+    md: AttentionMetadata,
+    sampling: SamplingArrays,
+    *,
+    backend: str,
+    plan: ParallelPlan | None = None,
+    batch_invariant: bool = False,
+    gmm_impl: str = "ragged_dot",
+) -> tuple[jax.Array, jax.Array, KVCache]:
     """Forward + sampling: (token ids i32[num_logits], logprobs f32[num_logits], updated cache). On a mesh the
     logits are all-gathered and every device samples the same tokens.
 
     With `sampling.num_top_logprobs` = n > 0 (static: a separate compiled variant, used only for steps where a
     request asks for top logprobs) token ids and logprobs are [num_logits, 1 + n]: column 0 the sampled token,
     columns 1..n the n most likely ones (`mla_jax.sampling.sample`)."""
-    logits, cache = forward_step(params, cfg, cache, md, backend=backend, plan=plan, batch_invariant=batch_invariant,
-                                 gmm_impl=gmm_impl)
+    logits, cache = forward_step(
+        params, cfg, cache, md, backend=backend, plan=plan, batch_invariant=batch_invariant, gmm_impl=gmm_impl
+    )
     if plan is None:
         tokens, logprobs = sample(logits, sampling)
         return tokens, logprobs, cache

@@ -25,8 +25,9 @@ FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FLOAT_DTYPES = (BF16, F16, F32)  # what the Triton-lowered kernels compute in
 HALF_DTYPES = (BF16, F16)  # wgmma operands of the Hopper kernels
 CACHE_DTYPES = FLOAT_DTYPES + (FP8,)  # paged KV caches (fp8 with a per-token scale)
-# Short names used by the tests, the benchmarks and their case tables.
-DTYPE_NAMES = {"bf16": BF16, "f16": F16, "f32": F32, "fp8": FP8}
+# The one table of short dtype names: the tests, benchmarks and case tables here, and mla_jax (`--dtype bf16`,
+# `cache_dtype="fp8"`, through mla_jax.dtypes).
+DTYPE_NAMES = {"bf16": BF16, "f16": F16, "fp16": F16, "f32": F32, "fp32": F32, "fp8": FP8, "fp8_e4m3": FP8}
 
 # ---------------------------------------------------------------------------------------------
 # Softmax constants

@@ -160,8 +160,9 @@ V3 = dict(
 # DeepSeek-V3.2 (DSA): V3 plus a lightning indexer in every layer (wq_b on the q latent, wk + LayerNorm k_norm
 # on the hidden state, non-interleaved RoPE on its first qk_rope_head_dim dims, ReLU scores weighted per head
 # by weights_proj). index_topk 16 < the two longer prompts. Smaller than V3 (vocab 128, 3 layers) to stay < 1 MB.
-SPARSE_COMMON = dict(COMMON, vocab_size=128, moe_intermediate_size=16, index_topk=16, index_n_heads=8,
-                     index_head_dim=16)
+SPARSE_COMMON = dict(
+    COMMON, vocab_size=128, moe_intermediate_size=16, index_topk=16, index_n_heads=8, index_head_dim=16
+)
 V32 = dict(
     SPARSE_COMMON,
     num_hidden_layers=3,
@@ -253,8 +254,11 @@ def make_prompts(seed: int, vocab: int, lens=PROMPT_LENS) -> list[torch.Tensor]:
 
 def indexers(model) -> list[tuple[int, torch.nn.Module]]:
     """(layer, indexer) of every layer that runs one (GLM-MoE-DSA's "shared" layers have none)."""
-    return [(li, layer.self_attn.indexer) for li, layer in enumerate(model.model.layers)
-            if getattr(layer.self_attn, "indexer", None) is not None]
+    return [
+        (li, layer.self_attn.indexer)
+        for li, layer in enumerate(model.model.layers)
+        if getattr(layer.self_attn, "indexer", None) is not None
+    ]
 
 
 def index_scores64(ind, interleave: bool, hidden, q_resid, position_embeddings) -> torch.Tensor:
@@ -315,6 +319,7 @@ def run(model, prompts, capture: bool = False):
             m = model.model
             hooks.append(m.embed_tokens.register_forward_hook(lambda mod, a, o: rec.__setitem__("h_embed", o)))
             for li, layer in enumerate(m.layers):
+
                 def layer_hook(mod, a, o, li=li):  # GLM-MoE-DSA's layers return (hidden, topk)
                     rec[f"h_{li}"] = o[0] if isinstance(o, tuple) else o
 
@@ -324,7 +329,9 @@ def run(model, prompts, capture: bool = False):
             qmod = getattr(attn, "q_proj", None) or attn.q_b_proj
             hooks.append(qmod.register_forward_hook(lambda mod, a, o: rec.__setitem__("l0_q", o)))
             hooks.append(attn.kv_a_proj_with_mqa.register_forward_hook(lambda mod, a, o: rec.__setitem__("l0_kv_a", o)))
-            hooks.append(attn.kv_a_layernorm.register_forward_hook(lambda mod, a, o: rec.__setitem__("l0_kv_c_normed", o)))
+            hooks.append(
+                attn.kv_a_layernorm.register_forward_hook(lambda mod, a, o: rec.__setitem__("l0_kv_c_normed", o))
+            )
 
             def o_hook(mod, a, o):  # must return None: a forward hook's return value replaces the output
                 rec["l0_attn_pre_o"], rec["l0_attn_out"] = a[0], o
@@ -356,7 +363,7 @@ def routing_stats(model, routing) -> dict:
     min_margin, min_gmargin, bias_changed, n_tok = math.inf, math.inf, 0, 0
     all_sets = {}
     for per_prompt in routing:
-        for li, (x, (logits, w, idx)) in per_prompt.items():
+        for li, (_x, (logits, _w, idx)) in per_prompt.items():
             logits = logits.double()
             n_tok += logits.shape[0]
             all_sets.setdefault(li, set()).update(tuple(sorted(r)) for r in idx.tolist())
@@ -368,7 +375,11 @@ def routing_stats(model, routing) -> dict:
             else:
                 s = logits.softmax(-1)
                 choice = s
-                grp = s.view(-1, cfg.n_group, E // cfg.n_group).max(-1).values if cfg.topk_method == "group_limited_greedy" else None
+                grp = (
+                    s.view(-1, cfg.n_group, E // cfg.n_group).max(-1).values
+                    if cfg.topk_method == "group_limited_greedy"
+                    else None
+                )
                 masked_fill = 0.0
             if grp is not None and cfg.topk_group < cfg.n_group:
                 gs = grp.sort(-1, descending=True).values
@@ -427,8 +438,11 @@ def check_saved_layout(name: str, model, out_dir: Path) -> dict:
         assert np.array_equal(tensors[f"{pre}.{j}.down_proj.weight"], mem.down_proj[j].detach().numpy())
     assert all(v.dtype == np.float32 for v in tensors.values()), f"{name}: non-float32 tensor saved"
     keep = ("lm_head", "model.embed_tokens", "model.norm", "model.layers.0.", f"model.layers.{li}.")
-    return {k: list(v.shape) for k, v in sorted(tensors.items())
-            if k.startswith(keep) and not any(f"experts.{j}." in k for j in range(1, 64))}
+    return {
+        k: list(v.shape)
+        for k, v in sorted(tensors.items())
+        if k.startswith(keep) and not any(f"experts.{j}." in k for j in range(1, 64))
+    }
 
 
 def check(name: str, logits64, stats) -> str | None:
@@ -474,8 +488,9 @@ def sparse_check(model64, prompts, debug) -> tuple[str | None, dict]:
         ind.index_topk = 1 << 30
     dense_logits, _, _ = run(dense, prompts)
     sparse_logits, _, _ = run(model64, prompts)
-    stats["max_abs_diff_dense_vs_sparse_logits"] = [(a - b).abs().max().item()
-                                                    for a, b in zip(dense_logits, sparse_logits)]
+    stats["max_abs_diff_dense_vs_sparse_logits"] = [
+        (a - b).abs().max().item() for a, b in zip(dense_logits, sparse_logits)
+    ]
     for ids, d in zip(prompts, stats["max_abs_diff_dense_vs_sparse_logits"]):
         if len(ids) > K and d < 0.1:
             return f"the top-k barely changes the logits ({d:.2e})", stats
@@ -516,8 +531,9 @@ def build(name: str) -> dict:
     logits32, _, _ = run(model, prompts)
 
     # Reload from disk (fresh process state, float32 then double) and require identical logits.
-    reloaded = model_cls.from_pretrained(out_dir, attn_implementation="eager", experts_implementation="eager",
-                                         dtype=torch.float32).eval()
+    reloaded = model_cls.from_pretrained(
+        out_dir, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32
+    ).eval()
     sd_a, sd_b = model64.state_dict(), reloaded.state_dict()
     assert sd_a.keys() == sd_b.keys(), f"{name}: state dict keys differ after reload"
     for key in sd_a:
@@ -570,10 +586,14 @@ def build(name: str) -> dict:
             "rope_attention_scaling": float(rot.attention_scaling),
             "rope_type": rot.rope_type,
             "inv_freq": [float(x) for x in rot.inv_freq.float()],
-            "default_inv_freq": [float(x) for x in
-                                 1.0 / (config.rope_parameters["rope_theta"]
-                                        ** (torch.arange(0, config.qk_rope_head_dim, 2, dtype=torch.float64)
-                                            / config.qk_rope_head_dim))],
+            "default_inv_freq": [
+                float(x)
+                for x in 1.0
+                / (
+                    config.rope_parameters["rope_theta"]
+                    ** (torch.arange(0, config.qk_rope_head_dim, 2, dtype=torch.float64) / config.qk_rope_head_dim)
+                )
+            ],
         },
         "saved_tensors_layer0_and_first_moe_layer": saved,
         "files": sorted(p.name for p in out_dir.iterdir()) + ["reference.json"],
@@ -587,8 +607,10 @@ def main() -> None:
     names = sys.argv[1:] or list(MODELS)
     for name in names:
         meta = build(name)
-        print(f"{name}: ok  fp32-vs-fp64 {meta['max_abs_diff_float32_vs_float64_logits']:.2e}  "
-              f"routing {meta['routing']}  layer0 {meta['layer0']}")
+        print(
+            f"{name}: ok  fp32-vs-fp64 {meta['max_abs_diff_float32_vs_float64_logits']:.2e}  "
+            f"routing {meta['routing']}  layer0 {meta['layer0']}"
+        )
         size = sum(p.stat().st_size for p in (OUT / name).rglob("*") if p.is_file())
         limit = MAX_FIXTURE_BYTES.get(name)
         assert limit is None or size < limit, f"{name}: {size} bytes, over its {limit} budget"

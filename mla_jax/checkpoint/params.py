@@ -6,6 +6,7 @@ Accepted layouts: single `model.safetensors` or shards with `model.safetensors.i
 (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); bf16/fp16/fp32 weights, and
 DeepSeek-V3's block FP8 weights (dequantized). The MTP layer (`model.layers.{num_hidden_layers}.*`) is skipped.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,11 +15,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from mla_jax.dtypes import FP8_E4M3
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
 from mla_jax.checkpoint.validate import check_float_dtype, check_tensors, indexer_source_layer
 from mla_jax.config import DeepseekConfig
+from mla_jax.dtypes import FP8_E4M3
 from mla_jax.model import Params, layer_groups, prepare_params, stack_layers
 
 
@@ -34,8 +35,9 @@ def read_tensor(ckpt: CheckpointDir, name: str, cfg: DeepseekConfig) -> np.ndarr
     return w
 
 
-def build_params(get: Callable[[str], np.ndarray], cfg: DeepseekConfig, *, fused_experts: bool,
-                 dtype: Any = None) -> Params:
+def build_params(
+    get: Callable[[str], np.ndarray], cfg: DeepseekConfig, *, fused_experts: bool, dtype: Any = None
+) -> Params:
     """Assemble our params from HF-named tensors. `dtype` casts weights (router weights stay float32)."""
 
     def arr(x, keep_f32=False):
@@ -56,9 +58,11 @@ def build_params(get: Callable[[str], np.ndarray], cfg: DeepseekConfig, *, fused
         if cfg.use_sparse:
             ind = f"model.layers.{indexer_source_layer(cfg, i)}.self_attn.indexer."
             attn["indexer"] = {
-                "wq_b": linear(ind + "wq_b"), "wk": linear(ind + "wk"),
+                "wq_b": linear(ind + "wq_b"),
+                "wk": linear(ind + "wk"),
                 "k_norm": {"weight": arr(get(ind + "k_norm.weight")), "bias": arr(get(ind + "k_norm.bias"))},
-                "weights_proj": {"weight": arr(get(ind + "weights_proj.weight"), keep_f32=True)}}  # f32 as in HF
+                "weights_proj": {"weight": arr(get(ind + "weights_proj.weight"), keep_f32=True)},
+            }  # f32 as in HF
         m = pre + "mlp."
         if cfg.is_moe_layer(i):
             gate = {"weight": arr(get(m + "gate.weight"), keep_f32=True)}
@@ -67,20 +71,29 @@ def build_params(get: Callable[[str], np.ndarray], cfg: DeepseekConfig, *, fused
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
             if fused_experts:
                 gu = np.asarray(get(m + "experts.gate_up_proj"))
-                experts = {"gate_proj": {"weight": arr(gu[:, :I])}, "up_proj": {"weight": arr(gu[:, I:])},
-                           "down_proj": {"weight": arr(get(m + "experts.down_proj"))}}
+                experts = {
+                    "gate_proj": {"weight": arr(gu[:, :I])},
+                    "up_proj": {"weight": arr(gu[:, I:])},
+                    "down_proj": {"weight": arr(get(m + "experts.down_proj"))},
+                }
             else:
-                experts = {k: {"weight": arr(np.stack([np.asarray(get(m + f"experts.{j}.{k}.weight"))
-                                                       for j in range(E)]))}
-                           for k in ("gate_proj", "up_proj", "down_proj")}
+                experts = {
+                    k: {"weight": arr(np.stack([np.asarray(get(m + f"experts.{j}.{k}.weight")) for j in range(E)]))}
+                    for k in ("gate_proj", "up_proj", "down_proj")
+                }
             mlp: Params = {"gate": gate, "experts": experts}
             if cfg.n_shared_experts:
-                mlp["shared_experts"] = {k: linear(m + "shared_experts." + k)
-                                         for k in ("gate_proj", "up_proj", "down_proj")}
+                mlp["shared_experts"] = {
+                    k: linear(m + "shared_experts." + k) for k in ("gate_proj", "up_proj", "down_proj")
+                }
         else:
             mlp = {k: linear(m + k) for k in ("gate_proj", "up_proj", "down_proj")}
-        return {"input_layernorm": linear(pre + "input_layernorm"), "self_attn": attn,
-                "post_attention_layernorm": linear(pre + "post_attention_layernorm"), "mlp": mlp}
+        return {
+            "input_layernorm": linear(pre + "input_layernorm"),
+            "self_attn": attn,
+            "post_attention_layernorm": linear(pre + "post_attention_layernorm"),
+            "mlp": mlp,
+        }
 
     model: Params = {"embed_tokens": linear("model.embed_tokens"), "norm": linear("model.norm")}
     for name, start, n in layer_groups(cfg):

@@ -14,6 +14,7 @@ FP8 weights are dequantized to `dtype` by default. With `keep_fp8=True` they are
 dequantized (it is split per head into W_UK_T / W_UV across block boundaries). The router is kept in float32.
 The MTP layer (model.layers.{num_hidden_layers}.*) is skipped and counted.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -137,8 +138,14 @@ class Plan:
         return len({(u.stack,) + lf.path for u in self.units for lf in u.leaves if lf.part != "scale"})
 
 
-def make_plan(ckpt: CheckpointDir, cfg: DeepseekConfig, *, dtype: Any = "bf16", keep_fp8: bool = False,
-              max_group_mb: float = DEFAULT_MAX_GROUP_MB) -> Plan:
+def make_plan(
+    ckpt: CheckpointDir,
+    cfg: DeepseekConfig,
+    *,
+    dtype: Any = "bf16",
+    keep_fp8: bool = False,
+    max_group_mb: float = DEFAULT_MAX_GROUP_MB,
+) -> Plan:
     """Validate the checkpoint against `cfg` (headers only: names, shapes, dtypes, fp8 scales; nothing is read)
     and plan units and groups. Raises CheckpointError naming the first bad tensor."""
     dtype = weight_dtype(dtype)
@@ -158,9 +165,17 @@ def make_plan(ckpt: CheckpointDir, cfg: DeepseekConfig, *, dtype: Any = "bf16", 
 
     def weight(path, name, shape, out_dtype=D) -> list[Leaf]:
         if keep_fp8 and name in quantized:
-            return [Leaf(path, shape, "float8_e4m3fn", (name,), name, part="fp8"),
-                    Leaf(path[:-1] + ("weight" + SCALE_SUFFIX,), fp8_scale_shape(shape, block), "float32",
-                         (name,), name + SCALE_SUFFIX, part="scale")]
+            return [
+                Leaf(path, shape, "float8_e4m3fn", (name,), name, part="fp8"),
+                Leaf(
+                    path[:-1] + ("weight" + SCALE_SUFFIX,),
+                    fp8_scale_shape(shape, block),
+                    "float32",
+                    (name,),
+                    name + SCALE_SUFFIX,
+                    part="scale",
+                ),
+            ]
         return [Leaf(path, shape, out_dtype, (name,), name)]
 
     def src_bytes(name: str) -> int:
@@ -174,8 +189,11 @@ def make_plan(ckpt: CheckpointDir, cfg: DeepseekConfig, *, dtype: Any = "bf16", 
         units.append(unit)
 
     vocab_shape = (cfg.vocab_size, cfg.hidden_size)
-    add(Unit("embed", None, 0, -1, weight(("model", "embed_tokens", "weight"), "model.embed_tokens.weight",
-                                            vocab_shape)))
+    add(
+        Unit(
+            "embed", None, 0, -1, weight(("model", "embed_tokens", "weight"), "model.embed_tokens.weight", vocab_shape)
+        )
+    )
     for stack, start, n in layer_groups(cfg):
         for idx in range(n):
             i = start + idx
@@ -191,14 +209,20 @@ def make_plan(ckpt: CheckpointDir, cfg: DeepseekConfig, *, dtype: Any = "bf16", 
             for k in keys + ["kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj"]:
                 leaves += weight(*hf(f"self_attn.{k}.weight"))
             kvb = pre + "self_attn.kv_b_proj.weight"  # always dequantized: split per head across 128-row blocks
-            leaves += [Leaf(("self_attn", "W_UK_T"), (N, P, L), D, (kvb,), kvb, op="uk"),
-                       Leaf(("self_attn", "W_UV"), (N, L, V), D, (kvb,), kvb, op="uv")]
+            leaves += [
+                Leaf(("self_attn", "W_UK_T"), (N, P, L), D, (kvb,), kvb, op="uk"),
+                Leaf(("self_attn", "W_UV"), (N, L, V), D, (kvb,), kvb, op="uv"),
+            ]
             if cfg.use_sparse:  # a layer sharing an earlier top-k stores its group's indexer (never read)
                 ind = f"model.layers.{indexer_source_layer(cfg, i)}.self_attn.indexer."
                 for rel in indexer_tensor_specs(cfg):
                     keep_f32 = rel.startswith("weights_proj")  # float32 in HF
-                    leaves += weight(("self_attn", "indexer", *rel.split(".")), ind + rel, ckpt.spec(ind + rel)[1],
-                                     out_dtype="float32" if keep_f32 else D)
+                    leaves += weight(
+                        ("self_attn", "indexer", *rel.split(".")),
+                        ind + rel,
+                        ckpt.spec(ind + rel)[1],
+                        out_dtype="float32" if keep_f32 else D,
+                    )
             if stack == "moe_layers":
                 leaves += weight(*hf("mlp.gate.weight"), out_dtype="float32")
                 if cfg.topk_method == "noaux_tc":
@@ -207,8 +231,7 @@ def make_plan(ckpt: CheckpointDir, cfg: DeepseekConfig, *, dtype: Any = "bf16", 
                     for k in ("gate_proj", "up_proj", "down_proj"):
                         leaves += weight(*hf(f"mlp.shared_experts.{k}.weight"))
                 add(Unit(f"layer_{i:03d}-core", stack, idx, i, leaves))
-                for u in _expert_units(cfg, i, stack, idx, fused, quantized, keep_fp8, block, D, max_bytes,
-                                       src_bytes):
+                for u in _expert_units(cfg, i, stack, idx, fused, quantized, keep_fp8, block, D, max_bytes, src_bytes):
                     add(u)
             else:
                 for k in ("gate_proj", "up_proj", "down_proj"):
@@ -228,9 +251,19 @@ def make_plan(ckpt: CheckpointDir, cfg: DeepseekConfig, *, dtype: Any = "bf16", 
     return Plan(cfg, dtype, keep_fp8, fused, sorted(quantized), skipped, ignored, units, groups, n_src)
 
 
-def _expert_units(cfg: DeepseekConfig, i: int, stack: str, idx: int, fused: bool, quantized: set[str],
-                  keep_fp8: bool, block: tuple[int, int], D: str, max_bytes: int,
-                  src_bytes: Callable[[str], int]) -> list[Unit]:
+def _expert_units(
+    cfg: DeepseekConfig,
+    i: int,
+    stack: str,
+    idx: int,
+    fused: bool,
+    quantized: set[str],
+    keep_fp8: bool,
+    block: tuple[int, int],
+    D: str,
+    max_bytes: int,
+    src_bytes: Callable[[str], int],
+) -> list[Unit]:
     """Routed experts of layer i: per projection, chunks of experts of at most max_bytes each."""
     E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     pre = f"model.layers.{i}.mlp.experts."
@@ -242,9 +275,11 @@ def _expert_units(cfg: DeepseekConfig, i: int, stack: str, idx: int, fused: bool
             rows = {"gate_proj": (0, I), "up_proj": (I, 2 * I), "down_proj": (0, H)}[proj]
             q = src in quantized
             if q and keep_fp8 and (rows[0] % block[0] or rows[1] % block[0]):
-                raise ConvertError(f"tensor '{src}': cannot keep fp8 when splitting gate/up at row {I}, which is "
-                                   f"not a multiple of the {block[0]}-row scale block (convert without "
-                                   "--keep-fp8)")
+                raise ConvertError(
+                    f"tensor '{src}': cannot keep fp8 when splitting gate/up at row {I}, which is "
+                    f"not a multiple of the {block[0]}-row scale block (convert without "
+                    "--keep-fp8)"
+                )
         else:
             q = pre + f"0.{proj}.weight" in quantized
         store = "float8_e4m3fn" if (q and keep_fp8) else D
@@ -263,27 +298,60 @@ def _expert_units(cfg: DeepseekConfig, i: int, stack: str, idx: int, fused: bool
                 sel, srcs = None, tuple(pre + f"{j}.{proj}.weight" for j in range(e0, e1))
                 origin = pre + f"{{{e0}..{e1 - 1}}}.{proj}.weight"
                 sb = sum(src_bytes(s) for s in srcs)
-            leaves = [Leaf(path, (n, *shape), store, srcs, origin, part="fp8" if store != D else "value",
-                           select=sel, stacked=not fused)]
+            leaves = [
+                Leaf(
+                    path,
+                    (n, *shape),
+                    store,
+                    srcs,
+                    origin,
+                    part="fp8" if store != D else "value",
+                    select=sel,
+                    stacked=not fused,
+                )
+            ]
             if store != D:
-                leaves.append(Leaf(path[:-1] + ("weight" + SCALE_SUFFIX,), (n, *fp8_scale_shape(shape, block)),
-                                   "float32", srcs, origin + SCALE_SUFFIX, part="scale", select=sel,
-                                   stacked=not fused))
-            out.append(Unit(f"layer_{i:03d}-experts-{proj}-{e0:03d}-{e1 - 1:03d}", stack, idx, i, leaves,
-                            source_bytes=sb, experts=(e0, e1)))
+                leaves.append(
+                    Leaf(
+                        path[:-1] + ("weight" + SCALE_SUFFIX,),
+                        (n, *fp8_scale_shape(shape, block)),
+                        "float32",
+                        srcs,
+                        origin + SCALE_SUFFIX,
+                        part="scale",
+                        select=sel,
+                        stacked=not fused,
+                    )
+                )
+            out.append(
+                Unit(
+                    f"layer_{i:03d}-experts-{proj}-{e0:03d}-{e1 - 1:03d}",
+                    stack,
+                    idx,
+                    i,
+                    leaves,
+                    source_bytes=sb,
+                    experts=(e0, e1),
+                )
+            )
     return out
 
 
 def describe_plan(plan: Plan, src: str, out: str | None) -> list[str]:
     """The --dry-run mapping: HF name(s) -> our param path, shape, dtype (layers and expert chunks folded)."""
     cfg = plan.cfg
-    lines = [f"{src} -> {out}",
-             f"  {cfg.model_type}: {cfg.num_hidden_layers} layers "
-             f"({cfg.num_dense_layers} dense, {cfg.num_hidden_layers - cfg.num_dense_layers} MoE), "
-             f"experts {'fused' if plan.fused_experts else 'per expert'}, "
-             + (f"{len(plan.quantized)} fp8 weights "
-                f"{'kept as e4m3 + scale_inv' if plan.keep_fp8 else 'dequantized'}" if plan.quantized
-                else "no fp8 weights") + f", dtype {plan.dtype.name}"]
+    lines = [
+        f"{src} -> {out}",
+        f"  {cfg.model_type}: {cfg.num_hidden_layers} layers "
+        f"({cfg.num_dense_layers} dense, {cfg.num_hidden_layers - cfg.num_dense_layers} MoE), "
+        f"experts {'fused' if plan.fused_experts else 'per expert'}, "
+        + (
+            f"{len(plan.quantized)} fp8 weights {'kept as e4m3 + scale_inv' if plan.keep_fp8 else 'dequantized'}"
+            if plan.quantized
+            else "no fp8 weights"
+        )
+        + f", dtype {plan.dtype.name}",
+    ]
     rows: dict[tuple, list] = {}
     all_experts = f"experts.{{0..{(cfg.n_routed_experts or 1) - 1}}}"
     for u in plan.units:
@@ -301,15 +369,20 @@ def describe_plan(plan: Plan, src: str, out: str | None) -> list[str]:
         if stack:
             shape = [len(layers)] + shape
             origin = f"model.layers.{{{layers[0]}..{layers[-1]}}}." + origin
-        note = {"uk": "  (kv_b_proj rows [k_nope] per head)",
-                "uv": "  (kv_b_proj rows [v] per head, transposed)"}.get(lf.op, "")
+        note = {"uk": "  (kv_b_proj rows [k_nope] per head)", "uv": "  (kv_b_proj rows [v] per head, transposed)"}.get(
+            lf.op, ""
+        )
         if lf.part == "value" and any(s in plan.quantized for s in lf.sources):
             note += "  (fp8 dequantized)"
         lines.append(f"  {origin} -> {'/'.join(full)} {shape} {lf.dtype}{note}")
-    lines.append(f"  {plan.num_params} params from {plan.source_tensors} HF tensors, in {len(plan.units)} units / "
-                 f"{len(plan.groups)} groups; skipping {len(plan.skipped)} MTP tensors"
-                 + (f" (model.layers.{cfg.num_hidden_layers}.*)" if plan.skipped else "")
-                 + (f", ignoring {len(plan.ignored)} rotary inv_freq buffers" if plan.ignored else ""))
-    lines.append(f"  source {fmt_bytes(plan.source_bytes)}, output {fmt_bytes(plan.stored_bytes)}, largest "
-                 f"group {fmt_bytes(plan.largest_group.nbytes)} (about the peak host memory)")
+    lines.append(
+        f"  {plan.num_params} params from {plan.source_tensors} HF tensors, in {len(plan.units)} units / "
+        f"{len(plan.groups)} groups; skipping {len(plan.skipped)} MTP tensors"
+        + (f" (model.layers.{cfg.num_hidden_layers}.*)" if plan.skipped else "")
+        + (f", ignoring {len(plan.ignored)} rotary inv_freq buffers" if plan.ignored else "")
+    )
+    lines.append(
+        f"  source {fmt_bytes(plan.source_bytes)}, output {fmt_bytes(plan.stored_bytes)}, largest "
+        f"group {fmt_bytes(plan.largest_group.nbytes)} (about the peak host memory)"
+    )
     return lines

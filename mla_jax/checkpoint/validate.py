@@ -1,5 +1,6 @@
 """An HF checkpoint against its config, from the headers only: tensor names and shapes (`hf_tensor_specs`),
 float dtypes, and the fp8 weights' block scales. Raises `CheckpointError` naming the first bad tensor."""
+
 from __future__ import annotations
 
 import re
@@ -7,10 +8,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from mla_jax.dtypes import BF16, FP8_E4M3, FP8_E5M2
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, fp8_block, fp8_scale_shape
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
 from mla_jax.config import DeepseekConfig
+from mla_jax.dtypes import BF16, FP8_E4M3, FP8_E5M2
 
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some exports include; never used
 
@@ -68,8 +69,13 @@ def hf_tensor_specs(cfg: DeepseekConfig, *, fused_experts: bool = False) -> dict
 def indexer_tensor_specs(cfg: DeepseekConfig) -> dict[str, tuple[int, ...]]:
     """The lightning indexer's tensors of one layer (names under `self_attn.indexer.`) with their shapes."""
     H, Di, D = cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size
-    return {"wq_b.weight": (H * Di, cfg.q_lora_rank), "wk.weight": (Di, D), "k_norm.weight": (Di,),
-            "k_norm.bias": (Di,), "weights_proj.weight": (H, D)}
+    return {
+        "wq_b.weight": (H * Di, cfg.q_lora_rank),
+        "wk.weight": (Di, D),
+        "k_norm.weight": (Di,),
+        "k_norm.bias": (Di,),
+        "weights_proj.weight": (H, D),
+    }
 
 
 def indexer_source_layer(cfg: DeepseekConfig, i: int) -> int:
@@ -86,8 +92,9 @@ def is_mtp(name: str, cfg: DeepseekConfig) -> bool:
 
 def check_float_dtype(name: str, dtype: np.dtype) -> None:
     if dtype == FP8_E5M2:
-        raise CheckpointError(f"tensor '{name}' is float8_e5m2: unsupported quantization (only DeepSeek's "
-                              "e4m3 with 128x128 block scales)")
+        raise CheckpointError(
+            f"tensor '{name}' is float8_e5m2: unsupported quantization (only DeepSeek's e4m3 with 128x128 block scales)"
+        )
     if dtype.kind not in "fV":
         raise CheckpointError(f"tensor '{name}' has dtype {dtype}, expected a float type")
 
@@ -108,8 +115,10 @@ def check_fp8_scales(ckpt: CheckpointDir, cfg: DeepseekConfig, names: Iterable[s
                 raise CheckpointError(f"tensor '{sname}' has dtype {sdtype}, expected float32")
             want = fp8_scale_shape(shape, block) if len(shape) >= 2 else None
             if sshape != want:
-                raise CheckpointError(f"tensor '{sname}' has shape {sshape}, expected {want} for weight {shape} "
-                                      f"with {block[0]}x{block[1]} blocks")
+                raise CheckpointError(
+                    f"tensor '{sname}' has shape {sshape}, expected {want} for weight {shape} "
+                    f"with {block[0]}x{block[1]} blocks"
+                )
             quantized.append(n)
         else:
             check_float_dtype(n, dtype)

@@ -7,6 +7,7 @@ message naming the field and the value, before anything reaches the engine. A cl
 noticed while its request waits or streams (a task listens for the ASGI disconnect message next to the
 response), and its engine requests are aborted: their pages are freed at the next step.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -89,15 +90,13 @@ async def _parse(request: Request, model):
             raise RequestError(f"{field}: field required", field) from None
         if len(errs) > 1 and all(x["loc"][:1] == first["loc"][:1] for x in errs) and field in data:
             # a union type (prompt, stop, content, ...): every alternative failed; name the field and its value
-            raise RequestError(f"{field}: invalid type or value (got {data[field]!r}): {first['msg']}", field) \
-                from None
+            raise RequestError(f"{field}: invalid type or value (got {data[field]!r}): {first['msg']}", field) from None
         where = ".".join(str(x) for x in first["loc"])
         more = f"; and {len(errs) - 1} more problem(s)" if len(errs) > 1 else ""
         raise RequestError(f"{where}: {first['msg']} (got {first.get('input')!r}){more}", field) from None
 
 
-def build_app(serving: OpenAIServing, metrics: ServeMetrics | None = None, *, shutdown_engine: bool = True
-              ) -> FastAPI:
+def build_app(serving: OpenAIServing, metrics: ServeMetrics | None = None, *, shutdown_engine: bool = True) -> FastAPI:
     """The app over a started or not yet started AsyncEngine (the lifespan starts it and shuts it down)."""
     engine = serving.engine
 
@@ -109,8 +108,9 @@ def build_app(serving: OpenAIServing, metrics: ServeMetrics | None = None, *, sh
         if shutdown_engine:
             await engine.aclose()
 
-    app = FastAPI(title="mla-jax", description="OpenAI-compatible server for DeepSeek MLA models in JAX.",
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="mla-jax", description="OpenAI-compatible server for DeepSeek MLA models in JAX.", lifespan=lifespan
+    )
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError):

@@ -8,6 +8,7 @@ keyword arguments (`chat_template_kwargs`). Where the template comes from, first
 `--chat-template` (a file or the template itself), `chat_template` in tokenizer_config.json (a string, or a list
 of named templates: "default" is used), `chat_template.jinja`, `chat_template.json`.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -65,8 +66,7 @@ class ChatTemplate:
         def strftime_now(fmt):
             return datetime.datetime.now().strftime(fmt)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
@@ -75,16 +75,28 @@ class ChatTemplate:
         self.template = env.from_string(source)  # a syntax error surfaces here, at server start
         self.special_tokens = dict(special_tokens or {})
 
-    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, tools: list | None = None, documents: list | None = None,
-               **kwargs: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list | None = None,
+        documents: list | None = None,
+        **kwargs: Any,
+    ) -> str:
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
         if continue_final_message and (not messages or not isinstance(messages[-1].get("content"), str)):
             raise ChatTemplateError("continue_final_message needs a final message with text content")
         try:
-            text = self.template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                        tools=tools, documents=documents, **{**self.special_tokens, **kwargs})
+            text = self.template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                documents=documents,
+                **{**self.special_tokens, **kwargs},
+            )
         except self._jinja_errors as e:
             raise ChatTemplateError(f"chat template: {e}") from None
         if continue_final_message:  # HF: cut the text right after the final message's content
@@ -92,7 +104,7 @@ class ChatTemplate:
             i = text.rfind(final.strip()) if final.strip() else -1
             if i < 0:
                 raise ChatTemplateError("continue_final_message: the final message is not in the rendered template")
-            text = text[:i + len(final.strip())]
+            text = text[: i + len(final.strip())]
             if final != final.rstrip():  # keep the message's own trailing whitespace
-                text += final[len(final.rstrip()):]
+                text += final[len(final.rstrip()) :]
         return text

@@ -11,6 +11,7 @@ part of the output unless asked for), and releases text for streaming only when 
 in it: the longest tail of the unsent text that is a prefix of some stop string is held back until the next
 token decides it, or until the end. The streamed pieces, concatenated, are always the final text.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -39,7 +40,7 @@ def _held_back(text: str, start: int, stops: Sequence[str]) -> int:
     """Length of the longest tail of text[start:] that is a proper prefix of one of `stops` (may still become one)."""
     longest = max((len(s) for s in stops), default=0)
     for k in range(min(longest - 1, len(text) - start), 0, -1):
-        tail = text[len(text) - k:]
+        tail = text[len(text) - k :]
         if any(s.startswith(tail) for s in stops):
             return k
     return 0
@@ -48,8 +49,15 @@ def _held_back(text: str, start: int, stops: Sequence[str]) -> int:
 class TextOutput:
     """One choice's output text: incremental detokenization, stop strings, streaming hold-back."""
 
-    def __init__(self, tokenizer, *, stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
-                 skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] = (),
+    ):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids)
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -78,7 +86,7 @@ class TextOutput:
                     hit = (i, s)
             if hit is not None:
                 i, s = hit
-                self.text = self.text[:i + len(s)] if self.include_stop_str_in_output else self.text[:i]
+                self.text = self.text[: i + len(s)] if self.include_stop_str_in_output else self.text[:i]
                 self.stop_reason = s
                 return True
         return False
@@ -88,6 +96,6 @@ class TextOutput:
         end = len(self.text)
         if not (final or self.stopped) and self.stop:
             end -= _held_back(self.text, self.sent, self.stop)
-        out = self.text[self.sent:end]
+        out = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return out

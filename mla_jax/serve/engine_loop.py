@@ -17,6 +17,7 @@ ValueError before it reaches the engine, and never disturbs the others.
 
 If a step raises, the loop stops, every open stream raises `EngineDeadError`, and `healthy` turns False.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -73,8 +74,9 @@ class RequestStream:
     Several streams may share one queue (`AsyncEngine.add_request(queue=...)`: the n choices of one HTTP request);
     items are then (tag, StepDelta) and the owner reads the queue itself."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: Hashable, prompt_len: int, queue: asyncio.Queue | None,
-                 tag: Any):
+    def __init__(
+        self, engine: "AsyncEngine", request_id: Hashable, prompt_len: int, queue: asyncio.Queue | None, tag: Any
+    ):
         self.engine = engine
         self.request_id = request_id
         self.prompt_len = prompt_len
@@ -190,8 +192,15 @@ class AsyncEngine:
         return len(self._streams)
 
     # ---- requests (event loop) ---------------------------------------------------------------------------
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: Hashable | None = None,
-                    queue: asyncio.Queue | None = None, tag: Any = None) -> RequestStream:
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: Hashable | None = None,
+        queue: asyncio.Queue | None = None,
+        tag: Any = None,
+    ) -> RequestStream:
         """Validates (ValueError) and queues a request; its outputs arrive on the returned stream."""
         if not self.healthy:
             raise EngineDeadError(f"the engine is not running{f': {self.error}' if self.error else ''}")
@@ -248,11 +257,18 @@ class AsyncEngine:
         eng = self.engine
         s, pool, old = eng.scheduler, eng.pool, self.stats
         self.stats = EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting), pages_used=pool.num_held_pages,
-            pages_total=pool.num_usable_pages, pages_cached=pool.num_cached_pages,
-            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions, steps=eng.steps, generation_tokens=old.generation_tokens + new_tokens,
-            computed_tokens=eng.num_computed_tokens)
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            pages_used=pool.num_held_pages,
+            pages_total=pool.num_usable_pages,
+            pages_cached=pool.num_cached_pages,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            steps=eng.steps,
+            generation_tokens=old.generation_tokens + new_tokens,
+            computed_tokens=eng.num_computed_tokens,
+        )
         if new_tokens:
             now = time.perf_counter()
             self._recent.append((now, new_tokens))
@@ -273,10 +289,17 @@ class AsyncEngine:
             if stream is None:  # aborted meanwhile
                 continue
             k = len(o.new_token_ids)
-            stream._put(StepDelta(
-                token_ids=list(o.new_token_ids), logprobs=o.logprobs[-k:] if o.logprobs is not None and k else None,
-                top_logprobs=o.top_logprobs[-k:] if o.top_logprobs is not None and k else None,
-                finished=o.finished, finish_reason=o.finish_reason, num_cached_tokens=o.num_cached_tokens, time=now))
+            stream._put(
+                StepDelta(
+                    token_ids=list(o.new_token_ids),
+                    logprobs=o.logprobs[-k:] if o.logprobs is not None and k else None,
+                    top_logprobs=o.top_logprobs[-k:] if o.top_logprobs is not None and k else None,
+                    finished=o.finished,
+                    finish_reason=o.finish_reason,
+                    num_cached_tokens=o.num_cached_tokens,
+                    time=now,
+                )
+            )
             if o.finished:
                 del self._streams[o.request_id]
 

@@ -3,6 +3,7 @@
 The models check only types and shapes; value ranges are checked in `mla_jax.serve.serving`, whose messages name
 the field and the value. Unknown fields are ignored, as OpenAI-compatible servers do.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal

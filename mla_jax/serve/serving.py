@@ -13,6 +13,7 @@ Sampling defaults (fields a request leaves out) come from generation_config.json
 gets a random one; choice i of a request samples with seed + i (mod 2^31), so the n choices differ and a seeded
 request is reproducible.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,15 @@ MAX_N = 128  # choices per request
 class RequestError(Exception):
     """A bad request: HTTP `status` with OpenAI's error body."""
 
-    def __init__(self, message: str, param: str | None = None, *, code: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        *,
+        code: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
 
@@ -98,8 +106,17 @@ class ChoiceUpdate:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer: ServeTokenizer, *, model_name: str, max_model_len: int,
-                 defaults: GenerationDefaults | None = None, metrics: Any = None, root: str | None = None):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer: ServeTokenizer,
+        *,
+        model_name: str,
+        max_model_len: int,
+        defaults: GenerationDefaults | None = None,
+        metrics: Any = None,
+        root: str | None = None,
+    ):
         self.engine = engine
         self.tok = tokenizer
         self.model_name = model_name
@@ -112,14 +129,28 @@ class OpenAIServing:
 
     # ---- models ------------------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "mla-jax",
-            "root": self.root or self.model_name, "parent": None, "max_model_len": self.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "mla-jax",
+                    "root": self.root or self.model_name,
+                    "parent": None,
+                    "max_model_len": self.max_model_len,
+                }
+            ],
+        }
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise RequestError(f"The model `{model}` does not exist; this server serves `{self.model_name}`",
-                               "model", code="model_not_found")
+            raise RequestError(
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                "model",
+                code="model_not_found",
+            )
 
     # ---- validation --------------------------------------------------------------------------------------
     def _common(self, req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
@@ -140,8 +171,9 @@ class OpenAIServing:
             if v not in (None, 0, 0.0):
                 raise RequestError(f"{name} is not supported (got {v!r}; only 0)", name)
         if req.repetition_penalty not in (None, 1, 1.0):
-            raise RequestError(f"repetition_penalty is not supported (got {req.repetition_penalty!r}; only 1)",
-                               "repetition_penalty")
+            raise RequestError(
+                f"repetition_penalty is not supported (got {req.repetition_penalty!r}; only 1)", "repetition_penalty"
+            )
         if req.logit_bias:
             raise RequestError("logit_bias is not supported", "logit_bias")
         if req.min_tokens:
@@ -150,53 +182,91 @@ class OpenAIServing:
         stop_ids = list(req.stop_token_ids or [])
         bad = [i for i in stop_ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise RequestError(f"stop_token_ids: token id {bad[0]} out of vocab [0, {self.vocab_size})",
-                               "stop_token_ids")
+            raise RequestError(
+                f"stop_token_ids: token id {bad[0]} out of vocab [0, {self.vocab_size})", "stop_token_ids"
+            )
         eos = () if req.ignore_eos else self.tok.eos_token_ids
         seed = secrets.randbelow(2**31) if req.seed is None else req.seed % 2**31
-        return dict(temperature=float(t), top_p=float(top_p), top_k=max(int(top_k), 0), seed=seed,
-                    stop=[s for s in stop if s], stop_token_ids=tuple(dict.fromkeys([*eos, *stop_ids])))
+        return dict(
+            temperature=float(t),
+            top_p=float(top_p),
+            top_k=max(int(top_k), 0),
+            seed=seed,
+            stop=[s for s in stop if s],
+            stop_token_ids=tuple(dict.fromkeys([*eos, *stop_ids])),
+        )
 
     def _max_tokens(self, requested: int | None, prompt_len: int, field: str, prompt_field: str) -> int:
         L = self.max_model_len
         if prompt_len >= L:
-            raise RequestError(f"This model's maximum context length is {L} tokens. However, your prompt has "
-                               f"{prompt_len} tokens; it must be shorter than {L} to leave room for the completion.",
-                               prompt_field, code="context_length_exceeded")
+            raise RequestError(
+                f"This model's maximum context length is {L} tokens. However, your prompt has "
+                f"{prompt_len} tokens; it must be shorter than {L} to leave room for the completion.",
+                prompt_field,
+                code="context_length_exceeded",
+            )
         if requested is None:
             n = L - prompt_len
             return n if self.defaults.max_new_tokens is None else min(n, int(self.defaults.max_new_tokens))
         if not isinstance(requested, int) or requested < 1:
             raise RequestError(f"{field} must be an integer >= 1, got {requested!r}", field)
         if prompt_len + requested > L:
-            raise RequestError(f"This model's maximum context length is {L} tokens. However, you requested "
-                               f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-                               f"completion). Please reduce the prompt or {field}.", field,
-                               code="context_length_exceeded")
+            raise RequestError(
+                f"This model's maximum context length is {L} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                f"completion). Please reduce the prompt or {field}.",
+                field,
+                code="context_length_exceeded",
+            )
         return requested
 
-    def _jobs(self, prompts: list[Prompt], req, common: dict[str, Any], *, max_tokens: int | None, field: str,
-              prompt_field: str, logprobs: bool, top_logprobs: int) -> list[Job]:
+    def _jobs(
+        self,
+        prompts: list[Prompt],
+        req,
+        common: dict[str, Any],
+        *,
+        max_tokens: int | None,
+        field: str,
+        prompt_field: str,
+        logprobs: bool,
+        top_logprobs: int,
+    ) -> list[Job]:
         jobs = []
         for p_i, prompt in enumerate(prompts):
             bad = [t for t in prompt.ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise RequestError(f"{prompt_field}: token id {bad[0]} out of vocab [0, {self.vocab_size})",
-                                   prompt_field)
+                raise RequestError(
+                    f"{prompt_field}: token id {bad[0]} out of vocab [0, {self.vocab_size})", prompt_field
+                )
             if not prompt.ids:
                 raise RequestError(f"{prompt_field}: the prompt is empty (no tokens)", prompt_field)
             mt = self._max_tokens(max_tokens, len(prompt.ids), field, prompt_field)
             for j in range(req.n):
-                sp = SamplingParams(temperature=common["temperature"], top_k=common["top_k"], top_p=common["top_p"],
-                                    seed=(common["seed"] + j) % 2**31, max_new_tokens=mt,
-                                    stop_token_ids=common["stop_token_ids"], logprobs=logprobs,
-                                    top_logprobs=top_logprobs)
+                sp = SamplingParams(
+                    temperature=common["temperature"],
+                    top_k=common["top_k"],
+                    top_p=common["top_p"],
+                    seed=(common["seed"] + j) % 2**31,
+                    max_new_tokens=mt,
+                    stop_token_ids=common["stop_token_ids"],
+                    logprobs=logprobs,
+                    top_logprobs=top_logprobs,
+                )
                 try:
                     self.engine.engine.check_request(prompt.ids, sp)
                 except ValueError as e:
                     raise RequestError(str(e)) from None
-                jobs.append(Job(p_i * req.n + j, prompt, sp, common["stop"], req.include_stop_str_in_output,
-                                req.skip_special_tokens))
+                jobs.append(
+                    Job(
+                        p_i * req.n + j,
+                        prompt,
+                        sp,
+                        common["stop"],
+                        req.include_stop_str_in_output,
+                        req.skip_special_tokens,
+                    )
+                )
         return jobs
 
     def prepare_completion(self, req: CompletionRequest) -> list[Job]:
@@ -219,8 +289,16 @@ class OpenAIServing:
             prompts = [Prompt(list(p), None)]
         else:
             raise RequestError("prompt must not be empty", "prompt")
-        return self._jobs(prompts, req, common, max_tokens=req.max_tokens, field="max_tokens", prompt_field="prompt",
-                          logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
+        return self._jobs(
+            prompts,
+            req,
+            common,
+            max_tokens=req.max_tokens,
+            field="max_tokens",
+            prompt_field="prompt",
+            logprobs=req.logprobs is not None,
+            top_logprobs=req.logprobs or 0,
+        )
 
     def prepare_chat(self, req: ChatCompletionRequest) -> list[Job]:
         self._check_model(req.model)
@@ -228,19 +306,24 @@ class OpenAIServing:
         if req.tools or req.tool_choice not in (None, "none"):
             raise RequestError("tools are not supported", "tools")
         if req.response_format and req.response_format.get("type", "text") != "text":
-            raise RequestError(f"response_format {req.response_format.get('type')!r} is not supported (only text)",
-                               "response_format")
+            raise RequestError(
+                f"response_format {req.response_format.get('type')!r} is not supported (only text)", "response_format"
+            )
         if req.top_logprobs is not None:
             if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs!r}",
-                                   "top_logprobs")
+                raise RequestError(
+                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs!r}", "top_logprobs"
+                )
             if req.top_logprobs and not req.logprobs:
                 raise RequestError("top_logprobs needs logprobs to be true", "top_logprobs")
         if not req.messages:
             raise RequestError("messages must not be empty", "messages")
         if self.tok.chat_template is None:
-            raise RequestError("this model has no chat template (tokenizer_config.json has none; start the server "
-                               "with --chat-template)", "messages")
+            raise RequestError(
+                "this model has no chat template (tokenizer_config.json has none; start the server "
+                "with --chat-template)",
+                "messages",
+            )
         messages = []
         for i, m in enumerate(req.messages):
             d = m.model_dump(exclude_none=True)
@@ -249,22 +332,35 @@ class OpenAIServing:
                 for part in m.content:
                     part = part if isinstance(part, dict) else part.model_dump()
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise RequestError(f"messages[{i}].content: only text parts are supported, got "
-                                           f"{part.get('type')!r}", f"messages[{i}].content")
+                        raise RequestError(
+                            f"messages[{i}].content: only text parts are supported, got {part.get('type')!r}",
+                            f"messages[{i}].content",
+                        )
                     texts.append(part["text"])
                 d["content"] = "\n".join(texts)
             messages.append(d)
         try:
             text = self.tok.chat_template.render(
-                messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+                messages,
+                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message,
+                **(req.chat_template_kwargs or {}),
+            )
         except ChatTemplateError as e:
             raise RequestError(str(e), "messages") from None
         prompts = [Prompt(self.tok.encode_chat(text), text)]
         mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        return self._jobs(prompts, req, common, max_tokens=mt, field=field, prompt_field="messages",
-                          logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+        return self._jobs(
+            prompts,
+            req,
+            common,
+            max_tokens=mt,
+            field=field,
+            prompt_field="messages",
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs or 0,
+        )
 
     # ---- running -----------------------------------------------------------------------------------------
     async def run(self, jobs: Sequence[Job]) -> AsyncIterator[ChoiceUpdate]:
@@ -275,9 +371,13 @@ class OpenAIServing:
         try:
             for job in jobs:
                 stream = self.engine.add_request(job.prompt.ids, job.params, queue=queue, tag=len(choices))
-                text = TextOutput(self.tok.tokenizer, stop=job.stop, prompt_ids=job.prompt.ids,
-                                  include_stop_str_in_output=job.include_stop_str_in_output,
-                                  skip_special_tokens=job.skip_special_tokens)
+                text = TextOutput(
+                    self.tok.tokenizer,
+                    stop=job.stop,
+                    prompt_ids=job.prompt.ids,
+                    include_stop_str_in_output=job.include_stop_str_in_output,
+                    skip_special_tokens=job.skip_special_tokens,
+                )
                 choices.append(ChoiceState(job, stream, text))
             open_ = len(choices)
             while open_:
@@ -309,7 +409,7 @@ class OpenAIServing:
                 break
             if c.text.add(tok):
                 stopped = True
-                ids = ids[:k + 1]  # the token that completed the stop string is the last one
+                ids = ids[: k + 1]  # the token that completed the stop string is the last one
                 break
         c.token_ids += ids
         n = len(ids)
@@ -342,8 +442,12 @@ class OpenAIServing:
                 if j.index in choices:
                     cached += choices[j.index].stream.num_cached_tokens
         completion = sum(len(c.token_ids) for c in choices.values())
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def _completion_logprobs(self, up: ChoiceUpdate) -> dict[str, Any] | None:
         if up.logprobs is None:
@@ -398,12 +502,24 @@ class OpenAIServing:
             choices[i] = up.choice
             texts[i].append(up.text)
             lps[i] = self._merge_logprobs(lps[i], self._completion_logprobs(up))
-        out_choices = [{"index": j.index, "text": "".join(texts[j.index]), "logprobs": lps[j.index],
-                        "finish_reason": choices[j.index].finish_reason,
-                        "stop_reason": choices[j.index].stop_reason} for j in jobs]
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": out_choices,
-                "usage": self._usage(jobs, choices)}
+        out_choices = [
+            {
+                "index": j.index,
+                "text": "".join(texts[j.index]),
+                "logprobs": lps[j.index],
+                "finish_reason": choices[j.index].finish_reason,
+                "stop_reason": choices[j.index].stop_reason,
+            }
+            for j in jobs
+        ]
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": out_choices,
+            "usage": self._usage(jobs, choices),
+        }
 
     def _echo_text(self, prompt: Prompt) -> str:
         return prompt.text if prompt.text is not None else self.tok.decode(prompt.ids)
@@ -415,8 +531,13 @@ class OpenAIServing:
         seen: dict[int, ChoiceState] = {}
 
         def chunk(choices, usage=None):
-            d = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                 "choices": choices}
+            d = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
             if usage is not None:
                 d["usage"] = usage
             return _sse(d)
@@ -424,8 +545,9 @@ class OpenAIServing:
         try:
             if req.echo:
                 for j in jobs:
-                    yield chunk([{"index": j.index, "text": self._echo_text(j.prompt), "logprobs": None,
-                                  "finish_reason": None}])
+                    yield chunk(
+                        [{"index": j.index, "text": self._echo_text(j.prompt), "logprobs": None, "finish_reason": None}]
+                    )
             async for up in self.run(jobs):
                 seen[up.choice.job.index] = up.choice
                 lp = self._completion_logprobs(up)
@@ -450,12 +572,24 @@ class OpenAIServing:
             choices[i] = up.choice
             texts[i].append(up.text)
             lps[i] = self._merge_logprobs(lps[i], self._chat_logprobs(up))
-        out = [{"index": j.index, "message": {"role": "assistant", "content": "".join(texts[j.index])},
-                "logprobs": lps[j.index], "finish_reason": choices[j.index].finish_reason,
-                "stop_reason": choices[j.index].stop_reason} for j in jobs]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": out,
-                "usage": self._usage(jobs, choices)}
+        out = [
+            {
+                "index": j.index,
+                "message": {"role": "assistant", "content": "".join(texts[j.index])},
+                "logprobs": lps[j.index],
+                "finish_reason": choices[j.index].finish_reason,
+                "stop_reason": choices[j.index].stop_reason,
+            }
+            for j in jobs
+        ]
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": out,
+            "usage": self._usage(jobs, choices),
+        }
 
     async def chat_stream(self, req: ChatCompletionRequest, jobs: list[Job]) -> AsyncIterator[str]:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -464,23 +598,40 @@ class OpenAIServing:
         seen: dict[int, ChoiceState] = {}
 
         def chunk(choices, usage=None):
-            d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                 "choices": choices}
+            d = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
             if usage is not None:
                 d["usage"] = usage
             return _sse(d)
 
         try:
             for j in jobs:
-                yield chunk([{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
+                yield chunk(
+                    [
+                        {
+                            "index": j.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
             async for up in self.run(jobs):
                 seen[up.choice.job.index] = up.choice
                 lp = self._chat_logprobs(up)
                 if not up.text and up.finish_reason is None and lp is None:
                     continue
-                c = {"index": up.choice.job.index, "delta": {"content": up.text} if up.text else {}, "logprobs": lp,
-                     "finish_reason": up.finish_reason}
+                c = {
+                    "index": up.choice.job.index,
+                    "delta": {"content": up.text} if up.text else {},
+                    "logprobs": lp,
+                    "finish_reason": up.finish_reason,
+                }
                 if up.finish_reason is not None:
                     c["stop_reason"] = up.choice.stop_reason
                 yield chunk([c], self._usage(jobs, seen) if continuous else None)

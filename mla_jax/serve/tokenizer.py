@@ -7,6 +7,7 @@ tokenizer_config.json has `add_bos_token: true` and the encoding does not start 
 template is encoded with `add_special_tokens=False` (`apply_chat_template`'s rule): the template writes BOS
 itself (`{{ bos_token }}`) if the model wants one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,12 @@ class GenerationDefaults:
         if g.get("do_sample") is False:  # HF: do_sample false is greedy whatever the temperature
             temperature = 0.0
         top_k = int(g.get("top_k") or 0)
-        return GenerationDefaults(temperature=temperature, top_p=float(g.get("top_p", 1.0)), top_k=max(top_k, 0),
-                                  max_new_tokens=g.get("max_new_tokens"))
+        return GenerationDefaults(
+            temperature=temperature,
+            top_p=float(g.get("top_p", 1.0)),
+            top_k=max(top_k, 0),
+            max_new_tokens=g.get("max_new_tokens"),
+        )
 
 
 class ServeTokenizer:
@@ -66,8 +71,11 @@ class ServeTokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}: the server needs the checkpoint's tokenizer")
         self.tokenizer = Tokenizer.from_file(path)
         self.config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
-        self.special_tokens = {k: t for k in ("bos_token", "eos_token", "unk_token", "pad_token")
-                               if (t := _token_text(self.config.get(k))) is not None}
+        self.special_tokens = {
+            k: t
+            for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if (t := _token_text(self.config.get(k))) is not None
+        }
         bos = self.special_tokens.get("bos_token")
         self.bos_token_id = self.tokenizer.token_to_id(bos) if bos else None
         self.add_bos_token = bool(self.config.get("add_bos_token", False))

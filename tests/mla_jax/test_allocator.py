@@ -17,16 +17,16 @@ def test_allocate_append_free_basic():
     pool = PagePool(8, 4)  # page 0 reserved -> 7 usable
     assert pool.num_usable_pages == 7 and pool.num_free_pages == 7
     assert pool.allocate("a", 0) == [] and pool.pages("a") == []
-    assert pool.append("a", 1) == [1]          # first token opens a page
-    assert pool.append("a", 3) == []           # fills it
-    assert pool.append("a", 1) == [2]          # next page only when the last one is full
+    assert pool.append("a", 1) == [1]  # first token opens a page
+    assert pool.append("a", 3) == []  # fills it
+    assert pool.append("a", 1) == [2]  # next page only when the last one is full
     assert pool.num_tokens("a") == 5 and pool.pages("a") == [1, 2]
     assert pool.allocate("b", 9) == [3, 4, 5]
     assert pool.num_free_pages == 2 and pool.num_held_pages == 5
     assert 0 not in pool.pages("a") + pool.pages("b")
     pool.free("a")
     assert "a" not in pool and pool.num_free_pages == 4
-    assert pool.allocate("c", 4) == [1]        # freed pages are reused
+    assert pool.allocate("c", 4) == [1]  # freed pages are reused
     pool.free("b")
     pool.free("c")
     assert pool.num_free_pages == 7 and len(pool) == 0
@@ -43,9 +43,9 @@ def test_no_reserved_page():
 
 def test_slot_mapping_and_block_table():
     pool = PagePool(16, 4)
-    pool.allocate("x", 3)    # page 1
-    pool.allocate("y", 6)    # pages 2, 3
-    pool.append("x", 4)      # 7 tokens -> page 4 added
+    pool.allocate("x", 3)  # page 1
+    pool.allocate("y", 6)  # pages 2, 3
+    pool.append("x", 4)  # 7 tokens -> page 4 added
     assert pool.pages("x") == [1, 4]
     np.testing.assert_array_equal(pool.slot_mapping("x", 0, 7), [4, 5, 6, 7, 16, 17, 18])
     np.testing.assert_array_equal(pool.slot_mapping("x", 3, 5), [7, 16])
@@ -70,9 +70,14 @@ def test_errors():
     pool.allocate("a", 1)
     with pytest.raises(ValueError, match="already allocated"):
         pool.allocate("a", 1)
-    for call in (lambda: pool.free("zz"), lambda: pool.append("zz", 1), lambda: pool.pages("zz"),
-                 lambda: pool.num_tokens("zz"), lambda: pool.slot_mapping("zz", 0, 0),
-                 lambda: pool.block_table(["a", "zz"], 4)):
+    for call in (
+        lambda: pool.free("zz"),
+        lambda: pool.append("zz", 1),
+        lambda: pool.pages("zz"),
+        lambda: pool.num_tokens("zz"),
+        lambda: pool.slot_mapping("zz", 0, 0),
+        lambda: pool.block_table(["a", "zz"], 4),
+    ):
         with pytest.raises(KeyError, match="unknown request id 'zz'"):
             call()
     with pytest.raises(ValueError, match="num_new_tokens"):
@@ -209,8 +214,9 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                                    suppress_health_check=[HealthCheck.too_slow])
+TestPoolMachine.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def test_prefix_caching_pool_without_registrations_behaves_the_same():

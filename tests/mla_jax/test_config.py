@@ -14,7 +14,7 @@ def test_v3_derived_dims_and_scale():
     cfg = DeepseekConfig.from_dict(V3)
     assert cfg.qk_head_dim == 192 and cfg.cache_row_dim == 576
     assert cfg.softmax_scale == pytest.approx(0.135234, abs=1e-6)  # 192^-0.5 * mscale(40, 1.0)^2
-    assert cfg.softmax_scale != pytest.approx(576 ** -0.5, rel=0.05)
+    assert cfg.softmax_scale != pytest.approx(576**-0.5, rel=0.05)
     assert cfg.quantization.weight_block_size == (128, 128)
     assert cfg.num_dense_layers == 3 and cfg.is_moe_layer(3) and not cfg.is_moe_layer(2)
 
@@ -27,7 +27,7 @@ def test_v2_lite():
 
 def test_no_rope_scaling_scale():
     d = {k: v for k, v in V2_LITE.items() if k != "rope_scaling"}
-    assert DeepseekConfig.from_dict(d).softmax_scale == pytest.approx(192 ** -0.5)
+    assert DeepseekConfig.from_dict(d).softmax_scale == pytest.approx(192**-0.5)
 
 
 @pytest.mark.parametrize("name", ["v2", "v2_lite", "v3", "v32", "glm_dsa"])
@@ -59,17 +59,28 @@ def test_glm_dsa_index_groups():
     assert DeepseekConfig.from_dict(d).indexer_types is None  # default freq 1: every layer full
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(q_lora_rank=None), "q_lora_rank"), (dict(index_head_dim=32), "index_head_dim"),
-    (dict(index_topk=0), "index_topk"), (dict(index_n_heads="64"), "index_n_heads"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(q_lora_rank=None), "q_lora_rank"),
+        (dict(index_head_dim=32), "index_head_dim"),
+        (dict(index_topk=0), "index_topk"),
+        (dict(index_n_heads="64"), "index_n_heads"),
+    ],
+)
 def test_invalid_sparse_fields_are_named(change, match):
     with pytest.raises(ConfigError, match=match):
         DeepseekConfig.from_dict({**DEEPSEEK_V32, **change})
 
 
-@pytest.mark.parametrize("types,match", [(["shared", "full", "full"], r"indexer_types\[0\]"),
-                                         (["full", "half", "full"], "indexer_types"), (["full"], "indexer_types")])
+@pytest.mark.parametrize(
+    "types,match",
+    [
+        (["shared", "full", "full"], r"indexer_types\[0\]"),
+        (["full", "half", "full"], "indexer_types"),
+        (["full"], "indexer_types"),
+    ],
+)
 def test_invalid_indexer_types_are_named(types, match):
     d = json.load(open(f"{FIXTURES}/glm_dsa/config.json"))
     with pytest.raises(ConfigError, match=match):
@@ -84,22 +95,31 @@ def test_transformers5_rope_parameters():
     assert DeepseekConfig.from_dict(d) == DeepseekConfig.from_dict(V3)
 
 
-@pytest.mark.parametrize("field", ["hidden_size", "kv_lora_rank", "num_attention_heads", "vocab_size",
-                                   "qk_rope_head_dim", "max_position_embeddings"])
+@pytest.mark.parametrize(
+    "field",
+    ["hidden_size", "kv_lora_rank", "num_attention_heads", "vocab_size", "qk_rope_head_dim", "max_position_embeddings"],
+)
 def test_missing_field_is_named(field):
     d = {k: v for k, v in V3.items() if k != field}
     with pytest.raises(ConfigError, match=field):
         DeepseekConfig.from_dict(d)
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("hidden_size", "7168", "hidden_size"), ("kv_lora_rank", 0, "kv_lora_rank"),
-    ("q_lora_rank", -1, "q_lora_rank"), ("model_type", "llama", "model_type"),
-    ("topk_method", "weird", "topk_method"), ("num_key_value_heads", 1, "num_key_value_heads"),
-    ("n_group", 3, "n_group"), ("norm_topk_prob", "yes", "norm_topk_prob"),
-    ("quantization_config", dict(quant_method="awq"), "quant_method"),
-    ("rope_scaling", dict(type="linear", factor=2.0), "rope_scaling"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("hidden_size", "7168", "hidden_size"),
+        ("kv_lora_rank", 0, "kv_lora_rank"),
+        ("q_lora_rank", -1, "q_lora_rank"),
+        ("model_type", "llama", "model_type"),
+        ("topk_method", "weird", "topk_method"),
+        ("num_key_value_heads", 1, "num_key_value_heads"),
+        ("n_group", 3, "n_group"),
+        ("norm_topk_prob", "yes", "norm_topk_prob"),
+        ("quantization_config", dict(quant_method="awq"), "quant_method"),
+        ("rope_scaling", dict(type="linear", factor=2.0), "rope_scaling"),
+    ],
+)
 def test_invalid_field_is_named(field, value, match):
     with pytest.raises(ConfigError, match=match):
         DeepseekConfig.from_dict({**V3, field: value})

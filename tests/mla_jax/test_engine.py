@@ -1,4 +1,5 @@
 """Engine: static-shape steps (compile counter), scheduler with preemption, sampling, generate, bad requests."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +12,15 @@ from tests.mla_jax.helpers import paged_config
 
 # fp32 cache: exact comparisons with the full forward (a bf16 cache moves logits by ~1e-2, enough to flip
 # MoE routing of random weights).
-SMALL = dict(max_model_len=64, max_num_seqs=8, page_size=16, token_budget=64, max_prefills=2,
-             prefill_buckets=(16, 32, 64), cache_dtype="fp32")
+SMALL = dict(
+    max_model_len=64,
+    max_num_seqs=8,
+    page_size=16,
+    token_budget=64,
+    max_prefills=2,
+    prefill_buckets=(16, 32, 64),
+    cache_dtype="fp32",
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +37,7 @@ def greedy_reference(params, cfg, prompt, n):
     ids[0, : len(prompt)] = prompt
     for t in range(len(prompt), total):
         ids[0, t] = int(jnp.argmax(model.forward(params, cfg, jnp.asarray(ids))[0, t - 1]))
-    return ids[0, len(prompt):total].tolist()
+    return ids[0, len(prompt) : total].tolist()
 
 
 def test_generate_greedy_equals_full_forward(tiny):
@@ -53,13 +61,14 @@ def test_no_recompiles_after_warmup(tiny):
     before = eng.counter.count
     rng = np.random.default_rng(1)
     sizes = set()
-    for step in range(1000):
+    for _step in range(1000):
         # one-token prompts are decodes from their first step; vary the batch every step
         live = len(eng.scheduler.running) + len(eng.scheduler.waiting)
         target = int(rng.integers(1, 9))
         for _ in range(max(0, target - live)):
-            eng.add_request([int(rng.integers(0, cfg.vocab_size))],
-                            SamplingParams(max_new_tokens=int(rng.integers(1, 6))))
+            eng.add_request(
+                [int(rng.integers(0, cfg.vocab_size))], SamplingParams(max_new_tokens=int(rng.integers(1, 6)))
+            )
         outs = eng.step()
         sizes.add(len(outs))
     assert len(sizes) >= 5
@@ -70,8 +79,10 @@ def test_sampling_controls(tiny):
     cfg, params = tiny
     prompt = list(range(1, 12))
     greedy = generate(params, cfg, [prompt], SamplingParams(max_new_tokens=8), EngineConfig(**SMALL))[0]
-    for sp in (SamplingParams(temperature=1.5, top_k=1, max_new_tokens=8, seed=3),
-               SamplingParams(temperature=1.5, top_p=1e-6, max_new_tokens=8, seed=4)):
+    for sp in (
+        SamplingParams(temperature=1.5, top_k=1, max_new_tokens=8, seed=3),
+        SamplingParams(temperature=1.5, top_p=1e-6, max_new_tokens=8, seed=4),
+    ):
         assert generate(params, cfg, [prompt], sp, EngineConfig(**SMALL))[0].token_ids == greedy.token_ids
     hot = [SamplingParams(temperature=2.0, max_new_tokens=8, seed=s, logprobs=True) for s in (1, 1, 2)]
     a, b, c = generate(params, cfg, [prompt] * 3, hot, EngineConfig(**SMALL))
@@ -83,8 +94,9 @@ def test_sampling_controls(tiny):
     want = [float(lp[len(prompt) - 1 + t, tok]) for t, tok in enumerate(a.token_ids)]
     np.testing.assert_allclose(a.logprobs, want, atol=1e-4)
     # top-k restricts samples to the k most likely tokens
-    k3 = generate(params, cfg, [prompt], SamplingParams(temperature=5.0, top_k=3, max_new_tokens=8, seed=9),
-                  EngineConfig(**SMALL))[0]
+    k3 = generate(
+        params, cfg, [prompt], SamplingParams(temperature=5.0, top_k=3, max_new_tokens=8, seed=9), EngineConfig(**SMALL)
+    )[0]
     ids = np.asarray([prompt + k3.token_ids], np.int32)
     logits = np.asarray(model.forward(params, cfg, jnp.asarray(ids))[0])
     for t, tok in enumerate(k3.token_ids):
@@ -97,8 +109,9 @@ def test_stop_tokens(tiny):
     full = generate(params, cfg, [prompt], SamplingParams(max_new_tokens=10), EngineConfig(**SMALL))[0]
     stop = full.token_ids[3]
     first = full.token_ids.index(stop)
-    out = generate(params, cfg, [prompt], SamplingParams(max_new_tokens=10, stop_token_ids=(stop,)),
-                   EngineConfig(**SMALL))[0]
+    out = generate(
+        params, cfg, [prompt], SamplingParams(max_new_tokens=10, stop_token_ids=(stop,)), EngineConfig(**SMALL)
+    )[0]
     assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason == "stop"
 
 
@@ -116,13 +129,16 @@ def test_preemption_keeps_outputs(tiny):
     assert eng.pool.num_free_pages == eng.pool.num_usable_pages
 
 
-@pytest.mark.parametrize("prompt,sp,match", [
-    ([], SamplingParams(), "empty prompt"),
-    ([1, 2, 96], SamplingParams(), "token id 96 out of vocab"),
-    ([1] * 60, SamplingParams(max_new_tokens=8), "exceeds max_model_len"),
-    ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
-    ([1, 2], SamplingParams(top_p=0.0), "top_p"),
-])
+@pytest.mark.parametrize(
+    "prompt,sp,match",
+    [
+        ([], SamplingParams(), "empty prompt"),
+        ([1, 2, 96], SamplingParams(), "token id 96 out of vocab"),
+        ([1] * 60, SamplingParams(max_new_tokens=8), "exceeds max_model_len"),
+        ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        ([1, 2], SamplingParams(top_p=0.0), "top_p"),
+    ],
+)
 def test_bad_requests_rejected_without_disturbing_others(tiny, prompt, sp, match):
     cfg, params = tiny
     eng = Engine(params, cfg, EngineConfig(**SMALL))

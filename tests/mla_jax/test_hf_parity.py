@@ -5,6 +5,7 @@ Tolerance: we compute in float32 (exact CPU matmuls); float32 rounding through a
 magnitude ~10 gives errors ~1e-5, so |ours - HF| <= 2e-4 absolute is tight yet robust. A wrong scale, a wrong
 rope layout or a routing mistake moves logits by O(0.1-1).
 """
+
 import dataclasses
 import os
 
@@ -51,7 +52,7 @@ def test_wrong_scale_breaks_parity(fixture):
     """The absorbed 576-wide dot still uses qk_head_dim^-0.5 (x mscale^2): the row width's scale is wrong."""
     name, cfg, params = fixture
     ids, want = next(_prompts(name))
-    bad = cfg.cache_row_dim ** -0.5
+    bad = cfg.cache_row_dim**-0.5
     got = np.asarray(model.forward(params, cfg, jnp.asarray(ids)[None], attention="absorbed", scale=bad)[0])
     assert np.abs(got - want).max() > 100 * ATOL
 
@@ -75,8 +76,10 @@ def test_indexer_topk_matches_hf(sparse_fixture):
         p = model.layer_params(params, cfg, li)
         if cfg.is_indexer_layer(li):
             x = rms_norm(p["input_layernorm"], jnp.asarray(h), cfg.rms_norm_eps)
-            got = np.sort(np.asarray(causal_topk(p["self_attn"]["indexer"], cfg, x,
-                                                 model.q_latent(p["self_attn"], cfg, x), pos)), axis=-1)
+            got = np.sort(
+                np.asarray(causal_topk(p["self_attn"]["indexer"], cfg, x, model.q_latent(p["self_attn"], cfg, x), pos)),
+                axis=-1,
+            )
             want = np.asarray(ref.get(f"index_topk_{i}_layer{li}"))
             rows = np.arange(S)
             for s in rows:

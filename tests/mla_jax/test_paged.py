@@ -1,11 +1,12 @@
 """Step-by-step runs through the paged latent cache equal the full-sequence forward (issue: cache/metadata)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from mla_jax import model
-from mla_jax.metadata import (BatchShape, MetadataError, ScheduledRequest, build_metadata, validate_metadata)
+from mla_jax.metadata import BatchShape, MetadataError, ScheduledRequest, build_metadata, validate_metadata
 from tests.mla_jax.helpers import paged_config, run_schedule
 
 ATOL = 1e-4  # float32 everywhere; paged vs full differ only by summation order
@@ -40,8 +41,16 @@ def _check(out, full, atol=ATOL):
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128])
 def test_mixed_batches_match_full_forward(setup, page_size):
     cfg, params, seqs, full = setup
-    out = run_schedule(params, cfg, seqs, MIXED, page_size=page_size, workspace_rows=3 * page_size,
-                       reorder_batch_threshold=4, num_pages=40)
+    out = run_schedule(
+        params,
+        cfg,
+        seqs,
+        MIXED,
+        page_size=page_size,
+        workspace_rows=3 * page_size,
+        reorder_batch_threshold=4,
+        num_pages=40,
+    )
     _check(out, full)
 
 
@@ -61,16 +70,37 @@ def test_decode_only_steps(setup):
 def test_pallas_backend(setup):
     """Same runs through the Pallas kernels (interpret mode on CPU)."""
     cfg, params, seqs, full = setup
-    _check(run_schedule(params, cfg, seqs, MIXED[:3], page_size=16, workspace_rows=16,
-                        reorder_batch_threshold=4, backend="pallas", num_pages=40), full)
+    _check(
+        run_schedule(
+            params,
+            cfg,
+            seqs,
+            MIXED[:3],
+            page_size=16,
+            workspace_rows=16,
+            reorder_batch_threshold=4,
+            backend="pallas",
+            num_pages=40,
+        ),
+        full,
+    )
 
 
 def test_fp8_cache_within_tolerance(setup):
     """fp8 e4m3 rows with a per-token scale: 3 mantissa bits (rel. error <= 2^-4 per element) on the context;
     logits ~O(5) move by at most a few tenths."""
     cfg, params, seqs, full = setup
-    out = run_schedule(params, cfg, seqs, MIXED, page_size=16, cache_dtype="fp8", workspace_rows=48,
-                       reorder_batch_threshold=4, fill=0.0)
+    out = run_schedule(
+        params,
+        cfg,
+        seqs,
+        MIXED,
+        page_size=16,
+        cache_dtype="fp8",
+        workspace_rows=48,
+        reorder_batch_threshold=4,
+        fill=0.0,
+    )
     err = max(np.abs(got - full[r][pos]).max() for r, pos, got in out)
     scale = max(np.abs(f).max() for f in full)
     assert err < 0.05 * scale, (err, scale)
@@ -84,8 +114,7 @@ def test_non_causal_multi_token_rows():
     params = model.init_params(cfg, jax.random.key(5), std=0.2)
     seq = list(map(int, np.random.default_rng(2).integers(0, cfg.vocab_size, 14)))
     full = [np.asarray(model.forward(params, cfg, jnp.asarray([seq]))[0])]
-    out = run_schedule(params, cfg, [seq], [[(0, 10)], [(0, 4)]], page_size=16, reorder_batch_threshold=4,
-                       causal=False)
+    out = run_schedule(params, cfg, [seq], [[(0, 10)], [(0, 4)]], page_size=16, reorder_batch_threshold=4, causal=False)
     _check([o for o in out if o[1] in (9, 13)], full)
     first = [o for o in out if o[1] == 10][0]
     assert np.abs(first[2] - full[0][10]).max() > 1e-3  # row 0 of the block saw the tokens after it
@@ -112,8 +141,7 @@ def test_metadata_layout():
 
 
 def test_non_causal_metadata():
-    md, _ = build_metadata([_req(3, 4, [1, 2])], page_size=4, num_pages=8, reorder_batch_threshold=3,
-                           causal=False)
+    md, _ = build_metadata([_req(3, 4, [1, 2])], page_size=4, num_pages=8, reorder_batch_threshold=3, causal=False)
     np.testing.assert_array_equal(md.decode.seq_lens, [[7, 7, 7]])
 
 
@@ -128,12 +156,15 @@ def test_static_shape_and_buckets():
         build_metadata(reqs * 3, page_size=4, num_pages=8, shape=shape)
 
 
-@pytest.mark.parametrize("reqs,match", [
-    ([_req(5, 4, [1, 2])], "past its block table"),
-    ([_req(2, 0, [9])], "block id 9 out of range"),
-    ([_req(0, 0, [1])], "token_ids is empty"),
-    ([_req(9, 4, [1, 2, 3, 4])], "workspace_rows is 0"),
-])
+@pytest.mark.parametrize(
+    "reqs,match",
+    [
+        ([_req(5, 4, [1, 2])], "past its block table"),
+        ([_req(2, 0, [9])], "block id 9 out of range"),
+        ([_req(0, 0, [1])], "token_ids is empty"),
+        ([_req(9, 4, [1, 2, 3, 4])], "workspace_rows is 0"),
+    ],
+)
 def test_bad_requests(reqs, match):
     with pytest.raises(MetadataError, match=match):
         build_metadata(reqs, page_size=4, num_pages=8)
@@ -142,6 +173,7 @@ def test_bad_requests(reqs, match):
 def test_bad_metadata_fields():
     md, _ = build_metadata([_req(1, 5, [1, 2]), _req(6, 0, [3, 4])], page_size=4, num_pages=8)
     import dataclasses
+
     bad_slot = dataclasses.replace(md, slot_mapping=md.slot_mapping.copy())
     bad_slot.slot_mapping[0] = 8 * 4
     with pytest.raises(MetadataError, match="slot_mapping entry 32 out of range"):

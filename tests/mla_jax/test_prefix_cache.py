@@ -1,6 +1,7 @@
 """Prefix caching: chain hashes, reference counts, LRU eviction, pinning (allocator, with a hypothesis state machine
 that tracks page contents), and through the engine: outputs identical with and without caching, cached prefixes
 prefilled only past the hit, no page ever written while shared or cached, preemption and eviction."""
+
 import jax
 import numpy as np
 import pytest
@@ -16,15 +17,21 @@ from tests.mla_jax.helpers import paged_config
 
 
 def _snapshot(pool):
-    return (sorted(pool._free), {r: list(p) for r, p in pool._pages.items()}, dict(pool._tokens), list(pool._ref),
-            dict(pool._hash_to_page), list(pool._evictable))
+    return (
+        sorted(pool._free),
+        {r: list(p) for r, p in pool._pages.items()},
+        dict(pool._tokens),
+        list(pool._ref),
+        dict(pool._hash_to_page),
+        list(pool._evictable),
+    )
 
 
 def _admit(pool, rid, tokens, upto=None):
     """Looks up the cached prefix of `tokens` (leaving the last token to compute) and allocates `upto` tokens."""
     G = pool.page_size
     hashes = page_hashes(tokens, G)
-    hits = pool.cached_prefix(hashes[:(len(tokens) - 1) // G])
+    hits = pool.cached_prefix(hashes[: (len(tokens) - 1) // G])
     pool.allocate(rid, len(tokens) if upto is None else upto, cached_pages=hits)
     return hits, hashes
 
@@ -172,14 +179,14 @@ class PrefixPoolMachine(RuleBasedStateMachine):
         before = _snapshot(self.pool)
         G = self.G
         hashes = page_hashes(toks, G)
-        hits = self.pool.cached_prefix(hashes[:(len(toks) - 1) // G])
+        hits = self.pool.cached_prefix(hashes[: (len(toks) - 1) // G])
         try:
             self.pool.allocate(rid, len(hits) * G + 1, cached_pages=hits)
         except OutOfPages:
             assert _snapshot(self.pool) == before
             return
         for i, p in enumerate(hits):
-            assert self.content[p] == tuple(toks[i * G:(i + 1) * G]), "a cache hit with the wrong tokens"
+            assert self.content[p] == tuple(toks[i * G : (i + 1) * G]), "a cache hit with the wrong tokens"
         self.reqs[rid] = [toks, len(hits) * G, hashes]
         self._write(rid, len(hits) * G)
 
@@ -220,15 +227,25 @@ class PrefixPoolMachine(RuleBasedStateMachine):
 
 
 TestPrefixPoolMachine = PrefixPoolMachine.TestCase
-TestPrefixPoolMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+TestPrefixPoolMachine.settings = settings(
+    max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 # ---- through the engine ---------------------------------------------------------------------------------------
 # One static config for every engine here (the same cache shape and buckets: compiled once for the module); 12
 # usable pages of 16 tokens for up to 8 requests of up to 64 tokens, so the bigger tests preempt and evict.
-CONFIG = dict(max_model_len=64, max_num_seqs=8, page_size=16, num_pages=13, token_budget=64, max_prefills=2,
-              decode_buckets=(8,), prefill_buckets=(64,), cache_dtype="fp32")
+CONFIG = dict(
+    max_model_len=64,
+    max_num_seqs=8,
+    page_size=16,
+    num_pages=13,
+    token_budget=64,
+    max_prefills=2,
+    decode_buckets=(8,),
+    prefill_buckets=(64,),
+    cache_dtype="fp32",
+)
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +276,10 @@ def _shared_prefix_waves(cfg, seed):
     system = rng.integers(0, cfg.vocab_size, 35).tolist()
     prompts = [system + rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in (3, 9, 1, 12)]
     prompts += [system[:32], system[:33], rng.integers(0, cfg.vocab_size, 20).tolist()]
-    sps = [SamplingParams(max_new_tokens=int(rng.integers(4, 12)), temperature=float(t), seed=i)
-           for i, t in enumerate([0, 1, 0, 1, 0, 1, 0])]
+    sps = [
+        SamplingParams(max_new_tokens=int(rng.integers(4, 12)), temperature=float(t), seed=i)
+        for i, t in enumerate([0, 1, 0, 1, 0, 1, 0])
+    ]
     wave = list(zip(prompts, sps))
     return [wave, wave[::-1]]
 
@@ -276,8 +295,10 @@ def test_outputs_identical_with_and_without_prefix_caching(tiny):
     assert 0 < s.prefix_cache_hits < s.prefix_cache_queries
     # hits are whole pages, leave the last prompt token to compute; the second wave repeats the first
     for w, wave in zip(on, waves):
-        assert all(o.num_cached_tokens % 16 == 0 and o.num_cached_tokens <= 16 * ((len(p) - 1) // 16)
-                   for o, (p, _) in zip(w, wave))
+        assert all(
+            o.num_cached_tokens % 16 == 0 and o.num_cached_tokens <= 16 * ((len(p) - 1) // 16)
+            for o, (p, _) in zip(w, wave)
+        )
     assert sum(o.num_cached_tokens for o in on[1]) > sum(o.num_cached_tokens for o in on[0])
     assert eng.pool.num_free_pages == eng.pool.num_usable_pages and eng.pool.num_cached_pages > 0
 
@@ -314,8 +335,7 @@ def test_no_page_written_while_shared_or_cached_with_preemption(tiny):
     wave = []
     for i in range(14):
         prompt = system[: int(rng.integers(17, 41))] + rng.integers(0, cfg.vocab_size, int(rng.integers(1, 8))).tolist()
-        wave.append((prompt, SamplingParams(max_new_tokens=int(rng.integers(4, 16)), temperature=float(i % 2),
-                                            seed=i)))
+        wave.append((prompt, SamplingParams(max_new_tokens=int(rng.integers(4, 16)), temperature=float(i % 2), seed=i)))
     waves = [wave, wave[::2]]
     off = _run_waves(Engine(params, cfg, EngineConfig(**CONFIG)), waves)
     eng = Engine(params, cfg, EngineConfig(**CONFIG, enable_prefix_caching=True))

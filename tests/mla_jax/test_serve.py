@@ -4,6 +4,7 @@
 Outputs are compared with `generate` run in this process with the server's engine config; bad requests must get
 400 naming the problem while a stream runs on unaffected; a disconnect mid-stream must free its pages; SIGTERM
 must drain and exit 0 (the last test)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,14 +30,45 @@ pytestmark = pytest.mark.xdist_group("serve")
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "..", "mla_jax", "data", "demo")
 NAME = "demo"
-TEMPLATE = ("{% for m in messages %}{{ '### ' + m['role'] + '\\n' + m['content'] + '\\n' }}{% endfor %}"
-            "{% if add_generation_prompt %}{{ '### assistant\\n' }}{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ '### ' + m['role'] + '\\n' + m['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### assistant\\n' }}{% endif %}"
+)
 # The server's engine, small enough to compile quickly: 3 step shapes (decode 16, prefill 64, both).
-ENGINE = dict(max_model_len=128, max_num_seqs=16, page_size=16, token_budget=64, max_prefills=2, decode_buckets=(16,),
-              prefill_buckets=(64,), cache_dtype="fp32")
-ARGS = ["--max-model-len", "128", "--max-num-seqs", "16", "--page-size", "16", "--max-num-batched-tokens", "64",
-        "--max-prefills", "2", "--decode-buckets", "16", "--prefill-buckets", "64", "--cache-dtype", "fp32",
-        "--warmup", "full", "--warmup-logprobs", "--no-access-log", "--timeout-graceful-shutdown", "10"]
+ENGINE = dict(
+    max_model_len=128,
+    max_num_seqs=16,
+    page_size=16,
+    token_budget=64,
+    max_prefills=2,
+    decode_buckets=(16,),
+    prefill_buckets=(64,),
+    cache_dtype="fp32",
+)
+ARGS = [
+    "--max-model-len",
+    "128",
+    "--max-num-seqs",
+    "16",
+    "--page-size",
+    "16",
+    "--max-num-batched-tokens",
+    "64",
+    "--max-prefills",
+    "2",
+    "--decode-buckets",
+    "16",
+    "--prefill-buckets",
+    "64",
+    "--cache-dtype",
+    "fp32",
+    "--warmup",
+    "full",
+    "--warmup-logprobs",
+    "--no-access-log",
+    "--timeout-graceful-shutdown",
+    "10",
+]
 GEN_MAX_NEW = 24  # generation_config.json's max_new_tokens: the default max_tokens of chat requests
 STARTUP_S = 240
 
@@ -57,13 +89,35 @@ class Server:
 
         # the server compiles every step shape into a persistent cache that this process's reference then loads:
         # the same XLA flags (inherited) and jax config (the tests' matmul precision) give the same programs
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": compile_cache,
-               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "JAX_COMPILATION_CACHE_DIR": compile_cache,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        }
         if jax.config.jax_default_matmul_precision:
             env["JAX_DEFAULT_MATMUL_PRECISION"] = str(jax.config.jax_default_matmul_precision)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mla_jax.cli", "serve", "--model", model_dir, "--served-model-name", NAME,
-             "--host", "127.0.0.1", "--port", str(port), *ARGS], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+            [
+                sys.executable,
+                "-m",
+                "mla_jax.cli",
+                "serve",
+                "--model",
+                model_dir,
+                "--served-model-name",
+                NAME,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *ARGS,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
     def output(self) -> str:
         self.log.flush()
@@ -102,8 +156,9 @@ def model_dir(tmp_path_factory):
     tc = json.loads((d / "tokenizer_config.json").read_text())
     tc["chat_template"] = TEMPLATE
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "do_sample": False,
-                                                          "max_new_tokens": GEN_MAX_NEW}))
+    (d / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": 0, "do_sample": False, "max_new_tokens": GEN_MAX_NEW})
+    )
     return str(d)
 
 
@@ -114,8 +169,11 @@ def compile_cache(tmp_path_factory):
     from jax.experimental.compilation_cache import compilation_cache
 
     path = str(tmp_path_factory.mktemp("jax_cache"))
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
     old = {n: getattr(jax.config, n) for n in names}
     try:
         yield path
@@ -180,9 +238,16 @@ def client(server, ref):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(root):",
-           "class Stack:\n    def push(self, item):", "    for i, line in enumerate(", "# Copyright", "return", "x = [",
-           "while True:\n"]
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\n\n\ndef list_python_files(root):",
+    "class Stack:\n    def push(self, item):",
+    "    for i, line in enumerate(",
+    "# Copyright",
+    "return",
+    "x = [",
+    "while True:\n",
+]
 
 
 def _metrics(server) -> dict[str, float]:
@@ -221,8 +286,9 @@ def test_completions_match_generate(client, ref):
         assert c.finish_reason == ("stop" if o.finish_reason == "stop" else "length")
     # streaming: the pieces add up to the same text; the last chunk has the finish reason, then usage
     pieces, finish, usage = [], None, None
-    for chunk in client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0,
-                                           stream=True, stream_options={"include_usage": True}):
+    for chunk in client.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}
+    ):
         if chunk.usage is not None:
             usage = chunk.usage
         for c in chunk.choices:
@@ -247,14 +313,21 @@ def test_logprobs(client, ref):
         assert sorted(top.values(), reverse=True)[:3] == pytest.approx([v for _, v in want_top], abs=1e-4)
     # chat, streaming: top_logprobs alternatives per token
     entries = []
-    for chunk in client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
-                                                stream=True):
+    for chunk in client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    ):
         for c in chunk.choices:
             if c.logprobs is not None:
                 entries += c.logprobs.content
-    assert entries and all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
-                           for e in entries)
+    assert entries and all(
+        len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob) for e in entries
+    )
 
 
 def test_chat_matches_generate(client, ref):
@@ -265,8 +338,9 @@ def test_chat_matches_generate(client, ref):
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
     assert r.usage.prompt_tokens == len(ref.tok.encode_chat(text))
     pieces, roles = [], []
-    for chunk in client.chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0,
-                                                stream=True):
+    for chunk in client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=16, temperature=0, stream=True
+    ):
         for c in chunk.choices:
             roles.append(c.delta.role)
             pieces.append(c.delta.content or "")
@@ -283,15 +357,15 @@ def test_16_concurrent_streaming_clients(server, ref):
 
     async def one(client, prompt):
         pieces = []
-        stream = await client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0,
-                                                 stream=True)
+        stream = await client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0, stream=True)
         async for chunk in stream:
             pieces += [c.text for c in chunk.choices]
         return "".join(pieces)
 
     async def main():
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                                      timeout=120) as client:
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+        ) as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
     assert asyncio.run(main()) == want
@@ -301,12 +375,18 @@ def test_stop_strings(client, ref):
     ((full, o),) = ref.greedy([PROMPTS[2]], 32, stop=())
     # a stop string spanning several tokens, starting a few tokens in
     start = len(ref.tok.decode(o.token_ids[:4]))
-    stop = full[start:start + 7]
+    stop = full[start : start + 7]
     assert len(stop) == 7 and full.find(stop) == start
     for include in (False, True):
-        want = full[:start + (len(stop) if include else 0)]
-        kw = dict(model=NAME, prompt=PROMPTS[2], max_tokens=32, temperature=0, stop=[stop, "never appears"],
-                  extra_body={"include_stop_str_in_output": include, "ignore_eos": True})
+        want = full[: start + (len(stop) if include else 0)]
+        kw = dict(
+            model=NAME,
+            prompt=PROMPTS[2],
+            max_tokens=32,
+            temperature=0,
+            stop=[stop, "never appears"],
+            extra_body={"include_stop_str_in_output": include, "ignore_eos": True},
+        )
         r = client.completions.create(**kw)
         assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
         pieces = [c.text for chunk in client.completions.create(**kw, stream=True) for c in chunk.choices]
@@ -318,9 +398,13 @@ def test_n_choices_and_seeds(client, ref):
     from mla_jax.sampling import SamplingParams
 
     ids = ref.tok.encode_prompt(PROMPTS[3])
-    want = [ref.tok.decode(o.token_ids) for o in ref.run(
-        [ids] * 3, [SamplingParams(temperature=1.0, seed=7 + i, max_new_tokens=12, stop_token_ids=(0,))
-                    for i in range(3)])]
+    want = [
+        ref.tok.decode(o.token_ids)
+        for o in ref.run(
+            [ids] * 3,
+            [SamplingParams(temperature=1.0, seed=7 + i, max_new_tokens=12, stop_token_ids=(0,)) for i in range(3)],
+        )
+    ]
     kw = dict(model=NAME, prompt=PROMPTS[3], max_tokens=12, temperature=1.0, n=3, seed=7)
     r = client.completions.create(**kw)
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want  # choice i samples with seed + i
@@ -350,17 +434,29 @@ def test_bad_requests_named_while_others_run(server, ref):
         ({"max_tokens": 3}, "prompt", "required"),
         ({"prompt": "x", "temperature": "hot"}, "temperature", "hot"),
     ]
-    chat_bad = [({"messages": []}, "messages", "empty"),
-                ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs", "logprobs"),
-                ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "tools")]
+    chat_bad = [
+        ({"messages": []}, "messages", "empty"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs", "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "tools"),
+    ]
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+
             async def stream():
                 text = ""
-                async with c.stream("POST", "/v1/completions", json={
-                        "model": NAME, "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "stream": True,
-                        "ignore_eos": True}) as resp:
+                async with c.stream(
+                    "POST",
+                    "/v1/completions",
+                    json={
+                        "model": NAME,
+                        "prompt": PROMPTS[0],
+                        "max_tokens": 60,
+                        "temperature": 0,
+                        "stream": True,
+                        "ignore_eos": True,
+                    },
+                ) as resp:
                     async for line in resp.aiter_lines():
                         if line.startswith("data: ") and line != "data: [DONE]":
                             text += "".join(ch["text"] for ch in json.loads(line[6:])["choices"])
@@ -389,8 +485,18 @@ def test_bad_requests_named_while_others_run(server, ref):
 def test_disconnect_frees_pages(server):
     before = _metrics(server)
     with httpx.Client(base_url=server.url, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json={"model": NAME, "prompt": PROMPTS[1], "max_tokens": 100,
-                                                       "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+        with c.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": NAME,
+                "prompt": PROMPTS[1],
+                "max_tokens": 100,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            },
+        ) as r:
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]  # a few chunks (with their blank separators), then hang up
             assert any(g.startswith("data: ") for g in got)
@@ -400,8 +506,11 @@ def test_disconnect_frees_pages(server):
     while True:
         m = _metrics(server)
         aborted = _metric(m, "mla_jax:request_success_total", finished_reason="abort")
-        if (_metric(m, "mla_jax:num_requests_running") == 0 and _metric(m, "mla_jax:kv_cache_pages_used") == 0
-                and aborted == _metric(before, "mla_jax:request_success_total", finished_reason="abort") + 1):
+        if (
+            _metric(m, "mla_jax:num_requests_running") == 0
+            and _metric(m, "mla_jax:kv_cache_pages_used") == 0
+            and aborted == _metric(before, "mla_jax:request_success_total", finished_reason="abort") + 1
+        ):
             break
         assert time.monotonic() < deadline, "the disconnected request still holds pages"
         time.sleep(0.1)
@@ -410,8 +519,10 @@ def test_disconnect_frees_pages(server):
 
 
 def test_prefix_cache_hits_and_metrics(server, client, ref):
-    prompt = ("import os\nimport sys\nimport argparse\n\n\ndef main(argv):\n    \"\"\"Parse the command line and run "
-              "the tool.\"\"\"\n    parser = argparse.ArgumentParser(description=")
+    prompt = (
+        'import os\nimport sys\nimport argparse\n\n\ndef main(argv):\n    """Parse the command line and run '
+        'the tool."""\n    parser = argparse.ArgumentParser(description='
+    )
     assert len(ref.tok.encode_prompt(prompt)) > 33  # at least 2 full pages of 16
     ((want, _),) = ref.greedy([prompt], 10)
     before = _metrics(server)
@@ -422,9 +533,17 @@ def test_prefix_cache_hits_and_metrics(server, client, ref):
     m = _metrics(server)
     hits = _metric(m, "mla_jax:prefix_cache_hits_total") - _metric(before, "mla_jax:prefix_cache_hits_total")
     assert hits >= 32 and 0 < _metric(m, "mla_jax:prefix_cache_hit_rate") < 1
-    for name in ("num_requests_waiting", "kv_cache_pages_total", "kv_cache_usage_perc", "generation_tokens_per_second",
-                 "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
-                 "time_per_output_token_seconds_count", "e2e_request_latency_seconds_count"):
+    for name in (
+        "num_requests_waiting",
+        "kv_cache_pages_total",
+        "kv_cache_usage_perc",
+        "generation_tokens_per_second",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_count",
+        "time_per_output_token_seconds_count",
+        "e2e_request_latency_seconds_count",
+    ):
         assert any(k.startswith(f"mla_jax:{name}") for k in m), name
     assert _metric(m, "mla_jax:time_to_first_token_seconds_count") > 10
     assert _metric(m, "mla_jax:kv_cache_pages_total") == 128
@@ -433,8 +552,18 @@ def test_prefix_cache_hits_and_metrics(server, client, ref):
 def test_sigterm_drains_and_exits_cleanly(server):
     """Last: SIGTERM while a stream runs; the stream still completes, the process exits 0 without a traceback."""
     with httpx.Client(base_url=server.url, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 40,
-                                                       "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+        with c.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": NAME,
+                "prompt": PROMPTS[0],
+                "max_tokens": 40,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            },
+        ) as r:
             lines = r.iter_lines()
             first = next(lines)
             assert first.startswith("data: ")

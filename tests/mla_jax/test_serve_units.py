@@ -1,6 +1,7 @@
 """Serving pieces without a server: incremental detokenization, stop strings with streaming hold-back, chat
 templates (HF semantics), BOS and generation_config defaults, and the engine loop's abort and failure paths
 (with a stub engine: no model, no compiles)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,11 @@ def tok():
     return ServeTokenizer(DEMO)
 
 
-TEXTS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)", "café → naïve 日本語 ✓ done",
-         "    for i, line in enumerate(lines):\n        print(i)\n\n\nx = 1"]
+TEXTS = [
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)",
+    "café → naïve 日本語 ✓ done",
+    "    for i, line in enumerate(lines):\n        print(i)\n\n\nx = 1",
+]
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -91,12 +95,14 @@ def test_hold_back_is_minimal(tok):
 
 
 def test_chat_template_hf_semantics():
-    src = ("{{ bos_token }}{% for m in messages %}\n"
-           "  {% if m['role'] == 'system' and not loop.first %}{{ raise_exception('system must come first') }}"
-           "{% endif %}\n"
-           "<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n"
-           "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}{{ extra | default('') }}"
-           "{{ {'k': 'é'} | tojson }}")
+    src = (
+        "{{ bos_token }}{% for m in messages %}\n"
+        "  {% if m['role'] == 'system' and not loop.first %}{{ raise_exception('system must come first') }}"
+        "{% endif %}\n"
+        "<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n"
+        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}{{ extra | default('') }}"
+        "{{ {'k': 'é'} | tojson }}"
+    )
     t = ChatTemplate(src, {"bos_token": "<s>", "eos_token": "</s>"})
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     # trim_blocks / lstrip_blocks: the block tags leave no newlines or indentation behind
@@ -105,11 +111,19 @@ def test_chat_template_hf_semantics():
     with pytest.raises(ChatTemplateError, match="system must come first"):
         t.render(msgs[::-1])
     cont = ChatTemplate("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}")
-    text = cont.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, "}],
-                       add_generation_prompt=False, continue_final_message=True)
+    text = cont.render(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, "}],
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
     assert text == "<user>hi</s><assistant>Hello, "
-    assert find_chat_template("/nonexistent", {"chat_template": [{"name": "tool_use", "template": "a"},
-                                                                 {"name": "default", "template": "b"}]}) == "b"
+    assert (
+        find_chat_template(
+            "/nonexistent",
+            {"chat_template": [{"name": "tool_use", "template": "a"}, {"name": "default", "template": "b"}]},
+        )
+        == "b"
+    )
 
 
 def test_bos_rule_and_generation_defaults(tmp_path):
@@ -128,8 +142,9 @@ def test_bos_rule_and_generation_defaults(tmp_path):
     rendered = bos.chat_template.render([{"role": "user", "content": "x = 1"}])
     assert bos.encode_chat(rendered) == ids  # the template's BOS, none added
     assert GenerationDefaults.from_dir(str(tmp_path)) == GenerationDefaults(1.0, 1.0, 0, None)
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.6, "top_p": 0.9, "top_k": 40, "max_new_tokens": 100, "eos_token_id": [0, 5]}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 40, "max_new_tokens": 100, "eos_token_id": [0, 5]})
+    )
     assert GenerationDefaults.from_dir(str(tmp_path)) == GenerationDefaults(0.6, 0.9, 40, 100)
     assert ServeTokenizer(str(tmp_path)).eos_token_ids == (0, 5)
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
@@ -146,8 +161,9 @@ class StubEngine:
         self.steps = 0
         self.num_computed_tokens = 0
         self.fail = False
-        self.scheduler = SimpleNamespace(running=[], waiting=[], prefix_cache_queries=0, prefix_cache_hits=0,
-                                         num_preemptions=0)
+        self.scheduler = SimpleNamespace(
+            running=[], waiting=[], prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0
+        )
         self.pool = SimpleNamespace(num_held_pages=0, num_usable_pages=10, num_cached_pages=0)
         self.cfg = SimpleNamespace(vocab_size=100)
         self.aborted = []
