@@ -40,7 +40,7 @@ import numpy as np
 from pallas_kernels.flash_prefill import flash_prefill_reference
 from pallas_kernels.mla_decode import mla_decode_reference
 from pallas_kernels.mla_decode_sm90 import fp8_qk_reference_q
-from pallas_kernels.util import BF16, F16, F32
+from pallas_kernels.util import BF16, F16, F32, cdiv
 
 # Kernel names used in the cases' `kernels`.
 MLA_DECODE, MLA_DECODE_SM90 = "mla_decode", "mla_decode_sm90"
@@ -73,7 +73,7 @@ def decode_inputs(
     all lens[i]. cache_dtype "bf16" or "fp8" (with a per-token kv_scale), q_dtype "bf16" or "f32"."""
     rng = np.random.default_rng(seed)
     lens = np.asarray(lens)
-    used = [-(-int(x) // g) for x in lens]
+    used = [cdiv(int(x), g) for x in lens]
     spare = 3
     num_pages = sum(used) + spare
     perm = rng.permutation(num_pages)

@@ -8,6 +8,7 @@ import numpy as np
 from mla_jax.checkpoint.hf import CheckpointError
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import FP8_E4M3
+from pallas_kernels.util import cdiv
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -21,7 +22,7 @@ def fp8_block(cfg: DeepseekConfig) -> tuple[int, int]:
 
 def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     """[..., M, K] weight -> [..., ceil(M/bm), ceil(K/bk)] scale_inv."""
-    return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+    return (*shape[:-2], cdiv(shape[-2], block[0]), cdiv(shape[-1], block[1]))
 
 
 def dequantize_fp8_blocks(

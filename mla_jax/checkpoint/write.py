@@ -35,6 +35,7 @@ from mla_jax.checkpoint.plan import DEFAULT_MAX_GROUP_MB, ConvertError, Leaf, Pl
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import FP8_E4M3, as_dtype
 from mla_jax.model import layer_groups
+from pallas_kernels.util import cdiv
 
 EXTRA_FILES = (
     "tokenizer.json",
@@ -61,7 +62,7 @@ def _read(ckpt: CheckpointDir, name: str, part: str, select, block) -> np.ndarra
         r0, r1 = select[2:]
         if part == "value":  # dequantize whole row blocks, then slice (r0 need not be block-aligned)
             return dequantize_fp8_blocks(w, s, block, name)[:, r0:r1]
-        w, s = w[:, r0:r1], s[:, r0 // block[0] : -(-r1 // block[0])]
+        w, s = w[:, r0:r1], s[:, r0 // block[0] : cdiv(r1, block[0])]
     if part == "value":
         return dequantize_fp8_blocks(w, s, block, name)
     if part == "fp8":
