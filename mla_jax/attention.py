@@ -8,7 +8,8 @@
 
 A backend (`BACKENDS`, by name) is an ordered list of decode kernels and one of prefill kernels, each with a
 `supports` predicate that says why it declines a call (or None); a call goes to the first kernel that
-accepts it, so the fallback order is the order in the table. The last kernel of each list takes everything.
+accepts it, so the fallback order is the order in the table; every list ends with the plain-JAX reference,
+which takes any shape.
 Pallas kernels run in interpret mode when the default device is a CPU. Caches arrive flattened over layers,
 [num_layers * num_pages, G, L+R], with block tables already offset to the layer, so no layer slice is copied.
 """
@@ -16,6 +17,7 @@ Pallas kernels run in interpret mode when the default device is a CPU. Caches ar
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -82,8 +84,21 @@ def _sm90_fp8qk_declines(q, cache, *args, **kw) -> str | None:
     return _sm90_declines(q, cache, *args, **kw)
 
 
+def _pow2_at_least_16(x: int) -> bool:
+    return x >= 16 and x & (x - 1) == 0
+
+
+def _triton_decode_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512, **_) -> str | None:
+    rope = q.shape[-1] - kv_lora_rank
+    if not (_pow2_at_least_16(kv_lora_rank) and _pow2_at_least_16(rope)):
+        return f"latent {kv_lora_rank} and rope {rope} dims must be powers of two >= 16"
+    if cache.shape[1] & (cache.shape[1] - 1):
+        return f"page size {cache.shape[1]} is not a power of two"
+    return None
+
+
 DECODE_XLA = Kernel("xla", md.mla_decode_reference)
-DECODE_TRITON = Kernel("triton", _decode_triton)
+DECODE_TRITON = Kernel("triton", _decode_triton, _triton_decode_declines)
 DECODE_SM90 = Kernel("sm90", _decode_sm90, _sm90_declines)
 # fp8 QK^T as an fp8 wgmma on a per-row fp8 q: faster than dequantizing the page, but lossy (docs/perf-notes.md)
 DECODE_SM90_FP8QK = Kernel("sm90_fp8qk", _decode_sm90_fp8qk, _sm90_fp8qk_declines)
@@ -104,8 +119,16 @@ def _prefill_sm90_declines(q, k, v, *_, **__) -> str | None:
     return fp90.unsupported_reason(q, k, v)
 
 
+def _triton_prefill_declines(q, k, v, *_, **__) -> str | None:
+    dq, dv = q.shape[-1], v.shape[-1]
+    low = dq & -dq  # the q/k head dim is split into at most two power-of-two pieces, each >= 16
+    if bin(dq).count("1") > 2 or low < 16 or not _pow2_at_least_16(dv):
+        return f"q/k head dim {dq} must be 2^a or 2^a + 2^b (pieces >= 16) and v head dim {dv} a power of two >= 16"
+    return None
+
+
 PREFILL_XLA = Kernel("xla", fp.flash_prefill_reference)
-PREFILL_TRITON = Kernel("triton", _prefill_triton)
+PREFILL_TRITON = Kernel("triton", _prefill_triton, _triton_prefill_declines)
 PREFILL_SM90 = Kernel("sm90", _prefill_sm90, _prefill_sm90_declines)
 
 
@@ -117,16 +140,19 @@ def _gather_xla(*args, **kw):
     return gc.gather_cache(*args, impl="xla", **kw)
 
 
-def _gather_auto(*args, **kw):
-    return gc.gather_cache(*args, impl="auto", **kw)
+def _gather_auto(kv_cache, *args, **kw):
+    # the Pallas gather copies a row as at most three power-of-two pieces
+    impl = "auto" if bin(kv_cache.shape[-1]).count("1") <= 3 else "xla"
+    return gc.gather_cache(kv_cache, *args, impl=impl, **kw)
 
 
 def _merge_xla(*args):
     return ms.merge_attn_states(*args, impl="xla")
 
 
-def _merge_auto(*args):
-    return ms.merge_attn_states(*args, impl="auto")
+def _merge_auto(prefix_output, *args):
+    v = prefix_output.shape[-1]  # the Pallas merge needs a power-of-two V head dim
+    return ms.merge_attn_states(prefix_output, *args, impl="auto" if v & (v - 1) == 0 else "xla")
 
 
 # ---- sparse attention (DeepSeek-V3.2): (q [B, Q, N, L+R], cache [pages, G, L+R], topk_slots i32[B, Q, K], *,
@@ -144,7 +170,7 @@ SPARSE_PREFILL_MHA_MAX_LEN: dict[int, int] = {}
 @dataclasses.dataclass(frozen=True)
 class Backend:
     name: str
-    decode: tuple[Kernel, ...]  # tried in order; the last takes every call
+    decode: tuple[Kernel, ...]  # tried in order; the last (xla) takes every call
     prefill: tuple[Kernel, ...]
     gather_cache: Callable[..., jax.Array]  # pallas_kernels.gather_cache signature
     merge_attn_states: Callable[..., tuple[jax.Array, jax.Array]]  # pallas_kernels.merge_attn_states signature
@@ -163,29 +189,41 @@ class Backend:
 
 
 def pick(kernels: tuple[Kernel, ...], *args, **kw) -> Kernel:
-    """The first kernel that supports the call (shapes and dtypes are static: decided at trace time)."""
+    """The first kernel that supports the call (shapes and dtypes are static: decided at trace time). Landing on
+    the plain-JAX reference after a Pallas kernel declined warns once, naming the kernel and its reason."""
+    declined = []
     for k in kernels:
-        if k.supports(*args, **kw) is None:
+        reason = k.supports(*args, **kw)
+        if reason is None:
+            if k.name == "xla" and declined:
+                warnings.warn(
+                    f"attention: the {declined[-1][0]} kernel declines ({declined[-1][1]}); using the "
+                    "plain-JAX (xla) one",
+                    stacklevel=3,
+                )
             return k
-    raise ValueError(
-        "no kernel supports this call: " + "; ".join(f"{k.name}: {k.supports(*args, **kw)}" for k in kernels)
-    )
+        declined.append((k.name, reason))
+    raise ValueError("no kernel supports this call: " + "; ".join(f"{n}: {r}" for n, r in declined))
 
 
 BACKENDS: dict[str, Backend] = {
     # plain-JAX references: runs anywhere, the default on CPU
     "xla": Backend("xla", (DECODE_XLA,), (PREFILL_XLA,), _gather_xla, _merge_xla),
     # the portable Triton-lowered kernels: the default on GPUs other than Hopper
-    "pallas": Backend("pallas", (DECODE_TRITON,), (PREFILL_TRITON,), _gather_auto, _merge_auto),
+    "pallas": Backend("pallas", (DECODE_TRITON, DECODE_XLA), (PREFILL_TRITON, PREFILL_XLA), _gather_auto, _merge_auto),
     # the Hopper (Mosaic GPU) kernels where they apply, else the Triton ones: the default on Hopper
     "pallas_sm90": Backend(
-        "pallas_sm90", (DECODE_SM90, DECODE_TRITON), (PREFILL_SM90, PREFILL_TRITON), _gather_auto, _merge_auto
+        "pallas_sm90",
+        (DECODE_SM90, DECODE_TRITON, DECODE_XLA),
+        (PREFILL_SM90, PREFILL_TRITON, PREFILL_XLA),
+        _gather_auto,
+        _merge_auto,
     ),
     # "pallas_sm90" with fp8 caches decoded by the fp8 QK^T mode (opt-in: lossy)
     "pallas_sm90_fp8qk": Backend(
         "pallas_sm90_fp8qk",
-        (DECODE_SM90_FP8QK, DECODE_SM90, DECODE_TRITON),
-        (PREFILL_SM90, PREFILL_TRITON),
+        (DECODE_SM90_FP8QK, DECODE_SM90, DECODE_TRITON, DECODE_XLA),
+        (PREFILL_SM90, PREFILL_TRITON, PREFILL_XLA),
         _gather_auto,
         _merge_auto,
     ),

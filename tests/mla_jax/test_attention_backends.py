@@ -1,0 +1,60 @@
+"""The backend registry: every Pallas backend falls through its kernels down to the plain-JAX reference for shapes
+no kernel takes (one warning naming the kernel and its reason), and `pick` reads the table in order."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_jax import attention
+from mla_jax.cache import init_kv_cache
+from mla_jax.metadata import ScheduledRequest, build_metadata
+from mla_jax.model import init_params
+from mla_jax.step import jit_step
+from tests.mla_jax.helpers import tiny_config
+
+
+def test_every_backend_ends_with_xla():
+    for name, be in attention.BACKENDS.items():
+        assert be.decode[-1] is attention.DECODE_XLA and be.prefill[-1] is attention.PREFILL_XLA, name
+
+
+@pytest.mark.parametrize("backend", ["pallas", "pallas_sm90"])
+def test_odd_dims_fall_through_to_xla(backend):
+    """kv_lora_rank 40, rope 8, v head dim 24: no Pallas kernel takes them. The step runs (a mixed batch: one
+    prefill with chunked context, one decode), warns, and equals the "xla" backend; NaN in unused cache rows."""
+    cfg = tiny_config(kv_lora_rank=40, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=24)
+    params = init_params(cfg, jax.random.key(0), std=0.2)
+    steps = [  # prompts first (their rows are the second step's context), then a prefill with context + a decode
+        [ScheduledRequest([1, 2, 3, 4], 0, [1, 2]), ScheduledRequest([5, 6, 7, 8, 9, 10], 0, [3, 4])],
+        [ScheduledRequest([3, 5, 7, 9], 4, [1, 2]), ScheduledRequest([11], 6, [3, 4])],
+    ]
+
+    def run(name):
+        cache = init_kv_cache(
+            cfg.num_hidden_layers,
+            8,
+            4,
+            kv_lora_rank=40,
+            rope_dim=8,
+            dtype="fp32",
+            allow_any_page_size=True,
+            fill=float("nan"),
+        )
+        out = []
+        for reqs in steps:
+            md, _ = build_metadata(reqs, page_size=4, num_pages=8, workspace_rows=16)
+            logits, cache = jit_step(params, cfg, cache, md.to_device(), backend=name)
+            out.append(np.asarray(logits))
+        return np.concatenate(out)
+
+    with pytest.warns(UserWarning, match=r"kernel declines \(.*\); using the plain-JAX"):
+        got = run(backend)
+    np.testing.assert_allclose(got, run("xla"), atol=1e-5, rtol=0)
+    assert np.isfinite(got).all()
+
+
+def test_pick_reports_every_reason_when_nothing_fits():
+    never = attention.Kernel("never", lambda *a: None, lambda *a, **k: "never fits")
+    with pytest.raises(ValueError, match="never: never fits"):
+        attention.pick((never,), jnp.zeros(1))
