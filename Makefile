@@ -18,7 +18,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP)
-	$(VPY) -m pytest -q -n 2 --dist loadgroup --durations=15
+	$(VPY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 # The shipped demo model (mla_jax/data/demo) through the CLI, then through the Python `generate` API; on CPU.
 demo: $(STAMP)
