@@ -131,11 +131,32 @@ def moe(
     others sort past the ragged groups, which the grouped matmul leaves at 0): the all-gather dispatch. The
     routed and shared partial sums go into one all-reduce, the combine. Nothing is dropped.
     """
+    with jax.named_scope("moe_router"):
+        weights, ids = route(p["gate"], cfg, x)  # [T, K]
+    with jax.named_scope("moe_routed"):
+        routed = _routed_experts(p, cfg, x, weights, ids, gmm_impl, experts, layer, comm)
+    split, whole = [], []
+    e_loc, i_loc = (p["experts"] if experts is None else experts)["gate_proj"]["weight"].shape[-3:-1]
+    E = cfg.n_routed_experts
+    (split if (e_loc != E or i_loc != cfg.moe_intermediate_size) else whole).append(routed)
+    if cfg.n_shared_experts:
+        with jax.named_scope("moe_shared"):
+            sh = mlp(p["shared_experts"], x).astype(routed.dtype)
+        shared_inter = cfg.moe_intermediate_size * cfg.n_shared_experts
+        (split if p["shared_experts"]["gate_proj"]["weight"].shape[0] != shared_inter else whole).append(sh)
+    out = sum(whole[1:], whole[0]) if whole else None
+    if split:
+        part = comm.reduce_model(sum(split[1:], split[0]))
+        out = part if out is None else out + part
+    return out.astype(x.dtype)
+
+
+def _routed_experts(p, cfg, x, weights, ids, gmm_impl, experts, layer, comm) -> jnp.ndarray:
+    """The routed experts' weighted sum [T, D] for x [T, D], router weights f32[T, K] and ids i32[T, K]."""
     T, D = x.shape
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
-    weights, ids = route(p["gate"], cfg, x)  # [T, K]
     ex, layer = (p["experts"], None) if experts is None else (experts, layer)  # layer indexes stacked ones
-    e_loc, i_loc = ex["gate_proj"]["weight"].shape[-3:-1]
+    e_loc = ex["gate_proj"]["weight"].shape[-3]
     flat = ids.reshape(-1)  # [T*K]
     if e_loc != E:  # expert parallel: keep the copies routed to experts [e0, e0 + e_loc)
         local = flat - comm.expert_rank() * e_loc
@@ -156,15 +177,4 @@ def moe(
     w_sorted = weights.reshape(-1)[order]
     if mine is not None:
         w_sorted = jnp.where(mine[order], w_sorted, 0.0)
-    routed = jnp.zeros((T, D), y.dtype).at[token].add(y * w_sorted.astype(y.dtype)[:, None])
-    split, whole = [], []
-    (split if (e_loc != E or i_loc != cfg.moe_intermediate_size) else whole).append(routed)
-    if cfg.n_shared_experts:
-        sh = mlp(p["shared_experts"], x).astype(y.dtype)
-        shared_inter = cfg.moe_intermediate_size * cfg.n_shared_experts
-        (split if p["shared_experts"]["gate_proj"]["weight"].shape[0] != shared_inter else whole).append(sh)
-    out = sum(whole[1:], whole[0]) if whole else None
-    if split:
-        part = comm.reduce_model(sum(split[1:], split[0]))
-        out = part if out is None else out + part
-    return out.astype(x.dtype)
+    return jnp.zeros((T, D), y.dtype).at[token].add(y * w_sorted.astype(y.dtype)[:, None])

@@ -208,13 +208,17 @@ def decoder_layers(
 
         def body(carry, p, is_moe=is_moe, start=start, experts=experts):
             h, state, layer = carry  # layer: the model's layer index (the cache's); layer - start: the group's
-            a, state = attention(p["self_attn"], rms_norm(p["input_layernorm"], h, eps), state, layer)
-            h = h + comm.reduce_heads(a)
-            hn = rms_norm(p["post_attention_layernorm"], h, eps)
+            with jax.named_scope("norm"):
+                hn = rms_norm(p["input_layernorm"], h, eps)
+            a, state = attention(p["self_attn"], hn, state, layer)
+            with jax.named_scope("norm"):
+                h = h + comm.reduce_heads(a)
+                hn = rms_norm(p["post_attention_layernorm"], h, eps)
             if is_moe:
                 f = moe(p["mlp"], cfg, hn, gmm_impl=gmm_impl, experts=experts, layer=layer - start, comm=comm)
             else:
-                f = mlp(p["mlp"], hn, intermediate_size=cfg.intermediate_size, comm=comm)
+                with jax.named_scope("mlp"):
+                    f = mlp(p["mlp"], hn, intermediate_size=cfg.intermediate_size, comm=comm)
             return (h + f, state, layer + 1), None
 
         (x, state, _), _ = jax.lax.scan(body, (x, state, jnp.int32(start)), scanned)
@@ -228,8 +232,9 @@ def embed(params: Params, cfg: DeepseekConfig, input_ids: jax.Array, comm: Comm 
 
 def lm_logits(params: Params, cfg: DeepseekConfig, x: jax.Array) -> jax.Array:
     """Final norm and lm_head: x [T, D] -> logits f32[T, vocab] (this device's vocab rows on a mesh)."""
-    x = rms_norm(params["model"]["norm"], x, cfg.rms_norm_eps)
-    return linear({"weight": lm_head_weight(params)}, x).astype(jnp.float32)
+    with jax.named_scope("lm_head"):
+        x = rms_norm(params["model"]["norm"], x, cfg.rms_norm_eps)
+        return linear({"weight": lm_head_weight(params)}, x).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "scale", "gmm_impl"))

@@ -53,47 +53,54 @@ def mla_paged(
     is this device's view (`Comm.local_view`): under DCP its slot_mapping writes only the rank's own tokens."""
     s = md.shape
     N, L, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    q, kv_c_normed, k_pe = mla_project(p, cfg, x, md.positions)
-    cache = write_kv_layer(cache, layer, kv_c_normed, k_pe, md.slot_mapping)
+    with jax.named_scope("mla_project"):
+        q, kv_c_normed, k_pe = mla_project(p, cfg, x, md.positions)
+    with jax.named_scope("cache_write"):
+        cache = write_kv_layer(cache, layer, kv_c_normed, k_pe, md.slot_mapping)
     kv_flat, scale_flat, offset = cache.flat_layers(layer)
     outs = []
     Td = s.num_decode_tokens
     if Td:
-        q_mqa = comm.gather_decode_q(absorb_q(p, cfg, q[:Td]).astype(x.dtype))  # [Td, N (dcp*N under DCP), L+R]
-        q_mqa = q_mqa.reshape(s.num_decodes, s.decode_query_len, -1, L + R)
-        latent, lse = attention.forward_mqa(
-            backend,
-            q_mqa,
-            kv_flat,
-            scale_flat,
-            md.decode,
-            offset,
-            scale=cfg.softmax_scale,
-            kv_lora_rank=L,
-            batch_invariant=batch_invariant,
-        )  # [Bd, Q, N, L]
-        latent = comm.combine_decode(latent, lse)  # [Bd, Q, N, L]
-        outs.append(v_up_proj(p, latent.reshape(Td, N, L)))  # [Td, N, V]
-    if s.num_prefill_tokens:
-        outs.append(
-            attention.forward_mha(
+        with jax.named_scope("absorb_q"):
+            q_mqa = comm.gather_decode_q(absorb_q(p, cfg, q[:Td]).astype(x.dtype))  # [Td, N (dcp*N), L+R]
+            q_mqa = q_mqa.reshape(s.num_decodes, s.decode_query_len, -1, L + R)
+        with jax.named_scope("attention"):
+            latent, lse = attention.forward_mqa(
                 backend,
-                p,
-                cfg,
-                q[Td:],
-                kv_c_normed[Td:],
-                k_pe[Td:],
+                q_mqa,
                 kv_flat,
                 scale_flat,
-                md.prefill,
+                md.decode,
                 offset,
-                workspace_rows=s.workspace_rows,
-                max_chunks=s.max_chunks,
-                comm=comm,
-            )
-        )  # [Tp, N, V]
+                scale=cfg.softmax_scale,
+                kv_lora_rank=L,
+                batch_invariant=batch_invariant,
+            )  # [Bd, Q, N, L]
+            latent = comm.combine_decode(latent, lse)  # [Bd, Q, N, L]
+        with jax.named_scope("v_up_proj"):
+            outs.append(v_up_proj(p, latent.reshape(Td, N, L)))  # [Td, N, V]
+    if s.num_prefill_tokens:
+        with jax.named_scope("prefill_attention"):
+            outs.append(
+                attention.forward_mha(
+                    backend,
+                    p,
+                    cfg,
+                    q[Td:],
+                    kv_c_normed[Td:],
+                    k_pe[Td:],
+                    kv_flat,
+                    scale_flat,
+                    md.prefill,
+                    offset,
+                    workspace_rows=s.workspace_rows,
+                    max_chunks=s.max_chunks,
+                    comm=comm,
+                )
+            )  # [Tp, N, V]
     attn = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
-    return o_proj(p, attn.astype(x.dtype)), cache
+    with jax.named_scope("o_proj"):
+        return o_proj(p, attn.astype(x.dtype)), cache
 
 
 def _device_step(
@@ -219,7 +226,8 @@ def engine_step(
         params, cfg, cache, md, backend=backend, plan=plan, batch_invariant=batch_invariant, gmm_impl=gmm_impl
     )
     if plan is None:
-        tokens, logprobs = sample(logits, sampling)
+        with jax.named_scope("sample"):
+            tokens, logprobs = sample(logits, sampling)
         return tokens, logprobs, cache
     rep = NamedSharding(plan.mesh, P())
     tokens, logprobs = sample(jax.lax.with_sharding_constraint(logits, rep), sampling)

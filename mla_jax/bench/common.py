@@ -195,3 +195,88 @@ def device_time_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iters: 
         # where the device time goes: the 6 largest kernels, us per call
         "kernels_us": {k: round(t / iters / 1e3, 2) for k, t in per_kernel.most_common(6)},
     }
+
+
+# Layer parts of a step, from the `jax.named_scope`s the step code opens (first match in the op's name wins).
+STEP_PARTS = (
+    "sample",
+    "lm_head",
+    "mla_project",
+    "cache_write",
+    "absorb_q",
+    "prefill_attention",
+    "attention",
+    "v_up_proj",
+    "o_proj",
+    "moe_router",
+    "moe_routed",
+    "moe_shared",
+    "mlp",
+    "norm",
+)
+
+
+def hlo_op_parts(hlo_text: str) -> dict[str, str]:
+    """Optimized HLO text (`compiled.as_text()`) -> {instruction name: step part} from each instruction's
+    metadata op_name (the named scopes), for the parts in STEP_PARTS."""
+    import re
+
+    parts = {}
+    pat = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]*)"')
+    for line in hlo_text.splitlines():
+        m = pat.match(line)
+        if not m:
+            continue
+        scopes = m.group(2).split("/")
+        parts[m.group(1)] = next((p for p in STEP_PARTS if p in scopes), "other")
+    return parts
+
+
+def kernel_breakdown(trace_dir: str, hlo_text: str, steps: int) -> dict[str, Any]:
+    """Every GPU kernel of a traced run of `steps` identical steps: kernels per step, device-busy µs per
+    step, µs and kernel count per step part (`STEP_PARTS`, via the HLO op that launched each kernel) and the
+    per-kernel list (name, HLO op, part, count and µs per step), largest first."""
+    from jax.profiler import ProfileData
+
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+    if not paths:
+        return {"error": f"no .xplane.pb under {trace_dir}"}
+    op_part = hlo_op_parts(hlo_text)
+    gpu, host = [], []  # (name, hlo_op, ns): kernels on the GPU's streams; XLA's thunks of the step on a CPU
+    for plane in ProfileData.from_file(paths[-1]).planes:  # planes, lines, events: one-pass iterables
+        on_gpu = plane.name.startswith("/device:")
+        for line in plane.lines:
+            if on_gpu and not line.name.startswith("Stream"):
+                continue
+            for ev in line.events:
+                stats = dict(ev.stats)
+                item = (ev.name[:120], str(stats.get("hlo_op", ev.name)), ev.duration_ns)
+                if on_gpu:
+                    gpu.append(item)
+                elif "engine_step" in str(stats.get("hlo_module", "")):
+                    host.append(item)
+    events = gpu or host
+    per: dict[tuple[str, str], list[float]] = {}
+    for name, op, ns in events:
+        acc = per.setdefault((name, op), [0, 0.0])
+        acc[0] += 1
+        acc[1] += ns
+    n_events = len(events)
+    kernels = []
+    parts: dict[str, list[float]] = {}
+    for (name, op), (cnt, ns) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+        part = op_part.get(op, "other")
+        kernels.append(
+            dict(name=name, hlo_op=op, part=part, per_step=round(cnt / steps, 2), us=round(ns / steps / 1e3, 2))
+        )
+        acc = parts.setdefault(part, [0.0, 0.0])
+        acc[0] += cnt / steps
+        acc[1] += ns / steps / 1e3
+    return {
+        "kernels_per_step": round(n_events / steps, 1),
+        "busy_us_per_step": round(sum(k["us"] for k in kernels), 1),
+        "parts": {
+            p: dict(kernels=round(c, 1), us=round(u, 1)) for p, (c, u) in sorted(parts.items(), key=lambda x: -x[1][1])
+        },
+        "kernels": kernels,
+    }

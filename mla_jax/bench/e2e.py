@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_jax import attention, model
-from mla_jax.bench.common import measure_ceilings, profile_summary, results_header, write_results
+from mla_jax.bench.common import kernel_breakdown, measure_ceilings, results_header, write_results
 from mla_jax.cache import KVCache
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
 from mla_jax.engine import Engine, EngineConfig
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
         "--profile",
         default=None,
         metavar="DIR",
-        help="trace 5 steps of the last decode shape into DIR; writes OUT/profile-decode.json",
+        help="trace 5 steps of every decode shape into DIR: rows gain kernels_per_step, and OUT gets "
+        "profile-decode-b{B}-ctx{ctx}.json (kernels per step part) for the smallest and largest batch",
     )
     args = ap.parse_args(argv)
     args.backend = args.backend or attention.default_backend_name()
@@ -149,15 +150,27 @@ def main(argv: list[str] | None = None) -> None:
                     tok, cache = step(cache)
                 jax.block_until_ready(tok)
                 times.append((time.perf_counter() - t1) / 10)
-            if args.profile and (B, ctx) == (batches[-1], ctxs[-1]):
-                with jax.profiler.trace(args.profile):
-                    for _ in range(5):
+            breakdown = None
+            if args.profile:
+                steps = 5
+                with jax.profiler.trace(f"{args.profile}/b{B}-ctx{ctx}"):
+                    for _ in range(steps):
                         tok, cache = step(cache)
                     jax.block_until_ready(tok)
-                summary = profile_summary(args.profile)
-                summary["shape"] = dict(batch=B, ctx=ctx, steps=5, backend=args.backend, gmm_impl=args.gmm)
-                if args.out:
-                    write_results(f"{args.out}/profile-decode.json", summary)
+                hlo = (
+                    engine_step.lower(
+                        eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
+                    )
+                    .compile()
+                    .as_text()
+                )  # the compiled step (a cache hit)
+                with open(f"{args.profile}/b{B}-ctx{ctx}/step.hlo.txt", "w") as f:
+                    f.write(hlo)
+                breakdown = kernel_breakdown(f"{args.profile}/b{B}-ctx{ctx}", hlo, steps)
+                breakdown["shape"] = dict(batch=B, ctx=ctx, backend=args.backend, gmm_impl=args.gmm)
+                print({k: breakdown.get(k) for k in ("kernels_per_step", "busy_us_per_step", "parts")}, flush=True)
+                if args.out and B in (batches[0], batches[-1]):
+                    write_results(f"{args.out}/profile-decode-b{B}-ctx{ctx}.json", {**res_meta(res), **breakdown})
             eng.cache = cache
             step_s = float(np.median(times))
             nbytes = weight_bytes(params, cfg, B) + B * ctx * row_bytes * cfg.num_hidden_layers
@@ -172,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
                 x_roofline=round(step_s / roof, 2),
                 compile_s=round(compile_s, 1),
             )
+            if breakdown and "kernels_per_step" in breakdown:
+                row["kernels_per_step"] = breakdown["kernels_per_step"]
+                row["device_busy_ms"] = round(breakdown["busy_us_per_step"] / 1e3, 3)
             res["rows"].append(row)
             print(row, flush=True)
 
@@ -222,6 +238,11 @@ def main(argv: list[str] | None = None) -> None:
     res["rows"].append(row)
     print(row, flush=True)
     _finish(args, res)
+
+
+def res_meta(res: dict) -> dict:
+    """The results header without the rows (for the profile files)."""
+    return {k: v for k, v in res.items() if k != "rows"}
 
 
 def _finish(args, res) -> None:
