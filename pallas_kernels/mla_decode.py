@@ -465,7 +465,8 @@ def _mla_decode_impl(
     else:
         num_splits = choose_num_kv_splits(b, m_rows, capacity, num_sms())
     align = max(g, block_kv)
-    split_tokens = cdiv(cdiv(capacity, num_splits), align) * align
+    # Nearest whole number of blocks per split (rounding up would halve e.g. 32 splits of 4160 tokens to 17).
+    split_tokens = max(1, round(capacity / (num_splits * align))) * align
     num_splits = cdiv(capacity, split_tokens)
 
     # Fold (Q, N) into rows; pad rows to a multiple of block_h (padding rows get length 0).
