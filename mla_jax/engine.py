@@ -27,6 +27,7 @@ from mla_jax import step as step_lib
 from mla_jax.allocator import PagePool
 from mla_jax.cache import KVCache, init_kv_cache_for
 from mla_jax.chunking import workspace_rows as default_workspace_rows
+from mla_jax.compile_cache import enable_compile_cache
 from mla_jax.config import DeepseekConfig
 from mla_jax.metadata import (
     AttentionMetadata,
@@ -148,6 +149,7 @@ class Engine:
         *,
         plan: ParallelPlan | None = None,
     ):
+        enable_compile_cache()  # a second start of this configuration loads its compiled steps from disk
         self.plan = plan
         if plan is not None:
             params = plan.shard_params(params, cfg)

@@ -6,6 +6,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The Mosaic GPU interpreter runs each of a kernel's 3 warpgroups as an XLA CPU program blocking on barriers:
 # it needs >= 3 XLA CPU workers (one per core by default, 2 on CI). Read when the CPU client starts.
 os.environ.setdefault("NPROC", "8")
+# No persistent compilation cache in the test processes (a cache read back into an interpreted Pallas kernel's
+# compile aborted a worker once); tests/mla_jax/test_compile_cache.py turns it on in a subprocess.
+os.environ["MLA_JAX_COMPILE_CACHE"] = "off"
 
 import jax  # noqa: E402
 

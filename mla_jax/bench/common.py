@@ -217,8 +217,9 @@ STEP_PARTS = (
 
 
 def hlo_op_parts(hlo_text: str) -> dict[str, str]:
-    """Optimized HLO text (`compiled.as_text()`) -> {instruction name: step part} from each instruction's
-    metadata op_name (the named scopes), for the parts in STEP_PARTS."""
+    """Optimized HLO text (`compiled.as_text()`) -> {kernel name: step part} from each instruction's metadata
+    op_name (the named scopes), for the parts in STEP_PARTS. XLA names a fusion's kernel after the instruction
+    with "." and "-" as "_"; a Pallas call's kernel is named after the kernel (the scope above "pallas_call")."""
     import re
 
     parts = {}
@@ -228,7 +229,10 @@ def hlo_op_parts(hlo_text: str) -> dict[str, str]:
         if not m:
             continue
         scopes = m.group(2).split("/")
-        parts[m.group(1)] = next((p for p in STEP_PARTS if p in scopes), "other")
+        part = next((p for p in STEP_PARTS if p in scopes), "other")
+        parts[re.sub(r"[.\-]", "_", m.group(1))] = part
+        if scopes[-1] == "pallas_call" and len(scopes) > 1:
+            parts[re.sub(r"\W", "_", scopes[-2])] = part
     return parts
 
 
@@ -265,7 +269,7 @@ def kernel_breakdown(trace_dir: str, hlo_text: str, steps: int) -> dict[str, Any
     kernels = []
     parts: dict[str, list[float]] = {}
     for (name, op), (cnt, ns) in sorted(per.items(), key=lambda kv: -kv[1][1]):
-        part = op_part.get(op, "other")
+        part = op_part.get(name, op_part.get(op, "other"))
         kernels.append(
             dict(name=name, hlo_op=op, part=part, per_step=round(cnt / steps, 2), us=round(ns / steps / 1e3, 2))
         )

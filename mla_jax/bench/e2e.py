@@ -27,6 +27,7 @@ from mla_jax.engine import Engine, EngineConfig
 from mla_jax.metadata import ScheduledRequest, build_metadata
 from mla_jax.sampling import SamplingArrays
 from mla_jax.step import engine_step
+from pallas_kernels.util import cdiv
 
 V2_LITE = DEEPSEEK_V2_LITE
 
@@ -54,8 +55,9 @@ def main(argv: list[str] | None = None) -> None:
         default="pallas",
         help="MoE expert matmul (mla_jax.layers.expert_gmm)",
     )
-    ap.add_argument("--batches", default="1,32,128", help="decode batch sizes")
-    ap.add_argument("--ctxs", default="1024,4096", help="decode contexts (at most 4096)")
+    ap.add_argument("--batches", default="1,8,32,128", help="decode batch sizes")
+    ap.add_argument("--ctxs", default="1024,4096,32768", help="decode contexts")
+    ap.add_argument("--cache-gb", type=float, default=48.0, help="skip shapes whose cache would need more")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill row")
     ap.add_argument(
         "--profile",
@@ -94,150 +96,180 @@ def main(argv: list[str] | None = None) -> None:
     params = model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
     jax.block_until_ready(params)
 
-    G, max_ctx = 64, 4096 + 64
+    G = 64
     batches, ctxs = tuple(map(int, args.batches.split(","))), tuple(map(int, args.ctxs.split(",")))
     S, P = 2048, 8
     if args.smoke:
-        G, max_ctx, batches, ctxs, S, P = 16, 128 + 16, (1, 4), (32, 128), 64, 2
+        G, batches, ctxs, S, P = 16, (1, 4), (32, 128), 64, 2
+    row_bytes = 2 * cfg.cache_row_dim
+    # Shapes whose cache fits next to the weights (batch 128 at 32k would need 130 GB). Contexts up to `base`
+    # (4096) share one engine with max_model_len `base`, as the earlier rows did; each longer one gets its own.
+    base = min(4096, max(ctxs))
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for ctx in ctxs:
+        for B in batches:
+            if B * ctx * cfg.num_hidden_layers * row_bytes > args.cache_gb * 2**30:
+                print(f"skipped batch {B} ctx {ctx}: its cache exceeds --cache-gb {args.cache_gb}", flush=True)
+                continue
+            groups.setdefault(max(ctx, base), []).append((B, ctx))
+    for i, (max_len, shapes) in enumerate(sorted(groups.items())):
+        first = i == 0  # its engine also runs the prefill row
+        eng, compile_s = _engine(params, cfg, args, shapes, max(max_len, S) if first else max_len, G, (S, P), first)
+        for B, ctx in shapes:
+            res["rows"].append(_decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, params))
+        if first and not args.no_prefill:
+            res["rows"].append(_prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params))
+        del eng
+    _finish(args, res)
+
+
+def _engine(params, cfg, args, shapes, max_len, G, prefill, with_prefill):
+    """An engine for these (batch, ctx) decode shapes (and the prefill of P prompts of S tokens), warmed up,
+    its cache filled with random latent rows (decode reads only what seq_lens allow); (engine, compile s)."""
+    S, P = prefill
+    batches = sorted({B for B, _ in shapes}) or [1]
+    pages = max([B * cdiv(ctx, G) for B, ctx in shapes] + [P * S // G if with_prefill else 0])
     ec = EngineConfig(
-        max_model_len=max_ctx,
+        max_model_len=max_len,
         max_num_seqs=max(batches),
         page_size=G,
-        num_pages=max(batches) * (max_ctx // G) + 1,
+        num_pages=pages + 1,
         token_budget=S * P,
         max_prefills=P,
-        decode_buckets=tuple(sorted(set(batches) | {max(batches)})),
+        decode_buckets=tuple(batches),
         prefill_buckets=(S * P,),
         backend=args.backend,
         gmm_impl=args.gmm,
     )
     eng = Engine(params, cfg, ec)
     t0 = time.perf_counter()
-    eng.warmup(prefill=True)
+    eng.warmup(prefill=with_prefill and not args.no_prefill)
     compile_s = time.perf_counter() - t0
-    print(f"warm-up compile ({len(ec.decode_buckets)} decode buckets + 1 prefill shape): {compile_s:.1f} s", flush=True)
-    # Random latent rows everywhere (decode reads only what seq_lens allow).
+    print(f"max_model_len {max_len}: warm-up compile ({len(batches)} decode buckets): {compile_s:.1f} s", flush=True)
     kv = eng.cache.kv_c_and_k_pe_cache
     eng.cache = KVCache(jax.random.normal(jax.random.key(1), kv.shape, kv.dtype), eng.cache.kv_scale)
-    del kv
-    pages_per_req = max_ctx // G
-    row_bytes = 2 * cfg.cache_row_dim
+    return eng, compile_s
 
-    for B in batches:
-        for ctx in ctxs:
-            reqs = [
-                ScheduledRequest([7], ctx - 1, list(range(1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)))
-                for b in range(B)
-            ]
-            md, _ = build_metadata(reqs, page_size=G, num_pages=ec.num_pages, shape=eng.batch_shape(B, 0))
-            md = md.to_device()
-            sp = jax.tree.map(jnp.asarray, SamplingArrays.build([], [], md.shape.num_logits))
 
-            def step(cache):
-                t, _, cache = engine_step(
-                    eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
-                )
-                return t, cache
+def _step_fn(eng, cfg, args, md, sp):
+    def step(cache):
+        t, _, cache = engine_step(
+            eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
+        )
+        return t, cache
 
-            cache = eng.cache
-            for _ in range(3):
-                _, cache = step(cache)
-            jax.block_until_ready(cache)
-            times = []
-            for _ in range(5):
-                t1 = time.perf_counter()
-                for _ in range(10):
-                    tok, cache = step(cache)
-                jax.block_until_ready(tok)
-                times.append((time.perf_counter() - t1) / 10)
-            breakdown = None
-            if args.profile:
-                steps = 5
-                with jax.profiler.trace(f"{args.profile}/b{B}-ctx{ctx}"):
-                    for _ in range(steps):
-                        tok, cache = step(cache)
-                    jax.block_until_ready(tok)
-                hlo = (
-                    engine_step.lower(
-                        eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
-                    )
-                    .compile()
-                    .as_text()
-                )  # the compiled step (a cache hit)
-                with open(f"{args.profile}/b{B}-ctx{ctx}/step.hlo.txt", "w") as f:
-                    f.write(hlo)
-                breakdown = kernel_breakdown(f"{args.profile}/b{B}-ctx{ctx}", hlo, steps)
-                breakdown["shape"] = dict(batch=B, ctx=ctx, backend=args.backend, gmm_impl=args.gmm)
-                print({k: breakdown.get(k) for k in ("kernels_per_step", "busy_us_per_step", "parts")}, flush=True)
-                if args.out and B in (batches[0], batches[-1]):
-                    write_results(f"{args.out}/profile-decode-b{B}-ctx{ctx}.json", {**res_meta(res), **breakdown})
-            eng.cache = cache
-            step_s = float(np.median(times))
-            nbytes = weight_bytes(params, cfg, B) + B * ctx * row_bytes * cfg.num_hidden_layers
-            roof = nbytes / (ceilings["copy_TBps"] * 1e12)
-            row = dict(
-                batch=B,
-                ctx=ctx,
-                phase="decode",
-                step_ms=round(step_s * 1e3, 3),
-                tokens_per_s=round(B / step_s, 1),
-                roofline_ms=round(roof * 1e3, 3),
-                x_roofline=round(step_s / roof, 2),
-                compile_s=round(compile_s, 1),
+    return step
+
+
+def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, params):
+    """One decode step at batch B, every request at context ctx on its own pages: timed, optionally traced."""
+    ppr = cdiv(ctx, G)
+    reqs = [ScheduledRequest([7], ctx - 1, list(range(1 + b * ppr, 1 + (b + 1) * ppr))) for b in range(B)]
+    md, _ = build_metadata(reqs, page_size=G, num_pages=eng.config.num_pages, shape=eng.batch_shape(B, 0))
+    md = md.to_device()
+    sp = jax.tree.map(jnp.asarray, SamplingArrays.build([], [], md.shape.num_logits))
+    step = _step_fn(eng, cfg, args, md, sp)
+    cache = eng.cache
+    for _ in range(3):
+        _, cache = step(cache)
+    jax.block_until_ready(cache)
+    times = []
+    for _ in range(5):
+        t1 = time.perf_counter()
+        for _ in range(10):
+            tok, cache = step(cache)
+        jax.block_until_ready(tok)
+        times.append((time.perf_counter() - t1) / 10)
+    breakdown = None
+    if args.profile:
+        steps, d = 5, f"{args.profile}/b{B}-ctx{ctx}"
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                tok, cache = step(cache)
+            jax.block_until_ready(tok)
+        hlo = (
+            engine_step.lower(
+                eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
             )
-            if breakdown and "kernels_per_step" in breakdown:
-                row["kernels_per_step"] = breakdown["kernels_per_step"]
-                row["device_busy_ms"] = round(breakdown["busy_us_per_step"] / 1e3, 3)
-            res["rows"].append(row)
-            print(row, flush=True)
+            .compile()
+            .as_text()
+        )  # the compiled step (a cache hit)
+        with open(f"{d}/step.hlo.txt", "w") as f:
+            f.write(hlo)
+        breakdown = kernel_breakdown(d, hlo, steps)
+        breakdown["shape"] = dict(batch=B, ctx=ctx, backend=args.backend, gmm_impl=args.gmm)
+        print({k: breakdown.get(k) for k in ("kernels_per_step", "busy_us_per_step", "parts")}, flush=True)
+        if args.out and B in (1, 128) and ctx == 4096:
+            write_results(f"{args.out}/profile-decode-b{B}-ctx{ctx}.json", {**res_meta(res), **breakdown})
+    eng.cache = cache
+    step_s = float(np.median(times))
+    nbytes = weight_bytes(params, cfg, B) + B * ctx * row_bytes * cfg.num_hidden_layers
+    roof = nbytes / (ceilings["copy_TBps"] * 1e12)
+    row = dict(
+        batch=B,
+        ctx=ctx,
+        phase="decode",
+        weights="bf16",
+        step_ms=round(step_s * 1e3, 3),
+        tokens_per_s=round(B / step_s, 1),
+        roofline_ms=round(roof * 1e3, 3),
+        x_roofline=round(step_s / roof, 2),
+        compile_s=round(compile_s, 1),
+        max_model_len=eng.config.max_model_len,
+    )
+    if breakdown and "kernels_per_step" in breakdown:
+        row["kernels_per_step"] = breakdown["kernels_per_step"]
+        row["device_busy_ms"] = round(breakdown["busy_us_per_step"] / 1e3, 3)
+    print(row, flush=True)
+    return row
 
-    if args.no_prefill:
-        _finish(args, res)
-        return
-    # Prefill: P prompts of S new tokens in one step.
+
+def _prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params):
+    """P prompts of S new tokens in one step."""
     reqs = [
         ScheduledRequest(
             list(np.random.default_rng(p).integers(0, cfg.vocab_size, S)),
             0,
-            list(range(1 + p * pages_per_req, 1 + p * pages_per_req + S // G)),
+            list(range(1 + p * (S // G), 1 + (p + 1) * (S // G))),
         )
         for p in range(P)
     ]
     md, _ = build_metadata(
-        reqs, page_size=G, num_pages=ec.num_pages, workspace_rows=eng.workspace_rows, shape=eng.batch_shape(0, S * P)
+        reqs,
+        page_size=G,
+        num_pages=eng.config.num_pages,
+        workspace_rows=eng.workspace_rows,
+        shape=eng.batch_shape(0, S * P),
     )
     md = md.to_device()
     sp = jax.tree.map(jnp.asarray, SamplingArrays.build([], [], md.shape.num_logits))
+    step = _step_fn(eng, cfg, args, md, sp)
     cache = eng.cache
     for _ in range(2):
-        _, _, cache = engine_step(
-            eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
-        )
+        _, cache = step(cache)
     jax.block_until_ready(cache)
     times = []
     for _ in range(3):
         t1 = time.perf_counter()
-        tok, _, cache = engine_step(
-            eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
-        )
+        tok, cache = step(cache)
         jax.block_until_ready(tok)
         times.append(time.perf_counter() - t1)
+    eng.cache = cache
     step_s = float(np.median(times))
-    nbytes = weight_bytes(params, cfg, S * P)
-    roof = nbytes / (ceilings["copy_TBps"] * 1e12)
+    roof = weight_bytes(params, cfg, S * P) / (ceilings["copy_TBps"] * 1e12)
     row = dict(
         batch=P,
         ctx=S,
         phase="prefill",
+        weights="bf16",
         step_ms=round(step_s * 1e3, 3),
         tokens_per_s=round(S * P / step_s, 1),
         roofline_ms=round(roof * 1e3, 3),
         x_roofline=round(step_s / roof, 2),
         compile_s=round(compile_s, 1),
     )
-    res["rows"].append(row)
     print(row, flush=True)
-    _finish(args, res)
+    return row
 
 
 def res_meta(res: dict) -> dict:

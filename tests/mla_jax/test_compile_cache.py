@@ -1,0 +1,67 @@
+"""The persistent compilation cache: a second engine start of the same configuration compiles nothing."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import collections, json, logging, jax
+    events = collections.Counter()
+    jax.monitoring.register_event_listener(lambda e, **_: events.update([e]))
+    hits = []  # (module name) of each persistent-cache hit, from jax's compiler log
+    class Hits(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Persistent compilation cache hit"):
+                hits.append(record.args[0])
+    log = logging.getLogger("jax._src.compiler")
+    log.setLevel(logging.DEBUG)
+    log.addHandler(Hits())
+    from mla_jax import model
+    from mla_jax.engine import Engine, EngineConfig
+    from tests.mla_jax.helpers import tiny_config
+
+    cfg = tiny_config(num_hidden_layers=2)
+    params = model.init_params(cfg, jax.random.key(0))
+    ec = EngineConfig(max_model_len=64, max_num_seqs=2, page_size=16, token_budget=32, decode_buckets=(1, 2))
+    eng = Engine(params, cfg, ec)
+    eng.warmup(prefill=True)
+    first = eng.counter.count
+    jax.clear_caches()  # drop the in-memory executables: the second start must come from disk
+    before, hits[:] = dict(events), []
+    eng = Engine(params, cfg, ec)
+    eng.warmup(prefill=True)
+    new = lambda e: events[e] - before.get(e, 0)
+    print(json.dumps(dict(
+        dir=jax.config.jax_compilation_cache_dir, first=first, second=eng.counter.count - first,
+        misses=new("/jax/compilation_cache/cache_misses"), hits=new("/jax/compilation_cache/cache_hits"),
+        step_hits=hits.count("jit_engine_step"))))
+    """
+)
+
+
+def _run(env_cache: str) -> dict:
+    env = {**os.environ, "MLA_JAX_COMPILE_CACHE": env_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=600, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_second_start_loads_every_step_from_disk(tmp_path):
+    r = _run(str(tmp_path / "cache"))
+    assert r["dir"] == str(tmp_path / "cache")
+    assert r["first"] >= 3  # two decode buckets and a prefill shape compiled
+    # every step shape of the second start read from disk (one small helper program may still compile)
+    assert r["step_hits"] == 3 and r["misses"] <= 1, r
+    assert os.listdir(tmp_path / "cache")
+
+
+def test_off_compiles_again():
+    r = _run("off")
+    assert r["dir"] is None
+    assert r["hits"] == 0 and r["second"] >= 3, r  # compiled again
