@@ -158,7 +158,20 @@ def _merge_auto(prefix_output, *args):
 # ---- sparse attention (DeepSeek-V3.2): (q [B, Q, N, L+R], cache [pages, G, L+R], topk_slots i32[B, Q, K], *,
 #      scale, kv_scale, kv_lora_rank) -> (out [B, Q, N, L], lse f32[B, Q, N]); rows read only their K named slots.
 
+
+def _sparse_decode_triton(q, cache, topk_slots, **kw):
+    return smd.sparse_mla_decode(q, cache, topk_slots, interpret=_interpret(), **kw)
+
+
+def _sparse_triton_declines(q, cache, topk_slots, *, kv_lora_rank=512, **_) -> str | None:
+    rope = q.shape[-1] - kv_lora_rank
+    if not (_pow2_at_least_16(kv_lora_rank) and _pow2_at_least_16(rope)):
+        return f"latent {kv_lora_rank} and rope {rope} dims must be powers of two >= 16"
+    return None
+
+
 SPARSE_DECODE_XLA = Kernel("xla", smd.sparse_mla_decode_reference)
+SPARSE_DECODE_TRITON = Kernel("triton", _sparse_decode_triton, _sparse_triton_declines)
 
 # Prefill rows of sparse layers: sequences up to this many tokens take the masked dense MHA path, longer ones the
 # token-sparse MQA path, keyed by query heads per device (`sparse_prefill_mha_max_len`). To be measured on the
@@ -210,7 +223,14 @@ BACKENDS: dict[str, Backend] = {
     # plain-JAX references: runs anywhere, the default on CPU
     "xla": Backend("xla", (DECODE_XLA,), (PREFILL_XLA,), _gather_xla, _merge_xla),
     # the portable Triton-lowered kernels: the default on GPUs other than Hopper
-    "pallas": Backend("pallas", (DECODE_TRITON, DECODE_XLA), (PREFILL_TRITON, PREFILL_XLA), _gather_auto, _merge_auto),
+    "pallas": Backend(
+        "pallas",
+        (DECODE_TRITON, DECODE_XLA),
+        (PREFILL_TRITON, PREFILL_XLA),
+        _gather_auto,
+        _merge_auto,
+        sparse_decode=(SPARSE_DECODE_TRITON, SPARSE_DECODE_XLA),
+    ),
     # the Hopper (Mosaic GPU) kernels where they apply, else the Triton ones: the default on Hopper
     "pallas_sm90": Backend(
         "pallas_sm90",
@@ -218,6 +238,7 @@ BACKENDS: dict[str, Backend] = {
         (PREFILL_SM90, PREFILL_TRITON, PREFILL_XLA),
         _gather_auto,
         _merge_auto,
+        sparse_decode=(SPARSE_DECODE_TRITON, SPARSE_DECODE_XLA),
     ),
     # "pallas_sm90" with fp8 caches decoded by the fp8 QK^T mode (opt-in: lossy)
     "pallas_sm90_fp8qk": Backend(
@@ -226,6 +247,7 @@ BACKENDS: dict[str, Backend] = {
         (PREFILL_SM90, PREFILL_TRITON, PREFILL_XLA),
         _gather_auto,
         _merge_auto,
+        sparse_decode=(SPARSE_DECODE_TRITON, SPARSE_DECODE_XLA),
     ),
 }
 

@@ -249,3 +249,12 @@ def test_bad_caches_are_rejected():
     narrow = dataclasses.replace(good, index_k_cache=good.index_k_cache[..., :16])
     with pytest.raises(ValueError, match="index_head_dim"):
         jit_step(params, cfg, narrow, md.to_device())
+
+
+@pytest.mark.parametrize("setup", ["v32"], indirect=True)
+def test_pallas_backend_matches_full_forward(setup):
+    """The "pallas" backend (Triton sparse decode kernel, interpreted on CPU) on decode and multi-token rows and
+    token-sparse MQA prefill rows; NaN-poisoned caches."""
+    cfg, params, seqs, full = setup
+    sched = [[(0, 12)], [(0, 3)]]
+    _check(run(params, cfg, seqs, sched, backend="pallas"), full)
