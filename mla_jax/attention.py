@@ -30,6 +30,7 @@ from mla_jax.mla import up_project_kv
 from pallas_kernels import flash_prefill as fp
 from pallas_kernels import flash_prefill_sm90 as fp90
 from pallas_kernels import gather_cache as gc
+from pallas_kernels import lightning_indexer as li
 from pallas_kernels import merge_attn_states as ms
 from pallas_kernels import mla_decode as md
 from pallas_kernels import mla_decode_sm90 as md90
@@ -173,6 +174,23 @@ def _sparse_triton_declines(q, cache, topk_slots, *, kv_lora_rank=512, **_) -> s
 SPARSE_DECODE_XLA = Kernel("xla", smd.sparse_mla_decode_reference)
 SPARSE_DECODE_TRITON = Kernel("triton", _sparse_decode_triton, _sparse_triton_declines)
 
+# ---- the lightning indexer's top-k: (q [T, H_I, D_I], weights f32[T, H_I], index_k_cache [pages, G, D_I],
+#      block_table i32[T, max_pages], seq_lens i32[T], *, scale, k, k_scale) -> topk_indices i32[T, min(k, S)]
+#      (the Pallas score kernel, then lax.top_k: exact, ties to the lower position)
+
+
+def _indexer_triton(*args, **kw):
+    return li.indexer_topk(*args, interpret=_interpret(), **kw)
+
+
+def _indexer_triton_declines(q, *_, **__) -> str | None:
+    d = q.shape[-1]
+    return None if _pow2_at_least_16(d) else f"index head dim {d} is not a power of two >= 16"
+
+
+INDEXER_XLA = Kernel("xla", li.indexer_topk_reference)
+INDEXER_TRITON = Kernel("triton", _indexer_triton, _indexer_triton_declines)
+
 # Prefill rows of sparse layers: sequences up to this many tokens take the masked dense MHA path, longer ones the
 # token-sparse MQA path, keyed by query heads per device (`sparse_prefill_mha_max_len`). To be measured on the
 # H200 with `bench/sparse.py --threshold`; until a row is measured the model's index_topk is used (below it MHA
@@ -188,6 +206,7 @@ class Backend:
     gather_cache: Callable[..., jax.Array]  # pallas_kernels.gather_cache signature
     merge_attn_states: Callable[..., tuple[jax.Array, jax.Array]]  # pallas_kernels.merge_attn_states signature
     sparse_decode: tuple[Kernel, ...] = (SPARSE_DECODE_XLA,)
+    indexer: tuple[Kernel, ...] = (INDEXER_XLA,)
     # None: SPARSE_PREFILL_MHA_MAX_LEN / index_topk; a number forces it (tests pick a path with 0 or a large one)
     sparse_prefill_mha_max_len: int | None = None
 
@@ -196,6 +215,9 @@ class Backend:
 
     def sparse_mla_decode(self, *args, **kw) -> tuple[jax.Array, jax.Array]:
         return pick(self.sparse_decode, *args, **kw).fn(*args, **kw)
+
+    def indexer_topk(self, *args, **kw) -> jax.Array:
+        return pick(self.indexer, *args, **kw).fn(*args, **kw)
 
     def flash_prefill(self, *args, **kw) -> tuple[jax.Array, jax.Array]:
         return pick(self.prefill, *args, **kw).fn(*args, **kw)
@@ -230,6 +252,7 @@ BACKENDS: dict[str, Backend] = {
         _gather_auto,
         _merge_auto,
         sparse_decode=(SPARSE_DECODE_TRITON, SPARSE_DECODE_XLA),
+        indexer=(INDEXER_TRITON, INDEXER_XLA),
     ),
     # the Hopper (Mosaic GPU) kernels where they apply, else the Triton ones: the default on Hopper
     "pallas_sm90": Backend(
@@ -239,6 +262,7 @@ BACKENDS: dict[str, Backend] = {
         _gather_auto,
         _merge_auto,
         sparse_decode=(SPARSE_DECODE_TRITON, SPARSE_DECODE_XLA),
+        indexer=(INDEXER_TRITON, INDEXER_XLA),
     ),
     # "pallas_sm90" with fp8 caches decoded by the fp8 QK^T mode (opt-in: lossy)
     "pallas_sm90_fp8qk": Backend(
@@ -248,6 +272,7 @@ BACKENDS: dict[str, Backend] = {
         _gather_auto,
         _merge_auto,
         sparse_decode=(SPARSE_DECODE_TRITON, SPARSE_DECODE_XLA),
+        indexer=(INDEXER_TRITON, INDEXER_XLA),
     ),
 }
 
