@@ -58,10 +58,33 @@ def topk_budget(cfg: DeepseekConfig, md: AttentionMetadata, page_size: int) -> i
     return min(cfg.index_topk, md.shape.max_pages * page_size)
 
 
-def positions_to_slots(topk_indices: jax.Array, block_table: jax.Array, page_size: int) -> jax.Array:
-    """topk_indices i32[T, K'] (positions, -1 = none), block_table i32[T, max_pages] -> slots within a layer."""
-    page = jnp.take_along_axis(block_table, jnp.maximum(topk_indices, 0) // page_size, axis=1)
-    return jnp.where(topk_indices >= 0, page * page_size + topk_indices % page_size, -1).astype(jnp.int32)
+def positions_to_slots(
+    topk_indices: jax.Array, block_table: jax.Array, seq_lens: jax.Array, page_size: int
+) -> jax.Array:
+    """topk_indices i32[T, K'] (positions, -1 = none), block_table i32[T, max_pages], seq_lens i32[T] -> slots
+    within a layer. An entry outside the row's sequence [0, seq_len) becomes -1: it can never read another
+    request's rows or a padding page (`check_topk_indices` reports such a table on the host)."""
+    ok = (topk_indices >= 0) & (topk_indices < seq_lens[:, None])
+    pos = jnp.where(ok, topk_indices, 0)
+    page = jnp.take_along_axis(block_table, pos // page_size, axis=1)
+    return jnp.where(ok, page * page_size + pos % page_size, -1).astype(jnp.int32)
+
+
+def check_topk_indices(topk_indices, seq_lens) -> None:
+    """Host-side check of a concrete top-k table: every entry of row t is -1 or a position in [0, seq_lens[t]).
+    Raises ValueError naming the first bad row, entry and position."""
+    import numpy as np
+
+    t, sl = np.asarray(topk_indices), np.asarray(seq_lens)
+    if t.ndim != 2 or sl.shape != (t.shape[0],):
+        raise ValueError(f"topk_indices must be [T, K] with seq_lens [T], got {t.shape} and {sl.shape}")
+    bad = (t < -1) | (t >= sl[:, None])
+    if bad.any():
+        row, col = map(int, np.argwhere(bad)[0])
+        raise ValueError(
+            f"topk_indices row {row} entry {col} names position {int(t[row, col])}, outside the row's sequence "
+            f"of {int(sl[row])} tokens ({int(bad.sum())} such entries)"
+        )
 
 
 def paged_topk(
@@ -87,7 +110,7 @@ def paged_topk(
     topk = backend.indexer_topk(
         q, w, ik, block_table, seq_lens, scale=cfg.index_head_dim**-0.5, k=k, k_scale=k_scale
     )  # [T, K']
-    return cache, (topk, positions_to_slots(topk, block_table, ik.shape[1]))
+    return cache, (topk, positions_to_slots(topk, block_table, seq_lens, ik.shape[1]))
 
 
 def _masked_attention(q, k, v, mask, scale):
