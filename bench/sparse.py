@@ -95,6 +95,15 @@ def bench_decode(args, backend, res, ceilings):
     B, G, K, L, R = args.batch, args.page, args.topk, args.l, args.r
     max_ctx = max(args.ctxs)
     H_I, D_I = args.index_heads, args.index_dim
+    interpret = jax.default_backend() == "cpu"
+    # jitted once (a shape seen again, e.g. the sparse decode at every ctx, is not compiled again)
+    score = jax.jit(lambda q, w, c, bt, sl, ks: backend.indexer_topk(q, w, c, bt, sl, scale=D_I**-0.5, k=K, k_scale=ks))
+    logits_fn = jax.jit(
+        lambda q, w, c, bt, sl, ks: li.indexer_logits(q, w, c, bt, sl, scale=D_I**-0.5, k_scale=ks, interpret=interpret)
+    )
+    topk_fn = jax.jit(lambda x: li.topk_from_logits(x, K))
+    dense = jax.jit(lambda q, c, bt, sl, ks: backend.mla_decode(q, c, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L))
+    sparse = jax.jit(lambda q, c, t, ks: backend.sparse_mla_decode(q, c, t, scale=SCALE, kv_scale=ks, kv_lora_rank=L))
     for dtype in args.dtypes:
         bt_full, cache, ks = pool(jax.random.key(1), B, max_ctx, G, L + R, dtype)
         _, icache, iks = pool(jax.random.key(2), B, max_ctx, G, D_I, dtype)
@@ -104,20 +113,10 @@ def bench_decode(args, backend, res, ceilings):
             bt = bt_full[:, : ctx // G]
             sl = jnp.full((B,), ctx, jnp.int32)
             iargs = [(qi, wi, icache, bt, sl, iks)]
-            score = jax.jit(
-                lambda q, w, c, bt, sl, ks: backend.indexer_topk(q, w, c, bt, sl, scale=D_I**-0.5, k=K, k_scale=ks)
-            )
             idx_us = common.time_fn(score, iargs, iters=args.iters, reps=args.reps)
-            logits_fn = jax.jit(
-                lambda q, w, c, bt, sl, ks: li.indexer_logits(
-                    q, w, c, bt, sl, scale=D_I**-0.5, k_scale=ks, interpret=jax.default_backend() == "cpu"
-                )
-            )
             score_us = common.time_fn(logits_fn, iargs, iters=args.iters, reps=args.reps)
             lg = logits_fn(*iargs[0])
-            topk_us = common.time_fn(
-                jax.jit(lambda x: li.topk_from_logits(x, K)), [(lg,)], iters=args.iters, reps=args.reps
-            )
+            topk_us = common.time_fn(topk_fn, [(lg,)], iters=args.iters, reps=args.reps)
             del lg
             row = dict(kind="indexer", B=B, ctx=ctx, dtype=dtype, topk=K, H_I=H_I, D_I=D_I, us=round(idx_us, 2))
             row |= dict(score_us=round(score_us, 2), topk_us=round(topk_us, 2))
@@ -128,13 +127,7 @@ def bench_decode(args, backend, res, ceilings):
             log(row)
             for n in args.heads:
                 q = jax.random.normal(jax.random.key(5), (B, 1, n, L + R), jnp.bfloat16)
-                dense = jax.jit(
-                    lambda q, c, bt, sl, ks: backend.mla_decode(q, c, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L)
-                )
                 dense_us = common.time_fn(dense, [(q, cache, bt, sl[:, None], ks)], iters=args.iters, reps=args.reps)
-                sparse = jax.jit(
-                    lambda q, c, t, ks: backend.sparse_mla_decode(q, c, t, scale=SCALE, kv_scale=ks, kv_lora_rank=L)
-                )
                 tables = [(q, cache, topk_slots(jax.random.key(10 + i), bt, ctx, K, G), ks) for i in range(3)]
                 us = common.time_fn(sparse, tables, iters=args.iters, reps=args.reps)
                 tflops = 2 * B * n * K * (L + L + R) / (us * 1e-6) / 1e12

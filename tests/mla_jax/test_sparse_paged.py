@@ -273,3 +273,13 @@ def test_topk_table_past_a_sequence():
     check_topk_indices(topk.at[1, 1].set(-1), sl)
     slots = np.asarray(positions_to_slots(topk, bt, sl, 8))
     np.testing.assert_array_equal(slots, [[1 * 8 + 1, 3 * 8 + 0, -1], [0 * 8 + 4, -1, 0 * 8 + 1]])
+
+
+def test_every_backend_ends_sparse_lists_with_xla():
+    """The sparse decode and indexer lists fall through to the plain-JAX references, which take every shape; the
+    GPU backends put the Pallas kernels first."""
+    for name, be in attention.BACKENDS.items():
+        assert be.sparse_decode[-1] is attention.SPARSE_DECODE_XLA and be.indexer[-1] is attention.INDEXER_XLA, name
+    for name in ("pallas", "pallas_sm90", "pallas_sm90_fp8qk"):
+        be = attention.BACKENDS[name]
+        assert be.sparse_decode[0] is attention.SPARSE_DECODE_TRITON and be.indexer[0] is attention.INDEXER_TRITON
