@@ -183,9 +183,11 @@ def _indexer_triton(*args, **kw):
     return li.indexer_topk(*args, interpret=_interpret(), **kw)
 
 
-def _indexer_triton_declines(q, *_, **__) -> str | None:
-    d = q.shape[-1]
-    return None if _pow2_at_least_16(d) else f"index head dim {d} is not a power of two >= 16"
+def _indexer_triton_declines(q, weights, index_k_cache, *_, **__) -> str | None:
+    d, g = q.shape[-1], index_k_cache.shape[1]
+    if not _pow2_at_least_16(d) or g & (g - 1):
+        return f"index head dim {d} must be a power of two >= 16 and page size {g} a power of two"
+    return None
 
 
 INDEXER_XLA = Kernel("xla", li.indexer_topk_reference)

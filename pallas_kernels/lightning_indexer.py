@@ -17,7 +17,7 @@ Kernel: grid (T, S / block_k). A program loads its row's q [H, D] and weights on
 through the block table (masked loads: keys at or past seq_len, never-written pages, are not read), one dot
 [H, D] x [D, block_k] in f32, ReLU, the weighted sum over heads, and writes block_k logits; blocks wholly past
 seq_len only write -inf. Triton needs powers of two >= 16 for the dot: D and block_k are, heads are padded to
-16 with zero weights. fp8 keys are upcast to q's dtype and the scale applied to the dot's output.
+16 with zero weights; the page size must be a power of two (shift and mask). fp8 keys are upcast to q's dtype and the scale applied to the dot's output.
 
 Shapes: T query rows, H indexer heads (H_I), D index head dim (D_I), G page size, S key positions, K top-k.
 """
@@ -61,6 +61,8 @@ def validate_indexer(q, weights, index_k_cache, block_table, seq_lens, k_scale, 
         raise ValueError(f"seq_lens must be i32[T={t}], got {seq_lens.dtype}{seq_lens.shape}")
     if for_kernel and not (is_pow2(d) and d >= 16):
         raise ValueError(f"index head dim {d} must be a power of two >= 16")
+    if for_kernel and not is_pow2(index_k_cache.shape[1]):
+        raise ValueError(f"index_k_cache page size {index_k_cache.shape[1]} must be a power of two")
 
 
 def _indexer_kernel(
@@ -86,8 +88,9 @@ def _indexer_kernel(
     def _():
         col = start + jnp.arange(block_k, dtype=jnp.int32)  # [bk] key positions
         ok = col < seq_len
-        page = pltriton.load(bt_ref.at[col // page_size], mask=ok, other=0)
-        row = page * page_size + col % page_size
+        shift = page_size.bit_length() - 1  # page_size is a power of two
+        page = pltriton.load(bt_ref.at[lax.shift_right_logical(col, shift)], mask=ok, other=0)
+        row = page * page_size + (col & (page_size - 1))
         keys = pltriton.load(
             k_ref.at[row[:, None], jnp.arange(d, dtype=jnp.int32)[None, :]], mask=ok[:, None], other=0.0
         ).astype(compute_dtype)  # [bk, D]

@@ -120,15 +120,16 @@ def _sparse_kernel(
         j = start + i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [bkv] table entries
         slot = pltriton.load(slots_ref.at[j], mask=j < end, other=-1)
         ok = (slot >= 0) & (slot < num_slots)  # -1 and out-of-range entries are never read
-        row = jnp.where(ok, slot, 0)[:, None]
-        k_nope = pltriton.load(kv_ref.at[row, cols_nope], mask=ok[:, None], other=0.0).astype(compute_dtype)
-        k_pe = pltriton.load(kv_ref.at[row, cols_pe], mask=ok[:, None], other=0.0).astype(compute_dtype)
+        row = jnp.where(ok, slot, 0)  # [bkv]
+        row2 = row[:, None]  # (no value slicing under the Triton lowering: expand, never index, a value)
+        k_nope = pltriton.load(kv_ref.at[row2, cols_nope], mask=ok[:, None], other=0.0).astype(compute_dtype)
+        k_pe = pltriton.load(kv_ref.at[row2, cols_pe], mask=ok[:, None], other=0.0).astype(compute_dtype)
         dims = (((1,), (1,)), ((), ()))
         qk = lax.dot_general(q_nope, k_nope, dims, preferred_element_type=jnp.float32) + lax.dot_general(
             q_pe, k_pe, dims, preferred_element_type=jnp.float32
         )  # [bh, bkv]
         if fp8:
-            ks = pltriton.load(kv_scale_ref.at[row[:, 0]], mask=ok, other=0.0)  # [bkv] f32
+            ks = pltriton.load(kv_scale_ref.at[row], mask=ok, other=0.0)  # [bkv] f32
             s = qk * (ks * qk_scale)[None, :]
         else:
             s = qk * qk_scale
