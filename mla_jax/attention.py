@@ -194,9 +194,10 @@ INDEXER_XLA = Kernel("xla", li.indexer_topk_reference)
 INDEXER_TRITON = Kernel("triton", _indexer_triton, _indexer_triton_declines)
 
 # Prefill rows of sparse layers: sequences up to this many tokens take the masked dense MHA path, longer ones the
-# token-sparse MQA path, keyed by query heads per device (`sparse_prefill_mha_max_len`). To be measured on the
-# H200 with `bench/sparse.py --threshold`; until a row is measured the model's index_topk is used (below it MHA
-# is exactly dense attention, which it is always cheapest at).
+# token-sparse MQA path, keyed by query heads per device (`sparse_prefill_mha_max_len`). Measured on the H200 by
+# `bench/sparse.py` (its `threshold` entry in bench/results/sparse-h200.json: the longest prompt at which MHA was
+# faster, N = 128 and 16); until an entry is committed here the model's index_topk is used (up to it MHA is exactly
+# dense attention, which it is always cheapest at).
 SPARSE_PREFILL_MHA_MAX_LEN: dict[int, int] = {}
 
 
