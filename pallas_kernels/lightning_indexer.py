@@ -17,7 +17,9 @@ Kernel: grid (T, S / block_k). A program loads its row's q [H, D] and weights on
 through the block table (masked loads: keys at or past seq_len, never-written pages, are not read), one dot
 [H, D] x [D, block_k] in f32, ReLU, the weighted sum over heads, and writes block_k logits; blocks wholly past
 seq_len only write -inf. Triton needs powers of two >= 16 for the dot: D and block_k are, heads are padded to
-16 with zero weights; the page size must be a power of two (shift and mask). fp8 keys are upcast to q's dtype and the scale applied to the dot's output.
+16 with zero weights; the page size must be a power of two (shift and mask). fp8 keys are upcast to q's dtype
+and the scale applied to the dot's output. Rows are the fastest grid axis, so the prefill tokens of a request,
+which read the same key blocks, run side by side and share them through L2.
 
 Shapes: T query rows, H indexer heads (H_I), D index head dim (D_I), G page size, S key positions, K top-k.
 """
