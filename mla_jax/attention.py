@@ -30,6 +30,7 @@ from mla_jax.mla import up_project_kv
 from pallas_kernels import flash_prefill as fp
 from pallas_kernels import flash_prefill_sm90 as fp90
 from pallas_kernels import gather_cache as gc
+from pallas_kernels import lightning_indexer as li
 from pallas_kernels import merge_attn_states as ms
 from pallas_kernels import mla_decode as md
 from pallas_kernels import mla_decode_sm90 as md90
@@ -158,12 +159,45 @@ def _merge_auto(prefix_output, *args):
 # ---- sparse attention (DeepSeek-V3.2): (q [B, Q, N, L+R], cache [pages, G, L+R], topk_slots i32[B, Q, K], *,
 #      scale, kv_scale, kv_lora_rank) -> (out [B, Q, N, L], lse f32[B, Q, N]); rows read only their K named slots.
 
+
+def _sparse_decode_triton(q, cache, topk_slots, **kw):
+    return smd.sparse_mla_decode(q, cache, topk_slots, interpret=_interpret(), **kw)
+
+
+def _sparse_triton_declines(q, cache, topk_slots, *, kv_lora_rank=512, **_) -> str | None:
+    rope = q.shape[-1] - kv_lora_rank
+    if not (_pow2_at_least_16(kv_lora_rank) and _pow2_at_least_16(rope)):
+        return f"latent {kv_lora_rank} and rope {rope} dims must be powers of two >= 16"
+    return None
+
+
 SPARSE_DECODE_XLA = Kernel("xla", smd.sparse_mla_decode_reference)
+SPARSE_DECODE_TRITON = Kernel("triton", _sparse_decode_triton, _sparse_triton_declines)
+
+# ---- the lightning indexer's top-k: (q [T, H_I, D_I], weights f32[T, H_I], index_k_cache [pages, G, D_I],
+#      block_table i32[T, max_pages], seq_lens i32[T], *, scale, k, k_scale) -> topk_indices i32[T, min(k, S)]
+#      (the Pallas score kernel, then lax.top_k: exact, ties to the lower position)
+
+
+def _indexer_triton(*args, **kw):
+    return li.indexer_topk(*args, interpret=_interpret(), **kw)
+
+
+def _indexer_triton_declines(q, weights, index_k_cache, *_, **__) -> str | None:
+    d, g = q.shape[-1], index_k_cache.shape[1]
+    if not _pow2_at_least_16(d) or g & (g - 1):
+        return f"index head dim {d} must be a power of two >= 16 and page size {g} a power of two"
+    return None
+
+
+INDEXER_XLA = Kernel("xla", li.indexer_topk_reference)
+INDEXER_TRITON = Kernel("triton", _indexer_triton, _indexer_triton_declines)
 
 # Prefill rows of sparse layers: sequences up to this many tokens take the masked dense MHA path, longer ones the
-# token-sparse MQA path, keyed by query heads per device (`sparse_prefill_mha_max_len`). To be measured on the
-# H200 with `bench/sparse.py --threshold`; until a row is measured the model's index_topk is used (below it MHA
-# is exactly dense attention, which it is always cheapest at).
+# token-sparse MQA path, keyed by query heads per device (`sparse_prefill_mha_max_len`). Measured on the H200 by
+# `bench/sparse.py` (its `threshold` entry in bench/results/sparse-h200.json: the longest prompt at which MHA was
+# faster, N = 128 and 16); until an entry is committed here the model's index_topk is used (up to it MHA is exactly
+# dense attention, which it is always cheapest at).
 SPARSE_PREFILL_MHA_MAX_LEN: dict[int, int] = {}
 
 
@@ -175,6 +209,7 @@ class Backend:
     gather_cache: Callable[..., jax.Array]  # pallas_kernels.gather_cache signature
     merge_attn_states: Callable[..., tuple[jax.Array, jax.Array]]  # pallas_kernels.merge_attn_states signature
     sparse_decode: tuple[Kernel, ...] = (SPARSE_DECODE_XLA,)
+    indexer: tuple[Kernel, ...] = (INDEXER_XLA,)
     # None: SPARSE_PREFILL_MHA_MAX_LEN / index_topk; a number forces it (tests pick a path with 0 or a large one)
     sparse_prefill_mha_max_len: int | None = None
 
@@ -183,6 +218,9 @@ class Backend:
 
     def sparse_mla_decode(self, *args, **kw) -> tuple[jax.Array, jax.Array]:
         return pick(self.sparse_decode, *args, **kw).fn(*args, **kw)
+
+    def indexer_topk(self, *args, **kw) -> jax.Array:
+        return pick(self.indexer, *args, **kw).fn(*args, **kw)
 
     def flash_prefill(self, *args, **kw) -> tuple[jax.Array, jax.Array]:
         return pick(self.prefill, *args, **kw).fn(*args, **kw)
@@ -210,7 +248,15 @@ BACKENDS: dict[str, Backend] = {
     # plain-JAX references: runs anywhere, the default on CPU
     "xla": Backend("xla", (DECODE_XLA,), (PREFILL_XLA,), _gather_xla, _merge_xla),
     # the portable Triton-lowered kernels: the default on GPUs other than Hopper
-    "pallas": Backend("pallas", (DECODE_TRITON, DECODE_XLA), (PREFILL_TRITON, PREFILL_XLA), _gather_auto, _merge_auto),
+    "pallas": Backend(
+        "pallas",
+        (DECODE_TRITON, DECODE_XLA),
+        (PREFILL_TRITON, PREFILL_XLA),
+        _gather_auto,
+        _merge_auto,
+        sparse_decode=(SPARSE_DECODE_TRITON, SPARSE_DECODE_XLA),
+        indexer=(INDEXER_TRITON, INDEXER_XLA),
+    ),
     # the Hopper (Mosaic GPU) kernels where they apply, else the Triton ones: the default on Hopper
     "pallas_sm90": Backend(
         "pallas_sm90",
@@ -218,6 +264,8 @@ BACKENDS: dict[str, Backend] = {
         (PREFILL_SM90, PREFILL_TRITON, PREFILL_XLA),
         _gather_auto,
         _merge_auto,
+        sparse_decode=(SPARSE_DECODE_TRITON, SPARSE_DECODE_XLA),
+        indexer=(INDEXER_TRITON, INDEXER_XLA),
     ),
     # "pallas_sm90" with fp8 caches decoded by the fp8 QK^T mode (opt-in: lossy)
     "pallas_sm90_fp8qk": Backend(
@@ -226,6 +274,8 @@ BACKENDS: dict[str, Backend] = {
         (PREFILL_SM90, PREFILL_TRITON, PREFILL_XLA),
         _gather_auto,
         _merge_auto,
+        sparse_decode=(SPARSE_DECODE_TRITON, SPARSE_DECODE_XLA),
+        indexer=(INDEXER_TRITON, INDEXER_XLA),
     ),
 }
 

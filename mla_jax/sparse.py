@@ -28,7 +28,7 @@ from mla_jax import attention
 from mla_jax.cache import KVCache, write_index_k_layer, write_kv_layer
 from mla_jax.comm import LOCAL
 from mla_jax.config import DeepseekConfig
-from mla_jax.indexer import index_logits, indexer_project, topk_mask, topk_positions
+from mla_jax.indexer import indexer_project, topk_mask
 from mla_jax.metadata import AttentionMetadata
 from mla_jax.mla import absorb_q, mla_project_with_q_latent, o_proj, up_project_kv, v_up_proj
 
@@ -58,13 +58,37 @@ def topk_budget(cfg: DeepseekConfig, md: AttentionMetadata, page_size: int) -> i
     return min(cfg.index_topk, md.shape.max_pages * page_size)
 
 
-def positions_to_slots(topk_indices: jax.Array, block_table: jax.Array, page_size: int) -> jax.Array:
-    """topk_indices i32[T, K'] (positions, -1 = none), block_table i32[T, max_pages] -> slots within a layer."""
-    page = jnp.take_along_axis(block_table, jnp.maximum(topk_indices, 0) // page_size, axis=1)
-    return jnp.where(topk_indices >= 0, page * page_size + topk_indices % page_size, -1).astype(jnp.int32)
+def positions_to_slots(
+    topk_indices: jax.Array, block_table: jax.Array, seq_lens: jax.Array, page_size: int
+) -> jax.Array:
+    """topk_indices i32[T, K'] (positions, -1 = none), block_table i32[T, max_pages], seq_lens i32[T] -> slots
+    within a layer. An entry outside the row's sequence [0, seq_len) becomes -1: it can never read another
+    request's rows or a padding page (`check_topk_indices` reports such a table on the host)."""
+    ok = (topk_indices >= 0) & (topk_indices < seq_lens[:, None])
+    pos = jnp.where(ok, topk_indices, 0)
+    page = jnp.take_along_axis(block_table, pos // page_size, axis=1)
+    return jnp.where(ok, page * page_size + pos % page_size, -1).astype(jnp.int32)
+
+
+def check_topk_indices(topk_indices, seq_lens) -> None:
+    """Host-side check of a concrete top-k table: every entry of row t is -1 or a position in [0, seq_lens[t]).
+    Raises ValueError naming the first bad row, entry and position."""
+    import numpy as np
+
+    t, sl = np.asarray(topk_indices), np.asarray(seq_lens)
+    if t.ndim != 2 or sl.shape != (t.shape[0],):
+        raise ValueError(f"topk_indices must be [T, K] with seq_lens [T], got {t.shape} and {sl.shape}")
+    bad = (t < -1) | (t >= sl[:, None])
+    if bad.any():
+        row, col = map(int, np.argwhere(bad)[0])
+        raise ValueError(
+            f"topk_indices row {row} entry {col} names position {int(t[row, col])}, outside the row's sequence "
+            f"of {int(sl[row])} tokens ({int(bad.sum())} such entries)"
+        )
 
 
 def paged_topk(
+    backend: attention.Backend,
     p_idx: dict,
     cfg: DeepseekConfig,
     x: jax.Array,
@@ -77,20 +101,16 @@ def paged_topk(
     seq_lens: jax.Array,
     k: int,
 ) -> tuple[KVCache, TopK]:
-    """Write this step's index keys, then every row's top-k over its request's cached index keys (XLA)."""
+    """Write this step's index keys, then every row's top-k over its request's cached index keys
+    (`Backend.indexer_topk`: the score kernel + exact top-k, or its plain-JAX reference)."""
     q, k_i, w = indexer_project(p_idx, cfg, x, q_resid, positions)  # [T, H_I, D_I], [T, D_I], [T, H_I]
     cache = write_index_k_layer(cache, index_layer, k_i, slot_mapping)
     ik = cache.index_k_cache[index_layer]  # [pages, G, D_I]
-    g = ik.shape[1]
-    keys = ik[block_table].astype(jnp.float32)  # [T, max_pages, G, D_I]
-    if cache.index_k_scale is not None:
-        keys = keys * cache.index_k_scale[index_layer][block_table][..., None]
-    keys = keys.reshape(keys.shape[0], -1, keys.shape[-1])  # [T, max_pages*G, D_I]
-    visible = jnp.arange(keys.shape[1])[None, :] < seq_lens[:, None]  # [T, max_pages*G]
-    keys = jnp.where(visible[..., None], keys, 0.0)  # never-written (NaN) rows cannot reach a visible score
-    logits = index_logits(q, w, keys, cfg.index_head_dim**-0.5)  # [T, max_pages*G]
-    topk = topk_positions(logits, visible, k)  # [T, K']
-    return cache, (topk, positions_to_slots(topk, block_table, g))
+    k_scale = None if cache.index_k_scale is None else cache.index_k_scale[index_layer]
+    topk = backend.indexer_topk(
+        q, w, ik, block_table, seq_lens, scale=cfg.index_head_dim**-0.5, k=k, k_scale=k_scale
+    )  # [T, K']
+    return cache, (topk, positions_to_slots(topk, block_table, seq_lens, ik.shape[1]))
 
 
 def _masked_attention(q, k, v, mask, scale):
@@ -202,7 +222,18 @@ def mla_paged_sparse(
     def own(cache):
         index_layer = jnp.asarray([cfg.indexer_slot(i) for i in range(cfg.num_hidden_layers)], jnp.int32)[layer]
         return paged_topk(
-            p["indexer"], cfg, x, q_resid, md.positions, cache, index_layer, md.slot_mapping, block_table, seq_lens, K
+            backend,
+            p["indexer"],
+            cfg,
+            x,
+            q_resid,
+            md.positions,
+            cache,
+            index_layer,
+            md.slot_mapping,
+            block_table,
+            seq_lens,
+            K,
         )
 
     if cfg.shares_topk:

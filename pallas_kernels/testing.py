@@ -885,3 +885,107 @@ PREFILL_GPU_CASES = [
     _pc("start_offsets_nan_before_n4", [10, 40, 333], [13, 21, 500], True, _FP90, seed=3008, n=4, q_start=3, k_start=5),
     _pc("tiny_n2", [3, 9], None, True, _FP90, seed=3009, n=2),
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse decode (DeepSeek-V3.2): each query row attends to the cache slots of its [K] table
+
+
+def sparse_decode_inputs(
+    seed, *, b, nq, n, k, lens, l=512, r=64, g=64, cache_dtype="bf16", q_dtype="bf16", causal=False, dense=False
+):
+    """(q, cache, topk_slots, kv_scale, block_table, seq_lens) with NaN poison: every cache row and scale that
+    no table names is NaN, q rows with an empty table are NaN. Request i has lens[i] tokens in random pages;
+    row (i, t) sees lens[i] (causal: lens[i] - (nq - 1 - t)) of them and names min(k, seen) - 1 of those (one
+    -1 hole) in random order, scattered among -1 entries; `dense`: all it sees, in order, -1 after (the
+    dense decode's rows: compare with mla_decode_reference on block_table / seq_lens)."""
+    rng = np.random.default_rng(seed)
+    lens = np.asarray(lens)
+    used = [cdiv(int(x), g) for x in lens]
+    max_pages = max(max(used), 1)
+    spare = 3
+    num_pages = sum(used) + spare
+    perm = rng.permutation(num_pages)
+    block_table = np.empty((b, max_pages), np.int32)
+    pos = 0
+    for i in range(b):
+        block_table[i, : used[i]] = perm[pos : pos + used[i]]
+        block_table[i, used[i] :] = rng.choice(perm[num_pages - spare :], max_pages - used[i])
+        pos += used[i]
+    if causal:
+        seq_lens = lens[:, None] - (nq - 1) + np.arange(nq)[None, :]
+    else:
+        seq_lens = np.repeat(lens[:, None], nq, axis=1)
+    seq_lens = np.where(lens[:, None] > 0, np.maximum(seq_lens, 0), 0).astype(np.int32)
+    table = np.full((b, nq, k), -1, np.int32)
+    for i in range(b):
+        for t in range(nq):
+            seen = int(seq_lens[i, t])
+            if dense:
+                chosen = np.arange(min(seen, k))
+                cols = np.arange(chosen.size)
+            else:
+                count = max(min(k, seen) - 1, min(seen, 1))
+                chosen = rng.choice(seen, count, replace=False) if count else np.zeros(0, int)
+                cols = np.sort(rng.choice(k, count, replace=False))
+            table[i, t, cols] = block_table[i, chosen // g] * g + chosen % g
+    cache = np.full((num_pages * g, l + r), np.nan, np.float32)
+    named = np.unique(table[table >= 0])
+    cache[named] = rng.standard_normal((named.size, l + r))
+    cache = cache.reshape(num_pages, g, l + r)
+    q = rng.standard_normal((b, nq, n, l + r)).astype(np.float32)
+    q[(table >= 0).sum(-1) == 0] = np.nan
+    kv_scale = None
+    if cache_dtype == "fp8":
+        cache_j = jnp.asarray(cache * 2.0).astype(jnp.float8_e4m3fn)
+        sc = np.full(num_pages * g, np.nan, np.float32)
+        sc[named] = rng.uniform(0.25, 0.75, named.size)
+        kv_scale = jnp.asarray(sc.reshape(num_pages, g))
+    else:
+        cache_j = jnp.asarray(cache).astype(jnp.bfloat16)
+    q_j = jnp.asarray(q).astype(jnp.float32 if q_dtype == "f32" else jnp.bfloat16)
+    return q_j, cache_j, jnp.asarray(table), kv_scale, jnp.asarray(block_table), jnp.asarray(seq_lens)
+
+
+# (name, sparse_decode_inputs keywords, kernel keywords, DECODE_TOL kind): interpreted on CPU, small shapes
+SPARSE_DECODE_CASES = [
+    (
+        "n16_g16_2splits_bf16",
+        dict(b=3, nq=1, n=16, k=48, lens=[90, 0, 20], l=64, r=16, g=16),
+        dict(num_kv_splits=2, block_kv=16),
+        "bf16",
+    ),
+    (
+        "n4_padded_heads_k40_f32q",
+        dict(b=2, nq=1, n=4, k=40, lens=[70, 33], l=32, r=16, g=8, q_dtype="f32"),
+        dict(block_kv=16),
+        "f32",
+    ),
+    ("n128_two_head_blocks", dict(b=1, nq=1, n=128, k=32, lens=[50], l=32, r=16, g=16), dict(block_kv=16), "bf16"),
+    (
+        "q3_causal_multi_token_rows",
+        dict(b=2, nq=3, n=16, k=24, lens=[40, 2], l=64, r=16, g=16, causal=True),
+        dict(num_kv_splits=3, block_kv=16),
+        "bf16",
+    ),
+    (
+        "fp8_2splits",
+        dict(b=2, nq=2, n=16, k=64, lens=[150, 9], l=64, r=16, g=32, cache_dtype="fp8"),
+        dict(num_kv_splits=2, block_kv=32),
+        "fp8",
+    ),
+    ("l512_r64_default_tuning", dict(b=2, nq=1, n=16, k=64, lens=[100, 64], l=512, r=64, g=64), {}, "bf16"),
+]
+
+# On the GPU (L = 512, R = 64, page 64, top-k 2048): the V3.2 shapes, ragged, short (< K) and empty rows.
+SPARSE_DECODE_GPU_CASES = [
+    ("n128_k2048_bf16", dict(b=3, nq=1, n=128, k=2048, lens=[5000, 700, 0]), {}, "bf16"),
+    ("n16_k2048_fp8", dict(b=4, nq=1, n=16, k=2048, lens=[9000, 2048, 1, 3000], cache_dtype="fp8"), {}, "fp8"),
+    ("q2_causal_n64_k2048_bf16", dict(b=2, nq=2, n=64, k=2048, lens=[4000, 30], causal=True), {}, "bf16"),
+    (
+        "n128_k2048_fp8_splits4",
+        dict(b=2, nq=1, n=128, k=2048, lens=[3000, 2500], cache_dtype="fp8"),
+        dict(num_kv_splits=4),
+        "fp8",
+    ),
+]

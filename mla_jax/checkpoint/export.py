@@ -1,12 +1,14 @@
-"""Export our params to a Hugging Face DeepSeek-V3 checkpoint directory (the inverse of `load_hf_checkpoint`).
+"""Export our params to a Hugging Face DeepSeek-V3 (or V3.2) checkpoint directory (the inverse of
+`load_hf_checkpoint`).
 
     export_hf(params, cfg, tokenizer, out_dir)
 
-writes config.json (model_type deepseek_v3, architectures ["DeepseekV3ForCausalLM"]), model.safetensors in the
-hub layout (kv_b_proj merged back from W_UK_T / W_UV, layers unstacked to `model.layers.{i}.*`, experts to
-`mlp.experts.{j}.{gate,up,down}_proj.weight`), tokenizer.json and tokenizer_config.json. Weights are stored in
-`dtype` (bf16 by default, as DeepSeek ships them) except `e_score_correction_bias`, which stays float32 as in
-the hub checkpoints. `load_hf_checkpoint(out_dir)` gives back exactly the params cast to those dtypes.
+writes config.json (model_type deepseek_v3 / deepseek_v32, architectures ["DeepseekV3ForCausalLM"] /
+["DeepseekV32ForCausalLM"]), model.safetensors in the hub layout (kv_b_proj merged back from W_UK_T / W_UV, layers
+unstacked to `model.layers.{i}.*`, experts to `mlp.experts.{j}.{gate,up,down}_proj.weight`, V3.2's lightning
+indexer to `self_attn.indexer.*`), tokenizer.json and tokenizer_config.json. Weights are stored in `dtype` (bf16 by
+default, as DeepSeek ships them) except `e_score_correction_bias` and the indexer's `weights_proj`, which stay
+float32 as in the hub checkpoints. `load_hf_checkpoint(out_dir)` gives back exactly the params cast to those dtypes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from mla_jax.dtypes import DTYPES
 from mla_jax.model import Params, layer_groups
 
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
+EXPORT_MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 
 
 def _export_dtype(dtype: str) -> np.dtype:
@@ -46,13 +49,13 @@ def hf_config_dict(
     cfg: DeepseekConfig, *, dtype: str = "bf16", bos_token_id: int | None = None, eos_token_id: int | None = None
 ) -> dict[str, Any]:
     """config.json for transformers' DeepseekV3ForCausalLM (and our `DeepseekConfig.from_json`)."""
-    if cfg.model_type != "deepseek_v3":
-        raise ValueError(f"export writes DeepSeek-V3 checkpoints; config has model_type {cfg.model_type!r}")
+    if cfg.model_type not in EXPORT_MODEL_TYPES:
+        raise ValueError(f"export writes DeepSeek-V3 and V3.2 checkpoints; config has model_type {cfg.model_type!r}")
     if cfg.quantization is not None:
         raise ValueError("export of fp8-quantized configs is not supported")
     d: dict[str, Any] = {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
+        "architectures": [EXPORT_MODEL_TYPES[cfg.model_type]],
+        "model_type": cfg.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -89,6 +92,8 @@ def hf_config_dict(
         "use_cache": True,
         "torch_dtype": _export_dtype(dtype).name,  # bfloat16, float16, float32
     }
+    if cfg.use_sparse:  # DeepSeek-V3.2's lightning indexer (every layer has its own)
+        d |= {"index_topk": cfg.index_topk, "index_n_heads": cfg.index_n_heads, "index_head_dim": cfg.index_head_dim}
     rs = cfg.rope_scaling
     if rs is None:
         d["rope_scaling"] = None
@@ -140,6 +145,12 @@ def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> d
                     put(pre + f"self_attn.{key}.weight", a[key]["weight"])
             kv_b = a["kv_b_proj"]["weight"] if "kv_b_proj" in a else merge_kv_b_proj(a["W_UK_T"], a["W_UV"])
             put(pre + "self_attn.kv_b_proj.weight", kv_b)
+            if cfg.use_sparse:  # weights_proj stays float32, as HF's checkpoints and our loader keep it
+                ind, ip = pre + "self_attn.indexer.", a["indexer"]
+                for key in ("wq_b", "wk", "k_norm"):
+                    put(ind + f"{key}.weight", ip[key]["weight"])
+                put(ind + "k_norm.bias", ip["k_norm"]["bias"])
+                put(ind + "weights_proj.weight", ip["weights_proj"]["weight"], keep_f32=True)
             m = lp["mlp"]
             if group == "moe_layers":
                 put(pre + "mlp.gate.weight", m["gate"]["weight"])

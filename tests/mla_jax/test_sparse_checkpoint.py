@@ -87,3 +87,20 @@ def test_bad_indexer_tensors_are_named(tmp_path, mutation, match):
     rewrite_tensors(d, t)
     with pytest.raises(CheckpointError, match=match):
         load_hf_checkpoint(str(d))
+
+
+def test_export_roundtrip(tmp_path):
+    """export_hf writes V3.2 checkpoints (indexer tensors, weights_proj in f32, the index fields in config.json)
+    that load back to the same config and params."""
+    import json
+
+    from mla_jax.checkpoint import export_hf
+
+    cfg, params = load_hf_checkpoint(os.path.join(FIXTURES, "v32"))
+    tok = json.dumps({"model": {"vocab": {"a": 0, "<|endoftext|>": 1}}, "added_tokens": []})
+    export_hf(params, cfg, tok, tmp_path, dtype="fp32")
+    cfg2, got = load_hf_checkpoint(str(tmp_path))
+    assert cfg2 == cfg
+    assert_same_params(params, got)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV32ForCausalLM"] and config["index_topk"] == cfg.index_topk

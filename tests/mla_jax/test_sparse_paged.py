@@ -249,3 +249,37 @@ def test_bad_caches_are_rejected():
     narrow = dataclasses.replace(good, index_k_cache=good.index_k_cache[..., :16])
     with pytest.raises(ValueError, match="index_head_dim"):
         jit_step(params, cfg, narrow, md.to_device())
+
+
+@pytest.mark.parametrize("setup", ["v32"], indirect=True)
+def test_pallas_backend_matches_full_forward(setup):
+    """The "pallas" backend (Triton sparse decode kernel, interpreted on CPU) on decode and multi-token rows and
+    token-sparse MQA prefill rows; NaN-poisoned caches."""
+    cfg, params, seqs, full = setup
+    sched = [[(0, 12)], [(0, 3)]]
+    _check(run(params, cfg, seqs, sched, backend="pallas"), full)
+
+
+def test_topk_table_past_a_sequence():
+    """A top-k entry past its row's sequence is reported on the host and, traced, converted to -1 (no slot):
+    it can never read another request's rows."""
+    from mla_jax.sparse import check_topk_indices, positions_to_slots
+
+    bt = jnp.asarray([[3, 1], [0, 2]], jnp.int32)
+    sl = jnp.asarray([10, 5], jnp.int32)
+    topk = jnp.asarray([[9, 0, -1], [4, 5, 1]], jnp.int32)  # row 1 names position 5 of a 5-token sequence
+    with pytest.raises(ValueError, match="row 1 entry 1 names position 5, outside the row's sequence of 5 tokens"):
+        check_topk_indices(topk, sl)
+    check_topk_indices(topk.at[1, 1].set(-1), sl)
+    slots = np.asarray(positions_to_slots(topk, bt, sl, 8))
+    np.testing.assert_array_equal(slots, [[1 * 8 + 1, 3 * 8 + 0, -1], [0 * 8 + 4, -1, 0 * 8 + 1]])
+
+
+def test_every_backend_ends_sparse_lists_with_xla():
+    """The sparse decode and indexer lists fall through to the plain-JAX references, which take every shape; the
+    GPU backends put the Pallas kernels first."""
+    for name, be in attention.BACKENDS.items():
+        assert be.sparse_decode[-1] is attention.SPARSE_DECODE_XLA and be.indexer[-1] is attention.INDEXER_XLA, name
+    for name in ("pallas", "pallas_sm90", "pallas_sm90_fp8qk"):
+        be = attention.BACKENDS[name]
+        assert be.sparse_decode[0] is attention.SPARSE_DECODE_TRITON and be.indexer[0] is attention.INDEXER_TRITON

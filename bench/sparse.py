@@ -1,0 +1,307 @@
+"""Benchmark of DeepSeek-V3.2 sparse attention (DSA) on one GPU, ceilings in the same run.
+
+    JAX_PLATFORMS=cuda,cpu PYTHONPATH=. python3 bench/sparse.py --out DIR     (~4 min on the H200)
+    PYTHONPATH=. python3 bench/sparse.py --smoke                              (tiny, interpreted, on a CPU)
+
+(a) checks the sparse decode kernel against its float32 reference on the GPU cases of
+    `pallas_kernels.testing.SPARSE_DECODE_GPU_CASES` (exits 1 on a mismatch), (b) measures the copy/matmul
+    ceilings, then times:
+- `decode`: token-sparse latent MQA (`Backend.sparse_mla_decode`, top-k 2048) against our dense paged decode
+  (`Backend.mla_decode`, the backend's own kernel choice) at ctx 8k/32k/128k, N = 128 and 16 heads, bf16 and
+  fp8 (+scale) caches, B = 32 decode rows, page 64: `us`, `dense_us`, `speedup_vs_dense`, the kernel's
+  TFLOP/s (2 B N K (576 + 512)) and its fraction of FlashMLA's published sparse decode rate (410 TFLOP/s,
+  fp8, H800: `frac_flashmla_410`), and the indexer of one layer (`indexer_us`: score kernel + top-k for the
+  same rows over the same ctx, 64 heads x 128, index cache in the row's dtype) as a fraction of the sparse
+  attention (`indexer_frac`);
+- `indexer`: the indexer alone per (ctx, dtype): `score_us` (Pallas score kernel) and `topk_us` (lax.top_k);
+- `e2e`: decode steps (B = 32, ctx 32k) of a V3.2-shaped model (random bf16 weights, `--layers` layers, the
+  first dense, the rest MoE) through `step.jit_step`, sparse vs the same weights run dense (index_topk off);
+- `prefill_threshold`: one prompt of S tokens through the same model shape with the sparse layers forced to
+  masked dense MHA or to token-sparse MQA, per N; `threshold` is the longest S at which MHA was faster (the
+  value for `mla_jax.attention.SPARSE_PREFILL_MHA_MAX_LEN[N]`; 0: MQA won everywhere measured).
+Writes DIR/sparse-h200.json (rows with `kind`; decode rows carry ctx, N, dtype, topk, us, speedup_vs_dense).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)  # the Triton lowering warns per call
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mla_jax import attention, model  # noqa: E402
+from mla_jax.bench import common  # noqa: E402
+from mla_jax.cache import init_kv_cache_for  # noqa: E402
+from mla_jax.config import DEEPSEEK_V32, DeepseekConfig  # noqa: E402
+from mla_jax.metadata import ScheduledRequest, build_metadata  # noqa: E402
+from mla_jax.step import jit_step  # noqa: E402
+from pallas_kernels import lightning_indexer as li  # noqa: E402
+from pallas_kernels import testing  # noqa: E402
+from pallas_kernels.sparse_mla_decode import sparse_mla_decode_reference  # noqa: E402
+
+SCALE = testing.DECODE_SCALE
+FLASHMLA_SPARSE_TFLOPS = 410.0  # FlashMLA sparse decode, fp8 KV, H800 (README, 2025-09)
+t_start = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - t_start:6.1f}s]", *a, flush=True)
+
+
+def check(backend, cases) -> bool:
+    ok = True
+    for name, inputs, kernel, kind in cases:
+        q, cache, table, ks, _, _ = testing.sparse_decode_inputs(1234, **inputs)
+        l = inputs.get("l", 512)
+        try:
+            out, lse = backend.sparse_mla_decode(q, cache, table, scale=SCALE, kv_scale=ks, kv_lora_rank=l, **kernel)
+            ref, ref_lse = sparse_mla_decode_reference(q, cache, table, scale=SCALE, kv_scale=ks, kv_lora_rank=l)
+            testing.assert_decode_close(out, lse, ref, ref_lse, kind, lse_tol=testing.decode_gpu_tolerance(kind)[1])
+            log(f"check {name}: ok")
+        except AssertionError as e:
+            ok = False
+            log(f"check {name}: FAIL {e}")
+    return ok
+
+
+def pool(key, b, max_ctx, g, width, dtype):
+    """A cache pool holding b requests of max_ctx tokens in random pages (+1 spare), and their block tables."""
+    ppr = max_ctx // g
+    num_pages = b * ppr + 1
+    k = jax.random.split(key, 3)
+    bt = jax.random.permutation(k[0], num_pages)[: b * ppr].reshape(b, ppr).astype(jnp.int32)
+    x = jax.random.normal(k[1], (num_pages, g, width), jnp.float32)
+    if dtype == "fp8":
+        return bt, (x * 2).astype(jnp.float8_e4m3fn), jax.random.uniform(k[2], (num_pages, g), jnp.float32, 0.1, 0.5)
+    return bt, x.astype(jnp.bfloat16), None
+
+
+def topk_slots(key, bt, ctx, topk, g):
+    """i32[B, 1, K]: K distinct positions spread over [0, ctx) per row (one in each ctx/K stretch), as slots."""
+    b = bt.shape[0]
+    stride = ctx // topk
+    pos = jnp.arange(topk)[None, :] * stride + jax.random.randint(key, (b, topk), 0, stride)
+    return (jnp.take_along_axis(bt, pos // g, axis=1) * g + pos % g).astype(jnp.int32)[:, None, :]
+
+
+def bench_decode(args, backend, res, ceilings):
+    B, G, K, L, R = args.batch, args.page, args.topk, args.l, args.r
+    max_ctx = max(args.ctxs)
+    H_I, D_I = args.index_heads, args.index_dim
+    interpret = jax.default_backend() == "cpu"
+    # jitted once (a shape seen again, e.g. the sparse decode at every ctx, is not compiled again)
+    score = jax.jit(lambda q, w, c, bt, sl, ks: backend.indexer_topk(q, w, c, bt, sl, scale=D_I**-0.5, k=K, k_scale=ks))
+    logits_fn = jax.jit(
+        lambda q, w, c, bt, sl, ks: li.indexer_logits(q, w, c, bt, sl, scale=D_I**-0.5, k_scale=ks, interpret=interpret)
+    )
+    topk_fn = jax.jit(lambda x: li.topk_from_logits(x, K))
+    dense = jax.jit(lambda q, c, bt, sl, ks: backend.mla_decode(q, c, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L))
+    sparse = jax.jit(lambda q, c, t, ks: backend.sparse_mla_decode(q, c, t, scale=SCALE, kv_scale=ks, kv_lora_rank=L))
+    for dtype in args.dtypes:
+        bt_full, cache, ks = pool(jax.random.key(1), B, max_ctx, G, L + R, dtype)
+        _, icache, iks = pool(jax.random.key(2), B, max_ctx, G, D_I, dtype)
+        qi = jax.random.normal(jax.random.key(3), (B, H_I, D_I), jnp.bfloat16)
+        wi = jax.random.normal(jax.random.key(4), (B, H_I), jnp.float32) * H_I**-0.5
+        for ctx in args.ctxs:
+            bt = bt_full[:, : ctx // G]
+            sl = jnp.full((B,), ctx, jnp.int32)
+            iargs = [(qi, wi, icache, bt, sl, iks)]
+            idx_us = common.time_fn(score, iargs, iters=args.iters, reps=args.reps)
+            score_us = common.time_fn(logits_fn, iargs, iters=args.iters, reps=args.reps)
+            lg = logits_fn(*iargs[0])
+            topk_us = common.time_fn(topk_fn, [(lg,)], iters=args.iters, reps=args.reps)
+            del lg
+            row = dict(kind="indexer", B=B, ctx=ctx, dtype=dtype, topk=K, H_I=H_I, D_I=D_I, us=round(idx_us, 2))
+            row |= dict(score_us=round(score_us, 2), topk_us=round(topk_us, 2))
+            row["frac_copy"] = round(
+                B * ctx * (D_I * (1 if dtype == "fp8" else 2)) / (score_us * 1e-6) / 1e12 / ceilings["copy_TBps"], 3
+            )
+            res["rows"].append(row)
+            log(row)
+            for n in args.heads:
+                q = jax.random.normal(jax.random.key(5), (B, 1, n, L + R), jnp.bfloat16)
+                dense_us = common.time_fn(dense, [(q, cache, bt, sl[:, None], ks)], iters=args.iters, reps=args.reps)
+                tables = [(q, cache, topk_slots(jax.random.key(10 + i), bt, ctx, K, G), ks) for i in range(3)]
+                us = common.time_fn(sparse, tables, iters=args.iters, reps=args.reps)
+                tflops = 2 * B * n * K * (L + L + R) / (us * 1e-6) / 1e12
+                row_bytes = (L + R) * (1 if dtype == "fp8" else 2) + (4 if dtype == "fp8" else 0)
+                row = dict(kind="decode", B=B, ctx=ctx, N=n, dtype=dtype, topk=K, page=G, us=round(us, 2))
+                row |= dict(dense_us=round(dense_us, 2), speedup_vs_dense=round(dense_us / us, 2))
+                row |= dict(TFLOPs=round(tflops, 1), frac_matmul=round(tflops / ceilings["matmul_TFLOPs"], 3))
+                row |= dict(frac_flashmla_410=round(tflops / FLASHMLA_SPARSE_TFLOPS, 3))
+                row |= dict(TBps=round(B * K * row_bytes / (us * 1e-6) / 1e12, 3))
+                row |= dict(indexer_us=round(idx_us, 2), indexer_frac=round(idx_us / us, 2))
+                res["rows"].append(row)
+                log(row)
+        del cache, icache
+
+
+def v32_config(args, *, heads=None, layers=None, dense_mlp=False) -> DeepseekConfig:
+    d = {**DEEPSEEK_V32, "num_hidden_layers": layers or args.layers, "first_k_dense_replace": 1}
+    if heads:
+        d["num_attention_heads"] = d["num_key_value_heads"] = heads
+    if dense_mlp:
+        d |= dict(first_k_dense_replace=d["num_hidden_layers"], intermediate_size=2048, vocab_size=4096)
+    if args.smoke:
+        d |= dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=32,
+            kv_lora_rank=64,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            index_n_heads=4,
+            index_head_dim=32,
+        )
+    d["index_topk"] = args.topk
+    return DeepseekConfig.from_dict(d)
+
+
+def random_cache(cfg, num_pages, g, key):
+    c = init_kv_cache_for(cfg, num_pages, g, dtype="bf16")
+    k = jax.random.split(key, 2)
+    c = dataclasses.replace(c, kv_c_and_k_pe_cache=jax.random.normal(k[0], c.kv_c_and_k_pe_cache.shape, jnp.bfloat16))
+    if c.index_k_cache is not None:
+        c = dataclasses.replace(c, index_k_cache=jax.random.normal(k[1], c.index_k_cache.shape, jnp.bfloat16))
+    return c
+
+
+def time_steps(params, cfg, cache, md, backend, steps):
+    for _ in range(2):
+        logits, cache = jit_step(params, cfg, cache, md, backend=backend)
+    jax.block_until_ready(logits)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits, cache = jit_step(params, cfg, cache, md, backend=backend)
+        jax.block_until_ready(logits)
+        times.append((time.perf_counter() - t0) / steps)
+    return float(np.median(times)), cache
+
+
+def bench_e2e(args, backend_name, res):
+    cfg = v32_config(args)
+    B, ctx, G = args.batch, args.e2e_ctx, args.page
+    params = model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+    ppr = ctx // G
+    reqs = [ScheduledRequest([7], ctx - 1, list(range(1 + b * ppr, 1 + (b + 1) * ppr))) for b in range(B)]
+    num_pages = B * ppr + 1
+    md = build_metadata(reqs, page_size=G, num_pages=num_pages)[0].to_device()
+    for mode, c in (("sparse", cfg), ("dense", dataclasses.replace(cfg, index_topk=None))):
+        cache = random_cache(c, num_pages, G, jax.random.key(1))
+        step_s, cache = time_steps(params, c, cache, md, backend_name, args.steps)
+        del cache
+        row = dict(
+            kind="e2e", mode=mode, batch=B, ctx=ctx, phase="decode", layers=cfg.num_hidden_layers, topk=args.topk
+        )
+        row |= dict(step_ms=round(step_s * 1e3, 3), tokens_per_s=round(B / step_s, 1))
+        res["rows"].append(row)
+        log(row)
+    sp, dn = res["rows"][-2], res["rows"][-1]
+    sp["speedup_vs_dense"] = round(dn["step_ms"] / sp["step_ms"], 2)
+
+
+def bench_threshold(args, backend_name, res):
+    base = attention.BACKENDS[backend_name]
+    attention.BACKENDS["_mha"] = dataclasses.replace(base, name="_mha", sparse_prefill_mha_max_len=1 << 30)
+    attention.BACKENDS["_mqa"] = dataclasses.replace(base, name="_mqa", sparse_prefill_mha_max_len=0)
+    G = args.page
+    res["threshold"] = {}
+    for n in args.heads:
+        cfg = v32_config(args, heads=n, layers=1, dense_mlp=True)
+        params = model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+        best = prev = 0
+        for s in args.prefill_lens:
+            reqs = [ScheduledRequest(list(range(1, s + 1)), 0, list(range(1, 1 + s // G)))]
+            md = build_metadata(reqs, page_size=G, num_pages=s // G + 1)[0].to_device()
+            t = {}
+            for path in ("_mha", "_mqa"):
+                cache = random_cache(cfg, s // G + 1, G, jax.random.key(1))
+                t[path], _ = time_steps(params, cfg, cache, md, path, 2)
+            row = dict(kind="prefill_threshold", N=n, S=s, topk=args.topk, mha_ms=round(t["_mha"] * 1e3, 3))
+            row |= dict(mqa_ms=round(t["_mqa"] * 1e3, 3), faster="mha" if t["_mha"] < t["_mqa"] else "mqa")
+            res["rows"].append(row)
+            log(row)
+            if row["faster"] == "mha" and best == prev:  # MHA faster at every S measured so far
+                best = s
+            prev = s
+        res["threshold"][str(n)] = best
+        log(f"SPARSE_PREFILL_MHA_MAX_LEN[{n}] = {best}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="directory for sparse-h200.json (default: print only)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernels: checks the script on a CPU")
+    ap.add_argument("--backend", default=None, help="attention backend (default: the engine's for this device)")
+    ap.add_argument("--only", default="decode,e2e,threshold", help="sections to run")
+    ap.add_argument("--layers", type=int, default=2, help="layers of the e2e model (first dense, rest MoE)")
+    ap.add_argument("--no-check", action="store_true")
+    args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    if args.smoke:
+        args.backend = args.backend or "pallas"  # the kernels, interpreted
+        args.ctxs, args.heads, args.dtypes, args.topk, args.batch, args.page = (
+            (256, 512),
+            (16,),
+            ("bf16", "fp8"),
+            64,
+            2,
+            16,
+        )
+        args.l, args.r, args.index_heads, args.index_dim = 64, 16, 4, 32
+        args.e2e_ctx, args.prefill_lens, args.iters, args.reps, args.steps, args.layers = 128, (32, 128), 2, 2, 1, 2
+    else:
+        args.backend = args.backend or attention.default_backend_name()
+        args.ctxs, args.heads, args.dtypes, args.topk, args.batch, args.page = (
+            (8192, 32768, 131072),
+            (128, 16),
+            ("bf16", "fp8"),
+            2048,
+            32,
+            64,
+        )
+        args.l, args.r, args.index_heads, args.index_dim = 512, 64, 64, 128
+        args.e2e_ctx, args.prefill_lens, args.iters, args.reps, args.steps = 32768, (512, 2048, 4096), 10, 5, 5
+    backend = attention.get_backend(args.backend)
+    log(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, backend {args.backend}")
+    if not args.no_check:
+        cases = testing.SPARSE_DECODE_CASES[:1] if args.smoke else testing.SPARSE_DECODE_GPU_CASES
+        if not check(backend, cases):
+            log("sparse decode kernel FAILS its reference: not timing")
+            sys.exit(1)
+    ceilings = common.measure_ceilings(small=args.smoke)
+    log("ceilings", ceilings)
+    res = common.results_header(ceilings)
+    res["backend"] = args.backend
+    res["flashmla_sparse_decode_TFLOPs"] = FLASHMLA_SPARSE_TFLOPS
+    if "decode" in only:
+        bench_decode(args, backend, res, ceilings)
+    if "e2e" in only:
+        bench_e2e(args, args.backend, res)
+    if "threshold" in only:
+        bench_threshold(args, args.backend, res)
+    log("done")
+    if args.out:
+        common.write_results(f"{args.out}/sparse-h200.json", res)
+    else:
+        print("not written (no --out)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
