@@ -166,7 +166,8 @@ def _routed_experts(p, cfg, x, weights, ids, gmm_impl, experts, layer, comm) -> 
         mine, key = None, flat
     order = jnp.argsort(key, stable=True)
     token = order // K  # source token of each sorted copy
-    group_sizes = jnp.bincount(key, length=e_loc).astype(jnp.int32)  # [E_loc]; key == e_loc is dropped
+    # [E_loc] (key == e_loc is dropped): compare-and-count, one fusion where bincount is a scatter kernel
+    group_sizes = jnp.sum(key[None, :] == jnp.arange(e_loc, dtype=key.dtype)[:, None], axis=1, dtype=jnp.int32)
     xs = x[token]  # [T*K, D]
 
     def gmm(lhs, w):

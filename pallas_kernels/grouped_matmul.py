@@ -166,6 +166,13 @@ def default_tuning(m: int, n: int, k: int, g: int, dtype, sms: int | None = None
     return bm, bn, bk, warps, stages, splits
 
 
+def _cumsum(x):
+    """Inclusive cumsum of a short i32 vector as one compare-and-reduce fusion: XLA's GPU cumsum is a
+    reduce-window kernel of its own (two of them were ~4 us of each MoE layer's decode step)."""
+    i = jnp.arange(x.shape[0])
+    return jnp.sum(jnp.where(i[None, :] <= i[:, None], x[None, :], 0), axis=1).astype(x.dtype)
+
+
 def work_items(group_sizes, m: int, block_m: int):
     """Static-length work list from traced group sizes: i32[W] arrays (tile, lo, hi, group).
 
@@ -175,13 +182,13 @@ def work_items(group_sizes, m: int, block_m: int):
     """
     g = group_sizes.shape[0]
     sizes = jnp.maximum(group_sizes, 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m)  # sum > M is invalid input: clip, never read past M
+    ends = jnp.minimum(_cumsum(sizes), m)  # sum > M is invalid input: clip, never read past M
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     seg_lo = jnp.concatenate([starts, ends[-1:]])  # [G+1]: the groups, then the padding segment
     seg_hi = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
     first = seg_lo // block_m
     count = jnp.where(seg_hi > seg_lo, (seg_hi - 1) // block_m - first + 1, 0)
-    cum = jnp.cumsum(count)  # inclusive
+    cum = _cumsum(count)  # inclusive
     num_items = cdiv(m, block_m) + min(g, m)
     w = jnp.arange(num_items, dtype=jnp.int32)
     # compare_all is one fusion; the default "scan" is a while loop (a host round trip per step).

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         metavar="DIR",
         help="trace 5 steps of every decode shape into DIR: rows gain kernels_per_step, and OUT gets "
-        "profile-decode-b{B}-ctx{ctx}.json (kernels per step part) for the smallest and largest batch",
+        "e2e-profile-b{B}-h200.json (kernels per step part) for batch 1 and 128 at ctx 4096",
     )
     args = ap.parse_args(argv)
     args.backend = args.backend or attention.default_backend_name()
@@ -200,7 +200,7 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
         breakdown["shape"] = dict(batch=B, ctx=ctx, backend=args.backend, gmm_impl=args.gmm)
         print({k: breakdown.get(k) for k in ("kernels_per_step", "busy_us_per_step", "parts")}, flush=True)
         if args.out and B in (1, 128) and ctx == 4096:
-            write_results(f"{args.out}/profile-decode-b{B}-ctx{ctx}.json", {**res_meta(res), **breakdown})
+            write_results(f"{args.out}/e2e-profile-b{B}-h200.json", {**res_meta(res), **breakdown})
     eng.cache = cache
     step_s = float(np.median(times))
     nbytes = weight_bytes(params, cfg, B) + B * ctx * row_bytes * cfg.num_hidden_layers
