@@ -21,11 +21,11 @@ import numpy as np
 
 from mla_jax import attention, model
 from mla_jax.bench.common import kernel_breakdown, measure_ceilings, results_header, write_results
-from mla_jax.cache import KVCache
+from mla_jax.cache import KVCache, init_kv_cache_for
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
 from mla_jax.engine import Engine, EngineConfig
 from mla_jax.metadata import ScheduledRequest, build_metadata
-from mla_jax.sampling import SamplingArrays
+from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.step import engine_step
 from pallas_kernels.util import cdiv
 
@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
             res["rows"].append(_decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, params))
         if first and not args.no_prefill:
             res["rows"].append(_prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params))
+        if first:
+            res["rows"] += [_engine_row(eng, cfg, B) for B in (1, 32) if B in batches]
         del eng
     _finish(args, res)
 
@@ -267,6 +269,44 @@ def _prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params):
         roofline_ms=round(roof * 1e3, 3),
         x_roofline=round(step_s / roof, 2),
         compile_s=round(compile_s, 1),
+    )
+    print(row, flush=True)
+    return row
+
+
+def _engine_row(eng, cfg, B, steps: int = 40) -> dict:
+    """`Engine.step()` at batch B (short prompts, greedy): wall per step and the host's share of it (the
+    scheduler, metadata and output handling outside the jitted step and its blocking token copy)."""
+    eng.cache = init_kv_cache_for(cfg, eng.config.num_pages, eng.config.page_size, dtype=eng.config.cache_dtype)
+    rng = np.random.default_rng(0)
+    for _ in range(B):
+        eng.add_request(rng.integers(0, cfg.vocab_size, 16).tolist(), SamplingParams(max_new_tokens=steps + 8))
+    while any(r.num_computed_tokens < 16 for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()  # the prefills
+    inner = eng._run
+    run_s = []
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        out = inner(*a, **k)
+        run_s.append(time.perf_counter() - t)
+        return out
+
+    eng._run = timed
+    eng.step()
+    run_s.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    wall = (time.perf_counter() - t0) / steps
+    eng._run = inner
+    eng.run()  # finish the requests
+    row = dict(
+        batch=B,
+        phase="engine",
+        step_ms=round(wall * 1e3, 3),
+        run_ms=round(float(np.mean(run_s)) * 1e3, 3),
+        host_ms=round((wall - float(np.mean(run_s))) * 1e3, 3),
     )
     print(row, flush=True)
     return row
