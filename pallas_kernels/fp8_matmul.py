@@ -24,7 +24,8 @@ Kernel: grid (N tiles, work items), one warpgroup per CTA; `plgpu.emit_pipeline`
 fp8 weight tile into a `stages`-deep ring; the weight scale (one float32 per K block, bn <= 128) is read
 from global memory while the wgmma runs. bm 64 (M <= 64) or 128; bn 128, or 64 when N % 128 == 64 (two
 N tiles share a scale block). Requires K % 128 == 0 and N % 64 == 0 (`unsupported_reason`); other
-shapes go to the plain-JAX path (`fp8_matmul_xla`, XLA dequantize + dot). M is padded to the row tile
+shapes go to the plain-JAX path (`fp8_matmul_xla`: the same activation quantization, XLA dequantize +
+float32 dot, so a model computes the same numbers on either path). M is padded to the row tile
 (activations only: cheap).
 
 References beside it: `fp8_matmul_reference` (dequantized weights x unquantized activations in float32:
@@ -61,6 +62,7 @@ __all__ = [
     "dequantize_weight_blocks",
     "unsupported_reason",
     "fp8_matmul",
+    "dequantize_act",
     "fp8_matmul_xla",
     "fp8_matmul_reference",
     "fp8_matmul_quantized_reference",
@@ -330,25 +332,33 @@ def fp8_grouped_matmul(x, w, w_scale_inv, group_sizes, *, rhs_index=None, interp
 # ---- plain-JAX paths and references ----
 
 
+def dequantize_act(xq, xs, block: int = BLOCK):
+    """e4m3 [M, K] x f32 scales [M, cdiv(K, block)] -> f32 [M, K]."""
+    return xq.astype(F32) * jnp.repeat(xs, block, axis=1)[:, : xq.shape[1]]
+
+
 def fp8_matmul_xla(x, w, w_scale_inv, *, out_dtype=None):
-    """The portable path (CPU, shapes the kernel does not take): dequantize to x's dtype, one XLA dot
-    with float32 accumulation. Activations are not quantized (weight-only fp8 numerics)."""
+    """The portable path (CPU, shapes the kernel does not take) with the kernel's numerics: x quantized per
+    token per 128 channels as the kernel does, both operands dequantized to float32, one XLA dot."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    wd = dequantize_weight_blocks(w, w_scale_inv, dtype=x.dtype)
-    return jnp.einsum("mk,nk->mn", x, wd, preferred_element_type=F32).astype(out_dtype)
+    xd = dequantize_act(*quantize_act(x))
+    wd = dequantize_weight_blocks(w, w_scale_inv)
+    return jnp.einsum("mk,nk->mn", xd, wd, preferred_element_type=F32).astype(out_dtype)
 
 
 def fp8_grouped_matmul_xla(x, w, w_scale_inv, group_sizes, *, rhs_index=None, out_dtype=None):
-    """Portable grouped path: dequantize the (layer's) experts, `lax.ragged_dot_general`."""
+    """Portable grouped path, the kernel's numerics: quantized activations, the (layer's) experts dequantized
+    to float32, `lax.ragged_dot_general`."""
     if rhs_index is not None:
         w = lax.dynamic_index_in_dim(w, rhs_index, keepdims=False)
         w_scale_inv = lax.dynamic_index_in_dim(w_scale_inv, rhs_index, keepdims=False)
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    wd = dequantize_weight_blocks(w, w_scale_inv, dtype=x.dtype)
+    xd = dequantize_act(*quantize_act(x))
+    wd = dequantize_weight_blocks(w, w_scale_inv)
     dn = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
     )
-    return lax.ragged_dot_general(x, wd, group_sizes, dn, preferred_element_type=F32).astype(out_dtype)
+    return lax.ragged_dot_general(xd, wd, group_sizes, dn, preferred_element_type=F32).astype(out_dtype)
 
 
 def fp8_matmul_reference(x, w, w_scale_inv):

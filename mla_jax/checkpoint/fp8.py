@@ -49,3 +49,73 @@ def dequantize_fp8_blocks(
 
 def has_fp8_nan(x: np.ndarray) -> bool:
     return bool(((np.asarray(x).view(np.uint8) & 0x7F) == 0x7F).any())  # e4m3fn's only non-finite codes
+
+
+# ---- keeping weights in fp8 at run time (`load_model(..., weights="fp8")`) ----
+
+WEIGHTS = ("bf16", "fp8")  # `weights=`: dequantized (the checkpoint's float dtype) or block-FP8 at run time
+
+# The linears that run in fp8 (DeepSeek-V3's quantized set, kv_b_proj excepted: it is split per head into
+# W_UK_T / W_UV across block boundaries, so it is always dequantized; the router, norms, embeddings, lm_head
+# and the V3.2 indexer's weights_proj stay in float).
+FP8_LINEARS = frozenset(
+    (
+        "q_proj",
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+)
+
+
+def check_weights(weights: str) -> str:
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    return weights
+
+
+def quantize_fp8_blocks(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[np.ndarray, np.ndarray]:
+    """float w [..., M, K] -> (e4m3 [..., M, K], f32 scale_inv [..., ceil(M/bm), ceil(K/bk)]): amax/448 per
+    block (DeepSeek-V3's format; `dequantize_fp8_blocks` inverts it up to e4m3 rounding)."""
+    from pallas_kernels.fp8_matmul import quantize_weight_blocks
+
+    q, s = quantize_weight_blocks(np.asarray(w, np.float32), block)
+    return np.asarray(q), np.asarray(s)
+
+
+def quantize_params(params, *, block: tuple[int, int] = (128, 128)):
+    """Block-quantize every `FP8_LINEARS` weight of a params pytree that is not fp8 yet -> (params, error):
+    {"weight": e4m3, "weight_scale_inv": f32} leaves, and error = {"max_rel": max |w_dq - w| / max |w| over
+    tensors, "rms_rel": sqrt(sum |w_dq - w|^2 / sum |w|^2) over all quantized weights, "tensors": count}."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.fp8_matmul import dequantize_weight_blocks, quantize_weight_blocks
+
+    stats = {"max_rel": 0.0, "err2": 0.0, "ref2": 0.0, "tensors": 0}
+
+    def walk(node, name):
+        if not isinstance(node, dict):
+            return node
+        if name in FP8_LINEARS and "weight" in node and "weight_scale_inv" not in node:
+            w = node["weight"]
+            q, s = quantize_weight_blocks(w, block)
+            d = dequantize_weight_blocks(q, s, block) - jnp.asarray(w, jnp.float32)
+            wf = jnp.asarray(w, jnp.float32)
+            stats["max_rel"] = max(stats["max_rel"], float(jnp.abs(d).max() / jnp.maximum(jnp.abs(wf).max(), 1e-30)))
+            stats["err2"] += float(jnp.sum(d * d))
+            stats["ref2"] += float(jnp.sum(wf * wf))
+            stats["tensors"] += 1
+            return {**node, "weight": q, "weight_scale_inv": s}
+        return {k: walk(v, k) for k, v in node.items()}
+
+    out = walk(params, "")
+    err = {
+        "max_rel": stats["max_rel"],
+        "rms_rel": float(np.sqrt(stats["err2"] / max(stats["ref2"], 1e-30))),
+        "tensors": stats["tensors"],
+    }
+    return out, err

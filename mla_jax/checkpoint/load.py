@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block
+from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, check_weights, dequantize_fp8_blocks, fp8_block, quantize_params
 from mla_jax.checkpoint.hf import CheckpointError
 from mla_jax.checkpoint.layout import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, get_path, is_router, set_path
 from mla_jax.checkpoint.params import load_hf_checkpoint
@@ -241,12 +241,26 @@ def load_checkpoint(
     return cfg, params
 
 
-def load_model(path: str, dtype: Any = None, mesh: jax.sharding.Mesh | None = None) -> tuple[DeepseekConfig, Params]:
+def load_model(
+    path: str, dtype: Any = None, mesh: jax.sharding.Mesh | None = None, *, weights: str = "bf16"
+) -> tuple[DeepseekConfig, Params]:
     """Load a converted mla-jax checkpoint or a Hugging Face checkpoint directory, optionally onto a
-    tensor-parallel `mesh` (see `load_checkpoint`)."""
+    tensor-parallel `mesh` (see `load_checkpoint`).
+
+    weights="fp8": the linears of `checkpoint.fp8.FP8_LINEARS` stay block-FP8 at run time ({"weight": e4m3,
+    "weight_scale_inv": f32}, run by the W8A8 GEMMs): an HF FP8 checkpoint's as stored (never dequantized),
+    float weights block-quantized as they are read; a converted checkpoint is restored, then quantized."""
     path = os.fspath(path)
+    check_weights(weights)
     if is_converted(path):
-        return load_checkpoint(path, dtype=dtype, mesh=mesh)
+        cfg, params = load_checkpoint(path, dtype=dtype, mesh=mesh)
+        if weights == "fp8":
+            params, _ = quantize_params(params)
+            if mesh is not None:
+                from mla_jax.sharding import shard_params
+
+                params = shard_params(params, cfg, mesh)
+        return cfg, params
     has_weights = os.path.isdir(path) and any(
         f == "model.safetensors.index.json" or (f.startswith("model") and f.endswith(".safetensors"))
         for f in os.listdir(path)
@@ -256,7 +270,9 @@ def load_model(path: str, dtype: Any = None, mesh: jax.sharding.Mesh | None = No
             f"{path}: neither a converted mla-jax checkpoint ({METADATA}) nor a Hugging Face "
             "checkpoint (config.json + model*.safetensors)"
         )
-    cfg, params = load_hf_checkpoint(path, dtype=None if dtype is None else jnp.dtype(weight_dtype(dtype)))
+    cfg, params = load_hf_checkpoint(
+        path, dtype=None if dtype is None else jnp.dtype(weight_dtype(dtype)), weights=weights
+    )
     if mesh is not None:
         from mla_jax.sharding import shard_params
 
