@@ -87,27 +87,35 @@ def quantize_fp8_blocks(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> t
     return np.asarray(q), np.asarray(s)
 
 
-def quantize_params(params, *, block: tuple[int, int] = (128, 128)):
-    """Block-quantize every `FP8_LINEARS` weight of a params pytree that is not fp8 yet -> (params, error):
-    {"weight": e4m3, "weight_scale_inv": f32} leaves, and error = {"max_rel": max |w_dq - w| / max |w| over
-    tensors, "rms_rel": sqrt(sum |w_dq - w|^2 / sum |w|^2) over all quantized weights, "tensors": count}."""
+def _quantize_one(w, block):
     import jax.numpy as jnp
 
     from pallas_kernels.fp8_matmul import dequantize_weight_blocks, quantize_weight_blocks
 
+    q, s = quantize_weight_blocks(w, block)
+    wf = jnp.asarray(w, jnp.float32)
+    d = dequantize_weight_blocks(q, s, block) - wf
+    return q, s, jnp.abs(d).max() / jnp.maximum(jnp.abs(wf).max(), 1e-30), jnp.sum(d * d), jnp.sum(wf * wf)
+
+
+def quantize_params(params, *, block: tuple[int, int] = (128, 128)):
+    """Block-quantize every `FP8_LINEARS` weight of a params pytree that is not fp8 yet -> (params, error):
+    {"weight": e4m3, "weight_scale_inv": f32} leaves, and error = {"max_rel": max over tensors of
+    max |w_dq - w| / max |w|, "rms_rel": sqrt(sum |w_dq - w|^2 / sum |w|^2) over all quantized weights,
+    "tensors": count}."""
+    import jax
+
+    quantize = jax.jit(_quantize_one, static_argnums=1)
     stats = {"max_rel": 0.0, "err2": 0.0, "ref2": 0.0, "tensors": 0}
 
     def walk(node, name):
         if not isinstance(node, dict):
             return node
         if name in FP8_LINEARS and "weight" in node and "weight_scale_inv" not in node:
-            w = node["weight"]
-            q, s = quantize_weight_blocks(w, block)
-            d = dequantize_weight_blocks(q, s, block) - jnp.asarray(w, jnp.float32)
-            wf = jnp.asarray(w, jnp.float32)
-            stats["max_rel"] = max(stats["max_rel"], float(jnp.abs(d).max() / jnp.maximum(jnp.abs(wf).max(), 1e-30)))
-            stats["err2"] += float(jnp.sum(d * d))
-            stats["ref2"] += float(jnp.sum(wf * wf))
+            q, s, max_rel, err2, ref2 = quantize(node["weight"], tuple(block))
+            stats["max_rel"] = max(stats["max_rel"], float(max_rel))
+            stats["err2"] += float(err2)
+            stats["ref2"] += float(ref2)
             stats["tensors"] += 1
             return {**node, "weight": q, "weight_scale_inv": s}
         return {k: walk(v, k) for k, v in node.items()}
