@@ -99,11 +99,10 @@ def test_linear_dispatch_on_cpu():
 def test_bf16_checkpoint_quantized_at_load():
     """A float checkpoint is block-quantized as it is read (the same quantizer as `quantize_params`)."""
     _, p8 = load_model(BF16_FIXTURE, weights="fp8")
-    _, pf = load_model(BF16_FIXTURE, dtype="fp32")
     w = p8["model"]["dense_layers"]["mlp"]["gate_proj"]
     assert w["weight"].dtype == jnp.float8_e4m3fn and w["weight_scale_inv"].dtype == jnp.float32
-    wd = F.dequantize_weight_blocks(w["weight"], w["weight_scale_inv"])
-    ref = pf["model"]["dense_layers"]["mlp"]["gate_proj"]["weight"]
+    wd = F.dequantize_weight_blocks(w["weight"][0], w["weight_scale_inv"][0])
+    ref = jnp.asarray(CheckpointDir(BF16_FIXTURE).get("model.layers.0.mlp.gate_proj.weight"), jnp.float32)
     assert float(jnp.abs(wd - ref).max()) <= float(jnp.abs(ref).max()) * 2.0**-4
     with pytest.raises(ValueError, match="weights must be one of"):
         load_model(BF16_FIXTURE, weights="int4")
@@ -135,3 +134,13 @@ def test_demo_model_fp8_validation_loss():
     (loss, lg), (loss8, lg8) = nll(p), nll(p8)
     assert abs(loss8 - loss) <= 0.06, (loss, loss8)
     assert _rms(lg8 - lg) / _rms(lg) <= 0.08
+
+
+def test_numpy_quantizer_matches_device_quantizer():
+    from mla_jax.checkpoint.fp8 import quantize_fp8_blocks
+
+    w = np.random.default_rng(5).standard_normal((2, 200, 300)).astype(np.float32)
+    q, s = quantize_fp8_blocks(w)
+    qj, sj = F.quantize_weight_blocks(jnp.asarray(w))
+    np.testing.assert_array_equal(q.view(np.uint8), np.asarray(qj).view(np.uint8))
+    np.testing.assert_allclose(s, np.asarray(sj), rtol=1e-6)
