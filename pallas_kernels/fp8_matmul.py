@@ -19,14 +19,15 @@ Two entry points share one kernel body:
   rows); rows past sum(group_sizes) come out exactly 0, and padding items skip their K loop.
 The dense GEMM is the grouped one with a single group (its work list is the row tiles).
 
-Kernel: grid (N tiles, work items), one warpgroup per CTA; `plgpu.emit_pipeline` TMAs, per K block, the
+Kernel: grid (N tiles, work items, K splits), one warpgroup per CTA; `plgpu.emit_pipeline` TMAs, per K block, the
 [bm, 128] fp8 activation tile, its [bm] scales (from the transposed scales [Kb, M]) and the [bn, 128]
 fp8 weight tile into a `stages`-deep ring; the weight scale (one float32 per K block, bn <= 128) is read
 from global memory while the wgmma runs. bm 64 (M <= 64) or 128; bn 128, or 64 when N % 128 == 64 (two
-N tiles share a scale block). Requires K % 128 == 0 and N % 64 == 0 (`unsupported_reason`); other
-shapes go to the plain-JAX path (`fp8_matmul_xla`: the same activation quantization, XLA dequantize +
-float32 dot, so a model computes the same numbers on either path). M is padded to the row tile
-(activations only: cheap).
+N tiles share a scale block). Few-row problems split K over a third grid axis (`default_k_splits`:
+float32 partials summed by XLA) so that enough CTAs stream the weights. Requires K % 128 == 0 and
+N % 64 == 0 (`unsupported_reason`); other shapes go to the plain-JAX path (`fp8_matmul_xla`: the same
+activation quantization, XLA dequantize + float32 dot, so a model computes the same numbers on either
+path). M is padded to the row tile (activations only: cheap).
 
 References beside it: `fp8_matmul_reference` (dequantized weights x unquantized activations in float32:
 what the fp8 model approximates) and `fp8_matmul_quantized_reference` (the kernel's exact math: the same
@@ -48,7 +49,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_matmul import work_items
 from pallas_kernels.mgpu import interpret_params, static_interpret, tiled
-from pallas_kernels.util import BF16, F32, FP8, cdiv
+from pallas_kernels.util import BF16, F32, FP8, cdiv, num_sms
 
 BLOCK = 128  # quantization block: DeepSeek-V3's weight_block_size, and the kernel's K step
 FP8_MAX = 448.0  # largest finite e4m3fn
@@ -61,6 +62,7 @@ __all__ = [
     "quantize_weight_blocks",
     "dequantize_weight_blocks",
     "unsupported_reason",
+    "default_k_splits",
     "fp8_matmul",
     "dequantize_act",
     "fp8_matmul_xla",
@@ -162,7 +164,7 @@ def _kernel(
     as_gmem,  # f32 [Kb, Mp] (activation scales, transposed: a row tile's scales per K block are contiguous)
     b_gmem,  # e4m3 [Lyr, G, N, K]
     bs_gmem,  # f32 [Lyr * G * Nb, Kb]
-    out_gmem,  # [M, N]
+    out_gmem,  # [S, M, N] (S K splits; S == 1: out_dtype, else float32 partials)
     *,
     m: int,
     num_groups: int,
@@ -171,10 +173,13 @@ def _kernel(
     kb: int,
     nb: int,
     stages: int,
+    steps: int,
     interpret: bool,
 ):
     j = lax.axis_index("n")
     i = lax.axis_index("w")
+    split = lax.axis_index("s")
+    k0 = split * steps  # this split's first K block
     tile, lo, hi, grp = tile_ref[i], lo_ref[i], hi_ref[i], grp_ref[i]
     layer = layer_ref[0]
     g = jnp.minimum(grp, num_groups - 1)
@@ -185,8 +190,7 @@ def _kernel(
     s_row = (layer * num_groups + g) * nb + (j * bn) // BLOCK  # this N tile's weight-scale row
 
     def step(idx, a_smem, as_smem, b_smem, total):
-        (kk,) = idx
-        sb = bs_gmem[s_row, kk]  # scalar load, issued before the wgmma's result is read
+        sb = bs_gmem[s_row, k0 + idx[0]]  # scalar load, issued before the wgmma's result is read
 
         def mm(acc_ref):
             plgpu.wgmma(acc_ref, a_smem, b_smem.T)  # fp8 x fp8: both operands K-major
@@ -198,11 +202,11 @@ def _kernel(
 
     pipeline = plgpu.emit_pipeline(
         step,
-        grid=(kb,),
+        grid=(steps,),
         in_specs=[
-            plgpu.BlockSpec((bm, BLOCK), lambda kk: (tile, kk), transforms=tiled(FP8)),
-            plgpu.BlockSpec((1, bm), lambda kk: (kk, tile)),
-            plgpu.BlockSpec((bn, BLOCK), lambda kk: (j, kk), transforms=tiled(FP8)),
+            plgpu.BlockSpec((bm, BLOCK), lambda kk: (tile, k0 + kk), transforms=tiled(FP8)),
+            plgpu.BlockSpec((1, bm), lambda kk: (k0 + kk, tile)),
+            plgpu.BlockSpec((bn, BLOCK), lambda kk: (j, k0 + kk), transforms=tiled(FP8)),
         ],
         max_concurrent_steps=stages,
         init_carry=plgpu.layout_cast(jnp.zeros((bm, bn), F32), plgpu.Layout.WGMMA),
@@ -227,7 +231,7 @@ def _kernel(
             @pl.when(size & width != 0)
             def _(off=off, width=width):
                 plgpu.copy_smem_to_gmem(
-                    o_smem.at[pl.ds(off, width)], out_gmem.at[pl.ds(row0 + off, width), pl.ds(j * bn, bn)]
+                    o_smem.at[pl.ds(off, width)], out_gmem.at[split, pl.ds(row0 + off, width), pl.ds(j * bn, bn)]
                 )
 
             off = off + (size & width)
@@ -238,8 +242,8 @@ def _kernel(
     del m
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "stages", "out_dtype"))
-def _impl(xq, xs, w, ws, group_sizes, layer, *, interpret, stages, out_dtype):
+@functools.partial(jax.jit, static_argnames=("interpret", "stages", "splits", "out_dtype"))
+def _impl(xq, xs, w, ws, group_sizes, layer, *, interpret, stages, splits, out_dtype):
     """xq e4m3 [M, K], xs f32 [M, Kb], w e4m3 [Lyr, G, N, K], ws f32 [Lyr, G, Nb, Kb], layer i32[1]."""
     m, k = xq.shape
     lyr, g, n, _ = w.shape
@@ -258,24 +262,49 @@ def _impl(xq, xs, w, ws, group_sizes, layer, *, interpret, stages, out_dtype):
             bn=bn,
             kb=kb,
             nb=nb,
-            stages=stages,
+            stages=min(stages, kb // splits),
+            steps=kb // splits,
             interpret=bool(interpret),
         ),
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(n // bn, tile.shape[0]),
-        grid_names=("n", "w"),
+        out_type=jax.ShapeDtypeStruct((splits, m, n), out_dtype if splits == 1 else F32),
+        grid=(n // bn, tile.shape[0], splits),
+        grid_names=("n", "w", "s"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret_params(interpret),
-        kernel_name=f"fp8_matmul_bm{bm}_bn{bn}_s{stages}",
+        kernel_name=f"fp8_matmul_bm{bm}_bn{bn}_st{stages}_ks{splits}",
     )
-    return kernel(tile, lo, hi, grp, layer, xq, xs_t, w, ws.reshape(lyr * g * nb, kb))
+    out = kernel(tile, lo, hi, grp, layer, xq, xs_t, w, ws.reshape(lyr * g * nb, kb))
+    return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(out_dtype)
 
 
 def _stages(kb: int) -> int:
     return max(1, min(4, kb))
 
 
-def _run(x, w4, s4, group_sizes, layer, interpret, out_dtype):
+def default_k_splits(m: int, n: int, k: int, g: int = 1, sms: int | None = None) -> int:
+    """K splits for few-row (weight-bandwidth-bound) problems: with one row tile per group, the N tiles alone
+    (N/128 CTAs: 12 for V3's q_a_proj) cannot pull HBM bandwidth; split K (a divisor of K/128, at most 8)
+    until about 2 CTAs per SM. float32 partials [S, M, N] are summed by XLA (cheap when M is small)."""
+    bm, bn = _tiles(m, n)
+    if m > bm * 2:
+        return 1
+    sms = num_sms() if sms is None else sms
+    ctas = (n // bn) * min(g, m)  # best case: every row in its own group's tile
+    kb = k // BLOCK
+    splits = 1
+    for s in range(2, 9):
+        if kb % s == 0 and kb // s >= 4 and ctas * s <= 2 * sms:
+            splits = s
+    return splits
+
+
+def _run(x, w4, s4, group_sizes, layer, interpret, out_dtype, k_splits):
+    m, k = x.shape
+    kb = k // BLOCK
+    if k_splits is None:
+        k_splits = default_k_splits(m, w4.shape[-2], k, w4.shape[1])
+    if not (isinstance(k_splits, int) and k_splits >= 1 and kb % k_splits == 0):
+        raise ValueError(f"k_splits={k_splits!r} must be a positive divisor of K/128={kb}")
     xq, xs = quantize_act(x)
     return _impl(
         xq,
@@ -285,26 +314,31 @@ def _run(x, w4, s4, group_sizes, layer, interpret, out_dtype):
         group_sizes,
         layer,
         interpret=static_interpret(interpret),
-        stages=_stages(x.shape[1] // BLOCK),
+        stages=_stages(kb),
+        splits=k_splits,
         out_dtype=jnp.dtype(out_dtype).name,
     )
 
 
-def fp8_matmul(x, w, w_scale_inv, *, interpret=False, out_dtype=BF16):
+def fp8_matmul(x, w, w_scale_inv, *, interpret=False, out_dtype=BF16, k_splits=None):
     """x [M, K] (bf16/f32) @ dequant(w)[N, K]^T -> out_dtype [M, N], W8A8 with x quantized per token per
     128 channels (see the module docstring). w e4m3 [N, K], w_scale_inv f32 [cdiv(N,128), cdiv(K,128)].
     Shapes the kernel does not take (`unsupported_reason`) raise; `fp8_matmul_xla` takes any.
-    interpret: the Mosaic GPU interpreter (CPU tests): True or a `plgpu.InterpretGPUParams`."""
+    interpret: the Mosaic GPU interpreter (CPU tests): True or a `plgpu.InterpretGPUParams`.
+    k_splits: K split into float32 partials (a divisor of K/128; None: `default_k_splits`)."""
     _check_weight(w, w_scale_inv)
     n, k = w.shape
     _check_x(x, k)
     if (why := unsupported_reason(n, k)) is not None:
         raise ValueError(f"fp8_matmul: {why}; use fp8_matmul_xla")
     sizes = jnp.full((1,), x.shape[0], jnp.int32)
-    return _run(x, w[None, None], w_scale_inv[None, None], sizes, jnp.zeros((1,), jnp.int32), interpret, out_dtype)
+    layer = jnp.zeros((1,), jnp.int32)
+    return _run(x, w[None, None], w_scale_inv[None, None], sizes, layer, interpret, out_dtype, k_splits)
 
 
-def fp8_grouped_matmul(x, w, w_scale_inv, group_sizes, *, rhs_index=None, interpret=False, out_dtype=BF16):
+def fp8_grouped_matmul(
+    x, w, w_scale_inv, group_sizes, *, rhs_index=None, interpret=False, out_dtype=BF16, k_splits=None
+):
     """Routed experts: out[r] = x[r] @ dequant(w[g(r)])^T for the rows r of group g(r) (rows sorted by
     group, group_sizes i32[G], sum <= M); rows >= sum(group_sizes) come out exactly 0.
 
@@ -326,7 +360,7 @@ def fp8_grouped_matmul(x, w, w_scale_inv, group_sizes, *, rhs_index=None, interp
         layer = jnp.clip(jnp.asarray(rhs_index, jnp.int32), 0, w.shape[0] - 1).reshape(1)
     else:
         w, w_scale_inv, layer = w[None], w_scale_inv[None], jnp.zeros((1,), jnp.int32)
-    return _run(x, w, w_scale_inv, group_sizes, layer, interpret, out_dtype)
+    return _run(x, w, w_scale_inv, group_sizes, layer, interpret, out_dtype, k_splits)
 
 
 # ---- plain-JAX paths and references ----

@@ -91,15 +91,16 @@ def test_xla_paths_match_references():
 
 
 @pytest.mark.parametrize(
-    "m, n, k, out_dtype",
-    [(1, 128, 256, jnp.bfloat16), (130, 192, 384, jnp.float32)],
+    "m, n, k, out_dtype, k_splits",
+    [(1, 128, 512, jnp.bfloat16, 2), (130, 192, 384, jnp.float32, None)],
 )
-def test_dense_interpret(m, n, k, out_dtype):
-    """bm 64 / 128 (two row tiles, the second partial), bn 128 / 64 (N tiles sharing a scale block)."""
+def test_dense_interpret(m, n, k, out_dtype, k_splits):
+    """bm 64 / 128 (two row tiles, the second partial), bn 128 / 64 (N tiles sharing a scale block), K split
+    in two (float32 partials: each split must start at its own K block)."""
     rng = np.random.default_rng(m + n + k)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     wq, ws = _weights(rng, (n, k))
-    out = run_interpreted(F.fp8_matmul, x, jnp.asarray(wq), jnp.asarray(ws), out_dtype=out_dtype)
+    out = run_interpreted(F.fp8_matmul, x, jnp.asarray(wq), jnp.asarray(ws), out_dtype=out_dtype, k_splits=k_splits)
     assert out.shape == (m, n) and out.dtype == out_dtype
     _close(out, F.fp8_matmul_quantized_reference(x, wq, ws), 1e-5 if out_dtype == jnp.float32 else 2.0**-8)
     _close(out, F.fp8_matmul_reference(x, wq, ws), 0.04)
@@ -128,7 +129,7 @@ def test_grouped_interpret_stacked_in_place():
 # ---- the sm_90 lowering (CPU) ----
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 576, 7168), (4096, 7168, 2048), (100, 2048, 512)])
+@pytest.mark.parametrize("m, n, k", [(1, 576, 7168), (4096, 7168, 2048), (100, 2048, 512), (1, 1536, 7168)])
 def test_dense_lowers_for_sm90(m, n, k):
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn)
@@ -159,6 +160,14 @@ def test_bad_inputs_raise(shape_w, shape_s, dtype, match):
     x = jnp.zeros((4, shape_w[1]), jnp.bfloat16)
     with pytest.raises(ValueError, match=match):
         F.fp8_matmul(x, jnp.zeros(shape_w, dtype), jnp.ones(shape_s, jnp.float32))
+
+
+def test_default_k_splits():
+    assert F.default_k_splits(1, 1536, 7168, sms=132) == 8  # 12 N tiles: split K
+    assert F.default_k_splits(4096, 7168, 7168, sms=132) == 1  # many row tiles: no split
+    assert F.default_k_splits(8, 2048, 7168, g=32, sms=132) == 2
+    with pytest.raises(ValueError, match="k_splits"):
+        F.fp8_matmul(jnp.zeros((4, 384), jnp.bfloat16), *F.quantize_weight_blocks(jnp.ones((128, 384))), k_splits=2)
 
 
 def test_unsupported_reason():
