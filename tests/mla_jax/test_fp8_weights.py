@@ -144,3 +144,35 @@ def test_numpy_quantizer_matches_device_quantizer():
     qj, sj = F.quantize_weight_blocks(jnp.asarray(w))
     np.testing.assert_array_equal(q.view(np.uint8), np.asarray(qj).view(np.uint8))
     np.testing.assert_allclose(s, np.asarray(sj), rtol=1e-6)
+
+
+@pytest.mark.parametrize("src", [BF16_FIXTURE, FP8_FIXTURE])
+def test_convert_weights_fp8_round_trip(src, tmp_path):
+    """`convert --weights fp8` stores the FP8_LINEARS as e4m3 + scale (a float source block-quantized, its error
+    reported and recorded), and `load_model(..., weights="fp8")` restores exactly what the HF path keeps."""
+    import io
+    import json
+
+    from mla_jax.checkpoint import convert
+    from mla_jax.checkpoint.layout import METADATA
+
+    log = io.StringIO()
+    out = str(tmp_path / "ck")
+    convert(src, out, weights="fp8", log=log, progress=False)
+    with open(os.path.join(out, METADATA)) as f:
+        meta = json.load(f)
+    assert meta["weights"] == "fp8"
+    if src == BF16_FIXTURE:
+        q = meta["fp8_quantization"]
+        assert q["tensors"] > 0 and 0 < q["rms_rel"] <= 0.035 and q["max_rel"] <= 2.0**-4
+        assert "block-quantized" in log.getvalue()
+    else:
+        assert "fp8_quantization" not in meta  # stored as is, nothing quantized
+    _, got = load_model(out, weights="fp8")
+    _, want = load_model(src, weights="fp8")
+    g, w = _fp8_leaves(got), _fp8_leaves(want)
+    assert set(g) == set(w)
+    for k in w:
+        if w[k].dtype == jnp.float8_e4m3fn or k.endswith("scale_inv']"):
+            assert g[k].dtype == w[k].dtype, k
+            np.testing.assert_array_equal(np.asarray(g[k]).view(np.uint8), np.asarray(w[k]).view(np.uint8), k)
