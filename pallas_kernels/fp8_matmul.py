@@ -19,15 +19,15 @@ Two entry points share one kernel body:
   rows); rows past sum(group_sizes) come out exactly 0, and padding items skip their K loop.
 The dense GEMM is the grouped one with a single group (its work list is the row tiles).
 
-Kernel: grid (N tiles, work items, K splits), one warpgroup per CTA; `plgpu.emit_pipeline` TMAs, per K block, the
-[bm, 128] fp8 activation tile, its [bm] scales (from the transposed scales [Kb, M]) and the [bn, 128]
-fp8 weight tile into a `stages`-deep ring; the weight scale (one float32 per K block, bn <= 128) is read
-from global memory while the wgmma runs. bm 64 (M <= 64) or 128; bn 128, or 64 when N % 128 == 64 (two
-N tiles share a scale block). Few-row problems split K over a third grid axis (`default_k_splits`:
-float32 partials summed by XLA) so that enough CTAs stream the weights. Requires K % 128 == 0 and
-N % 64 == 0 (`unsupported_reason`); other shapes go to the plain-JAX path (`fp8_matmul_xla`: the same
-activation quantization, XLA dequantize + float32 dot, so a model computes the same numbers on either
-path). M is padded to the row tile (activations only: cheap).
+Kernel: grid (N tiles, work items, K splits), one warpgroup per CTA; `plgpu.emit_pipeline` TMAs, per K
+block, the [bm, 128] fp8 activation tile, its [bm] scales (from the transposed scales [Kb, M]) and the
+[bn, 128] fp8 weight tile into a `stages`-deep ring (`default_stages`: two CTAs per SM); the weight scale
+(one float32 per K block, bn <= 128) is read from global memory while the wgmma runs. bm 64 (M <= 64) or
+128; bn 128, or 64 when N % 128 == 64 (two N tiles share a scale block). Few-row problems split K over the
+third grid axis (`default_k_splits`: float32 partials summed by XLA) so that enough CTAs stream the
+weights. Requires K % 128 == 0 and N % 64 == 0 (`unsupported_reason`); other shapes go to the plain-JAX
+path (`fp8_matmul_xla`: the same activation quantization, XLA dequantize + float32 dot, so a model
+computes the same numbers on either path). M is padded to the row tile (activations only: cheap).
 
 References beside it: `fp8_matmul_reference` (dequantized weights x unquantized activations in float32:
 what the fp8 model approximates) and `fp8_matmul_quantized_reference` (the kernel's exact math: the same
@@ -63,6 +63,7 @@ __all__ = [
     "dequantize_weight_blocks",
     "unsupported_reason",
     "default_k_splits",
+    "default_stages",
     "fp8_matmul",
     "dequantize_act",
     "fp8_matmul_xla",
@@ -195,6 +196,7 @@ def _kernel(
         def mm(acc_ref):
             plgpu.wgmma(acc_ref, a_smem, b_smem.T)  # fp8 x fp8: both operands K-major
             sa = plgpu.load(as_smem.at[0], (), layout=_ROW)  # [bm] activation scales of this K block
+            plgpu.commit_smem()  # order that generic-proxy read before the pipeline's next TMA into the slot
             part = acc_ref[...]  # waits for the wgmma
             return part * lax.broadcast_in_dim(sa * sb, part.shape, [0])
 
@@ -277,8 +279,12 @@ def _impl(xq, xs, w, ws, group_sizes, layer, *, interpret, stages, splits, out_d
     return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(out_dtype)
 
 
-def _stages(kb: int) -> int:
-    return max(1, min(4, kb))
+def default_stages(m: int) -> int:
+    """Ring depth (untuned; bench/fp8_gemm.py --stages sweeps it): sized so that two CTAs fit one SM's 227 KB
+    of shared memory, so one CTA's wgmmas overlap the other's promotion and epilogue (DeepGEMM gets that
+    from two math warpgroups). bm 128: 2 x 32.5 KB + 32 KB bf16 staging = 97 KB; bm 64 (decode, weight
+    streaming wants loads in flight): 3 x 24.5 KB + 32 KB float32 staging = 106 KB."""
+    return 3 if _tiles(m, 128)[0] == 64 else 2
 
 
 def default_k_splits(m: int, n: int, k: int, g: int = 1, sms: int | None = None) -> int:
@@ -298,13 +304,16 @@ def default_k_splits(m: int, n: int, k: int, g: int = 1, sms: int | None = None)
     return splits
 
 
-def _run(x, w4, s4, group_sizes, layer, interpret, out_dtype, k_splits):
+def _run(x, w4, s4, group_sizes, layer, interpret, out_dtype, k_splits, stages):
     m, k = x.shape
     kb = k // BLOCK
     if k_splits is None:
         k_splits = default_k_splits(m, w4.shape[-2], k, w4.shape[1])
     if not (isinstance(k_splits, int) and k_splits >= 1 and kb % k_splits == 0):
         raise ValueError(f"k_splits={k_splits!r} must be a positive divisor of K/128={kb}")
+    stages = default_stages(m) if stages is None else stages
+    if not (isinstance(stages, int) and 1 <= stages <= 8):
+        raise ValueError(f"stages={stages!r} must be an int in [1, 8]")
     xq, xs = quantize_act(x)
     return _impl(
         xq,
@@ -314,18 +323,19 @@ def _run(x, w4, s4, group_sizes, layer, interpret, out_dtype, k_splits):
         group_sizes,
         layer,
         interpret=static_interpret(interpret),
-        stages=_stages(kb),
+        stages=stages,
         splits=k_splits,
         out_dtype=jnp.dtype(out_dtype).name,
     )
 
 
-def fp8_matmul(x, w, w_scale_inv, *, interpret=False, out_dtype=BF16, k_splits=None):
+def fp8_matmul(x, w, w_scale_inv, *, interpret=False, out_dtype=BF16, k_splits=None, stages=None):
     """x [M, K] (bf16/f32) @ dequant(w)[N, K]^T -> out_dtype [M, N], W8A8 with x quantized per token per
     128 channels (see the module docstring). w e4m3 [N, K], w_scale_inv f32 [cdiv(N,128), cdiv(K,128)].
     Shapes the kernel does not take (`unsupported_reason`) raise; `fp8_matmul_xla` takes any.
     interpret: the Mosaic GPU interpreter (CPU tests): True or a `plgpu.InterpretGPUParams`.
-    k_splits: K split into float32 partials (a divisor of K/128; None: `default_k_splits`)."""
+    k_splits: K split into float32 partials (a divisor of K/128; None: `default_k_splits`); stages: TMA ring
+    depth (None: `default_stages`)."""
     _check_weight(w, w_scale_inv)
     n, k = w.shape
     _check_x(x, k)
@@ -333,11 +343,20 @@ def fp8_matmul(x, w, w_scale_inv, *, interpret=False, out_dtype=BF16, k_splits=N
         raise ValueError(f"fp8_matmul: {why}; use fp8_matmul_xla")
     sizes = jnp.full((1,), x.shape[0], jnp.int32)
     layer = jnp.zeros((1,), jnp.int32)
-    return _run(x, w[None, None], w_scale_inv[None, None], sizes, layer, interpret, out_dtype, k_splits)
+    return _run(x, w[None, None], w_scale_inv[None, None], sizes, layer, interpret, out_dtype, k_splits, stages)
 
 
 def fp8_grouped_matmul(
-    x, w, w_scale_inv, group_sizes, *, rhs_index=None, interpret=False, out_dtype=BF16, k_splits=None
+    x,
+    w,
+    w_scale_inv,
+    group_sizes,
+    *,
+    rhs_index=None,
+    interpret=False,
+    out_dtype=BF16,
+    k_splits=None,
+    stages=None,
 ):
     """Routed experts: out[r] = x[r] @ dequant(w[g(r)])^T for the rows r of group g(r) (rows sorted by
     group, group_sizes i32[G], sum <= M); rows >= sum(group_sizes) come out exactly 0.
@@ -360,7 +379,7 @@ def fp8_grouped_matmul(
         layer = jnp.clip(jnp.asarray(rhs_index, jnp.int32), 0, w.shape[0] - 1).reshape(1)
     else:
         w, w_scale_inv, layer = w[None], w_scale_inv[None], jnp.zeros((1,), jnp.int32)
-    return _run(x, w, w_scale_inv, group_sizes, layer, interpret, out_dtype, k_splits)
+    return _run(x, w, w_scale_inv, group_sizes, layer, interpret, out_dtype, k_splits, stages)
 
 
 # ---- plain-JAX paths and references ----

@@ -129,12 +129,15 @@ def test_grouped_interpret_stacked_in_place():
 # ---- the sm_90 lowering (CPU) ----
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 576, 7168), (4096, 7168, 2048), (100, 2048, 512), (1, 1536, 7168)])
-def test_dense_lowers_for_sm90(m, n, k):
+@pytest.mark.parametrize(
+    "m, n, k, stages", [(1, 576, 7168, None), (4096, 7168, 2048, None), (100, 2048, 512, 4), (1, 1536, 7168, None)]
+)
+def test_dense_lowers_for_sm90(m, n, k, stages):
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn)
     s = jax.ShapeDtypeStruct((F.cdiv(n, 128), k // 128), jnp.float32)
-    assert "mosaic_gpu" in jax.jit(F.fp8_matmul).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
+    f = jax.jit(lambda x, w, s: F.fp8_matmul(x, w, s, stages=stages))
+    assert "mosaic_gpu" in f.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_grouped_lowers_for_sm90():
