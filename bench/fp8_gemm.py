@@ -14,7 +14,8 @@ impl per row:
   kernel), the bf16 path the model runs;
 - "xla_fp8": dense only: XLA's fp8 dot (e4m3 x e4m3 -> bf16, one scale per tensor: cuBLASLt fp8 GEMM), the
   fastest fp8 XLA offers, though without DeepSeek's block scales (a speed reference, not the same numerics);
-- "fp8_xla": shapes the kernel does not take: `fp8_matmul_xla` (dequantize + dot).
+- "fp8_xla": shapes the kernel does not take: `fp8_matmul_xla` (dequantize + dot);
+- "fp8_st{n}" (with --stages n,..): the kernel at ring depth n instead of `default_stages`.
 Before timing, each fp8 shape is checked against `fp8_matmul_xla` (the same numerics in XLA): exit 1 on a
 mismatch (rows get check_rel_err).
 
@@ -119,7 +120,12 @@ def _check(name, out, ref):
     return good, rel
 
 
-def bench_dense(shapes, ms, ceil, rows, smoke, deadline):
+def _sweep_fns(stages, make):
+    """{impl: jitted fn} of the --stages variants ("fp8_st{n}")."""
+    return {f"fp8_st{n}": jax.jit(make(n)) for n in stages}
+
+
+def bench_dense(shapes, ms, ceil, rows, smoke, deadline, stages=()):
     ok = True
     interp = smoke
     for model, name, n, k in shapes:
@@ -132,6 +138,7 @@ def bench_dense(shapes, ms, ceil, rows, smoke, deadline):
         kernel_ok = F.unsupported_reason(n, k) is None
         fp8_fn = jax.jit(lambda x, w, s: F.fp8_matmul(x, w, s, interpret=interp))
         fp8_xla = jax.jit(lambda x, w, s: F.fp8_matmul_xla(x, w, s))
+        sweep = _sweep_fns(stages, lambda st: lambda x, w, s: F.fp8_matmul(x, w, s, interpret=interp, stages=st))
         bf16_fn = jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, w))
         xla8 = jax.jit(
             lambda x, w: jax.lax.dot_general(
@@ -142,7 +149,7 @@ def bench_dense(shapes, ms, ceil, rows, smoke, deadline):
             xs = [jax.random.normal(jax.random.key(m + s), (m, k), jnp.bfloat16) for s in range(sets)]
             base = dict(model=model, name=name, kind="dense", m=m, n=n, k=k, g=0, ceil=ceil, wbytes=wbytes)
             results = {}
-            for impl in ("bf16", "fp8" if kernel_ok else "fp8_xla", "xla_fp8"):
+            for impl in ("bf16", "fp8" if kernel_ok else "fp8_xla", "xla_fp8", *(sweep if kernel_ok else ())):
                 if impl == "xla_fp8" and smoke:
                     continue
                 try:
@@ -151,7 +158,7 @@ def bench_dense(shapes, ms, ceil, rows, smoke, deadline):
                     elif impl == "xla_fp8":
                         fn, args = xla8, [(x, w[1]) for x, w in zip(xs, ws_)]
                     else:
-                        fn = fp8_fn if impl == "fp8" else fp8_xla
+                        fn = {"fp8": fp8_fn, "fp8_xla": fp8_xla, **sweep}[impl]
                         args = [(x, w[1], w[2]) for x, w in zip(xs, ws_)]
                     extra = {}
                     if impl == "fp8" and m in (ms[0], ms[-1]):
@@ -181,7 +188,7 @@ def _speedups(rows, results):
             r["speedup_vs_bf16"] = 1.0
 
 
-def bench_grouped(shapes, ms, ceil, rows, smoke, deadline):
+def bench_grouped(shapes, ms, ceil, rows, smoke, deadline, stages=()):
     ok = True
     interp = smoke
     for model, name, g, n, k in shapes:
@@ -192,6 +199,9 @@ def bench_grouped(shapes, ms, ceil, rows, smoke, deadline):
         fp8_fn = jax.jit(lambda x, w, s, gs: F.fp8_grouped_matmul(x, w, s, gs, interpret=interp))
         fp8_xla = jax.jit(lambda x, w, s, gs: F.fp8_grouped_matmul_xla(x, w, s, gs))
         bf16_fn = jax.jit(lambda x, w, gs: gm.grouped_matmul(x, w, gs, interpret=interp))
+        sweep = _sweep_fns(
+            stages, lambda st: lambda x, w, s, gs: F.fp8_grouped_matmul(x, w, s, gs, interpret=interp, stages=st)
+        )
         for m in ms:
             rng = np.random.default_rng(m)
             gs = jnp.asarray(rng.multinomial(m, np.ones(g) / g).astype(np.int32))
@@ -199,12 +209,12 @@ def bench_grouped(shapes, ms, ceil, rows, smoke, deadline):
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             base = dict(model=model, name=name, kind="grouped", m=m, n=n, k=k, g=g, ceil=ceil, wbytes=hit * n * k)
             results = {}
-            for impl in ("bf16", "fp8"):
+            for impl in ("bf16", "fp8", *sweep):
                 try:
                     if impl == "bf16":
                         fn, args = bf16_fn, [(x, w16, gs)]
                     else:
-                        fn, args = fp8_fn, [(x, wq, ws, gs)]
+                        fn, args = {"fp8": fp8_fn, **sweep}[impl], [(x, wq, ws, gs)]
                     extra = {"experts_hit": hit}
                     if impl == "fp8" and m in (ms[0], ms[-1]):
                         good, rel = _check(f"{model} {name} M={m}", fn(*args[0]), fp8_xla(*args[0]))
@@ -228,6 +238,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, Mosaic GPU interpreter (CPU check)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="no new shape starts after this")
     ap.add_argument("--ms", type=str, default=None, help="comma-separated M values (default 1..16384)")
+    ap.add_argument("--stages", type=str, default="", help="also time these ring depths, e.g. 2,3,4 (fp8_st{n})")
     args = ap.parse_args()
     if args.smoke:
         os.environ.setdefault("NPROC", "8")
@@ -238,8 +249,9 @@ def main():
     results = common.results_header(ceil)
     ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else (SMOKE_MS if args.smoke else MS)
     rows = results["rows"]
-    ok = bench_grouped(SMOKE_GROUPED if args.smoke else GROUPED, ms, ceil, rows, args.smoke, deadline)
-    ok &= bench_dense(SMOKE_DENSE if args.smoke else DENSE, ms, ceil, rows, args.smoke, deadline)
+    stages = tuple(int(v) for v in args.stages.split(",") if v)
+    ok = bench_grouped(SMOKE_GROUPED if args.smoke else GROUPED, ms, ceil, rows, args.smoke, deadline, stages)
+    ok &= bench_dense(SMOKE_DENSE if args.smoke else DENSE, ms, ceil, rows, args.smoke, deadline, stages)
     results["checks_passed"] = bool(ok)
     results["wall_s"] = round(time.perf_counter() - t0, 1)
     name = "fp8-gemm-h200-smoke.json" if args.smoke else "fp8-gemm-h200.json"
