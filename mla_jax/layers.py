@@ -28,9 +28,10 @@ def is_fp8(p: dict) -> bool:
     return "weight_scale_inv" in p
 
 
-def act_dtype(p: dict):
-    """The dtype a linear's input is cast to: its weight's, bf16 for an fp8 weight (quantized in the GEMM)."""
-    return jnp.bfloat16 if is_fp8(p) else p["weight"].dtype
+def act_dtype(p: dict, default=jnp.bfloat16):
+    """The dtype a linear's input is cast to: its weight's; for an fp8 weight (quantized in the GEMM) `default`,
+    the model's float dtype."""
+    return default if is_fp8(p) else p["weight"].dtype
 
 
 def _fp8_kernel_ok(n: int, k: int) -> bool:

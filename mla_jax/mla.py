@@ -87,7 +87,7 @@ def v_up_proj(p: dict, latent: jnp.ndarray) -> jnp.ndarray:
 
 def o_proj(p: dict, attn: jnp.ndarray) -> jnp.ndarray:
     """attn [T, N, V] -> [T, D]."""
-    return linear(p["o_proj"], attn.reshape(attn.shape[0], -1).astype(act_dtype(p["o_proj"])))
+    return linear(p["o_proj"], attn.reshape(attn.shape[0], -1).astype(act_dtype(p["o_proj"], p["W_UV"].dtype)))
 
 
 def mla_forward_full(
