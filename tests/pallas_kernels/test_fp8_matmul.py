@@ -180,7 +180,14 @@ def test_unsupported_reason():
 
 # ---- GPU ----
 
-V3_DENSE = [(1, 24576, 1536), (64, 576, 7168), (2048, 7168, 16384), (4096, 18432, 7168), (300, 7168, 18432)]
+V3_DENSE = [
+    (1, 24576, 1536),
+    (1, 1536, 7168),
+    (64, 576, 7168),
+    (2048, 7168, 16384),
+    (4096, 18432, 7168),
+    (300, 7168, 18432),
+]
 
 
 @pytest.mark.gpu
@@ -190,18 +197,23 @@ def test_gpu_dense(m, n, k):
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     wq, ws = F.quantize_weight_blocks(jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16))
     out = F.fp8_matmul(x, wq, ws, out_dtype=jnp.float32)
-    _close(out, F.fp8_matmul_quantized_reference(x, wq, ws), 1e-4)
+    with jax.default_matmul_precision("highest"):  # the kernel's numerics in XLA, float32 (not TF32)
+        ref = F.fp8_matmul_xla(x, wq, ws, out_dtype=jnp.float32)
+    _close(out, ref, 1e-4)
+    _close(F.fp8_matmul(x, wq, ws), ref, 2.0**-8)  # bf16 out (the model's), default K splits and stages
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, g, n, k", [(8 * 16, 256, 4096, 7168), (4096, 256, 7168, 2048), (2000, 64, 2816, 2048)])
+@pytest.mark.parametrize("m, g, n, k", [(8 * 16, 32, 4096, 7168), (4096, 32, 7168, 2048), (2000, 64, 2816, 2048)])
 def test_gpu_grouped(m, g, n, k):
     rng = np.random.default_rng(g + m)
     sizes = rng.multinomial(m - 7, np.ones(g) / g).astype(np.int32)  # 7 padding rows
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[m - 7 :] = np.nan
     x = jnp.asarray(x, jnp.bfloat16)
-    wq, ws = F.quantize_weight_blocks(jnp.asarray(rng.standard_normal((2, g, n, k)) / np.sqrt(k), jnp.bfloat16))
+    w = jax.random.normal(jax.random.key(m), (2, g, n, k), jnp.bfloat16) * jnp.bfloat16(k**-0.5)  # on device
+    wq, ws = jax.jit(F.quantize_weight_blocks)(w)
+    del w
     out = np.asarray(F.fp8_grouped_matmul(x, wq, ws, jnp.asarray(sizes), rhs_index=1, out_dtype=jnp.float32))
     assert np.all(out[m - 7 :] == 0)
     with jax.default_matmul_precision("highest"):  # the kernel's numerics in XLA, float32 (not TF32)
