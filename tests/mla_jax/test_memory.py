@@ -11,10 +11,11 @@ from mla_jax.cache import init_kv_cache_for
 from mla_jax.checkpoint.fp8 import quantize_params
 from mla_jax.config import DEEPSEEK_V3, DeepseekConfig
 from mla_jax.memory import KINDS, abstract_params, memory_plan, weight_bytes_per_device, weight_kind
-from mla_jax.model import init_params, prepare_params
+from mla_jax.model import prepare_params
 from mla_jax.parallel import make_mesh
 from mla_jax.sharding import shard_params
 from tests.mla_jax.helpers import tiny_config
+from tests.mla_jax.multihost_worker import random_params
 
 # 128-multiples where fp8 blocks meet a split (per-shard whole blocks), a ragged one (kv_a: 128 + 8) too.
 REDUCED = dict(
@@ -47,10 +48,10 @@ def test_plan_matches_placed_arrays(weights, ep, tp):
     if len(jax.devices()) < ep * tp:
         pytest.skip(f"needs {ep * tp} devices")
     cfg = tiny_config(**REDUCED)
-    params = prepare_params(init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16), cfg)
+    params = prepare_params(random_params(cfg, 0), cfg)  # numpy-drawn: eager init_params compiles per shape
     params = jax.tree_util.tree_map_with_path(
-        lambda p, x: x.astype(jnp.float32) if any(getattr(k, "key", None) == "gate" for k in p[-2:-1]) else x, params
-    )  # the router in float32, as the loader keeps it
+        lambda p, x: x if any(getattr(k, "key", None) == "gate" for k in p[-2:-1]) else x.astype(jnp.bfloat16), params
+    )  # bf16 weights, the router in float32 (as the loader keeps them)
     if weights == "fp8":
         params, _ = quantize_params(params)
     mesh = make_mesh(ep=ep, tp=tp)
