@@ -122,6 +122,8 @@ def expert_gmm(
     `scale_inv` (fp8 experts: w e4m3 with block scales [(layers,) E, cdiv(out,128), cdiv(in,128)]): the W8A8
     grouped GEMM on a GPU for either impl (`fp8_grouped_matmul`, in place), else dequantize + ragged_dot.
     """
+    if impl not in GMM_IMPLS:
+        raise ValueError(f"gmm_impl must be one of {GMM_IMPLS}, got {impl!r}")
     if scale_inv is not None:
         if _fp8_kernel_ok(*w.shape[-2:]):
             return fp8.fp8_grouped_matmul(lhs, w, scale_inv, group_sizes, rhs_index=layer, out_dtype=lhs.dtype)
@@ -130,8 +132,6 @@ def expert_gmm(
         return gmm_kernel.grouped_matmul(
             lhs, w, group_sizes, transpose_rhs=True, rhs_index=layer, interpret=jax.default_backend() == "cpu"
         )
-    if impl != "ragged_dot":
-        raise ValueError(f"gmm_impl must be one of {GMM_IMPLS}, got {impl!r}")
     if layer is not None:
         w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
     # rhs is [E, out, in] (HF layout): contract lhs dim 1 with rhs dim 2.

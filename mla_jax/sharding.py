@@ -130,7 +130,13 @@ def param_shardings(params_or_abstract: Any, cfg: DeepseekConfig, mesh: Mesh, *,
             return NamedSharding(mesh, _fp8_spec(_spec(w, len(leaf.shape), cfg, heads, model, moe), shapes[w], mesh))
         spec = _spec(keys, len(leaf.shape), cfg, heads, model, moe)
         if keys[:-1] + ("weight_scale_inv",) in shapes:
-            spec = _fp8_spec(spec, leaf.shape, mesh)
+            split = _fp8_spec(spec, leaf.shape, mesh)
+            if split != spec and keys[-2] in ("q_proj", "q_b_proj", "o_proj"):  # the heads must stay split
+                raise ValueError(
+                    f"fp8 weight {'/'.join(keys)} {leaf.shape}: a {heads[1]}-way head split cuts its 128x128 scale "
+                    "blocks (each shard needs whole blocks); use fewer head shards or bf16 weights"
+                )
+            spec = split
         return NamedSharding(mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, params_or_abstract)

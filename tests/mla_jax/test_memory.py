@@ -17,16 +17,17 @@ from mla_jax.sharding import shard_params
 from tests.mla_jax.helpers import tiny_config
 from tests.mla_jax.multihost_worker import random_params
 
-# 128-multiples where fp8 blocks meet a split (per-shard whole blocks), a ragged one (kv_a: 128 + 8) too.
+# 128-multiples where fp8 blocks meet a split (2 heads x 64 rows of q_b / columns of o_proj per shard); a
+# ragged replicated one too (kv_a: 128 + 8 rows).
 REDUCED = dict(
     hidden_size=256,
     vocab_size=512,
     num_attention_heads=4,
     q_lora_rank=128,
     kv_lora_rank=128,
-    qk_nope_head_dim=32,
+    qk_nope_head_dim=56,
     qk_rope_head_dim=8,
-    v_head_dim=32,
+    v_head_dim=64,
     intermediate_size=512,
     moe_intermediate_size=256,
     num_hidden_layers=2,
@@ -64,6 +65,12 @@ def test_plan_matches_placed_arrays(weights, ep, tp):
     assert full.weights == actual
     cache = init_kv_cache_for(cfg, num_pages=16, page_size=64)  # 1000 tokens -> 16 whole pages
     assert full.cache == cache.kv_c_and_k_pe_cache.nbytes and full.cache_tokens == 1000
+
+
+def test_fp8_head_split_must_keep_whole_blocks():
+    cfg = tiny_config(**{**REDUCED, "qk_nope_head_dim": 32})  # 2 heads x 40 rows of q_b per shard
+    with pytest.raises(ValueError, match="q_b_proj.*scale"):
+        memory_plan(cfg, tp=2, weights="fp8", cache_tokens=64)
 
 
 def test_v3_on_8_h200():
