@@ -9,9 +9,10 @@ The public API is re-exported here; the modules hold the rest (`mla_jax.step` fo
 `mla_jax.attention` for the kernel backends, `mla_jax.cache` for the paged latent cache, ...).
 """
 
-from mla_jax.checkpoint import CheckpointError, convert, load_hf_checkpoint, load_model
+from mla_jax.checkpoint import CheckpointError, convert, load_hf_checkpoint, load_model, quantize_params
 from mla_jax.config import ConfigError, DeepseekConfig
 from mla_jax.engine import Engine, EngineConfig, RequestOutput, generate
+from mla_jax.memory import MemoryPlan, memory_plan
 from mla_jax.model import forward, init_params, prepare_params
 from mla_jax.module import MLAAttention
 from mla_jax.parallel import ParallelPlan, make_mesh
@@ -24,6 +25,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "MLAAttention",
+    "MemoryPlan",
     "ParallelPlan",
     "RequestOutput",
     "SamplingParams",
@@ -34,5 +36,7 @@ __all__ = [
     "load_hf_checkpoint",
     "load_model",
     "make_mesh",
+    "memory_plan",
     "prepare_params",
+    "quantize_params",
 ]

@@ -60,6 +60,13 @@ def _add_convert(p: argparse.ArgumentParser) -> None:
         "dequantizing them (half the disk of bf16); they are dequantized to the dtype on load",
     )
     p.add_argument(
+        "--weights",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="fp8: store the linears and experts as e4m3 + 128x128 weight_scale_inv (an fp8 source's as is, "
+        "a float source's block-quantized, the error reported) for `--weights fp8` at run time",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="validate and print the mapping (HF names -> param path, shape, dtype); write nothing",
@@ -84,6 +91,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         args.out_dir,
         dtype=args.dtype,
         keep_fp8=args.keep_fp8,
+        weights=args.weights,
         force=args.force,
         dry_run=args.dry_run,
         max_group_mb=args.max_group_mb,

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
+from pallas_kernels import fp8_matmul as fp8
 from pallas_kernels import grouped_matmul as gmm_kernel
 
 GMM_IMPLS = ("ragged_dot", "pallas")
@@ -22,9 +23,33 @@ def rms_norm(p: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:
     return p["weight"] * xf.astype(x.dtype)
 
 
+def is_fp8(p: dict) -> bool:
+    """A block-FP8 linear: {"weight": e4m3 [out, in], "weight_scale_inv": f32 [cdiv(out,128), cdiv(in,128)]}."""
+    return "weight_scale_inv" in p
+
+
+def act_dtype(p: dict, default=jnp.bfloat16):
+    """The dtype a linear's input is cast to: its weight's; for an fp8 weight (quantized in the GEMM) `default`,
+    the model's float dtype."""
+    return default if is_fp8(p) else p["weight"].dtype
+
+
+def _fp8_kernel_ok(n: int, k: int) -> bool:
+    return jax.default_backend() == "gpu" and fp8.unsupported_reason(n, k) is None
+
+
 def linear(p: dict, x: jnp.ndarray) -> jnp.ndarray:
-    """x [..., in] @ weight[out, in]^T."""
-    return jnp.einsum("...i,oi->...o", x, p["weight"])
+    """x [..., in] @ weight[out, in]^T. An fp8 weight (`is_fp8`) runs the W8A8 Mosaic GPU GEMM on a GPU
+    (`pallas_kernels.fp8_matmul`), elsewhere or for shapes it does not take XLA's dequantize + dot."""
+    if not is_fp8(p):
+        return jnp.einsum("...i,oi->...o", x, p["weight"])
+    w, s = p["weight"], p["weight_scale_inv"]
+    x2 = x.reshape(-1, x.shape[-1])
+    if _fp8_kernel_ok(*w.shape) and x2.shape[0] > 0:
+        y = fp8.fp8_matmul(x2, w, s, out_dtype=x.dtype)
+    else:
+        y = fp8.fp8_matmul_xla(x2, w, s)
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def mlp(p: dict, x: jnp.ndarray, *, intermediate_size: int | None = None, comm: Comm = LOCAL) -> jnp.ndarray:
@@ -85,6 +110,7 @@ def expert_gmm(
     group_sizes: jnp.ndarray,
     impl: str = "ragged_dot",
     layer: jnp.ndarray | int | None = None,
+    scale_inv: jnp.ndarray | None = None,
 ) -> jnp.ndarray:
     """Grouped matmul of expert-sorted rows: lhs [M, in] x w [E, out, in] (HF layout) -> [M, out].
 
@@ -93,13 +119,19 @@ def expert_gmm(
     "pallas" is `pallas_kernels.grouped_matmul`, which computes each row's own expert only (interpret mode on
     a CPU). With `layer`, w is stacked over a scan's layers, [layers, E, out, in], and layer `layer` is used:
     the Pallas kernel reads it in place (no per-layer copy of the experts), ragged_dot slices it out.
+    `scale_inv` (fp8 experts: w e4m3 with block scales [(layers,) E, cdiv(out,128), cdiv(in,128)]): the W8A8
+    grouped GEMM on a GPU for either impl (`fp8_grouped_matmul`, in place), else dequantize + ragged_dot.
     """
+    if impl not in GMM_IMPLS:
+        raise ValueError(f"gmm_impl must be one of {GMM_IMPLS}, got {impl!r}")
+    if scale_inv is not None:
+        if _fp8_kernel_ok(*w.shape[-2:]):
+            return fp8.fp8_grouped_matmul(lhs, w, scale_inv, group_sizes, rhs_index=layer, out_dtype=lhs.dtype)
+        return fp8.fp8_grouped_matmul_xla(lhs, w, scale_inv, group_sizes, rhs_index=layer)
     if impl == "pallas":
         return gmm_kernel.grouped_matmul(
             lhs, w, group_sizes, transpose_rhs=True, rhs_index=layer, interpret=jax.default_backend() == "cpu"
         )
-    if impl != "ragged_dot":
-        raise ValueError(f"gmm_impl must be one of {GMM_IMPLS}, got {impl!r}")
     if layer is not None:
         w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
     # rhs is [E, out, in] (HF layout): contract lhs dim 1 with rhs dim 2.
@@ -171,10 +203,10 @@ def _routed_experts(p, cfg, x, weights, ids, gmm_impl, experts, layer, comm) -> 
     xs = x[token]  # [T*K, D]
 
     def gmm(lhs, w):
-        return expert_gmm(lhs, w, group_sizes, gmm_impl, layer)
+        return expert_gmm(lhs, w["weight"], group_sizes, gmm_impl, layer, w.get("weight_scale_inv"))
 
-    h = jax.nn.silu(gmm(xs, ex["gate_proj"]["weight"])) * gmm(xs, ex["up_proj"]["weight"])  # [T*K, I_loc]
-    y = gmm(h, ex["down_proj"]["weight"])  # [T*K, D]
+    h = jax.nn.silu(gmm(xs, ex["gate_proj"])) * gmm(xs, ex["up_proj"])  # [T*K, I_loc]
+    y = gmm(h, ex["down_proj"])  # [T*K, D]
     w_sorted = weights.reshape(-1)[order]
     if mine is not None:
         w_sorted = jnp.where(mine[order], w_sorted, 0.0)

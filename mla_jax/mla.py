@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from mla_jax import reference
 from mla_jax.config import DeepseekConfig
 from mla_jax.indexer import topk_mask
-from mla_jax.layers import linear, rms_norm
+from mla_jax.layers import act_dtype, linear, rms_norm
 from mla_jax.rope import apply_rope, rope_cos_sin
 
 
@@ -87,7 +87,7 @@ def v_up_proj(p: dict, latent: jnp.ndarray) -> jnp.ndarray:
 
 def o_proj(p: dict, attn: jnp.ndarray) -> jnp.ndarray:
     """attn [T, N, V] -> [T, D]."""
-    return linear(p["o_proj"], attn.reshape(attn.shape[0], -1).astype(p["o_proj"]["weight"].dtype))
+    return linear(p["o_proj"], attn.reshape(attn.shape[0], -1).astype(act_dtype(p["o_proj"], p["W_UV"].dtype)))
 
 
 def mla_forward_full(

@@ -120,11 +120,40 @@ def param_shardings(params_or_abstract: Any, cfg: DeepseekConfig, mesh: Mesh, *,
     heads = (axes_entry(head_axes), math.prod(mesh.shape[a] for a in head_axes))
     model = (axes_entry(model_axes), math.prod(mesh.shape[a] for a in model_axes))
 
+    flat = jax.tree_util.tree_flatten_with_path(params_or_abstract)[0]
+    shapes = {tuple(_key(k) for k in path): leaf.shape for path, leaf in flat}
+
     def one(path, leaf):
         keys = tuple(_key(k) for k in path)
-        return NamedSharding(mesh, _spec(keys, len(leaf.shape), cfg, heads, model, moe))
+        if keys[-1] == "weight_scale_inv":  # block-FP8: the scales split with their weight (see _fp8_spec)
+            w = keys[:-1] + ("weight",)
+            return NamedSharding(mesh, _fp8_spec(_spec(w, len(leaf.shape), cfg, heads, model, moe), shapes[w], mesh))
+        spec = _spec(keys, len(leaf.shape), cfg, heads, model, moe)
+        if keys[:-1] + ("weight_scale_inv",) in shapes:
+            split = _fp8_spec(spec, leaf.shape, mesh)
+            if split != spec and keys[-2] in ("q_proj", "q_b_proj", "o_proj"):  # the heads must stay split
+                raise ValueError(
+                    f"fp8 weight {'/'.join(keys)} {leaf.shape}: a {heads[1]}-way head split cuts its 128x128 scale "
+                    "blocks (each shard needs whole blocks); use fewer head shards or bf16 weights"
+                )
+            spec = split
+        return NamedSharding(mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, params_or_abstract)
+
+
+def _fp8_spec(spec: PartitionSpec, weight_shape: tuple[int, ...], mesh: Mesh, block: int = 128) -> PartitionSpec:
+    """A block-FP8 weight [..., out, in] (and its scales [..., cdiv(out,128), cdiv(in,128)]) keeps a split of
+    its last two dims only when every shard holds whole 128-wide blocks; otherwise both are replicated there."""
+    entries = list(spec) + [None] * (len(weight_shape) - len(spec))
+    for ax in range(len(weight_shape) - 2, len(weight_shape)):
+        e = entries[ax]
+        if e is None:
+            continue
+        shards = math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e))
+        if weight_shape[ax] % (shards * block):
+            entries[ax] = None
+    return PartitionSpec(*entries)
 
 
 def shard_params(params: Any, cfg: DeepseekConfig, mesh: Mesh, *, moe: str = "ep") -> Any:

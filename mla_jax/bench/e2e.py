@@ -22,6 +22,7 @@ import numpy as np
 from mla_jax import attention, model
 from mla_jax.bench.common import kernel_breakdown, measure_ceilings, results_header, write_results
 from mla_jax.cache import KVCache, init_kv_cache_for
+from mla_jax.checkpoint.fp8 import quantize_params
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
 from mla_jax.engine import Engine, EngineConfig
 from mla_jax.metadata import ScheduledRequest, build_metadata
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
         choices=("ragged_dot", "pallas"),
         default="pallas",
         help="MoE expert matmul (mla_jax.layers.expert_gmm)",
+    )
+    ap.add_argument(
+        "--weights", choices=("bf16", "fp8"), default="bf16", help="fp8: block-FP8 linears and experts (W8A8)"
     )
     ap.add_argument("--batches", default="1,8,32,128", help="decode batch sizes")
     ap.add_argument("--ctxs", default="1024,4096,32768", help="decode contexts")
@@ -89,11 +93,14 @@ def main(argv: list[str] | None = None) -> None:
     cfg = DeepseekConfig.from_dict(d)
     ceilings = measure_ceilings(small=args.smoke)
     res = results_header(ceilings)
-    res["model"] = "DeepSeek-V2-Lite shape, random bf16 weights, " + f"{args.layers} layers"
+    res["model"] = f"DeepSeek-V2-Lite shape, random {args.weights} weights, {args.layers} layers"
+    res["weights"] = args.weights
     res["backend"] = args.backend
     res["gmm_impl"] = args.gmm
     print("ceilings", ceilings, flush=True)
     params = model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+    if args.weights == "fp8":
+        params = quantize_params(params)[0]
     jax.block_until_ready(params)
 
     G = 64
@@ -211,7 +218,7 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
         batch=B,
         ctx=ctx,
         phase="decode",
-        weights="bf16",
+        weights=args.weights,
         step_ms=round(step_s * 1e3, 3),
         tokens_per_s=round(B / step_s, 1),
         roofline_ms=round(roof * 1e3, 3),
@@ -263,7 +270,7 @@ def _prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params):
         batch=P,
         ctx=S,
         phase="prefill",
-        weights="bf16",
+        weights=args.weights,
         step_ms=round(step_s * 1e3, 3),
         tokens_per_s=round(S * P / step_s, 1),
         roofline_ms=round(roof * 1e3, 3),

@@ -6,7 +6,7 @@ either kind, and exporting our params back to HF.
 
 Modules:
     hf        safetensors files and HF directories, tensor by tensor through the `safetensors` library
-    fp8       DeepSeek-V3 block-FP8 dequantization
+    fp8       DeepSeek-V3 block-FP8: dequantization, and fp8 weights at run time (`quantize_params`)
     validate  an HF checkpoint against its config: names, shapes, dtypes, fp8 scales (headers only)
     params    HF tensors -> our params pytree; `load_hf_checkpoint`
     layout    the converted directory: metadata file, groups, format version
@@ -17,7 +17,7 @@ Modules:
 """
 
 from mla_jax.checkpoint.export import export_hf, hf_config_dict, hf_tensors, merge_kv_b_proj
-from mla_jax.checkpoint.fp8 import dequantize_fp8_blocks
+from mla_jax.checkpoint.fp8 import dequantize_fp8_blocks, quantize_params
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError, SafetensorsFile, eos_token_ids, save_file
 from mla_jax.checkpoint.load import abstract_params, is_converted, load_checkpoint, load_model, read_metadata
 from mla_jax.checkpoint.params import build_params, load_hf_checkpoint
@@ -46,6 +46,7 @@ __all__ = [
     "load_model",
     "make_plan",
     "merge_kv_b_proj",
+    "quantize_params",
     "read_metadata",
     "save_file",
 ]

@@ -19,7 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block
+from mla_jax.checkpoint.fp8 import (
+    FP8_LINEARS,
+    SCALE_SUFFIX,
+    check_weights,
+    dequantize_fp8_blocks,
+    fp8_block,
+    quantize_params,
+)
 from mla_jax.checkpoint.hf import CheckpointError
 from mla_jax.checkpoint.layout import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, get_path, is_router, set_path
 from mla_jax.checkpoint.params import load_hf_checkpoint
@@ -55,9 +62,10 @@ def read_metadata(path: str) -> dict:
     return meta
 
 
-def abstract_params(path: str, dtype: Any = None) -> tuple[DeepseekConfig, Params]:
+def abstract_params(path: str, dtype: Any = None, weights: str = "bf16") -> tuple[DeepseekConfig, Params]:
     """(config, pytree of jax.ShapeDtypeStruct) of a converted checkpoint, without reading any array. Checked
-    against the shapes the model needs for config.json."""
+    against the shapes the model needs for config.json. weights="fp8": stored fp8 FP8_LINEARS stay e4m3 with
+    their weight_scale_inv leaves."""
     meta = read_metadata(path)
     cfg = DeepseekConfig.from_json(path)
     target = weight_dtype(dtype) if dtype is not None else as_dtype(meta["dtype"])
@@ -65,7 +73,8 @@ def abstract_params(path: str, dtype: Any = None) -> tuple[DeepseekConfig, Param
     for u in meta["units"]:
         for lf in u["leaves"]:
             p = tuple(lf["path"])
-            if p[-1].endswith(SCALE_SUFFIX):
+            kept = weights == "fp8" and _keeps_fp8(p)
+            if p[-1].endswith(SCALE_SUFFIX) and not kept:
                 continue  # folded into the dequantized weight
             shape = list(lf["shape"])
             if u["experts"]:
@@ -73,9 +82,14 @@ def abstract_params(path: str, dtype: Any = None) -> tuple[DeepseekConfig, Param
             if u["stack"]:
                 p = ("model", u["stack"]) + p
                 shape = [meta["stacks"][u["stack"]]["num_layers"]] + shape
-            set_path(tree, p, jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(F32 if is_router(p) else target)))
+            dt = jnp.dtype(lf["dtype"]) if kept else jnp.dtype(F32 if is_router(p) else target)
+            set_path(tree, p, jax.ShapeDtypeStruct(tuple(shape), dt))
     want = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    got_flat = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    got_flat = {
+        jax.tree_util.keystr(k): v.shape
+        for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if k[-1].key != "weight" + SCALE_SUFFIX  # kept fp8 scales (weights="fp8"): the model has no such leaf
+    }
     want_flat = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(want)[0]}
     if cfg.topk_method != "noaux_tc":  # init_params always makes the V3 bias; other routers never read it
         want_flat = {k: v for k, v in want_flat.items() if "e_score_correction_bias" not in k}
@@ -128,10 +142,20 @@ def _collect(flat: dict, unit: dict, tree: dict, cfg: DeepseekConfig) -> None:
             flat[p] = x
 
 
-def _finalize(flat: dict, target: np.dtype, block) -> dict:
-    """fp8 + scale pairs dequantized, everything cast to `target` (router float32) -> a nested tree."""
+def _keeps_fp8(p: tuple) -> bool:
+    """Whether weights="fp8" keeps this stored leaf (an FP8_LINEARS weight or its scales) as is."""
+    return len(p) >= 2 and p[-2] in FP8_LINEARS and p[-1] in ("weight", "weight" + SCALE_SUFFIX)
+
+
+def _finalize(flat: dict, target: np.dtype, block, weights: str = "bf16") -> dict:
+    """fp8 + scale pairs dequantized (weights="fp8": FP8_LINEARS pairs kept), everything else cast to `target`
+    (router float32) -> a nested tree."""
     out: dict = {}
     for p, x in flat.items():
+        if weights == "fp8" and _keeps_fp8(p) and (x.dtype == FP8_E4M3 or p[-1].endswith(SCALE_SUFFIX)):
+            if p[-1].endswith(SCALE_SUFFIX) or p[:-1] + (p[-1] + SCALE_SUFFIX,) in flat:
+                set_path(out, p, x)
+                continue
         if p[-1].endswith(SCALE_SUFFIX):
             continue
         if x.dtype == FP8_E4M3:
@@ -153,7 +177,7 @@ def _update(stack, layer, i):
 
 
 def load_checkpoint(
-    path: str, *, dtype: Any = None, mesh: jax.sharding.Mesh | None = None
+    path: str, *, dtype: Any = None, mesh: jax.sharding.Mesh | None = None, weights: str = "bf16"
 ) -> tuple[DeepseekConfig, Params]:
     """A converted checkpoint -> (config, params) in the layout `mla_jax.model.forward` takes.
 
@@ -167,7 +191,7 @@ def load_checkpoint(
     from mla_jax.sharding import param_shardings
 
     meta = read_metadata(path)
-    cfg, abstract = abstract_params(path, dtype)
+    cfg, abstract = abstract_params(path, dtype, check_weights(weights))
     target = weight_dtype(dtype) if dtype is not None else as_dtype(meta["dtype"])
     block = tuple(meta.get("fp8_block") or fp8_block(cfg))
     shardings = param_shardings(abstract, cfg, mesh) if mesh is not None else None
@@ -211,7 +235,7 @@ def load_checkpoint(
                 if u["stack"] is None:  # top-level leaves are complete on their own
                     flat: dict = {}
                     _collect(flat, u, tree[key], cfg)
-                    host = _finalize(flat, target, block)
+                    host = _finalize(flat, target, block, weights)
                     for kp, x in jax.tree_util.tree_flatten_with_path(host)[0]:
                         p = tuple(k.key for k in kp)
                         set_path(params, p, put(x, get_path(shardings, p) if shardings else None))
@@ -221,7 +245,7 @@ def load_checkpoint(
                 remaining[slot] -= 1
                 if remaining[slot]:
                     continue
-                layer = _finalize(pending.pop(slot), target, block)
+                layer = _finalize(pending.pop(slot), target, block, weights)
                 stack = u["stack"]
                 if jax.tree.structure(layer) != jax.tree.structure(abstract["model"][stack]):
                     raise CheckpointError(f"{path}: the units of {stack}[{u['index']}] do not hold the layer's params")
@@ -241,12 +265,27 @@ def load_checkpoint(
     return cfg, params
 
 
-def load_model(path: str, dtype: Any = None, mesh: jax.sharding.Mesh | None = None) -> tuple[DeepseekConfig, Params]:
+def load_model(
+    path: str, dtype: Any = None, mesh: jax.sharding.Mesh | None = None, *, weights: str = "bf16"
+) -> tuple[DeepseekConfig, Params]:
     """Load a converted mla-jax checkpoint or a Hugging Face checkpoint directory, optionally onto a
-    tensor-parallel `mesh` (see `load_checkpoint`)."""
+    tensor-parallel `mesh` (see `load_checkpoint`).
+
+    weights="fp8": the linears of `checkpoint.fp8.FP8_LINEARS` stay block-FP8 at run time ({"weight": e4m3,
+    "weight_scale_inv": f32}, run by the W8A8 GEMMs): an HF FP8 checkpoint's as stored (never dequantized),
+    float weights block-quantized as they are read; a converted checkpoint keeps its stored fp8 pairs
+    (`convert --keep-fp8` or `--weights fp8`) and quantizes any float ones after restoring."""
     path = os.fspath(path)
+    check_weights(weights)
     if is_converted(path):
-        return load_checkpoint(path, dtype=dtype, mesh=mesh)
+        cfg, params = load_checkpoint(path, dtype=dtype, mesh=mesh, weights=weights)
+        if weights == "fp8":  # stored fp8 pairs are kept; float FP8_LINEARS (a bf16 conversion) get quantized
+            params, _ = quantize_params(params)
+            if mesh is not None:
+                from mla_jax.sharding import shard_params
+
+                params = shard_params(params, cfg, mesh)
+        return cfg, params
     has_weights = os.path.isdir(path) and any(
         f == "model.safetensors.index.json" or (f.startswith("model") and f.endswith(".safetensors"))
         for f in os.listdir(path)
@@ -256,7 +295,9 @@ def load_model(path: str, dtype: Any = None, mesh: jax.sharding.Mesh | None = No
             f"{path}: neither a converted mla-jax checkpoint ({METADATA}) nor a Hugging Face "
             "checkpoint (config.json + model*.safetensors)"
         )
-    cfg, params = load_hf_checkpoint(path, dtype=None if dtype is None else jnp.dtype(weight_dtype(dtype)))
+    cfg, params = load_hf_checkpoint(
+        path, dtype=None if dtype is None else jnp.dtype(weight_dtype(dtype)), weights=weights
+    )
     if mesh is not None:
         from mla_jax.sharding import shard_params
 

@@ -15,7 +15,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block
+from mla_jax.checkpoint.fp8 import (
+    FP8_LINEARS,
+    SCALE_SUFFIX,
+    check_weights,
+    dequantize_fp8_blocks,
+    fp8_block,
+    quantize_fp8_blocks,
+)
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
 from mla_jax.checkpoint.validate import check_float_dtype, check_tensors, indexer_source_layer
 from mla_jax.config import DeepseekConfig
@@ -35,10 +42,36 @@ def read_tensor(ckpt: CheckpointDir, name: str, cfg: DeepseekConfig) -> np.ndarr
     return w
 
 
+def read_fp8(ckpt: CheckpointDir, name: str, cfg: DeepseekConfig) -> tuple[np.ndarray, np.ndarray]:
+    """A weight for `weights="fp8"`: the checkpoint's e4m3 + scale_inv as stored, or a float weight block-quantized."""
+    w = ckpt.get(name)
+    if w.dtype == FP8_E4M3:
+        sname = name + SCALE_SUFFIX
+        if sname not in ckpt:
+            raise CheckpointError(f"tensor '{name}' is fp8 but '{sname}' is missing")
+        s = ckpt.get(sname)
+        dequantize_fp8_blocks(w[..., :1, :1], s[..., :1, :1], fp8_block(cfg), name)  # validates the block dims
+        if tuple(fp8_block(cfg)) != (128, 128):
+            raise CheckpointError(f"tensor '{name}': fp8 at run time needs 128x128 blocks, not {fp8_block(cfg)}")
+        return w, s
+    check_float_dtype(name, w.dtype)
+    return quantize_fp8_blocks(w)
+
+
 def build_params(
-    get: Callable[[str], np.ndarray], cfg: DeepseekConfig, *, fused_experts: bool, dtype: Any = None
+    get: Callable[[str], np.ndarray],
+    cfg: DeepseekConfig,
+    *,
+    fused_experts: bool,
+    dtype: Any = None,
+    get_fp8: Callable[[str], tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> Params:
-    """Assemble our params from HF-named tensors. `dtype` casts weights (router weights stay float32)."""
+    """Assemble our params from HF-named tensors. `dtype` casts weights (router weights stay float32). With
+    `get_fp8` (weights="fp8") the `FP8_LINEARS` keep e4m3 weights + float32 `weight_scale_inv` (HF names)."""
+
+    def fp8_pair(name):
+        w, s = get_fp8(name)
+        return {"weight": jnp.asarray(w), "weight_scale_inv": jnp.asarray(s, jnp.float32)}
 
     def arr(x, keep_f32=False):
         x = np.asarray(x)
@@ -47,6 +80,8 @@ def build_params(
         return jnp.asarray(x, dtype) if dtype is not None else jnp.asarray(x)
 
     def linear(name):
+        if get_fp8 is not None and name.rsplit(".", 1)[-1] in FP8_LINEARS:
+            return fp8_pair(name + ".weight")
         return {"weight": arr(get(name + ".weight"))}
 
     def layer(i: int) -> Params:
@@ -69,7 +104,17 @@ def build_params(
             if cfg.topk_method == "noaux_tc":
                 gate["e_score_correction_bias"] = arr(get(m + "gate.e_score_correction_bias"), keep_f32=True)
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-            if fused_experts:
+            if get_fp8 is not None:
+                if fused_experts:
+                    raise CheckpointError("weights='fp8' does not take transformers' fused expert layout")
+                experts = {}
+                for k in ("gate_proj", "up_proj", "down_proj"):
+                    pairs = [get_fp8(m + f"experts.{j}.{k}.weight") for j in range(E)]
+                    experts[k] = {
+                        "weight": jnp.asarray(np.stack([w for w, _ in pairs])),
+                        "weight_scale_inv": jnp.asarray(np.stack([s for _, s in pairs]), jnp.float32),
+                    }
+            elif fused_experts:
                 gu = np.asarray(get(m + "experts.gate_up_proj"))
                 experts = {
                     "gate_proj": {"weight": arr(gu[:, :I])},
@@ -104,10 +149,17 @@ def build_params(
     return prepare_params(params, cfg)
 
 
-def load_hf_checkpoint(path: str, *, dtype: Any = None) -> tuple[DeepseekConfig, Params]:
+def load_hf_checkpoint(path: str, *, dtype: Any = None, weights: str = "bf16") -> tuple[DeepseekConfig, Params]:
     """config.json + safetensors in `path` -> (config, params). `dtype` (e.g. jnp.bfloat16) casts the weights;
-    None keeps the stored float dtype (fp8 weights are dequantized to float32)."""
+    None keeps the stored float dtype (fp8 weights are dequantized to float32). weights="fp8": the
+    `FP8_LINEARS` stay e4m3 + scale_inv (an FP8 checkpoint's as stored, float ones block-quantized) and the
+    other weights default to bfloat16 (the fp8 GEMMs' activation dtype)."""
     cfg = DeepseekConfig.from_json(path)
     ckpt = CheckpointDir(path)
     fused, _ = check_tensors(ckpt, cfg)
-    return cfg, build_params(lambda n: read_tensor(ckpt, n, cfg), cfg, fused_experts=fused, dtype=dtype)
+    get_fp8 = (lambda n: read_fp8(ckpt, n, cfg)) if check_weights(weights) == "fp8" else None
+    if get_fp8 is not None and dtype is None:
+        dtype = jnp.bfloat16
+    return cfg, build_params(
+        lambda n: read_tensor(ckpt, n, cfg), cfg, fused_experts=fused, dtype=dtype, get_fp8=get_fp8
+    )

@@ -12,6 +12,8 @@ max(max_group_mb, largest unit) plus allocator slack.
 FP8 weights are dequantized to `dtype` by default. With `keep_fp8=True` they are stored as e4m3 next to a
 `weight_scale_inv` leaf (about half the disk of bf16) and dequantized per layer on load. kv_b_proj is always
 dequantized (it is split per head into W_UK_T / W_UV across block boundaries). The router is kept in float32.
+With `weights="fp8"` every `fp8.FP8_LINEARS` weight is stored as e4m3 + scale_inv: an fp8 source's as is, a
+float source's block-quantized at conversion (write.py reports the quantization error).
 The MTP layer (model.layers.{num_hidden_layers}.*) is skipped and counted.
 """
 
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, fp8_block, fp8_scale_shape
+from mla_jax.checkpoint.fp8 import FP8_LINEARS, SCALE_SUFFIX, check_weights, fp8_block, fp8_scale_shape
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
 from mla_jax.checkpoint.validate import (
     IGNORED,
@@ -120,6 +122,7 @@ class Plan:
     units: list[Unit]
     groups: list[Group]
     source_tensors: int
+    weights: str = "bf16"  # "fp8": FP8_LINEARS stored as e4m3 + scale_inv (float sources block-quantized)
 
     @property
     def source_bytes(self) -> int:
@@ -145,10 +148,12 @@ def make_plan(
     dtype: Any = "bf16",
     keep_fp8: bool = False,
     max_group_mb: float = DEFAULT_MAX_GROUP_MB,
+    weights: str = "bf16",
 ) -> Plan:
     """Validate the checkpoint against `cfg` (headers only: names, shapes, dtypes, fp8 scales; nothing is read)
     and plan units and groups. Raises CheckpointError naming the first bad tensor."""
     dtype = weight_dtype(dtype)
+    fp8_out = check_weights(weights) == "fp8"  # FP8_LINEARS stored e4m3 + scale (float sources block-quantized)
     if not max_group_mb > 0:
         raise ConvertError(f"max_group_mb must be > 0, got {max_group_mb}")
     fused, mtp = check_tensors(ckpt, cfg)
@@ -164,7 +169,7 @@ def make_plan(
     max_bytes = max(1, int(max_group_mb * 2**20))
 
     def weight(path, name, shape, out_dtype=D) -> list[Leaf]:
-        if keep_fp8 and name in quantized:
+        if (keep_fp8 and name in quantized) or (fp8_out and path[-1] == "weight" and path[-2] in FP8_LINEARS):
             return [
                 Leaf(path, shape, "float8_e4m3fn", (name,), name, part="fp8"),
                 Leaf(
@@ -231,7 +236,9 @@ def make_plan(
                     for k in ("gate_proj", "up_proj", "down_proj"):
                         leaves += weight(*hf(f"mlp.shared_experts.{k}.weight"))
                 add(Unit(f"layer_{i:03d}-core", stack, idx, i, leaves))
-                for u in _expert_units(cfg, i, stack, idx, fused, quantized, keep_fp8, block, D, max_bytes, src_bytes):
+                for u in _expert_units(
+                    cfg, i, stack, idx, fused, quantized, keep_fp8, block, D, max_bytes, src_bytes, fp8_out
+                ):
                     add(u)
             else:
                 for k in ("gate_proj", "up_proj", "down_proj"):
@@ -248,7 +255,7 @@ def make_plan(
             groups.append(Group(f"group_{len(groups):05d}", []))
         groups[-1].units.append(u)
     n_src = len(used) + len(quantized)
-    return Plan(cfg, dtype, keep_fp8, fused, sorted(quantized), skipped, ignored, units, groups, n_src)
+    return Plan(cfg, dtype, keep_fp8, fused, sorted(quantized), skipped, ignored, units, groups, n_src, weights)
 
 
 def _expert_units(
@@ -263,6 +270,7 @@ def _expert_units(
     D: str,
     max_bytes: int,
     src_bytes: Callable[[str], int],
+    fp8_out: bool = False,
 ) -> list[Unit]:
     """Routed experts of layer i: per projection, chunks of experts of at most max_bytes each."""
     E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
@@ -274,7 +282,7 @@ def _expert_units(
             src = pre + ("down_proj" if proj == "down_proj" else "gate_up_proj")
             rows = {"gate_proj": (0, I), "up_proj": (I, 2 * I), "down_proj": (0, H)}[proj]
             q = src in quantized
-            if q and keep_fp8 and (rows[0] % block[0] or rows[1] % block[0]):
+            if q and (keep_fp8 or fp8_out) and (rows[0] % block[0] or rows[1] % block[0]):
                 raise ConvertError(
                     f"tensor '{src}': cannot keep fp8 when splitting gate/up at row {I}, which is "
                     f"not a multiple of the {block[0]}-row scale block (convert without "
@@ -282,7 +290,7 @@ def _expert_units(
                 )
         else:
             q = pre + f"0.{proj}.weight" in quantized
-        store = "float8_e4m3fn" if (q and keep_fp8) else D
+        store = "float8_e4m3fn" if (q and keep_fp8) or fp8_out else D
         per_expert = math.prod(shape) * as_dtype(store).itemsize
         chunk = max(1, min(E, max_bytes // max(per_expert, 1)))
         path = ("mlp", "experts", proj, "weight")

@@ -28,10 +28,11 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
-from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block, has_fp8_nan
+from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block, has_fp8_nan, quantize_fp8_blocks
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
 from mla_jax.checkpoint.layout import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, set_path
 from mla_jax.checkpoint.plan import DEFAULT_MAX_GROUP_MB, ConvertError, Leaf, Plan, describe_plan, fmt_bytes, make_plan
+from mla_jax.checkpoint.validate import check_float_dtype
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import FP8_E4M3, as_dtype
 from mla_jax.model import layer_groups
@@ -47,6 +48,25 @@ EXTRA_FILES = (
 
 
 # -------------------------------------------------------------------------------------------- materialize
+
+
+def _quantized(ckpt: CheckpointDir, name: str, part: str, select, block, stats) -> np.ndarray:
+    """A float source block-quantized for an fp8 leaf (weights="fp8"): its e4m3 ("fp8") or scales ("scale");
+    the "fp8" read adds its error to `stats` (max_rel, err2, ref2, tensors)."""
+    experts = None if select is None else (slice(select[0], select[1]),)
+    x = ckpt.get(name, None if select is None else experts + (slice(select[2], select[3]),))
+    check_float_dtype(name, x.dtype)
+    q, s = quantize_fp8_blocks(x, block)
+    if part == "scale":
+        return s
+    if stats is not None:
+        xf = np.asarray(x, np.float32)
+        d = dequantize_fp8_blocks(q, s, block, name) - xf
+        stats["max_rel"] = max(stats.get("max_rel", 0.0), float(np.abs(d).max() / max(np.abs(xf).max(), 1e-30)))
+        stats["err2"] = stats.get("err2", 0.0) + float(np.sum(d.astype(np.float64) ** 2))
+        stats["ref2"] = stats.get("ref2", 0.0) + float(np.sum(xf.astype(np.float64) ** 2))
+        stats["tensors"] = stats.get("tensors", 0) + 1
+    return q
 
 
 def _read(ckpt: CheckpointDir, name: str, part: str, select, block) -> np.ndarray:
@@ -85,15 +105,22 @@ def _finish(x: np.ndarray, leaf: Leaf, cfg: DeepseekConfig, name: str) -> np.nda
     return x
 
 
-def materialize(ckpt: CheckpointDir, leaf: Leaf, cfg: DeepseekConfig) -> np.ndarray:
-    """Read, dequantize / slice / split and cast one leaf into a fresh array of its stored dtype."""
+def materialize(ckpt: CheckpointDir, leaf: Leaf, cfg: DeepseekConfig, stats: dict | None = None) -> np.ndarray:
+    """Read, dequantize / quantize / slice / split and cast one leaf into a fresh array of its stored dtype.
+    `stats` collects the block-quantization error of float sources stored as fp8 (weights="fp8")."""
     block = fp8_block(cfg)
     out = np.empty(leaf.shape, as_dtype(leaf.dtype))
+
+    def read(name, select):
+        if leaf.part in ("fp8", "scale") and ckpt.spec(name)[0] != FP8_E4M3:
+            return _quantized(ckpt, name, leaf.part, select, block, stats)
+        return _read(ckpt, name, leaf.part, select, block)
+
     if leaf.stacked:
         for j, name in enumerate(leaf.sources):  # one expert at a time: no [E, ...] float32 temporary
-            out[j] = _finish(_read(ckpt, name, leaf.part, None, block), leaf, cfg, name)
+            out[j] = _finish(read(name, None), leaf, cfg, name)
     else:
-        out[...] = _finish(_read(ckpt, leaf.sources[0], leaf.part, leaf.select, block), leaf, cfg, leaf.sources[0])
+        out[...] = _finish(read(leaf.sources[0], leaf.select), leaf, cfg, leaf.sources[0])
     return out
 
 
@@ -181,6 +208,7 @@ def convert(
     *,
     dtype: Any = "bf16",
     keep_fp8: bool = False,
+    weights: str = "bf16",
     force: bool = False,
     dry_run: bool = False,
     max_group_mb: float = DEFAULT_MAX_GROUP_MB,
@@ -197,7 +225,8 @@ def convert(
     t0 = time.monotonic()
     cfg = DeepseekConfig.from_json(hf_dir)
     ckpt = CheckpointDir(hf_dir)
-    plan = make_plan(ckpt, cfg, dtype=dtype, keep_fp8=keep_fp8, max_group_mb=max_group_mb)
+    plan = make_plan(ckpt, cfg, dtype=dtype, keep_fp8=keep_fp8, max_group_mb=max_group_mb, weights=weights)
+    quant_stats: dict = {}
 
     def say(msg: str) -> None:
         if log is not None:
@@ -254,13 +283,16 @@ def convert(
             "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
         )
         with bar:
-            _write(plan, ckpt, tmp, bar, on_group_written)
+            _write(plan, ckpt, tmp, bar, on_group_written, quant_stats)
         for f in EXTRA_FILES:
             if os.path.isfile(os.path.join(hf_dir, f)):
                 shutil.copyfile(os.path.join(hf_dir, f), os.path.join(tmp, f))
         shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(tmp, "config.json"))
         with open(os.path.join(tmp, METADATA), "w") as fh:  # last: its presence marks a complete checkpoint
-            json.dump(_metadata(plan, ckpt, hf_dir), fh, indent=1)
+            meta = _metadata(plan, ckpt, hf_dir)
+            if quant_stats:
+                meta["fp8_quantization"] = _quant_report(quant_stats)
+            json.dump(meta, fh, indent=1)
             fh.flush()
             os.fsync(fh.fileno())
         _fsync(tmp)
@@ -283,6 +315,12 @@ def convert(
     for stale in _stale_dirs(parent, name, ("partial", "old")):
         shutil.rmtree(stale, ignore_errors=True)
     res = result(out)
+    if quant_stats:
+        q = _quant_report(quant_stats)
+        say(
+            f"fp8: {q['tensors']} float weights block-quantized (128x128, e4m3): relative error rms "
+            f"{q['rms_rel']:.4f}, max {q['max_rel']:.4f} (of each tensor's max |w|)"
+        )
     say(
         f"wrote {out}: {plan.num_params} params, {fmt_bytes(plan.stored_bytes)} {plan.dtype.name}"
         f"{' + fp8' if keep_fp8 and plan.quantized else ''} in {len(plan.groups)} groups, {res.seconds:.1f} s"
@@ -290,7 +328,15 @@ def convert(
     return res
 
 
-def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_written) -> None:
+def _quant_report(stats: dict) -> dict:
+    return {
+        "tensors": int(stats["tensors"]),
+        "rms_rel": float(np.sqrt(stats["err2"] / max(stats["ref2"], 1e-30))),
+        "max_rel": float(stats["max_rel"]),
+    }
+
+
+def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_written, stats=None) -> None:
     import orbax.checkpoint as ocp
 
     params_dir = os.path.join(tmp, PARAMS_DIR)
@@ -301,7 +347,7 @@ def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_writte
             tree: dict = {}
             for u in g.units:
                 for lf in u.leaves:
-                    set_path(tree, (u.key,) + lf.path, materialize(ckpt, lf, plan.cfg))
+                    set_path(tree, (u.key,) + lf.path, materialize(ckpt, lf, plan.cfg, stats))
             ck.save(os.path.join(params_dir, g.name), tree)
             del tree
             bar.set_postfix_str(f"{k + 1}/{len(plan.groups)} groups, {g.units[-1].key}", refresh=False)
@@ -329,6 +375,7 @@ def _metadata(plan: Plan, ckpt: CheckpointDir, hf_dir: str) -> dict:
         },
         "dtype": plan.dtype.name,
         "keep_fp8": bool(plan.keep_fp8 and plan.quantized),
+        "weights": plan.weights,
         "fp8_block": list(fp8_block(plan.cfg)),
         "versions": _versions(),
         "tensors": {
