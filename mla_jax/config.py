@@ -165,6 +165,8 @@ class DeepseekConfig:
     index_head_dim: int = 0  # D_I (its first R dims carry RoPE)
     index_rope_interleave: bool = False  # V3.2: half-split RoPE in the indexer; GLM-MoE-DSA: interleaved pairs
     indexer_types: tuple[str, ...] | None = None  # per layer "full" (runs the indexer) | "shared" (reuses)
+    # Multi-token-prediction layers after the last decoder layer (model.layers.{num_hidden_layers + i}.*).
+    num_nextn_predict_layers: int = 0
 
     # Derived dims.
     @property
@@ -379,6 +381,7 @@ def _parse(d: Mapping[str, Any]) -> DeepseekConfig:
         hidden_act=_get(d, "hidden_act", str, "silu"),
         attention_bias=_get(d, "attention_bias", bool, False),
         quantization=_parse_quant(d),
+        num_nextn_predict_layers=_get(d, "num_nextn_predict_layers", int, 0),
         **(_parse_sparse(d, model_type) if model_type in _SPARSE else {}),
     )
     _validate(cfg)

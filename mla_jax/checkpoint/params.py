@@ -4,7 +4,7 @@ directly into memory.
 Accepted layouts: single `model.safetensors` or shards with `model.safetensors.index.json`; experts per expert
 (`mlp.experts.{j}.{gate,up,down}_proj.weight`, the hub format) or transformers' fused layout
 (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); bf16/fp16/fp32 weights, and
-DeepSeek-V3's block FP8 weights (dequantized). The MTP layer (`model.layers.{num_hidden_layers}.*`) is skipped.
+DeepSeek-V3's block FP8 weights (dequantized). The MTP layers (`validate.mtp_layer_index`) are skipped.
 """
 
 from __future__ import annotations

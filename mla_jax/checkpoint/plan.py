@@ -12,7 +12,7 @@ max(max_group_mb, largest unit) plus allocator slack.
 FP8 weights are dequantized to `dtype` by default. With `keep_fp8=True` they are stored as e4m3 next to a
 `weight_scale_inv` leaf (about half the disk of bf16) and dequantized per layer on load. kv_b_proj is always
 dequantized (it is split per head into W_UK_T / W_UV across block boundaries). The router is kept in float32.
-The MTP layer (model.layers.{num_hidden_layers}.*) is skipped and counted.
+The MTP layers (`validate.mtp_layer_index`) are skipped and counted.
 """
 
 from __future__ import annotations
