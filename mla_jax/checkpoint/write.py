@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block, has_fp8_nan
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
-from mla_jax.checkpoint.layout import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, set_path
+from mla_jax.checkpoint.layout import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, checksum, set_path
 from mla_jax.checkpoint.plan import DEFAULT_MAX_GROUP_MB, ConvertError, Leaf, Plan, describe_plan, fmt_bytes, make_plan
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import FP8_E4M3, as_dtype
@@ -69,7 +69,10 @@ def _read(ckpt: CheckpointDir, name: str, part: str, select, block) -> np.ndarra
         if has_fp8_nan(w):
             raise CheckpointError(f"tensor '{name}' contains NaN")
         return w
-    return np.asarray(s, np.float32)
+    s = np.asarray(s, np.float32)
+    if not np.isfinite(s).all():
+        raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' contains NaN or Inf (corrupted?)")
+    return s
 
 
 def _finish(x: np.ndarray, leaf: Leaf, cfg: DeepseekConfig, name: str) -> np.ndarray:
@@ -254,13 +257,13 @@ def convert(
             "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
         )
         with bar:
-            _write(plan, ckpt, tmp, bar, on_group_written)
+            sums = _write(plan, ckpt, tmp, bar, on_group_written)
         for f in EXTRA_FILES:
             if os.path.isfile(os.path.join(hf_dir, f)):
                 shutil.copyfile(os.path.join(hf_dir, f), os.path.join(tmp, f))
         shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(tmp, "config.json"))
         with open(os.path.join(tmp, METADATA), "w") as fh:  # last: its presence marks a complete checkpoint
-            json.dump(_metadata(plan, ckpt, hf_dir), fh, indent=1)
+            json.dump(_metadata(plan, ckpt, hf_dir, sums), fh, indent=1)
             fh.flush()
             os.fsync(fh.fileno())
         _fsync(tmp)
@@ -290,8 +293,11 @@ def convert(
     return res
 
 
-def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_written) -> None:
+def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_written) -> dict[tuple, str]:
+    """Every group as an orbax checkpoint under tmp/params; returns {(unit key, *leaf path): checksum}."""
     import orbax.checkpoint as ocp
+
+    sums: dict[tuple, str] = {}
 
     params_dir = os.path.join(tmp, PARAMS_DIR)
     os.mkdir(params_dir)
@@ -301,7 +307,9 @@ def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_writte
             tree: dict = {}
             for u in g.units:
                 for lf in u.leaves:
-                    set_path(tree, (u.key,) + lf.path, materialize(ckpt, lf, plan.cfg))
+                    x = materialize(ckpt, lf, plan.cfg)
+                    sums[(u.key,) + lf.path] = checksum(x)
+                    set_path(tree, (u.key,) + lf.path, x)
             ck.save(os.path.join(params_dir, g.name), tree)
             del tree
             bar.set_postfix_str(f"{k + 1}/{len(plan.groups)} groups, {g.units[-1].key}", refresh=False)
@@ -310,9 +318,10 @@ def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_writte
                 on_group_written(k + 1)
     finally:
         ck.close()
+    return sums
 
 
-def _metadata(plan: Plan, ckpt: CheckpointDir, hf_dir: str) -> dict:
+def _metadata(plan: Plan, ckpt: CheckpointDir, hf_dir: str, sums: dict[tuple, str]) -> dict:
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf_cfg = json.load(f)
     return {
@@ -350,7 +359,13 @@ def _metadata(plan: Plan, ckpt: CheckpointDir, hf_dir: str) -> dict:
                 "layer": u.layer,
                 "experts": list(u.experts) if u.experts else None,
                 "leaves": [
-                    {"path": list(lf.path), "shape": list(lf.shape), "dtype": lf.dtype, "from": lf.origin}
+                    {
+                        "path": list(lf.path),
+                        "shape": list(lf.shape),
+                        "dtype": lf.dtype,
+                        "from": lf.origin,
+                        "crc32": sums[(u.key,) + lf.path],
+                    }
                     for lf in u.leaves
                 ],
             }

@@ -4,13 +4,14 @@ Makefile's stale-venv check, clean interruption of `convert`, and a seeded fuzz 
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
 
 from mla_jax.checkpoint import CheckpointError, convert, load_model, mtp_layer_index
 from mla_jax.config import DeepseekConfig
-from tests.mla_jax.helpers import copy_fixture, read_tensors, rewrite_tensors
+from tests.mla_jax.helpers import FIXTURES, copy_fixture, read_tensors, rewrite_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FP8_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hf_fp8")
@@ -74,3 +75,84 @@ def test_strict_names_on_load_and_convert(tmp_path, what, match):
     with pytest.raises(CheckpointError, match=match):
         convert(str(d), str(tmp_path / "out"), **_quiet())
     assert not os.path.exists(tmp_path / "out")
+
+
+# ------------------------------------------------------------------------------------- 2. NaN / Inf weights
+
+
+@pytest.mark.parametrize(
+    "tensor,value",
+    [
+        ("model.layers.2.mlp.experts.5.up_proj.weight", np.nan),  # a stacked expert: named with its index
+        ("model.layers.0.self_attn.kv_b_proj.weight", np.inf),  # split into W_UK_T / W_UV on load
+        ("lm_head.weight", -np.inf),
+    ],
+)
+def test_nonfinite_weights_rejected_by_load_model(tmp_path, tensor, value):
+    d = copy_fixture("v3", tmp_path)
+    t = read_tensors(d)
+    t[tensor].reshape(-1)[7] = value
+    rewrite_tensors(d, t)
+    with pytest.raises(CheckpointError, match=f"tensor '{tensor}' contains NaN or Inf"):
+        load_model(str(d))
+
+
+def test_nan_fp8_scale_rejected_by_load_and_convert(tmp_path):
+    d = tmp_path / "fp8"
+    shutil.copytree(FP8_FIXTURE, d)
+    t = read_tensors(d)
+    name = "model.layers.2.mlp.experts.3.down_proj.weight_scale_inv"
+    t[name][0, 0] = np.nan
+    rewrite_tensors(d, t)
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' contains NaN or Inf"):
+        load_model(str(d))
+    for keep_fp8 in (False, True):
+        with pytest.raises(CheckpointError, match=f"tensor '{name}' contains NaN or Inf"):
+            convert(str(d), str(tmp_path / "out"), keep_fp8=keep_fp8, **_quiet())
+
+
+# --------------------------------------------------------------------------- 3. checksums of converted files
+
+
+def _rewrite_group_array(out, unit, leaf_path, edit):
+    """Replace one array of a converted checkpoint through orbax itself (valid files, wrong contents)."""
+    import orbax.checkpoint as ocp
+
+    gdir = os.path.join(out, "params", "group_00000")
+    ck = ocp.PyTreeCheckpointer()
+    tree = ck.restore(gdir)
+    node = tree[unit]
+    for k in leaf_path[:-1]:
+        node = node[k]
+    node[leaf_path[-1]] = edit(np.array(node[leaf_path[-1]]))
+    shutil.rmtree(gdir)
+    ck.save(gdir, tree)
+    ck.close()
+
+
+def test_checksums_catch_byte_corruption_and_no_verify_skips_them(tmp_path):
+    src = os.path.join(FIXTURES, "v3")
+    out = str(tmp_path / "out")
+    convert(src, out, dtype="fp32", **_quiet())
+    meta = json.load(open(os.path.join(out, "mla_jax_checkpoint.json")))
+    assert all(len(lf["crc32"]) == 8 for u in meta["units"] for lf in u["leaves"])
+    _, want = load_model(out)
+    data = os.path.join(out, "params", "group_00000", "ocdbt.process_0", "d")
+    big = max((os.path.join(data, f) for f in os.listdir(data)), key=os.path.getsize)
+    raw = bytearray(open(big, "rb").read())
+    raw[len(raw) // 2] ^= 0x10  # one flipped bit in the middle of the weights
+    open(big, "wb").write(raw)
+    with pytest.raises(CheckpointError, match=r"array \S+ \(from model\.layers\.\S+\) fails its checksum"):
+        load_model(out)
+    _, got = load_model(out, verify=False)  # skipped: loads, and the weights differ
+    import jax
+
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
+
+    # Valid files with a NaN written in: the checksum names it, and without it the NaN check does.
+    convert(src, out, dtype="fp32", force=True, **_quiet())
+    _rewrite_group_array(out, "layer_001-core", ("self_attn", "o_proj", "weight"), lambda x: x * np.nan)
+    with pytest.raises(CheckpointError, match=r"layer_001-core/self_attn/o_proj/weight .*fails its checksum"):
+        load_model(out)
+    with pytest.raises(CheckpointError, match="tensor 'model.layers.1.self_attn.o_proj.weight' contains NaN"):
+        load_model(out, verify=False)
