@@ -156,3 +156,68 @@ def test_checksums_catch_byte_corruption_and_no_verify_skips_them(tmp_path):
         load_model(out)
     with pytest.raises(CheckpointError, match="tensor 'model.layers.1.self_attn.o_proj.weight' contains NaN"):
         load_model(out, verify=False)
+
+
+# ------------------------------------------------------------------ 5. clear errors: EngineConfig, generate
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(page_size=0), r"EngineConfig\.page_size must be an int >= 1, got 0"),
+        (dict(max_model_len=-4), r"EngineConfig\.max_model_len must be"),
+        (dict(max_num_seqs=0), r"EngineConfig\.max_num_seqs must be"),
+        (dict(token_budget=0), r"EngineConfig\.token_budget must be"),
+        (dict(max_prefills=1.5), r"EngineConfig\.max_prefills must be"),
+        (dict(num_pages=1), r"EngineConfig\.num_pages must be an int >= 2"),
+        (dict(decode_buckets=(0, 4)), r"EngineConfig\.decode_buckets"),
+        (dict(cache_dtype="int8"), r"EngineConfig\.cache_dtype"),
+        (dict(backend="cuda"), r"EngineConfig\.backend must be one of"),
+        (dict(gmm_impl="dense"), r"EngineConfig\.gmm_impl must be one of"),
+    ],
+)
+def test_engine_config_names_the_bad_field(kw, match):
+    from mla_jax.engine import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
+
+
+def test_generate_names_the_bad_prompt_before_any_work():
+    """Validation runs on the config alone: params=None proves nothing was built or run."""
+    from mla_jax.engine import generate
+    from mla_jax.sampling import SamplingParams
+    from tests.mla_jax.helpers import tiny_config
+
+    cfg = tiny_config()  # vocab 96, max_position_embeddings 256
+    ok = [1, 2, 3]
+    cases = [
+        ([ok, [1, 2.5, 3]], SamplingParams(), r"prompt 1: token ids must be ints, got float 2\.5"),
+        ([ok, ok, "hello"], SamplingParams(), r"prompt 2: the prompt is a str: pass token ids"),
+        ([ok, [np.float32(3)]], SamplingParams(), r"prompt 1: token ids must be ints, got float32"),
+        ([[True]], SamplingParams(), r"prompt 0: token ids must be ints, got bool"),
+        ([ok, [5, 96]], SamplingParams(), r"prompt 1: token id 96 out of vocab \[0, 96\)"),
+        ([ok, []], SamplingParams(), r"prompt 1: empty prompt"),
+        ([ok, [1] * 257], SamplingParams(), r"prompt 1: prompt length 257 exceeds the model's max_position_emb"),
+        ([ok], SamplingParams(temperature=float("inf")), r"prompt 0: temperature must be a finite number"),
+        ([ok], SamplingParams(temperature=float("nan")), r"prompt 0: temperature must be a finite number"),
+        ([ok], SamplingParams(top_p=float("nan")), r"prompt 0: top_p must be in \(0, 1\]"),
+        ([ok, ok], [SamplingParams(), SamplingParams(max_new_tokens=0)], r"prompt 1: max_new_tokens"),
+        ([ok, ok], [SamplingParams(), None], r"prompt 1: sampling params must be a SamplingParams"),
+    ]
+    for prompts, sp, match in cases:
+        with pytest.raises(ValueError, match=match):
+            generate(None, cfg, prompts, sp)
+
+
+def test_engine_add_request_rejects_float_ids_and_long_prompts():
+    from mla_jax.engine import Engine, EngineConfig
+    from mla_jax.sampling import SamplingParams
+    from tests.mla_jax.helpers import tiny_config
+
+    cfg = tiny_config(num_hidden_layers=1, first_k_dense_replace=1, max_position_embeddings=32)
+    eng = Engine(None, cfg, EngineConfig(max_model_len=64, max_num_seqs=2, page_size=16, token_budget=64))
+    for prompt, match in [([1.0, 2.0], "token ids must be ints, got float 1.0"), ([1] * 33, "max_position_emb")]:
+        with pytest.raises(ValueError, match=match):
+            eng.add_request(prompt, SamplingParams(max_new_tokens=2))
+    assert not eng.has_unfinished
