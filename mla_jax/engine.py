@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Sequence, TextIO
 
 import jax
 import jax.numpy as jnp
@@ -316,10 +316,13 @@ class Engine:
         )
         return to_host(tokens), to_host(logprobs)
 
-    def warmup(self, prefill: bool = True, top_logprobs: bool = False, all_shapes: bool = False) -> float:
+    def warmup(
+        self, prefill: bool = True, top_logprobs: bool = False, all_shapes: bool = False, log: TextIO | None = None
+    ) -> float:
         """Compiles every decode bucket (and, with `prefill`, the largest prefill bucket; with `all_shapes`, every
         prefill bucket alone and with every decode bucket, so that no step compiles later; with `top_logprobs`,
-        the variants of these shapes that return top logprobs too); returns seconds."""
+        the variants of these shapes that return top logprobs too); returns seconds. `log` gets a line per
+        compiled shape with its time (the CLI passes stderr on a terminal)."""
         t0 = time.perf_counter()
         c = self.config
         shapes = [self.batch_shape(nd, 0) for nd in c.decode_buckets]
@@ -327,9 +330,19 @@ class Engine:
             shapes += [self.batch_shape(nd, tp) for tp in c.prefill_buckets for nd in (0,) + c.decode_buckets]
         elif prefill:
             shapes.append(self.batch_shape(0, c.token_budget))
-        for shape in shapes:
+        for k, shape in enumerate(shapes):
             for top in (False, True) if top_logprobs else (False,):
+                t1 = time.perf_counter()
                 self._run_empty(shape, top)
+                if log is not None:
+                    what = f"{shape.num_decodes} decode rows" if shape.num_decodes else ""
+                    if shape.num_prefill_tokens:
+                        what += (" + " if what else "") + f"{shape.num_prefill_tokens} prefill tokens"
+                    log.write(
+                        f"compiled step {k + 1}/{len(shapes)} ({what}{', top logprobs' if top else ''}): "
+                        f"{time.perf_counter() - t1:.2f} s\n"
+                    )
+                    log.flush()
         return time.perf_counter() - t0
 
     def _run_empty(self, shape: BatchShape, top_logprobs: bool = False) -> None:

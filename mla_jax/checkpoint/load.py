@@ -12,12 +12,14 @@ dequantized per layer, so the params returned are always plain weights that the 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block
 from mla_jax.checkpoint.hf import CheckpointError
@@ -259,7 +261,12 @@ def _update(stack, layer, i):
 
 
 def load_checkpoint(
-    path: str, *, dtype: Any = None, mesh: jax.sharding.Mesh | None = None, verify: bool = True
+    path: str,
+    *,
+    dtype: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
+    verify: bool = True,
+    progress: bool = False,
 ) -> tuple[DeepseekConfig, Params]:
     """A converted checkpoint -> (config, params) in the layout `mla_jax.model.forward` takes.
 
@@ -267,7 +274,8 @@ def load_checkpoint(
     to; fp8 weights kept by --keep-fp8 are dequantized to it. With `mesh` (an axis named "tp"; Auto axis
     types) every array is placed with `mla_jax.sharding.param_shardings`. Groups are restored one at a time
     and each completed layer is written into stacked, already-placed buffers by a donated in-place update, so
-    host memory stays near one group + one layer. `verify` checks each array's checksum (`layout.checksum`)."""
+    host memory stays near one group + one layer. `verify` checks each array's checksum (`layout.checksum`);
+    `progress` shows a bar over the bytes restored, on stderr."""
     import orbax.checkpoint as ocp
 
     from mla_jax.sharding import param_shardings
@@ -309,9 +317,14 @@ def load_checkpoint(
 
     pending: dict[tuple, dict] = {}
     ck = ocp.PyTreeCheckpointer()
+    nbytes = {
+        k: sum(math.prod(lf["shape"]) * as_dtype(lf["dtype"]).itemsize for lf in u["leaves"]) for k, u in units.items()
+    }
+    bar = tqdm(total=sum(nbytes.values()), unit="B", unit_scale=True, desc="loading", disable=not progress, leave=False)
     try:
         for g in meta["groups"]:
             tree = _restore_group(ck, path, g, units, verify)
+            bar.update(sum(nbytes[k] for k in g["units"]))
             for key in g["units"]:
                 u = units[key]
                 if u["stack"] is None:  # top-level leaves are complete on their own
@@ -339,6 +352,7 @@ def load_checkpoint(
                 del layer, dev
             del tree
     finally:
+        bar.close()
         ck.close()
     if pending or any(remaining.values()):
         raise CheckpointError(f"{path}: incomplete layers {sorted(k for k, v in remaining.items() if v)}")
@@ -394,15 +408,21 @@ def check_finite(params: Params, cfg: DeepseekConfig, where: str) -> None:
 
 
 def load_model(
-    path: str, dtype: Any = None, mesh: jax.sharding.Mesh | None = None, *, verify: bool = True
+    path: str,
+    dtype: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
+    *,
+    verify: bool = True,
+    progress: bool = False,
 ) -> tuple[DeepseekConfig, Params]:
     """Load a converted mla-jax checkpoint or a Hugging Face checkpoint directory, optionally onto a
     tensor-parallel `mesh` (see `load_checkpoint`). Every weight is checked for NaN / Inf (on device); a
     converted checkpoint's arrays are checked against their checksums too unless `verify=False`. Problems
-    raise CheckpointError naming the tensor (or file, or metadata field)."""
+    raise CheckpointError naming the tensor (or file, or metadata field). `progress`: a bar on stderr (the CLI
+    shows it on a terminal only)."""
     path = os.fspath(path)
     if is_converted(path):
-        cfg, params = load_checkpoint(path, dtype=dtype, mesh=mesh, verify=verify)
+        cfg, params = load_checkpoint(path, dtype=dtype, mesh=mesh, verify=verify, progress=progress)
         check_finite(params, cfg, path)
         return cfg, params
     has_weights = os.path.isdir(path) and any(
@@ -414,7 +434,9 @@ def load_model(
             f"{path}: neither a converted mla-jax checkpoint ({METADATA}) nor a Hugging Face "
             "checkpoint (config.json + model*.safetensors)"
         )
-    cfg, params = load_hf_checkpoint(path, dtype=None if dtype is None else jnp.dtype(weight_dtype(dtype)))
+    cfg, params = load_hf_checkpoint(
+        path, dtype=None if dtype is None else jnp.dtype(weight_dtype(dtype)), progress=progress
+    )
     if mesh is not None:
         from mla_jax.sharding import shard_params
 

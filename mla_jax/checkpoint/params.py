@@ -104,10 +104,22 @@ def build_params(
     return prepare_params(params, cfg)
 
 
-def load_hf_checkpoint(path: str, *, dtype: Any = None) -> tuple[DeepseekConfig, Params]:
+def load_hf_checkpoint(path: str, *, dtype: Any = None, progress: bool = False) -> tuple[DeepseekConfig, Params]:
     """config.json + safetensors in `path` -> (config, params). `dtype` (e.g. jnp.bfloat16) casts the weights;
-    None keeps the stored float dtype (fp8 weights are dequantized to float32)."""
+    None keeps the stored float dtype (fp8 weights are dequantized to float32). `progress`: a bar over the
+    bytes read, on stderr."""
+    from tqdm import tqdm
+
     cfg = DeepseekConfig.from_json(path)
     ckpt = CheckpointDir(path)
-    fused, _ = check_tensors(ckpt, cfg)
-    return cfg, build_params(lambda n: read_tensor(ckpt, n, cfg), cfg, fused_experts=fused, dtype=dtype)
+    fused, mtp = check_tensors(ckpt, cfg)
+    skip = set(mtp)
+    total = sum(ckpt.nbytes(n) for n in ckpt.keys() if n not in skip)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress, leave=False) as bar:
+
+        def get(name: str) -> np.ndarray:
+            x = read_tensor(ckpt, name, cfg)
+            bar.update(ckpt.nbytes(name) + (ckpt.nbytes(name + SCALE_SUFFIX) if name + SCALE_SUFFIX in ckpt else 0))
+            return x
+
+        return cfg, build_params(get, cfg, fused_experts=fused, dtype=dtype)

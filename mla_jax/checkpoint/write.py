@@ -14,13 +14,16 @@ as `.OUT.old-<pid>`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -243,46 +246,15 @@ def convert(
         say(f"removing {stale}: left by an interrupted conversion")
         shutil.rmtree(stale, ignore_errors=True)
     tmp = os.path.join(parent, f".{name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.mkdir(tmp)
-    try:
-        bar = tqdm(
-            total=plan.source_bytes,
-            unit="B",
-            unit_scale=True,
-            file=log,
-            disable=not progress or log is None,
-            desc="converting",
-            bar_format="{desc} {percentage:5.1f}%|{bar}| {n_fmt}{unit}/{total_fmt}{unit} "
-            "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
-        )
-        with bar:
-            sums = _write(plan, ckpt, tmp, bar, on_group_written)
-        for f in EXTRA_FILES:
-            if os.path.isfile(os.path.join(hf_dir, f)):
-                shutil.copyfile(os.path.join(hf_dir, f), os.path.join(tmp, f))
-        shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(tmp, "config.json"))
-        with open(os.path.join(tmp, METADATA), "w") as fh:  # last: its presence marks a complete checkpoint
-            json.dump(_metadata(plan, ckpt, hf_dir, sums), fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _fsync(tmp)
-        if os.path.lexists(out):
-            _check_output(hf_dir, out_dir, force)  # it may have appeared meanwhile
-            old = os.path.join(parent, f".{name}.old-{os.getpid()}")
-            os.rename(out, old)
-            try:
-                os.rename(tmp, out)
-            except BaseException:
-                os.rename(old, out)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-        _fsync(parent)
-    except BaseException:
+    with deferred_interrupts() as check_interrupt:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        os.mkdir(tmp)
+        try:
+            _write_all(plan, ckpt, hf_dir, out_dir, force, tmp, out, log, progress, on_group_written, check_interrupt)
+        except BaseException:
+            with ignored_interrupts():  # a second Ctrl-C must not stop the clean-up half-way
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
     for stale in _stale_dirs(parent, name, ("partial", "old")):
         shutil.rmtree(stale, ignore_errors=True)
     res = result(out)
@@ -293,7 +265,97 @@ def convert(
     return res
 
 
-def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_written) -> dict[tuple, str]:
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised by a conversion at a safe point (between arrays); str() is the signal's name."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Within it SIGINT / SIGTERM only set a flag, which the yielded `check()` raises as `Interrupted`: so an
+    interruption never lands inside orbax's save, whose worker threads would go on writing into the partial
+    directory after it is removed (the directory it then left behind, with pages of tracebacks). A second
+    signal raises at once. Outside the main thread (no signal handlers there) `check()` does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    got: list[int] = []
+
+    def handler(signum, frame):
+        if got:
+            raise Interrupted(signum)
+        got.append(signum)
+
+    def check() -> None:
+        if got:
+            raise Interrupted(got[0])
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield check
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def ignored_interrupts():
+    """SIGINT / SIGTERM ignored within (main thread only): for clean-up that must finish."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _write_all(plan, ckpt, hf_dir, out_dir, force, tmp, out, log, progress, on_group_written, check_interrupt):
+    """The groups, extra files and metadata into `tmp`, then `tmp` renamed to `out` (see the module doc)."""
+    parent, name = os.path.dirname(out), os.path.basename(out)
+    bar = tqdm(
+        total=plan.source_bytes,
+        unit="B",
+        unit_scale=True,
+        file=log,
+        disable=not progress or log is None,
+        desc="converting",
+        bar_format="{desc} {percentage:5.1f}%|{bar}| {n_fmt}{unit}/{total_fmt}{unit} "
+        "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
+    )
+    with bar:
+        sums = _write(plan, ckpt, tmp, bar, on_group_written, check_interrupt)
+    for f in EXTRA_FILES:
+        if os.path.isfile(os.path.join(hf_dir, f)):
+            shutil.copyfile(os.path.join(hf_dir, f), os.path.join(tmp, f))
+    shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(tmp, "config.json"))
+    with open(os.path.join(tmp, METADATA), "w") as fh:  # last: its presence marks a complete checkpoint
+        json.dump(_metadata(plan, ckpt, hf_dir, sums), fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync(tmp)
+    check_interrupt()  # the last chance: after the rename the conversion is complete
+    if os.path.lexists(out):
+        _check_output(hf_dir, out_dir, force)  # it may have appeared meanwhile
+        old = os.path.join(parent, f".{name}.old-{os.getpid()}")
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+    _fsync(parent)
+
+
+def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_written, check_interrupt) -> dict[tuple, str]:
     """Every group as an orbax checkpoint under tmp/params; returns {(unit key, *leaf path): checksum}."""
     import orbax.checkpoint as ocp
 
@@ -307,6 +369,7 @@ def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_writte
             tree: dict = {}
             for u in g.units:
                 for lf in u.leaves:
+                    check_interrupt()
                     x = materialize(ckpt, lf, plan.cfg)
                     sums[(u.key,) + lf.path] = checksum(x)
                     set_path(tree, (u.key,) + lf.path, x)
@@ -316,6 +379,7 @@ def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_writte
             bar.update(g.source_bytes)
             if on_group_written is not None:
                 on_group_written(k + 1)
+            check_interrupt()
     finally:
         ck.close()
     return sums
