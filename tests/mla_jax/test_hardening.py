@@ -221,3 +221,156 @@ def test_engine_add_request_rejects_float_ids_and_long_prompts():
         with pytest.raises(ValueError, match=match):
             eng.add_request(prompt, SamplingParams(max_new_tokens=2))
     assert not eng.has_unfinished
+
+
+# ------------------------------------------------------- 4, 5, 6. the CLI: flags first, clear errors, progress
+
+
+# Runs `mla_jax.cli.main` (the `mla-jax` entry point) on each argv of a JSON list in one fresh process (one JAX
+# import for all of them); prints [[exit code, stderr], ...].
+BATCH_CLI = """
+import contextlib, io, json, sys
+from mla_jax.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+    out.append([rc, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def _env():
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+
+
+def _batch_cli(argvs):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", BATCH_CLI, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _tokenizer(path):
+    """A byte-level BPE tokenizer with at most 256 tokens (the fixtures' vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def hello(world):\n    return world * 2\n"] * 20, trainer)
+    tok.save(str(path))
+
+
+def test_cli_validates_everything_before_loading(tmp_path):
+    """Every bad flag or prompt is refused from config.json alone: the model directory has no weights, so any
+    check made after loading would report the missing weights instead (the last case)."""
+    bare = tmp_path / "bare"  # v3's config.json (vocab 256, max_position_embeddings 512) + a tokenizer, no weights
+    bare.mkdir()
+    shutil.copy(os.path.join(FIXTURES, "v3", "config.json"), bare)
+    _tokenizer(bare / "tokenizer.json")
+    badtok = tmp_path / "badtok"
+    shutil.copytree(bare, badtok)
+    (badtok / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": ')
+    conv = tmp_path / "conv"
+    convert(os.path.join(FIXTURES, "v2"), str(conv), **_quiet())
+    meta = json.loads((conv / "mla_jax_checkpoint.json").read_text())
+    del meta["units"][1]["leaves"][0]["crc32"]
+    (conv / "mla_jax_checkpoint.json").write_text(json.dumps(meta))
+
+    g = ["generate", "--model", str(bare)]
+    ids = ["--prompt-ids", "1,2,3"]
+    cases = [
+        (g + ids + ["--top-p", "1.5"], 2, r"--top-p must be in \(0, 1\], got 1\.5"),
+        (g + ids + ["--temperature", "inf"], 2, "--temperature must be a finite number >= 0, got inf"),
+        (g + ids + ["--top-k", "-1"], 2, "--top-k must be an int >= 0"),
+        (g + ids + ["--seed", "-1"], 2, "--seed must be an int"),
+        (g + ids + ["--max-new-tokens", "0"], 2, "--max-new-tokens must be an int >= 1"),
+        (
+            g + ids + ["--max-new-tokens", "1000000000"],
+            2,
+            r"--max-new-tokens 1000000000: the prompt \(3 tokens\) \+ 1000000000 new tokens exceed the model's "
+            r"max_position_embeddings 512; at most 509 new tokens fit",
+        ),
+        (
+            g + ["--prompt-ids", ",".join(["7"] * 600)],
+            2,
+            r"the prompt \(600 tokens\) is longer than the model's max_position_embeddings 512",
+        ),
+        (g + ["--prompt-ids", "1,2.5"], 2, "--prompt-ids must be comma-separated integers"),
+        (g + ["--prompt-ids", "1,256"], 2, r"--prompt-ids: token id 256 out of vocab \[0, 256\)"),
+        (g + ids + ["--cache-dtype", "int8"], 2, "invalid choice"),
+        (["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"], 2, "nope: the directory does not exist"),
+        (["generate", "--model", str(badtok), "--prompt", "hi"], 1, r"badtok/tokenizer\.json: not a valid tokenizer"),
+        (["generate", "--model", str(conv)] + ids, 1, r"missing field 'units\[1\]\.leaves\[0\]\.crc32'"),
+        (g + ids, 1, "neither a converted mla-jax checkpoint"),  # valid flags: only now is the model loaded
+    ]
+    import re
+
+    for (argv, code, match), (rc, err) in zip(cases, _batch_cli([c[0] for c in cases])):
+        assert rc == code and re.search(match, err), (argv[3:], rc, err)
+        assert len(err.strip().splitlines()) == 1 or code == 2 and "usage:" in err, err  # one line, no traceback
+
+
+def test_cli_progress_on_a_terminal_only(tmp_path):
+    """On a terminal `generate` shows the load bar and a line per compiled step; with --quiet nothing (and piped,
+    test_cli's runs check, nothing either)."""
+    import fcntl
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    d = copy_fixture("v3", tmp_path)
+    _tokenizer(d / "tokenizer.json")
+    argv = ["generate", "--model", str(d), "--prompt-ids", "5,9", "--max-new-tokens", "2", "--no-stop"]
+    script = (
+        "import sys; from mla_jax.cli import main\n"
+        f"assert main({argv!r}) == 0\n"
+        "print('=== quiet ===', file=sys.stderr, flush=True)\n"
+        f"assert main({argv + ['--quiet']!r}) == 0\n"
+    )
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 0-column terminal shows no bar
+    p = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env=_env(),
+        cwd=ROOT,
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    p.wait(timeout=240)
+    err = b"".join(chunks).decode(errors="replace")
+    assert p.returncode == 0, err[-3000:]
+    loud, quiet = err.split("=== quiet ===")
+    assert "loading" in loud and f"loaded {d}" in loud and "compiled step 1/1 (1 decode rows): " in loud, loud
+    for word in ("loading", "loaded", "compiled step", "prefill ("):
+        assert word not in quiet, quiet
+    assert "tokens/s" in quiet  # the summary line stays
