@@ -246,11 +246,11 @@ def convert(
         say(f"removing {stale}: left by an interrupted conversion")
         shutil.rmtree(stale, ignore_errors=True)
     tmp = os.path.join(parent, f".{name}.partial-{os.getpid()}")
-    with deferred_interrupts() as check_interrupt:
+    with interrupt_guard() as deferred:
         shutil.rmtree(tmp, ignore_errors=True)
         os.mkdir(tmp)
         try:
-            _write_all(plan, ckpt, hf_dir, out_dir, force, tmp, out, log, progress, on_group_written, check_interrupt)
+            _write_all(plan, ckpt, hf_dir, out_dir, force, tmp, out, log, progress, on_group_written, deferred)
         except BaseException:
             with ignored_interrupts():  # a second Ctrl-C must not stop the clean-up half-way
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -273,29 +273,44 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+class _Interrupts:
+    """SIGINT / SIGTERM as `Interrupted`, except inside `deferred()` sections, where the first one waits for the
+    section's end: orbax's save runs worker threads that would go on writing into the partial directory after
+    it is removed (an interrupted conversion then left it behind, with pages of tracebacks). A second signal
+    raises at once."""
+
+    def __init__(self):
+        self.pending: int | None = None
+        self.depth = 0
+
+    def handler(self, signum, frame):
+        if self.depth and self.pending is None:
+            self.pending = signum
+            return
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        if self.pending is not None and not self.depth:
+            raise Interrupted(self.pending)
+
+
 @contextlib.contextmanager
-def deferred_interrupts():
-    """Within it SIGINT / SIGTERM only set a flag, which the yielded `check()` raises as `Interrupted`: so an
-    interruption never lands inside orbax's save, whose worker threads would go on writing into the partial
-    directory after it is removed (the directory it then left behind, with pages of tracebacks). A second
-    signal raises at once. Outside the main thread (no signal handlers there) `check()` does nothing."""
+def interrupt_guard():
+    """Installs `_Interrupts`' handler for SIGINT / SIGTERM within (main thread only: elsewhere signals are the
+    caller's and `deferred()` does nothing); yields its `deferred`."""
     if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
+        yield contextlib.nullcontext
         return
-    got: list[int] = []
-
-    def handler(signum, frame):
-        if got:
-            raise Interrupted(signum)
-        got.append(signum)
-
-    def check() -> None:
-        if got:
-            raise Interrupted(got[0])
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    guard = _Interrupts()
+    old = {s: signal.signal(s, guard.handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield check
+        yield guard.deferred
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -315,7 +330,7 @@ def ignored_interrupts():
             signal.signal(s, h)
 
 
-def _write_all(plan, ckpt, hf_dir, out_dir, force, tmp, out, log, progress, on_group_written, check_interrupt):
+def _write_all(plan, ckpt, hf_dir, out_dir, force, tmp, out, log, progress, on_group_written, deferred):
     """The groups, extra files and metadata into `tmp`, then `tmp` renamed to `out` (see the module doc)."""
     parent, name = os.path.dirname(out), os.path.basename(out)
     bar = tqdm(
@@ -329,7 +344,7 @@ def _write_all(plan, ckpt, hf_dir, out_dir, force, tmp, out, log, progress, on_g
         "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
     )
     with bar:
-        sums = _write(plan, ckpt, tmp, bar, on_group_written, check_interrupt)
+        sums = _write(plan, ckpt, tmp, bar, on_group_written, deferred)
     for f in EXTRA_FILES:
         if os.path.isfile(os.path.join(hf_dir, f)):
             shutil.copyfile(os.path.join(hf_dir, f), os.path.join(tmp, f))
@@ -339,23 +354,23 @@ def _write_all(plan, ckpt, hf_dir, out_dir, force, tmp, out, log, progress, on_g
         fh.flush()
         os.fsync(fh.fileno())
     _fsync(tmp)
-    check_interrupt()  # the last chance: after the rename the conversion is complete
-    if os.path.lexists(out):
-        _check_output(hf_dir, out_dir, force)  # it may have appeared meanwhile
-        old = os.path.join(parent, f".{name}.old-{os.getpid()}")
-        os.rename(out, old)
-        try:
+    with deferred():  # the two renames are not interrupted between them
+        if os.path.lexists(out):
+            _check_output(hf_dir, out_dir, force)  # it may have appeared meanwhile
+            old = os.path.join(parent, f".{name}.old-{os.getpid()}")
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
             os.rename(tmp, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-    _fsync(parent)
+        _fsync(parent)
 
 
-def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_written, check_interrupt) -> dict[tuple, str]:
+def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_written, deferred) -> dict[tuple, str]:
     """Every group as an orbax checkpoint under tmp/params; returns {(unit key, *leaf path): checksum}."""
     import orbax.checkpoint as ocp
 
@@ -369,17 +384,16 @@ def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_writte
             tree: dict = {}
             for u in g.units:
                 for lf in u.leaves:
-                    check_interrupt()
                     x = materialize(ckpt, lf, plan.cfg)
                     sums[(u.key,) + lf.path] = checksum(x)
                     set_path(tree, (u.key,) + lf.path, x)
-            ck.save(os.path.join(params_dir, g.name), tree)
+            with deferred():  # never interrupted inside orbax's save (see `_Interrupts`)
+                ck.save(os.path.join(params_dir, g.name), tree)
             del tree
             bar.set_postfix_str(f"{k + 1}/{len(plan.groups)} groups, {g.units[-1].key}", refresh=False)
             bar.update(g.source_bytes)
             if on_group_written is not None:
                 on_group_written(k + 1)
-            check_interrupt()
     finally:
         ck.close()
     return sums

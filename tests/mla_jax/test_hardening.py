@@ -374,3 +374,46 @@ def test_cli_progress_on_a_terminal_only(tmp_path):
     for word in ("loading", "loaded", "compiled step", "prefill ("):
         assert word not in quiet, quiet
     assert "tokens/s" in quiet  # the summary line stays
+
+
+# ------------------------------------------------------------------------- 8. interrupting `convert`
+
+# `mla-jax convert ARGS`, sending itself SIGNAL 1 ms after the second group is written: it lands in the middle
+# of the next group's writes (orbax's save, with its worker threads), where an interruption used to leave the
+# partial directory behind.
+SIGNALLING_CLI = """
+import functools, os, signal, sys, threading
+import mla_jax.checkpoint
+from mla_jax.cli import main
+
+sig = getattr(signal, sys.argv[1])
+
+def hook(written):
+    if written == 2:
+        threading.Timer(0.001, os.kill, (os.getpid(), sig)).start()
+
+mla_jax.checkpoint.convert = functools.partial(mla_jax.checkpoint.convert, on_group_written=hook)
+sys.exit(main(["convert", *sys.argv[2:]]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_interrupted_convert_cleans_up_and_prints_one_line(tmp_path, sig):
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    src = os.path.join(FIXTURES, "v3")
+    r = subprocess.run(
+        [sys.executable, "-c", SIGNALLING_CLI, sig, src, str(out), "--max-group-mb", "0.02", "--dtype", "fp32"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=240,
+    )
+    lines = [ln for ln in r.stderr.replace("\r", "\n").splitlines() if ln.strip() and not ln.startswith("converting")]
+    assert r.returncode == 128 + getattr(signal, sig), r.stderr[-3000:]
+    assert lines == [f"mla-jax convert: interrupted ({sig}); the partial output is removed"], r.stderr[-3000:]
+    assert os.listdir(tmp_path) == []  # no OUT, no .out.partial-PID
