@@ -417,3 +417,44 @@ def test_interrupted_convert_cleans_up_and_prints_one_line(tmp_path, sig):
     assert r.returncode == 128 + getattr(signal, sig), r.stderr[-3000:]
     assert lines == [f"mla-jax convert: interrupted ({sig}); the partial output is removed"], r.stderr[-3000:]
     assert os.listdir(tmp_path) == []  # no OUT, no .out.partial-PID
+
+
+# ---------------------------------------------------------------------- 8. the Makefile's venv, the README
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_makefile_rebuilds_a_stale_venv_and_names_a_wrong_python(tmp_path):
+    import subprocess
+
+    for f in ("Makefile", "pyproject.toml"):
+        shutil.copy(os.path.join(ROOT, f), tmp_path)
+    old = tmp_path / "python3.10"  # answers --version, fails everything else (our >= 3.12 check included)
+    old.write_text('#!/bin/sh\ncase "$1" in --version) echo "Python 3.10.12";; *) exit 1;; esac\n')
+    new = tmp_path / "python3.12"  # passes the check; its `-m venv` does nothing, so the pip step fails after
+    new.write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    shutil.copy(old, tmp_path / ".venv" / "bin" / "python")
+    for p in (old, new, tmp_path / ".venv" / "bin" / "python"):
+        p.chmod(0o755)
+    stamp = tmp_path / ".venv" / ".installed"
+    stamp.touch()
+    os.utime(stamp, (os.path.getmtime(tmp_path / "pyproject.toml") + 10,) * 2)  # newer than pyproject.toml
+
+    def make(py):
+        return subprocess.run(["make", "install", f"PY={py}"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    r = make(new)
+    assert "removing .venv: made by another Python (Python 3.10.12)" in r.stdout, r.stdout + r.stderr
+    assert not (tmp_path / ".venv" / "bin" / "python").exists()
+    r = make(old)
+    assert r.returncode != 0
+    assert (
+        f"make: mla-jax needs Python >= 3.12 and PY={old} is Python 3.10.12; install 3.12 and run: "
+        "make PY=/path/to/python3.12 install"
+    ) == r.stdout.strip(), r.stdout + r.stderr
+
+
+def test_readme_says_how_to_get_the_cli_on_path():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    quickstart = readme[readme.index("## Quickstart") : readme.index("## Use")]
+    assert ".venv/bin/mla-jax" in quickstart and "source .venv/bin/activate" in quickstart
