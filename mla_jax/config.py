@@ -286,6 +286,9 @@ def _parse_rope(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     # transformers >= 5 writes `rope_parameters` (with rope_theta inside); hub checkpoints `rope_scaling`.
     rp = d.get("rope_parameters") or {}
     rs = d.get("rope_scaling") or {}
+    for name, v in (("rope_parameters", rp), ("rope_scaling", rs)):
+        if not isinstance(v, Mapping):
+            raise ConfigError(f"config.json: field '{name}' must be an object or null, got {v!r}")
     theta = d.get("rope_theta", rp.get("rope_theta", 10000.0))
     if not isinstance(theta, (int, float)) or theta <= 0:
         raise ConfigError(f"config.json: field 'rope_theta' must be a positive number, got {theta!r}")
@@ -315,6 +318,8 @@ def _parse_quant(d: Mapping[str, Any]) -> QuantizationConfig | None:
     q = d.get("quantization_config")
     if not q:
         return None
+    if not isinstance(q, Mapping):
+        raise ConfigError(f"config.json: field 'quantization_config' must be an object or null, got {q!r}")
     method = q.get("quant_method")
     if method != "fp8":
         raise ConfigError(

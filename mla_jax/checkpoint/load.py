@@ -101,8 +101,9 @@ def _check_metadata(meta: dict, mpath: str) -> None:
     """The fields the loader reads: present, of the right types, and consistent (every unit in one group, every
     stack named); so a malformed file is an error naming the field, never a KeyError later."""
     f = lambda obj, key, typ, where="": _field(obj, key, typ, where, mpath)  # noqa: E731
+    dtype = f(meta, "dtype", str)
     try:
-        weight_dtype(f(meta, "dtype", str))
+        weight_dtype(dtype)
     except CheckpointError:
         raise CheckpointError(f"{mpath}: field 'dtype' is {meta['dtype']!r}, expected bfloat16 or float32") from None
     if meta.get("fp8_block") is not None:

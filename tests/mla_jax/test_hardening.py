@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -458,3 +459,170 @@ def test_readme_says_how_to_get_the_cli_on_path():
     readme = open(os.path.join(ROOT, "README.md")).read()
     quickstart = readme[readme.index("## Quickstart") : readme.index("## Use")]
     assert ".venv/bin/mla-jax" in quickstart and "source .venv/bin/activate" in quickstart
+
+
+# ------------------------------------------------------------------------------------------------- fuzz
+
+FUZZ_CASES = int(
+    os.environ.get("MLA_JAX_FUZZ_CASES", 60)
+)  # ~0.05 s each once the first load compiled; seeded, so a failure names a reproducible case
+JUNK = [0, -1, 10**12, 1.5, "x", None, [], {}, True]
+
+
+def _header_flip(d, rng):
+    """One byte of model.safetensors' JSON header xor'ed with a random bit pattern."""
+    p = d / "model.safetensors"
+    raw = bytearray(p.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    pos = 8 + int(rng.integers(n))
+    raw[pos] ^= int(rng.integers(1, 256))
+    p.write_bytes(bytes(raw))
+    return f"header byte {pos}"
+
+
+def _mutate_hf(d, tensors, cfg_dict, rng):
+    """One random mutation of an HF checkpoint directory -> (description, expectation): "error" (must raise a
+    named error), "same" (must load the reference params exactly) or "either" (one of the two, or for config
+    values a load of a valid config)."""
+    names = sorted(tensors)
+    t = dict(tensors)
+    name = names[int(rng.integers(len(names)))]
+    kind = ["header", "shape", "dtype", "missing", "extra", "ignored", "mtp", "config"][int(rng.integers(8))]
+    if kind == "header":
+        return _header_flip(d, rng), "either"
+    if kind == "config":
+        key = sorted(cfg_dict)[int(rng.integers(len(cfg_dict)))]
+        value = JUNK[int(rng.integers(len(JUNK)))]
+        _edit_config(d, **{key: value})
+        return f"config {key}={value!r}", "either"
+    if kind == "shape":
+        x = t[name]
+        shape = list(x.shape)
+        op = int(rng.integers(3))
+        if op == 0:
+            shape[int(rng.integers(len(shape)))] += int(rng.integers(1, 3))
+        elif op == 1 and len(shape) > 1:
+            shape = shape[:-2] + [shape[-2] * shape[-1]]
+        else:
+            shape = [1] + shape
+        t[name] = np.resize(x, shape)
+        desc = f"shape of {name} {x.shape} -> {tuple(shape)}"
+    elif kind == "dtype":
+        dt = [np.int32, np.int8, np.uint8, np.bool_, np.int64, ml_dtypes.float8_e5m2][int(rng.integers(6))]
+        t[name] = t[name].astype(dt)
+        desc = f"dtype of {name} -> {np.dtype(dt).name}"
+    elif kind == "missing":
+        del t[name]
+        desc = f"missing {name}"
+    elif kind == "extra":
+        layer = int(rng.integers(0, 12))
+        rel = ["extra.weight", "mlp.experts.99.up_proj.weight", "enorm.weight", "self_attn.o_proj.weight"]
+        extra = f"model.layers.{layer}.{rel[int(rng.integers(len(rel)))]}"
+        if extra in t:
+            extra = "model.extra.weight"
+        t[extra] = np.ones(4, np.float32)
+        desc = f"extra {extra}"
+    elif kind == "ignored":
+        layer = int(rng.integers(0, 3))
+        t[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+        rewrite_tensors(d, t)
+        return "an ignored rotary_emb.inv_freq buffer", "same"
+    else:  # a declared MTP layer, as DeepSeek-V3 ships it
+        pre = f"model.layers.{cfg_dict['num_hidden_layers']}."
+        t |= {pre + k: np.ones(4, np.float32) for k in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")}
+        t[pre + "eh_proj.weight"] = np.ones((4, 8), np.float32)
+        t[pre + "self_attn.o_proj.weight"] = np.ones((4, 4), np.float32)
+        rewrite_tensors(d, t)
+        _edit_config(d, num_nextn_predict_layers=1)
+        return "a declared MTP layer", "same"
+    rewrite_tensors(d, t)
+    return desc, "error"
+
+
+def _mutate_converted(d, meta, rng):
+    """One random mutation of a converted checkpoint: a metadata field deleted or replaced by junk, or a byte of
+    a group's files flipped."""
+    if rng.integers(2):
+        data = sorted(p for p in (d / "params").rglob("*") if p.is_file())
+        p = data[int(rng.integers(len(data)))]
+        raw = bytearray(p.read_bytes())
+        if not raw:
+            return f"empty {p.name}", "same"
+        pos = int(rng.integers(len(raw)))
+        raw[pos] ^= int(rng.integers(1, 256))
+        p.write_bytes(bytes(raw))
+        return f"byte {pos} of {p.relative_to(d)}", "either"
+    m = json.loads(json.dumps(meta))
+    node, path = m, []
+    while isinstance(node, (dict, list)) and node and (not path or rng.random() < 0.7):
+        keys = sorted(node) if isinstance(node, dict) else list(range(len(node)))
+        k = keys[int(rng.integers(len(keys)))]
+        if not isinstance(node[k], (dict, list)) or not node[k]:
+            break
+        node, path = node[k], path + [k]
+    keys = sorted(node) if isinstance(node, dict) else list(range(len(node)))
+    k = keys[int(rng.integers(len(keys)))]
+    if isinstance(node, dict) and rng.integers(2):
+        del node[k]
+        desc = f"metadata {path + [k]} deleted"
+    else:
+        node[k] = JUNK[int(rng.integers(len(JUNK)))]
+        desc = f"metadata {path + [k]} = {node[k]!r}"
+    (d / "mla_jax_checkpoint.json").write_text(json.dumps(m))
+    return desc, "either"
+
+
+def test_fuzz_loaders_give_a_correct_load_or_a_named_error(tmp_path):
+    """Seeded random mutations of a small HF checkpoint (header bytes, shapes, dtypes, missing / extra / MTP
+    tensors, config values) and of its conversion (metadata fields, bytes of the group files): every load either
+    returns the reference params bit for bit (or, for a changed config value, a model of valid shapes) or raises
+    CheckpointError / ConfigError; any other exception, a hang (SIGALRM) or different params fail."""
+    import signal
+
+    from mla_jax.config import ConfigError
+    from tests.mla_jax.helpers import assert_same_params
+
+    base = copy_fixture("v2", tmp_path / "base")
+    tensors = read_tensors(base)
+    cfg_dict = json.loads((base / "config.json").read_text())
+    ref_cfg, ref = load_model(str(base))
+    conv = tmp_path / "base" / "conv"
+    convert(str(base), str(conv), dtype="fp32", **_quiet())
+    meta = json.loads((conv / "mla_jax_checkpoint.json").read_text())
+    assert_same_params(load_model(str(conv))[1], ref)
+
+    def hang(*_):
+        raise TimeoutError("the load hangs")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    rng = np.random.default_rng(int(os.environ.get("MLA_JAX_FUZZ_SEED", 28)))
+    outcomes = {"error": 0, "loaded": 0}
+    try:
+        for case in range(FUZZ_CASES):
+            d = tmp_path / f"case{case}"
+            on_converted = case % 3 == 2
+            shutil.copytree(conv if on_converted else base, d, ignore=shutil.ignore_patterns("conv"))
+            if on_converted:
+                desc, expect = _mutate_converted(d, meta, rng)
+            else:
+                desc, expect = _mutate_hf(d, tensors, cfg_dict, rng)
+            where = f"case {case} ({'converted' if on_converted else 'HF'}): {desc}"
+            signal.alarm(30)
+            try:
+                cfg, params = load_model(str(d))
+            except (CheckpointError, ConfigError) as e:
+                assert expect != "same", f"{where}: {e}"
+                outcomes["error"] += 1
+                if os.environ.get("MLA_JAX_FUZZ_SEED"):
+                    print(where, "->", str(e)[:150])
+                continue
+            finally:
+                signal.alarm(0)
+            assert expect != "error", f"{where}: loaded"
+            outcomes["loaded"] += 1
+            if cfg == ref_cfg or expect == "same" or not desc.startswith("config"):
+                assert_same_params(params, ref)  # no silent change of the weights
+            shutil.rmtree(d)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    assert outcomes["error"] > FUZZ_CASES // 3 and outcomes["loaded"] > 0, outcomes
