@@ -327,6 +327,32 @@ def test_cli_validates_everything_before_loading(tmp_path):
         assert len(err.strip().splitlines()) == 1 or code == 2 and "usage:" in err, err  # one line, no traceback
 
 
+def _one_layer_model(d):
+    """A random one-layer dense HF checkpoint (vocab 64, hidden 32)."""
+    from mla_jax.checkpoint import hf_tensor_specs, save_file
+
+    cfg = dict(
+        model_type="deepseek_v3",
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        intermediate_size=32,
+        max_position_embeddings=128,
+    )
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(0)
+    specs = hf_tensor_specs(DeepseekConfig.from_dict(cfg))
+    save_file({k: rng.standard_normal(v).astype(np.float32) * 0.1 for k, v in specs.items()}, d / "model.safetensors")
+    return d
+
+
 def test_cli_progress_on_a_terminal_only(tmp_path):
     """On a terminal `generate` shows the load bar and a line per compiled step; with --quiet nothing (and piped,
     test_cli's runs check, nothing either)."""
@@ -337,8 +363,7 @@ def test_cli_progress_on_a_terminal_only(tmp_path):
     import sys
     import termios
 
-    d = copy_fixture("v3", tmp_path)
-    _tokenizer(d / "tokenizer.json")
+    d = _one_layer_model(tmp_path / "m")  # the smallest model: the compiles dominate this test
     argv = ["generate", "--model", str(d), "--prompt-ids", "5,9", "--max-new-tokens", "2", "--no-stop"]
     script = (
         "import sys; from mla_jax.cli import main\n"
