@@ -9,7 +9,8 @@ metadata, no config.json); the next run removes partial directories of dead proc
 (no --force needed when OUT does not exist) replaces it cleanly. An existing OUT is replaced only with
 `force=True`, only when it is an mla-jax checkpoint or empty, and only once the new one is complete: OUT is
 renamed aside, the new one renamed in, the old one deleted (a crash between the two renames leaves the old one
-as `.OUT.old-<pid>`).
+as `.OUT.old-<pid>`). SIGINT / SIGTERM never land inside orbax's save or between the renames (`_Interrupts`):
+the partial directory is removed and `Interrupted` raised. Each stored array's checksum goes into the metadata.
 """
 
 from __future__ import annotations
