@@ -4,7 +4,19 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
+PY_OK = import sys; sys.exit(sys.version_info < (3, 12))
+
+# A .venv whose python is missing, broken or older than 3.12 (left by an attempt with a wrong Python) is rebuilt:
+# its stamp is treated as out of date, and the recipe removes it before making a new one.
+ifneq ($(shell $(VPY) -c '$(PY_OK)' 2>/dev/null && echo ok),ok)
+.PHONY: $(STAMP)
+endif
+
 $(STAMP): pyproject.toml
+	@$(PY) -c '$(PY_OK)' 2>/dev/null || { echo "make: mla-jax needs Python >= 3.12 and PY=$(PY) is \
+	$$($(PY) --version 2>&1 || echo missing); install 3.12 and run: make PY=/path/to/python3.12 $(MAKECMDGOALS)"; exit 1; }
+	@if [ -e $(VENV) ] && ! $(VPY) -c '$(PY_OK)' 2>/dev/null; then \
+	  echo "removing $(VENV): made by another Python ($$($(VPY) --version 2>&1 | head -1))"; rm -rf $(VENV); fi
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -e '.[test,notebooks,train,serve]'

@@ -132,44 +132,64 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     )
     _add_backend(p)
     p.add_argument("--no-stop", action="store_true", help="do not stop at the model's eos token")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the checksums of a converted checkpoint (faster load; NaN/Inf weights are still refused)",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress (it shows on a terminal only anyway)")
 
 
-def _run_generate(args: argparse.Namespace) -> int:
+# SamplingParams' field names -> the flags that set them, so an error names the flag.
+_FLAGS = {f: "--" + f.replace("_", "-") for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")}
+
+
+class UsageError(Exception):
+    """A bad flag or prompt: `main` prints the message and exits 2, before anything is loaded."""
+
+
+def _show_progress(args: argparse.Namespace) -> bool:
+    """Progress bars and compile lines: on a terminal only, never with --quiet."""
+    return not args.quiet and sys.stderr.isatty()
+
+
+def _read_prompt(args: argparse.Namespace):
+    """(tokenizer or None, prompt token ids) from --prompt (via MODEL/tokenizer.json) or --prompt-ids."""
     import os
-    import time
 
-    import jax
-    import jax.numpy as jnp
+    if args.prompt_ids is not None:
+        try:
+            return None, [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    tok_path = os.path.join(args.model, "tokenizer.json")
+    if not os.path.exists(tok_path):
+        raise UsageError(f"no tokenizer.json in {args.model}; pass --prompt-ids")
+    from tokenizers import Tokenizer
 
-    from mla_jax.checkpoint import eos_token_ids, load_model
-    from mla_jax.dtypes import as_dtype
-    from mla_jax.engine import Engine, EngineConfig
+    try:
+        tok = Tokenizer.from_file(tok_path)
+    except Exception as e:  # the tokenizers library raises a bare Exception with serde's message
+        from mla_jax.checkpoint import CheckpointError
+
+        raise CheckpointError(f"{tok_path}: not a valid tokenizer file ({e})") from None
+    return tok, tok.encode(args.prompt).ids
+
+
+def _check_generate(args: argparse.Namespace):
+    """Every flag and the prompt, from config.json alone (cheap), before the model is loaded or a cache
+    allocated: (config, tokenizer, prompt ids, SamplingParams, EngineConfig). Raises UsageError saying what is
+    wrong and, for lengths, what fits."""
+    import os
+
+    from mla_jax.checkpoint import eos_token_ids
+    from mla_jax.config import DeepseekConfig
+    from mla_jax.engine import EngineConfig, check_prompt
     from mla_jax.sampling import SamplingParams
 
-    on_cpu = jax.default_backend() == "cpu"
-    dtype = jnp.dtype(as_dtype(args.dtype or ("fp32" if on_cpu else "bf16")))
-    tok = None
-    tok_path = os.path.join(args.model, "tokenizer.json")
-    if args.prompt is not None:
-        if not os.path.exists(tok_path):
-            print(f"mla-jax generate: error: no tokenizer.json in {args.model}; pass --prompt-ids", file=sys.stderr)
-            return 2
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(tok_path)
-        prompt = tok.encode(args.prompt).ids
-    else:
-        try:
-            prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            print(
-                f"mla-jax generate: error: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}",
-                file=sys.stderr,
-            )
-            return 2
-    t0 = time.perf_counter()
-    cfg, params = load_model(args.model, dtype=dtype)
-    load_s = time.perf_counter() - t0
+    if not os.path.isdir(args.model):
+        raise UsageError(f"--model {args.model}: the directory does not exist")
+    cfg = DeepseekConfig.from_json(args.model)
     sp = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -178,12 +198,30 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         stop_token_ids=() if args.no_stop else eos_token_ids(args.model),
     )
-    need = len(prompt) + args.max_new_tokens
-    max_len = max(64, 1 << (need - 1).bit_length())
-    engine = Engine(
-        params,
-        cfg,
-        EngineConfig(
+    try:
+        sp.validate()
+    except ValueError as e:
+        msg = str(e)
+        field = msg.split(" ", 1)[0]
+        raise UsageError(_FLAGS.get(field, field) + " " + msg.split(" ", 1)[1]) from None
+    tok, prompt = _read_prompt(args)
+    what = f"the prompt ({len(prompt)} tokens)"
+    limit = cfg.max_position_embeddings
+    if len(prompt) > limit:
+        raise UsageError(f"{what} is longer than the model's max_position_embeddings {limit}")
+    try:
+        prompt = check_prompt(prompt, sp, cfg)
+    except ValueError as e:
+        raise UsageError(f"{'--prompt' if tok else '--prompt-ids'}: {e}") from None
+    if len(prompt) + args.max_new_tokens > limit:
+        raise UsageError(
+            f"--max-new-tokens {args.max_new_tokens}: {what} + {args.max_new_tokens} new tokens exceed the model's "
+            f"max_position_embeddings {limit}; at most {limit - len(prompt)} new tokens fit"
+        )
+    on_cpu = _on_cpu()
+    max_len = max(64, 1 << (len(prompt) + args.max_new_tokens - 1).bit_length())
+    try:
+        econf = EngineConfig(
             max_model_len=max_len,
             max_num_seqs=1,
             page_size=16,
@@ -191,14 +229,44 @@ def _run_generate(args: argparse.Namespace) -> int:
             max_prefills=1,
             cache_dtype=args.cache_dtype or ("fp32" if on_cpu else "bf16"),
             backend=args.backend,
-        ),
-    )
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return cfg, tok, prompt, sp, econf
+
+
+def _on_cpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "cpu"
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from mla_jax.checkpoint import load_model
+    from mla_jax.dtypes import as_dtype
+    from mla_jax.engine import Engine
+
+    _, tok, prompt, sp, econf = _check_generate(args)
+    show = _show_progress(args)
+    dtype = jnp.dtype(as_dtype(args.dtype or ("fp32" if _on_cpu() else "bf16")))
+    t0 = time.perf_counter()
+    cfg, params = load_model(args.model, dtype=dtype, verify=not args.no_verify, progress=show)
+    load_s = time.perf_counter() - t0
+    if show:
+        print(f"loaded {args.model} in {load_s:.1f} s", file=sys.stderr)
+    engine = Engine(params, cfg, econf)
     try:
         rid = engine.add_request(prompt, sp)
     except ValueError as e:
-        print(f"mla-jax generate: error: {e}", file=sys.stderr)
-        return 2
-    warm_s = engine.warmup(prefill=False)  # the decode step's compile stays out of tokens/s
+        raise UsageError(str(e)) from None
+    warm_s = engine.warmup(prefill=False, log=sys.stderr if show else None)  # decode compiles stay out of tokens/s
+    if show:
+        print("prefill (its first step compiles too) ...", file=sys.stderr, flush=True)
     if tok is not None:
         sys.stdout.write(args.prompt)
     sys.stdout.flush()
@@ -303,19 +371,29 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so partial output is cleaned up (SIGKILL cannot be: see convert's doc).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # SIGTERM unwinds like Ctrl-C, so partial output is cleaned up (SIGKILL cannot be: see convert's doc);
+    # `convert` defers both to a safe point between arrays.
+    signal.signal(signal.SIGTERM, _sigterm)
     from mla_jax.checkpoint import CheckpointError
     from mla_jax.config import ConfigError
 
     try:
         return args._run(args)
+    except UsageError as e:
+        print(f"mla-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except (CheckpointError, ConfigError, OSError) as e:
         print(f"mla-jax {args.command}: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"mla-jax {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        sig = signal.SIGTERM if str(e) == "SIGTERM" else signal.SIGINT
+        done = "; the partial output is removed" if args.command == "convert" else ""
+        print(f"\nmla-jax {args.command}: interrupted ({sig.name}){done}", file=sys.stderr)
+        return 128 + sig
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt("SIGTERM")
 
 
 if __name__ == "__main__":

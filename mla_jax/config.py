@@ -165,6 +165,8 @@ class DeepseekConfig:
     index_head_dim: int = 0  # D_I (its first R dims carry RoPE)
     index_rope_interleave: bool = False  # V3.2: half-split RoPE in the indexer; GLM-MoE-DSA: interleaved pairs
     indexer_types: tuple[str, ...] | None = None  # per layer "full" (runs the indexer) | "shared" (reuses)
+    # Multi-token-prediction layers after the last decoder layer (model.layers.{num_hidden_layers + i}.*).
+    num_nextn_predict_layers: int = 0
 
     # Derived dims.
     @property
@@ -284,6 +286,9 @@ def _parse_rope(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     # transformers >= 5 writes `rope_parameters` (with rope_theta inside); hub checkpoints `rope_scaling`.
     rp = d.get("rope_parameters") or {}
     rs = d.get("rope_scaling") or {}
+    for name, v in (("rope_parameters", rp), ("rope_scaling", rs)):
+        if not isinstance(v, Mapping):
+            raise ConfigError(f"config.json: field '{name}' must be an object or null, got {v!r}")
     theta = d.get("rope_theta", rp.get("rope_theta", 10000.0))
     if not isinstance(theta, (int, float)) or theta <= 0:
         raise ConfigError(f"config.json: field 'rope_theta' must be a positive number, got {theta!r}")
@@ -313,6 +318,8 @@ def _parse_quant(d: Mapping[str, Any]) -> QuantizationConfig | None:
     q = d.get("quantization_config")
     if not q:
         return None
+    if not isinstance(q, Mapping):
+        raise ConfigError(f"config.json: field 'quantization_config' must be an object or null, got {q!r}")
     method = q.get("quant_method")
     if method != "fp8":
         raise ConfigError(
@@ -379,6 +386,7 @@ def _parse(d: Mapping[str, Any]) -> DeepseekConfig:
         hidden_act=_get(d, "hidden_act", str, "silu"),
         attention_bias=_get(d, "attention_bias", bool, False),
         quantization=_parse_quant(d),
+        num_nextn_predict_layers=_get(d, "num_nextn_predict_layers", int, 0),
         **(_parse_sparse(d, model_type) if model_type in _SPARSE else {}),
     )
     _validate(cfg)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Sequence, TextIO
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +25,11 @@ import numpy as np
 from mla_jax import attention
 from mla_jax import step as step_lib
 from mla_jax.allocator import PagePool
-from mla_jax.cache import KVCache, init_kv_cache_for
+from mla_jax.cache import KVCache, cache_dtype, init_kv_cache_for
 from mla_jax.chunking import workspace_rows as default_workspace_rows
 from mla_jax.compile_cache import enable_compile_cache
 from mla_jax.config import DeepseekConfig
+from mla_jax.layers import GMM_IMPLS
 from mla_jax.metadata import (
     AttentionMetadata,
     BatchShape,
@@ -76,6 +77,39 @@ class EngineConfig:
     # Reuse cached full pages of earlier requests' prompts (`mla_jax.allocator`): a request whose tokens start
     # with cached pages prefills only the rest. Off by default here (the server turns it on).
     enable_prefix_caching: bool = False
+
+    def __post_init__(self):
+        """Each field checked on its own, so a bad value is a ValueError naming that field (not a
+        ZeroDivisionError, or an error about another field, later)."""
+
+        def pos_int(name, lo=1):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise ValueError(f"EngineConfig.{name} must be an int >= {lo}, got {v!r}")
+
+        for name in ("max_model_len", "max_num_seqs", "page_size", "token_budget", "max_prefills"):
+            pos_int(name)
+        if self.num_pages is not None:
+            pos_int("num_pages", 2)  # page 0 is the pad page
+        for name in ("decode_buckets", "prefill_buckets"):
+            v = getattr(self, name)
+            if v is not None and (
+                not isinstance(v, (tuple, list))
+                or not v
+                or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1 for b in v)
+            ):
+                raise ValueError(f"EngineConfig.{name} must be a non-empty tuple of ints >= 1, got {v!r}")
+        try:
+            cache_dtype(self.cache_dtype)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.cache_dtype: {e}") from None
+        if self.backend is not None and self.backend not in attention.BACKENDS:
+            raise ValueError(f"EngineConfig.backend must be one of {tuple(attention.BACKENDS)}, got {self.backend!r}")
+        if self.gmm_impl is not None and self.gmm_impl not in GMM_IMPLS:
+            raise ValueError(f"EngineConfig.gmm_impl must be one of {GMM_IMPLS}, got {self.gmm_impl!r}")
+        for name in ("batch_invariant", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     def resolved(self) -> "EngineConfig":
         pages = self.num_pages or self.max_num_seqs * cdiv(self.max_model_len, self.page_size) + 1
@@ -133,6 +167,35 @@ def compile_counter() -> CompileCounter:
     return _COUNTER
 
 
+def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, cfg: DeepseekConfig) -> list[int]:
+    """A prompt (token ids: ints in [0, vocab)) and its SamplingParams checked against the model alone, before
+    any engine exists; the prompt as a list of ints, or ValueError saying what is wrong. Float ids, strings and
+    prompts longer than the model's max_position_embeddings are refused, not truncated or run."""
+    if isinstance(prompt_token_ids, (str, bytes)):
+        raise ValueError(f"the prompt is a {type(prompt_token_ids).__name__}: pass token ids (tokenize it first)")
+    try:
+        prompt = list(prompt_token_ids)
+    except TypeError:
+        raise ValueError(f"the prompt must be a sequence of token ids, got {type(prompt_token_ids).__name__}") from None
+    if not prompt:
+        raise ValueError("empty prompt")
+    bad = next((t for t in prompt if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))), None)
+    if bad is not None:
+        raise ValueError(f"token ids must be ints, got {type(bad).__name__} {bad!r}")
+    prompt = [int(t) for t in prompt]
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} out of vocab [0, {cfg.vocab_size})")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    params.validate()
+    if len(prompt) > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt length {len(prompt)} exceeds the model's max_position_embeddings {cfg.max_position_embeddings}"
+        )
+    return prompt
+
+
 class Engine:
     """Continuous batching over the paged cache, on one device or, with `plan`, on a mesh.
 
@@ -185,13 +248,7 @@ class Engine:
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt as a list of ints, or ValueError naming what is wrong. Reads only the (immutable) config, so
         it is safe to call from any thread while another one steps the engine."""
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError("empty prompt")
-        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} out of vocab [0, {self.cfg.vocab_size})")
-        params.validate()
+        prompt = check_prompt(prompt_token_ids, params, self.cfg)
         if len(prompt) + params.max_new_tokens > self.config.max_model_len:
             raise ValueError(
                 f"prompt length {len(prompt)} + max_new_tokens {params.max_new_tokens} exceeds "
@@ -261,10 +318,13 @@ class Engine:
         )
         return to_host(tokens), to_host(logprobs)
 
-    def warmup(self, prefill: bool = True, top_logprobs: bool = False, all_shapes: bool = False) -> float:
+    def warmup(
+        self, prefill: bool = True, top_logprobs: bool = False, all_shapes: bool = False, log: TextIO | None = None
+    ) -> float:
         """Compiles every decode bucket (and, with `prefill`, the largest prefill bucket; with `all_shapes`, every
         prefill bucket alone and with every decode bucket, so that no step compiles later; with `top_logprobs`,
-        the variants of these shapes that return top logprobs too); returns seconds."""
+        the variants of these shapes that return top logprobs too); returns seconds. `log` gets a line per
+        compiled shape with its time (the CLI passes stderr on a terminal)."""
         t0 = time.perf_counter()
         c = self.config
         shapes = [self.batch_shape(nd, 0) for nd in c.decode_buckets]
@@ -272,9 +332,19 @@ class Engine:
             shapes += [self.batch_shape(nd, tp) for tp in c.prefill_buckets for nd in (0,) + c.decode_buckets]
         elif prefill:
             shapes.append(self.batch_shape(0, c.token_budget))
-        for shape in shapes:
+        for k, shape in enumerate(shapes):
             for top in (False, True) if top_logprobs else (False,):
+                t1 = time.perf_counter()
                 self._run_empty(shape, top)
+                if log is not None:
+                    what = f"{shape.num_decodes} decode rows" if shape.num_decodes else ""
+                    if shape.num_prefill_tokens:
+                        what += (" + " if what else "") + f"{shape.num_prefill_tokens} prefill tokens"
+                    log.write(
+                        f"compiled step {k + 1}/{len(shapes)} ({what}{', top logprobs' if top else ''}): "
+                        f"{time.perf_counter() - t1:.2f} s\n"
+                    )
+                    log.flush()
         return time.perf_counter() - t0
 
     def _run_empty(self, shape: BatchShape, top_logprobs: bool = False) -> None:
@@ -399,13 +469,20 @@ def generate(
     `sampling` is one SamplingParams for all prompts or one per prompt (per-request seeds, stop ids, ...).
     `plan` runs it on a mesh (`mla_jax.parallel.ParallelPlan`).
     """
-    prompts = [list(p) for p in prompts]
+    prompts = list(prompts)
     if not isinstance(sampling, SamplingParams):
         sampling = list(sampling)
         if len(sampling) != len(prompts):
             raise ValueError(f"{len(sampling)} SamplingParams for {len(prompts)} prompts")
     else:
         sampling = [sampling] * len(prompts)
+    checked = []
+    for i, (p, s) in enumerate(zip(prompts, sampling)):  # all of them before any work: say which one is bad
+        try:
+            checked.append(check_prompt(p, s, cfg))
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+    prompts = checked
     if config is None:
         longest = max((len(p) + s.max_new_tokens for p, s in zip(prompts, sampling)), default=1)
         config = EngineConfig(
@@ -414,6 +491,12 @@ def generate(
             page_size=16,
             token_budget=512,
         )
+    for i, (p, s) in enumerate(zip(prompts, sampling)):
+        if len(p) + s.max_new_tokens > config.max_model_len:
+            raise ValueError(
+                f"prompt {i}: prompt length {len(p)} + max_new_tokens {s.max_new_tokens} exceeds "
+                f"max_model_len {config.max_model_len}"
+            )
     engine = Engine(params, cfg, config, plan=plan)
     ids = [engine.add_request(p, s) for p, s in zip(prompts, sampling)]
     final = engine.run()

@@ -35,11 +35,16 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        num = (int, float, np.integer, np.floating)
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, num)
+            or not 0 <= self.temperature < np.inf
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, num) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         ints = (int, np.integer)
         if not isinstance(self.seed, ints) or not 0 <= self.seed < 2**31:

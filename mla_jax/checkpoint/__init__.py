@@ -22,7 +22,7 @@ from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError, SafetensorsFil
 from mla_jax.checkpoint.load import abstract_params, is_converted, load_checkpoint, load_model, read_metadata
 from mla_jax.checkpoint.params import build_params, load_hf_checkpoint
 from mla_jax.checkpoint.plan import ConvertError, make_plan
-from mla_jax.checkpoint.validate import hf_tensor_specs
+from mla_jax.checkpoint.validate import hf_tensor_specs, mtp_layer_index
 from mla_jax.checkpoint.write import ConvertResult, convert
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "make_plan",
     "merge_kv_b_proj",
     "quantize_params",
+    "mtp_layer_index",
     "read_metadata",
     "save_file",
 ]

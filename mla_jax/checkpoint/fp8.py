@@ -40,8 +40,10 @@ def dequantize_fp8_blocks(
             f"tensor '{name}{SCALE_SUFFIX}' has shape {scale_inv.shape}, expected {want} for "
             f"weight {w.shape} with {bm}x{bk} blocks"
         )
-    out = _TABLE[np.asarray(w).view(np.uint8)]
     scale = np.asarray(scale_inv, np.float32)
+    if not np.isfinite(scale).all():
+        raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' contains NaN or Inf (corrupted?)")
+    out = _TABLE[np.asarray(w).view(np.uint8)]
     for r in range(want[-2]):  # one row of blocks at a time: no full-size float32 scale temporary
         out[..., r * bm : (r + 1) * bm, :] *= np.repeat(scale[..., r, :], bk, axis=-1)[..., None, :K]
     return out

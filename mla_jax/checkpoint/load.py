@@ -12,12 +12,14 @@ dequantized per layer, so the params returned are always plain weights that the 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from mla_jax.checkpoint.fp8 import (
     FP8_LINEARS,
@@ -28,12 +30,23 @@ from mla_jax.checkpoint.fp8 import (
     quantize_params,
 )
 from mla_jax.checkpoint.hf import CheckpointError
-from mla_jax.checkpoint.layout import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, get_path, is_router, set_path
+from mla_jax.checkpoint.layout import (
+    FORMAT,
+    FORMAT_VERSION,
+    METADATA,
+    PARAMS_DIR,
+    checksum,
+    get_path,
+    is_router,
+    set_path,
+)
 from mla_jax.checkpoint.params import load_hf_checkpoint
 from mla_jax.checkpoint.plan import weight_dtype
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import F32, FP8_E4M3, as_dtype
-from mla_jax.model import Params, init_params
+from mla_jax.model import Params, init_params, layer_groups
+
+STACKS = ("dense_layers", "moe_layers")
 
 
 def is_converted(path: str) -> bool:
@@ -41,7 +54,8 @@ def is_converted(path: str) -> bool:
 
 
 def read_metadata(path: str) -> dict:
-    """The metadata of a converted checkpoint; CheckpointError if `path` is not a complete one."""
+    """The metadata of a converted checkpoint; CheckpointError if `path` is not a complete one, or if a field is
+    missing or malformed (the message names the field)."""
     mpath = os.path.join(path, METADATA)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory")
@@ -52,14 +66,103 @@ def read_metadata(path: str) -> dict:
     try:
         with open(mpath) as f:
             meta = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mpath}: corrupted ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{mpath}: corrupted (not a JSON object)")
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        old = meta.get("format") == FORMAT and meta.get("format_version") == 1
         raise CheckpointError(
             f"{mpath}: format {meta.get('format')!r} v{meta.get('format_version')!r} is not "
-            f"{FORMAT!r} v{FORMAT_VERSION}"
+            f"{FORMAT!r} v{FORMAT_VERSION}" + ("; convert the HF checkpoint again (v2 adds checksums)" if old else "")
         )
+    _check_metadata(meta, mpath)
     return meta
+
+
+def _field(obj: Any, key: str | int, typ: Any, where: str, mpath: str) -> Any:
+    """obj[key], which must be of `typ` (a type, a tuple of them, or None for "null allowed" with a tuple)."""
+    name = f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]"
+    name = name.lstrip(".")
+    if isinstance(key, str) and (not isinstance(obj, dict) or key not in obj):
+        raise CheckpointError(f"{mpath}: missing field '{name}'")
+    v = obj[key]
+    if isinstance(v, bool) and bool not in (typ if isinstance(typ, tuple) else (typ,)) or not isinstance(v, typ):
+        raise CheckpointError(f"{mpath}: field '{name}' is {type(v).__name__} {v!r:.60}, expected {_tname(typ)}")
+    return v
+
+
+def _tname(typ: Any) -> str:
+    return " or ".join(t.__name__.replace("NoneType", "null") for t in (typ if isinstance(typ, tuple) else (typ,)))
+
+
+def _ints(v: Any, name: str, mpath: str, n: int | None = None) -> list[int]:
+    if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in v):
+        raise CheckpointError(f"{mpath}: field '{name}' is {v!r:.60}, expected a list of non-negative ints")
+    if n is not None and len(v) != n:
+        raise CheckpointError(f"{mpath}: field '{name}' is {v!r:.60}, expected {n} ints")
+    return v
+
+
+def _check_metadata(meta: dict, mpath: str) -> None:
+    """The fields the loader reads: present, of the right types, and consistent (every unit in one group, every
+    stack named); so a malformed file is an error naming the field, never a KeyError later."""
+    f = lambda obj, key, typ, where="": _field(obj, key, typ, where, mpath)  # noqa: E731
+    dtype = f(meta, "dtype", str)
+    try:
+        weight_dtype(dtype)
+    except CheckpointError:
+        raise CheckpointError(f"{mpath}: field 'dtype' is {meta['dtype']!r}, expected bfloat16 or float32") from None
+    if meta.get("fp8_block") is not None:
+        _ints(meta["fp8_block"], "fp8_block", mpath, 2)
+    stacks = f(meta, "stacks", dict)
+    for name, info in stacks.items():
+        if name not in STACKS:
+            raise CheckpointError(f"{mpath}: field 'stacks.{name}' is not one of {', '.join(STACKS)}")
+        f(info, "first_layer", int, f"stacks.{name}")
+        f(info, "num_layers", int, f"stacks.{name}")
+    units = f(meta, "units", list)
+    keys: set[str] = set()
+    for k in range(len(units)):
+        u = f(units, k, dict, "units")
+        w = f"units[{k}]"
+        key = f(u, "key", str, w)
+        if key in keys or not key or "/" in key or "." in key:
+            raise CheckpointError(f"{mpath}: field '{w}.key' {key!r} is repeated or not a plain name")
+        keys.add(key)
+        stack = f(u, "stack", (str, type(None)), w)
+        if stack is not None and stack not in stacks:
+            raise CheckpointError(f"{mpath}: field '{w}.stack' {stack!r} is not in 'stacks'")
+        f(u, "index", int, w)
+        f(u, "layer", int, w)
+        if f(u, "experts", (list, type(None)), w) is not None:
+            _ints(u["experts"], f"{w}.experts", mpath, 2)
+        leaves = f(u, "leaves", list, w)
+        for j in range(len(leaves)):
+            lf = f(leaves, j, dict, f"{w}.leaves")
+            lw = f"{w}.leaves[{j}]"
+            p = f(lf, "path", list, lw)
+            if not p or any(not isinstance(x, str) or not x for x in p):
+                raise CheckpointError(f"{mpath}: field '{lw}.path' is {p!r:.60}, expected a list of names")
+            _ints(f(lf, "shape", list, lw), f"{lw}.shape", mpath)
+            try:
+                as_dtype(f(lf, "dtype", str, lw))
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{mpath}: field '{lw}.dtype' {lf['dtype']!r} is not a dtype") from None
+            f(lf, "crc32", str, lw)
+    grouped: set[str] = set()
+    groups = f(meta, "groups", list)
+    for k in range(len(groups)):
+        g = f(groups, k, dict, "groups")
+        name = f(g, "name", str, f"groups[{k}]")
+        if not name or os.sep in name or name.startswith("."):
+            raise CheckpointError(f"{mpath}: field 'groups[{k}].name' {name!r} is not a plain name")
+        for key in f(g, "units", list, f"groups[{k}]"):
+            if key not in keys or key in grouped:
+                raise CheckpointError(f"{mpath}: field 'groups[{k}].units': unit {key!r} is unknown or repeated")
+            grouped.add(key)
+    if grouped != keys:
+        raise CheckpointError(f"{mpath}: unit {sorted(keys - grouped)[0]!r} is in no group")
 
 
 def abstract_params(path: str, dtype: Any = None, weights: str = "bf16") -> tuple[DeepseekConfig, Params]:
@@ -101,7 +204,7 @@ def abstract_params(path: str, dtype: Any = None, weights: str = "bf16") -> tupl
     return cfg, tree
 
 
-def _restore_group(ck, path: str, g: dict, units: dict[str, dict]) -> dict:
+def _restore_group(ck, path: str, g: dict, units: dict[str, dict], verify: bool = True) -> dict:
     import orbax.checkpoint as ocp
 
     gdir = os.path.join(path, PARAMS_DIR, g["name"])
@@ -125,6 +228,11 @@ def _restore_group(ck, path: str, g: dict, units: dict[str, dict]) -> dict:
             want = (tuple(lf["shape"]), as_dtype(lf["dtype"]))
             if (x.shape, x.dtype) != want:
                 raise CheckpointError(f"{gdir}: array {name} is {x.shape} {x.dtype}, expected {want[0]} {want[1]}")
+            if verify and checksum(x) != lf["crc32"]:
+                raise CheckpointError(
+                    f"{gdir}: array {name} (from {lf.get('from', '?')}) fails its checksum: the files are "
+                    "corrupted (convert again; verify=False / --no-verify skips the check)"
+                )
     return tree
 
 
@@ -147,9 +255,9 @@ def _keeps_fp8(p: tuple) -> bool:
     return len(p) >= 2 and p[-2] in FP8_LINEARS and p[-1] in ("weight", "weight" + SCALE_SUFFIX)
 
 
-def _finalize(flat: dict, target: np.dtype, block, weights: str = "bf16") -> dict:
+def _finalize(flat: dict, target: np.dtype, block, weights: str = "bf16", prefix: str = "") -> dict:
     """fp8 + scale pairs dequantized (weights="fp8": FP8_LINEARS pairs kept), everything else cast to `target`
-    (router float32) -> a nested tree."""
+    (router float32) -> a nested tree. `prefix` (model.layers.{i}.) names a layer's tensors in errors."""
     out: dict = {}
     for p, x in flat.items():
         if weights == "fp8" and _keeps_fp8(p) and (x.dtype == FP8_E4M3 or p[-1].endswith(SCALE_SUFFIX)):
@@ -159,7 +267,7 @@ def _finalize(flat: dict, target: np.dtype, block, weights: str = "bf16") -> dic
         if p[-1].endswith(SCALE_SUFFIX):
             continue
         if x.dtype == FP8_E4M3:
-            x = dequantize_fp8_blocks(x, flat[p[:-1] + (p[-1] + SCALE_SUFFIX,)], block, "/".join(p))
+            x = dequantize_fp8_blocks(x, flat[p[:-1] + (p[-1] + SCALE_SUFFIX,)], block, prefix + ".".join(p))
         dt = F32 if is_router(p) else target
         set_path(out, p, x if x.dtype == dt else x.astype(dt))
     return out
@@ -177,7 +285,13 @@ def _update(stack, layer, i):
 
 
 def load_checkpoint(
-    path: str, *, dtype: Any = None, mesh: jax.sharding.Mesh | None = None, weights: str = "bf16"
+    path: str,
+    *,
+    dtype: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
+    weights: str = "bf16",
+    verify: bool = True,
+    progress: bool = False,
 ) -> tuple[DeepseekConfig, Params]:
     """A converted checkpoint -> (config, params) in the layout `mla_jax.model.forward` takes.
 
@@ -185,7 +299,8 @@ def load_checkpoint(
     to; fp8 weights kept by --keep-fp8 are dequantized to it. With `mesh` (an axis named "tp"; Auto axis
     types) every array is placed with `mla_jax.sharding.param_shardings`. Groups are restored one at a time
     and each completed layer is written into stacked, already-placed buffers by a donated in-place update, so
-    host memory stays near one group + one layer."""
+    host memory stays near one group + one layer. `verify` checks each array's checksum (`layout.checksum`);
+    `progress` shows a bar over the bytes restored, on stderr."""
     import orbax.checkpoint as ocp
 
     from mla_jax.sharding import param_shardings
@@ -227,9 +342,14 @@ def load_checkpoint(
 
     pending: dict[tuple, dict] = {}
     ck = ocp.PyTreeCheckpointer()
+    nbytes = {
+        k: sum(math.prod(lf["shape"]) * as_dtype(lf["dtype"]).itemsize for lf in u["leaves"]) for k, u in units.items()
+    }
+    bar = tqdm(total=sum(nbytes.values()), unit="B", unit_scale=True, desc="loading", disable=not progress, leave=False)
     try:
         for g in meta["groups"]:
-            tree = _restore_group(ck, path, g, units)
+            tree = _restore_group(ck, path, g, units, verify)
+            bar.update(sum(nbytes[k] for k in g["units"]))
             for key in g["units"]:
                 u = units[key]
                 if u["stack"] is None:  # top-level leaves are complete on their own
@@ -245,7 +365,7 @@ def load_checkpoint(
                 remaining[slot] -= 1
                 if remaining[slot]:
                     continue
-                layer = _finalize(pending.pop(slot), target, block, weights)
+                layer = _finalize(pending.pop(slot), target, block, weights, f"model.layers.{u['layer']}.")
                 stack = u["stack"]
                 if jax.tree.structure(layer) != jax.tree.structure(abstract["model"][stack]):
                     raise CheckpointError(f"{path}: the units of {stack}[{u['index']}] do not hold the layer's params")
@@ -257,6 +377,7 @@ def load_checkpoint(
                 del layer, dev
             del tree
     finally:
+        bar.close()
         ck.close()
     if pending or any(remaining.values()):
         raise CheckpointError(f"{path}: incomplete layers {sorted(k for k, v in remaining.items() if v)}")
@@ -265,11 +386,66 @@ def load_checkpoint(
     return cfg, params
 
 
+@jax.jit
+def _finite_flags(params: Params) -> Params:
+    """Per leaf: whether it is all finite; a stacked layer leaf [layers, ...] gives one flag per layer."""
+
+    def flags(path, x):
+        stacked = len(path) > 1 and getattr(path[1], "key", None) in STACKS
+        return jnp.isfinite(x).all(axis=tuple(range(1, x.ndim))) if stacked else jnp.isfinite(x).all()
+
+    return jax.tree_util.tree_map_with_path(flags, params)
+
+
+def hf_name(cfg: DeepseekConfig, path: tuple[str, ...], layer: int | None = None, expert: int | None = None) -> str:
+    """The HF tensor a param comes from: ("model", "moe_layers", "mlp", "experts", "up_proj", "weight") of layer
+    3, expert 5 -> model.layers.3.mlp.experts.5.up_proj.weight; W_UK_T / W_UV -> kv_b_proj."""
+    if layer is None:
+        return ".".join(path)
+    rel = list(path[2:])
+    if rel[-1] in ("W_UK_T", "W_UV"):
+        rel = rel[:-1] + ["kv_b_proj", "weight"]
+    if rel[:2] == ["mlp", "experts"] and expert is not None:
+        rel.insert(2, str(expert))
+    return f"model.layers.{layer}." + ".".join(rel)
+
+
+def check_finite(params: Params, cfg: DeepseekConfig, where: str) -> None:
+    """CheckpointError naming the first tensor with a NaN or Inf. One on-device reduction per leaf (per layer of
+    a stacked one) in one jitted call, so the cost is one read of the weights at memory bandwidth; only on a
+    failure is the bad layer copied to the host to find the expert."""
+    starts = {name: start for name, start, _ in layer_groups(cfg)}
+    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(_finite_flags(params)))[0]
+    for kp, ok in flat:
+        if np.all(ok):
+            continue
+        path = tuple(k.key for k in kp)
+        if len(path) > 1 and path[1] in STACKS:
+            k = int(np.flatnonzero(~np.asarray(ok))[0])
+            expert = None
+            if path[2:4] == ("mlp", "experts"):
+                x = np.asarray(get_path(params, path)[k])
+                expert = int(np.argwhere(~np.isfinite(x))[0][0])
+            name = hf_name(cfg, path, starts[path[1]] + k, expert)
+        else:
+            name = hf_name(cfg, path)
+        raise CheckpointError(f"{where}: tensor '{name}' contains NaN or Inf (corrupted?)")
+
+
 def load_model(
-    path: str, dtype: Any = None, mesh: jax.sharding.Mesh | None = None, *, weights: str = "bf16"
+    path: str,
+    dtype: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
+    *,
+    weights: str = "bf16",
+    verify: bool = True,
+    progress: bool = False,
 ) -> tuple[DeepseekConfig, Params]:
     """Load a converted mla-jax checkpoint or a Hugging Face checkpoint directory, optionally onto a
-    tensor-parallel `mesh` (see `load_checkpoint`).
+    tensor-parallel `mesh` (see `load_checkpoint`). Every weight is checked for NaN / Inf (on device); a
+    converted checkpoint's arrays are checked against their checksums too unless `verify=False`. Problems
+    raise CheckpointError naming the tensor (or file, or metadata field). `progress`: a bar on stderr (the CLI
+    shows it on a terminal only).
 
     weights="fp8": the linears of `checkpoint.fp8.FP8_LINEARS` stay block-FP8 at run time ({"weight": e4m3,
     "weight_scale_inv": f32}, run by the W8A8 GEMMs): an HF FP8 checkpoint's as stored (never dequantized),
@@ -278,7 +454,8 @@ def load_model(
     path = os.fspath(path)
     check_weights(weights)
     if is_converted(path):
-        cfg, params = load_checkpoint(path, dtype=dtype, mesh=mesh, weights=weights)
+        cfg, params = load_checkpoint(path, dtype=dtype, mesh=mesh, weights=weights, verify=verify, progress=progress)
+        check_finite(params, cfg, path)
         if weights == "fp8":  # stored fp8 pairs are kept; float FP8_LINEARS (a bf16 conversion) get quantized
             params, _ = quantize_params(params)
             if mesh is not None:
@@ -296,10 +473,11 @@ def load_model(
             "checkpoint (config.json + model*.safetensors)"
         )
     cfg, params = load_hf_checkpoint(
-        path, dtype=None if dtype is None else jnp.dtype(weight_dtype(dtype)), weights=weights
+        path, dtype=None if dtype is None else jnp.dtype(weight_dtype(dtype)), weights=weights, progress=progress
     )
     if mesh is not None:
         from mla_jax.sharding import shard_params
 
         params = shard_params(params, cfg, mesh)
+    check_finite(params, cfg, path)
     return cfg, params

@@ -4,7 +4,7 @@ directly into memory.
 Accepted layouts: single `model.safetensors` or shards with `model.safetensors.index.json`; experts per expert
 (`mlp.experts.{j}.{gate,up,down}_proj.weight`, the hub format) or transformers' fused layout
 (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); bf16/fp16/fp32 weights, and
-DeepSeek-V3's block FP8 weights (dequantized). The MTP layer (`model.layers.{num_hidden_layers}.*`) is skipped.
+DeepSeek-V3's block FP8 weights (dequantized). The MTP layers (`validate.mtp_layer_index`) are skipped.
 """
 
 from __future__ import annotations
@@ -149,17 +149,35 @@ def build_params(
     return prepare_params(params, cfg)
 
 
-def load_hf_checkpoint(path: str, *, dtype: Any = None, weights: str = "bf16") -> tuple[DeepseekConfig, Params]:
+def load_hf_checkpoint(
+    path: str, *, dtype: Any = None, weights: str = "bf16", progress: bool = False
+) -> tuple[DeepseekConfig, Params]:
     """config.json + safetensors in `path` -> (config, params). `dtype` (e.g. jnp.bfloat16) casts the weights;
     None keeps the stored float dtype (fp8 weights are dequantized to float32). weights="fp8": the
     `FP8_LINEARS` stay e4m3 + scale_inv (an FP8 checkpoint's as stored, float ones block-quantized) and the
-    other weights default to bfloat16 (the fp8 GEMMs' activation dtype)."""
+    other weights default to bfloat16 (the fp8 GEMMs' activation dtype). `progress`: a bar over the bytes
+    read, on stderr."""
+    from tqdm import tqdm
+
     cfg = DeepseekConfig.from_json(path)
     ckpt = CheckpointDir(path)
-    fused, _ = check_tensors(ckpt, cfg)
-    get_fp8 = (lambda n: read_fp8(ckpt, n, cfg)) if check_weights(weights) == "fp8" else None
-    if get_fp8 is not None and dtype is None:
+    fused, mtp = check_tensors(ckpt, cfg)
+    skip = set(mtp)
+    total = sum(ckpt.nbytes(n) for n in ckpt.keys() if n not in skip)
+    keep_fp8 = check_weights(weights) == "fp8"
+    if keep_fp8 and dtype is None:
         dtype = jnp.bfloat16
-    return cfg, build_params(
-        lambda n: read_tensor(ckpt, n, cfg), cfg, fused_experts=fused, dtype=dtype, get_fp8=get_fp8
-    )
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress, leave=False) as bar:
+
+        def counted(read):
+            def get(name: str):
+                x = read(name)
+                scale = ckpt.nbytes(name + SCALE_SUFFIX) if name + SCALE_SUFFIX in ckpt else 0
+                bar.update(ckpt.nbytes(name) + scale)
+                return x
+
+            return get
+
+        get_fp8 = counted(lambda n: read_fp8(ckpt, n, cfg)) if keep_fp8 else None
+        get = counted(lambda n: read_tensor(ckpt, n, cfg))
+        return cfg, build_params(get, cfg, fused_experts=fused, dtype=dtype, get_fp8=get_fp8)

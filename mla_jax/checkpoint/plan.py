@@ -14,7 +14,7 @@ FP8 weights are dequantized to `dtype` by default. With `keep_fp8=True` they are
 dequantized (it is split per head into W_UK_T / W_UV across block boundaries). The router is kept in float32.
 With `weights="fp8"` every `fp8.FP8_LINEARS` weight is stored as e4m3 + scale_inv: an fp8 source's as is, a
 float source's block-quantized at conversion (write.py reports the quantization error).
-The MTP layer (model.layers.{num_hidden_layers}.*) is skipped and counted.
+The MTP layers (`validate.mtp_layer_index`) are skipped and counted.
 """
 
 from __future__ import annotations

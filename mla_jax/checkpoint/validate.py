@@ -3,6 +3,7 @@ float dtypes, and the fp8 weights' block scales. Raises `CheckpointError` naming
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 
@@ -17,52 +18,61 @@ IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some exports include
 
 
 def hf_tensor_specs(cfg: DeepseekConfig, *, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF checkpoint for `cfg` holds (MTP layer excluded), with its shape."""
-    D, N, L, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    P, V = cfg.qk_nope_head_dim, cfg.v_head_dim
+    """Every tensor an HF checkpoint for `cfg` holds (MTP layers excluded), with its shape."""
+    D = cfg.hidden_size
     s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,)}
     if not cfg.tie_word_embeddings:
         s["lm_head.weight"] = (cfg.vocab_size, D)
     for i in range(cfg.num_hidden_layers):
         pre = f"model.layers.{i}."
-        s[pre + "input_layernorm.weight"] = (D,)
-        s[pre + "post_attention_layernorm.weight"] = (D,)
-        a = pre + "self_attn."
-        if cfg.q_lora_rank is None:
-            s[a + "q_proj.weight"] = (N * (P + R), D)
+        s.update({pre + k: v for k, v in layer_tensor_specs(cfg, i, fused_experts=fused_experts).items()})
+    return s
+
+
+def layer_tensor_specs(
+    cfg: DeepseekConfig, i: int, *, fused_experts: bool = False, indexer: bool | None = None
+) -> dict[str, tuple[int, ...]]:
+    """The tensors of decoder layer i (names relative to `model.layers.{i}.`) with their shapes. `indexer`:
+    whether it has the lightning indexer's tensors (default: `cfg.is_indexer_layer(i)`)."""
+    D, N, L, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    P, V = cfg.qk_nope_head_dim, cfg.v_head_dim
+    s: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,)}
+    a = "self_attn."
+    if cfg.q_lora_rank is None:
+        s[a + "q_proj.weight"] = (N * (P + R), D)
+    else:
+        s[a + "q_a_proj.weight"] = (cfg.q_lora_rank, D)
+        s[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        s[a + "q_b_proj.weight"] = (N * (P + R), cfg.q_lora_rank)
+    s[a + "kv_a_proj_with_mqa.weight"] = (L + R, D)
+    s[a + "kv_a_layernorm.weight"] = (L,)
+    s[a + "kv_b_proj.weight"] = (N * (P + V), L)
+    s[a + "o_proj.weight"] = (D, N * V)
+    if cfg.is_indexer_layer(i) if indexer is None else indexer:
+        s.update({a + "indexer." + k: shape for k, shape in indexer_tensor_specs(cfg).items()})
+    m = "mlp."
+    if cfg.is_moe_layer(i):
+        E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+        s[m + "gate.weight"] = (E, D)
+        if cfg.topk_method == "noaux_tc":
+            s[m + "gate.e_score_correction_bias"] = (E,)
+        if fused_experts:
+            s[m + "experts.gate_up_proj"] = (E, 2 * I, D)
+            s[m + "experts.down_proj"] = (E, D, I)
         else:
-            s[a + "q_a_proj.weight"] = (cfg.q_lora_rank, D)
-            s[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
-            s[a + "q_b_proj.weight"] = (N * (P + R), cfg.q_lora_rank)
-        s[a + "kv_a_proj_with_mqa.weight"] = (L + R, D)
-        s[a + "kv_a_layernorm.weight"] = (L,)
-        s[a + "kv_b_proj.weight"] = (N * (P + V), L)
-        s[a + "o_proj.weight"] = (D, N * V)
-        if cfg.is_indexer_layer(i):
-            s.update({a + "indexer." + k: shape for k, shape in indexer_tensor_specs(cfg).items()})
-        m = pre + "mlp."
-        if cfg.is_moe_layer(i):
-            E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-            s[m + "gate.weight"] = (E, D)
-            if cfg.topk_method == "noaux_tc":
-                s[m + "gate.e_score_correction_bias"] = (E,)
-            if fused_experts:
-                s[m + "experts.gate_up_proj"] = (E, 2 * I, D)
-                s[m + "experts.down_proj"] = (E, D, I)
-            else:
-                for j in range(E):
-                    s[m + f"experts.{j}.gate_proj.weight"] = (I, D)
-                    s[m + f"experts.{j}.up_proj.weight"] = (I, D)
-                    s[m + f"experts.{j}.down_proj.weight"] = (D, I)
-            if cfg.n_shared_experts:
-                Is = I * cfg.n_shared_experts
-                s[m + "shared_experts.gate_proj.weight"] = (Is, D)
-                s[m + "shared_experts.up_proj.weight"] = (Is, D)
-                s[m + "shared_experts.down_proj.weight"] = (D, Is)
-        else:
-            s[m + "gate_proj.weight"] = (cfg.intermediate_size, D)
-            s[m + "up_proj.weight"] = (cfg.intermediate_size, D)
-            s[m + "down_proj.weight"] = (D, cfg.intermediate_size)
+            for j in range(E):
+                s[m + f"experts.{j}.gate_proj.weight"] = (I, D)
+                s[m + f"experts.{j}.up_proj.weight"] = (I, D)
+                s[m + f"experts.{j}.down_proj.weight"] = (D, I)
+        if cfg.n_shared_experts:
+            Is = I * cfg.n_shared_experts
+            s[m + "shared_experts.gate_proj.weight"] = (Is, D)
+            s[m + "shared_experts.up_proj.weight"] = (Is, D)
+            s[m + "shared_experts.down_proj.weight"] = (D, Is)
+    else:
+        s[m + "gate_proj.weight"] = (cfg.intermediate_size, D)
+        s[m + "up_proj.weight"] = (cfg.intermediate_size, D)
+        s[m + "down_proj.weight"] = (D, cfg.intermediate_size)
     return s
 
 
@@ -84,10 +94,44 @@ def indexer_source_layer(cfg: DeepseekConfig, i: int) -> int:
     return max(j for j in range(i + 1) if cfg.is_indexer_layer(j))
 
 
-def is_mtp(name: str, cfg: DeepseekConfig) -> bool:
-    """A tensor of the multi-token-prediction layer (model.layers.{num_hidden_layers}.*), unused for inference."""
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    return bool(m) and int(m.group(1)) >= cfg.num_hidden_layers
+# An MTP layer's own tensors (DeepSeek-V3's `model.layers.{num_hidden_layers + i}.*`, as vLLM's deepseek_mtp names
+# them), besides the decoder layer's (`mtp_block`) names; embed_tokens and shared_head.head repeat the model's.
+MTP_TENSORS = (
+    "enorm.weight",
+    "hnorm.weight",
+    "eh_proj.weight",
+    "shared_head.norm.weight",
+    "shared_head.head.weight",
+    "embed_tokens.weight",
+)
+MTP_REQUIRED = MTP_TENSORS[:4]  # present in every MTP layer (the last two only in some exports)
+
+
+@functools.lru_cache(maxsize=64)
+def _mtp_decoder_names(cfg: DeepseekConfig, layer: int) -> frozenset[str]:
+    names: set[str] = set()
+    for fused in (False, True):
+        names |= set(layer_tensor_specs(cfg, layer, fused_experts=fused, indexer=cfg.use_sparse))
+    return frozenset(names)
+
+
+def mtp_layer_index(name: str, cfg: DeepseekConfig) -> int | None:
+    """i when `name` is a tensor of multi-token-prediction layer i: `model.layers.{num_hidden_layers + i}.*` with
+    i < `cfg.num_nextn_predict_layers`, named as an MTP tensor (enorm, hnorm, eh_proj, shared_head.norm/head,
+    embed_tokens) or as one of a decoder layer's, or one's fp8 `_scale_inv`; None for every other name.
+
+    The one place that decides which tensors are MTP ones: they are not used for inference here (the loaders
+    and the converter skip exactly these), and any other name beyond the config's layers is an error."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if not m:
+        return None
+    layer, rel = int(m.group(1)), m.group(2)
+    i = layer - cfg.num_hidden_layers
+    if not 0 <= i < cfg.num_nextn_predict_layers:
+        return None
+    if rel.endswith(SCALE_SUFFIX):
+        rel = rel[: -len(SCALE_SUFFIX)]
+    return i if rel in MTP_TENSORS or rel in _mtp_decoder_names(cfg, layer) else None
 
 
 def check_float_dtype(name: str, dtype: np.dtype) -> None:
@@ -128,11 +172,13 @@ def check_fp8_scales(ckpt: CheckpointDir, cfg: DeepseekConfig, names: Iterable[s
 
 
 def check_tensors(ckpt: CheckpointDir, cfg: DeepseekConfig) -> tuple[bool, list[str]]:
-    """Names, shapes, dtypes and fp8 scales against `cfg`; returns (fused_experts, skipped MTP names)."""
+    """Names, shapes, dtypes and fp8 scales against `cfg`; returns (fused_experts, skipped MTP names). Every name
+    must be one `cfg` needs, an fp8 scale of one, a rotary buffer, or an MTP layer's (`mtp_layer_index`);
+    anything else (junk, or the layers of a checkpoint deeper than the config) is an error naming it."""
     names = set(ckpt.keys())
     fused = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
     specs = hf_tensor_specs(cfg, fused_experts=fused)
-    mtp = sorted(n for n in names if is_mtp(n, cfg))
+    mtp = sorted(n for n in names if mtp_layer_index(n, cfg) is not None)
     scales = {n for n in names if n.endswith(SCALE_SUFFIX)}
     missing = sorted(set(specs) - names)
     if missing:
@@ -141,11 +187,26 @@ def check_tensors(ckpt: CheckpointDir, cfg: DeepseekConfig) -> tuple[bool, list[
     unexpected = sorted(names - set(specs) - set(mtp) - scales - {n for n in names if IGNORED.match(n)})
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise CheckpointError(f"{ckpt.path}: unexpected tensor '{unexpected[0]}'{more}")
+        m = re.match(r"model\.layers\.(\d+)\.", unexpected[0])
+        why = ""
+        if m and int(m.group(1)) >= cfg.num_hidden_layers:
+            why = (
+                f": config.json has num_hidden_layers {cfg.num_hidden_layers} and num_nextn_predict_layers "
+                f"{cfg.num_nextn_predict_layers} (MTP layers may only hold MTP and decoder-layer tensors)"
+            )
+        raise CheckpointError(f"{ckpt.path}: unexpected tensor '{unexpected[0]}'{more}{why}")
     for n in sorted(scales):
         base = n[: -len(SCALE_SUFFIX)]
-        if base not in names and not is_mtp(n, cfg):
+        if base not in names:
             raise CheckpointError(f"{ckpt.path}: unexpected tensor '{n}' (no weight '{base}')")
+    for i in sorted({mtp_layer_index(n, cfg) for n in mtp}):
+        pre = f"model.layers.{cfg.num_hidden_layers + i}."
+        lacking = [pre + k for k in MTP_REQUIRED if pre + k not in names]
+        if lacking:
+            raise CheckpointError(
+                f"{ckpt.path}: '{pre}*' is not an MTP layer (no '{lacking[0]}'): does config.json's "
+                f"num_hidden_layers {cfg.num_hidden_layers} match the checkpoint's layers?"
+            )
     for n, shape in specs.items():
         _, got = ckpt.spec(n)
         if got != shape:

@@ -9,18 +9,22 @@ metadata, no config.json); the next run removes partial directories of dead proc
 (no --force needed when OUT does not exist) replaces it cleanly. An existing OUT is replaced only with
 `force=True`, only when it is an mla-jax checkpoint or empty, and only once the new one is complete: OUT is
 renamed aside, the new one renamed in, the old one deleted (a crash between the two renames leaves the old one
-as `.OUT.old-<pid>`).
+as `.OUT.old-<pid>`). SIGINT / SIGTERM never land inside orbax's save or between the renames (`_Interrupts`):
+the partial directory is removed and `Interrupted` raised. Each stored array's checksum goes into the metadata.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -30,7 +34,7 @@ from tqdm import tqdm
 
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block, has_fp8_nan, quantize_fp8_blocks
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
-from mla_jax.checkpoint.layout import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, set_path
+from mla_jax.checkpoint.layout import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, checksum, set_path
 from mla_jax.checkpoint.plan import DEFAULT_MAX_GROUP_MB, ConvertError, Leaf, Plan, describe_plan, fmt_bytes, make_plan
 from mla_jax.checkpoint.validate import check_float_dtype
 from mla_jax.config import DeepseekConfig
@@ -89,7 +93,10 @@ def _read(ckpt: CheckpointDir, name: str, part: str, select, block) -> np.ndarra
         if has_fp8_nan(w):
             raise CheckpointError(f"tensor '{name}' contains NaN")
         return w
-    return np.asarray(s, np.float32)
+    s = np.asarray(s, np.float32)
+    if not np.isfinite(s).all():
+        raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' contains NaN or Inf (corrupted?)")
+    return s
 
 
 def _finish(x: np.ndarray, leaf: Leaf, cfg: DeepseekConfig, name: str) -> np.ndarray:
@@ -269,49 +276,17 @@ def convert(
         say(f"removing {stale}: left by an interrupted conversion")
         shutil.rmtree(stale, ignore_errors=True)
     tmp = os.path.join(parent, f".{name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.mkdir(tmp)
-    try:
-        bar = tqdm(
-            total=plan.source_bytes,
-            unit="B",
-            unit_scale=True,
-            file=log,
-            disable=not progress or log is None,
-            desc="converting",
-            bar_format="{desc} {percentage:5.1f}%|{bar}| {n_fmt}{unit}/{total_fmt}{unit} "
-            "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
-        )
-        with bar:
-            _write(plan, ckpt, tmp, bar, on_group_written, quant_stats)
-        for f in EXTRA_FILES:
-            if os.path.isfile(os.path.join(hf_dir, f)):
-                shutil.copyfile(os.path.join(hf_dir, f), os.path.join(tmp, f))
-        shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(tmp, "config.json"))
-        with open(os.path.join(tmp, METADATA), "w") as fh:  # last: its presence marks a complete checkpoint
-            meta = _metadata(plan, ckpt, hf_dir)
-            if quant_stats:
-                meta["fp8_quantization"] = _quant_report(quant_stats)
-            json.dump(meta, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _fsync(tmp)
-        if os.path.lexists(out):
-            _check_output(hf_dir, out_dir, force)  # it may have appeared meanwhile
-            old = os.path.join(parent, f".{name}.old-{os.getpid()}")
-            os.rename(out, old)
-            try:
-                os.rename(tmp, out)
-            except BaseException:
-                os.rename(old, out)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-        _fsync(parent)
-    except BaseException:
+    with interrupt_guard() as deferred:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        os.mkdir(tmp)
+        try:
+            _write_all(
+                plan, ckpt, hf_dir, out_dir, force, tmp, out, log, progress, on_group_written, deferred, quant_stats
+            )
+        except BaseException:
+            with ignored_interrupts():  # a second Ctrl-C must not stop the clean-up half-way
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
     for stale in _stale_dirs(parent, name, ("partial", "old")):
         shutil.rmtree(stale, ignore_errors=True)
     res = result(out)
@@ -328,6 +303,114 @@ def convert(
     return res
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised by a conversion at a safe point (between arrays); str() is the signal's name."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Interrupts:
+    """SIGINT / SIGTERM as `Interrupted`, except inside `deferred()` sections, where the first one waits for the
+    section's end: orbax's save runs worker threads that would go on writing into the partial directory after
+    it is removed (an interrupted conversion then left it behind, with pages of tracebacks). A second signal
+    raises at once."""
+
+    def __init__(self):
+        self.pending: int | None = None
+        self.depth = 0
+
+    def handler(self, signum, frame):
+        if self.depth and self.pending is None:
+            self.pending = signum
+            return
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        if self.pending is not None and not self.depth:
+            raise Interrupted(self.pending)
+
+
+@contextlib.contextmanager
+def interrupt_guard():
+    """Installs `_Interrupts`' handler for SIGINT / SIGTERM within (main thread only: elsewhere signals are the
+    caller's and `deferred()` does nothing); yields its `deferred`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield contextlib.nullcontext
+        return
+    guard = _Interrupts()
+    old = {s: signal.signal(s, guard.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield guard.deferred
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def ignored_interrupts():
+    """SIGINT / SIGTERM ignored within (main thread only): for clean-up that must finish."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _write_all(plan, ckpt, hf_dir, out_dir, force, tmp, out, log, progress, on_group_written, deferred, quant_stats):
+    """The groups, extra files and metadata into `tmp`, then `tmp` renamed to `out` (see the module doc)."""
+    parent, name = os.path.dirname(out), os.path.basename(out)
+    bar = tqdm(
+        total=plan.source_bytes,
+        unit="B",
+        unit_scale=True,
+        file=log,
+        disable=not progress or log is None,
+        desc="converting",
+        bar_format="{desc} {percentage:5.1f}%|{bar}| {n_fmt}{unit}/{total_fmt}{unit} "
+        "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
+    )
+    with bar:
+        sums = _write(plan, ckpt, tmp, bar, on_group_written, deferred, quant_stats)
+    for f in EXTRA_FILES:
+        if os.path.isfile(os.path.join(hf_dir, f)):
+            shutil.copyfile(os.path.join(hf_dir, f), os.path.join(tmp, f))
+    shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(tmp, "config.json"))
+    with open(os.path.join(tmp, METADATA), "w") as fh:  # last: its presence marks a complete checkpoint
+        meta = _metadata(plan, ckpt, hf_dir, sums)
+        if quant_stats:
+            meta["fp8_quantization"] = _quant_report(quant_stats)
+        json.dump(meta, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync(tmp)
+    with deferred():  # the two renames are not interrupted between them
+        if os.path.lexists(out):
+            _check_output(hf_dir, out_dir, force)  # it may have appeared meanwhile
+            old = os.path.join(parent, f".{name}.old-{os.getpid()}")
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+        _fsync(parent)
+
+
 def _quant_report(stats: dict) -> dict:
     return {
         "tensors": int(stats["tensors"]),
@@ -336,8 +419,13 @@ def _quant_report(stats: dict) -> dict:
     }
 
 
-def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_written, stats=None) -> None:
+def _write(
+    plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_written, deferred, stats=None
+) -> dict[tuple, str]:
+    """Every group as an orbax checkpoint under tmp/params; returns {(unit key, *leaf path): checksum}."""
     import orbax.checkpoint as ocp
+
+    sums: dict[tuple, str] = {}
 
     params_dir = os.path.join(tmp, PARAMS_DIR)
     os.mkdir(params_dir)
@@ -347,8 +435,11 @@ def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_writte
             tree: dict = {}
             for u in g.units:
                 for lf in u.leaves:
-                    set_path(tree, (u.key,) + lf.path, materialize(ckpt, lf, plan.cfg, stats))
-            ck.save(os.path.join(params_dir, g.name), tree)
+                    x = materialize(ckpt, lf, plan.cfg, stats)
+                    sums[(u.key,) + lf.path] = checksum(x)
+                    set_path(tree, (u.key,) + lf.path, x)
+            with deferred():  # never interrupted inside orbax's save (see `_Interrupts`)
+                ck.save(os.path.join(params_dir, g.name), tree)
             del tree
             bar.set_postfix_str(f"{k + 1}/{len(plan.groups)} groups, {g.units[-1].key}", refresh=False)
             bar.update(g.source_bytes)
@@ -356,9 +447,10 @@ def _write(plan: Plan, ckpt: CheckpointDir, tmp: str, bar: tqdm, on_group_writte
                 on_group_written(k + 1)
     finally:
         ck.close()
+    return sums
 
 
-def _metadata(plan: Plan, ckpt: CheckpointDir, hf_dir: str) -> dict:
+def _metadata(plan: Plan, ckpt: CheckpointDir, hf_dir: str, sums: dict[tuple, str]) -> dict:
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf_cfg = json.load(f)
     return {
@@ -397,7 +489,13 @@ def _metadata(plan: Plan, ckpt: CheckpointDir, hf_dir: str) -> dict:
                 "layer": u.layer,
                 "experts": list(u.experts) if u.experts else None,
                 "leaves": [
-                    {"path": list(lf.path), "shape": list(lf.shape), "dtype": lf.dtype, "from": lf.origin}
+                    {
+                        "path": list(lf.path),
+                        "shape": list(lf.shape),
+                        "dtype": lf.dtype,
+                        "from": lf.origin,
+                        "crc32": sums[(u.key,) + lf.path],
+                    }
                     for lf in u.leaves
                 ],
             }

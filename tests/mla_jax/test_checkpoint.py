@@ -119,8 +119,12 @@ def test_bf16_cast_and_mtp_skipped(tmp_path):
     d = copy_fixture("v2_lite", tmp_path)
     cfg, p32 = load_hf_checkpoint(str(d))
     t = {k: v.astype(ml_dtypes.bfloat16) for k, v in read_tensors(d).items()}
-    t[f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight"] = np.ones((4, 4), ml_dtypes.bfloat16)  # MTP
+    mtp = f"model.layers.{cfg.num_hidden_layers}."  # one MTP layer, declared by num_nextn_predict_layers
+    for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
+        t[mtp + k] = np.ones((4,), ml_dtypes.bfloat16)
     rewrite_tensors(d, t)
+    hf_cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**hf_cfg, "num_nextn_predict_layers": 1}))
     _, p16 = load_hf_checkpoint(str(d))
     w = p16["model"]["dense_layers"]["self_attn"]["q_proj"]["weight"]
     assert w.dtype == jnp.bfloat16
