@@ -10,6 +10,7 @@ A subcommand imports its module (and orbax) inside `run`; parsing imports only t
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import Callable
@@ -138,6 +139,16 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
         help="skip the checksums of a converted checkpoint (faster load; NaN/Inf weights are still refused)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress (it shows on a terminal only anyway)")
+    add_compile_cache_flag(p)
+
+
+def add_compile_cache_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not read or write the persistent compilation cache (mla_jax.compile_cache; default "
+        "~/.cache/mla-jax/jax, or $MLA_JAX_COMPILE_CACHE)",
+    )
 
 
 # SamplingParams' field names -> the flags that set them, so an error names the flag.
@@ -184,7 +195,7 @@ def _check_generate(args: argparse.Namespace):
 
     from mla_jax.checkpoint import eos_token_ids
     from mla_jax.config import DeepseekConfig
-    from mla_jax.engine import EngineConfig, check_prompt
+    from mla_jax.engine import EngineConfig, check_prompt, default_page_size
     from mla_jax.sampling import SamplingParams
 
     if not os.path.isdir(args.model):
@@ -224,7 +235,7 @@ def _check_generate(args: argparse.Namespace):
         econf = EngineConfig(
             max_model_len=max_len,
             max_num_seqs=1,
-            page_size=16,
+            page_size=default_page_size(),
             token_budget=min(max_len, 512),
             max_prefills=1,
             cache_dtype=args.cache_dtype or ("fp32" if on_cpu else "bf16"),
@@ -377,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     from mla_jax.checkpoint import CheckpointError
     from mla_jax.config import ConfigError
 
+    if getattr(args, "no_compile_cache", False):
+        os.environ["MLA_JAX_COMPILE_CACHE"] = "off"  # read by every Engine (mla_jax.compile_cache)
     try:
         return args._run(args)
     except UsageError as e:

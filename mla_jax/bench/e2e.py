@@ -24,7 +24,7 @@ from mla_jax.bench.common import kernel_breakdown, measure_ceilings, results_hea
 from mla_jax.cache import KVCache, init_kv_cache_for
 from mla_jax.checkpoint.fp8 import quantize_params
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
-from mla_jax.engine import Engine, EngineConfig
+from mla_jax.engine import GPU_PAGE_SIZE, Engine, EngineConfig
 from mla_jax.metadata import ScheduledRequest, build_metadata
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.step import engine_step
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         params = quantize_params(params)[0]
     jax.block_until_ready(params)
 
-    G = 64
+    G = GPU_PAGE_SIZE
     batches, ctxs = tuple(map(int, args.batches.split(","))), tuple(map(int, args.ctxs.split(",")))
     S, P = 2048, 8
     if args.smoke:
@@ -124,10 +124,12 @@ def main(argv: list[str] | None = None) -> None:
         eng, compile_s = _engine(params, cfg, args, shapes, max(max_len, S) if first else max_len, G, (S, P), first)
         for B, ctx in shapes:
             res["rows"].append(_decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, params))
+            _finish(args, res, quiet=True)  # each row on disk as soon as measured
         if first and not args.no_prefill:
             res["rows"].append(_prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params))
         if first:
             res["rows"] += [_engine_row(eng, cfg, B) for B in (1, 32) if B in batches]
+        _finish(args, res, quiet=True)
         del eng
     _finish(args, res)
 
@@ -324,10 +326,10 @@ def res_meta(res: dict) -> dict:
     return {k: v for k, v in res.items() if k != "rows"}
 
 
-def _finish(args, res) -> None:
+def _finish(args, res, quiet: bool = False) -> None:
     if args.out:
         write_results(f"{args.out}/e2e-h200.json", res)
-    else:
+    elif not quiet:
         print("not written (no --out)", flush=True)
 
 

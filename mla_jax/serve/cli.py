@@ -75,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch (default 64)")
     e.add_argument("--page-size", type=int, default=64, help="tokens per KV cache page (default 64)")
     e.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not read or write the persistent compilation cache (default ~/.cache/mla-jax/jax)",
+    )
+    e.add_argument(
         "--num-pages",
         type=int,
         default=None,

@@ -65,3 +65,40 @@ def test_off_compiles_again():
     r = _run("off")
     assert r["dir"] is None
     assert r["hits"] == 0 and r["second"] >= 3, r  # compiled again
+
+
+def test_cli_flag_turns_it_off(monkeypatch):
+    from mla_jax import cli
+
+    monkeypatch.setenv("MLA_JAX_COMPILE_CACHE", "/somewhere")
+    assert cli.main(["generate", "--no-compile-cache", "--model", "/nonexistent-dir", "--prompt-ids", "1"]) == 2
+    assert os.environ["MLA_JAX_COMPILE_CACHE"] == "off"
+
+
+def test_gpu_page_size_is_the_benchmarked_one(monkeypatch):
+    """On a GPU, `generate` and the CLI get page 64 and the default backend, which bench/e2e.py measures."""
+    import jax
+
+    from mla_jax import attention, engine
+    from mla_jax.bench import e2e
+    from tests.mla_jax.helpers import tiny_config
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert engine.default_page_size() == engine.GPU_PAGE_SIZE == e2e.GPU_PAGE_SIZE == 64
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_engine(params, cfg, config, plan=None):
+        seen["config"] = config
+        raise Stop
+
+    monkeypatch.setattr(engine, "Engine", fake_engine)
+    cfg = tiny_config()
+    try:
+        engine.generate(None, cfg, [[1, 2, 3]])
+    except Stop:
+        pass
+    assert seen["config"].page_size == 64
+    assert seen["config"].backend in (None, attention.default_backend_name())
