@@ -165,6 +165,8 @@ class DeepseekConfig:
     index_head_dim: int = 0  # D_I (its first R dims carry RoPE)
     index_rope_interleave: bool = False  # V3.2: half-split RoPE in the indexer; GLM-MoE-DSA: interleaved pairs
     indexer_types: tuple[str, ...] | None = None  # per layer "full" (runs the indexer) | "shared" (reuses)
+    # Multi-token prediction (DeepSeek-V3 MTP): layers `model.layers.{num_hidden_layers + i}.*` in the checkpoint.
+    num_nextn_predict_layers: int = 0
 
     # Derived dims.
     @property
@@ -213,6 +215,12 @@ class DeepseekConfig:
     def shares_topk(self) -> bool:
         """Some layer reuses another's top-k (index groups of more than one layer)."""
         return self.use_sparse and self.num_indexer_layers < self.num_hidden_layers
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """MTP layers loaded and run (speculative decoding). Sparse-attention models' MTP layers are not
+        supported: their tensors are skipped as before."""
+        return 0 if self.use_sparse else self.num_nextn_predict_layers
 
     @property
     def num_dense_layers(self) -> int:
@@ -379,6 +387,7 @@ def _parse(d: Mapping[str, Any]) -> DeepseekConfig:
         hidden_act=_get(d, "hidden_act", str, "silu"),
         attention_bias=_get(d, "attention_bias", bool, False),
         quantization=_parse_quant(d),
+        num_nextn_predict_layers=_get(d, "num_nextn_predict_layers", int, 0),
         **(_parse_sparse(d, model_type) if model_type in _SPARSE else {}),
     )
     _validate(cfg)

@@ -11,6 +11,7 @@ dequantized per layer, so the params returned are always plain weights that the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -26,7 +27,8 @@ from mla_jax.checkpoint.params import load_hf_checkpoint
 from mla_jax.checkpoint.plan import weight_dtype
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import F32, FP8_E4M3, as_dtype
-from mla_jax.model import Params, init_params
+from mla_jax.checkpoint.validate import mtp_tensor_specs
+from mla_jax.model import MTP_GROUP, Params, init_params
 
 
 def is_converted(path: str) -> bool:
@@ -60,6 +62,9 @@ def abstract_params(path: str, dtype: Any = None) -> tuple[DeepseekConfig, Param
     against the shapes the model needs for config.json."""
     meta = read_metadata(path)
     cfg = DeepseekConfig.from_json(path)
+    n_mtp = meta["stacks"].get(MTP_GROUP, {}).get("num_layers", 0)
+    if n_mtp != cfg.num_mtp_layers:  # the converter found no MTP tensors (`validate.resolve_mtp`)
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=n_mtp)
     target = weight_dtype(dtype) if dtype is not None else as_dtype(meta["dtype"])
     tree: dict = {}
     for u in meta["units"]:
@@ -79,6 +84,12 @@ def abstract_params(path: str, dtype: Any = None) -> tuple[DeepseekConfig, Param
     want_flat = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(want)[0]}
     if cfg.topk_method != "noaux_tc":  # init_params always makes the V3 bias; other routers never read it
         want_flat = {k: v for k, v in want_flat.items() if "e_score_correction_bias" not in k}
+    for k, (shape, optional) in mtp_tensor_specs(cfg).items():  # optional MTP tensors: checked when present
+        key = "".join(f"['{p}']" for p in ("model", MTP_GROUP, *k.split(".")))
+        if optional:
+            want_flat.pop(key, None)
+        if optional and key in got_flat:
+            want_flat[key] = (cfg.num_mtp_layers, *shape)
     for k in sorted(set(got_flat) | set(want_flat)):
         if got_flat.get(k) != want_flat.get(k):
             raise CheckpointError(

@@ -4,7 +4,8 @@ directly into memory.
 Accepted layouts: single `model.safetensors` or shards with `model.safetensors.index.json`; experts per expert
 (`mlp.experts.{j}.{gate,up,down}_proj.weight`, the hub format) or transformers' fused layout
 (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); bf16/fp16/fp32 weights, and
-DeepSeek-V3's block FP8 weights (dequantized). The MTP layer (`model.layers.{num_hidden_layers}.*`) is skipped.
+DeepSeek-V3's block FP8 weights (dequantized). The MTP layers (`model.layers.{num_hidden_layers + j}.*`, config
+`num_nextn_predict_layers`) go to `params["model"]["mtp_layers"]` (`mla_jax.mtp`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,17 @@ import numpy as np
 
 from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
-from mla_jax.checkpoint.validate import check_float_dtype, check_tensors, indexer_source_layer
+from mla_jax.checkpoint.validate import (
+    check_float_dtype,
+    check_tensors,
+    indexer_source_layer,
+    mtp_optional_present,
+    mtp_tensor_specs,
+    resolve_mtp,
+)
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import FP8_E4M3
-from mla_jax.model import Params, layer_groups, prepare_params, stack_layers
+from mla_jax.model import MTP_GROUP, Params, param_groups, prepare_params, stack_layers
 
 
 def read_tensor(ckpt: CheckpointDir, name: str, cfg: DeepseekConfig) -> np.ndarray:
@@ -36,9 +44,15 @@ def read_tensor(ckpt: CheckpointDir, name: str, cfg: DeepseekConfig) -> np.ndarr
 
 
 def build_params(
-    get: Callable[[str], np.ndarray], cfg: DeepseekConfig, *, fused_experts: bool, dtype: Any = None
+    get: Callable[[str], np.ndarray],
+    cfg: DeepseekConfig,
+    *,
+    fused_experts: bool,
+    dtype: Any = None,
+    mtp_optional: tuple[str, ...] = (),
 ) -> Params:
-    """Assemble our params from HF-named tensors. `dtype` casts weights (router weights stay float32)."""
+    """Assemble our params from HF-named tensors. `dtype` casts weights (router weights stay float32);
+    `mtp_optional` names the optional MTP tensors present (`validate.mtp_optional_present`)."""
 
     def arr(x, keep_f32=False):
         x = np.asarray(x)
@@ -96,8 +110,21 @@ def build_params(
         }
 
     model: Params = {"embed_tokens": linear("model.embed_tokens"), "norm": linear("model.norm")}
-    for name, start, n in layer_groups(cfg):
-        model[name] = stack_layers([layer(i) for i in range(start, start + n)])
+
+    def mtp_extra(i: int) -> Params:
+        out: Params = {}
+        for k, (_, optional) in mtp_tensor_specs(cfg).items():
+            if not optional or k in mtp_optional:
+                path = k.split(".")[:-1]
+                node = out
+                for p in path[:-1]:
+                    node = node.setdefault(p, {})
+                node[path[-1]] = linear(f"model.layers.{i}.{k[: -len('.weight')]}")
+        return out
+
+    for name, start, n in param_groups(cfg):
+        extra = mtp_extra if name == MTP_GROUP else (lambda i: {})
+        model[name] = stack_layers([layer(i) | extra(i) for i in range(start, start + n)])
     params: Params = {"model": model}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = linear("lm_head")
@@ -107,7 +134,9 @@ def build_params(
 def load_hf_checkpoint(path: str, *, dtype: Any = None) -> tuple[DeepseekConfig, Params]:
     """config.json + safetensors in `path` -> (config, params). `dtype` (e.g. jnp.bfloat16) casts the weights;
     None keeps the stored float dtype (fp8 weights are dequantized to float32)."""
-    cfg = DeepseekConfig.from_json(path)
     ckpt = CheckpointDir(path)
+    cfg = resolve_mtp(DeepseekConfig.from_json(path), ckpt.keys())
     fused, _ = check_tensors(ckpt, cfg)
-    return cfg, build_params(lambda n: read_tensor(ckpt, n, cfg), cfg, fused_experts=fused, dtype=dtype)
+    opt = mtp_optional_present(ckpt.keys(), cfg)
+    get = lambda n: read_tensor(ckpt, n, cfg)  # noqa: E731
+    return cfg, build_params(get, cfg, fused_experts=fused, dtype=dtype, mtp_optional=opt)

@@ -3,6 +3,7 @@ float dtypes, and the fp8 weights' block scales. Raises `CheckpointError` naming
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 
@@ -17,14 +18,17 @@ IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some exports include
 
 
 def hf_tensor_specs(cfg: DeepseekConfig, *, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF checkpoint for `cfg` holds (MTP layer excluded), with its shape."""
+    """Every tensor an HF checkpoint for `cfg` must hold, with its shape: the layers, then the MTP layers'
+    (`mtp_tensor_specs`; their optional tensors excluded; MTP layers beyond `cfg.num_mtp_layers` excluded)."""
     D, N, L, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     P, V = cfg.qk_nope_head_dim, cfg.v_head_dim
     s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,)}
     if not cfg.tie_word_embeddings:
         s["lm_head.weight"] = (cfg.vocab_size, D)
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers + cfg.num_mtp_layers):
         pre = f"model.layers.{i}."
+        if i >= cfg.num_hidden_layers:
+            s.update({pre + k: shape for k, (shape, optional) in mtp_tensor_specs(cfg).items() if not optional})
         s[pre + "input_layernorm.weight"] = (D,)
         s[pre + "post_attention_layernorm.weight"] = (D,)
         a = pre + "self_attn."
@@ -84,10 +88,53 @@ def indexer_source_layer(cfg: DeepseekConfig, i: int) -> int:
     return max(j for j in range(i + 1) if cfg.is_indexer_layer(j))
 
 
+def mtp_tensor_specs(cfg: DeepseekConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """An MTP layer's tensors besides its decoder layer (names under `model.layers.{i}.`) -> (shape, optional).
+    `embed_tokens` and `shared_head.head` hold the target's embedding / lm_head in DeepSeek's checkpoints; absent,
+    the target's serve (`mla_jax.mtp`)."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    return {
+        "enorm.weight": ((D,), False),
+        "hnorm.weight": ((D,), False),
+        "eh_proj.weight": ((D, 2 * D), False),
+        "shared_head.norm.weight": ((D,), False),
+        "shared_head.head.weight": ((V, D), True),
+        "embed_tokens.weight": ((V, D), True),
+    }
+
+
+def resolve_mtp(cfg: DeepseekConfig, names: Iterable[str]) -> DeepseekConfig:
+    """`cfg` with num_nextn_predict_layers = 0 when the checkpoint holds no tensor of its first MTP layer (many
+    checkpoints drop the MTP layer but keep the config field): it then loads as before, without MTP."""
+    if not cfg.num_mtp_layers:
+        return cfg
+    pre = f"model.layers.{cfg.num_hidden_layers}."
+    if any(n.startswith(pre) for n in names):
+        return cfg
+    return dataclasses.replace(cfg, num_nextn_predict_layers=0)
+
+
+def mtp_optional_present(names: Iterable[str], cfg: DeepseekConfig) -> tuple[str, ...]:
+    """The optional MTP tensors (relative names) the checkpoint holds, the same for every loaded MTP layer."""
+    names = set(names)
+    N, n = cfg.num_hidden_layers, cfg.num_mtp_layers
+    out = []
+    for k, (_, optional) in mtp_tensor_specs(cfg).items():
+        have = [f"model.layers.{i}.{k}" in names for i in range(N, N + n)]
+        if optional and any(have):
+            if not all(have):
+                raise CheckpointError(
+                    f"tensor 'model.layers.{N + have.index(False)}.{k}' is missing (other MTP layers have it)"
+                )
+            out.append(k)
+    return tuple(out)
+
+
 def is_mtp(name: str, cfg: DeepseekConfig) -> bool:
-    """A tensor of the multi-token-prediction layer (model.layers.{num_hidden_layers}.*), unused for inference."""
+    """A tensor of a multi-token-prediction layer that is not loaded (model.layers.{i}.* with i past the layers and
+    the `cfg.num_mtp_layers` loaded MTP layers: e.g. every MTP layer of a sparse-attention model)."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
-    return bool(m) and int(m.group(1)) >= cfg.num_hidden_layers
+    return bool(m) and int(m.group(1)) >= cfg.num_hidden_layers + cfg.num_mtp_layers
 
 
 def check_float_dtype(name: str, dtype: np.dtype) -> None:
@@ -128,10 +175,15 @@ def check_fp8_scales(ckpt: CheckpointDir, cfg: DeepseekConfig, names: Iterable[s
 
 
 def check_tensors(ckpt: CheckpointDir, cfg: DeepseekConfig) -> tuple[bool, list[str]]:
-    """Names, shapes, dtypes and fp8 scales against `cfg`; returns (fused_experts, skipped MTP names)."""
+    """Names, shapes, dtypes and fp8 scales against `cfg` (after `resolve_mtp`); returns (fused_experts, skipped
+    MTP names)."""
     names = set(ckpt.keys())
     fused = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
     specs = hf_tensor_specs(cfg, fused_experts=fused)
+    N = cfg.num_hidden_layers
+    for k in mtp_optional_present(names, cfg):
+        for i in range(N, N + cfg.num_mtp_layers):
+            specs[f"model.layers.{i}.{k}"] = mtp_tensor_specs(cfg)[k][0]
     mtp = sorted(n for n in names if is_mtp(n, cfg))
     scales = {n for n in names if n.endswith(SCALE_SUFFIX)}
     missing = sorted(set(specs) - names)
