@@ -25,9 +25,9 @@ from mla_jax.checkpoint.hf import CheckpointError
 from mla_jax.checkpoint.layout import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, get_path, is_router, set_path
 from mla_jax.checkpoint.params import load_hf_checkpoint
 from mla_jax.checkpoint.plan import weight_dtype
+from mla_jax.checkpoint.validate import mtp_tensor_specs
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import F32, FP8_E4M3, as_dtype
-from mla_jax.checkpoint.validate import mtp_tensor_specs
 from mla_jax.model import MTP_GROUP, Params, init_params
 
 

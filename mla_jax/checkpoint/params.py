@@ -123,6 +123,11 @@ def build_params(
         return out
 
     for name, start, n in param_groups(cfg):
+        if name == MTP_GROUP:
+            try:  # a caller's unresolved config (`validate.resolve_mtp`) for a checkpoint without the MTP layer
+                get(f"model.layers.{start}.eh_proj.weight")
+            except CheckpointError:
+                continue
         extra = mtp_extra if name == MTP_GROUP else (lambda i: {})
         model[name] = stack_layers([layer(i) | extra(i) for i in range(start, start + n)])
     params: Params = {"model": model}

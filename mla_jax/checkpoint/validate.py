@@ -104,12 +104,15 @@ def mtp_tensor_specs(cfg: DeepseekConfig) -> dict[str, tuple[tuple[int, ...], bo
 
 
 def resolve_mtp(cfg: DeepseekConfig, names: Iterable[str]) -> DeepseekConfig:
-    """`cfg` with num_nextn_predict_layers = 0 when the checkpoint holds no tensor of its first MTP layer (many
-    checkpoints drop the MTP layer but keep the config field): it then loads as before, without MTP."""
+    """`cfg` with num_nextn_predict_layers = 0 unless the checkpoint holds every tensor of its MTP layers: many
+    checkpoints drop the MTP layer, or keep only part of it, but keep the config field; they load as before,
+    without MTP, their MTP tensors skipped (`is_mtp`). The engine names the missing weights when asked for MTP
+    speculation."""
     if not cfg.num_mtp_layers:
         return cfg
-    pre = f"model.layers.{cfg.num_hidden_layers}."
-    if any(n.startswith(pre) for n in names):
+    names = set(names)
+    need = set(hf_tensor_specs(cfg, fused_experts=any(n.endswith("mlp.experts.gate_up_proj") for n in names)))
+    if all(n in names for n in need if int(n.split(".")[2]) >= cfg.num_hidden_layers):
         return cfg
     return dataclasses.replace(cfg, num_nextn_predict_layers=0)
 
