@@ -168,6 +168,8 @@ def prepare_params(params: Params, cfg: DeepseekConfig) -> Params:
     """Split every layer's kv_b_proj into W_UK_T and W_UV (done once, after loading). Idempotent."""
     model = dict(params["model"])
     for name, _, _ in param_groups(cfg):
+        if name not in model:  # an MTP group the checkpoint lacks
+            continue
         group = dict(model[name])
         attn = dict(group["self_attn"])
         if "kv_b_proj" in attn:

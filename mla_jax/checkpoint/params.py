@@ -125,7 +125,7 @@ def build_params(
     for name, start, n in param_groups(cfg):
         if name == MTP_GROUP:
             try:  # a caller's unresolved config (`validate.resolve_mtp`) for a checkpoint without the MTP layer
-                get(f"model.layers.{start}.eh_proj.weight")
+                get(f"model.layers.{start}.self_attn.kv_a_proj_with_mqa.weight")
             except CheckpointError:
                 continue
         extra = mtp_extra if name == MTP_GROUP else (lambda i: {})

@@ -112,7 +112,8 @@ def resolve_mtp(cfg: DeepseekConfig, names: Iterable[str]) -> DeepseekConfig:
         return cfg
     names = set(names)
     need = set(hf_tensor_specs(cfg, fused_experts=any(n.endswith("mlp.experts.gate_up_proj") for n in names)))
-    if all(n in names for n in need if int(n.split(".")[2]) >= cfg.num_hidden_layers):
+    mtp = [n for n in need if re.match(r"model\.layers\.(\d+)\.", n) and int(n.split(".")[2]) >= cfg.num_hidden_layers]
+    if all(n in names for n in mtp):
         return cfg
     return dataclasses.replace(cfg, num_nextn_predict_layers=0)
 
