@@ -22,7 +22,8 @@ VOCAB = 64
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = tiny_config(num_hidden_layers=1, vocab_size=VOCAB, num_nextn_predict_layers=1)
+    # Dense (MoE compiles slower; the MTP layer's MoE path is the same `decoder_layers` code, test_mtp covers it).
+    cfg = tiny_config(num_hidden_layers=1, vocab_size=VOCAB, num_nextn_predict_layers=1, n_routed_experts=None)
     return cfg, M.init_params(cfg, jax.random.key(0))
 
 
@@ -178,3 +179,36 @@ def test_mtp_without_weights_and_top_logprobs_errors(model):
     eng = Engine(params, cfg, _config(num_speculative_tokens=1, speculative_method="ngram"))
     with pytest.raises(ValueError, match="top_logprobs is not supported with speculative decoding"):
         eng.add_request([1, 2], SamplingParams(top_logprobs=2))
+
+
+@pytest.mark.gpu
+def test_demo_model_greedy_identical_and_acceptance():
+    """The shipped demo model (float32, xla backend: the same arithmetic with and without speculation): greedy
+    outputs identical with the n-gram drafter and, once the demo has its MTP layer, the MTP drafter, at batch 1
+    and 3; the acceptance rates are printed (-s)."""
+    import os
+
+    from mla_jax.checkpoint import eos_token_ids, load_model
+    from mla_jax.demo import DEMO_DIR
+
+    cfg, params = load_model(DEMO_DIR, dtype=jnp.float32)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(DEMO_DIR, "tokenizer.json"))
+    texts = ["import os\n\n\ndef list_python_files(root):", "class Stack:\n    def push(self, item):", "def f(x):"]
+    prompts = [tok.encode(t).ids for t in texts]
+    sp = SamplingParams(max_new_tokens=48, stop_token_ids=tuple(eos_token_ids(DEMO_DIR)))
+    kw = dict(max_model_len=128, page_size=16, token_budget=128, max_prefills=3, cache_dtype="fp32", backend="xla")
+    methods = [("ngram", 3)] + ([("mtp", 2)] if cfg.num_mtp_layers else [])
+    for B in (1, 3):
+        ref = [o.token_ids for o in _gen(params, cfg, prompts[:B], sp, EngineConfig(max_num_seqs=B, **kw))]
+        for method, k in methods:
+            ec = EngineConfig(max_num_seqs=B, num_speculative_tokens=k, speculative_method=method, **kw)
+            eng = Engine(params, cfg, ec)
+            got = _run(eng, prompts[:B], sp)
+            assert [o.token_ids for o in got] == ref, (method, B)
+            print(f"demo B={B} {method} k={k}: acceptance rate {eng.acceptance_rate:.3f}")
+
+
+def _gen(params, cfg, prompts, sp, ec):
+    return _run(Engine(params, cfg, ec), prompts, sp)
