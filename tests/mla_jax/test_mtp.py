@@ -12,6 +12,7 @@ from mla_jax.checkpoint import convert, export_hf, load_model, save_file
 from mla_jax.checkpoint.hf import CheckpointDir
 from mla_jax.engine import Engine, EngineConfig
 from mla_jax.model import MTP_GROUP
+from mla_jax.mtp import mtp_forward
 from tests.mla_jax.helpers import tiny_config
 
 TOKENIZER = '{"version": "1.0", "model": {"vocab": {"<|endoftext|>": 0}}}'
@@ -121,3 +122,36 @@ def test_partial_mtp_layer_is_skipped(tmp_path, mtp_model):
                 speculative_method="mtp",
             ),
         )
+
+
+def test_train_demo_mtp_loss_and_frozen_trunk():
+    """scripts/train_demo.py's MTP loss: its next-token part is `lm_loss`, its MTP part the cross-entropy of
+    `mtp_forward` on token p+2, and with the trunk frozen (--mtp-only) the trunk's layers get no gradient (the
+    shared embedding and lm_head do; the train step's frozen mask drops those)."""
+    import importlib.util
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if "train_demo" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("train_demo", os.path.join(root, "scripts", "train_demo.py"))
+        sys.modules["train_demo"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["train_demo"])
+    td = sys.modules["train_demo"]
+    cfg = tiny_config(num_hidden_layers=1, n_routed_experts=None, num_nextn_predict_layers=1)
+    params = M.init_params(cfg, jax.random.key(2))
+    ids = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
+
+    @jax.jit
+    def losses(p):
+        hidden = M.forward_hidden(p, cfg, ids[:, :-1])
+        ref = td.cross_entropy(mtp_forward(p, cfg, ids[:, :-1], hidden), ids[:, 2:])
+        return td.mtp_loss(p, cfg, ids), (td.lm_loss(p, cfg, ids), ref)
+
+    (main, mtp), (want_main, want_mtp) = losses(params)
+    np.testing.assert_allclose([main, mtp], [want_main, want_mtp], rtol=1e-5)
+    grads = jax.jit(jax.grad(lambda p: td.objective(p, cfg, ids, 0.3, True)))(params)
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        name = jax.tree_util.keystr(path)
+        if not any(k in name for k in (MTP_GROUP, "embed_tokens", "lm_head")):
+            assert not np.any(np.asarray(g)), name
+    assert np.any(np.asarray(grads["model"][MTP_GROUP]["eh_proj"]["weight"]))
