@@ -247,6 +247,28 @@ class PagePool:
         self._tokens[request_id] += num_new_tokens
         return list(new)
 
+    def truncate(self, request_id: Hashable, num_tokens: int) -> list[int]:
+        """Shrink a request to its first ``num_tokens`` tokens (speculative decoding's rollback of rejected
+        drafts); pages left empty are released as by ``free``. Returns them."""
+        num_tokens = self._check_count("num_tokens", num_tokens)
+        held = self._get(request_id)
+        if num_tokens > self._tokens[request_id]:
+            raise ValueError(
+                f"cannot truncate request {request_id!r} to {num_tokens} > {self._tokens[request_id]} tokens"
+            )
+        keep = self.pages_needed(num_tokens)
+        dropped = held[keep:]
+        for p in reversed(dropped):
+            self._ref[p] -= 1
+            if self._ref[p] == 0:
+                if p in self._page_hash:
+                    self._evictable[p] = None
+                else:
+                    self._free.append(p)
+        del held[keep:]
+        self._tokens[request_id] = num_tokens
+        return dropped
+
     def free(self, request_id: Hashable) -> None:
         """Release a request's references to its pages (the request id becomes unknown). A page nobody holds
         any more becomes free, or evictable if it is cached."""

@@ -140,6 +140,13 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress (it shows on a terminal only anyway)")
     add_compile_cache_flag(p)
+    p.add_argument(
+        "--speculative-method",
+        choices=("mtp", "ngram"),
+        default=None,
+        help="speculative decoding: drafts from the checkpoint's MTP layer or by prompt lookup (default: off)",
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=2, help="drafts per step with --speculative-method")
 
 
 def add_compile_cache_flag(p: argparse.ArgumentParser) -> None:
@@ -240,6 +247,8 @@ def _check_generate(args: argparse.Namespace):
             max_prefills=1,
             cache_dtype=args.cache_dtype or ("fp32" if on_cpu else "bf16"),
             backend=args.backend,
+            num_speculative_tokens=args.num_speculative_tokens if args.speculative_method else 0,
+            speculative_method=args.speculative_method,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -305,8 +314,15 @@ def _run_generate(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     n = len(ids)
     rate = (n - 1) / (end - first) if first and n > 1 and end > first else float("nan")
+    spec = ""
+    if engine.spec_k:
+        acc = engine.acceptance_rate
+        spec = (
+            f"{args.speculative_method} speculation k={engine.spec_k}: {engine.num_accepted_tokens}/"
+            f"{engine.num_draft_tokens} drafts accepted ({'n/a' if acc is None else f'{acc:.0%}'}); "
+        )
     print(
-        f"[{n} tokens; {rate:.1f} tokens/s after the first; first token after {first - t1:.2f} s "
+        f"[{n} tokens; {rate:.1f} tokens/s after the first; {spec}first token after {first - t1:.2f} s "
         f"(incl. the prefill compile); decode compile {warm_s:.2f} s; model load {load_s:.2f} s; "
         f"{jax.default_backend()}, {engine.config.backend} backend]",
         file=sys.stderr,

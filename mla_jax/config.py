@@ -165,8 +165,11 @@ class DeepseekConfig:
     index_head_dim: int = 0  # D_I (its first R dims carry RoPE)
     index_rope_interleave: bool = False  # V3.2: half-split RoPE in the indexer; GLM-MoE-DSA: interleaved pairs
     indexer_types: tuple[str, ...] | None = None  # per layer "full" (runs the indexer) | "shared" (reuses)
-    # Multi-token-prediction layers after the last decoder layer (model.layers.{num_hidden_layers + i}.*).
+    # Multi-token prediction (DeepSeek-V3 MTP): layers `model.layers.{num_hidden_layers + i}.*` in the checkpoint.
     num_nextn_predict_layers: int = 0
+    # Whether the checkpoint holds the MTP layers whole, so they load (`checkpoint.validate.resolve_mtp`); a
+    # checkpoint that drops them, or keeps part of one, loads without MTP and its MTP tensors are skipped.
+    mtp_loaded: bool = True
 
     # Derived dims.
     @property
@@ -215,6 +218,12 @@ class DeepseekConfig:
     def shares_topk(self) -> bool:
         """Some layer reuses another's top-k (index groups of more than one layer)."""
         return self.use_sparse and self.num_indexer_layers < self.num_hidden_layers
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """MTP layers loaded and run (speculative decoding). Sparse-attention models' MTP layers are not
+        supported: their tensors are skipped as before."""
+        return 0 if self.use_sparse or not self.mtp_loaded else self.num_nextn_predict_layers
 
     @property
     def num_dense_layers(self) -> int:

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mla_jax import attention
+from mla_jax import attention, spec_decode
 from mla_jax import step as step_lib
 from mla_jax.allocator import PagePool
-from mla_jax.cache import KVCache, cache_dtype, init_kv_cache_for
+from mla_jax.cache import KVCache, cache_dtype, init_kv_cache, init_kv_cache_for
 from mla_jax.chunking import workspace_rows as default_workspace_rows
 from mla_jax.compile_cache import enable_compile_cache
 from mla_jax.config import DeepseekConfig
@@ -39,6 +39,7 @@ from mla_jax.metadata import (
     build_metadata,
 )
 from mla_jax.model import Params
+from mla_jax.mtp import has_mtp
 from mla_jax.parallel import ParallelPlan, to_host
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.scheduler import Request, Scheduler, Status
@@ -86,6 +87,11 @@ class EngineConfig:
     # Reuse cached full pages of earlier requests' prompts (`mla_jax.allocator`): a request whose tokens start
     # with cached pages prefills only the rest. Off by default here (the server turns it on).
     enable_prefix_caching: bool = False
+    # Speculative decoding (`mla_jax.spec_decode`): k = num_speculative_tokens (1..4) drafts per request and
+    # step, from DeepSeek's MTP layer ("mtp") or prompt lookup ("ngram"), verified in one target step of k+1
+    # query rows per request. 0 / None: off.
+    num_speculative_tokens: int = 0
+    speculative_method: str | None = None
 
     def __post_init__(self):
         """Each field checked on its own, so a bad value is a ValueError naming that field (not a
@@ -121,6 +127,15 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     def resolved(self) -> "EngineConfig":
+        k, method = self.num_speculative_tokens, self.speculative_method
+        if k or method is not None:
+            if method not in spec_decode.METHODS:
+                raise ValueError(f"speculative_method must be one of {spec_decode.METHODS}, got {method!r}")
+            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= spec_decode.MAX_SPECULATIVE_TOKENS:
+                raise ValueError(
+                    f"num_speculative_tokens must be an int in [1, {spec_decode.MAX_SPECULATIVE_TOKENS}] with "
+                    f"speculative_method={method!r}, got {k!r}"
+                )
         pages = self.num_pages or self.max_num_seqs * cdiv(self.max_model_len, self.page_size) + 1
         dec = self.decode_buckets or _pow2_buckets(1, self.max_num_seqs)
         pre = self.prefill_buckets or _pow2_buckets(min(16, self.token_budget), self.token_budget)
@@ -150,6 +165,13 @@ class RequestOutput:
     # first.
     top_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
+    num_accepted_tokens: int = 0  # of which accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / verified drafts (None without speculative decoding)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
 
 class CompileCounter:
@@ -228,6 +250,17 @@ class Engine:
             config = dataclasses.replace(config, page_size=config.page_size * plan.dcp)
         self.params, self.cfg = params, cfg
         self.config = c = config.resolved()
+        self.spec_k = c.num_speculative_tokens if c.speculative_method else 0
+        self.drafter = spec_decode.make_drafter(c.speculative_method, self.spec_k) if self.spec_k else None
+        if self.spec_k and plan is not None:
+            raise NotImplementedError("speculative decoding on a mesh (ParallelPlan) is not supported")
+        if self.spec_k and cfg.use_sparse:
+            raise NotImplementedError(f"{cfg.model_type}: speculative decoding with sparse attention is not supported")
+        if c.speculative_method == "mtp" and not has_mtp(params, cfg):
+            raise ValueError(
+                "speculative_method='mtp' needs MTP weights, but the checkpoint has none (config "
+                f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}, no model.layers.{cfg.num_hidden_layers}.*)"
+            )
         self.pool = PagePool(c.num_pages, c.page_size, enable_prefix_caching=c.enable_prefix_caching)
         if self.pool.num_usable_pages < cdiv(c.max_model_len, c.page_size):
             raise ValueError(
@@ -245,12 +278,29 @@ class Engine:
         self.counter = compile_counter()
         self.steps = 0
         self.num_computed_tokens = 0  # tokens run through the model so far (prefill chunks and decodes)
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted, over all requests
+        self.num_accepted_tokens = 0
+        self.num_verify_steps = 0  # decode rows that verified k drafts (for `acceptance`)
+        self.num_verify_accepted = 0  # drafts those accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / verified drafts so far (None before any verification)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def acceptance(self) -> float | None:
+        """Mean accepted drafts / k over the verifications of a full k drafts (the spec-h200.json figure)."""
+        return self.num_verify_accepted / (self.num_verify_steps * self.spec_k) if self.num_verify_steps else None
 
     def _init_cache(self) -> KVCache:
         """The zeroed paged cache, laid out on the plan's mesh if there is one."""
         c, cfg = self.config, self.cfg
         if self.plan is not None:
             return self.plan.init_cache(cfg, c.num_pages, c.page_size // self.plan.dcp, dtype=c.cache_dtype)
+        if c.speculative_method == "mtp":  # one more layer: the MTP layer's latent cache, same slots
+            kw = dict(kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, allow_any_page_size=True)
+            return init_kv_cache(cfg.num_hidden_layers + 1, c.num_pages, c.page_size, dtype=c.cache_dtype, **kw)
         return init_kv_cache_for(cfg, c.num_pages, c.page_size, dtype=c.cache_dtype, allow_any_page_size=True)
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -258,6 +308,8 @@ class Engine:
         """The prompt as a list of ints, or ValueError naming what is wrong. Reads only the (immutable) config, so
         it is safe to call from any thread while another one steps the engine."""
         prompt = check_prompt(prompt_token_ids, params, self.cfg)
+        if self.spec_k and params.top_logprobs:
+            raise ValueError("top_logprobs is not supported with speculative decoding (num_speculative_tokens > 0)")
         if len(prompt) + params.max_new_tokens > self.config.max_model_len:
             raise ValueError(
                 f"prompt length {len(prompt)} + max_new_tokens {params.max_new_tokens} exceeds "
@@ -300,7 +352,7 @@ class Engine:
         has_prefill = num_prefill_tokens > 0
         return BatchShape(
             num_decodes=self._bucket(num_decodes, c.decode_buckets) if num_decodes else 0,
-            decode_query_len=1,
+            decode_query_len=1 + self.spec_k,
             num_prefills=c.max_prefills if has_prefill else 0,
             num_prefill_tokens=self._bucket(num_prefill_tokens, c.prefill_buckets) if has_prefill else 0,
             max_pages=self.max_pages,
@@ -326,6 +378,25 @@ class Engine:
             gmm_impl=self.config.gmm_impl,
         )
         return to_host(tokens), to_host(logprobs)
+
+    def _run_spec(self, md: AttentionMetadata, sampling: SamplingArrays, spec: spec_decode.SpecArrays):
+        """One jitted speculative step (`spec_decode.spec_step`): (tokens [E, k+1], num_out [E], logprobs
+        [E, k+1], MTP drafts [E, k]) on the host, E = decode entries then prefills."""
+        md, sampling, spec = md.to_device(), jax.tree.map(jnp.asarray, sampling), jax.tree.map(jnp.asarray, spec)
+        *out, self.cache = spec_decode.spec_step(
+            self.params,
+            self.cfg,
+            self.cache,
+            md,
+            sampling,
+            spec,
+            backend=self.config.backend,
+            batch_invariant=self.config.batch_invariant,
+            gmm_impl=self.config.gmm_impl,
+            num_speculative_tokens=self.spec_k,
+            method=self.drafter.method,
+        )
+        return tuple(np.asarray(x) for x in out)
 
     def warmup(
         self, prefill: bool = True, top_logprobs: bool = False, all_shapes: bool = False, log: TextIO | None = None
@@ -364,7 +435,7 @@ class Engine:
             positions=z(shape.num_tokens),
             slot_mapping=np.full(shape.num_tokens, -1, np.int32),
             logits_indices=z(shape.num_logits),
-            decode=DecodeMetadata(z(shape.num_decodes, shape.max_pages), z(shape.num_decodes, 1)),
+            decode=DecodeMetadata(z(shape.num_decodes, shape.max_pages), z(shape.num_decodes, shape.decode_query_len)),
             prefill=PrefillMetadata(
                 z(shape.num_prefills + 1),
                 z(shape.num_prefills),
@@ -376,7 +447,12 @@ class Engine:
             shape=shape,
         )
         sp = [SamplingParams(top_logprobs=1)] if top_logprobs else []
-        jax.block_until_ready(self._run(md, SamplingArrays.build(sp, [0] * len(sp), shape.num_logits)))
+        sampling = SamplingArrays.build(sp, [0] * len(sp), shape.num_logits)
+        if self.spec_k:
+            if not top_logprobs:  # no top-logprob variant: speculative engines refuse such requests
+                self._run_spec(md, sampling, spec_decode.SpecArrays.empty(shape))
+            return
+        jax.block_until_ready(self._run(md, sampling))
 
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -385,16 +461,11 @@ class Engine:
             if self.scheduler.has_unfinished:
                 raise RuntimeError("scheduler made no progress (a request cannot fit in the page pool)")
             return []
-        reqs = [
-            ScheduledRequest(
-                c.request.all_token_ids[c.start : c.start + c.num_tokens],
-                c.start,
-                self.pool.pages(c.request.request_id),
-            )
-            for c in chunks
-        ]
-        nd = sum(c.num_tokens == 1 for c in chunks)
-        tp = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        reqs = [ScheduledRequest(c.token_ids, c.start, self.pool.pages(c.request.request_id)) for c in chunks]
+        # A decode is a request's last token (plus its drafts); anything else is a prefill chunk.
+        is_decode = [c.num_tokens - c.num_drafts == 1 for c in chunks]
+        nd = sum(is_decode)
+        tp = sum(c.num_tokens for c, d in zip(chunks, is_decode) if not d)
         shape = self.batch_shape(nd, tp)
         md, order = build_metadata(
             reqs,
@@ -402,7 +473,53 @@ class Engine:
             num_pages=self.config.num_pages,
             workspace_rows=self.workspace_rows,
             shape=shape,
+            is_decode=is_decode,
         )
+        if self.spec_k:
+            produced = self._spec_outputs(chunks, md, order, nd)
+        else:
+            produced = self._plain_outputs(chunks, md, order, nd)
+        self.num_computed_tokens += sum(c.num_tokens for c in chunks)
+        self.steps += 1
+        outs = []
+        for c, (toks, lps, tops) in zip(chunks, produced):
+            r = c.request
+            accepted = max(0, len(toks) - 1)
+            r.num_computed_tokens = c.start + c.num_tokens - c.num_drafts + accepted
+            if c.num_drafts:
+                r.num_draft_tokens += c.num_drafts
+                r.num_accepted_tokens += accepted
+                self.num_draft_tokens += c.num_drafts
+                self.num_accepted_tokens += accepted
+                if c.num_drafts == self.spec_k:
+                    self.num_verify_steps += 1
+                    self.num_verify_accepted += accepted
+            if self.spec_k:  # roll back the rows of rejected drafts
+                self.pool.truncate(r.request_id, r.num_computed_tokens)
+            self.scheduler.cache_computed(r)
+            if not c.samples:
+                continue
+            reason, new = None, []
+            for i, tok in enumerate(toks):
+                new.append(tok)
+                r.output_token_ids.append(tok)
+                r.output_logprobs.append(lps[i])
+                if tops is not None:
+                    r.output_top_logprobs.append(tops)
+                if tok in r.params.stop_token_ids:
+                    reason = "stop"
+                elif len(r.output_token_ids) >= r.params.max_new_tokens:
+                    reason = "length"
+                if reason:
+                    break
+            if reason:
+                self.scheduler.finish(r, reason)
+            outs.append(self._output(r, new))
+        return outs
+
+    def _plain_outputs(self, chunks, md, order, nd):
+        """A step without speculation: per chunk ([sampled token] or [], logprobs, top logprobs or None)."""
+        shape = md.shape
         # Logit row of each scheduled chunk (in `order`): decode b -> row b; prefill s -> row Td + s.
         rows = [k if k < nd else shape.num_decode_tokens + (k - nd) for k in range(len(order))]
         sp: list[SamplingParams | None] = [None] * shape.num_logits
@@ -413,34 +530,64 @@ class Engine:
                 sp[row] = c.request.params
                 pos[row] = c.request.num_tokens  # position of the token being sampled
         tokens, logprobs = self._run(md, SamplingArrays.build(sp, pos, shape.num_logits))
-        self.num_computed_tokens += sum(c.num_tokens for c in chunks)
         top_ids = top_lps = None
         if tokens.ndim == 2:  # column 0 the sampled token, then the top logprobs
             tokens, top_ids, logprobs, top_lps = tokens[:, 0], tokens[:, 1:], logprobs[:, 0], logprobs[:, 1:]
-        self.steps += 1
-        outs = []
+        produced: list = [([], [], None)] * len(chunks)
         for row, oi in zip(rows, order):
             c = chunks[oi]
-            r = c.request
-            r.num_computed_tokens = c.start + c.num_tokens
-            self.scheduler.cache_computed(r)
             if not c.samples:
                 continue
-            tok = int(tokens[row])
-            r.output_token_ids.append(tok)
-            r.output_logprobs.append(float(logprobs[row]))
-            if r.params.top_logprobs:
-                k = r.params.top_logprobs
-                r.output_top_logprobs.append(list(zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist())))
-            reason = None
-            if tok in r.params.stop_token_ids:
-                reason = "stop"
-            elif len(r.output_token_ids) >= r.params.max_new_tokens:
-                reason = "length"
-            if reason:
-                self.scheduler.finish(r, reason)
-            outs.append(self._output(r, [tok]))
-        return outs
+            tops = None
+            if c.request.params.top_logprobs:
+                k = c.request.params.top_logprobs
+                tops = list(zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist()))
+            produced[oi] = ([int(tokens[row])], [float(logprobs[row])], tops)
+        return produced
+
+    def _spec_outputs(self, chunks, md, order, nd):
+        """A speculative step: per chunk (the accepted drafts + the target's next token, their logprobs, None);
+        sets each sampling request's next drafts."""
+        shape = md.shape
+        Bd, Q, Td = shape.num_decodes, shape.decode_query_len, shape.num_decode_tokens
+        G = self.config.page_size
+        sp: list[SamplingParams | None] = [None] * shape.num_logits
+        pos = [0] * shape.num_logits
+        spec = spec_decode.SpecArrays.empty(shape)
+        next_ids = spec.next_ids
+        next_ids[:] = -1
+        entries = []
+        qsl = np.asarray(md.prefill.query_start_loc)
+        for k, oi in enumerate(order):
+            c = chunks[oi]
+            r = c.request
+            e = k if k < nd else Bd + (k - nd)
+            entries.append(e)
+            first = k * Q if k < nd else Td + int(qsl[k - nd])  # the chunk's first token row
+            real = c.num_tokens - c.num_drafts
+            toks = r.all_token_ids
+            for i in range(real):  # the token after each real row, where it is known
+                p = c.start + i + 1
+                next_ids[first + i] = toks[p] if p < len(toks) else -1
+            if c.samples:
+                spec.capacity[e] = len(self.pool.pages(r.request_id)) * G
+                for j in range(c.num_drafts + 1 if k < nd else 1):
+                    row = k * Q + j if k < nd else Td + (k - nd)
+                    sp[row] = r.params
+                    pos[row] = r.num_tokens + j  # position of the token sampled at this row
+            if k < nd:
+                spec.num_drafts[k] = c.num_drafts
+        tokens, num_out, logprobs, drafts = self._run_spec(md, SamplingArrays.build(sp, pos, shape.num_logits), spec)
+        produced: list = [([], [], None)] * len(chunks)
+        for e, oi in zip(entries, order):
+            c = chunks[oi]
+            if not c.samples:
+                continue
+            n = int(num_out[e])
+            produced[oi] = (tokens[e, :n].tolist(), logprobs[e, :n].tolist(), None)
+            r = c.request
+            r.draft_token_ids = self.drafter.propose(r.all_token_ids + produced[oi][0], drafts[e])[: self.spec_k]
+        return produced
 
     def _output(self, r: Request, new: list[int]) -> RequestOutput:
         return RequestOutput(
@@ -452,6 +599,8 @@ class Engine:
             new,
             list(r.output_top_logprobs) if r.params.top_logprobs else None,
             r.num_cached_tokens,
+            r.num_draft_tokens,
+            r.num_accepted_tokens,
         )
 
     def run(self) -> dict[Hashable, RequestOutput]:

@@ -134,12 +134,15 @@ def build_metadata(
     decode_buckets: Sequence[int] | None = None,
     token_buckets: Sequence[int] | None = None,
     pad_page: int = 0,
+    is_decode: Sequence[bool] | None = None,
 ) -> tuple[AttentionMetadata, list[int]]:
     """Builds the step's padded metadata (numpy) and the request order used (decodes first, then prefills).
 
     `shape` fixes every static size (it must be large enough); otherwise sizes are the exact need, rounded up
     to `decode_buckets` (decode requests) and `token_buckets` (prefill tokens) when given. `workspace_rows`
-    (W) enables chunked context for prefills with a context; required when one has.
+    (W) enables chunked context for prefills with a context; required when one has. `is_decode` classifies
+    each request explicitly instead of by `reorder_batch_threshold` (speculative decoding: a decode is the last
+    token plus drafts, a prefill chunk stays a prefill however short).
     """
     if not requests:
         raise MetadataError("empty batch")
@@ -160,7 +163,13 @@ def build_metadata(
         if bad:
             raise MetadataError(f"request {i}: block id {bad[0]} out of range [0, {num_pages})")
         qlens.append(n)
-    dec, pre = split_decodes_and_prefills(qlens, reorder_batch_threshold)
+    if is_decode is None:
+        dec, pre = split_decodes_and_prefills(qlens, reorder_batch_threshold)
+    else:
+        if len(is_decode) != len(requests):
+            raise MetadataError(f"is_decode has {len(is_decode)} entries for {len(requests)} requests")
+        dec = [i for i, d in enumerate(is_decode) if d]
+        pre = [i for i, d in enumerate(is_decode) if not d]
     order = dec + pre
     need = BatchShape(
         num_decodes=len(dec),

@@ -53,6 +53,17 @@ def layer_groups(cfg: DeepseekConfig) -> list[tuple[str, int, int]]:
     return [g for g in groups if g[2] > 0]
 
 
+MTP_GROUP = "mtp_layers"
+
+
+def param_groups(cfg: DeepseekConfig) -> list[tuple[str, int, int]]:
+    """Every stacked group of the params: `layer_groups`, then the MTP layers (`mla_jax.mtp`; HF layers
+    num_hidden_layers.., each a decoder layer plus enorm, hnorm, eh_proj, shared_head), which the checkpoint code
+    stores, loads and exports like the others; the decoder stack (`decoder_layers`) never runs them."""
+    n = cfg.num_mtp_layers
+    return layer_groups(cfg) + ([(MTP_GROUP, cfg.num_hidden_layers, n)] if n else [])
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "std"))
 def init_params(cfg: DeepseekConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
     """Random params in the HF layout (kv_b_proj included), for tests and benchmarks. Norm weights are
@@ -131,6 +142,13 @@ def init_params(cfg: DeepseekConfig, key: jax.Array, dtype=jnp.float32, std: flo
     params: Params = {"model": model}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = {"weight": w(cfg.vocab_size, D)}
+    if cfg.num_mtp_layers:  # drawn last: models without MTP keep their random params
+        mtp = []
+        for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_mtp_layers):
+            extra = {"enorm": norm(D), "hnorm": norm(D), "eh_proj": {"weight": w(D, 2 * D)}}
+            extra["shared_head"] = {"norm": norm(D), "head": {"weight": w(cfg.vocab_size, D)}}
+            mtp.append(layer(i, cfg.is_moe_layer(i)) | extra)
+        model[MTP_GROUP] = stack_layers(mtp)
     return prepare_params(params, cfg)
 
 
@@ -149,7 +167,9 @@ def stack_layers(layers: list[Params]) -> Params:
 def prepare_params(params: Params, cfg: DeepseekConfig) -> Params:
     """Split every layer's kv_b_proj into W_UK_T and W_UV (done once, after loading). Idempotent."""
     model = dict(params["model"])
-    for name, _, _ in layer_groups(cfg):
+    for name, _, _ in param_groups(cfg):
+        if name not in model:  # an MTP group the checkpoint lacks
+            continue
         group = dict(model[name])
         attn = dict(group["self_attn"])
         if "kv_b_proj" in attn:
@@ -254,13 +274,37 @@ def forward(
     is `mla_jax.step`.
     """
     B, S = input_ids.shape
+    x = forward_hidden(params, cfg, input_ids, attention=attention, scale=scale, gmm_impl=gmm_impl)
+    return lm_logits(params, cfg, x.reshape(B * S, -1)).reshape(B, S, -1)
+
+
+def full_attention(cfg: DeepseekConfig, B: int, S: int, algorithm: str = "naive", scale: float | None = None):
+    """The cache-free causal attention of `forward` (rows of [B*S] tokens, each sequence at 0..S-1), as an
+    `AttentionFn` (the MTP module's full forward runs it too)."""
     positions = jnp.arange(S, dtype=jnp.int32)
 
     def attn(p, h, state, layer):
-        out = jax.vmap(lambda hs: mla_forward_full(p, cfg, hs, positions, algorithm=attention, scale=scale))(
+        out = jax.vmap(lambda hs: mla_forward_full(p, cfg, hs, positions, algorithm=algorithm, scale=scale))(
             h.reshape(B, S, -1)
         )  # [B, S, D]
         return out.reshape(B * S, -1), state
+
+    return attn
+
+
+def forward_hidden(
+    params: Params,
+    cfg: DeepseekConfig,
+    input_ids: jnp.ndarray,
+    *,
+    attention: str = "naive",
+    scale: float | None = None,
+    gmm_impl: str = "ragged_dot",
+) -> jnp.ndarray:
+    """`forward` up to the last layer: input_ids i32[B, S] -> hidden state [B, S, D] before the final norm
+    (what the MTP module reads)."""
+    B, S = input_ids.shape
+    positions = jnp.arange(S, dtype=jnp.int32)
 
     def sparse_attn(p, h, topk, layer):
         """Sparse attention: the indexer's causal top-k (or, on a "shared" layer, the carried one) masks MLA."""
@@ -284,8 +328,8 @@ def forward(
         topk0 = jnp.zeros((B, S, min(cfg.index_topk, S)), jnp.int32)
         x, _ = decoder_layers(params, cfg, x, sparse_attn, topk0, gmm_impl=gmm_impl)
     else:
-        x, _ = decoder_layers(params, cfg, x, attn, None, gmm_impl=gmm_impl)
-    return lm_logits(params, cfg, x).reshape(B, S, -1)
+        x, _ = decoder_layers(params, cfg, x, full_attention(cfg, B, S, attention, scale), None, gmm_impl=gmm_impl)
+    return x.reshape(B, S, -1)
 
 
 def q_latent(p: Params, cfg: DeepseekConfig, x: jax.Array) -> jax.Array:

@@ -86,15 +86,10 @@ class SamplingArrays:
         return SamplingArrays(t, k, p, s, pos, top)
 
 
-def sample(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
-    """logits f32[R, vocab] -> (token ids i32[R], logprobs f32[R] of those tokens under log_softmax(logits)).
-
-    With `s.num_top_logprobs` = n > 0 both gain a trailing axis of 1 + n: column 0 the sampled token and its
-    logprob, columns 1..n the n most likely tokens (most likely first) and theirs."""
-    R, Vocab = logits.shape
-    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
+def _filtered_sorted(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+    """(order i32[R, vocab]: token ids by descending scaled logit, the scaled logits in that order with the tokens
+    that top-k / top-p drop set to -inf)."""
+    Vocab = logits.shape[-1]
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     scaled = logits / temp
     # Sort once (descending) for both filters; ties keep index order.
@@ -105,7 +100,26 @@ def sample(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
     keep &= before < s.top_p[:, None]  # top-p: smallest prefix reaching top_p (the first token always stays)
-    filtered = jnp.where(keep, sorted_logits, -jnp.inf)
+    return order, jnp.where(keep, sorted_logits, -jnp.inf)
+
+
+def filtered_logprobs(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """logits f32[R, vocab] -> log-probabilities f32[R, vocab] (vocab order) of the distribution `sample` draws
+    from at temperature > 0 (temperature, top-k, top-p; -inf for dropped tokens). Speculative sampling
+    (`mla_jax.spec_decode.accept`) accepts and resamples against it."""
+    order, filtered = _filtered_sorted(logits, s)
+    inv = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), inv, axis=-1)
+
+
+def sample(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+    """logits f32[R, vocab] -> (token ids i32[R], logprobs f32[R] of those tokens under log_softmax(logits)).
+
+    With `s.num_top_logprobs` = n > 0 both gain a trailing axis of 1 + n: column 0 the sampled token and its
+    logprob, columns 1..n the n most likely tokens (most likely first) and theirs."""
+    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    order, filtered = _filtered_sorted(logits, s)
 
     def draw(seed, pos, row):
         key = jax.random.fold_in(jax.random.key(seed), pos)

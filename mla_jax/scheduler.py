@@ -50,6 +50,10 @@ class Request:
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # chain hashes of its full pages so far
     num_cached_pages: int = 0  # leading pages it holds that are in the prefix cache (hits or registered)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its (last) admission
+    # Speculative decoding: the drafts to verify after its last token (`mla_jax.spec_decode`), and counters.
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_draft_tokens: int = 0  # drafts verified so far
+    num_accepted_tokens: int = 0  # of which accepted
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -64,12 +68,19 @@ class Request:
 class ScheduledChunk:
     request: Request
     start: int  # first token position computed this step
-    num_tokens: int
+    num_tokens: int  # query rows: real tokens, then num_drafts draft tokens
+    num_drafts: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        r = self.request
+        real = r.all_token_ids[self.start : self.start + self.num_tokens - self.num_drafts]
+        return real + r.draft_token_ids[: self.num_drafts]
 
     @property
     def samples(self) -> bool:
-        """The chunk ends at the request's last token: the step samples the next one."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        """The chunk ends at the request's last token: the step samples the next one (and verifies drafts)."""
+        return self.start + self.num_tokens - self.num_drafts == self.request.num_tokens
 
 
 class Scheduler:
@@ -131,6 +142,7 @@ class Scheduler:
         self.pool.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.num_cached_pages = 0
+        victim.draft_token_ids = []
         victim.status = Status.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -181,7 +193,13 @@ class Scheduler:
                 continue
             remaining = r.num_tokens - r.num_computed_tokens
             n = min(remaining, budget)
-            if n > 1:
+            m = 0  # drafts verified after the last token, within the budget and the request's max_new_tokens
+            if remaining == 1 and r.draft_token_ids:
+                m = max(
+                    0, min(len(r.draft_token_ids), budget - 1, r.params.max_new_tokens - len(r.output_token_ids) - 1)
+                )
+                n += m
+            if n - m > 1:
                 if prefills >= self.max_prefills:
                     continue
             while True:
@@ -196,9 +214,9 @@ class Scheduler:
                         break
             if r.status is not Status.RUNNING:
                 continue
-            prefills += n > 1
+            prefills += n - m > 1
             budget -= n
-            out.append(ScheduledChunk(r, r.num_computed_tokens, n))
+            out.append(ScheduledChunk(r, r.num_computed_tokens, n, m))
         # Waiting requests (FIFO), while the batch and the pages allow; none after a preemption, which would
         # only hand the freed pages back and forth.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

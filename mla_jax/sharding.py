@@ -43,7 +43,7 @@ EP = "ep"
 HEAD_AXES = (TP, DCP)
 MODEL_AXES = (EP, TP, DCP)
 MOE_MODES = ("ep", "tp")
-_STACKS = ("dense_layers", "moe_layers")
+_STACKS = ("dense_layers", "moe_layers", "mtp_layers")
 
 
 def _key(k: Any) -> str:

@@ -103,7 +103,7 @@ def mla_paged(
         return o_proj(p, attn.astype(x.dtype)), cache
 
 
-def _device_step(
+def _device_hidden(
     params: Params,
     cache: KVCache,
     md: AttentionMetadata,
@@ -114,7 +114,8 @@ def _device_step(
     batch_invariant: bool,
     gmm_impl: str,
 ) -> tuple[jax.Array, KVCache]:
-    """The step on one device's shards: (logits f32[num_logits, vocab (this device's rows)], cache)."""
+    """The layers on one device's shards: (last hidden state [T, D] of every row, before the final norm; cache).
+    Speculative decoding reads it for the MTP drafter (`mla_jax.spec_decode`)."""
     be = attention.get_backend(backend)
     heads = cfg.num_attention_heads // comm.head_shards
     cfg_loc = cfg if heads == cfg.num_attention_heads else dataclasses.replace(cfg, num_attention_heads=heads)
@@ -130,13 +131,27 @@ def _device_step(
             return out, (c, topk)
 
         x, (cache, _) = decoder_layers(params, cfg, x, sparse_attn, (cache, (none, none)), gmm_impl=gmm_impl, comm=comm)
-        return lm_logits(params, cfg, x[md.logits_indices]), cache
+        return x, cache
 
     def attn(p, h, cache, layer):
         return mla_paged(p, cfg_loc, h, view, cache, layer, be, comm=comm, batch_invariant=batch_invariant)
 
-    x, cache = decoder_layers(params, cfg, x, attn, cache, gmm_impl=gmm_impl, comm=comm)
+    return decoder_layers(params, cfg, x, attn, cache, gmm_impl=gmm_impl, comm=comm)
+
+
+def _device_step(params: Params, cache: KVCache, md: AttentionMetadata, *, cfg: DeepseekConfig, **kw):
+    """The step on one device's shards: (logits f32[num_logits, vocab (this device's rows)], cache)."""
+    x, cache = _device_hidden(params, cache, md, cfg=cfg, **kw)
     return lm_logits(params, cfg, x[md.logits_indices]), cache
+
+
+def check_cache(cfg: DeepseekConfig, cache: KVCache) -> None:
+    """The cache has the model's layers (and, optionally, one more for the MTP drafter) of L+R rows."""
+    layers = (cfg.num_hidden_layers,) + ((cfg.num_hidden_layers + 1,) if cfg.num_mtp_layers else ())
+    if cache.num_layers not in layers:
+        raise ValueError(f"cache has {cache.num_layers} layers, the model {' or '.join(map(str, layers))}")
+    if cache.width != cfg.cache_row_dim:
+        raise ValueError(f"cache rows are {cache.width} wide, the model needs L+R = {cfg.cache_row_dim}")
 
 
 def forward_step(
@@ -156,10 +171,7 @@ def forward_step(
     (`mla_jax.layers.expert_gmm`); `batch_invariant` decodes with one KV split (outputs independent of the
     batch). With `plan`, params and cache are laid out on its mesh and `md` is the replicated metadata built
     with the virtual page size (page_size * dcp); the logits come out split by vocab."""
-    if cache.num_layers != cfg.num_hidden_layers:
-        raise ValueError(f"cache has {cache.num_layers} layers, the model {cfg.num_hidden_layers}")
-    if cache.width != cfg.cache_row_dim:
-        raise ValueError(f"cache rows are {cache.width} wide, the model needs L+R = {cfg.cache_row_dim}")
+    check_cache(cfg, cache)
     if cfg.use_sparse:
         sparse.check_sparse_cache(cfg, cache)
         if plan is not None:

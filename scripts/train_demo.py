@@ -4,6 +4,9 @@ H200 (device tool `run`, repo root, carry [".cache/demo-corpus"]):
     python3 scripts/train_demo.py --data .cache/demo-corpus --out $OUT --max-minutes 7.5
 CPU check of the whole pipeline (a few steps, tiny dims):
     .venv/bin/python scripts/train_demo.py --tiny --out /tmp/demo-tiny
+MTP layer for speculative decoding, trained alone on the frozen shipped model (its trunk exported unchanged):
+    python3 scripts/train_demo.py --data .cache/demo-corpus --out $OUT --mtp-only --init mla_jax/data/demo \
+        --mtp-layers 1 --max-minutes 5
 
 The corpus (tokenizer.json, train.bin, val.bin, corpus.json) comes from scripts/make_corpus.py; when --data has
 none, it is built first (needs the `tokenizers` package). Writes OUT/demo/ (config.json, model.safetensors,
@@ -22,6 +25,13 @@ Routing bias: DeepSeek-V3's aux-loss-free balancing. `e_score_correction_bias` g
 the top-k choice); after each step bias += u * sign(mean_load - load) per MoE layer, the loads counted on the
 first quarter of the step's batch by a forward that mirrors `model.forward` (`routing_loads`, checked against it
 in the tests). No auxiliary loss.
+
+MTP (`--mtp-layers 1`): DeepSeek-V3's multi-token-prediction loss, `--mtp-lambda` times the cross-entropy of
+the MTP module (`mla_jax.mtp.mtp_forward`: position p reads the trunk's last hidden state h_p and token p+1,
+predicts token p+2) added to the next-token loss. `--mtp-only --init DIR` loads the HF model in DIR, freezes
+it (its hidden states under stop_gradient), trains only the MTP layer on its loss, selects by MTP validation
+loss, and checks that the exported trunk tensors equal DIR's bit for bit. The MTP layer shares the trunk's
+embedding and lm_head (no `embed_tokens` / `shared_head.head` of its own); its routing bias stays 0.
 
 MoE matmuls: JAX lowers `ragged_dot` on GPU to XLA's ragged-dot instruction; its transpose for the expert-weight
 gradient (ragged contracting dims) is not something we could test on a GPU beforehand, so this script switches
@@ -56,6 +66,7 @@ from mla_jax.checkpoint import SafetensorsFile, save_file  # noqa: E402
 from mla_jax.config import DeepseekConfig  # noqa: E402
 from mla_jax.layers import mlp, moe, rms_norm, route  # noqa: E402
 from mla_jax.mla import mla_forward_full  # noqa: E402
+from mla_jax.mtp import mtp_forward  # noqa: E402
 
 # Dims: rope/nope/v/latent are powers of two >= 16 so the Pallas kernels accept them.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -218,6 +229,20 @@ def lm_loss(params, cfg: DeepseekConfig, ids: jnp.ndarray) -> jnp.ndarray:
     return cross_entropy(logits, ids[:, 1:])
 
 
+def mtp_loss(params, cfg: DeepseekConfig, ids: jnp.ndarray, *, frozen_trunk: bool = False):
+    """ids i32[B, S+1] -> (next-token loss, MTP loss: predicting ids[:, 2:] from the trunk's hidden states and
+    ids[:, 1:-1]). With frozen_trunk the trunk's hidden states carry no gradient."""
+    trunk = params
+    if frozen_trunk:
+        trunk = {**params, "model": {k: v for k, v in params["model"].items() if k != model.MTP_GROUP}}
+        trunk = jax.lax.stop_gradient(trunk)
+    x = ids[:, :-1]
+    B, S = x.shape
+    hidden = model.forward_hidden(trunk, cfg, x, attention="naive")  # [B, S, D]
+    main = cross_entropy(model.lm_logits(trunk, cfg, hidden.reshape(B * S, -1)).reshape(B, S, -1), ids[:, 1:])
+    return main, cross_entropy(mtp_forward(params, cfg, x, hidden), ids[:, 2:])
+
+
 def routing_loads(params, cfg: DeepseekConfig, input_ids: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     """The forward of `model.forward`, also counting tokens per routed expert: input_ids i32[B, S] ->
     (loads i32[n_moe_layers, E], logits f32[B, S, vocab]). Same building blocks in the same order."""
@@ -279,15 +304,28 @@ def lr_at(h: Hyper, step: int, progress: float) -> float:
     return h.lr * (h.min_lr_frac + (1 - h.min_lr_frac) * c)
 
 
-def make_train_step(cfg: DeepseekConfig, h: Hyper, tx, params_template, compute_dtype):
+def objective(params, cfg: DeepseekConfig, ids, mtp_lambda: float, mtp_only: bool):
+    """The training loss: next-token CE (+ mtp_lambda x the MTP loss with MTP layers; the MTP loss alone with
+    mtp_only)."""
+    if not cfg.num_mtp_layers:
+        return lm_loss(params, cfg, ids)
+    main, mtp = mtp_loss(params, cfg, ids, frozen_trunk=mtp_only)
+    return mtp if mtp_only else main + mtp_lambda * mtp
+
+
+def make_train_step(
+    cfg: DeepseekConfig, h: Hyper, tx, params_template, compute_dtype, mtp_lambda: float = 0.3, mtp_only=False
+):
     import optax
 
     decay = weight_decay_mask(params_template)
     frozen = frozen_mask(params_template)
-    has_bias = cfg.n_routed_experts is not None and cfg.topk_method == "noaux_tc" and h.bias_rate > 0
+    if mtp_only:  # only the MTP layer trains
+        frozen = jax.tree_util.tree_map_with_path(lambda p, f: f or not _path_has(p, model.MTP_GROUP), frozen)
+    has_bias = cfg.n_routed_experts is not None and cfg.topk_method == "noaux_tc" and h.bias_rate > 0 and not mtp_only
 
     def loss_fn(params, ids):
-        return lm_loss(cast_for_compute(params, compute_dtype), cfg, ids)
+        return objective(cast_for_compute(params, compute_dtype), cfg, ids, mtp_lambda, mtp_only)
 
     @jax.jit
     def step(params, opt_state, ids, lr):
@@ -326,9 +364,13 @@ def make_train_step(cfg: DeepseekConfig, h: Hyper, tx, params_template, compute_
     return step
 
 
-def make_eval(cfg: DeepseekConfig, compute_dtype):
+def make_eval(cfg: DeepseekConfig, compute_dtype, mtp_only: bool = False):
+    """The selection loss: next-token CE (the MTP loss with mtp_only)."""
+
     @jax.jit
     def ev(params, ids):
+        if mtp_only:
+            return mtp_loss(cast_for_compute(params, compute_dtype), cfg, ids, frozen_trunk=True)[1]
         return lm_loss(cast_for_compute(params, compute_dtype), cfg, ids)
 
     return ev
@@ -502,6 +544,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--vocab-size", type=int, default=None, help="when building the corpus (default 4096)")
     p.add_argument("--sample-tokens", type=int, default=96, help="tokens per sample in the record (0: none)")
+    p.add_argument("--mtp-layers", type=int, default=0, help="MTP layers trained with DeepSeek's MTP loss (0: none)")
+    p.add_argument("--mtp-lambda", type=float, default=0.3, help="weight of the MTP loss")
+    p.add_argument("--mtp-only", action="store_true", help="train only the MTP layer(s) on the frozen --init model")
+    p.add_argument("--init", default=None, help="with --mtp-only: the HF model directory to start from")
     p.add_argument(
         "--native-ragged-dot",
         action="store_true",
@@ -528,6 +574,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(a, k, v)
     if tiny and a.corpus_files is None:
         a.corpus_files = 40
+    if a.mtp_only and not (a.init and a.mtp_layers > 0):
+        p.error("--mtp-only needs --init DIR and --mtp-layers >= 1")
     return a
 
 
@@ -556,9 +604,20 @@ def _run(args: argparse.Namespace) -> dict:
     vocab = crec["vocab_size"]
     vocab = -(-vocab // 64) * 64  # lm_head rows padded to a multiple of 64 (unused ids are never targets)
     cfg = model_config(args.preset, vocab, args.seq_len)
+    if args.mtp_only:  # the trunk of --init, frozen; a fresh MTP layer
+        from mla_jax.checkpoint import load_hf_checkpoint
+
+        cfg0, trunk = load_hf_checkpoint(args.init, dtype=jnp.float32)
+        if cfg0.vocab_size != vocab:
+            raise ValueError(f"--init {args.init}: vocab {cfg0.vocab_size} != the corpus's {vocab}")
+        cfg = dataclasses.replace(cfg0, num_nextn_predict_layers=args.mtp_layers)
+    elif args.mtp_layers:
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=args.mtp_layers)
     h = Hyper(lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, bias_rate=args.bias_rate)
     tx = make_optimizer(h)
     params = init_train_params(cfg, args.seed)
+    if args.mtp_only:
+        params = {**trunk, "model": {**trunk["model"], model.MTP_GROUP: params["model"][model.MTP_GROUP]}}
     opt_state = tx.init(params)
     start_step = 0
     if args.resume:
@@ -571,8 +630,8 @@ def _run(args: argparse.Namespace) -> dict:
         flush=True,
     )
 
-    step_fn = make_train_step(cfg, h, tx, params, compute_dtype)
-    ev = make_eval(cfg, compute_dtype)
+    step_fn = make_train_step(cfg, h, tx, params, compute_dtype, args.mtp_lambda, args.mtp_only)
+    ev = make_eval(cfg, compute_dtype, args.mtp_only)
     val_small = val_windows(data["val"], args.seq_len, args.eval_windows)
     os.makedirs(args.ckpt_dir, exist_ok=True)
     ckpt_path = os.path.join(args.ckpt_dir, "train_state.safetensors")
@@ -672,7 +731,9 @@ def _run(args: argparse.Namespace) -> dict:
     )
     cfg2, loaded = load_hf_checkpoint(out_dir, dtype=jnp.float32)
     assert cfg2 == cfg, "exported config.json does not round-trip"
-    ev32 = ev if compute_dtype == jnp.float32 else make_eval(cfg, jnp.float32)
+    if args.mtp_only:
+        check_trunk_unchanged(args.init, out_dir, cfg)
+    ev32 = ev if compute_dtype == jnp.float32 else make_eval(cfg, jnp.float32, args.mtp_only)
     val_all = val_windows(data["val"], args.seq_len, args.final_eval_windows)
     final_val = eval_loss(ev32, loaded, val_all, args.batch_size)
     print(
@@ -733,6 +794,18 @@ def _run(args: argparse.Namespace) -> dict:
         "val_curve": vcurve,
         "samples": [],
     }
+    if cfg.num_mtp_layers:
+        rec["mtp"] = {
+            "layers": cfg.num_mtp_layers,
+            "lambda": None if args.mtp_only else args.mtp_lambda,
+            "mtp_only": args.mtp_only,
+            "init": args.init,
+            "final_val_loss_is": "MTP loss (token p+2)" if args.mtp_only else "next-token loss",
+            "acceptance": mtp_acceptance(
+                loaded, cfg, data["tokenizer"], crec["eos_token_id"], args.sample_tokens or 64
+            ),
+        }
+        print(f"MTP acceptance: {rec['mtp']['acceptance']}", flush=True)
     write_record(args.out, rec)  # before the samples: a run killed during them keeps its record
     if args.sample_tokens and time.time() < t_start + budget_s - 20:
         try:
@@ -749,6 +822,49 @@ def _run(args: argparse.Namespace) -> dict:
         flush=True,
     )
     return rec
+
+
+def check_trunk_unchanged(init_dir: str, out_dir: str, cfg: DeepseekConfig) -> None:
+    """Every trunk tensor of init_dir's model.safetensors (an MTP layer it has aside) is in out_dir's with the
+    same dtype and bytes."""
+    a = SafetensorsFile(os.path.join(init_dir, "model.safetensors"))
+    b = SafetensorsFile(os.path.join(out_dir, "model.safetensors"))
+    mtp = tuple(f"model.layers.{cfg.num_hidden_layers + j}." for j in range(cfg.num_mtp_layers))
+    for name in a.keys():
+        if name.startswith(mtp):
+            continue
+        x, y = np.asarray(a.get(name)), np.asarray(b.get(name))
+        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+            raise AssertionError(f"exported trunk tensor {name} differs from {init_dir}'s")
+
+
+def mtp_acceptance(params, cfg: DeepseekConfig, tokenizer_path: str, eos_id: int, max_new_tokens: int) -> dict:
+    """Greedy speculative decoding with the MTP drafter on SAMPLE_PROMPTS: {f"k={k}": accepted / drafted}."""
+    from tokenizers import Tokenizer
+
+    from mla_jax.engine import EngineConfig, generate
+    from mla_jax.sampling import SamplingParams
+
+    tok = Tokenizer.from_file(tokenizer_path)
+    prompts = [tok.encode(p).ids for p in SAMPLE_PROMPTS]
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    out = {}
+    for k in (1, 2, 3):
+        ec = EngineConfig(
+            max_model_len=max(64, 1 << (longest - 1).bit_length()),
+            max_num_seqs=4,
+            page_size=16,
+            token_budget=256,
+            max_prefills=4,
+            cache_dtype="fp32",
+            backend="xla",
+            num_speculative_tokens=k,
+            speculative_method="mtp",
+        )
+        res = generate(params, cfg, prompts, SamplingParams(max_new_tokens=max_new_tokens), ec)
+        drafted = sum(r.num_draft_tokens for r in res)
+        out[f"k={k}"] = round(sum(r.num_accepted_tokens for r in res) / max(1, drafted), 4)
+    return out
 
 
 def write_record(out: str, rec: dict) -> None:

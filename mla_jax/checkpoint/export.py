@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_jax.checkpoint.hf import save_file
-from mla_jax.checkpoint.validate import hf_tensor_specs
+from mla_jax.checkpoint.validate import hf_tensor_specs, mtp_tensor_specs
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import DTYPES
-from mla_jax.model import Params, layer_groups
+from mla_jax.model import MTP_GROUP, Params, param_groups
 
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 EXPORT_MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
@@ -107,6 +107,8 @@ def hf_config_dict(
             "mscale": rs.mscale,
             "mscale_all_dim": rs.mscale_all_dim,
         }
+    if cfg.num_mtp_layers:
+        d["num_nextn_predict_layers"] = cfg.num_mtp_layers
     if bos_token_id is not None:
         d["bos_token_id"] = bos_token_id
     if eos_token_id is not None:
@@ -124,11 +126,21 @@ def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> d
         out[name] = np.asarray(jax.device_get(x), np.float32).astype(np.float32 if keep_f32 else wdt)
 
     put("model.embed_tokens.weight", model["embed_tokens"]["weight"])
-    for group, start, n in layer_groups(cfg):
+    mtp_opt = []
+    for group, start, n in param_groups(cfg):
         stacked = model[group]
         for k in range(n):
             lp = jax.tree.map(lambda x: x[k], stacked)
             pre = f"model.layers.{start + k}."
+            if group == MTP_GROUP:
+                for rel, (_, optional) in mtp_tensor_specs(cfg).items():
+                    node = lp
+                    for part in rel.split("."):
+                        node = node.get(part) if isinstance(node, dict) else None
+                    if node is not None:
+                        put(pre + rel, node)
+                        if optional:
+                            mtp_opt.append((pre + rel, node.shape))
             put(pre + "input_layernorm.weight", lp["input_layernorm"]["weight"])
             put(pre + "post_attention_layernorm.weight", lp["post_attention_layernorm"]["weight"])
             a = lp["self_attn"]
@@ -152,7 +164,7 @@ def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> d
                 put(ind + "k_norm.bias", ip["k_norm"]["bias"])
                 put(ind + "weights_proj.weight", ip["weights_proj"]["weight"], keep_f32=True)
             m = lp["mlp"]
-            if group == "moe_layers":
+            if cfg.is_moe_layer(start + k):
                 put(pre + "mlp.gate.weight", m["gate"]["weight"])
                 if cfg.topk_method == "noaux_tc":
                     put(pre + "mlp.gate.e_score_correction_bias", m["gate"]["e_score_correction_bias"], keep_f32=True)
@@ -168,7 +180,7 @@ def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> d
     put("model.norm.weight", model["norm"]["weight"])
     if not cfg.tie_word_embeddings:
         put("lm_head.weight", params["lm_head"]["weight"])
-    specs = hf_tensor_specs(cfg)
+    specs = hf_tensor_specs(cfg) | dict(mtp_opt)
     if set(specs) != set(out):
         raise ValueError(f"export produced {sorted(set(out) ^ set(specs))[:3]} not matching the HF layout")
     for name, shape in specs.items():

@@ -11,6 +11,7 @@ dequantized per layer, so the params returned are always plain weights that the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -42,11 +43,12 @@ from mla_jax.checkpoint.layout import (
 )
 from mla_jax.checkpoint.params import load_hf_checkpoint
 from mla_jax.checkpoint.plan import weight_dtype
+from mla_jax.checkpoint.validate import mtp_tensor_specs
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import F32, FP8_E4M3, as_dtype
-from mla_jax.model import Params, init_params, layer_groups
+from mla_jax.model import MTP_GROUP, Params, init_params, param_groups
 
-STACKS = ("dense_layers", "moe_layers")
+STACKS = ("dense_layers", "moe_layers", MTP_GROUP)
 
 
 def is_converted(path: str) -> bool:
@@ -171,6 +173,10 @@ def abstract_params(path: str, dtype: Any = None, weights: str = "bf16") -> tupl
     their weight_scale_inv leaves."""
     meta = read_metadata(path)
     cfg = DeepseekConfig.from_json(path)
+    n_mtp = meta["stacks"].get(MTP_GROUP, {}).get("num_layers", 0)
+    if n_mtp != cfg.num_mtp_layers:  # the converter found no whole MTP layers (`validate.resolve_mtp`)
+        n = n_mtp or cfg.num_nextn_predict_layers
+        cfg = dataclasses.replace(cfg, mtp_loaded=n_mtp > 0, num_nextn_predict_layers=n)
     target = weight_dtype(dtype) if dtype is not None else as_dtype(meta["dtype"])
     tree: dict = {}
     for u in meta["units"]:
@@ -196,6 +202,12 @@ def abstract_params(path: str, dtype: Any = None, weights: str = "bf16") -> tupl
     want_flat = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(want)[0]}
     if cfg.topk_method != "noaux_tc":  # init_params always makes the V3 bias; other routers never read it
         want_flat = {k: v for k, v in want_flat.items() if "e_score_correction_bias" not in k}
+    for k, (shape, optional) in mtp_tensor_specs(cfg).items():  # optional MTP tensors: checked when present
+        key = "".join(f"['{p}']" for p in ("model", MTP_GROUP, *k.split(".")))
+        if optional:
+            want_flat.pop(key, None)
+        if optional and key in got_flat:
+            want_flat[key] = (cfg.num_mtp_layers, *shape)
     for k in sorted(set(got_flat) | set(want_flat)):
         if got_flat.get(k) != want_flat.get(k):
             raise CheckpointError(
@@ -414,7 +426,7 @@ def check_finite(params: Params, cfg: DeepseekConfig, where: str) -> None:
     """CheckpointError naming the first tensor with a NaN or Inf. One on-device reduction per leaf (per layer of
     a stacked one) in one jitted call, so the cost is one read of the weights at memory bandwidth; only on a
     failure is the bad layer copied to the host to find the expert."""
-    starts = {name: start for name, start, _ in layer_groups(cfg)}
+    starts = {name: start for name, start, _ in param_groups(cfg)}
     flat = jax.tree_util.tree_flatten_with_path(jax.device_get(_finite_flags(params)))[0]
     for kp, ok in flat:
         if np.all(ok):

@@ -4,7 +4,9 @@ directly into memory.
 Accepted layouts: single `model.safetensors` or shards with `model.safetensors.index.json`; experts per expert
 (`mlp.experts.{j}.{gate,up,down}_proj.weight`, the hub format) or transformers' fused layout
 (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); bf16/fp16/fp32 weights, and
-DeepSeek-V3's block FP8 weights (dequantized). The MTP layers (`validate.mtp_layer_index`) are skipped.
+DeepSeek-V3's block FP8 weights (dequantized). The MTP layers (`model.layers.{num_hidden_layers + j}.*`, config
+`num_nextn_predict_layers`) go to `params["model"]["mtp_layers"]` (`mla_jax.mtp`) when whole; other MTP tensors
+(`validate.is_mtp`) are skipped.
 """
 
 from __future__ import annotations
@@ -24,10 +26,17 @@ from mla_jax.checkpoint.fp8 import (
     quantize_fp8_blocks,
 )
 from mla_jax.checkpoint.hf import CheckpointDir, CheckpointError
-from mla_jax.checkpoint.validate import check_float_dtype, check_tensors, indexer_source_layer
+from mla_jax.checkpoint.validate import (
+    check_float_dtype,
+    check_tensors,
+    indexer_source_layer,
+    mtp_optional_present,
+    mtp_tensor_specs,
+    resolve_mtp,
+)
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import FP8_E4M3
-from mla_jax.model import Params, layer_groups, prepare_params, stack_layers
+from mla_jax.model import MTP_GROUP, Params, param_groups, prepare_params, stack_layers
 
 
 def read_tensor(ckpt: CheckpointDir, name: str, cfg: DeepseekConfig) -> np.ndarray:
@@ -65,9 +74,11 @@ def build_params(
     fused_experts: bool,
     dtype: Any = None,
     get_fp8: Callable[[str], tuple[np.ndarray, np.ndarray]] | None = None,
+    mtp_optional: tuple[str, ...] = (),
 ) -> Params:
     """Assemble our params from HF-named tensors. `dtype` casts weights (router weights stay float32). With
-    `get_fp8` (weights="fp8") the `FP8_LINEARS` keep e4m3 weights + float32 `weight_scale_inv` (HF names)."""
+    `get_fp8` (weights="fp8") the `FP8_LINEARS` keep e4m3 weights + float32 `weight_scale_inv` (HF names).
+    `mtp_optional` names the optional MTP tensors present (`validate.mtp_optional_present`)."""
 
     def fp8_pair(name):
         w, s = get_fp8(name)
@@ -141,8 +152,26 @@ def build_params(
         }
 
     model: Params = {"embed_tokens": linear("model.embed_tokens"), "norm": linear("model.norm")}
-    for name, start, n in layer_groups(cfg):
-        model[name] = stack_layers([layer(i) for i in range(start, start + n)])
+
+    def mtp_extra(i: int) -> Params:
+        out: Params = {}
+        for k, (_, optional) in mtp_tensor_specs(cfg).items():
+            if not optional or k in mtp_optional:
+                path = k.split(".")[:-1]
+                node = out
+                for p in path[:-1]:
+                    node = node.setdefault(p, {})
+                node[path[-1]] = linear(f"model.layers.{i}.{k[: -len('.weight')]}")
+        return out
+
+    for name, start, n in param_groups(cfg):
+        if name == MTP_GROUP:
+            try:  # a caller's unresolved config (`validate.resolve_mtp`) for a checkpoint without the MTP layer
+                get(f"model.layers.{start}.self_attn.kv_a_proj_with_mqa.weight")
+            except CheckpointError:
+                continue
+        extra = mtp_extra if name == MTP_GROUP else (lambda i: {})
+        model[name] = stack_layers([layer(i) | extra(i) for i in range(start, start + n)])
     params: Params = {"model": model}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = linear("lm_head")
@@ -159,9 +188,10 @@ def load_hf_checkpoint(
     read, on stderr."""
     from tqdm import tqdm
 
-    cfg = DeepseekConfig.from_json(path)
     ckpt = CheckpointDir(path)
+    cfg = resolve_mtp(DeepseekConfig.from_json(path), ckpt.keys())
     fused, mtp = check_tensors(ckpt, cfg)
+    opt = mtp_optional_present(ckpt.keys(), cfg)
     skip = set(mtp)
     total = sum(ckpt.nbytes(n) for n in ckpt.keys() if n not in skip)
     keep_fp8 = check_weights(weights) == "fp8"
@@ -180,4 +210,4 @@ def load_hf_checkpoint(
 
         get_fp8 = counted(lambda n: read_fp8(ckpt, n, cfg)) if keep_fp8 else None
         get = counted(lambda n: read_tensor(ckpt, n, cfg))
-        return cfg, build_params(get, cfg, fused_experts=fused, dtype=dtype, get_fp8=get_fp8)
+        return cfg, build_params(get, cfg, fused_experts=fused, dtype=dtype, get_fp8=get_fp8, mtp_optional=opt)

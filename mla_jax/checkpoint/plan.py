@@ -14,7 +14,9 @@ FP8 weights are dequantized to `dtype` by default. With `keep_fp8=True` they are
 dequantized (it is split per head into W_UK_T / W_UV across block boundaries). The router is kept in float32.
 With `weights="fp8"` every `fp8.FP8_LINEARS` weight is stored as e4m3 + scale_inv: an fp8 source's as is, a
 float source's block-quantized at conversion (write.py reports the quantization error).
-The MTP layers (`validate.mtp_layer_index`) are skipped and counted.
+The MTP layers (model.layers.{num_hidden_layers + j}.*, config num_nextn_predict_layers) are the stack
+`mtp_layers`, a layer's units plus enorm, hnorm, eh_proj, shared_head (and embed_tokens when present); MTP
+layers not loaded (`validate.is_mtp`, named by `validate.mtp_layer_index`) are skipped and counted.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ from mla_jax.checkpoint.validate import (
     check_tensors,
     indexer_source_layer,
     indexer_tensor_specs,
+    mtp_optional_present,
+    mtp_tensor_specs,
+    resolve_mtp,
 )
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import BF16, F32, as_dtype
-from mla_jax.model import layer_groups
+from mla_jax.model import MTP_GROUP, param_groups
 
 DEFAULT_MAX_GROUP_MB = 2048
 
@@ -156,6 +161,7 @@ def make_plan(
     fp8_out = check_weights(weights) == "fp8"  # FP8_LINEARS stored e4m3 + scale (float sources block-quantized)
     if not max_group_mb > 0:
         raise ConvertError(f"max_group_mb must be > 0, got {max_group_mb}")
+    cfg = resolve_mtp(cfg, ckpt.keys())
     fused, mtp = check_tensors(ckpt, cfg)
     names = ckpt.keys()
     ignored = sorted(n for n in names if IGNORED.match(n))
@@ -199,7 +205,8 @@ def make_plan(
             "embed", None, 0, -1, weight(("model", "embed_tokens", "weight"), "model.embed_tokens.weight", vocab_shape)
         )
     )
-    for stack, start, n in layer_groups(cfg):
+    mtp_keys = [k for k, (_, opt) in mtp_tensor_specs(cfg).items() if not opt or k in mtp_optional_present(names, cfg)]
+    for stack, start, n in param_groups(cfg):
         for idx in range(n):
             i = start + idx
             pre = f"model.layers.{i}."
@@ -210,6 +217,9 @@ def make_plan(
 
             for rel in ("input_layernorm.weight", "post_attention_layernorm.weight"):
                 leaves += weight(*hf(rel))
+            if stack == MTP_GROUP:
+                for rel in mtp_keys:
+                    leaves += weight(*hf(rel))
             keys = ["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
             for k in keys + ["kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj"]:
                 leaves += weight(*hf(f"self_attn.{k}.weight"))
@@ -228,7 +238,7 @@ def make_plan(
                         ckpt.spec(ind + rel)[1],
                         out_dtype="float32" if keep_f32 else D,
                     )
-            if stack == "moe_layers":
+            if cfg.is_moe_layer(i):
                 leaves += weight(*hf("mlp.gate.weight"), out_dtype="float32")
                 if cfg.topk_method == "noaux_tc":
                     leaves += weight(*hf("mlp.gate.e_score_correction_bias"), out_dtype="float32")

@@ -3,6 +3,7 @@ float dtypes, and the fp8 weights' block scales. Raises `CheckpointError` naming
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Iterable
@@ -18,13 +19,16 @@ IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some exports include
 
 
 def hf_tensor_specs(cfg: DeepseekConfig, *, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF checkpoint for `cfg` holds (MTP layers excluded), with its shape."""
+    """Every tensor an HF checkpoint for `cfg` must hold, with its shape: the layers, then the loaded MTP layers'
+    (their decoder layer plus `mtp_tensor_specs`, optional ones excluded; none unless `cfg.num_mtp_layers`)."""
     D = cfg.hidden_size
     s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,)}
     if not cfg.tie_word_embeddings:
         s["lm_head.weight"] = (cfg.vocab_size, D)
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers + cfg.num_mtp_layers):
         pre = f"model.layers.{i}."
+        if i >= cfg.num_hidden_layers:
+            s.update({pre + k: shape for k, (shape, optional) in mtp_tensor_specs(cfg).items() if not optional})
         s.update({pre + k: v for k, v in layer_tensor_specs(cfg, i, fused_experts=fused_experts).items()})
     return s
 
@@ -120,8 +124,8 @@ def mtp_layer_index(name: str, cfg: DeepseekConfig) -> int | None:
     i < `cfg.num_nextn_predict_layers`, named as an MTP tensor (enorm, hnorm, eh_proj, shared_head.norm/head,
     embed_tokens) or as one of a decoder layer's, or one's fp8 `_scale_inv`; None for every other name.
 
-    The one place that decides which tensors are MTP ones: they are not used for inference here (the loaders
-    and the converter skip exactly these), and any other name beyond the config's layers is an error."""
+    The one place that decides which tensors are MTP ones: the loaders load the `cfg.num_mtp_layers` complete
+    ones (`resolve_mtp`) and skip the rest (`is_mtp`); any other name beyond the config's layers is an error."""
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if not m:
         return None
@@ -132,6 +136,59 @@ def mtp_layer_index(name: str, cfg: DeepseekConfig) -> int | None:
     if rel.endswith(SCALE_SUFFIX):
         rel = rel[: -len(SCALE_SUFFIX)]
     return i if rel in MTP_TENSORS or rel in _mtp_decoder_names(cfg, layer) else None
+
+
+def mtp_tensor_specs(cfg: DeepseekConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """An MTP layer's tensors besides its decoder layer (names under `model.layers.{i}.`) -> (shape, optional).
+    `embed_tokens` and `shared_head.head` hold the target's embedding / lm_head in DeepSeek's checkpoints; absent,
+    the target's serve (`mla_jax.mtp`)."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    return {
+        "enorm.weight": ((D,), False),
+        "hnorm.weight": ((D,), False),
+        "eh_proj.weight": ((D, 2 * D), False),
+        "shared_head.norm.weight": ((D,), False),
+        "shared_head.head.weight": ((V, D), True),
+        "embed_tokens.weight": ((V, D), True),
+    }
+
+
+def resolve_mtp(cfg: DeepseekConfig, names: Iterable[str]) -> DeepseekConfig:
+    """`cfg` with mtp_loaded = False unless the checkpoint holds every tensor of its MTP layers: many checkpoints
+    drop the MTP layer, or keep only part of it, but keep the config field; they load as before, without MTP,
+    their MTP tensors skipped (`is_mtp`). The engine names the missing weights when asked for MTP speculation."""
+    if not cfg.num_mtp_layers:
+        return cfg
+    names = set(names)
+    need = set(hf_tensor_specs(cfg, fused_experts=any(n.endswith("mlp.experts.gate_up_proj") for n in names)))
+    mtp = [n for n in need if re.match(r"model\.layers\.(\d+)\.", n) and int(n.split(".")[2]) >= cfg.num_hidden_layers]
+    if all(n in names for n in mtp):
+        return cfg
+    return dataclasses.replace(cfg, mtp_loaded=False)
+
+
+def mtp_optional_present(names: Iterable[str], cfg: DeepseekConfig) -> tuple[str, ...]:
+    """The optional MTP tensors (relative names) the checkpoint holds, the same for every loaded MTP layer."""
+    names = set(names)
+    N, n = cfg.num_hidden_layers, cfg.num_mtp_layers
+    out = []
+    for k, (_, optional) in mtp_tensor_specs(cfg).items():
+        have = [f"model.layers.{i}.{k}" in names for i in range(N, N + n)]
+        if optional and any(have):
+            if not all(have):
+                raise CheckpointError(
+                    f"tensor 'model.layers.{N + have.index(False)}.{k}' is missing (other MTP layers have it)"
+                )
+            out.append(k)
+    return tuple(out)
+
+
+def is_mtp(name: str, cfg: DeepseekConfig) -> bool:
+    """A tensor of a multi-token-prediction layer that is not loaded, so skipped (`mtp_layer_index` names it and
+    its layer is past the `cfg.num_mtp_layers` loaded ones: e.g. every MTP layer of a sparse-attention model, or
+    of a checkpoint that keeps only part of one)."""
+    i = mtp_layer_index(name, cfg)
+    return i is not None and i >= cfg.num_mtp_layers
 
 
 def check_float_dtype(name: str, dtype: np.dtype) -> None:
@@ -172,13 +229,18 @@ def check_fp8_scales(ckpt: CheckpointDir, cfg: DeepseekConfig, names: Iterable[s
 
 
 def check_tensors(ckpt: CheckpointDir, cfg: DeepseekConfig) -> tuple[bool, list[str]]:
-    """Names, shapes, dtypes and fp8 scales against `cfg`; returns (fused_experts, skipped MTP names). Every name
-    must be one `cfg` needs, an fp8 scale of one, a rotary buffer, or an MTP layer's (`mtp_layer_index`);
-    anything else (junk, or the layers of a checkpoint deeper than the config) is an error naming it."""
+    """Names, shapes, dtypes and fp8 scales against `cfg` (after `resolve_mtp`); returns (fused_experts, skipped
+    MTP names). Every name must be one `cfg` needs, an fp8 scale of one, a rotary buffer, or a skipped MTP
+    layer's (`is_mtp`); anything else (junk, or the layers of a checkpoint deeper than the config) is an error
+    naming it."""
     names = set(ckpt.keys())
     fused = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
     specs = hf_tensor_specs(cfg, fused_experts=fused)
-    mtp = sorted(n for n in names if mtp_layer_index(n, cfg) is not None)
+    N = cfg.num_hidden_layers
+    for k in mtp_optional_present(names, cfg):
+        for i in range(N, N + cfg.num_mtp_layers):
+            specs[f"model.layers.{i}.{k}"] = mtp_tensor_specs(cfg)[k][0]
+    mtp = sorted(n for n in names if is_mtp(n, cfg))
     scales = {n for n in names if n.endswith(SCALE_SUFFIX)}
     missing = sorted(set(specs) - names)
     if missing:

@@ -39,7 +39,7 @@ from mla_jax.checkpoint.plan import DEFAULT_MAX_GROUP_MB, ConvertError, Leaf, Pl
 from mla_jax.checkpoint.validate import check_float_dtype
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import FP8_E4M3, as_dtype
-from mla_jax.model import layer_groups
+from mla_jax.model import param_groups
 from pallas_kernels.util import cdiv
 
 EXTRA_FILES = (
@@ -479,7 +479,7 @@ def _metadata(plan: Plan, ckpt: CheckpointDir, hf_dir: str, sums: dict[tuple, st
             "stored_arrays": sum(len(u.leaves) for u in plan.units),
         },
         "bytes": {"source": plan.source_bytes, "stored": plan.stored_bytes, "largest_group": plan.largest_group.nbytes},
-        "stacks": {name: {"first_layer": start, "num_layers": n} for name, start, n in layer_groups(plan.cfg)},
+        "stacks": {name: {"first_layer": start, "num_layers": n} for name, start, n in param_groups(plan.cfg)},
         "groups": [{"name": g.name, "units": [u.key for u in g.units]} for g in plan.groups],
         "units": [
             {

@@ -96,5 +96,5 @@ def test_bench_smoke_writes_only_where_told(tmp_path):
     r = _cli("bench", "--smoke", "--layers", "2", "--out", str(tmp_path), timeout=400)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "e2e-h200.json").read_text())
-    assert {row["phase"] for row in res["rows"]} == {"decode", "prefill"} and res["ceilings"]["copy_TBps"] > 0
+    assert {row["phase"] for row in res["rows"]} == {"decode", "prefill", "engine"} and res["ceilings"]["copy_TBps"] > 0
     assert {f: os.path.getmtime(os.path.join(results, f)) for f in os.listdir(results)} == before

@@ -1,0 +1,258 @@
+"""Speculative decoding: drafters, the verify step, and acceptance.
+
+Each engine step verifies, for every decode request, its last token t_n plus up to k draft tokens d_1..d_m as
+m + 1 query rows of one target step (the decode block [Bd, k+1]: row j at position n + j, causal through
+per-row seq_lens; padding rows write nowhere). Row j's logits give the target's token after d_j (`accept`):
+
+    greedy:  accept while d_{j+1} == argmax(row j); then emit the target's token of the first mismatch row
+    sampled: accept d_{j+1} with probability p_j(d_{j+1}) (p: the target's filtered distribution, the drafts
+             being deterministic, i.e. a one-hot draft distribution); at the first rejection resample from
+             p_j without d_{j+1} renormalized, after m acceptances sample the bonus token from p_m.
+
+Both preserve the target's distribution exactly (greedy: the target's own greedy tokens). A step emits
+a + 1 tokens (a accepted drafts); the engine rolls the request back to n + a + 1 computed tokens, so the target
+cache rows of rejected drafts are rewritten by the next step and pages emptied by the rollback are freed
+(`PagePool.truncate`).
+
+Drafters (`Drafter`): `NgramDrafter` proposes from the request's own tokens on the host (prompt lookup);
+`MtpDrafter` takes the drafts the step's MTP module made on device (`mla_jax.mtp`): after verification, in the
+same jitted step, the MTP layer runs over every computed row (the target's hidden states, the next tokens, its
+own cache layer at the same slots; rows of rejected drafts write nowhere), then k - 1 more single-row passes
+feed its own hidden state and draft back in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mla_jax import attention
+from mla_jax.comm import LOCAL
+from mla_jax.config import DeepseekConfig
+from mla_jax.metadata import AttentionMetadata, BatchShape, DecodeMetadata, PrefillMetadata
+from mla_jax.model import Params, lm_logits
+from mla_jax.mtp import mtp_hidden, mtp_logits
+from mla_jax.sampling import SamplingArrays, filtered_logprobs
+from mla_jax.step import _device_hidden, mla_paged
+
+METHODS = ("mtp", "ngram")
+MAX_SPECULATIVE_TOKENS = 4
+
+
+class Drafter:
+    """Proposes up to k draft tokens for a request after a step that sampled its next token. `on_device`:
+    the drafts come out of the step itself (MTP) and `propose` receives them."""
+
+    method: str = ""
+    on_device: bool = False
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def propose(self, token_ids: list[int], device_drafts: np.ndarray | None) -> list[int]:
+        raise NotImplementedError
+
+
+class MtpDrafter(Drafter):
+    """DeepSeek's MTP module, run by the step (`spec_step`) right after verification."""
+
+    method = "mtp"
+    on_device = True
+
+    def propose(self, token_ids, device_drafts):
+        return [int(t) for t in device_drafts[: self.k]]
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup (vLLM's n-gram proposer): the longest suffix of the tokens so far, of min_n..max_n tokens,
+    that occurred before; the k tokens that followed its latest earlier occurrence (fewer near the end, none
+    without a match)."""
+
+    method = "ngram"
+
+    def __init__(self, k: int, min_n: int = 1, max_n: int = 4):
+        super().__init__(k)
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, token_ids, device_drafts=None):
+        t = np.asarray(token_ids, np.int64)
+        L = len(t)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            suffix = t[L - n :]
+            win = np.lib.stride_tricks.sliding_window_view(t[: L - 1], n)  # windows starting at 0..L-1-n
+            hits = np.flatnonzero((win == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return t[start : start + self.k].tolist()
+        return []
+
+
+def make_drafter(method: str, k: int) -> Drafter:
+    if method == "mtp":
+        return MtpDrafter(k)
+    if method == "ngram":
+        return NgramDrafter(k)
+    raise ValueError(f"speculative_method must be one of {METHODS}, got {method!r}")
+
+
+def accept(
+    logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, s: SamplingArrays
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Verification of E requests with K = k + 1 rows each.
+
+    logits f32[E, K, vocab]: row j the target's logits for the token after draft j (row 0: after the last
+    real token); drafts i32[E, K-1]; num_drafts i32[E] (m <= K-1; rows past m are ignored); `s` per row [E*K]
+    (position: of the token sampled at that row). Returns (tokens i32[E, K], of which the first num_out are
+    the output; num_out i32[E] = accepted drafts + 1; logprobs f32[E, K] of the tokens under log_softmax)."""
+    E, K, Vocab = logits.shape
+    flat = logits.reshape(E * K, Vocab)
+    j = jnp.arange(K)[None, :]  # [1, K]
+    d = jnp.concatenate([drafts, jnp.zeros((E, 1), jnp.int32)], axis=1)  # [E, K]
+    has_draft = j < num_drafts[:, None]  # [E, K]
+    greedy = jnp.argmax(flat, axis=-1).astype(jnp.int32).reshape(E, K)
+    lp = filtered_logprobs(flat, s)  # [E*K, vocab]
+    p_d = jnp.exp(jnp.take_along_axis(lp, d.reshape(-1, 1), axis=-1)[:, 0])  # [E*K]
+    keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(s.seed, s.position)
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)  # [E*K]
+    is_d = jnp.arange(Vocab)[None, :] == d.reshape(-1, 1)
+    resid = jnp.where(has_draft.reshape(-1, 1) & is_d & (p_d[:, None] < 1), -jnp.inf, lp)  # p without the draft
+    corrected = jax.vmap(jax.random.categorical)(keys, resid).astype(jnp.int32).reshape(E, K)
+    sampled = (s.temperature > 0).reshape(E, K)
+    ok = jnp.where(sampled, (u < p_d).reshape(E, K), d == greedy) & has_draft
+    a = jnp.cumprod(ok.astype(jnp.int32), axis=1).sum(axis=1)  # [E] accepted drafts
+    final = jnp.where(sampled, corrected, greedy)
+    tokens = jnp.where(j < a[:, None], d, jnp.where(j == a[:, None], final, 0))
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(flat, axis=-1), tokens.reshape(-1, 1), axis=-1)
+    return tokens, a + 1, logprobs.reshape(E, K)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecArrays:
+    """Per step, host-built: num_drafts i32[Bd] (drafts among each decode request's k+1 rows); next_ids i32[T]:
+    the token after each row's where the host knows it (prompt tokens), -1 where it is this step's output;
+    capacity i32[Bd + Sp]: tokens the pages of each request that samples this step hold (MTP drafting writes
+    below it only), 0 for the others."""
+
+    num_drafts: jax.Array
+    next_ids: jax.Array
+    capacity: jax.Array
+
+    @staticmethod
+    def empty(shape: BatchShape) -> "SpecArrays":
+        return SpecArrays(
+            np.zeros(shape.num_decodes, np.int32),
+            np.zeros(shape.num_tokens, np.int32),
+            np.zeros(shape.num_decodes + shape.num_prefills, np.int32),
+        )
+
+
+def _decode_only(md_positions, input_ids, slots, block_table, seq_lens) -> AttentionMetadata:
+    """Metadata of a step of E one-row decodes (an MTP drafting pass)."""
+    E, MP = block_table.shape
+    z = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
+    return AttentionMetadata(
+        input_ids=input_ids,
+        positions=md_positions,
+        slot_mapping=slots,
+        logits_indices=jnp.arange(E, dtype=jnp.int32),
+        decode=DecodeMetadata(block_table, seq_lens[:, None]),
+        prefill=PrefillMetadata(z(1), z(0), z(0, MP), z(0, 0), z(0, 1), z()),
+        shape=BatchShape(num_decodes=E, decode_query_len=1, max_pages=MP),
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "backend", "batch_invariant", "gmm_impl", "num_speculative_tokens", "method"),
+    donate_argnames=("cache",),
+)
+def spec_step(
+    params: Params,
+    cfg: DeepseekConfig,
+    cache,
+    md: AttentionMetadata,
+    sampling: SamplingArrays,
+    spec: SpecArrays,
+    *,
+    backend: str,
+    batch_invariant: bool = False,
+    gmm_impl: str = "ragged_dot",
+    num_speculative_tokens: int,
+    method: str,
+):
+    """Target step + verification (+ MTP drafting): (tokens i32[Bd+Sp, Q], num_out i32[Bd+Sp], logprobs
+    f32[Bd+Sp, Q], drafts i32[Bd+Sp, k] (MTP; zeros for "ngram"), cache).
+
+    Entries: the Bd decode requests (Q = k+1 rows each), then the Sp prefills (their last row; one output).
+    `sampling` holds one row per logit row (decode rows, then one per prefill)."""
+    s = md.shape
+    Bd, Q, Sp, Td = s.num_decodes, s.decode_query_len, s.num_prefills, s.num_decode_tokens
+    k = num_speculative_tokens
+    kw = dict(cfg=cfg, comm=LOCAL, backend=backend, batch_invariant=batch_invariant, gmm_impl=gmm_impl)
+    x, cache = _device_hidden(params, cache, md, **kw)  # [T, D]
+    logits = lm_logits(params, cfg, x[md.logits_indices])  # [Td + Sp, vocab]
+    rows = lambda a, lo, hi: jax.tree.map(lambda v: v[lo:hi], a)  # noqa: E731
+    toks, nout, lps = [], [], []
+    if Bd:
+        t, n, lp = accept(
+            logits[:Td].reshape(Bd, Q, -1),
+            md.input_ids[:Td].reshape(Bd, Q)[:, 1:],
+            spec.num_drafts,
+            rows(sampling, 0, Td),
+        )
+        toks, nout, lps = [t], [n], [lp]
+    if Sp:
+        z = jnp.zeros((Sp, 0), jnp.int32)
+        t, n, lp = accept(logits[Td:, None], z, jnp.zeros(Sp, jnp.int32), rows(sampling, Td, Td + Sp))
+        pad = lambda a: jnp.pad(a, ((0, 0), (0, Q - 1))) if Q > 1 else a  # noqa: E731
+        toks, nout, lps = toks + [pad(t)], nout + [n], lps + [pad(lp)]
+    tokens, num_out, logprobs = (jnp.concatenate(a, axis=0) for a in (toks, nout, lps))
+    E = Bd + Sp
+    if method != "mtp":
+        return tokens, num_out, logprobs, jnp.zeros((E, k), jnp.int32), cache
+
+    # MTP over every row: the next token of decode row j is output j (rows past the accepted ones write
+    # nowhere); a prefill's last row's is its sampled token.
+    be = attention.get_backend(backend)
+    N = cfg.num_hidden_layers
+    nxt = spec.next_ids
+    slots = md.slot_mapping
+    sel = []
+    if Bd:
+        dec_next = jnp.where(nxt[:Td].reshape(Bd, Q) >= 0, nxt[:Td].reshape(Bd, Q), tokens[:Bd])
+        valid = jnp.arange(Q)[None, :] < num_out[:Bd, None]
+        nxt = nxt.at[:Td].set(dec_next.reshape(-1))
+        slots = slots.at[:Td].set(jnp.where(valid.reshape(-1), slots[:Td], -1))
+        sel.append(jnp.arange(Bd) * Q + num_out[:Bd] - 1)
+    if Sp:
+        last = md.logits_indices[Td:]
+        nxt = nxt.at[last].set(jnp.where(nxt[last] >= 0, nxt[last], tokens[Bd:, 0]))
+        sel.append(last)
+    nxt = jnp.maximum(nxt, 0)  # padding rows (write nowhere, never selected)
+    md1 = dataclasses.replace(md, slot_mapping=slots)
+
+    def attn(view):
+        return lambda p, h, c, layer: mla_paged(p, cfg, h, view, c, layer + N, be, batch_invariant=batch_invariant)
+
+    h, cache = mtp_hidden(params, cfg, x, nxt, md.positions, attn(md1), cache, gmm_impl=gmm_impl)
+    sel = jnp.concatenate(sel)
+    h, pos = h[sel], md.positions[sel]  # [E, D], [E]
+    d = jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32)
+    drafts = [d]
+    bt = jnp.concatenate([md.decode.block_table, md.prefill.block_table], axis=0)  # [E, MP]
+    G, MP = cache.page_size, bt.shape[1]
+    for i in range(1, k):
+        p = pos + i
+        live = (spec.capacity > 0) & (p < MP * G)
+        page = jnp.take_along_axis(bt, jnp.minimum(p // G, MP - 1)[:, None], axis=1)[:, 0]
+        slot = jnp.where(live & (p < spec.capacity), page * G + p % G, -1)
+        view = _decode_only(p, d, slot, bt, jnp.where(live, p + 1, 0))
+        h, cache = mtp_hidden(params, cfg, h, d, p, attn(view), cache, gmm_impl=gmm_impl)
+        d = jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32)
+        drafts.append(d)
+    return tokens, num_out, logprobs, jnp.stack(drafts, axis=1), cache

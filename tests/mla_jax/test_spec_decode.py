@@ -1,0 +1,214 @@
+"""Speculative decoding (`mla_jax.spec_decode`): greedy outputs identical to plain decoding with both drafters
+(batch sizes, chunked prefill, preemption), rollback of the page pool, zero recompiles in steady state, the MTP
+drafts against the cache-free MTP forward, speculative sampling's exactness, and config errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_jax import model as M
+from mla_jax.engine import Engine, EngineConfig
+from mla_jax.mtp import mtp_forward
+from mla_jax.sampling import SamplingArrays, SamplingParams, filtered_logprobs
+from mla_jax.spec_decode import NgramDrafter, accept
+from pallas_kernels.util import cdiv
+from tests.mla_jax.helpers import tiny_config
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    # Dense (MoE compiles slower; the MTP layer's MoE path is the same `decoder_layers` code, test_mtp covers it).
+    cfg = tiny_config(num_hidden_layers=1, vocab_size=VOCAB, num_nextn_predict_layers=1, n_routed_experts=None)
+    return cfg, M.init_params(cfg, jax.random.key(0))
+
+
+def _config(**kw):
+    # One decode and one prefill bucket: every run here shares a few compiled shapes. 12 pages of 8 cannot hold
+    # the four requests at once: preemption. token_budget 24 < the 30-token prompt: chunked prefill.
+    base = dict(
+        max_model_len=64,
+        max_num_seqs=4,
+        page_size=8,
+        num_pages=12,
+        token_budget=24,
+        max_prefills=2,
+        decode_buckets=(4,),
+        prefill_buckets=(24,),
+        cache_dtype="fp32",
+    )
+    return EngineConfig(**(base | kw))
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for L in (30, 5, 11, 3)[:n]:  # repeated halves: matches for the n-gram drafter
+        half = rng.integers(0, VOCAB, size=max(1, L // 2)).tolist()
+        out.append((half * 3)[:L])
+    return out
+
+
+def _run(engine, prompts, sp, on_step=None):
+    """Steps to the end, checking after every step that each running request holds exactly the pages of its
+    computed tokens (what a run without speculation holds). Returns the final outputs in prompt order."""
+    ids = [engine.add_request(p, sp) for p in prompts]
+    final = {}
+    G = engine.pool.page_size
+    while engine.has_unfinished:
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+        engine.pool.check_invariants()
+        for r in engine.scheduler.running:
+            assert engine.pool.num_tokens(r.request_id) == r.num_computed_tokens
+            assert len(engine.pool.pages(r.request_id)) == cdiv(r.num_computed_tokens, G)
+        if on_step:
+            on_step(engine)
+    assert engine.pool.num_free_pages == engine.pool.num_usable_pages
+    return [final[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    cfg, params = model
+    sp = SamplingParams(max_new_tokens=14)
+    eng = Engine(params, cfg, _config())
+    out = _run(eng, _prompts(4), sp)
+    assert eng.scheduler.num_preemptions > 0
+    return sp, out
+
+
+@pytest.mark.parametrize("method,k", [("ngram", 3), ("mtp", 2)])
+def test_greedy_identical_batch_sizes_preemption_chunked_prefill(model, reference, method, k):
+    """Token-for-token the plain run's outputs at batch 4 (with preemption and chunked prefill), 2 and 1; no
+    compile after warm-up; with MTP, the first draft after each step is the cache-free MTP forward's argmax at
+    the last computed position (the paged MTP layer, its cache layer and slots are right)."""
+    cfg, params = model
+    sp, ref = reference
+    eng = Engine(params, cfg, _config(num_speculative_tokens=k, speculative_method=method))
+    eng.warmup(all_shapes=True)
+    before = eng.counter.count
+    seen = []  # (request index, tokens so far, first draft)
+
+    def record(e):
+        seen.extend(
+            (r.request_id, r.num_tokens, r.draft_token_ids[0]) for r in e.scheduler.running if r.draft_token_ids
+        )
+
+    got = _run(eng, _prompts(4), sp, record)
+    assert eng.counter.count == before, "speculative steps compiled after warm-up"
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.num_draft_tokens > 0 and 0 <= eng.acceptance_rate <= 1
+    assert sum(o.num_draft_tokens for o in got) <= eng.num_draft_tokens  # preempted requests' drafts count too
+    for n in (1, 2):  # smaller batches (same compiled shapes)
+        e = Engine(params, cfg, _config(num_speculative_tokens=k, speculative_method=method))
+        assert [o.token_ids for o in _run(e, _prompts(4)[-n:], sp)] == [o.token_ids for o in ref[-n:]]
+    if method != "mtp":
+        return
+    full = [p + o.token_ids for p, o in zip(_prompts(4), got)]
+    S = max(len(t) for t in full)
+    ids = jnp.asarray([t + [0] * (S - len(t)) for t in full], jnp.int32)
+    want = np.asarray(jnp.argmax(mtp_forward(params, cfg, ids, M.forward_hidden(params, cfg, ids)), -1))
+    match = [want[i, n - 2] == d for i, n, d in seen]  # row p predicts token p+2
+    assert len(match) > 10 and np.mean(match) > 0.95, np.mean(match)  # fp32; a rare near-tie may flip
+
+
+def test_ngram_drafter():
+    d = NgramDrafter(3, min_n=1, max_n=3)
+    assert d.propose([1, 2, 3, 4, 1, 2, 3]) == [4, 1, 2]  # suffix [1, 2, 3] seen at 0
+    assert d.propose([5, 6, 7, 5, 6]) == [7, 5, 6]
+    assert d.propose([9, 8, 7]) == []
+    assert d.propose([1, 2, 1, 3, 1]) == [3, 1]  # the latest occurrence of [1]; fewer than k left
+
+
+def test_speculative_sampling_preserves_the_target_distribution():
+    """Seeded statistical test on a vocab of 6: the first output token is distributed as the target's filtered
+    distribution p_0 whatever the draft, and, given the draft was accepted, the next one as p_1."""
+    V, E, K = 6, 10000, 3
+    rng = np.random.default_rng(0)
+    logits = np.broadcast_to(rng.normal(size=(1, K, V)) * 1.5, (E, K, V)).astype(np.float32)
+    drafts = np.stack([np.full(E, 2), np.full(E, 4)], axis=1).astype(np.int32)  # a fixed, deterministic draft
+    sp = [SamplingParams(temperature=0.8, top_k=5, top_p=0.95, seed=7)] * (E * K)
+    pos = (np.arange(E)[:, None] * 10 + np.arange(K)[None, :]).reshape(-1).tolist()  # distinct (seed, position)
+    s = SamplingArrays.build(sp, pos, E * K)
+    tokens, num_out, _ = accept(jnp.asarray(logits), jnp.asarray(drafts), jnp.full(E, 2, jnp.int32), s)
+    tokens, num_out = np.asarray(tokens), np.asarray(num_out)
+    p = np.exp(np.asarray(filtered_logprobs(jnp.asarray(logits[0]), SamplingArrays.build(sp[:K], [0] * K, K))))
+
+    def close(f, q, n):  # within 4 standard errors per token
+        assert np.all(np.abs(f - q) <= 4 * np.sqrt(q * (1 - q) / n) + 1e-4), (f, q)
+
+    close(np.bincount(tokens[:, 0], minlength=V) / E, p[0], E)
+    acc = num_out >= 2
+    assert abs(acc.mean() - p[0, 2]) < 0.01
+    close(np.bincount(tokens[acc, 1], minlength=V) / acc.sum(), p[1], acc.sum())
+    # Greedy rows: longest matching prefix + the target's token.
+    g = SamplingArrays.build([SamplingParams()] * 3, [0, 1, 2], 3)
+    lg = np.full((1, 3, V), -5.0, np.float32)
+    lg[0, 0, 2], lg[0, 1, 3], lg[0, 2, 1] = 1, 1, 1  # target: 2, then 3, then 1
+    t, n, _ = accept(jnp.asarray(lg), jnp.asarray([[2, 4]], jnp.int32), jnp.asarray([2], jnp.int32), g)
+    assert int(n[0]) == 2 and np.asarray(t)[0, :2].tolist() == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(num_speculative_tokens=5, speculative_method="mtp"), "num_speculative_tokens must be an int in"),
+        (dict(num_speculative_tokens=0, speculative_method="ngram"), "num_speculative_tokens must be an int in"),
+        (dict(num_speculative_tokens=2), "speculative_method must be one of"),
+        (dict(num_speculative_tokens=2, speculative_method="eagle"), "speculative_method must be one of"),
+    ],
+)
+def test_bad_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw).resolved()
+
+
+def test_mtp_without_weights_and_top_logprobs_errors(model):
+    cfg, params = model
+    cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+    params = {**params, "model": {k: v for k, v in params["model"].items() if k != M.MTP_GROUP}}
+    with pytest.raises(ValueError, match="speculative_method='mtp' needs MTP weights"):
+        Engine(params, cfg, _config(num_speculative_tokens=1, speculative_method="mtp"))
+    eng = Engine(params, cfg, _config(num_speculative_tokens=1, speculative_method="ngram"))
+    with pytest.raises(ValueError, match="top_logprobs is not supported with speculative decoding"):
+        eng.add_request([1, 2], SamplingParams(top_logprobs=2))
+
+
+@pytest.mark.gpu
+def test_demo_model_greedy_identical_and_acceptance():
+    """The shipped demo model (float32, xla backend: the same arithmetic with and without speculation): greedy
+    outputs identical with the n-gram drafter and, once the demo has its MTP layer, the MTP drafter, at batch 1
+    and 3; the acceptance rates are printed (-s)."""
+    import os
+
+    from mla_jax.checkpoint import eos_token_ids, load_model
+    from mla_jax.demo import DEMO_DIR
+
+    cfg, params = load_model(DEMO_DIR, dtype=jnp.float32)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(DEMO_DIR, "tokenizer.json"))
+    texts = ["import os\n\n\ndef list_python_files(root):", "class Stack:\n    def push(self, item):", "def f(x):"]
+    prompts = [tok.encode(t).ids for t in texts]
+    sp = SamplingParams(max_new_tokens=48, stop_token_ids=tuple(eos_token_ids(DEMO_DIR)))
+    kw = dict(max_model_len=128, page_size=16, token_budget=128, max_prefills=3, cache_dtype="fp32", backend="xla")
+    methods = [("ngram", 3)] + ([("mtp", 2)] if cfg.num_mtp_layers else [])
+    for B in (1, 3):
+        ref = [o.token_ids for o in _gen(params, cfg, prompts[:B], sp, EngineConfig(max_num_seqs=B, **kw))]
+        for method, k in methods:
+            ec = EngineConfig(max_num_seqs=B, num_speculative_tokens=k, speculative_method=method, **kw)
+            eng = Engine(params, cfg, ec)
+            got = _run(eng, prompts[:B], sp)
+            assert [o.token_ids for o in got] == ref, (method, B)
+            print(f"demo B={B} {method} k={k}: acceptance rate {eng.acceptance_rate:.3f}")
+
+
+def _gen(params, cfg, prompts, sp, ec):
+    return _run(Engine(params, cfg, ec), prompts, sp)
