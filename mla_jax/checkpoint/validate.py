@@ -264,7 +264,7 @@ def check_tensors(ckpt: CheckpointDir, cfg: DeepseekConfig) -> tuple[bool, list[
     for i in sorted({mtp_layer_index(n, cfg) for n in mtp}):
         pre = f"model.layers.{cfg.num_hidden_layers + i}."
         lacking = [pre + k for k in MTP_REQUIRED if pre + k not in names]
-        if lacking:
+        if len(lacking) == len(MTP_REQUIRED):  # a decoder layer, not an MTP one (some missing: a partial MTP layer)
             raise CheckpointError(
                 f"{ckpt.path}: '{pre}*' is not an MTP layer (no '{lacking[0]}'): does config.json's "
                 f"num_hidden_layers {cfg.num_hidden_layers} match the checkpoint's layers?"
