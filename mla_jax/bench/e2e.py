@@ -13,6 +13,7 @@ without it, only prints.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import jax
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--batches", default="1,8,32,128", help="decode batch sizes")
     ap.add_argument("--ctxs", default="1024,4096,32768", help="decode contexts")
-    ap.add_argument("--cache-gb", type=float, default=48.0, help="skip shapes whose cache would need more")
+    ap.add_argument("--cache-gb", type=float, default=24.0, help="skip shapes whose cache would need more")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill row")
     ap.add_argument(
         "--profile",
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             res["rows"] += [_engine_row(eng, cfg, B) for B in (1, 32) if B in batches]
         _finish(args, res, quiet=True)
         del eng
+        gc.collect()  # the next engine's cache needs this one's memory back
     _finish(args, res)
 
 

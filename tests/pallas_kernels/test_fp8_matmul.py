@@ -186,6 +186,9 @@ V3_DENSE = [
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(
+    strict=True, reason="off by 2.6e-2 of max|ref| on the H200 (2026-12-01); see layers.FP8_KERNELS_PASS_ON_GPU"
+)
 @pytest.mark.parametrize("m, n, k", V3_DENSE)
 def test_gpu_dense(m, n, k):
     rng = np.random.default_rng(m)
@@ -199,6 +202,9 @@ def test_gpu_dense(m, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(
+    strict=True, reason="off by 2.6e-2 of max|ref| on the H200 (2026-12-01); see layers.FP8_KERNELS_PASS_ON_GPU"
+)
 @pytest.mark.parametrize("m, g, n, k", [(8 * 16, 32, 4096, 7168), (4096, 32, 7168, 2048), (2000, 64, 2816, 2048)])
 def test_gpu_grouped(m, g, n, k):
     rng = np.random.default_rng(g + m)
