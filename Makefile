@@ -29,8 +29,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Each test file in a fresh process, two at a time: a test module's process-wide state (XLA's CPU client, jax
+# config, signal handlers) cannot reach another module (a shared xdist worker segfaulted in a later module's
+# compile, then hung the run).
 test: $(STAMP)
-	$(VPY) -m pytest -q -n 2 --dist loadfile --durations=15
+	$(VPY) -m pytest --collect-only -q -p no:cacheprovider | grep '::' | cut -d: -f1 | sort -u \
+		| xargs -P 2 -I{} sh -c 'log=$$(mktemp); if $(VPY) -m pytest -q -p no:cacheprovider -rfE {} > $$log 2>&1; \
+			then echo "ok     {}: $$(tail -1 $$log)"; else echo "FAILED {}"; tail -60 $$log; exit 1; fi'
 
 # The shipped demo model (mla_jax/data/demo) through the CLI, then through the Python `generate` API; on CPU.
 demo: $(STAMP)
