@@ -471,7 +471,15 @@ def test_makefile_rebuilds_a_stale_venv_and_names_a_wrong_python(tmp_path):
     os.utime(stamp, (os.path.getmtime(tmp_path / "pyproject.toml") + 10,) * 2)  # newer than pyproject.toml
 
     def make(py):
-        return subprocess.run(["make", "install", f"PY={py}"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "MFLAGS"))}  # not a sub-make
+        return subprocess.run(
+            ["make", "--no-print-directory", "install", f"PY={py}"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
 
     r = make(new)
     assert "removing .venv: made by another Python (Python 3.10.12)" in r.stdout, r.stdout + r.stderr
