@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_jax import attention, model
-from mla_jax.bench.common import measure_ceilings, results_header, write_results
+from mla_jax.bench.common import SMOKE_DIMS, measure_ceilings, results_header, write_results
 from mla_jax.cache import KVCache, init_kv_cache
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
 from mla_jax.engine import Engine, EngineConfig, default_gmm_impl
@@ -65,20 +65,7 @@ def verify_rows(args, res) -> dict:
     """Part 1; returns {(B, ctx): {"plain": s, k: (verify s, mtp s or None)}}."""
     d = {**DEEPSEEK_V2_LITE, "num_hidden_layers": args.layers, "num_nextn_predict_layers": 1}
     if args.smoke:
-        d |= dict(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            kv_lora_rank=64,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=16,
-            v_head_dim=32,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-        )
+        d |= SMOKE_DIMS
     cfg = DeepseekConfig.from_dict(d)
     params = model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
     G = 16 if args.smoke else 64

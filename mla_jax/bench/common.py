@@ -41,6 +41,23 @@ def time_fn(
     return statistics.median(samples)
 
 
+# Tiny DeepSeek-V2-Lite-like dims for the benchmarks' --smoke runs on a CPU (num_key_value_heads = the heads).
+SMOKE_DIMS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+)
+
+
 def measure_ceilings(*, small: bool = False) -> dict[str, float]:
     """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured now on this device. `small`
     (smoke runs on a CPU): a 32 MB copy and a 1024^3 matmul, so the figures mean nothing but cost nothing."""

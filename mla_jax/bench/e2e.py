@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_jax import attention, model
-from mla_jax.bench.common import kernel_breakdown, measure_ceilings, results_header, write_results
+from mla_jax.bench.common import SMOKE_DIMS, kernel_breakdown, measure_ceilings, results_header, write_results
 from mla_jax.cache import KVCache, init_kv_cache_for
 from mla_jax.checkpoint.fp8 import quantize_params
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
@@ -76,21 +76,7 @@ def main(argv: list[str] | None = None) -> None:
 
     d = {**V2_LITE, "num_hidden_layers": args.layers}
     if args.smoke:
-        d |= dict(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_attention_heads=4,
-            kv_lora_rank=64,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=16,
-            v_head_dim=32,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-        )
-        if "num_key_value_heads" in d:  # must equal the heads for MLA
-            d["num_key_value_heads"] = d["num_attention_heads"]
+        d |= SMOKE_DIMS
     cfg = DeepseekConfig.from_dict(d)
     ceilings = measure_ceilings(small=args.smoke)
     res = results_header(ceilings)
