@@ -40,6 +40,7 @@ from mla_jax.metadata import (
 )
 from mla_jax.model import Params
 from mla_jax.mtp import has_mtp
+from mla_jax.packed import Packed
 from mla_jax.parallel import ParallelPlan, to_host
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.scheduler import Request, Scheduler, Status
@@ -361,17 +362,15 @@ class Engine:
         )
 
     def _run(self, md: AttentionMetadata, sampling: SamplingArrays) -> tuple[np.ndarray, np.ndarray]:
-        """One jitted step: (sampled tokens, their logprobs) on the host."""
-        if self.plan is None:
-            md, sampling = md.to_device(), jax.tree.map(jnp.asarray, sampling)
-        else:
-            md, sampling = self.plan.replicate(md), self.plan.replicate(sampling)
+        """One jitted step: (sampled tokens, their logprobs) on the host. Metadata and sampling arrays go to the
+        device as one buffer (one transfer)."""
+        batch = Packed.of((md, sampling))
+        batch = jax.device_put(batch) if self.plan is None else self.plan.replicate(batch)
         tokens, logprobs, self.cache = step_lib.engine_step(
             self.params,
             self.cfg,
             self.cache,
-            md,
-            sampling,
+            batch,
             backend=self.config.backend,
             plan=self.plan,
             batch_invariant=self.config.batch_invariant,

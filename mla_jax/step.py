@@ -31,7 +31,8 @@ from mla_jax.config import DeepseekConfig
 from mla_jax.metadata import AttentionMetadata
 from mla_jax.mla import absorb_q, mla_project, o_proj, v_up_proj
 from mla_jax.model import Params, decoder_layers, embed, lm_logits
-from mla_jax.sampling import SamplingArrays, sample
+from mla_jax.packed import Packed
+from mla_jax.sampling import sample
 
 if TYPE_CHECKING:
     from mla_jax.parallel import ParallelPlan
@@ -220,20 +221,21 @@ def engine_step(
     params: Params,
     cfg: DeepseekConfig,
     cache: KVCache,
-    md: AttentionMetadata,
-    sampling: SamplingArrays,
+    batch: Packed,
     *,
     backend: str,
     plan: ParallelPlan | None = None,
     batch_invariant: bool = False,
     gmm_impl: str = "ragged_dot",
 ) -> tuple[jax.Array, jax.Array, KVCache]:
-    """Forward + sampling: (token ids i32[num_logits], logprobs f32[num_logits], updated cache). On a mesh the
-    logits are all-gathered and every device samples the same tokens.
+    """Forward + sampling: (token ids i32[num_logits], logprobs f32[num_logits], updated cache). `batch` is
+    `Packed.of((md, sampling))`: the step's metadata and sampling arrays in one host→device transfer. On a mesh
+    the logits are all-gathered and every device samples the same tokens.
 
     With `sampling.num_top_logprobs` = n > 0 (static: a separate compiled variant, used only for steps where a
     request asks for top logprobs) token ids and logprobs are [num_logits, 1 + n]: column 0 the sampled token,
     columns 1..n the n most likely ones (`mla_jax.sampling.sample`)."""
+    md, sampling = batch.unpack()
     logits, cache = forward_step(
         params, cfg, cache, md, backend=backend, plan=plan, batch_invariant=batch_invariant, gmm_impl=gmm_impl
     )

@@ -27,6 +27,7 @@ from mla_jax.checkpoint.fp8 import quantize_params
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
 from mla_jax.engine import GPU_PAGE_SIZE, Engine, EngineConfig
 from mla_jax.metadata import ScheduledRequest, build_metadata
+from mla_jax.packed import Packed
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.step import engine_step
 from pallas_kernels.util import cdiv
@@ -150,10 +151,10 @@ def _engine(params, cfg, args, shapes, max_len, G, prefill, with_prefill):
     return eng, compile_s
 
 
-def _step_fn(eng, cfg, args, md, sp):
+def _step_fn(eng, cfg, args, batch):
     def step(cache):
         t, _, cache = engine_step(
-            eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
+            eng.params, cfg, cache, batch, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
         )
         return t, cache
 
@@ -165,9 +166,8 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
     ppr = cdiv(ctx, G)
     reqs = [ScheduledRequest([7], ctx - 1, list(range(1 + b * ppr, 1 + (b + 1) * ppr))) for b in range(B)]
     md, _ = build_metadata(reqs, page_size=G, num_pages=eng.config.num_pages, shape=eng.batch_shape(B, 0))
-    md = md.to_device()
-    sp = jax.tree.map(jnp.asarray, SamplingArrays.build([], [], md.shape.num_logits))
-    step = _step_fn(eng, cfg, args, md, sp)
+    batch = jax.device_put(Packed.of((md, SamplingArrays.build([], [], md.shape.num_logits))))
+    step = _step_fn(eng, cfg, args, batch)
     cache = eng.cache
     for _ in range(3):
         _, cache = step(cache)
@@ -188,7 +188,7 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
             jax.block_until_ready(tok)
         hlo = (
             engine_step.lower(
-                eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
+                eng.params, cfg, cache, batch, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
             )
             .compile()
             .as_text()
@@ -240,9 +240,8 @@ def _prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params):
         workspace_rows=eng.workspace_rows,
         shape=eng.batch_shape(0, S * P),
     )
-    md = md.to_device()
-    sp = jax.tree.map(jnp.asarray, SamplingArrays.build([], [], md.shape.num_logits))
-    step = _step_fn(eng, cfg, args, md, sp)
+    batch = jax.device_put(Packed.of((md, SamplingArrays.build([], [], md.shape.num_logits))))
+    step = _step_fn(eng, cfg, args, batch)
     cache = eng.cache
     for _ in range(2):
         _, cache = step(cache)
