@@ -50,9 +50,8 @@ from mla_jax.cache import KVCache  # noqa: E402
 from mla_jax.config import DeepseekConfig  # noqa: E402
 from mla_jax.engine import default_gmm_impl  # noqa: E402
 from mla_jax.metadata import BatchShape, ScheduledRequest, build_metadata  # noqa: E402
-from mla_jax.packed import Packed  # noqa: E402
 from mla_jax.sampling import SamplingArrays  # noqa: E402
-from mla_jax.step import engine_step  # noqa: E402
+from mla_jax.step import engine_step, step_batch  # noqa: E402
 from pallas_kernels.util import cdiv  # noqa: E402
 
 RESULT_FILE = "multigpu-h200.json"
@@ -118,11 +117,11 @@ def run_row(*, params, cfg, plan, batch, ctx, page, backend, gmm, steps, reps, c
         num_pages=num_pages,
         shape=BatchShape(num_decodes=batch, decode_query_len=1, max_pages=pages_per_req),
     )
-    batch = Packed.of((md, SamplingArrays.build([], [], md.shape.num_logits)))
+    batch = step_batch(md, SamplingArrays.build([], [], md.shape.num_logits))
     batch = jax.device_put(batch) if plan is None else plan.replicate(batch)
 
     def step(cache):
-        t, _, cache = engine_step(params, cfg, cache, batch, plan=plan, backend=backend, gmm_impl=gmm)
+        t, _, cache, _ = engine_step(params, cfg, cache, batch, plan=plan, backend=backend, gmm_impl=gmm)
         return t, cache
 
     t0 = time.perf_counter()

@@ -33,10 +33,9 @@ from mla_jax.cache import KVCache, init_kv_cache
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
 from mla_jax.engine import Engine, EngineConfig, default_gmm_impl
 from mla_jax.metadata import ScheduledRequest, build_metadata
-from mla_jax.packed import Packed
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.spec_decode import SpecArrays, spec_step
-from mla_jax.step import engine_step
+from mla_jax.step import engine_step, step_batch
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mla_jax", "data", "demo")
 PROMPTS = [
@@ -98,10 +97,10 @@ def verify_rows(args, res) -> dict:
                 return md
 
             md = md_for(1)
-            batch = jax.device_put(Packed.of((md, SamplingArrays.build([], [], md.shape.num_logits))))
+            batch = jax.device_put(step_batch(md, SamplingArrays.build([], [], md.shape.num_logits)))
 
             def plain(c, batch=batch):
-                t, _, c = engine_step(params, cfg, c, batch, backend=be, gmm_impl=gmm)
+                t, _, c, _ = engine_step(params, cfg, c, batch, backend=be, gmm_impl=gmm)
                 return t, c
 
             t_plain, cache = _time(plain, cache, args.iters)

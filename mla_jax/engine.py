@@ -40,10 +40,9 @@ from mla_jax.metadata import (
 )
 from mla_jax.model import Params
 from mla_jax.mtp import has_mtp
-from mla_jax.packed import Packed
 from mla_jax.parallel import ParallelPlan, to_host
 from mla_jax.sampling import SamplingArrays, SamplingParams
-from mla_jax.scheduler import Request, Scheduler, Status
+from mla_jax.scheduler import PENDING, Request, Scheduler, Status
 from pallas_kernels.util import cdiv
 
 
@@ -93,6 +92,11 @@ class EngineConfig:
     # query rows per request. 0 / None: off.
     num_speculative_tokens: int = 0
     speculative_method: str | None = None
+    # Schedule and send step n+1 while step n runs on the device: decode rows read their input id from step
+    # n's sampled ids on the device, and step n's outputs are processed after step n+1 is launched (so `step()`
+    # returns each step's outputs one call later). A request that stops on a stop token costs one discarded
+    # row. Speculative decoding (whose accepted lengths the next step depends on) always runs synchronously.
+    async_scheduling: bool = True
 
     def __post_init__(self):
         """Each field checked on its own, so a bad value is a ValueError naming that field (not a
@@ -123,7 +127,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.backend must be one of {tuple(attention.BACKENDS)}, got {self.backend!r}")
         if self.gmm_impl is not None and self.gmm_impl not in GMM_IMPLS:
             raise ValueError(f"EngineConfig.gmm_impl must be one of {GMM_IMPLS}, got {self.gmm_impl!r}")
-        for name in ("batch_invariant", "enable_prefix_caching"):
+        for name in ("batch_invariant", "enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -228,6 +232,20 @@ def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, cfg: D
     return prompt
 
 
+@dataclasses.dataclass
+class _Launched:
+    """A step in flight: its chunks, and either the device arrays of its sampled ids and logprobs with, per
+    chunk that samples, (logit row, index of its pending output, preemptions at launch); or (speculative
+    steps, which complete at launch) the per-chunk outputs."""
+
+    chunks: list
+    sampled: list[bool]  # per chunk: it sampled (ended at its request's last token at launch)
+    tokens: jax.Array | None = None
+    logprobs: jax.Array | None = None
+    samples: list | None = None
+    produced: list | None = None
+
+
 class Engine:
     """Continuous batching over the paged cache, on one device or, with `plan`, on a mesh.
 
@@ -275,6 +293,13 @@ class Engine:
         self.workspace_rows = default_workspace_rows(c.max_model_len, c.max_prefills, c.page_size)
         chunk_min = (self.workspace_rows // c.max_prefills) // c.page_size * c.page_size
         self.max_chunks = cdiv(c.max_model_len, chunk_min)
+        self.async_scheduling = c.async_scheduling and not self.spec_k
+        # The last step's sampled ids on the device, padded to the most logit rows a step has (fixed shape).
+        buf = np.zeros(self.batch_shape(max(c.decode_buckets), 1).num_logits, np.int32)
+        self.token_buffer = jax.device_put(buf) if plan is None else plan.replicate(buf)
+        self._inflight: _Launched | None = None  # async: the launched step whose outputs are not processed yet
+        self._pending_rows: dict[Hashable, int] = {}  # request -> logit row of its pending id in the last step
+        self.device_wait_s = 0.0  # time step() spent blocked on sampled ids (the rest of its time is host work)
         self._ids = 0
         self.counter = compile_counter()
         self.steps = 0
@@ -342,7 +367,7 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     # ---- shapes ------------------------------------------------------------------------------------
     def _bucket(self, n: int, buckets: tuple[int, ...]) -> int:
@@ -361,21 +386,31 @@ class Engine:
             max_chunks=self.max_chunks if has_prefill else 0,
         )
 
-    def _run(self, md: AttentionMetadata, sampling: SamplingArrays) -> tuple[np.ndarray, np.ndarray]:
-        """One jitted step: (sampled tokens, their logprobs) on the host. Metadata and sampling arrays go to the
-        device as one buffer (one transfer)."""
-        batch = Packed.of((md, sampling))
+    def _dispatch(self, md: AttentionMetadata, sampling: SamplingArrays, prev_index: np.ndarray | None = None):
+        """Launches one jitted step (asynchronously) and starts copying its sampled ids and logprobs to the host;
+        returns them as device arrays. The host inputs go as one buffer (one transfer); rows with `prev_index`
+        >= 0 take their input id from the previous step's ids on the device (`step.engine_step`)."""
+        batch = step_lib.step_batch(md, sampling, prev_index)
         batch = jax.device_put(batch) if self.plan is None else self.plan.replicate(batch)
-        tokens, logprobs, self.cache = step_lib.engine_step(
+        tokens, logprobs, self.cache, self.token_buffer = step_lib.engine_step(
             self.params,
             self.cfg,
             self.cache,
             batch,
+            self.token_buffer,
             backend=self.config.backend,
             plan=self.plan,
             batch_invariant=self.config.batch_invariant,
             gmm_impl=self.config.gmm_impl,
         )
+        for x in (tokens, logprobs):
+            if x.is_fully_addressable:
+                x.copy_to_host_async()
+        return tokens, logprobs
+
+    def _run(self, md: AttentionMetadata, sampling: SamplingArrays) -> tuple[np.ndarray, np.ndarray]:
+        """One step, synchronously: (sampled tokens, their logprobs) on the host."""
+        tokens, logprobs = self._dispatch(md, sampling)
         return to_host(tokens), to_host(logprobs)
 
     def _run_spec(self, md: AttentionMetadata, sampling: SamplingArrays, spec: spec_decode.SpecArrays):
@@ -455,11 +490,21 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches a step; returns the outputs of the last step whose sampled ids are known: this
+        one (synchronous), or the one launched by the previous call (`EngineConfig.async_scheduling`)."""
+        launched = self._launch()
+        if launched is None and self._inflight is None and self.scheduler.has_unfinished:
+            raise RuntimeError("scheduler made no progress (a request cannot fit in the page pool)")
+        if not self.async_scheduling:
+            return self._complete(launched) if launched is not None else []
+        done, self._inflight = self._inflight, launched
+        return self._complete(done) if done is not None else []
+
+    def _launch(self) -> "_Launched | None":
+        """Schedule, build the metadata and launch the step (speculative steps also wait for it)."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            if self.scheduler.has_unfinished:
-                raise RuntimeError("scheduler made no progress (a request cannot fit in the page pool)")
-            return []
+            return None
         reqs = [ScheduledRequest(c.token_ids, c.start, self.pool.pages(c.request.request_id)) for c in chunks]
         # A decode is a request's last token (plus its drafts); anything else is a prefill chunk.
         is_decode = [c.num_tokens - c.num_drafts == 1 for c in chunks]
@@ -474,69 +519,109 @@ class Engine:
             shape=shape,
             is_decode=is_decode,
         )
-        if self.spec_k:
-            produced = self._spec_outputs(chunks, md, order, nd)
-        else:
-            produced = self._plain_outputs(chunks, md, order, nd)
         self.num_computed_tokens += sum(c.num_tokens for c in chunks)
         self.steps += 1
-        outs = []
-        for c, (toks, lps, tops) in zip(chunks, produced):
+        if self.spec_k:
+            sampled = [c.samples for c in chunks]
+            return _Launched(chunks, sampled, produced=self._spec_outputs(chunks, md, order, nd))
+        return self._launch_plain(chunks, md, order, nd)
+
+    def _launch_plain(self, chunks, md, order, nd) -> "_Launched":
+        """Launches a step without speculation. Each chunk's rows count as computed from now on, and a chunk that
+        samples gets a pending output (`PENDING`, filled in by `_complete`), so the next schedule sees it."""
+        shape = md.shape
+        # Logit row of each scheduled chunk (in `order`): decode b -> row b; prefill s -> row Td + s.
+        rows = [k if k < nd else shape.num_decode_tokens + (k - nd) for k in range(len(order))]
+        sp: list[SamplingParams | None] = [None] * shape.num_logits
+        pos = [0] * shape.num_logits
+        prev_index = np.full(shape.num_tokens, -1, np.int32)
+        for k, (row, oi) in enumerate(zip(rows, order)):
+            c = chunks[oi]
             r = c.request
-            accepted = max(0, len(toks) - 1)
-            r.num_computed_tokens = c.start + c.num_tokens - c.num_drafts + accepted
-            if c.num_drafts:
-                r.num_draft_tokens += c.num_drafts
-                r.num_accepted_tokens += accepted
-                self.num_draft_tokens += c.num_drafts
-                self.num_accepted_tokens += accepted
-                if c.num_drafts == self.spec_k:
-                    self.num_verify_steps += 1
-                    self.num_verify_accepted += accepted
-            if self.spec_k:  # roll back the rows of rejected drafts
-                self.pool.truncate(r.request_id, r.num_computed_tokens)
-            self.scheduler.cache_computed(r)
-            if not c.samples:
+            if k < nd and r.num_pending:  # its input is the last step's sampled id, still on the device
+                prev_index[k] = self._pending_rows[r.request_id]
+            if c.samples:
+                sp[row] = r.params
+                pos[row] = r.num_tokens  # position of the token being sampled
+        tokens, logprobs = self._dispatch(md, SamplingArrays.build(sp, pos, shape.num_logits), prev_index)
+        samples = [None] * len(chunks)  # per chunk: (logit row, index of its pending output, preemptions)
+        self._pending_rows = {}
+        for row, oi in zip(rows, order):
+            c = chunks[oi]
+            r = c.request
+            r.num_computed_tokens = c.start + c.num_tokens
+            if c.samples:
+                samples[oi] = (row, len(r.output_token_ids), r.num_preemptions)
+                r.output_token_ids.append(PENDING)
+                r.num_pending += 1
+                self._pending_rows[r.request_id] = row
+        sampled = [x is not None for x in samples]
+        return _Launched(chunks, sampled, tokens=tokens, logprobs=logprobs, samples=samples)
+
+    def _complete(self, launched: "_Launched") -> list[RequestOutput]:
+        """Processes a launched step's sampled ids: outputs, stops, prefix-cache registration."""
+        if launched.produced is None:
+            t0 = time.perf_counter()
+            tokens, logprobs = to_host(launched.tokens), to_host(launched.logprobs)
+            self.device_wait_s += time.perf_counter() - t0
+            launched.produced = self._plain_outputs(launched, tokens, logprobs)
+        outs = []
+        for oi, (c, (toks, lps, tops)) in enumerate(zip(launched.chunks, launched.produced)):
+            r = c.request
+            if r.status is Status.FINISHED:  # finished or aborted while this step ran (async): nothing to report
+                continue
+            if self.spec_k:
+                accepted = max(0, len(toks) - 1)
+                r.num_computed_tokens = c.start + c.num_tokens - c.num_drafts + accepted
+                if c.num_drafts:
+                    r.num_draft_tokens += c.num_drafts
+                    r.num_accepted_tokens += accepted
+                    self.num_draft_tokens += c.num_drafts
+                    self.num_accepted_tokens += accepted
+                    if c.num_drafts == self.spec_k:
+                        self.num_verify_steps += 1
+                        self.num_verify_accepted += accepted
+                self.pool.truncate(r.request_id, r.num_computed_tokens)  # roll back the rows of rejected drafts
+            if r.status is Status.RUNNING:
+                self.scheduler.cache_computed(r)
+            if not launched.sampled[oi]:
                 continue
             reason, new = None, []
+            if self.spec_k:
+                base = len(r.output_token_ids)
+                r.output_token_ids.extend(toks)
+            else:  # one sampled id, for the output left pending at launch
+                base = launched.samples[oi][1]
+                r.output_token_ids[base] = toks[0]
+                r.num_pending -= 1
             for i, tok in enumerate(toks):
                 new.append(tok)
-                r.output_token_ids.append(tok)
                 r.output_logprobs.append(lps[i])
                 if tops is not None:
                     r.output_top_logprobs.append(tops)
                 if tok in r.params.stop_token_ids:
                     reason = "stop"
-                elif len(r.output_token_ids) >= r.params.max_new_tokens:
+                elif base + i + 1 >= r.params.max_new_tokens:
                     reason = "length"
                 if reason:
+                    del r.output_token_ids[base + i + 1 :]  # drafts past a stop; async: a later step's pending id
+                    r.num_pending = 0
                     break
             if reason:
                 self.scheduler.finish(r, reason)
             outs.append(self._output(r, new))
         return outs
 
-    def _plain_outputs(self, chunks, md, order, nd):
-        """A step without speculation: per chunk ([sampled token] or [], logprobs, top logprobs or None)."""
-        shape = md.shape
-        # Logit row of each scheduled chunk (in `order`): decode b -> row b; prefill s -> row Td + s.
-        rows = [k if k < nd else shape.num_decode_tokens + (k - nd) for k in range(len(order))]
-        sp: list[SamplingParams | None] = [None] * shape.num_logits
-        pos = [0] * shape.num_logits
-        for row, oi in zip(rows, order):
-            c = chunks[oi]
-            if c.samples:
-                sp[row] = c.request.params
-                pos[row] = c.request.num_tokens  # position of the token being sampled
-        tokens, logprobs = self._run(md, SamplingArrays.build(sp, pos, shape.num_logits))
+    def _plain_outputs(self, launched: "_Launched", tokens: np.ndarray, logprobs: np.ndarray) -> list:
+        """Per chunk of a step without speculation: ([sampled token] or [], logprobs, top logprobs or None)."""
         top_ids = top_lps = None
         if tokens.ndim == 2:  # column 0 the sampled token, then the top logprobs
             tokens, top_ids, logprobs, top_lps = tokens[:, 0], tokens[:, 1:], logprobs[:, 0], logprobs[:, 1:]
-        produced: list = [([], [], None)] * len(chunks)
-        for row, oi in zip(rows, order):
-            c = chunks[oi]
-            if not c.samples:
+        produced: list = [([], [], None)] * len(launched.chunks)
+        for oi, c in enumerate(launched.chunks):
+            if launched.samples[oi] is None:
                 continue
+            row = launched.samples[oi][0]
             tops = None
             if c.request.params.top_logprobs:
                 k = c.request.params.top_logprobs
@@ -591,7 +676,7 @@ class Engine:
     def _output(self, r: Request, new: list[int]) -> RequestOutput:
         return RequestOutput(
             r.request_id,
-            list(r.output_token_ids),
+            r.output_token_ids[: len(r.output_token_ids) - r.num_pending],
             list(r.output_logprobs) if r.params.logprobs or r.params.top_logprobs else None,
             r.status is Status.FINISHED,
             r.finish_reason,
