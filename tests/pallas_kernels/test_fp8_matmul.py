@@ -3,17 +3,17 @@
 CPU: the kernel runs under the Mosaic GPU interpreter (race detector on) and is lowered for sm_90
 (layout inference, wgmma/TMA checks). GPU (-m gpu): the compiled kernel at model shapes.
 
-Inputs: the kernel tests use `_exact_operands`: e4m3 values with a +-448 planted in every (row, K block) of x,
-times power-of-two scales that differ between neighbouring K blocks, rows, N blocks and experts (up to 2^6
-apart). quantize_act is then lossless (its scales are exactly the planted ones: asserted), so the reference is
-the float64 product of the dequantized inputs, with no quantization error to hide a bug in, and a scale taken
-from a neighbouring K block, row or N block, or a stage overwritten before use, is off by >= 2x on a block.
+Inputs: the kernel tests use `testing.fp8_lossless_operands`: e4m3 values with a +-448 planted in every
+(row, K block) of x, times power-of-two scales that differ between neighbouring K blocks, rows, N blocks and
+experts (up to 2^6 apart). quantize_act is then lossless (its scales are exactly the planted ones: asserted), so
+the reference is the float64 product of the dequantized inputs, with no quantization error to hide a bug in,
+and a scale taken from a neighbouring K block, row or N block is off by >= 2x on a block.
 Poison: activation rows past sum(group_sizes) are NaN, and so are the weights and scales of the
 stacked layers not picked and of the experts no row is routed to (a read of any of them gives NaN).
 Tolerances: float32 out agrees to float32 rounding (1e-5 relative to the output scale), bf16 out to bf16
 rounding (one half ulp: 2^-8 relative); against the unquantized-activation reference the e4m3 activation error
 (3 mantissa bits: |err| <= 2^-4 |x| per element, averaging down over K) bounds it at 4% of the output scale.
-On the GPU (`GPU_TOL`) the fp8 wgmma's own accumulation is coarser than float32.
+On the GPU (`testing.FP8_GEMM_GPU_TOL`) the fp8 wgmma's own accumulation is coarser than float32.
 
 The XLA paths convert e4m3 to float32 behind an optimization barrier (`test_fp8_converts_behind_barrier`):
 without it XLA's GPU compiler folded the jitted quantize -> dequantize, which the CPU compiler does not, so
@@ -30,6 +30,7 @@ import pytest
 
 from mla_jax.checkpoint.fp8 import dequantize_fp8_blocks
 from pallas_kernels import fp8_matmul as F
+from pallas_kernels.testing import FP8_GEMM_GPU_TOL, fp8_lossless_operands
 from tests.pallas_kernels.mosaic_interpreter import run_interpreted
 
 FP8_NAN = np.uint8(0x7F)
@@ -45,33 +46,6 @@ def _poison_fp8(a, index):
     a = a.copy()
     a.view(np.uint8)[index] = FP8_NAN
     return a
-
-
-def _pow2(idx, period, shift):
-    return np.exp2(np.asarray(idx) % period - shift).astype(np.float32)
-
-
-def _e4m3(rng, shape):
-    """Random e4m3 values of every exponent and both signs, as float32."""
-    v = np.clip(rng.standard_normal(shape) * 64, -448, 448).astype(np.float32)
-    return v.astype(jnp.float8_e4m3fn).astype(np.float32)
-
-
-def _exact_operands(rng, m, n, k, lead=()):
-    """x f32 [M, K] (bf16-exact) whose per-(row, 128-block) quantization is lossless, with scales
-    2^(j % 7 - 3) * 2^(r % 5 - 2) for K block j of row r (returned: xs [M, Kb]); wq e4m3 [*lead, N, K] with
-    scale_inv 2^((e + i + 2 j) % 7 - 3) for N block i, K block j of the e-th (flattened lead) weight; and the
-    dequantized weights wd float64 [*lead, N, K]."""
-    kb, nb = k // 128, F.cdiv(n, 128)
-    q = _e4m3(rng, (m, kb, 128))
-    q[np.arange(m)[:, None], np.arange(kb)[None], rng.integers(0, 128, (m, kb))] = 448 * rng.choice([-1, 1], (m, kb))
-    xs = _pow2(np.arange(kb), 7, 3)[None, :] * _pow2(np.arange(m), 5, 2)[:, None]
-    x = (q * xs[..., None]).reshape(m, k)
-    e = np.arange(int(np.prod(lead, dtype=int))).reshape(*lead, 1, 1)
-    ws = _pow2(e + np.arange(nb)[:, None] + 2 * np.arange(kb)[None], 7, 3)  # [*lead, Nb, Kb]
-    wq = _e4m3(rng, (*lead, n, k))
-    wd = wq.astype(np.float64) * np.repeat(np.repeat(ws, 128, axis=-2)[..., :n, :], 128, axis=-1)
-    return x, xs, wq.astype(jnp.float8_e4m3fn), ws, wd
 
 
 def _close(out, ref, rel):
@@ -119,7 +93,7 @@ def test_xla_paths_match_references():
     _close(jax.jit(F.fp8_matmul_xla)(x, wq, ws), quantized, 1e-5)
     _close(quantized, F.fp8_matmul_reference(x, wq, ws), 0.04)
     # lossless inputs: both are the float64 product of the dequantized operands
-    x, _, wq, ws, wd = _exact_operands(rng, 3, 192, 384)
+    x, _, wq, ws, wd = fp8_lossless_operands(rng, 3, 192, 384)
     _close(F.fp8_matmul_quantized_reference(jnp.asarray(x), wq, ws), x.astype(np.float64) @ wd.T, 1e-6)
     _close(jax.jit(F.fp8_matmul_xla)(jnp.asarray(x), wq, ws), x.astype(np.float64) @ wd.T, 1e-6)
 
@@ -136,7 +110,7 @@ def test_dense_interpret(m, n, k, out_dtype, k_splits, stages):
     in two (float32 partials: each split must start at its own K block), a 2-deep ring that wraps (3 K
     blocks) and a 1-deep one; every K block, row and N block with its own scale."""
     rng = np.random.default_rng(m + n + k)
-    x, xs, wq, ws, wd = _exact_operands(rng, m, n, k)
+    x, xs, wq, ws, wd = fp8_lossless_operands(rng, m, n, k)
     xb = jnp.asarray(x, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(F.quantize_act(xb)[1]), xs)  # lossless: the planted scales
     out = run_interpreted(
@@ -153,7 +127,7 @@ def test_grouped_interpret_stacked_in_place():
     rng = np.random.default_rng(3)
     sizes = np.array([5, 0, 70, 3], np.int32)
     m, n, k, total = 90, 128, 256, int(sizes.sum())
-    x, _, wq, ws, wd = _exact_operands(rng, m, n, k, lead=(2, 4))
+    x, _, wq, ws, wd = fp8_lossless_operands(rng, m, n, k, lead=(2, 4))
     x[total:] = np.nan
     wq = _poison_fp8(_poison_fp8(wq, (0,)), (1, 1))
     ws[0], ws[1, 1] = np.nan, np.nan
@@ -260,12 +234,6 @@ V3_DENSE = [
 ]
 
 
-# The fp8 wgmma accumulates each 128-deep block at reduced precision (Hopper: ~13 mantissa bits per 32-deep
-# step, "FP22"; simulated: ~1.2e-4 of max|ref| at K = 7168), so float32 rounding (1e-5) is out of reach on
-# the GPU. The bugs looked for (a neighbouring block's or row's scale, a stage overwritten early) are >= 1e-2.
-GPU_TOL = 2e-3
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k", V3_DENSE)
 def test_gpu_dense(m, n, k):
@@ -275,8 +243,10 @@ def test_gpu_dense(m, n, k):
     out = F.fp8_matmul(x, wq, ws, out_dtype=jnp.float32)
     with jax.default_matmul_precision("highest"):  # the kernel's numerics in XLA, float32 (not TF32)
         ref = F.fp8_matmul_xla(x, wq, ws, out_dtype=jnp.float32)
-    _close(out, ref, GPU_TOL)
-    _close(F.fp8_matmul(x, wq, ws), ref, GPU_TOL + 2.0**-9)  # bf16 out (the model's), default K splits and stages
+    _close(out, ref, FP8_GEMM_GPU_TOL)
+    _close(
+        F.fp8_matmul(x, wq, ws), ref, FP8_GEMM_GPU_TOL + 2.0**-9
+    )  # bf16 out (the model's), default K splits and stages
 
 
 @pytest.mark.gpu
@@ -285,8 +255,8 @@ def test_gpu_dense(m, n, k):
     [(1, 1536, 7168, None, None), (64, 576, 7168, 1, 1), (300, 7168, 2048, 1, 2), (256, 2048, 7168, 4, 3)],
 )
 def test_gpu_dense_exact_scales(m, n, k, k_splits, stages):
-    """Lossless operands (`_exact_operands`): every K block, row, N block with its own power-of-two scale."""
-    x, _, wq, ws, wd = _exact_operands(np.random.default_rng(m + k), m, n, k)
+    """Lossless operands (`fp8_lossless_operands`): each K block, row, N block with its own power-of-two scale."""
+    x, _, wq, ws, wd = fp8_lossless_operands(np.random.default_rng(m + k), m, n, k)
     out = F.fp8_matmul(
         jnp.asarray(x, jnp.bfloat16),
         jnp.asarray(wq),
@@ -295,7 +265,7 @@ def test_gpu_dense_exact_scales(m, n, k, k_splits, stages):
         k_splits=k_splits,
         stages=stages,
     )
-    _close(out, x.astype(np.float64) @ wd.T, GPU_TOL)
+    _close(out, x.astype(np.float64) @ wd.T, FP8_GEMM_GPU_TOL)
 
 
 @pytest.mark.gpu
@@ -333,4 +303,4 @@ def test_gpu_grouped(m, g, n, k):
     assert np.all(out[m - 7 :] == 0)
     with jax.default_matmul_precision("highest"):  # the kernel's numerics in XLA, float32 (not TF32)
         ref = F.fp8_grouped_matmul_xla(x, wq, ws, jnp.asarray(sizes), rhs_index=1, out_dtype=jnp.float32)
-    _close(out[: m - 7], np.asarray(ref)[: m - 7], GPU_TOL)
+    _close(out[: m - 7], np.asarray(ref)[: m - 7], FP8_GEMM_GPU_TOL)
