@@ -245,7 +245,7 @@ def test_gpu_dense(m, n, k):
         ref = F.fp8_matmul_xla(x, wq, ws, out_dtype=jnp.float32)
     _close(out, ref, FP8_GEMM_GPU_TOL)
     _close(
-        F.fp8_matmul(x, wq, ws), ref, FP8_GEMM_GPU_TOL + 2.0**-9
+        F.fp8_matmul(x, wq, ws), ref, FP8_GEMM_GPU_TOL + 2.0**-8
     )  # bf16 out (the model's), default K splits and stages
 
 
