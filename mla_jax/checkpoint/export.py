@@ -194,7 +194,7 @@ def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> d
             if cfg.use_sparse:  # weights_proj stays float32, as HF's checkpoints and our loader keep it
                 ind, ip = pre + "self_attn.indexer.", a["indexer"]
                 for key in ("wq_b", "wk", "k_norm"):
-                    put(ind + f"{key}.weight", ip[key]["weight"])
+                    put_linear(ind + f"{key}.weight", ip[key])
                 put(ind + "k_norm.bias", ip["k_norm"]["bias"])
                 put(ind + "weights_proj.weight", ip["weights_proj"]["weight"], keep_f32=True)
             m = lp["mlp"]
