@@ -29,13 +29,14 @@ weights. Requires K % 128 == 0 and N % 64 == 0 (`unsupported_reason`); other sha
 path (`fp8_matmul_xla`: the same activation quantization, XLA dequantize + float32 dot, so a model
 computes the same numbers on either path). M is padded to the row tile (activations only: cheap).
 
-Every e4m3 -> float32 conversion here goes through `_f32`, behind an optimization barrier: XLA's GPU compiler
-(xla_allow_excess_precision, on by default: SimplifyFPConversions) folds a chain of float converts inside one
-program, so a jitted quantize -> dequantize (f32 -> e4m3 -> f32) silently skipped the e4m3 rounding. On the
-H200 the jitted `fp8_matmul_xla` thus computed with unquantized activations, and the kernel's "error" against
-it (2.6e-2 of max|ref|, bench/results/fp8-gemm-h200.json at 82f5e73) was exactly the quantized-vs-unquantized
-difference of those inputs (M=1 q_a_proj: 0.02703 measured, 0.02703 recomputed on CPU); the CPU compiler
-keeps the chain, so the interpreter tests could not see it.
+Every e4m3 -> float32 conversion here goes through `_f32`, behind an optimization barrier: XLA's GPU pipeline
+runs SimplifyFPConversions (with xla_allow_excess_precision, on by default), which folds a chain of float
+converts inside one program, so a jitted quantize -> dequantize (f32 -> e4m3 -> f32) can skip the e4m3
+rounding. The kernel's "error" of 2.6e-2 of max|ref| on the H200 against the jitted `fp8_matmul_xla`
+(bench/results/fp8-gemm-h200.json at 82f5e73) is exactly the quantized-vs-unquantized-activation difference
+of those inputs (M=1 q_a_proj: 0.02703 measured, 0.02703 recomputed on CPU; M=16384: 0.02656 / 0.02647): the
+XLA path had computed with unquantized activations. The CPU compiler keeps the chain, so the interpreter tests
+could not see it; `bench/fp8_gemm.py --diagnose` (row xla_jit_no_barrier) shows the fold on the GPU.
 
 References beside it: `fp8_matmul_reference` (dequantized weights x unquantized activations in float32:
 what the fp8 model approximates) and `fp8_matmul_quantized_reference` (the kernel's exact math: the same
