@@ -1,7 +1,7 @@
 """End-to-end benchmark on the GPU: a DeepSeek-V2-Lite-shaped model with random bf16 (and/or block-FP8) weights.
 
     mla-jax bench --out DIR            (or: python3 -m mla_jax.bench.e2e --out DIR)
-    mla-jax bench --weights bf16,fp8 --out DIR   (both models in one run, one after the other)
+    python3 -m mla_jax.bench.e2e --weights bf16,fp8 --out DIR   (both models in one run, one after the other)
     mla-jax bench --smoke              (tiny dims on a CPU; prints the rows, writes nothing)
 
 Decode step time and tokens/s at batch 1, 32, 128 with context 1k and 4k (the cache is filled with random rows,
