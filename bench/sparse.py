@@ -287,7 +287,7 @@ def bench_threshold(args, backend_name, res):
             md = build_metadata(reqs, page_size=G, num_pages=s // G + 1)[0].to_device()
             rows = sparse.token_rows(md)
             K = sparse.topk_budget(cfg, md, G)
-            none = jnp.full((md.shape.num_tokens, K), -1, jnp.int32)
+            none = np.full((md.shape.num_tokens, K), -1, np.int32)  # (a constant: shared layers read it)
             x = jax.random.normal(jax.random.key(2), (md.shape.num_tokens, cfg.hidden_size), jnp.bfloat16)
             cache = random_cache(cfg, s // G + 1, G, jax.random.key(1))
             t = {}
@@ -295,11 +295,14 @@ def bench_threshold(args, backend_name, res):
                 if path == "mha" and n * s * s * 4 / 2**30 > args.mha_max_logits_gb:
                     t[path] = None
                     continue
-                layer = jnp.int32(0)
+                # weights and metadata as arguments (closed over, they would be constants of the program)
                 fn = jax.jit(
-                    lambda x, c, be=be: sparse.mla_paged_sparse(p, cfg, x, md, c, (none, none), layer, be, rows)[0]
+                    lambda p, x, c, md, rows, be=be: sparse.mla_paged_sparse(
+                        p, cfg, x, md, c, (none, none), jnp.int32(0), be, rows
+                    )[0]
                 )
-                t[path] = common.time_fn(fn, [(x, cache)], iters=args.steps, reps=3, warmup=2) / 1e3
+                args_ = [(p, x, cache, md, rows)]
+                t[path] = common.time_fn(fn, args_, iters=args.steps, reps=3, warmup=2) / 1e3
             mha_ms = None if t["mha"] is None else round(t["mha"], 3)
             faster = "mqa" if t["mha"] is None or t["mqa"] <= t["mha"] else "mha"
             row = dict(kind="prefill_threshold", N=n, S=s, topk=args.topk, mha_ms=mha_ms, mqa_ms=round(t["mqa"], 3))
