@@ -18,7 +18,8 @@
 - `indexer`: the indexer alone per (ctx, dtype): `us` (the backend's top-k: score kernel with its bin
   histogram + radix-select kernel), `unfused_us` (the path before it: score kernel + `lax.top_k`) and
   `speedup_vs_unfused`; the parts `score_us` (score kernel alone), `score_hist_us` (with the histogram),
-  `lax_topk_us`, `select_us` per select tuning (scores per step x warps); `exact`: the fused and every select
+  `lax_topk_us`, `select_us` per select tuning (scores per step x warps), `score_us_by_tuning` (block_k x
+  warps; the default 128 x 4 is `score_us`); `exact`: the fused and every select
   tuning's top-k equal lax.top_k on the same scores at this size (a mismatch is logged and listed in
   `failures`);
 - `e2e`: decode steps (B = 32, ctx 32k) of a V3.2-shaped model (random bf16 weights, `--layers` layers, the
@@ -129,6 +130,14 @@ def bench_decode(args, backend, res, ceilings):
     )
     lax_topk = jax.jit(lambda x: li.topk_from_logits(x, K))
     unfused = jax.jit(lambda *a: li.topk_from_logits(logits_fn(*a), K))  # the path before the select kernel
+    score_tuned = {
+        bw: jax.jit(
+            lambda q, w, c, bt, sl, ks, bw=bw: li.indexer_logits(
+                q, w, c, bt, sl, scale=D_I**-0.5, k_scale=ks, interpret=interpret, block_k=bw[0], num_warps=bw[1]
+            )
+        )
+        for bw in args.score_tunings
+    }
     select = {
         wn: jax.jit(
             lambda x, h, sl, wn=wn: li._select_impl(x, h, sl, k=K, interpret=interpret, width=wn[0], num_warps=wn[1])
@@ -150,6 +159,10 @@ def bench_decode(args, backend, res, ceilings):
             iargs = [(qi, wi, icache, bt, sl, iks)]
             idx_us = common.time_fn(fused, iargs, iters=args.iters, reps=args.reps)
             score_us = common.time_fn(logits_fn, iargs, iters=args.iters, reps=args.reps)
+            score_sweep = {
+                f"{bw[0]}x{bw[1]}w": round(common.time_fn(f, iargs, iters=args.iters, reps=args.reps), 2)
+                for bw, f in score_tuned.items()
+            }
             hist_us = common.time_fn(with_hist, iargs, iters=args.iters, reps=args.reps)
             unfused_us = common.time_fn(unfused, iargs, iters=args.iters, reps=args.reps)
             lg, hist = with_hist(*iargs[0])
@@ -165,6 +178,7 @@ def bench_decode(args, backend, res, ceilings):
             del lg, hist
             row = dict(kind="indexer", B=B, ctx=ctx, dtype=dtype, topk=K, H_I=H_I, D_I=D_I, us=round(idx_us, 2))
             row |= dict(score_us=round(score_us, 2), score_hist_us=round(hist_us, 2), select_us=sweep)
+            row |= dict(score_us_by_tuning=score_sweep)
             row |= dict(lax_topk_us=round(topk_us, 2), unfused_us=round(unfused_us, 2))
             row |= dict(speedup_vs_unfused=round(unfused_us / idx_us, 2), exact=exact)
             row["frac_copy"] = round(
@@ -341,6 +355,7 @@ def main(argv=None):
         args.l, args.r, args.index_heads, args.index_dim = 64, 16, 4, 32
         args.e2e_ctx, args.prefill_lens, args.iters, args.reps, args.steps, args.layers = 128, (32, 128), 2, 2, 1, 2
         args.select_tunings = ((16, 4), (32, 4))
+        args.score_tunings = ((32, 4),)
     else:
         args.backend = args.backend or attention.default_backend_name()
         args.ctxs, args.heads, args.dtypes, args.topk, args.batch, args.page = (
@@ -354,6 +369,7 @@ def main(argv=None):
         args.l, args.r, args.index_heads, args.index_dim = 512, 64, 64, 128
         args.e2e_ctx, args.prefill_lens, args.iters, args.reps, args.steps = 32768, (1024, 2048, 4096, 8192), 10, 5, 5
         args.select_tunings = ((1024, 4), (2048, 4), (2048, 8), (4096, 8))  # (scores per step, warps)
+        args.score_tunings = ((64, 4), (256, 4), (256, 8))  # (block_k, warps); the default is 128 x 4
     backend = attention.get_backend(args.backend)
     log(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, backend {args.backend}")
     if not args.no_check:
