@@ -19,7 +19,7 @@
   histogram + radix-select kernel), `unfused_us` (the path before it: score kernel + `lax.top_k`) and
   `speedup_vs_unfused`; the parts `score_us` (score kernel alone), `score_hist_us` (with the histogram),
   `lax_topk_us`, `select_us` per select tuning (scores per step x warps), `score_us_by_tuning` (block_k x
-  warps; the default 128 x 4 is `score_us`); `exact`: the fused and every select
+  warps x key blocks per program; the default 128 x 4 x auto is `score_us`); `exact`: the fused and every select
   tuning's top-k equal lax.top_k on the same scores at this size (a mismatch is logged and listed in
   `failures`);
 - `e2e`: decode steps (B = 32, ctx 32k) of a V3.2-shaped model (random bf16 weights, `--layers` layers, the
@@ -133,7 +133,17 @@ def bench_decode(args, backend, res, ceilings):
     score_tuned = {
         bw: jax.jit(
             lambda q, w, c, bt, sl, ks, bw=bw: li.indexer_logits(
-                q, w, c, bt, sl, scale=D_I**-0.5, k_scale=ks, interpret=interpret, block_k=bw[0], num_warps=bw[1]
+                q,
+                w,
+                c,
+                bt,
+                sl,
+                scale=D_I**-0.5,
+                k_scale=ks,
+                interpret=interpret,
+                block_k=bw[0],
+                num_warps=bw[1],
+                blocks_per_program=bw[2],
             )
         )
         for bw in args.score_tunings
@@ -160,7 +170,9 @@ def bench_decode(args, backend, res, ceilings):
             idx_us = common.time_fn(fused, iargs, iters=args.iters, reps=args.reps)
             score_us = common.time_fn(logits_fn, iargs, iters=args.iters, reps=args.reps)
             score_sweep = {
-                f"{bw[0]}x{bw[1]}w": round(common.time_fn(f, iargs, iters=args.iters, reps=args.reps), 2)
+                f"{bw[0]}x{bw[1]}w_bpp{bw[2] or 'auto'}": round(
+                    common.time_fn(f, iargs, iters=args.iters, reps=args.reps), 2
+                )
                 for bw, f in score_tuned.items()
             }
             hist_us = common.time_fn(with_hist, iargs, iters=args.iters, reps=args.reps)
@@ -355,7 +367,7 @@ def main(argv=None):
         args.l, args.r, args.index_heads, args.index_dim = 64, 16, 4, 32
         args.e2e_ctx, args.prefill_lens, args.iters, args.reps, args.steps, args.layers = 128, (32, 128), 2, 2, 1, 2
         args.select_tunings = ((16, 4), (32, 4))
-        args.score_tunings = ((32, 4),)
+        args.score_tunings = ((32, 4, 1), (32, 4, 2))
     else:
         args.backend = args.backend or attention.default_backend_name()
         args.ctxs, args.heads, args.dtypes, args.topk, args.batch, args.page = (
@@ -369,7 +381,9 @@ def main(argv=None):
         args.l, args.r, args.index_heads, args.index_dim = 512, 64, 64, 128
         args.e2e_ctx, args.prefill_lens, args.iters, args.reps, args.steps = 32768, (1024, 2048, 4096, 8192), 10, 5, 5
         args.select_tunings = ((1024, 4), (2048, 4), (2048, 8), (4096, 8))  # (scores per step, warps)
-        args.score_tunings = ((64, 4), (256, 4), (256, 8))  # (block_k, warps); the default is 128 x 4
+        # (block_k, warps, blocks per program; None = the default ~4 programs per SM); the default is 128 x 4 x
+        # None; 128 x 4 x 1 is the layout measured before (one block per program)
+        args.score_tunings = ((128, 4, 1), (64, 4, None), (256, 4, None), (256, 8, None), (128, 4, 4))
     backend = attention.get_backend(args.backend)
     log(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, backend {args.backend}")
     if not args.no_check:

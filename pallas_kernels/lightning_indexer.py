@@ -16,13 +16,16 @@ equal scores the lower position wins (as `lax.top_k` breaks ties; HF's torch.top
 arbitrarily, so its fixtures avoid them), returned in ascending position order (the sparse decode then reads
 the cache in address order), -1 after them. -0.0 scores equal +0.0, and NaN / -inf scores are never chosen.
 
-Score kernel: grid (T, S / block_k). A program loads its row's q [H, D] and weights once, gathers block_k key
-rows through the block table (masked loads: keys at or past seq_len, never-written pages, are not read), one
-dot [H, D] x [D, block_k] in f32, ReLU, the weighted sum over heads, and writes block_k logits; blocks wholly
-past seq_len only write -inf. Triton needs powers of two >= 16 for the dot: D and block_k are, heads are
-padded to 16 with zero weights; the page size must be a power of two (shift and mask). fp8 keys are upcast to
-q's dtype and the scale applied to the dot's output. Rows are the fastest grid axis, so the prefill tokens of
-a request, which read the same key blocks, run side by side and share them through L2.
+Score kernel: grid (T, S / (block_k * blocks_per_program)). A program loads its row's q [H, D] and weights
+once, then per block of block_k keys (a loop over its blocks_per_program blocks: q is read once per program,
+and Triton pipelines the key loads across the loop) gathers the key rows through the block table (masked
+loads: keys at or past seq_len, never-written pages, are not read), one dot [H, D] x [D, block_k] in f32,
+ReLU, the weighted sum over heads, and writes block_k logits; blocks wholly past seq_len only write -inf.
+blocks_per_program defaults to ~4 programs per SM over the step's rows (1: one block per program). Triton
+needs powers of two >= 16 for the dot: D and block_k are, heads are padded to 16 with zero weights; the page
+size must be a power of two (shift and mask). fp8 keys are upcast to q's dtype and the scale applied to the
+dot's output. Rows are the fastest grid axis, so the prefill tokens of a request, which read the same key
+blocks, run side by side and share them through L2.
 
 Top-k without a sort (radix select): each score maps to an int32 key whose signed order is the float order
 (`_order_key`). For the top-k the score kernel also counts its scores into a per-row histogram over the key's
@@ -47,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.util import FLOAT_DTYPES, FP8, cdiv, is_pow2, next_pow2
+from pallas_kernels.util import FLOAT_DTYPES, FP8, cdiv, is_pow2, next_pow2, num_sms
 
 BIN_SHIFT = 21  # histogram bin = the order key's top 32 - 21 = 11 bits (sign, exponent, 2 mantissa bits)
 NUM_BINS = 1 << (32 - BIN_SHIFT)
@@ -123,51 +126,73 @@ def _indexer_kernel(
     bt_ref,  # i32[max_pages]: this row's block table
     lens_ref,  # i32[T]
     hist_in_ref,  # i32[NUM_BINS] zeros (aliased to hist_ref), or None
-    o_ref,  # f32[block_k]
+    o_ref,  # f32[S_pad]: this row's logits (the program writes its blocks)
     hist_ref,  # i32[NUM_BINS]: this row's histogram of order-key bins, or None
     *,
     page_size: int,
     scale: float,
     compute_dtype,
+    block_k: int,
+    blocks_per_program: int,
 ):
     del hist_in_ref
     t, j = pl.program_id(0), pl.program_id(1)
-    block_k = o_ref.shape[0]
     d = q_ref.shape[1]
     seq_len = lens_ref[t]
-    start = j * block_k
+    first = j * blocks_per_program  # this program's first block
+    n_blocks = jnp.minimum(blocks_per_program, o_ref.shape[0] // block_k - first)
+    n_live = jnp.clip(cdiv(seq_len - first * block_k, block_k), 0, n_blocks)  # blocks with a visible key
+    q = q_ref[...].astype(compute_dtype)  # loaded once for all the program's blocks
+    w = w_ref[...]
+    shift = page_size.bit_length() - 1  # page_size is a power of two
 
-    @pl.when(start < seq_len)
-    def _():
+    def live(i, carry):
+        start = (first + i) * block_k
         col = start + jnp.arange(block_k, dtype=jnp.int32)  # [bk] key positions
         ok = col < seq_len
-        shift = page_size.bit_length() - 1  # page_size is a power of two
         page = pltriton.load(bt_ref.at[lax.shift_right_logical(col, shift)], mask=ok, other=0)
         row = page * page_size + (col & (page_size - 1))
         keys = pltriton.load(
             k_ref.at[row[:, None], jnp.arange(d, dtype=jnp.int32)[None, :]], mask=ok[:, None], other=0.0
         ).astype(compute_dtype)  # [bk, D]
-        s = lax.dot_general(
-            q_ref[...].astype(compute_dtype), keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )  # [H', bk]
+        s = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [H', bk]
         if ks_ref is not None:
             s = s * pltriton.load(ks_ref.at[row], mask=ok, other=0.0)[None, :]
         s = jnp.maximum(s * scale, 0.0)
-        logits = canonical_scores(jnp.sum(w_ref[...][:, None] * s, axis=0))  # [bk]
+        logits = canonical_scores(jnp.sum(w[:, None] * s, axis=0))  # [bk]
         logits = jnp.where(ok, logits, -jnp.inf)
-        o_ref[...] = logits
+        o_ref[pl.ds(start, block_k)] = logits
         if hist_ref is not None:
             counted = logits > -jnp.inf
             # atomic adds (Triton) / scatter-add (interpreter); uncounted lanes add 0
             jax.ref.addupdate(hist_ref, (jnp.where(counted, _bin(_order_key(logits)), 0),), counted.astype(jnp.int32))
+        return carry
 
-    @pl.when(start >= seq_len)
-    def _():
-        o_ref[...] = jnp.full((block_k,), -jnp.inf, jnp.float32)
+    def dead(i, carry):  # blocks wholly past seq_len: -inf only
+        o_ref[pl.ds((first + i) * block_k, block_k)] = jnp.full((block_k,), -jnp.inf, jnp.float32)
+        return carry
+
+    lax.fori_loop(0, n_live, live, jnp.int32(0))  # (the Triton lowering needs an array carry)
+    lax.fori_loop(n_live, n_blocks, dead, jnp.int32(0))
+
+
+def _blocks_per_program(t: int, n_blocks: int) -> int:
+    """Key blocks one program scores (q and weights loaded once for them): enough programs for ~4 per SM."""
+    return max(1, cdiv(n_blocks, max(1, cdiv(4 * num_sms(), t))))
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "interpret", "block_k", "num_warps", "num_stages", "histogram", "width")
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "interpret",
+        "block_k",
+        "num_warps",
+        "num_stages",
+        "histogram",
+        "width",
+        "blocks_per_program",
+    ),
 )
 def _logits_impl(
     q,
@@ -184,6 +209,7 @@ def _logits_impl(
     num_stages,
     histogram,
     width,
+    blocks_per_program=None,
 ):
     """-> (logits f32[T, S_pad] (-inf past seq_lens), hist i32[T, NUM_BINS] or None), S_pad = S rounded up to
     a multiple of max(block_k, width)."""
@@ -201,13 +227,22 @@ def _logits_impl(
     wp = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, h_pad - h)))
     # a row sees at most the block table's keys
     lens = jnp.clip(seq_lens, 0, s_len)
+    n_blocks = s_pad // block_k
+    bpp = min(blocks_per_program or _blocks_per_program(t, n_blocks), n_blocks)
     row_hist = pl.BlockSpec((None, NUM_BINS), lambda i, j: (i, 0))
     out_shape = [jax.ShapeDtypeStruct((t, s_pad), jnp.float32)]
     if histogram:
         out_shape.append(jax.ShapeDtypeStruct((t, NUM_BINS), jnp.int32))
     out = pl.pallas_call(
-        functools.partial(_indexer_kernel, page_size=g, scale=float(scale), compute_dtype=compute_dtype),
-        grid=(t, s_pad // block_k),
+        functools.partial(
+            _indexer_kernel,
+            page_size=g,
+            scale=float(scale),
+            compute_dtype=compute_dtype,
+            block_k=block_k,
+            blocks_per_program=bpp,
+        ),
+        grid=(t, cdiv(n_blocks, bpp)),
         in_specs=[
             pl.BlockSpec((None, h_pad, d), lambda i, j: (i, 0, 0)),
             pl.BlockSpec((None, h_pad), lambda i, j: (i, 0)),
@@ -217,12 +252,12 @@ def _logits_impl(
             pl.BlockSpec((t,), lambda i, j: (0,)),
             row_hist if histogram else None,
         ],
-        out_specs=[pl.BlockSpec((None, block_k), lambda i, j: (i, j))] + ([row_hist] if histogram else [None]),
+        out_specs=[pl.BlockSpec((None, s_pad), lambda i, j: (i, 0))] + ([row_hist] if histogram else [None]),
         out_shape=out_shape + ([] if histogram else [None]),
         input_output_aliases={5 + fp8: 1} if histogram else {},  # flat index of the zeros
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"lightning_indexer_{block_k=}_{h_pad=}_{histogram=}",
+        name=f"lightning_indexer_{block_k=}_{bpp=}_{h_pad=}_{histogram=}",
     )(
         qp,
         wp,
@@ -248,10 +283,11 @@ def indexer_logits(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    blocks_per_program: int | None = None,
 ):
     """f32[T, max_pages * G]: the ReLU-weighted index scores of every row over the keys it sees, -inf past
-    seq_lens (Pallas kernel; -0.0 written as +0.0). Tuning: block_k keys per program (power of two >= 16;
-    default min(128, S))."""
+    seq_lens (Pallas kernel; -0.0 written as +0.0). Tuning: block_k keys per dot (power of two >= 16; default
+    min(128, S)), blocks_per_program (default: ~4 programs per SM)."""
     validate_indexer(q, weights, index_k_cache, block_table, seq_lens, k_scale, for_kernel=True)
     _pow2_knob("block_k", block_k, 16)
     logits, _ = _logits_impl(
@@ -268,6 +304,7 @@ def indexer_logits(
         num_stages=num_stages,
         histogram=False,
         width=1,
+        blocks_per_program=blocks_per_program,
     )
     return logits[:, : block_table.shape[1] * index_k_cache.shape[1]]
 
@@ -393,12 +430,12 @@ def _select_kernel(
 
     n_sel, _ = lax.fori_loop(0, n_chunks, emit, (jnp.int32(0), jnp.int32(0)))
 
-    def tail(c, _):
+    def tail(c, carry):
         j = c * w + lane
         pltriton.store(out_ref.at[pl.ds(c * w, w)], jnp.full((w,), -1, jnp.int32), mask=j >= n_sel)
-        return 0
+        return carry
 
-    lax.fori_loop(0, cdiv(k_out, w), tail, 0)
+    lax.fori_loop(0, cdiv(k_out, w), tail, jnp.int32(0))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret", "width", "num_warps"))
@@ -480,6 +517,7 @@ def indexer_topk(
     num_stages: int | None = None,
     width: int | None = None,
     select_warps: int | None = None,
+    blocks_per_program: int | None = None,
 ):
     """topk_indices i32[T, min(k, S)]: each row's top-k key positions (the contract above): the score kernel
     (with its bin histogram) then the select kernel; equal to `topk_from_logits` of the same scores."""
@@ -502,6 +540,7 @@ def indexer_topk(
         num_stages=num_stages,
         histogram=True,
         width=width,
+        blocks_per_program=blocks_per_program,
     )  # [T, S_pad], [T, NUM_BINS]
     s = block_table.shape[1] * index_k_cache.shape[1]
     out = _select_impl(

@@ -105,6 +105,11 @@ def test_logits_and_topk_match_reference(name, inputs, block_k, k):
     np.testing.assert_allclose(got[vis], ref[vis], atol=1e-4, rtol=1e-4)
     idx = indexer_topk(q, w, cache, bt, sl, scale=scale, k=k, k_scale=ks, interpret=True, block_k=block_k, width=16)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(topk_from_logits(jnp.asarray(got), k)))
+    # several key blocks per program (the last program's range partial): the same scores
+    got2 = indexer_logits(
+        q, w, cache, bt, sl, scale=scale, k_scale=ks, interpret=True, block_k=block_k, blocks_per_program=2
+    )
+    np.testing.assert_array_equal(np.asarray(got2), got)
     assert_topk_equivalent(idx, ref, k, np.asarray(sl), 1e-4)
 
 
@@ -147,6 +152,7 @@ def test_topk_exact_on_integer_scores(dtype):
         num_stages=None,
         histogram=True,
         width=16,
+        blocks_per_program=3,  # 4 blocks a row: a full program and a partial one
     )
     s = ref_logits.shape[1]
     np.testing.assert_array_equal(np.asarray(got[:, :s]), np.asarray(canonical_scores(ref_logits)))
@@ -154,7 +160,8 @@ def test_topk_exact_on_integer_scores(dtype):
     np.testing.assert_array_equal(np.asarray(hist), np.asarray(logits_histogram(ref_logits, sl)))
     r = np.sort(np.asarray(ref_logits)[2, :40])[::-1]
     assert r[11] == r[12], "the case must tie across the k-th place"
-    idx = np.asarray(indexer_topk(q, w, cache, bt, sl, k=12, interpret=True, block_k=16, width=16, **kw))
+    idx = indexer_topk(q, w, cache, bt, sl, k=12, interpret=True, block_k=16, width=16, blocks_per_program=3, **kw)
+    idx = np.asarray(idx)
     np.testing.assert_array_equal(idx, np.asarray(indexer_topk_reference(q, w, cache, bt, sl, k=12, **kw)))
     lg = np.asarray(ref_logits)
     for t, n in enumerate(np.asarray(sl)):  # best score first, the lower position among equal ones; then sorted
@@ -203,7 +210,9 @@ def test_kernels_lower_for_h200():
         sds((4,), jnp.int32),
         sds((64, 64), jnp.float32),
     ]
-    fn = jax.jit(lambda q, w, c, bt, sl, ks: indexer_topk(q, w, c, bt, sl, scale=0.1, k=2048, k_scale=ks))
+    fn = jax.jit(
+        lambda q, w, c, bt, sl, ks: indexer_topk(q, w, c, bt, sl, scale=0.1, k=2048, k_scale=ks, blocks_per_program=4)
+    )
     dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)):
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
