@@ -400,13 +400,16 @@ def _select_kernel(
     if not interpret:  # (the interpreter runs a program as one sequence and has no barrier)
         pltriton.debug_barrier()  # the scratch stores are visible to every thread of the program
 
+    def cand_chunk(c):  # (volatile: written by other threads of this program)
+        return pltriton.load(cand_ref.at[pl.ds(c * w, w)], mask=c * w + lane < m, other=KEY_MIN, volatile=True)
+
+    first = cand_chunk(0)  # the usual case, m <= W: every bisection step works on these registers
+
     def count_ge(thr):  # candidates with key >= thr
         def body(c, acc):
-            i = c * w + lane
-            key = pltriton.load(cand_ref.at[pl.ds(c * w, w)], mask=i < m, other=KEY_MIN, volatile=True)
-            return acc + jnp.sum(((i < m) & (key >= thr)).astype(jnp.int32))
+            return acc + jnp.sum((cand_chunk(c) >= thr).astype(jnp.int32))
 
-        return lax.fori_loop(0, cdiv(m, w), body, jnp.int32(0))
+        return lax.fori_loop(1, cdiv(m, w), body, jnp.sum((first >= thr).astype(jnp.int32)))
 
     # 3. the k-th key: the largest tau in the bin with count(key >= tau) >= kk, bit by bit
     def bisect(i, tau):
