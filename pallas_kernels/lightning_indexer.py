@@ -35,7 +35,8 @@ above it are taken whole), copies that bin's keys to a scratch row (one pass ove
 key exactly by bisection over the remaining 21 bits on those few keys, then one pass in position order
 writes every position above the threshold key and the first `need` positions equal to it. The [T, S] f32
 scores do go through HBM (4 MB at T = 32, S = 32k: 1/64 of the keys the score kernel reads, and L2-resident
-for the select that follows); what this replaces is lax.top_k's sort of every row.
+for the select that follows); what this replaces is lax.top_k's sort of every row. The select's scratch row
+is as wide as the scores (only the boundary bin's count is written: the whole row when every score ties).
 
 Shapes: T query rows, H indexer heads (H_I), D index head dim (D_I), G page size, S key positions, K top-k.
 """
