@@ -1,7 +1,9 @@
 """Benchmark of DeepSeek-V3.2 sparse attention (DSA) on one GPU, ceilings in the same run.
 
-    JAX_PLATFORMS=cuda,cpu PYTHONPATH=. python3 bench/sparse.py --out DIR     (~4 min on the H200)
+    JAX_PLATFORMS=cuda,cpu PYTHONPATH=. python3 bench/sparse.py --out DIR [--only decode|e2e|threshold]
     PYTHONPATH=. python3 bench/sparse.py --smoke                              (tiny, interpreted, on a CPU)
+
+(each section a few minutes on the H200: one section per 10-minute call, each into its own DIR)
 
 (a) checks the sparse decode kernel against its float32 reference on the GPU cases of
     `pallas_kernels.testing.SPARSE_DECODE_GPU_CASES` (exits 1 on a mismatch), (b) measures the copy/matmul
@@ -13,12 +15,20 @@
   fp8, H800: `frac_flashmla_410`), and the indexer of one layer (`indexer_us`: score kernel + top-k for the
   same rows over the same ctx, 64 heads x 128, index cache in the row's dtype) as a fraction of the sparse
   attention (`indexer_frac`);
-- `indexer`: the indexer alone per (ctx, dtype): `score_us` (Pallas score kernel) and `topk_us` (lax.top_k);
+- `indexer`: the indexer alone per (ctx, dtype): `us` (the backend's top-k: score kernel with its bin
+  histogram + radix-select kernel), `unfused_us` (the path before it: score kernel + `lax.top_k`) and
+  `speedup_vs_unfused`; the parts `score_us` (score kernel alone), `score_hist_us` (with the histogram),
+  `lax_topk_us`, `select_us` per select tuning (scores per step x warps), `score_us_by_tuning` (block_k x
+  warps x key blocks per program; the default 128 x 4 x auto is `score_us`); `exact`: the fused and every select
+  tuning's top-k equal lax.top_k on the same scores at this size (a mismatch is logged and listed in
+  `failures`);
 - `e2e`: decode steps (B = 32, ctx 32k) of a V3.2-shaped model (random bf16 weights, `--layers` layers, the
   first dense, the rest MoE) through `step.jit_step`, sparse vs the same weights run dense (index_topk off);
-- `prefill_threshold`: one prompt of S tokens through the same model shape with the sparse layers forced to
-  masked dense MHA or to token-sparse MQA, per N; `threshold` is the longest S at which MHA was faster (the
-  value for `mla_jax.attention.SPARSE_PREFILL_MHA_MAX_LEN[N]`; 0: MQA won everywhere measured).
+- `prefill_threshold`: one sparse layer (`sparse.mla_paged_sparse`) on one prompt of S tokens (1k..8k), its
+  prefill rows forced to masked dense MHA or to token-sparse MQA, per N; `threshold` is the longest S up to
+  which MHA was faster at every S measured (the value for `mla_jax.attention.SPARSE_PREFILL_MHA_MAX_LEN[N]`;
+  0: MQA won everywhere measured). MHA needing more than --mha-max-logits-gb of f32 logits is not run (mqa).
+  `--only threshold` and `--only e2e` each take a few minutes.
 Writes DIR/sparse-h200.json (rows with `kind`; decode rows carry ctx, N, dtype, topk, us, speedup_vs_dense).
 """
 
@@ -36,7 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mla_jax import attention, model  # noqa: E402
+from mla_jax import attention, model, sparse  # noqa: E402
 from mla_jax.bench import common  # noqa: E402
 from mla_jax.cache import init_kv_cache_for  # noqa: E402
 from mla_jax.config import DEEPSEEK_V32, DeepseekConfig  # noqa: E402
@@ -97,13 +107,57 @@ def bench_decode(args, backend, res, ceilings):
     H_I, D_I = args.index_heads, args.index_dim
     interpret = jax.default_backend() == "cpu"
     # jitted once (a shape seen again, e.g. the sparse decode at every ctx, is not compiled again)
-    score = jax.jit(lambda q, w, c, bt, sl, ks: backend.indexer_topk(q, w, c, bt, sl, scale=D_I**-0.5, k=K, k_scale=ks))
+    fused = jax.jit(lambda q, w, c, bt, sl, ks: backend.indexer_topk(q, w, c, bt, sl, scale=D_I**-0.5, k=K, k_scale=ks))
     logits_fn = jax.jit(
         lambda q, w, c, bt, sl, ks: li.indexer_logits(q, w, c, bt, sl, scale=D_I**-0.5, k_scale=ks, interpret=interpret)
     )
-    topk_fn = jax.jit(lambda x: li.topk_from_logits(x, K))
+    with_hist = jax.jit(
+        lambda q, w, c, bt, sl, ks: li._logits_impl(
+            q,
+            w,
+            c,
+            bt,
+            sl,
+            ks,
+            scale=D_I**-0.5,
+            interpret=interpret,
+            block_k=None,
+            num_warps=None,
+            num_stages=None,
+            histogram=True,
+            width=1024,
+        )
+    )
+    lax_topk = jax.jit(lambda x: li.topk_from_logits(x, K))
+    unfused = jax.jit(lambda *a: li.topk_from_logits(logits_fn(*a), K))  # the path before the select kernel
+    score_tuned = {
+        bw: jax.jit(
+            lambda q, w, c, bt, sl, ks, bw=bw: li.indexer_logits(
+                q,
+                w,
+                c,
+                bt,
+                sl,
+                scale=D_I**-0.5,
+                k_scale=ks,
+                interpret=interpret,
+                block_k=bw[0],
+                num_warps=bw[1],
+                blocks_per_program=bw[2],
+            )
+        )
+        for bw in args.score_tunings
+    }
+    select = {
+        wn: jax.jit(
+            lambda x, h, sl, wn=wn: li._select_impl(x, h, sl, k=K, interpret=interpret, width=wn[0], num_warps=wn[1])
+        )
+        for wn in args.select_tunings
+    }
     dense = jax.jit(lambda q, c, bt, sl, ks: backend.mla_decode(q, c, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L))
-    sparse = jax.jit(lambda q, c, t, ks: backend.sparse_mla_decode(q, c, t, scale=SCALE, kv_scale=ks, kv_lora_rank=L))
+    sparse_fn = jax.jit(
+        lambda q, c, t, ks: backend.sparse_mla_decode(q, c, t, scale=SCALE, kv_scale=ks, kv_lora_rank=L)
+    )
     for dtype in args.dtypes:
         bt_full, cache, ks = pool(jax.random.key(1), B, max_ctx, G, L + R, dtype)
         _, icache, iks = pool(jax.random.key(2), B, max_ctx, G, D_I, dtype)
@@ -113,23 +167,45 @@ def bench_decode(args, backend, res, ceilings):
             bt = bt_full[:, : ctx // G]
             sl = jnp.full((B,), ctx, jnp.int32)
             iargs = [(qi, wi, icache, bt, sl, iks)]
-            idx_us = common.time_fn(score, iargs, iters=args.iters, reps=args.reps)
+            idx_us = common.time_fn(fused, iargs, iters=args.iters, reps=args.reps)
             score_us = common.time_fn(logits_fn, iargs, iters=args.iters, reps=args.reps)
-            lg = logits_fn(*iargs[0])
-            topk_us = common.time_fn(topk_fn, [(lg,)], iters=args.iters, reps=args.reps)
-            del lg
+            score_sweep = {
+                f"{bw[0]}x{bw[1]}w_bpp{bw[2] or 'auto'}": round(
+                    common.time_fn(f, iargs, iters=args.iters, reps=args.reps), 2
+                )
+                for bw, f in score_tuned.items()
+            }
+            hist_us = common.time_fn(with_hist, iargs, iters=args.iters, reps=args.reps)
+            unfused_us = common.time_fn(unfused, iargs, iters=args.iters, reps=args.reps)
+            lg, hist = with_hist(*iargs[0])
+            topk_us = common.time_fn(lax_topk, [(lg,)], iters=args.iters, reps=args.reps)
+            sweep = {
+                f"{wn[0]}x{wn[1]}w": round(common.time_fn(f, [(lg, hist, sl)], iters=args.iters, reps=args.reps), 2)
+                for wn, f in select.items()
+            }
+            # exact on the device at this size: the select kernel == lax.top_k on the same scores
+            want = np.asarray(li.topk_from_logits(lg[:, : bt.shape[1] * G], K))
+            exact = bool((np.asarray(fused(*iargs[0])) == want).all())
+            exact &= all(bool((np.asarray(f(lg, hist, sl))[:, : want.shape[1]] == want).all()) for f in select.values())
+            del lg, hist
             row = dict(kind="indexer", B=B, ctx=ctx, dtype=dtype, topk=K, H_I=H_I, D_I=D_I, us=round(idx_us, 2))
-            row |= dict(score_us=round(score_us, 2), topk_us=round(topk_us, 2))
+            row |= dict(score_us=round(score_us, 2), score_hist_us=round(hist_us, 2), select_us=sweep)
+            row |= dict(score_us_by_tuning=score_sweep)
+            row |= dict(lax_topk_us=round(topk_us, 2), unfused_us=round(unfused_us, 2))
+            row |= dict(speedup_vs_unfused=round(unfused_us / idx_us, 2), exact=exact)
             row["frac_copy"] = round(
                 B * ctx * (D_I * (1 if dtype == "fp8" else 2)) / (score_us * 1e-6) / 1e12 / ceilings["copy_TBps"], 3
             )
             res["rows"].append(row)
             log(row)
+            if not exact:
+                log(f"INDEXER TOP-K NOT EXACT at ctx {ctx} {dtype}")
+                res.setdefault("failures", []).append(f"indexer top-k not exact at ctx {ctx} {dtype}")
             for n in args.heads:
                 q = jax.random.normal(jax.random.key(5), (B, 1, n, L + R), jnp.bfloat16)
                 dense_us = common.time_fn(dense, [(q, cache, bt, sl[:, None], ks)], iters=args.iters, reps=args.reps)
                 tables = [(q, cache, topk_slots(jax.random.key(10 + i), bt, ctx, K, G), ks) for i in range(3)]
-                us = common.time_fn(sparse, tables, iters=args.iters, reps=args.reps)
+                us = common.time_fn(sparse_fn, tables, iters=args.iters, reps=args.reps)
                 tflops = 2 * B * n * K * (L + L + R) / (us * 1e-6) / 1e12
                 row_bytes = (L + R) * (1 if dtype == "fp8" else 2) + (4 if dtype == "fp8" else 0)
                 row = dict(kind="decode", B=B, ctx=ctx, N=n, dtype=dtype, topk=K, page=G, us=round(us, 2))
@@ -217,29 +293,52 @@ def bench_e2e(args, backend_name, res):
 
 
 def bench_threshold(args, backend_name, res):
+    """One sparse layer (`sparse.mla_paged_sparse`: projections, indexer, attention, o_proj) on one prompt of S
+    tokens, with the prefill rows forced to masked dense MHA or to token-sparse MQA. The layer alone (not the
+    model step) keeps the compiles short; MHA over more than MHA_MAX_LOGITS_GB of f32 logits is not run."""
     base = attention.BACKENDS[backend_name]
-    attention.BACKENDS["_mha"] = dataclasses.replace(base, name="_mha", sparse_prefill_mha_max_len=1 << 30)
-    attention.BACKENDS["_mqa"] = dataclasses.replace(base, name="_mqa", sparse_prefill_mha_max_len=0)
+    paths = {
+        "mha": dataclasses.replace(base, name="_mha", sparse_prefill_mha_max_len=1 << 30),
+        "mqa": dataclasses.replace(base, name="_mqa", sparse_prefill_mha_max_len=0),
+    }
     G = args.page
     res["threshold"] = {}
     for n in args.heads:
         cfg = v32_config(args, heads=n, layers=1, dense_mlp=True)
         params = model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
-        best = prev = 0
+        p = model.layer_params(params, cfg, 0)["self_attn"]
+        best, mha_won_so_far = 0, True
         for s in args.prefill_lens:
             reqs = [ScheduledRequest(list(range(1, s + 1)), 0, list(range(1, 1 + s // G)))]
             md = build_metadata(reqs, page_size=G, num_pages=s // G + 1)[0].to_device()
+            rows = sparse.token_rows(md)
+            K = sparse.topk_budget(cfg, md, G)
+            none = np.full((md.shape.num_tokens, K), -1, np.int32)  # (a constant: shared layers read it)
+            x = jax.random.normal(jax.random.key(2), (md.shape.num_tokens, cfg.hidden_size), jnp.bfloat16)
+            cache = random_cache(cfg, s // G + 1, G, jax.random.key(1))
             t = {}
-            for path in ("_mha", "_mqa"):
-                cache = random_cache(cfg, s // G + 1, G, jax.random.key(1))
-                t[path], _ = time_steps(params, cfg, cache, md, path, 2)
-            row = dict(kind="prefill_threshold", N=n, S=s, topk=args.topk, mha_ms=round(t["_mha"] * 1e3, 3))
-            row |= dict(mqa_ms=round(t["_mqa"] * 1e3, 3), faster="mha" if t["_mha"] < t["_mqa"] else "mqa")
+            for path, be in paths.items():
+                if path == "mha" and n * s * s * 4 / 2**30 > args.mha_max_logits_gb:
+                    t[path] = None
+                    continue
+                # weights and metadata as arguments (closed over, they would be constants of the program)
+                fn = jax.jit(
+                    lambda p, x, c, md, rows, be=be: sparse.mla_paged_sparse(
+                        p, cfg, x, md, c, (none, none), jnp.int32(0), be, rows
+                    )[0]
+                )
+                args_ = [(p, x, cache, md, rows)]
+                t[path] = common.time_fn(fn, args_, iters=args.steps, reps=3, warmup=2) / 1e3
+            mha_ms = None if t["mha"] is None else round(t["mha"], 3)
+            faster = "mqa" if t["mha"] is None or t["mqa"] <= t["mha"] else "mha"
+            row = dict(kind="prefill_threshold", N=n, S=s, topk=args.topk, mha_ms=mha_ms, mqa_ms=round(t["mqa"], 3))
+            row |= dict(faster=faster, scope="one sparse layer")
             res["rows"].append(row)
             log(row)
-            if row["faster"] == "mha" and best == prev:  # MHA faster at every S measured so far
+            mha_won_so_far &= faster == "mha"
+            if mha_won_so_far:
                 best = s
-            prev = s
+            del cache
         res["threshold"][str(n)] = best
         log(f"SPARSE_PREFILL_MHA_MAX_LEN[{n}] = {best}")
 
@@ -252,6 +351,7 @@ def main(argv=None):
     ap.add_argument("--only", default="decode,e2e,threshold", help="sections to run")
     ap.add_argument("--layers", type=int, default=2, help="layers of the e2e model (first dense, rest MoE)")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--mha-max-logits-gb", type=float, default=8.0, help="threshold: skip MHA above this")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     if args.smoke:
@@ -266,6 +366,8 @@ def main(argv=None):
         )
         args.l, args.r, args.index_heads, args.index_dim = 64, 16, 4, 32
         args.e2e_ctx, args.prefill_lens, args.iters, args.reps, args.steps, args.layers = 128, (32, 128), 2, 2, 1, 2
+        args.select_tunings = ((16, 4), (32, 4))
+        args.score_tunings = ((32, 4, 1), (32, 4, 2))
     else:
         args.backend = args.backend or attention.default_backend_name()
         args.ctxs, args.heads, args.dtypes, args.topk, args.batch, args.page = (
@@ -277,7 +379,11 @@ def main(argv=None):
             64,
         )
         args.l, args.r, args.index_heads, args.index_dim = 512, 64, 64, 128
-        args.e2e_ctx, args.prefill_lens, args.iters, args.reps, args.steps = 32768, (512, 2048, 4096), 10, 5, 5
+        args.e2e_ctx, args.prefill_lens, args.iters, args.reps, args.steps = 32768, (1024, 2048, 4096, 8192), 10, 5, 5
+        args.select_tunings = ((1024, 4), (2048, 4), (2048, 8), (4096, 8))  # (scores per step, warps)
+        # (block_k, warps, blocks per program; None = the default ~4 programs per SM); the default is 128 x 4 x
+        # None; 128 x 4 x 1 is the layout measured before (one block per program)
+        args.score_tunings = ((128, 4, 1), (64, 4, None), (256, 4, None), (256, 8, None), (128, 4, 4))
     backend = attention.get_backend(args.backend)
     log(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, backend {args.backend}")
     if not args.no_check:

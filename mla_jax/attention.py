@@ -176,7 +176,8 @@ SPARSE_DECODE_TRITON = Kernel("triton", _sparse_decode_triton, _sparse_triton_de
 
 # ---- the lightning indexer's top-k: (q [T, H_I, D_I], weights f32[T, H_I], index_k_cache [pages, G, D_I],
 #      block_table i32[T, max_pages], seq_lens i32[T], *, scale, k, k_scale) -> topk_indices i32[T, min(k, S)]
-#      (the Pallas score kernel, then lax.top_k: exact, ties to the lower position)
+#      (the Pallas score kernel with its bin histogram, then the radix-select kernel: exact, ties to the lower
+#      position, in ascending position order; the reference: lax.top_k on the plain-JAX scores)
 
 
 def _indexer_triton(*args, **kw):

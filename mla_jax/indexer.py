@@ -9,7 +9,8 @@ k_I = k_norm(wk(x)) [T, D_I] per token (a LayerNorm with bias), RoPE on the firs
 for V3.2, interleaved pairs for GLM-MoE-DSA; MLA itself always uses interleaved pairs), and per-head weights
 w = weights_proj(x) * H_I^-0.5 (float32). MLA then attends only to the `index_topk` (K) best-scoring visible
 tokens of each query. Ties go to the lower position (`jax.lax.top_k`); torch's CPU top-k orders ties
-arbitrarily, so the HF fixtures are drawn without ties at the k-th score.
+arbitrarily, so the HF fixtures are drawn without ties at the k-th score. The kept positions come in ascending
+order (the order is irrelevant to attention; HF's mask from them is the same).
 
 The index keys k_I are what the index-key cache stores (`mla_jax.cache`, written at `slot_mapping` like the
 latent rows). DeepSeek's own kernels also Hadamard-rotate q_I and k_I and score in fp8; the rotation is
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from mla_jax.config import DeepseekConfig
 from mla_jax.layers import linear
 from mla_jax.rope import apply_rope, rope_cos_sin
+from pallas_kernels.lightning_indexer import topk_from_logits
 
 LAYERNORM_EPS = 1e-6  # HF's k_norm = nn.LayerNorm(index_head_dim, eps=1e-6)
 
@@ -82,11 +84,9 @@ def index_logits(q: jax.Array, weights: jax.Array, keys: jax.Array, scale: float
 
 def topk_positions(logits: jax.Array, visible: jax.Array, k: int) -> jax.Array:
     """logits f32[T, S], visible bool[T, S] -> topk_indices i32[T, min(k, S)]: the best visible positions of
-    each row, best first, lower position first on ties; -1 where a row sees fewer than k tokens."""
-    k = min(k, logits.shape[-1])
-    masked = jnp.where(visible, logits, -jnp.inf)
-    vals, idx = jax.lax.top_k(masked, k)
-    return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+    each row, the lower position on ties, in ascending position order, -1 after them where a row sees fewer
+    than k tokens (the top-k contract of `pallas_kernels.lightning_indexer`, whose reference this is)."""
+    return topk_from_logits(jnp.where(visible, logits, -jnp.inf), k)
 
 
 def topk_mask(topk_indices: jax.Array, num_keys: int) -> jax.Array:

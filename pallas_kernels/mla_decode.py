@@ -92,6 +92,33 @@ def _default_tuning(m_rows, l, r, cache_dtype, compute_dtype, block_h, block_kv,
     return block_h, block_kv, num_warps, num_stages, fp8_mode
 
 
+def softmax_init(rows: int, l: int):
+    """(acc f32[rows, L], m f32[rows], l f32[rows]): the online softmax's start (finite M_INIT, see util)."""
+    return jnp.zeros((rows, l), jnp.float32), jnp.full((rows,), M_INIT, jnp.float32), jnp.zeros((rows,), jnp.float32)
+
+
+def softmax_block(acc, m_prev, l_prev, s, v, p_scale, compute_dtype):
+    """One key block of the online softmax in exp2 (the decode kernels' shared body): s f32[rows, bkv] logits
+    in log2 units (-inf = masked), v [bkv, L] values in compute_dtype, p_scale f32[bkv] or None (an fp8 row's
+    per-token scale, folded into p so that V = row * scale) -> (acc, m, l) updated."""
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m_prev - m_next)
+    p = jnp.exp2(s - m_next[:, None])
+    l_next = l_prev * alpha + jnp.sum(p, axis=1)
+    if p_scale is not None:
+        p = p * p_scale[None, :]
+    pv = jnp.dot(p.astype(compute_dtype), v, preferred_element_type=jnp.float32)  # [rows, L]
+    return acc * alpha[:, None] + pv, m_next, l_next
+
+
+def softmax_write(acc, m_i, l_i, o_ref, lse_ref) -> None:
+    """Normalized output and natural-log LSE of an online softmax; rows that saw no key: 0 and -inf."""
+    has = l_i > 0
+    inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+    o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
+
+
 def _stage1_kernel(
     q_ref,  # [block_h, L+R]
     kv_ref,  # [num_pages*G, L+R] (whole pool; rows gathered via the block table)
@@ -158,24 +185,10 @@ def _stage1_kernel(
             s = qk * qk_scale
         valid = tok[None, :] < lens[:, None]  # [bh, bkv]: per-row (causal) length
         s = jnp.where(valid, s, -jnp.inf)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m_prev - m_next)
-        p = jnp.exp2(s - m_next[:, None])
-        l_next = l_prev * alpha + jnp.sum(p, axis=1)
-        if scale_logits:
-            p = p * ks[None, :]  # V = fp8 row * scale: fold the scale into p
-        pv = jnp.dot(p.astype(compute_dtype), k_nope, preferred_element_type=jnp.float32)  # [bh, L]
-        return acc * alpha[:, None] + pv, m_next, l_next
+        return softmax_block(acc, m_prev, l_prev, s, k_nope, ks if scale_logits else None, compute_dtype)
 
-    acc = jnp.zeros((block_h, l), jnp.float32)
-    m_i = jnp.full((block_h,), M_INIT, jnp.float32)
-    l_i = jnp.zeros((block_h,), jnp.float32)
-    acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
-
-    has = l_i > 0
-    inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
-    o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
+    acc, m_i, l_i = lax.fori_loop(0, n_steps, body, softmax_init(block_h, l))
+    softmax_write(acc, m_i, l_i, o_ref, lse_ref)
 
 
 def merge_splits_reference(o_part, lse_part):

@@ -32,8 +32,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.mla_decode import _default_tuning, choose_num_kv_splits, merge_splits
-from pallas_kernels.util import CACHE_DTYPES, FLOAT_DTYPES, FP8, LN2, LOG2E, M_INIT, cdiv, is_pow2, num_sms
+from pallas_kernels.mla_decode import (
+    _default_tuning,
+    choose_num_kv_splits,
+    merge_splits,
+    softmax_block,
+    softmax_init,
+    softmax_write,
+)
+from pallas_kernels.util import CACHE_DTYPES, FLOAT_DTYPES, FP8, LOG2E, cdiv, is_pow2, num_sms
 
 
 def validate_sparse_decode(q, kv_cache, topk_slots, kv_scale, kv_lora_rank: int, *, for_kernel: bool = False) -> None:
@@ -134,24 +141,10 @@ def _sparse_kernel(
         else:
             s = qk * qk_scale
         s = jnp.where(ok[None, :], s, -jnp.inf)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m_prev - m_next)
-        p = jnp.exp2(s - m_next[:, None])
-        l_next = l_prev * alpha + jnp.sum(p, axis=1)
-        if fp8:
-            p = p * ks[None, :]  # V = fp8 row * scale: fold the scale into p
-        pv = jnp.dot(p.astype(compute_dtype), k_nope, preferred_element_type=jnp.float32)  # [bh, L]
-        return acc * alpha[:, None] + pv, m_next, l_next
+        return softmax_block(acc, m_prev, l_prev, s, k_nope, ks if fp8 else None, compute_dtype)
 
-    acc = jnp.zeros((block_h, l), jnp.float32)
-    m_i = jnp.full((block_h,), M_INIT, jnp.float32)
-    l_i = jnp.zeros((block_h,), jnp.float32)
-    acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
-
-    has = l_i > 0
-    inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
-    o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
+    acc, m_i, l_i = lax.fori_loop(0, n_steps, body, softmax_init(block_h, l))
+    softmax_write(acc, m_i, l_i, o_ref, lse_ref)
 
 
 @functools.partial(
