@@ -293,10 +293,11 @@ def test_outputs_identical_with_and_without_prefix_caching(tiny):
     assert [[o.token_ids for o in w] for w in on] == [[o.token_ids for o in w] for w in off]
     s = eng.scheduler
     assert 0 < s.prefix_cache_hits < s.prefix_cache_queries
-    # hits are whole pages, leave the last prompt token to compute; the second wave repeats the first
+    # hits are whole pages and leave the last token to compute (of the prompt, or after a preemption of the prompt
+    # and outputs so far); the second wave repeats the first
     for w, wave in zip(on, waves):
         assert all(
-            o.num_cached_tokens % 16 == 0 and o.num_cached_tokens <= 16 * ((len(p) - 1) // 16)
+            o.num_cached_tokens % 16 == 0 and o.num_cached_tokens <= 16 * ((len(p) + len(o.token_ids) - 1) // 16)
             for o, (p, _) in zip(w, wave)
         )
     assert sum(o.num_cached_tokens for o in on[1]) > sum(o.num_cached_tokens for o in on[0])
@@ -339,19 +340,19 @@ def test_no_page_written_while_shared_or_cached_with_preemption(tiny):
     waves = [wave, wave[::2]]
     off = _run_waves(Engine(params, cfg, EngineConfig(**CONFIG)), waves)
     eng = Engine(params, cfg, EngineConfig(**CONFIG, enable_prefix_caching=True))
-    run = eng._run
+    run = eng._dispatch
     written = []
 
-    def checked_run(md, sampling):
+    def checked_run(md, sampling, prev_index=None):
         slots = np.asarray(md.slot_mapping)
         pages = set((slots[slots >= 0] // eng.config.page_size).tolist())
         for p in pages:
             assert eng.pool.ref_count(p) == 1, f"step writes page {p} held by {eng.pool.ref_count(p)} requests"
             assert eng.pool.page_hash(p) is None, f"step writes cached page {p}"
         written.append(len(pages))
-        return run(md, sampling)
+        return run(md, sampling, prev_index)
 
-    eng._run = checked_run
+    eng._dispatch = checked_run
     on = _run_waves(eng, waves)
     assert [[o.token_ids for o in w] for w in on] == [[o.token_ids for o in w] for w in off]
     assert eng.scheduler.num_preemptions > 0 and eng.pool.num_evictions > 0 and eng.scheduler.prefix_cache_hits > 0
