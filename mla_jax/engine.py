@@ -433,11 +433,17 @@ class Engine:
         return tuple(np.asarray(x) for x in out)
 
     def warmup(
-        self, prefill: bool = True, top_logprobs: bool = False, all_shapes: bool = False, log: TextIO | None = None
+        self,
+        prefill: bool = True,
+        top_logprobs: bool = False,
+        all_shapes: bool = False,
+        filtered: bool = False,
+        log: TextIO | None = None,
     ) -> float:
         """Compiles every decode bucket (and, with `prefill`, the largest prefill bucket; with `all_shapes`, every
-        prefill bucket alone and with every decode bucket, so that no step compiles later; with `top_logprobs`,
-        the variants of these shapes that return top logprobs too); returns seconds. `log` gets a line per
+        prefill bucket alone and with every decode bucket, and every variant below, so that no step compiles
+        later; with `top_logprobs`, the variants of these shapes that return top logprobs too; with `filtered`,
+        those that sort the vocabulary for top-k / top-p sampling); returns seconds. `log` gets a line per
         compiled shape with its time (the CLI passes stderr on a terminal)."""
         t0 = time.perf_counter()
         c = self.config
@@ -446,22 +452,26 @@ class Engine:
             shapes += [self.batch_shape(nd, tp) for tp in c.prefill_buckets for nd in (0,) + c.decode_buckets]
         elif prefill:
             shapes.append(self.batch_shape(0, c.token_budget))
+        tops = (False, True) if top_logprobs or all_shapes else (False,)
+        filters = (False, True) if filtered or all_shapes else (False,)
+        if self.spec_k:  # speculative engines refuse top-logprob requests: no such variant
+            tops = (False,)
+        variants = [(top, filt) for top in tops for filt in filters]
         for k, shape in enumerate(shapes):
-            for top in (False, True) if top_logprobs else (False,):
+            for top, filt in variants:
                 t1 = time.perf_counter()
-                self._run_empty(shape, top)
+                self._run_empty(shape, top, filt)
                 if log is not None:
                     what = f"{shape.num_decodes} decode rows" if shape.num_decodes else ""
                     if shape.num_prefill_tokens:
                         what += (" + " if what else "") + f"{shape.num_prefill_tokens} prefill tokens"
-                    log.write(
-                        f"compiled step {k + 1}/{len(shapes)} ({what}{', top logprobs' if top else ''}): "
-                        f"{time.perf_counter() - t1:.2f} s\n"
-                    )
+                    what += ", top logprobs" if top else ""
+                    what += ", top-k/top-p" if filt else ""
+                    log.write(f"compiled step {k + 1}/{len(shapes)} ({what}): {time.perf_counter() - t1:.2f} s\n")
                     log.flush()
         return time.perf_counter() - t0
 
-    def _run_empty(self, shape: BatchShape, top_logprobs: bool = False) -> None:
+    def _run_empty(self, shape: BatchShape, top_logprobs: bool = False, filtered: bool = False) -> None:
         """A step of padding rows only: writes nothing, reads nothing, compiles the shape."""
         z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
         md = AttentionMetadata(
@@ -480,11 +490,10 @@ class Engine:
             ),
             shape=shape,
         )
-        sp = [SamplingParams(top_logprobs=1)] if top_logprobs else []
-        sampling = SamplingArrays.build(sp, [0] * len(sp), shape.num_logits)
+        sp = SamplingParams(top_logprobs=int(top_logprobs), temperature=float(filtered), top_p=0.5 if filtered else 1)
+        sampling = SamplingArrays.build([sp], [0], shape.num_logits)  # row 0 selects the variant; writes nothing
         if self.spec_k:
-            if not top_logprobs:  # no top-logprob variant: speculative engines refuse such requests
-                self._run_spec(md, sampling, spec_decode.SpecArrays.empty(shape))
+            self._run_spec(md, sampling, spec_decode.SpecArrays.empty(shape))
             return
         jax.block_until_ready(self._run(md, sampling))
 

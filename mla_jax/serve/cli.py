@@ -141,7 +141,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("none", "basic", "full"),
         default="basic",
         help="compile before serving: basic (default) every decode bucket and the largest prefill "
-        "bucket; full every step shape (nothing compiles while serving); none",
+        "bucket (with and without top-k/top-p when generation_config.json's defaults filter); full every step "
+        "shape and sampling variant (nothing compiles while serving); none",
     )
     e.add_argument(
         "--warmup-logprobs", action="store_true", help="also compile the top-logprobs variants of the warm-up shapes"
@@ -239,8 +240,13 @@ def run(args: argparse.Namespace) -> int:
         f"{c.page_size}, cache {c.cache_dtype}, backend {c.backend}, prefix caching "
         f"{'on' if c.enable_prefix_caching else 'off'}{', mesh ' + plan.describe() if plan else ''}"
     )
+    defaults = GenerationDefaults.from_dir(args.model)
     if args.warmup != "none":
-        s = engine.warmup(prefill=True, top_logprobs=args.warmup_logprobs, all_shapes=args.warmup == "full")
+        # the top-k/top-p variants too when the checkpoint's sampling defaults filter (most requests will)
+        filtered = defaults.temperature > 0 and (defaults.top_p < 1 or defaults.top_k > 0)
+        s = engine.warmup(
+            prefill=True, top_logprobs=args.warmup_logprobs, all_shapes=args.warmup == "full", filtered=filtered
+        )
         _log(f"compiled the step shapes ({args.warmup}) in {s:.1f} s")
 
     import uvicorn
@@ -258,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         tok,
         model_name=name,
         max_model_len=c.max_model_len,
-        defaults=GenerationDefaults.from_dir(args.model),
+        defaults=defaults,
         metrics=metrics,
         root=os.path.abspath(args.model),
     )

@@ -256,3 +256,27 @@ def test_async_scheduling_same_outputs_and_overlapped(tiny, monkeypatch):
     assert reads_sync == list(range(1, len(reads_sync) + 1))  # sync: step k's ids read before step k+1 launches
     # async: step k's ids are read once step k+1 is launched (except when nothing was left to launch)
     assert sum(n == k + 2 for k, n in enumerate(reads_async)) >= len(reads_async) - 3
+
+
+def test_full_warmup_leaves_nothing_to_compile(tiny):
+    """warmup(all_shapes=True) compiles every step a workload can need: mixed prefill + decode steps, top-k /
+    top-p sampling (which sorts the vocabulary: its own variant) and top logprobs."""
+    cfg, params = tiny
+    eng = Engine(
+        params, cfg, EngineConfig(**{**SMALL, "max_num_seqs": 4, "decode_buckets": (4,), "prefill_buckets": (64,)})
+    )
+    eng.warmup(all_shapes=True)
+    before = eng.counter.count
+    rng = np.random.default_rng(3)
+    sps = [
+        SamplingParams(max_new_tokens=5),
+        SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(max_new_tokens=4, temperature=1.0, top_k=5, seed=2, top_logprobs=2),
+        SamplingParams(max_new_tokens=7, temperature=0.5, seed=3),
+    ]
+    for i, sp in enumerate(sps * 2):
+        eng.add_request(rng.integers(0, cfg.vocab_size, int(rng.integers(1, 30))).tolist(), sp)
+        if i % 3 == 0:
+            eng.step()  # requests join while others decode: mixed steps
+    eng.run()
+    assert eng.counter.count == before, f"{eng.counter.count - before} steps compiled after the full warm-up"
