@@ -190,6 +190,7 @@ def run_schedule_parallel(
     fill=float("nan"),
     return_state=False,
     compiler_options=FAST_COMPILE,
+    gmm_impl="ragged_dot",
 ):
     """Teacher-forced run through the paged cache (`mla_jax.step.jit_step`) on `plan`'s mesh (None: one device),
     with the virtual page size page_size * dcp and one static shape. Under DP request r runs on rank r % dp, from
@@ -254,11 +255,13 @@ def run_schedule_parallel(
             orders.append(order)
             parts.append(part)
         if plan is None:
-            logits, cache = jit_step(params, cfg, cache, mds[0].to_device(), backend=backend)
+            logits, cache = jit_step(params, cfg, cache, mds[0].to_device(), backend=backend, gmm_impl=gmm_impl)
             logits = np.asarray(logits)
         else:
             md = mds[0] if dp == 1 else parallel.stack_metadata(mds)
-            logits, cache = jit_step(params, cfg, cache, plan.put_metadata(md), plan=plan, backend=backend)
+            logits, cache = jit_step(
+                params, cfg, cache, plan.put_metadata(md), plan=plan, backend=backend, gmm_impl=gmm_impl
+            )
             logits = parallel.to_host(logits)
         logits = logits.reshape(dp, shape.num_logits, -1)  # DP: rank-major rows
         for rank in range(dp):
