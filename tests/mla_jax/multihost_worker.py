@@ -280,6 +280,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dcp", type=int, default=2)
     ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.local_devices}"
@@ -305,7 +306,7 @@ def main(argv=None) -> None:
     # different processes, so the DCP all-gathers / reduce-scatters and every all-reduce cross the process boundary.
     per_process = [[d for d in jax.devices() if d.process_index == i] for i in range(args.num_processes)]
     devices = [d for group in zip(*per_process) for d in group]
-    plan = parallel.ParallelPlan(parallel.make_mesh(tp=args.tp, dcp=args.dcp, ep=args.ep, devices=devices))
+    plan = parallel.ParallelPlan(parallel.make_mesh(tp=args.tp, dcp=args.dcp, ep=args.ep, dp=args.dp, devices=devices))
     out = run_schedule_parallel(params, cfg, sequences(cfg), SCHEDULE, plan=plan)
     gen_params = random_params(cfg, 1, std=0.3)
     step.engine_step = fast_engine_step()
