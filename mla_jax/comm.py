@@ -83,7 +83,8 @@ class Comm:
     # copies routed to its experts), and it moves no more bytes: each rank receives (dp-1)*T rows of D in the
     # all-gather, where an all-to-all of the T*K routed copies receives about T*K*(dp-1)/dp, the same or more for
     # DeepSeek's K = 6 or 8 at dp <= 8; the reduce-scatter returns as many. Its costs are the router and the sort
-    # over dp*T tokens on every device (small next to the expert GEMMs) and a [dp*T*K, D] GEMM input buffer.
+    # over dp*T tokens on every device (small next to the expert GEMMs) and a [dp*T*K, D] GEMM input buffer, whose
+    # rows routed elsewhere sort past the local groups (the Pallas grouped GEMM skips them, storing zeros).
     def dispatch_tokens(self, x: jax.Array) -> jax.Array:
         """MoE input x [T, D] of this DP rank -> [dp*T, D], every rank's tokens (rank-major)."""
         return jax.lax.all_gather(x, "dp", axis=0, tiled=True) if self.dp > 1 else x
