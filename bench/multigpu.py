@@ -56,7 +56,7 @@ from mla_jax.engine import default_gmm_impl  # noqa: E402
 from mla_jax.metadata import BatchShape, ScheduledRequest, build_metadata  # noqa: E402
 from mla_jax.parallel import stack_metadata  # noqa: E402
 from mla_jax.sampling import SamplingArrays  # noqa: E402
-from mla_jax.step import engine_step  # noqa: E402
+from mla_jax.step import engine_step, step_batch  # noqa: E402
 from pallas_kernels.util import cdiv  # noqa: E402
 
 RESULT_FILE = "multigpu-h200.json"
@@ -126,13 +126,13 @@ def run_row(*, params, cfg, plan, batch, ctx, page, backend, gmm, steps, reps, c
         shape=BatchShape(num_decodes=local, decode_query_len=1, max_pages=pages_per_req),
     )
     sp = SamplingArrays.build([], [], md.shape.num_logits * dp)
-    if plan is None:
-        md, sp = md.to_device(), jax.tree.map(jnp.asarray, sp)
-    else:  # DP: every rank the same layout of its own pool
-        md, sp = plan.put_metadata(md if dp == 1 else stack_metadata([md] * dp)), plan.replicate(sp)
+    if dp > 1:  # every rank the same layout of its own pool
+        md = stack_metadata([md] * dp)
+    inputs = step_batch(md, sp)  # (not `batch`: the request count is used below)
+    inputs = jax.device_put(inputs) if plan is None else plan.replicate(inputs)
 
     def step(cache):
-        t, _, cache = engine_step(params, cfg, cache, md, sp, plan=plan, backend=backend, gmm_impl=gmm)
+        t, _, cache, _ = engine_step(params, cfg, cache, inputs, plan=plan, backend=backend, gmm_impl=gmm)
         return t, cache
 
     t0 = time.perf_counter()

@@ -35,7 +35,7 @@ from mla_jax.engine import Engine, EngineConfig, default_gmm_impl
 from mla_jax.metadata import ScheduledRequest, build_metadata
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.spec_decode import SpecArrays, spec_step
-from mla_jax.step import engine_step
+from mla_jax.step import engine_step, step_batch
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mla_jax", "data", "demo")
 PROMPTS = [
@@ -96,11 +96,11 @@ def verify_rows(args, res) -> dict:
                 md, _ = build_metadata(reqs, page_size=G, num_pages=num_pages, reorder_batch_threshold=q)
                 return md
 
-            md = md_for(1).to_device()
-            sp = jax.tree.map(jnp.asarray, SamplingArrays.build([], [], md.shape.num_logits))
+            md = md_for(1)
+            batch = jax.device_put(step_batch(md, SamplingArrays.build([], [], md.shape.num_logits)))
 
-            def plain(c, md=md, sp=sp):
-                t, _, c = engine_step(params, cfg, c, md, sp, backend=be, gmm_impl=gmm)
+            def plain(c, batch=batch):
+                t, _, c, _ = engine_step(params, cfg, c, batch, backend=be, gmm_impl=gmm)
                 return t, c
 
             t_plain, cache = _time(plain, cache, args.iters)

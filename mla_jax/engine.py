@@ -35,7 +35,7 @@ from mla_jax.model import Params
 from mla_jax.mtp import has_mtp
 from mla_jax.parallel import ParallelPlan, stack_metadata, to_host
 from mla_jax.sampling import SamplingArrays, SamplingParams
-from mla_jax.scheduler import DPScheduler, Request, Scheduler, Status
+from mla_jax.scheduler import PENDING, DPScheduler, Request, Scheduler, Status
 from pallas_kernels.util import cdiv
 
 
@@ -85,6 +85,11 @@ class EngineConfig:
     # query rows per request. 0 / None: off.
     num_speculative_tokens: int = 0
     speculative_method: str | None = None
+    # Schedule and send step n+1 while step n runs on the device: decode rows read their input id from step
+    # n's sampled ids on the device, and step n's outputs are processed after step n+1 is launched (so `step()`
+    # returns each step's outputs one call later). A request that stops on a stop token costs one discarded
+    # row. Speculative decoding (whose accepted lengths the next step depends on) always runs synchronously.
+    async_scheduling: bool = True
 
     def __post_init__(self):
         """Each field checked on its own, so a bad value is a ValueError naming that field (not a
@@ -115,7 +120,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.backend must be one of {tuple(attention.BACKENDS)}, got {self.backend!r}")
         if self.gmm_impl is not None and self.gmm_impl not in GMM_IMPLS:
             raise ValueError(f"EngineConfig.gmm_impl must be one of {GMM_IMPLS}, got {self.gmm_impl!r}")
-        for name in ("batch_invariant", "enable_prefix_caching"):
+        for name in ("batch_invariant", "enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -229,6 +234,20 @@ def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, cfg: D
     return prompt
 
 
+@dataclasses.dataclass
+class _Launched:
+    """A step in flight: its chunks, and either the device arrays of its sampled ids and logprobs with, per
+    chunk that samples, (logit row, index of its pending output, preemptions at launch); or (speculative
+    steps, which complete at launch) the per-chunk outputs."""
+
+    chunks: list
+    sampled: list[bool]  # per chunk: it sampled (ended at its request's last token at launch)
+    tokens: jax.Array | None = None
+    logprobs: jax.Array | None = None
+    samples: list | None = None
+    produced: list | None = None
+
+
 class Engine:
     """Continuous batching over the paged cache, on one device or, with `plan`, on a mesh.
 
@@ -285,6 +304,13 @@ class Engine:
         self.workspace_rows = default_workspace_rows(c.max_model_len, c.max_prefills, c.page_size)
         chunk_min = (self.workspace_rows // c.max_prefills) // c.page_size * c.page_size
         self.max_chunks = cdiv(c.max_model_len, chunk_min)
+        self.async_scheduling = c.async_scheduling and not self.spec_k
+        # The last step's sampled ids on the device, padded to the most logit rows a step has (fixed shape).
+        buf = np.zeros(self.batch_shape(max(c.decode_buckets), 1).num_logits * self.dp, np.int32)  # DP: rank-major
+        self.token_buffer = jax.device_put(buf) if plan is None else plan.replicate(buf)
+        self._inflight: _Launched | None = None  # async: the launched step whose outputs are not processed yet
+        self._pending_rows: dict[Hashable, int] = {}  # request -> logit row of its pending id in the last step
+        self.device_wait_s = 0.0  # time step() spent blocked on sampled ids (the rest of its time is host work)
         self._ids = 0
         self.counter = compile_counter()
         self.steps = 0
@@ -352,7 +378,7 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     # ---- shapes ------------------------------------------------------------------------------------
     def _bucket(self, n: int, buckets: tuple[int, ...]) -> int:
@@ -371,23 +397,31 @@ class Engine:
             max_chunks=self.max_chunks if has_prefill else 0,
         )
 
-    def _run(self, md: AttentionMetadata, sampling: SamplingArrays) -> tuple[np.ndarray, np.ndarray]:
-        """One jitted step: (sampled tokens, their logprobs) on the host."""
-        if self.plan is None:
-            md, sampling = md.to_device(), jax.tree.map(jnp.asarray, sampling)
-        else:
-            md, sampling = self.plan.put_metadata(md), self.plan.replicate(sampling)
-        tokens, logprobs, self.cache = step_lib.engine_step(
+    def _dispatch(self, md: AttentionMetadata, sampling: SamplingArrays, prev_index: np.ndarray | None = None):
+        """Launches one jitted step (asynchronously) and starts copying its sampled ids and logprobs to the host;
+        returns them as device arrays. The host inputs go as one buffer (one transfer); rows with `prev_index`
+        >= 0 take their input id from the previous step's ids on the device (`step.engine_step`)."""
+        batch = step_lib.step_batch(md, sampling, prev_index)
+        batch = jax.device_put(batch) if self.plan is None else self.plan.replicate(batch)
+        tokens, logprobs, self.cache, self.token_buffer = step_lib.engine_step(
             self.params,
             self.cfg,
             self.cache,
-            md,
-            sampling,
+            batch,
+            self.token_buffer,
             backend=self.config.backend,
             plan=self.plan,
             batch_invariant=self.config.batch_invariant,
             gmm_impl=self.config.gmm_impl,
         )
+        for x in (tokens, logprobs):
+            if x.is_fully_addressable:
+                x.copy_to_host_async()
+        return tokens, logprobs
+
+    def _run(self, md: AttentionMetadata, sampling: SamplingArrays) -> tuple[np.ndarray, np.ndarray]:
+        """One step, synchronously: (sampled tokens, their logprobs) on the host."""
+        tokens, logprobs = self._dispatch(md, sampling)
         return to_host(tokens), to_host(logprobs)
 
     def _run_spec(self, md: AttentionMetadata, sampling: SamplingArrays, spec: spec_decode.SpecArrays):
@@ -453,63 +487,38 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches a step; returns the outputs of the last step whose sampled ids are known: this
+        one (synchronous), or the one launched by the previous call (`EngineConfig.async_scheduling`)."""
+        launched = self._launch()
+        if launched is None and self._inflight is None and self.scheduler.has_unfinished:
+            raise RuntimeError("scheduler made no progress (a request cannot fit in the page pool)")
+        if not self.async_scheduling:
+            return self._complete(launched) if launched is not None else []
+        done, self._inflight = self._inflight, launched
+        return self._complete(done) if done is not None else []
+
+    def _launch(self) -> "_Launched | None":
+        """Schedule, build the metadata and launch the step (speculative steps also wait for it)."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            if self.scheduler.has_unfinished:
-                raise RuntimeError("scheduler made no progress (a request cannot fit in the page pool)")
-            return []
+            return None
         pool_of = self.scheduler.pool_of
         reqs = [ScheduledRequest(c.token_ids, c.start, pool_of(c.request).pages(c.request.request_id)) for c in chunks]
         # A decode is a request's last token (plus its drafts); anything else is a prefill chunk.
         is_decode = [c.num_tokens - c.num_drafts == 1 for c in chunks]
-        if self.dp > 1:
-            md, rows = self._dp_metadata(chunks, reqs, is_decode)
-            produced = self._plain_outputs(chunks, md, rows)
-        else:
-            nd = sum(is_decode)
-            tp = sum(c.num_tokens for c, d in zip(chunks, is_decode) if not d)
-            md, order = self._build(reqs, self.batch_shape(nd, tp), is_decode)
-            if self.spec_k:
-                produced = self._spec_outputs(chunks, md, order, nd)
-            else:
-                produced = self._plain_outputs(chunks, md, self._logit_rows(order, nd, md.shape))
         self.num_computed_tokens += sum(c.num_tokens for c in chunks)
         self.steps += 1
-        outs = []
-        for c, (toks, lps, tops) in zip(chunks, produced):
-            r = c.request
-            accepted = max(0, len(toks) - 1)
-            r.num_computed_tokens = c.start + c.num_tokens - c.num_drafts + accepted
-            if c.num_drafts:
-                r.num_draft_tokens += c.num_drafts
-                r.num_accepted_tokens += accepted
-                self.num_draft_tokens += c.num_drafts
-                self.num_accepted_tokens += accepted
-                if c.num_drafts == self.spec_k:
-                    self.num_verify_steps += 1
-                    self.num_verify_accepted += accepted
-            if self.spec_k:  # roll back the rows of rejected drafts
-                self.pool.truncate(r.request_id, r.num_computed_tokens)
-            self.scheduler.cache_computed(r)
-            if not c.samples:
-                continue
-            reason, new = None, []
-            for i, tok in enumerate(toks):
-                new.append(tok)
-                r.output_token_ids.append(tok)
-                r.output_logprobs.append(lps[i])
-                if tops is not None:
-                    r.output_top_logprobs.append(tops)
-                if tok in r.params.stop_token_ids:
-                    reason = "stop"
-                elif len(r.output_token_ids) >= r.params.max_new_tokens:
-                    reason = "length"
-                if reason:
-                    break
-            if reason:
-                self.scheduler.finish(r, reason)
-            outs.append(self._output(r, new))
-        return outs
+        if self.dp > 1:
+            md, rows = self._dp_metadata(chunks, reqs, is_decode)
+            return self._launch_plain(chunks, md, rows)
+        nd = sum(is_decode)
+        tp = sum(c.num_tokens for c, d in zip(chunks, is_decode) if not d)
+        md, order = self._build(reqs, self.batch_shape(nd, tp), is_decode)
+        if self.spec_k:
+            sampled = [c.samples for c in chunks]
+            return _Launched(chunks, sampled, produced=self._spec_outputs(chunks, md, order, nd))
+        return self._launch_plain(chunks, md, self._logit_rows(order, nd, md.shape))
+        return self._launch_plain(chunks, md, self._logit_rows(order, nd, md.shape))
 
     def _build(self, reqs, shape: BatchShape, is_decode) -> tuple[AttentionMetadata, list[int]]:
         """One rank's (or the one device's) metadata of `shape` and the order of `reqs` in it."""
@@ -518,14 +527,19 @@ class Engine:
         return build_metadata(reqs, shape=shape, is_decode=is_decode, **kw)
 
     @staticmethod
-    def _logit_rows(order, nd, shape: BatchShape, base: int = 0) -> list[tuple[int, int]]:
-        """(chunk index, logit row) of each chunk in `order`: decode b -> row b; prefill s -> row Td + s."""
-        return [(oi, base + (k if k < nd else shape.num_decode_tokens + (k - nd))) for k, oi in enumerate(order)]
+    def _logit_rows(order, nd, shape: BatchShape, rank: int = 0) -> list[tuple[int, int, int]]:
+        """(chunk index, logit row, token row of a decode or -1) of each chunk in `order`: decode b -> logit and
+        token row b; prefill s -> logit row Td + s. Under DP rows are rank-major: rank r's start at r *
+        num_logits (logits) and r * num_tokens (the flattened [dp, T] token rows)."""
+        lo, to = rank * shape.num_logits, rank * shape.num_tokens
+        return [
+            (oi, lo + k, to + k) if k < nd else (oi, lo + shape.num_decode_tokens + (k - nd), -1)
+            for k, oi in enumerate(order)
+        ]
 
-    def _dp_metadata(self, chunks, reqs, is_decode) -> tuple[AttentionMetadata, list[tuple[int, int]]]:
+    def _dp_metadata(self, chunks, reqs, is_decode) -> tuple[AttentionMetadata, list[tuple[int, int, int]]]:
         """DP: every rank's metadata in the one BatchShape of the largest rank share (a rank without chunks gets
-        `empty_metadata`), stacked on a leading [dp] axis; and (chunk index, row of the rank-major
-        [dp * num_logits] logits) of each chunk."""
+        `empty_metadata`), stacked on a leading [dp] axis; and `_logit_rows` of each chunk (rank-major)."""
         ranks = [[i for i, ch in enumerate(chunks) if ch.request.dp_rank == r] for r in range(self.dp)]
         nd = max(sum(is_decode[i] for i in idx) for idx in ranks)
         tp = max(sum(chunks[i].num_tokens for i in idx if not is_decode[i]) for idx in ranks)
@@ -538,29 +552,106 @@ class Engine:
             md, order = self._build([reqs[i] for i in idx], shape, [is_decode[i] for i in idx])
             mds.append(md)
             n = sum(is_decode[i] for i in idx)
-            rows += [(idx[oi], row) for oi, row in self._logit_rows(order, n, shape, r * shape.num_logits)]
+            rows += [(idx[oi], row, tok) for oi, row, tok in self._logit_rows(order, n, shape, r)]
         return stack_metadata(mds), rows
 
-    def _plain_outputs(self, chunks, md, rows):
-        """A step without speculation: per chunk ([sampled token] or [], logprobs, top logprobs or None).
-        `rows`: (chunk index, logit row) of each scheduled chunk."""
-        n = md.shape.num_logits * self.dp
+    def _launch_plain(self, chunks, md, rows) -> "_Launched":
+        """Launches a step without speculation. Each chunk's rows count as computed from now on, and a chunk that
+        samples gets a pending output (`PENDING`, filled in by `_complete`), so the next schedule sees it.
+        `rows`: `_logit_rows` of the chunks."""
+        shape = md.shape
+        n = shape.num_logits * self.dp
         sp: list[SamplingParams | None] = [None] * n
         pos = [0] * n
-        for oi, row in rows:
+        prev_index = np.full(shape.num_tokens * self.dp, -1, np.int32)
+        for oi, row, tok in rows:
             c = chunks[oi]
+            r = c.request
+            if tok >= 0 and r.num_pending:  # its input is the last step's sampled id, still on the device
+                prev_index[tok] = self._pending_rows[r.request_id]
             if c.samples:
-                sp[row] = c.request.params
-                pos[row] = c.request.num_tokens  # position of the token being sampled
-        tokens, logprobs = self._run(md, SamplingArrays.build(sp, pos, n))
+                sp[row] = r.params
+                pos[row] = r.num_tokens  # position of the token being sampled
+        prev_index = prev_index.reshape(np.shape(md.input_ids))  # DP: [dp, T]
+        tokens, logprobs = self._dispatch(md, SamplingArrays.build(sp, pos, n), prev_index)
+        samples = [None] * len(chunks)  # per chunk: (logit row, index of its pending output, preemptions)
+        self._pending_rows = {}
+        for oi, row, _ in rows:
+            c = chunks[oi]
+            r = c.request
+            r.num_computed_tokens = c.start + c.num_tokens
+            if c.samples:
+                samples[oi] = (row, len(r.output_token_ids), r.num_preemptions)
+                r.output_token_ids.append(PENDING)
+                r.num_pending += 1
+                self._pending_rows[r.request_id] = row
+        sampled = [x is not None for x in samples]
+        return _Launched(chunks, sampled, tokens=tokens, logprobs=logprobs, samples=samples)
+
+    def _complete(self, launched: "_Launched") -> list[RequestOutput]:
+        """Processes a launched step's sampled ids: outputs, stops, prefix-cache registration."""
+        if launched.produced is None:
+            t0 = time.perf_counter()
+            tokens, logprobs = to_host(launched.tokens), to_host(launched.logprobs)
+            self.device_wait_s += time.perf_counter() - t0
+            launched.produced = self._plain_outputs(launched, tokens, logprobs)
+        outs = []
+        for oi, (c, (toks, lps, tops)) in enumerate(zip(launched.chunks, launched.produced)):
+            r = c.request
+            if r.status is Status.FINISHED:  # finished or aborted while this step ran (async): nothing to report
+                continue
+            if self.spec_k:
+                accepted = max(0, len(toks) - 1)
+                r.num_computed_tokens = c.start + c.num_tokens - c.num_drafts + accepted
+                if c.num_drafts:
+                    r.num_draft_tokens += c.num_drafts
+                    r.num_accepted_tokens += accepted
+                    self.num_draft_tokens += c.num_drafts
+                    self.num_accepted_tokens += accepted
+                    if c.num_drafts == self.spec_k:
+                        self.num_verify_steps += 1
+                        self.num_verify_accepted += accepted
+                self.pool.truncate(r.request_id, r.num_computed_tokens)  # roll back the rows of rejected drafts
+            if r.status is Status.RUNNING:
+                self.scheduler.cache_computed(r)
+            if not launched.sampled[oi]:
+                continue
+            reason, new = None, []
+            if self.spec_k:
+                base = len(r.output_token_ids)
+                r.output_token_ids.extend(toks)
+            else:  # one sampled id, for the output left pending at launch
+                base = launched.samples[oi][1]
+                r.output_token_ids[base] = toks[0]
+                r.num_pending -= 1
+            for i, tok in enumerate(toks):
+                new.append(tok)
+                r.output_logprobs.append(lps[i])
+                if tops is not None:
+                    r.output_top_logprobs.append(tops)
+                if tok in r.params.stop_token_ids:
+                    reason = "stop"
+                elif base + i + 1 >= r.params.max_new_tokens:
+                    reason = "length"
+                if reason:
+                    del r.output_token_ids[base + i + 1 :]  # drafts past a stop; async: a later step's pending id
+                    r.num_pending = 0
+                    break
+            if reason:
+                self.scheduler.finish(r, reason)
+            outs.append(self._output(r, new))
+        return outs
+
+    def _plain_outputs(self, launched: "_Launched", tokens: np.ndarray, logprobs: np.ndarray) -> list:
+        """Per chunk of a step without speculation: ([sampled token] or [], logprobs, top logprobs or None)."""
         top_ids = top_lps = None
         if tokens.ndim == 2:  # column 0 the sampled token, then the top logprobs
             tokens, top_ids, logprobs, top_lps = tokens[:, 0], tokens[:, 1:], logprobs[:, 0], logprobs[:, 1:]
-        produced: list = [([], [], None)] * len(chunks)
-        for oi, row in rows:
-            c = chunks[oi]
-            if not c.samples:
+        produced: list = [([], [], None)] * len(launched.chunks)
+        for oi, c in enumerate(launched.chunks):
+            if launched.samples[oi] is None:
                 continue
+            row = launched.samples[oi][0]
             tops = None
             if c.request.params.top_logprobs:
                 k = c.request.params.top_logprobs
@@ -615,7 +706,7 @@ class Engine:
     def _output(self, r: Request, new: list[int]) -> RequestOutput:
         return RequestOutput(
             r.request_id,
-            list(r.output_token_ids),
+            r.output_token_ids[: len(r.output_token_ids) - r.num_pending],
             list(r.output_logprobs) if r.params.logprobs or r.params.top_logprobs else None,
             r.status is Status.FINISHED,
             r.finish_reason,

@@ -31,6 +31,8 @@ from typing import Hashable
 from mla_jax.allocator import OutOfPages, PagePool, page_hashes
 from mla_jax.sampling import SamplingParams
 
+PENDING = -1  # an output id the device has sampled but the host has not read yet (async scheduling)
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -58,6 +60,7 @@ class Request:
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_tokens: int = 0  # of which accepted
+    num_pending: int = 0  # trailing output ids still PENDING (sampled by a step in flight)
     dp_rank: int = 0  # data-parallel attention: the rank whose pool holds its pages (`DPScheduler`)
 
     @property
@@ -198,8 +201,8 @@ class Scheduler:
         out: list[ScheduledChunk] = []
         # Running requests, oldest first; decodes (1 token) are cheap, chunks of unfinished prompts bigger.
         for r in sorted(self.running, key=lambda r: r.arrival):
-            if r.status is not Status.RUNNING or budget == 0:
-                continue
+            if r.status is not Status.RUNNING or budget == 0 or len(r.output_token_ids) >= r.params.max_new_tokens:
+                continue  # (the last: its final id is pending, async scheduling)
             remaining = r.num_tokens - r.num_computed_tokens
             n = min(remaining, budget)
             m = 0  # drafts verified after the last token, within the budget and the request's max_new_tokens
@@ -254,10 +257,15 @@ class Scheduler:
         return out
 
     def finish(self, r: Request, reason: str) -> None:
+        """Ends a running request, or a preempted (waiting) one whose last pending id ended it."""
         r.status = Status.FINISHED
         r.finish_reason = reason
-        self.running.remove(r)
-        self.pool.free(r.request_id)
+        if r in self.running:
+            self.running.remove(r)
+        else:
+            self.waiting.remove(r)
+        if r.request_id in self.pool:
+            self.pool.free(r.request_id)
 
 
 class DPScheduler:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,6 +34,7 @@ from mla_jax.config import DeepseekConfig
 from mla_jax.metadata import AttentionMetadata
 from mla_jax.mla import absorb_q, mla_project, o_proj, v_up_proj
 from mla_jax.model import Params, decoder_layers, embed, lm_logits
+from mla_jax.packed import Packed
 from mla_jax.sampling import SamplingArrays, sample
 from mla_jax.sharding import DP
 
@@ -234,32 +236,57 @@ def jit_step(
     )
 
 
+def step_batch(md: AttentionMetadata, sampling: SamplingArrays, prev_index=None) -> Packed:
+    """`engine_step`'s host inputs as one buffer: the metadata, the sampling arrays and `prev_index` i32[T] (per
+    token row, the row of the previous step's token buffer that holds its input id, or -1 where `md.input_ids`
+    has it; all -1 when None)."""
+    if prev_index is None:
+        prev_index = np.full(np.shape(md.input_ids), -1, np.int32)  # DP: [dp, T]
+    return Packed.of((md, sampling, prev_index))
+
+
 @functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES, donate_argnames=("cache",))
 def engine_step(
     params: Params,
     cfg: DeepseekConfig,
     cache: KVCache,
-    md: AttentionMetadata,
-    sampling: SamplingArrays,
+    batch: Packed,
+    token_buffer: jax.Array | None = None,
     *,
     backend: str,
     plan: ParallelPlan | None = None,
     batch_invariant: bool = False,
     gmm_impl: str = "ragged_dot",
-) -> tuple[jax.Array, jax.Array, KVCache]:
-    """Forward + sampling: (token ids i32[num_logits], logprobs f32[num_logits], updated cache). On a mesh the
-    logits are all-gathered and every device samples the same tokens.
+) -> tuple[jax.Array, jax.Array, KVCache, jax.Array | None]:
+    """Forward + sampling: (token ids i32[num_logits], logprobs f32[num_logits], updated cache, token buffer).
+    `batch` is `step_batch(md, sampling, prev_index)`: the step's host inputs in one host→device transfer. On a
+    mesh the logits are all-gathered and every device samples the same tokens.
+
+    `token_buffer` i32[S] (S >= num_logits, fixed by the caller so that every step has the same signature) holds
+    the previous step's sampled ids: rows with `prev_index` >= 0 take their input id from it, so the host can
+    schedule and send step n+1 before it has step n's tokens (`Engine` async scheduling). The step returns it
+    with this step's ids in rows [0, num_logits); None in, None out.
 
     With `sampling.num_top_logprobs` = n > 0 (static: a separate compiled variant, used only for steps where a
     request asks for top logprobs) token ids and logprobs are [num_logits, 1 + n]: column 0 the sampled token,
     columns 1..n the n most likely ones (`mla_jax.sampling.sample`)."""
+    md, sampling, prev_index = batch.unpack()
+    if token_buffer is not None:
+        prev = token_buffer[jnp.maximum(prev_index, 0)]
+        md = dataclasses.replace(md, input_ids=jnp.where(prev_index >= 0, prev, md.input_ids))
     logits, cache = forward_step(
         params, cfg, cache, md, backend=backend, plan=plan, batch_invariant=batch_invariant, gmm_impl=gmm_impl
     )
     if plan is None:
         with jax.named_scope("sample"):
             tokens, logprobs = sample(logits, sampling)
-        return tokens, logprobs, cache
-    rep = NamedSharding(plan.mesh, P())
-    tokens, logprobs = sample(jax.lax.with_sharding_constraint(logits, rep), sampling)
-    return jax.lax.with_sharding_constraint(tokens, rep), jax.lax.with_sharding_constraint(logprobs, rep), cache
+    else:
+        rep = NamedSharding(plan.mesh, P())
+        tokens, logprobs = sample(jax.lax.with_sharding_constraint(logits, rep), sampling)
+        tokens, logprobs = (
+            jax.lax.with_sharding_constraint(tokens, rep),
+            jax.lax.with_sharding_constraint(logprobs, rep),
+        )
+    if token_buffer is not None:
+        token_buffer = token_buffer.at[: tokens.shape[0]].set(tokens if tokens.ndim == 1 else tokens[:, 0])
+    return tokens, logprobs, cache, token_buffer

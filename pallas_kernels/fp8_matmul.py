@@ -29,6 +29,15 @@ weights. Requires K % 128 == 0 and N % 64 == 0 (`unsupported_reason`); other sha
 path (`fp8_matmul_xla`: the same activation quantization, XLA dequantize + float32 dot, so a model
 computes the same numbers on either path). M is padded to the row tile (activations only: cheap).
 
+Every e4m3 -> float32 conversion here goes through `_f32`, behind an optimization barrier: XLA's GPU pipeline
+runs SimplifyFPConversions (with xla_allow_excess_precision, on by default), which folds a chain of float
+converts inside one program, so a jitted quantize -> dequantize (f32 -> e4m3 -> f32) can skip the e4m3
+rounding. The kernel's "error" of 2.6e-2 of max|ref| on the H200 against the jitted `fp8_matmul_xla`
+(bench/results/fp8-gemm-h200.json at 82f5e73) is exactly the quantized-vs-unquantized-activation difference
+of those inputs (M=1 q_a_proj: 0.02703 measured, 0.02703 recomputed on CPU; M=16384: 0.02656 / 0.02647): the
+XLA path had computed with unquantized activations. The CPU compiler keeps the chain, so the interpreter tests
+could not see it; `bench/fp8_gemm.py --diagnose` (row xla_jit_no_barrier) shows the fold on the GPU.
+
 References beside it: `fp8_matmul_reference` (dequantized weights x unquantized activations in float32:
 what the fp8 model approximates) and `fp8_matmul_quantized_reference` (the kernel's exact math: the same
 quantized activations and per-block scaled float32 partial sums; differences are float32 rounding only).
@@ -78,6 +87,12 @@ __all__ = [
 # ---- quantization (plain JAX) ----
 
 
+def _f32(q):
+    """e4m3 -> float32 that XLA cannot fold into the f32 -> e4m3 convert that made `q` (see the module
+    docstring: without the barrier, XLA on GPU drops the fp8 rounding of a quantize -> dequantize in one jit)."""
+    return lax.optimization_barrier(q).astype(F32)
+
+
 def quantize_act(x, block: int = BLOCK):
     """x [M, K] -> (e4m3 [M, K], float32 scale [M, cdiv(K, block)]): per token per `block` channels,
     scale = amax / 448 so that x ~= x_fp8 * scale. A ragged last block is quantized over its own width."""
@@ -109,7 +124,7 @@ def dequantize_weight_blocks(w, scale_inv, block: tuple[int, int] = (BLOCK, BLOC
     bn, bk = block
     n, k = w.shape[-2:]
     s = jnp.repeat(jnp.repeat(scale_inv.astype(F32), bn, axis=-2)[..., :n, :], bk, axis=-1)[..., :k]
-    return (w.astype(F32) * s).astype(dtype)
+    return (_f32(w) * s).astype(dtype)
 
 
 # ---- validation ----
@@ -387,7 +402,7 @@ def fp8_grouped_matmul(
 
 def dequantize_act(xq, xs, block: int = BLOCK):
     """e4m3 [M, K] x f32 scales [M, cdiv(K, block)] -> f32 [M, K]."""
-    return xq.astype(F32) * jnp.repeat(xs, block, axis=1)[:, : xq.shape[1]]
+    return _f32(xq) * jnp.repeat(xs, block, axis=1)[:, : xq.shape[1]]
 
 
 def fp8_matmul_xla(x, w, w_scale_inv, *, out_dtype=None):
@@ -426,8 +441,8 @@ def fp8_matmul_quantized_reference(x, w, w_scale_inv):
     n, k = w.shape
     kb = cdiv(k, BLOCK)
     xq, xs = quantize_act(x)
-    xb = jnp.pad(xq.astype(F32), ((0, 0), (0, kb * BLOCK - k))).reshape(-1, kb, BLOCK)  # [M, Kb, 128]
-    wb = jnp.pad(w.astype(F32), ((0, 0), (0, kb * BLOCK - k))).reshape(n, kb, BLOCK)  # [N, Kb, 128]
+    xb = jnp.pad(_f32(xq), ((0, 0), (0, kb * BLOCK - k))).reshape(-1, kb, BLOCK)  # [M, Kb, 128]
+    wb = jnp.pad(_f32(w), ((0, 0), (0, kb * BLOCK - k))).reshape(n, kb, BLOCK)  # [N, Kb, 128]
     parts = jnp.einsum("mbk,nbk->mnb", xb, wb, precision=lax.Precision.HIGHEST)  # [M, N, Kb]
     ws = jnp.repeat(w_scale_inv.astype(F32), BLOCK, axis=0)[:n]  # [N, Kb]
     return jnp.sum(parts * xs[:, None, :] * ws[None, :, :], axis=-1)

@@ -989,3 +989,49 @@ SPARSE_DECODE_GPU_CASES = [
         "fp8",
     ),
 ]
+
+
+# ---- block-scaled fp8 GEMM (pallas_kernels.fp8_matmul) ----
+
+# On the GPU the fp8 wgmma accumulates each 128-deep block at reduced precision (Hopper: ~13 mantissa bits per
+# 32-deep step, "FP22"; simulated: ~1.2e-4 of max|ref| at K = 7168), so float32 rounding (1e-5) is out of
+# reach; the bugs looked for (a neighbouring block's or row's scale, a stage overwritten early) are >= 1e-2.
+FP8_GEMM_GPU_TOL = 2e-3
+
+
+def _pow2(idx, period: int, shift: int) -> np.ndarray:
+    return np.exp2(np.asarray(idx) % period - shift).astype(np.float32)
+
+
+def _e4m3_values(rng, shape) -> np.ndarray:
+    """Random e4m3 values of every exponent and both signs, as float32."""
+    v = np.clip(rng.standard_normal(shape) * 64, -448, 448).astype(np.float32)
+    return v.astype(jnp.float8_e4m3fn).astype(np.float32)
+
+
+def fp8_lossless_operands(rng, m, n, k, lead=(), *, act_block=True, act_row=True, w_block=True):
+    """Operands of the block-scaled fp8 GEMM whose quantization is lossless, with scales that differ between
+    neighbours, so that the float64 product of the dequantized inputs is the exact reference and a scale taken
+    from the wrong K block, row, N block or expert is off by >= 2x on a block.
+
+    x f32 [M, K] (bf16-exact): e4m3 values with a +-448 in every (row, 128-deep K block), times the activation
+    scale xs [M, Kb] = 2^(j % 7 - 3) (act_block) * 2^(r % 5 - 2) (act_row) of K block j, row r, which
+    `quantize_act` then recovers exactly. wq e4m3 [*lead, N, K] with scale_inv ws [*lead, Nb, Kb] =
+    2^((e + i + 2 j) % 7 - 3) (w_block; else 1) for N block i, K block j of the e-th (flattened lead) weight.
+    Returns (x, xs, wq, ws, wd: the dequantized weights in float64)."""
+    kb, nb = k // 128, cdiv(n, 128)
+    q = _e4m3_values(rng, (m, kb, 128))
+    q[np.arange(m)[:, None], np.arange(kb)[None], rng.integers(0, 128, (m, kb))] = 448 * rng.choice([-1, 1], (m, kb))
+    xs = np.ones((m, kb), np.float32)
+    if act_block:
+        xs = xs * _pow2(np.arange(kb), 7, 3)[None, :]
+    if act_row:
+        xs = xs * _pow2(np.arange(m), 5, 2)[:, None]
+    x = (q * xs[..., None]).reshape(m, k)
+    e = np.arange(int(np.prod(lead, dtype=int))).reshape(*lead, 1, 1)
+    ws = _pow2(e + np.arange(nb)[:, None] + 2 * np.arange(kb)[None], 7, 3)  # [*lead, Nb, Kb]
+    if not w_block:
+        ws = np.ones_like(ws)
+    wq = _e4m3_values(rng, (*lead, n, k))
+    wd = wq.astype(np.float64) * np.repeat(np.repeat(ws, 128, axis=-2)[..., :n, :], 128, axis=-1)
+    return x, xs, wq.astype(jnp.float8_e4m3fn), ws, wd

@@ -1,7 +1,10 @@
 import os
 
-# Tests run on CPU in float32 with exact matmuls; 8 virtual devices for sharding tests.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Tests run on CPU in float32 with exact matmuls; 8 virtual devices for sharding tests. XLA's CPU backend at LLVM
+# optimization level 0: the suite's small programs spend most of their time in compilation, and this cuts the
+# suite's CPU time by ~40% (test_paged: 229 -> 128 s) without slowing the interpreted kernels (test_mla_decode_sm90:
+# 88 -> 82 s).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The Mosaic GPU interpreter runs each of a kernel's 3 warpgroups as an XLA CPU program blocking on barriers:
 # it needs >= 3 XLA CPU workers (one per core by default, 2 on CI). Read when the CPU client starts.

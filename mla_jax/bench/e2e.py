@@ -1,6 +1,7 @@
-"""End-to-end benchmark on the GPU: a DeepSeek-V2-Lite-shaped model with random bf16 weights.
+"""End-to-end benchmark on the GPU: a DeepSeek-V2-Lite-shaped model with random bf16 (and/or block-FP8) weights.
 
     mla-jax bench --out DIR            (or: python3 -m mla_jax.bench.e2e --out DIR)
+    python3 -m mla_jax.bench.e2e --weights bf16,fp8 --out DIR   (both models in one run, one after the other)
     mla-jax bench --smoke              (tiny dims on a CPU; prints the rows, writes nothing)
 
 Decode step time and tokens/s at batch 1, 32, 128 with context 1k and 4k (the cache is filled with random rows,
@@ -20,15 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mla_jax import attention, model
+from mla_jax import attention, layers, model
 from mla_jax.bench.common import SMOKE_DIMS, kernel_breakdown, measure_ceilings, results_header, write_results
 from mla_jax.cache import KVCache, init_kv_cache_for
-from mla_jax.checkpoint.fp8 import quantize_params
+from mla_jax.checkpoint.fp8 import WEIGHTS, quantize_params
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
 from mla_jax.engine import GPU_PAGE_SIZE, Engine, EngineConfig
 from mla_jax.metadata import ScheduledRequest, build_metadata
 from mla_jax.sampling import SamplingArrays, SamplingParams
-from mla_jax.step import engine_step
+from mla_jax.step import engine_step, step_batch
 from pallas_kernels.util import cdiv
 
 V2_LITE = DEEPSEEK_V2_LITE
@@ -58,7 +59,9 @@ def main(argv: list[str] | None = None) -> None:
         help="MoE expert matmul (mla_jax.layers.expert_gmm)",
     )
     ap.add_argument(
-        "--weights", choices=("bf16", "fp8"), default="bf16", help="fp8: block-FP8 linears and experts (W8A8)"
+        "--weights",
+        default="bf16",
+        help="bf16, fp8 (block-FP8 linears and experts, W8A8) or both in one run (bf16,fp8): rows get `weights`",
     )
     ap.add_argument("--batches", default="1,8,32,128", help="decode batch sizes")
     ap.add_argument("--ctxs", default="1024,4096,32768", help="decode contexts")
@@ -73,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     args.backend = args.backend or attention.default_backend_name()
+    weights = tuple(args.weights.split(","))
+    if not weights or any(w not in WEIGHTS for w in weights) or len(set(weights)) != len(weights):
+        ap.error(f"--weights {args.weights!r}: a comma-separated list of distinct {WEIGHTS}")
 
     d = {**V2_LITE, "num_hidden_layers": args.layers}
     if args.smoke:
@@ -80,16 +86,27 @@ def main(argv: list[str] | None = None) -> None:
     cfg = DeepseekConfig.from_dict(d)
     ceilings = measure_ceilings(small=args.smoke)
     res = results_header(ceilings)
-    res["model"] = f"DeepSeek-V2-Lite shape, random {args.weights} weights, {args.layers} layers"
-    res["weights"] = args.weights
+    res["model"] = f"DeepSeek-V2-Lite shape, random {'/'.join(weights)} weights, {args.layers} layers"
+    res["weights"] = ",".join(weights)
+    if "fp8" in weights:  # which fp8 GEMM the model ran: the Mosaic GPU kernels or XLA's dequantize + dot
+        res["fp8_impl"] = "kernel" if layers.FP8_KERNELS_PASS_ON_GPU and jax.default_backend() == "gpu" else "xla"
     res["backend"] = args.backend
     res["gmm_impl"] = args.gmm
     print("ceilings", ceilings, flush=True)
-    params = model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
-    if args.weights == "fp8":
-        params = quantize_params(params)[0]
-    jax.block_until_ready(params)
+    for w in weights:  # one model at a time (both at V2-Lite size would double the weights' memory)
+        args.weights = w
+        params = model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+        if w == "fp8":
+            params = quantize_params(params)[0]
+        jax.block_until_ready(params)
+        _run_weights(params, cfg, args, res, ceilings)
+        del params
+        gc.collect()
+    _finish(args, res)
 
+
+def _run_weights(params, cfg, args, res, ceilings):
+    """The decode, prefill and engine rows of one model (`args.weights`) into res["rows"]."""
     G = GPU_PAGE_SIZE
     batches, ctxs = tuple(map(int, args.batches.split(","))), tuple(map(int, args.ctxs.split(",")))
     S, P = 2048, 8
@@ -114,12 +131,13 @@ def main(argv: list[str] | None = None) -> None:
             _finish(args, res, quiet=True)  # each row on disk as soon as measured
         if first and not args.no_prefill:
             res["rows"].append(_prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params))
-        if first:
-            res["rows"] += [_engine_row(eng, cfg, B) for B in (1, 32) if B in batches]
+        for B in [b for b in (1, 32) if b in batches] if first else []:
+            for mode in (True, False):  # the same compiled steps, scheduled both ways
+                eng.async_scheduling = mode
+                res["rows"].append(_engine_row(eng, cfg, B) | {"weights": args.weights})
         _finish(args, res, quiet=True)
         del eng
         gc.collect()  # the next engine's cache needs this one's memory back
-    _finish(args, res)
 
 
 def _engine(params, cfg, args, shapes, max_len, G, prefill, with_prefill):
@@ -150,10 +168,10 @@ def _engine(params, cfg, args, shapes, max_len, G, prefill, with_prefill):
     return eng, compile_s
 
 
-def _step_fn(eng, cfg, args, md, sp):
+def _step_fn(eng, cfg, args, batch):
     def step(cache):
-        t, _, cache = engine_step(
-            eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
+        t, _, cache, _ = engine_step(
+            eng.params, cfg, cache, batch, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
         )
         return t, cache
 
@@ -165,9 +183,8 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
     ppr = cdiv(ctx, G)
     reqs = [ScheduledRequest([7], ctx - 1, list(range(1 + b * ppr, 1 + (b + 1) * ppr))) for b in range(B)]
     md, _ = build_metadata(reqs, page_size=G, num_pages=eng.config.num_pages, shape=eng.batch_shape(B, 0))
-    md = md.to_device()
-    sp = jax.tree.map(jnp.asarray, SamplingArrays.build([], [], md.shape.num_logits))
-    step = _step_fn(eng, cfg, args, md, sp)
+    batch = jax.device_put(step_batch(md, SamplingArrays.build([], [], md.shape.num_logits)))
+    step = _step_fn(eng, cfg, args, batch)
     cache = eng.cache
     for _ in range(3):
         _, cache = step(cache)
@@ -181,14 +198,15 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
         times.append((time.perf_counter() - t1) / 10)
     breakdown = None
     if args.profile:
-        steps, d = 5, f"{args.profile}/b{B}-ctx{ctx}"
+        tag = "" if args.weights == "bf16" else f"-{args.weights}"
+        steps, d = 5, f"{args.profile}/b{B}-ctx{ctx}{tag}"
         with jax.profiler.trace(d):
             for _ in range(steps):
                 tok, cache = step(cache)
             jax.block_until_ready(tok)
         hlo = (
             engine_step.lower(
-                eng.params, cfg, cache, md, sp, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
+                eng.params, cfg, cache, batch, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
             )
             .compile()
             .as_text()
@@ -196,10 +214,10 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
         with open(f"{d}/step.hlo.txt", "w") as f:
             f.write(hlo)
         breakdown = kernel_breakdown(d, hlo, steps)
-        breakdown["shape"] = dict(batch=B, ctx=ctx, backend=args.backend, gmm_impl=args.gmm)
+        breakdown["shape"] = dict(batch=B, ctx=ctx, backend=args.backend, gmm_impl=args.gmm, weights=args.weights)
         print({k: breakdown.get(k) for k in ("kernels_per_step", "busy_us_per_step", "parts")}, flush=True)
         if args.out and B in (1, 128) and ctx == 4096:
-            write_results(f"{args.out}/e2e-profile-b{B}-h200.json", {**res_meta(res), **breakdown})
+            write_results(f"{args.out}/e2e-profile-b{B}{tag}-h200.json", {**res_meta(res), **breakdown})
     eng.cache = cache
     step_s = float(np.median(times))
     nbytes = weight_bytes(params, cfg, B) + B * ctx * row_bytes * cfg.num_hidden_layers
@@ -240,9 +258,8 @@ def _prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params):
         workspace_rows=eng.workspace_rows,
         shape=eng.batch_shape(0, S * P),
     )
-    md = md.to_device()
-    sp = jax.tree.map(jnp.asarray, SamplingArrays.build([], [], md.shape.num_logits))
-    step = _step_fn(eng, cfg, args, md, sp)
+    batch = jax.device_put(step_batch(md, SamplingArrays.build([], [], md.shape.num_logits)))
+    step = _step_fn(eng, cfg, args, batch)
     cache = eng.cache
     for _ in range(2):
         _, cache = step(cache)
@@ -272,38 +289,28 @@ def _prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params):
 
 
 def _engine_row(eng, cfg, B, steps: int = 40) -> dict:
-    """`Engine.step()` at batch B (short prompts, greedy): wall per step and the host's share of it (the
-    scheduler, metadata and output handling outside the jitted step and its blocking token copy)."""
+    """`Engine.step()` at batch B (short prompts, greedy), with the engine's scheduling (async by default): wall
+    per step, the time it blocked on sampled ids, and the rest (host work: scheduler, metadata, outputs, launch)."""
     eng.cache = init_kv_cache_for(cfg, eng.config.num_pages, eng.config.page_size, dtype=eng.config.cache_dtype)
     rng = np.random.default_rng(0)
     for _ in range(B):
         eng.add_request(rng.integers(0, cfg.vocab_size, 16).tolist(), SamplingParams(max_new_tokens=steps + 8))
     while any(r.num_computed_tokens < 16 for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()  # the prefills
-    inner = eng._run
-    run_s = []
-
-    def timed(*a, **k):
-        t = time.perf_counter()
-        out = inner(*a, **k)
-        run_s.append(time.perf_counter() - t)
-        return out
-
-    eng._run = timed
     eng.step()
-    run_s.clear()
-    t0 = time.perf_counter()
+    wait0, t0 = eng.device_wait_s, time.perf_counter()
     for _ in range(steps):
         eng.step()
     wall = (time.perf_counter() - t0) / steps
-    eng._run = inner
+    wait = (eng.device_wait_s - wait0) / steps
     eng.run()  # finish the requests
     row = dict(
         batch=B,
         phase="engine",
+        async_scheduling=eng.async_scheduling,
         step_ms=round(wall * 1e3, 3),
-        run_ms=round(float(np.mean(run_s)) * 1e3, 3),
-        host_ms=round((wall - float(np.mean(run_s))) * 1e3, 3),
+        wait_ms=round(wait * 1e3, 3),
+        host_ms=round((wall - wait) * 1e3, 3),
     )
     print(row, flush=True)
     return row

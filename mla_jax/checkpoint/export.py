@@ -9,6 +9,13 @@ unstacked to `model.layers.{i}.*`, experts to `mlp.experts.{j}.{gate,up,down}_pr
 indexer to `self_attn.indexer.*`), tokenizer.json and tokenizer_config.json. Weights are stored in `dtype` (bf16 by
 default, as DeepSeek ships them) except `e_score_correction_bias` and the indexer's `weights_proj`, which stay
 float32 as in the hub checkpoints. `load_hf_checkpoint(out_dir)` gives back exactly the params cast to those dtypes.
+
+dtype="fp8" writes DeepSeek-V3's block-FP8 format: the `checkpoint.fp8.FP8_LINEARS` weights as e4m3 with a float32
+`weight_scale_inv` per 128x128 block (params already in fp8, e.g. `load_model(..., weights="fp8")`, keep their
+bytes; float ones are block-quantized by `quantize_params`, the error going into the safetensors metadata as
+"fp8_quantization"), everything else bf16 (kv_b_proj too: we hold it split into W_UK_T / W_UV), and config.json
+gains DeepSeek's quantization_config; `load_hf_checkpoint(out_dir, weights="fp8")` gives back the same e4m3 bytes.
+Params holding fp8 pairs exported in a float dtype are dequantized.
 """
 
 from __future__ import annotations
@@ -21,20 +28,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mla_jax.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_scale_shape, quantize_params
 from mla_jax.checkpoint.hf import save_file
 from mla_jax.checkpoint.validate import hf_tensor_specs, mtp_tensor_specs
 from mla_jax.config import DeepseekConfig
 from mla_jax.dtypes import DTYPES
 from mla_jax.model import MTP_GROUP, Params, param_groups
 
-EXPORT_DTYPES = ("bf16", "fp16", "fp32")
+EXPORT_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 EXPORT_MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
+FP8_BLOCK = (128, 128)
+# DeepSeek-V3's config.json entry for its block-FP8 weights (what `DeepseekConfig` parses back).
+FP8_QUANTIZATION_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": list(FP8_BLOCK),
+}
 
 
 def _export_dtype(dtype: str) -> np.dtype:
+    """The dtype of the float tensors (dtype="fp8": bf16, beside the e4m3 linears)."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not one of {EXPORT_DTYPES}")
-    return DTYPES[dtype]
+    return DTYPES["bf16" if dtype == "fp8" else dtype]
 
 
 def merge_kv_b_proj(w_uk_t: jnp.ndarray, w_uv: jnp.ndarray) -> jnp.ndarray:
@@ -51,8 +68,6 @@ def hf_config_dict(
     """config.json for transformers' DeepseekV3ForCausalLM (and our `DeepseekConfig.from_json`)."""
     if cfg.model_type not in EXPORT_MODEL_TYPES:
         raise ValueError(f"export writes DeepSeek-V3 and V3.2 checkpoints; config has model_type {cfg.model_type!r}")
-    if cfg.quantization is not None:
-        raise ValueError("export of fp8-quantized configs is not supported")
     d: dict[str, Any] = {
         "architectures": [EXPORT_MODEL_TYPES[cfg.model_type]],
         "model_type": cfg.model_type,
@@ -107,6 +122,8 @@ def hf_config_dict(
             "mscale": rs.mscale,
             "mscale_all_dim": rs.mscale_all_dim,
         }
+    if dtype == "fp8":
+        d["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     if cfg.num_mtp_layers:
         d["num_nextn_predict_layers"] = cfg.num_mtp_layers
     if bos_token_id is not None:
@@ -117,13 +134,30 @@ def hf_config_dict(
 
 
 def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> dict[str, np.ndarray]:
-    """Our (prepared) params -> {HF tensor name: numpy array} in the hub layout, in `hf_tensor_specs` order."""
+    """Our (prepared) params -> {HF tensor name: numpy array} in the hub layout, in `hf_tensor_specs` order (each
+    fp8 weight followed by its `weight_scale_inv`). dtype="fp8": float `FP8_LINEARS` weights are block-quantized
+    here (`export_hf` does it first, to report the error)."""
     wdt = _export_dtype(dtype)
+    fp8 = dtype == "fp8"
+    if fp8:
+        params, _ = quantize_params(params, block=FP8_BLOCK)
     model = params["model"]
     out: dict[str, np.ndarray] = {}
 
     def put(name: str, x, keep_f32: bool = False):
         out[name] = np.asarray(jax.device_get(x), np.float32).astype(np.float32 if keep_f32 else wdt)
+
+    def put_linear(name: str, node: dict):
+        """A linear's weight: an fp8 pair ({"weight": e4m3, "weight_scale_inv"}) as e4m3 + scales when exporting
+        fp8, else dequantized; a float weight cast."""
+        if "weight_scale_inv" not in node:
+            put(name, node["weight"])
+            return
+        w, s = np.asarray(jax.device_get(node["weight"])), np.asarray(jax.device_get(node["weight_scale_inv"]))
+        if fp8:
+            out[name], out[name + SCALE_SUFFIX] = w, s.astype(np.float32)
+        else:
+            out[name] = dequantize_fp8_blocks(w, s, FP8_BLOCK, name).astype(wdt)
 
     put("model.embed_tokens.weight", model["embed_tokens"]["weight"])
     mtp_opt = []
@@ -135,12 +169,12 @@ def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> d
             if group == MTP_GROUP:
                 for rel, (_, optional) in mtp_tensor_specs(cfg).items():
                     node = lp
-                    for part in rel.split("."):
+                    for part in rel.split(".")[:-1]:
                         node = node.get(part) if isinstance(node, dict) else None
-                    if node is not None:
-                        put(pre + rel, node)
+                    if isinstance(node, dict) and "weight" in node:
+                        put_linear(pre + rel, node)
                         if optional:
-                            mtp_opt.append((pre + rel, node.shape))
+                            mtp_opt.append((pre + rel, out[pre + rel].shape))
             put(pre + "input_layernorm.weight", lp["input_layernorm"]["weight"])
             put(pre + "post_attention_layernorm.weight", lp["post_attention_layernorm"]["weight"])
             a = lp["self_attn"]
@@ -154,13 +188,13 @@ def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> d
                 "o_proj",
             ):
                 if key in a:
-                    put(pre + f"self_attn.{key}.weight", a[key]["weight"])
+                    put_linear(pre + f"self_attn.{key}.weight", a[key])
             kv_b = a["kv_b_proj"]["weight"] if "kv_b_proj" in a else merge_kv_b_proj(a["W_UK_T"], a["W_UV"])
             put(pre + "self_attn.kv_b_proj.weight", kv_b)
             if cfg.use_sparse:  # weights_proj stays float32, as HF's checkpoints and our loader keep it
                 ind, ip = pre + "self_attn.indexer.", a["indexer"]
                 for key in ("wq_b", "wk", "k_norm"):
-                    put(ind + f"{key}.weight", ip[key]["weight"])
+                    put_linear(ind + f"{key}.weight", ip[key])
                 put(ind + "k_norm.bias", ip["k_norm"]["bias"])
                 put(ind + "weights_proj.weight", ip["weights_proj"]["weight"], keep_f32=True)
             m = lp["mlp"]
@@ -170,23 +204,32 @@ def hf_tensors(params: Params, cfg: DeepseekConfig, *, dtype: str = "bf16") -> d
                     put(pre + "mlp.gate.e_score_correction_bias", m["gate"]["e_score_correction_bias"], keep_f32=True)
                 for j in range(cfg.n_routed_experts):
                     for proj in ("gate_proj", "up_proj", "down_proj"):
-                        put(pre + f"mlp.experts.{j}.{proj}.weight", m["experts"][proj]["weight"][j])
+                        expert = {k: v[j] for k, v in m["experts"][proj].items()}
+                        put_linear(pre + f"mlp.experts.{j}.{proj}.weight", expert)
                 if cfg.n_shared_experts:
                     for proj in ("gate_proj", "up_proj", "down_proj"):
-                        put(pre + f"mlp.shared_experts.{proj}.weight", m["shared_experts"][proj]["weight"])
+                        put_linear(pre + f"mlp.shared_experts.{proj}.weight", m["shared_experts"][proj])
             else:
                 for proj in ("gate_proj", "up_proj", "down_proj"):
-                    put(pre + f"mlp.{proj}.weight", m[proj]["weight"])
+                    put_linear(pre + f"mlp.{proj}.weight", m[proj])
     put("model.norm.weight", model["norm"]["weight"])
     if not cfg.tie_word_embeddings:
         put("lm_head.weight", params["lm_head"]["weight"])
     specs = hf_tensor_specs(cfg) | dict(mtp_opt)
-    if set(specs) != set(out):
-        raise ValueError(f"export produced {sorted(set(out) ^ set(specs))[:3]} not matching the HF layout")
+    scales = {n for n in out if n.endswith(SCALE_SUFFIX)}
+    if set(specs) != set(out) - scales:
+        raise ValueError(f"export produced {sorted((set(out) - scales) ^ set(specs))[:3]} not matching the HF layout")
     for name, shape in specs.items():
         if out[name].shape != shape:
             raise ValueError(f"tensor '{name}' has shape {out[name].shape}, expected {shape}")
-    return {name: out[name] for name in specs}
+        if name + SCALE_SUFFIX in scales and out[name + SCALE_SUFFIX].shape != fp8_scale_shape(shape, FP8_BLOCK):
+            raise ValueError(f"tensor '{name}{SCALE_SUFFIX}' has shape {out[name + SCALE_SUFFIX].shape}")
+    ordered = {}
+    for name in specs:
+        ordered[name] = out[name]
+        if name + SCALE_SUFFIX in scales:
+            ordered[name + SCALE_SUFFIX] = out[name + SCALE_SUFFIX]
+    return ordered
 
 
 def export_hf(
@@ -203,7 +246,9 @@ def export_hf(
     """Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json into out_dir (created).
 
     `tokenizer` is a `tokenizers.Tokenizer`, a path to a tokenizer.json, or its JSON text; `eos_token` (looked up
-    in its vocab) becomes bos/eos_token_id, so `mla-jax generate` stops there. Returns {file: bytes}.
+    in its vocab) becomes bos/eos_token_id, so `mla-jax generate` stops there. dtype="fp8": see the module
+    docstring; the block-quantization error of float weights (`quantize_params`: max_rel, rms_rel, tensors) is
+    the model.safetensors metadata "fp8_quantization" (JSON). Returns {file: bytes}.
     """
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -227,8 +272,12 @@ def export_hf(
     if n_tok > cfg.vocab_size:
         raise ValueError(f"tokenizer has {n_tok} ids but the model's vocab_size is {cfg.vocab_size}")
 
-    tensors = hf_tensors(params, cfg, dtype=dtype)
     meta = {"format": "pt", **(metadata or {})}
+    if dtype == "fp8":
+        params, err = quantize_params(params, block=FP8_BLOCK)  # float FP8_LINEARS -> e4m3 (fp8 ones kept)
+        if err["tensors"]:
+            meta["fp8_quantization"] = json.dumps(err)
+    tensors = hf_tensors(params, cfg, dtype=dtype)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata=meta)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_dict(cfg, dtype=dtype, bos_token_id=eos_id, eos_token_id=eos_id), f, indent=2)

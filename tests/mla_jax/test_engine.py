@@ -1,5 +1,7 @@
 """Engine: static-shape steps (compile counter), scheduler with preemption, sampling, generate, bad requests."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,3 +193,66 @@ def test_top_logprobs(tiny):
     with pytest.raises(ValueError, match="top_logprobs"):
         eng.check_request([1], SamplingParams(top_logprobs=21))
     assert eng.check_request((np.int32(3), 4), SamplingParams()) == [3, 4]
+
+
+def test_async_scheduling_same_outputs_and_overlapped(tiny, monkeypatch):
+    """Async scheduling (the default) returns exactly what synchronous scheduling does, through stops, length
+    limits, preemptions, prefix-cache hits, top logprobs and an abort; and it reads each step's sampled ids only
+    after launching the next step."""
+    import mla_jax.engine as engine_mod
+
+    cfg, params = tiny
+    rng = np.random.default_rng(7)
+    shared = rng.integers(0, cfg.vocab_size, 20).tolist()  # a common prefix: prefix-cache hits
+    prompts = [shared + rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(1, 12, 6)]
+    prompts += [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in (1, 3)]
+    sps = [
+        SamplingParams(max_new_tokens=int(m), temperature=t, top_k=k, top_p=p, seed=i, top_logprobs=lp)
+        for i, (m, t, k, p, lp) in enumerate(
+            [(9, 0, 0, 1, 0), (5, 1, 0, 1, 0), (12, 0.8, 5, 0.9, 2), (1, 0, 0, 1, 0), (7, 1, 0, 1, 0)]
+            + [(10, 0, 0, 1, 0), (4, 0.5, 3, 1, 0), (8, 1, 0, 0.8, 1)]
+        )
+    ]
+    sync_cfg = EngineConfig(**{**SMALL, "num_pages": 7, "enable_prefix_caching": True, "async_scheduling": False})
+    greedy = generate(params, cfg, prompts, SamplingParams(max_new_tokens=10), sync_cfg)
+    # stop on a token the greedy request 0 produces mid-way (ends it early, with a row in flight)
+    sps[0] = SamplingParams(max_new_tokens=9, stop_token_ids=(greedy[0].token_ids[4],))
+
+    def run(async_scheduling):
+        eng = Engine(params, cfg, dataclasses.replace(sync_cfg, async_scheduling=async_scheduling))
+        reads = []  # (steps launched, step whose ids are read) at each read of sampled ids
+        real = engine_mod.to_host
+        monkeypatch.setattr(engine_mod, "to_host", lambda x: (reads.append(eng.steps), real(x))[1])
+        ids = [eng.add_request(p, s) for p, s in zip(prompts, sps)]
+        doomed = eng.add_request(prompts[1], SamplingParams(max_new_tokens=30, temperature=1, seed=99))
+        final, steps = {}, 0
+        while eng.has_unfinished:
+            for o in eng.step():
+                if o.finished:
+                    final[o.request_id] = o
+            steps += 1
+            if steps == 4:
+                assert eng.abort(doomed)
+        monkeypatch.setattr(engine_mod, "to_host", real)
+        assert doomed not in final
+        assert eng.pool.num_free_pages == eng.pool.num_usable_pages
+        eng.pool.check_invariants()
+        return [final[i] for i in ids], eng, reads[::2]  # two reads (ids, logprobs) per step
+
+    want, eng_sync, reads_sync = run(False)
+    got, eng_async, reads_async = run(True)
+    assert eng_sync.scheduler.num_preemptions > 0 and eng_sync.scheduler.prefix_cache_hits > 0
+    assert (
+        want[0].finish_reason == "stop"
+        and len(want[0].token_ids) == greedy[0].token_ids.index(greedy[0].token_ids[4]) + 1
+    )
+    for w, g in zip(want, got):
+        assert (g.token_ids, g.finish_reason, g.logprobs, g.top_logprobs) == (
+            w.token_ids,
+            w.finish_reason,
+            w.logprobs,
+            w.top_logprobs,
+        )
+    assert reads_sync == list(range(1, len(reads_sync) + 1))  # sync: step k's ids read before step k+1 launches
+    # async: step k's ids are read once step k+1 is launched (except when nothing was left to launch)
+    assert sum(n == k + 2 for k, n in enumerate(reads_async)) >= len(reads_async) - 3

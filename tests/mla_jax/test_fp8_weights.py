@@ -14,6 +14,7 @@ Tolerances (measured, with margin):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -24,8 +25,8 @@ import pytest
 
 from mla_jax import model
 from mla_jax.checkpoint import load_model
-from mla_jax.checkpoint.fp8 import FP8_LINEARS, quantize_params
-from mla_jax.checkpoint.hf import CheckpointDir
+from mla_jax.checkpoint.fp8 import FP8_LINEARS, dequantize_fp8_blocks, quantize_params
+from mla_jax.checkpoint.hf import CheckpointDir, SafetensorsFile
 from mla_jax.demo import DEMO_DIR
 from pallas_kernels import fp8_matmul as F
 
@@ -208,3 +209,69 @@ def test_fp8_model_lowers_with_the_kernels_for_gpu(monkeypatch):
     txt = f.trace(abstract_params(cfg, weights="fp8"), ids).lower(lowering_platforms=("cuda",)).as_text()
     # 3 layers: q_a, q_b, kv_a, o_proj each; dense gate/up/down (1 layer); shared + routed gate/up/down (2 layers)
     assert txt.count("fp8_matmul") >= 3 * 4 + 3 + 2 * 6
+
+
+TOKENIZER = '{"version": "1.0", "model": {"vocab": {"<|endoftext|>": 0}}}'
+
+
+def test_export_fp8_round_trip(fixture_models, tmp_path):
+    """export_hf(dtype="fp8") of the FP8 fixture loaded in fp8 writes DeepSeek's format back: every FP8_LINEARS
+    weight and its scale_inv byte for byte as the source stored them, the quantization_config, the rest bf16;
+    loading the export with weights="fp8" gives the same params (float leaves cast to bf16). Exported in fp32,
+    the fp8 pairs come out dequantized (not their raw e4m3 values)."""
+    import json
+
+    from mla_jax.checkpoint import export_hf, load_hf_checkpoint
+
+    cfg, p8, _ = fixture_models
+    export_hf(p8, cfg, TOKENIZER, tmp_path / "fp8", dtype="fp8", eos_token=None)
+    with open(tmp_path / "fp8" / "config.json") as f:
+        assert json.load(f)["quantization_config"]["weight_block_size"] == [128, 128]
+    src, out = CheckpointDir(FP8_FIXTURE), CheckpointDir(str(tmp_path / "fp8"))
+    kept = [n for n in src.keys() if n.rsplit(".", 2)[-2] in FP8_LINEARS and src.spec(n)[0] == jnp.float8_e4m3fn]
+    assert kept and all(n in out.keys() for n in kept)
+    for n in kept:
+        assert out.spec(n)[0] == jnp.float8_e4m3fn, n
+        np.testing.assert_array_equal(out.get(n).view(np.uint8), src.get(n).view(np.uint8), n)
+        np.testing.assert_array_equal(out.get(n + "_scale_inv"), src.get(n + "_scale_inv"), n)
+    assert out.spec("model.layers.0.self_attn.kv_b_proj.weight")[0] == jnp.bfloat16
+    assert not any(n.endswith("_scale_inv") and n[: -len("_scale_inv")] not in kept for n in out.keys())
+    cfg2, back = load_hf_checkpoint(str(tmp_path / "fp8"), weights="fp8")
+    # the fixture's MTP layer is incomplete (not loaded), so the export has none
+    assert dataclasses.replace(cfg2, num_nextn_predict_layers=1, mtp_loaded=False) == cfg
+    got, want = _fp8_leaves(back), _fp8_leaves(p8)
+    assert set(got) == set(want)
+    for k, x in want.items():
+        if x.dtype == jnp.float8_e4m3fn:
+            np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint8), np.asarray(x).view(np.uint8), k)
+        elif "scale_inv" in k:
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(x), k)
+        elif "e_score_correction_bias" not in k:
+            np.testing.assert_array_equal(
+                np.asarray(got[k], np.float32), np.asarray(x.astype(jnp.bfloat16), np.float32)
+            )
+
+    export_hf(p8, cfg, TOKENIZER, tmp_path / "f32", dtype="fp32", eos_token=None)
+    with open(tmp_path / "f32" / "config.json") as f:
+        assert "quantization_config" not in json.load(f)
+    n = kept[0]
+    deq = dequantize_fp8_blocks(src.get(n), src.get(n + "_scale_inv"))
+    np.testing.assert_array_equal(CheckpointDir(str(tmp_path / "f32")).get(n), deq)
+
+
+def test_export_fp8_from_float_reports_error(tmp_path):
+    """A float model exported in fp8: its FP8_LINEARS block-quantized (error in the safetensors metadata),
+    reloaded within e4m3 rounding of each block."""
+    import json
+
+    from mla_jax.checkpoint import export_hf, load_hf_checkpoint
+
+    cfg, pf = load_model(BF16_FIXTURE, dtype="fp32")
+    export_hf(pf, cfg, TOKENIZER, tmp_path, dtype="fp8", eos_token=None)
+    err = json.loads(SafetensorsFile(str(tmp_path / "model.safetensors")).metadata["fp8_quantization"])
+    assert err["tensors"] > 0 and 0 < err["rms_rel"] <= 0.035 and err["max_rel"] <= 2.0**-4
+    _, back = load_hf_checkpoint(str(tmp_path), weights="fp8")
+    w = back["model"]["dense_layers"]["mlp"]["gate_proj"]
+    ref = np.asarray(pf["model"]["dense_layers"]["mlp"]["gate_proj"]["weight"][0])
+    wd = np.asarray(F.dequantize_weight_blocks(w["weight"][0], w["weight_scale_inv"][0]))
+    assert np.abs(wd - ref).max() <= np.abs(ref).max() * 2.0**-4

@@ -1,0 +1,65 @@
+"""A step's host-built inputs (batch metadata, sampling arrays) as one int32 buffer.
+
+The metadata and sampling pytrees hold ~15 small numpy arrays; sent field by field, each is its own host→device
+transfer and its own argument of the jitted step. Packed, they are one transfer and one argument: `Packed.of`
+concatenates the leaves' 4-byte words on the host, and `unpack` (inside jit) slices them back at static offsets
+and bitcasts each to its dtype. The layout (tree structure, shapes, dtypes) is static pytree data, so a
+`Packed` selects its compiled step exactly as the unpacked tree would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_WORD_DTYPES = ("int32", "uint32", "float32")
+
+
+@jax.tree_util.register_pytree_node_class
+class Packed:
+    """`buf` i32[n] holds the leaves of a pytree; `layout` = (treedef, ((shape, dtype name), ...))."""
+
+    def __init__(self, buf: Any, layout: tuple):
+        self.buf, self.layout = buf, layout
+
+    @staticmethod
+    def of(tree: Any) -> "Packed":
+        """Packs a pytree of numpy arrays (int32, uint32, float32 or bool) into one host buffer."""
+        leaves, treedef = jax.tree.flatten(tree)
+        words, spec = [], []
+        for i, leaf in enumerate(leaves):
+            a = np.asarray(leaf)
+            name = a.dtype.name
+            if name == "bool":
+                a = a.astype(np.int32)
+            elif name not in _WORD_DTYPES:
+                raise TypeError(f"cannot pack leaf {i} of dtype {name} (int32, uint32, float32 or bool only)")
+            words.append(np.ascontiguousarray(a).reshape(-1).view(np.int32))
+            spec.append((a.shape, name))
+        buf = np.concatenate(words) if words else np.zeros(0, np.int32)
+        return Packed(buf, (treedef, tuple(spec)))
+
+    def unpack(self) -> Any:
+        """The original pytree (inside jit: static slices of the one buffer)."""
+        treedef, spec = self.layout
+        leaves, off = [], 0
+        for shape, name in spec:
+            n = int(np.prod(shape, dtype=np.int64))
+            w = self.buf[off : off + n].reshape(shape)
+            off += n
+            if name == "bool":
+                w = w != 0
+            elif name != "int32":
+                w = jax.lax.bitcast_convert_type(w, jnp.dtype(name))
+            leaves.append(w)
+        return jax.tree.unflatten(treedef, leaves)
+
+    def tree_flatten(self):
+        return (self.buf,), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(children[0], layout)
