@@ -1,25 +1,29 @@
-"""Multi-GPU decode benchmark: tensor parallel and decode context parallel (DCP) for a DeepSeek-V2-Lite-shaped
-model with random bf16 weights, against one GPU.
+"""Multi-GPU decode benchmark: tensor parallel, decode context parallel (DCP) and data-parallel attention with
+expert-parallel MoE (DP) for a DeepSeek-V2-Lite-shaped model with random bf16 weights, against one GPU.
 
     PYTHONPATH=. python3 bench/multigpu.py --out DIR                     # every config the visible GPUs allow
-    PYTHONPATH=. python3 bench/multigpu.py --out DIR --tp 1,2 --dcp 1    # a subset
+    PYTHONPATH=. python3 bench/multigpu.py --out DIR --tp 1,2 --dcp 1 --dp 1   # a subset
+    PYTHONPATH=. python3 bench/multigpu.py --out DIR --tp 1 --dcp 1      # the DP rows (and the baseline) only
     PYTHONPATH=. python3 bench/multigpu.py --out DIR --resume FILE       # skip the rows FILE already has
     python3 bench/multigpu.py --smoke --out /tmp/x                       # tiny dims on 8 virtual CPU devices
 
 Configs: tp in {1, 2, 4} x dcp in {1, 2, 4} on tp*dcp devices (`mla_jax.parallel`: heads split tp*dcp-way, the
-latent cache dcp-way, experts over all devices; vLLM's `-tp T -dcp D` is tp=T/D, dcp=D here); configs needing more
-GPUs than are visible are skipped. Batch 32 and 128, context 4k and 32k: every request decodes one token after
+latent cache dcp-way, experts over all devices; vLLM's `-tp T -dcp D` is tp=T/D, dcp=D here), and dp in {2, 4, 8}
+x --dp-tp {1, 2} (DP groups of TP 1 or 2, dcp 1: each DP rank its own batch/dp requests and page pool, experts over
+all devices; vLLM's `-dp N -tp T --enable-expert-parallel`); configs needing more GPUs than are visible are
+skipped. Batch 32 and 128 (over all DP ranks), context 4k and 32k: every request decodes one token after
 ctx-1 cached tokens (random latent rows), each reading its own pages; the step is `mla_jax.step.engine_step`
 with the plan (forward + all-gather of the logits + sampling), timed as mla_jax.bench.e2e times it. The one-GPU
 baseline is the same step without a plan (path "single"); `speedup` = its step time / this one and `scaling_eff` =
 speedup / devices. A configuration whose weights + cache do not fit (e.g. batch 128 x 32k on one GPU: a 130 GB
 cache) is listed under "skipped" with the reason. `roofline_ms` = (weights read per device + its KV share) / copy
-bandwidth, communication not counted.
+bandwidth, communication not counted (weights other than the routed experts split over tp*dcp, replicated over dp;
+the experts the batch hits split over all devices).
 
 Run time: ~30-60 s per row (one compile per shape, then 3 + 50 timed steps); the full grid on 4 GPUs is 28 rows,
 more than one 10-minute command. The script writes the JSON after every row and stops starting new rows after
 --budget-min minutes; run it again with --resume on the file it wrote to continue (it prints the command).
-Writes DIR/multigpu-h200.json (format: ../shared/notes/bench-results.md; rows carry `tp` and `dcp`).
+Writes DIR/multigpu-h200.json (format: ../shared/notes/bench-results.md; rows carry `dp`, `tp` and `dcp`).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from mla_jax.cache import KVCache  # noqa: E402
 from mla_jax.config import DeepseekConfig  # noqa: E402
 from mla_jax.engine import default_gmm_impl  # noqa: E402
 from mla_jax.metadata import BatchShape, ScheduledRequest, build_metadata  # noqa: E402
+from mla_jax.parallel import stack_metadata  # noqa: E402
 from mla_jax.sampling import SamplingArrays  # noqa: E402
 from mla_jax.step import engine_step, step_batch  # noqa: E402
 from pallas_kernels.util import cdiv  # noqa: E402
@@ -97,31 +102,37 @@ def random_cache(shape: tuple[int, ...], sharding, dtype) -> KVCache:
 
 
 def run_row(*, params, cfg, plan, batch, ctx, page, backend, gmm, steps, reps, ceilings, nbytes_weights):
-    """One decode measurement; returns the row. `plan` None: the plain one-device engine_step."""
+    """One decode measurement; returns the row. `plan` None: the plain one-device engine_step. Under DP each rank
+    decodes batch/dp of the requests from its own pool of pages."""
     dcp = plan.dcp if plan is not None else 1
+    dp = plan.dp if plan is not None else 1
     gv = page * dcp  # virtual page of the block tables
     pages_per_req = cdiv(ctx, gv)
-    num_pages = batch * pages_per_req + 1
-    shape = (cfg.num_hidden_layers, num_pages, gv, cfg.cache_row_dim)
+    local = batch // dp  # requests per DP rank
+    num_pages = local * pages_per_req + 1  # per rank
+    shape = (cfg.num_hidden_layers, dp * num_pages, gv, cfg.cache_row_dim)
     if plan is None:
         cache = random_cache(shape, None, jnp.bfloat16)
     else:
         cache = random_cache(shape, NamedSharding(plan.mesh, plan.cache_specs(False).kv_c_and_k_pe_cache), jnp.bfloat16)
     reqs = [
         ScheduledRequest([7], ctx - 1, list(range(1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)))
-        for b in range(batch)
+        for b in range(local)
     ]
     md, _ = build_metadata(
         reqs,
         page_size=gv,
         num_pages=num_pages,
-        shape=BatchShape(num_decodes=batch, decode_query_len=1, max_pages=pages_per_req),
+        shape=BatchShape(num_decodes=local, decode_query_len=1, max_pages=pages_per_req),
     )
-    batch = step_batch(md, SamplingArrays.build([], [], md.shape.num_logits))
-    batch = jax.device_put(batch) if plan is None else plan.replicate(batch)
+    sp = SamplingArrays.build([], [], md.shape.num_logits * dp)
+    if dp > 1:  # every rank the same layout of its own pool
+        md = stack_metadata([md] * dp)
+    inputs = step_batch(md, sp)  # (not `batch`: the request count is used below)
+    inputs = jax.device_put(inputs) if plan is None else plan.replicate(inputs)
 
     def step(cache):
-        t, _, cache, _ = engine_step(params, cfg, cache, batch, plan=plan, backend=backend, gmm_impl=gmm)
+        t, _, cache, _ = engine_step(params, cfg, cache, inputs, plan=plan, backend=backend, gmm_impl=gmm)
         return t, cache
 
     t0 = time.perf_counter()
@@ -141,9 +152,12 @@ def run_row(*, params, cfg, plan, batch, ctx, page, backend, gmm, steps, reps, c
     del cache
     step_s = float(np.median(times))
     devices = plan.num_devices if plan is not None else 1
-    kv_bytes = batch * ctx * 2 * cfg.cache_row_dim * cfg.num_hidden_layers / dcp
-    roof = (nbytes_weights(batch) / devices + kv_bytes) / (ceilings["copy_TBps"] * 1e12)
+    kv_bytes = local * ctx * 2 * cfg.cache_row_dim * cfg.num_hidden_layers / dcp
+    dense = nbytes_weights(0)  # everything but the routed experts: split over tp*dcp, replicated over dp
+    per_device = dense / (devices // dp) + (nbytes_weights(batch) - dense) / devices
+    roof = (per_device + kv_bytes) / (ceilings["copy_TBps"] * 1e12)
     return dict(
+        dp=dp,
         tp=plan.tp if plan is not None else 1,
         dcp=dcp,
         devices=devices,
@@ -158,6 +172,11 @@ def run_row(*, params, cfg, plan, batch, ctx, page, backend, gmm, steps, reps, c
         x_roofline=round(step_s / roof, 2),
         compile_s=round(compile_s, 1),
     )
+
+
+def _key(r: dict) -> tuple:
+    """A row's (or skip's) identity; rows of runs before DP have no "dp": 1."""
+    return (r["path"], r.get("dp", 1), r["tp"], r["dcp"], r["batch"], r["ctx"])
 
 
 def add_scaling(rows: list[dict]) -> None:
@@ -182,6 +201,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--tp", type=_ints, default=(1, 2, 4))
     ap.add_argument("--dcp", type=_ints, default=(1, 2, 4))
+    ap.add_argument("--dp", type=_ints, default=(1, 2, 4, 8), help="data-parallel attention ranks (1: none)")
+    ap.add_argument("--dp-tp", type=_ints, default=(1, 2), help="TP inside a DP group for the dp > 1 rows (dcp 1)")
     ap.add_argument("--batch", type=_ints, default=(32, 128))
     ap.add_argument("--ctx", type=_ints, default=(4096, 32768))
     ap.add_argument("--page", type=int, default=64, help="physical page size G of each device")
@@ -211,7 +232,7 @@ def main() -> None:
         )
         if "num_key_value_heads" in d:  # must equal the heads for MLA
             d["num_key_value_heads"] = d["num_attention_heads"]
-        args.batch, args.ctx, args.page = (4,), (32, 128), 16
+        args.batch, args.ctx, args.page = (8,), (32, 128), 16
         steps, reps = 2, 2
     cfg = DeepseekConfig.from_dict(d)
     backend = args.backend or attention.default_backend_name()
@@ -234,7 +255,7 @@ def main() -> None:
             prev = json.load(f)
         res["rows"] = prev.get("rows", [])
         res["skipped"] = prev.get("skipped", [])
-        done = {(r["path"], r["tp"], r["dcp"], r["batch"], r["ctx"]) for r in res["rows"] + res["skipped"]}
+        done = {_key(r) for r in res["rows"] + res["skipped"]}
     out_path = os.path.join(args.out, RESULT_FILE)
     print("ceilings", ceilings, f"| {n_dev} devices, backend {backend}", flush=True)
 
@@ -250,41 +271,53 @@ def main() -> None:
     nbytes_weights = lambda b: weight_bytes(params_host, cfg, b)  # noqa: E731
     limit = device_bytes_limit()
 
-    configs: list[tuple[str, int, int]] = [] if args.no_baseline else [("single", 1, 1)]
-    # tp=1, dcp=1 through shard_map is the one-GPU baseline again; keep it only when asked for alone
-    configs += [("parallel", tp, dcp) for tp in args.tp for dcp in args.dcp if tp * dcp > 1 or args.no_baseline]
+    configs: list[tuple[str, int, int, int]] = [] if args.no_baseline else [("single", 1, 1, 1)]
+    # dp=tp=dcp=1 through shard_map is the one-GPU baseline again; keep it only when asked for alone
+    for dp in args.dp:
+        for tp in args.tp if dp == 1 else args.dp_tp:
+            for dcp in args.dcp if dp == 1 else (1,):
+                if dp * tp * dcp > 1 or args.no_baseline:
+                    configs.append(("parallel", dp, tp, dcp))
     todo = []
-    for path, tp, dcp in configs:
-        if tp * dcp > n_dev:
-            print(f"skip tp={tp} dcp={dcp}: needs {tp * dcp} devices, {n_dev} visible", flush=True)
+    for path, dp, tp, dcp in configs:
+        name = f"dp={dp} tp={tp} dcp={dcp}"
+        if dp * tp * dcp > n_dev:
+            print(f"skip {name}: needs {dp * tp * dcp} devices, {n_dev} visible", flush=True)
             continue
-        if cfg.num_attention_heads % (tp * dcp):
-            print(f"skip tp={tp} dcp={dcp}: {cfg.num_attention_heads} heads do not divide", flush=True)
+        if cfg.num_attention_heads % (tp * dcp) or cfg.n_routed_experts % (dp * tp * dcp):
+            print(f"skip {name}: heads or experts do not divide", flush=True)
             continue
-        todo += [(path, tp, dcp, b, c) for b in args.batch for c in args.ctx if (path, tp, dcp, b, c) not in done]
+        for b in args.batch:
+            if b % dp:
+                print(f"skip {name} batch {b}: not a multiple of dp", flush=True)
+                continue
+            todo += [(path, dp, tp, dcp, b, c) for c in args.ctx if (path, dp, tp, dcp, b, c) not in done]
 
     left = list(todo)
-    cur = None  # (path, tp, dcp) whose params are placed
+    cur = None  # (path, dp, tp, dcp) whose params are placed
     params = plan = None
     for key in todo:
-        path, tp, dcp, batch, ctx = key
+        path, dp, tp, dcp, batch, ctx = key
         if (time.perf_counter() - t_start) / 60 > args.budget_min:
             break
-        if cur != (path, tp, dcp):
+        if cur != (path, dp, tp, dcp):
             params = plan = None
             gc.collect()
             if path == "single":
                 params = jax.device_put(params_host, jax.devices()[0])
             else:
-                plan = parallel.ParallelPlan(parallel.make_mesh(tp=tp, dcp=dcp))
+                plan = parallel.ParallelPlan(parallel.make_mesh(dp=dp, tp=tp, dcp=dcp))
                 params = plan.shard_params(params_host, cfg)
             jax.block_until_ready(params)
-            cur = (path, tp, dcp)
-        cache_bytes = batch * cdiv(ctx, args.page * dcp) * args.page * 2 * cfg.cache_row_dim * cfg.num_hidden_layers
+            cur = (path, dp, tp, dcp)
+        cache_bytes = (
+            batch // dp * cdiv(ctx, args.page * dcp) * args.page * 2 * cfg.cache_row_dim * cfg.num_hidden_layers
+        )
         need = per_device_param_bytes(params_host, cfg, plan) + cache_bytes
         if limit and need > 0.92 * limit:
             skip = dict(
                 path=path,
+                dp=dp,
                 tp=tp,
                 dcp=dcp,
                 batch=batch,
@@ -315,7 +348,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001  (an OOM in one row should not lose the others)
                 if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                     raise
-                skip = dict(path=path, tp=tp, dcp=dcp, batch=batch, ctx=ctx, reason=f"oom: {str(e)[:200]}")
+                skip = dict(path=path, dp=dp, tp=tp, dcp=dcp, batch=batch, ctx=ctx, reason=f"oom: {str(e)[:200]}")
                 res["skipped"].append(skip)
                 print("skip", skip, flush=True)
             gc.collect()
@@ -330,7 +363,14 @@ def main() -> None:
             f"bench/multigpu.py{' --smoke' if args.smoke else ''} --out {args.out} --resume {out_path}"
             + "".join(
                 f" --{k} {','.join(map(str, v))}"
-                for k, v in (("tp", args.tp), ("dcp", args.dcp), ("batch", args.batch), ("ctx", args.ctx))
+                for k, v in (
+                    ("tp", args.tp),
+                    ("dcp", args.dcp),
+                    ("dp", args.dp),
+                    ("dp-tp", args.dp_tp),
+                    ("batch", args.batch),
+                    ("ctx", args.ctx),
+                )
             ),
             flush=True,
         )

@@ -381,3 +381,30 @@ class PagePool:
         assert all(self._page_hash.get(p) == h for h, p in self._hash_to_page.items()), "cache maps disagree"
         if not self.enable_prefix_caching:
             assert not self._page_hash and not self._evictable, "pages cached with prefix caching off"
+
+
+class PoolTotals:
+    """Read-only page counts summed over several pools (data-parallel attention: one pool per DP rank), for stats
+    that read an engine's `pool`; each rank's own pool does the allocating."""
+
+    def __init__(self, pools: Sequence[PagePool]):
+        self.pools = list(pools)
+        self.page_size = self.pools[0].page_size
+
+    num_pages = property(lambda self: sum(p.num_pages for p in self.pools))
+    num_usable_pages = property(lambda self: sum(p.num_usable_pages for p in self.pools))
+    num_free_pages = property(lambda self: sum(p.num_free_pages for p in self.pools))
+    num_held_pages = property(lambda self: sum(p.num_held_pages for p in self.pools))
+    num_cached_pages = property(lambda self: sum(p.num_cached_pages for p in self.pools))
+    num_evictable_pages = property(lambda self: sum(p.num_evictable_pages for p in self.pools))
+
+    @property
+    def request_ids(self) -> list[Hashable]:
+        return [r for p in self.pools for r in p.request_ids]
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return any(request_id in p for p in self.pools)
+
+    def check_invariants(self) -> None:
+        for p in self.pools:
+            p.check_invariants()

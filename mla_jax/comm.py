@@ -8,7 +8,9 @@ does on a mesh (T tokens, Td decode tokens, N_loc heads on this device, W worksp
     embed            vocab-split lookup, all-reduce [T, D] over the model axes
     reduce_heads     all-reduce [T, D] over the head axes ("tp", "dcp") after o_proj
     reduce_model     all-reduce [T, D] over the model axes ("ep", "tp", "dcp") after a split MLP / MoE
-    expert_rank      this device's index among the model axes (expert parallel: which experts are local)
+    expert_rank      this device's index among the expert axes (expert parallel: which experts are local)
+    dispatch_tokens  DP: all-gather the MoE input [T, D] over "dp" -> [dp*T, D], every DP rank's tokens
+    combine_tokens   DP: reduce-scatter the routed experts' partial [dp*T, D] over "dp" -> this rank's [T, D]
     local_view       DCP: this rank's slot_mapping (its own tokens; the others -1) and decode seq_lens
     gather_decode_q  DCP: all-gather the absorbed q [Td, N_loc, L+R] -> [Td, dcp*N_loc, L+R]
     combine_decode   DCP: all-gather the LSEs, reduce-scatter the LSE-rescaled latents back to N_loc heads
@@ -40,14 +42,17 @@ DCP = "dcp"
 class Comm:
     """The collectives of one step (hashable: part of the jitted step's static configuration).
 
-    `head_axes` split the attention heads, `model_axes` everything else that is split (vocab, MLP
-    intermediate, experts); `dcp` > 1 splits the latent cache by tokens over the "dcp" axis."""
+    `head_axes` split the attention heads, `model_axes` everything else that is split inside a DP group (vocab,
+    MLP intermediate, experts), `expert_axes` the routed experts (("dp",) + model_axes under DP); `dcp` > 1
+    splits the latent cache by tokens over the "dcp" axis; `dp` > 1 gives each "dp" rank its own tokens."""
 
     head_axes: tuple[str, ...] = ()
     model_axes: tuple[str, ...] = ()
     head_shards: int = 1
     dcp: int = 1
     dcp_interleave: int | None = None  # I in tokens; None: the page size
+    dp: int = 1
+    expert_axes: tuple[str, ...] | None = None  # None: the model axes
 
     # ---- tensor / expert parallel -----------------------------------------------------------------
     def embed(self, table: jax.Array, ids: jax.Array, vocab: int) -> jax.Array:
@@ -68,7 +73,26 @@ class Comm:
         return jax.lax.psum(x, self.model_axes) if self.model_axes else x
 
     def expert_rank(self) -> jax.Array:
-        return jax.lax.axis_index(self.model_axes) if self.model_axes else jnp.int32(0)
+        axes = self.model_axes if self.expert_axes is None else self.expert_axes
+        return jax.lax.axis_index(axes) if axes else jnp.int32(0)
+
+    # ---- data-parallel attention, expert-parallel MoE ---------------------------------------------
+    # The token exchange is all-gather + reduce-scatter rather than all-to-all: it is exact with static shapes
+    # (nothing dropped, no capacity factor: an all-to-all of static buffers must size each destination for every
+    # token of every rank routed there), it reuses the one routing code path of `layers.moe` (each device keeps the
+    # copies routed to its experts), and it moves no more bytes: each rank receives (dp-1)*T rows of D in the
+    # all-gather, where an all-to-all of the T*K routed copies receives about T*K*(dp-1)/dp, the same or more for
+    # DeepSeek's K = 6 or 8 at dp <= 8; the reduce-scatter returns as many. Its costs are the router and the sort
+    # over dp*T tokens on every device (small next to the expert GEMMs) and a [dp*T*K, D] GEMM input buffer, whose
+    # rows routed elsewhere sort past the local groups (the Pallas grouped GEMM skips them, storing zeros).
+    def dispatch_tokens(self, x: jax.Array) -> jax.Array:
+        """MoE input x [T, D] of this DP rank -> [dp*T, D], every rank's tokens (rank-major)."""
+        return jax.lax.all_gather(x, "dp", axis=0, tiled=True) if self.dp > 1 else x
+
+    def combine_tokens(self, y: jax.Array) -> jax.Array:
+        """Routed experts' partial [dp*T, D] (this device's experts, every rank's tokens) -> [T, D]: summed over
+        the DP ranks' experts, this rank's rows (still a partial over the model axes when those split experts)."""
+        return jax.lax.psum_scatter(y, "dp", scatter_dimension=0, tiled=True) if self.dp > 1 else y
 
     # ---- decode context parallel ------------------------------------------------------------------
     def local_view(self, md: AttentionMetadata, page_size: int) -> AttentionMetadata:

@@ -24,25 +24,18 @@ import numpy as np
 
 from mla_jax import attention, spec_decode
 from mla_jax import step as step_lib
-from mla_jax.allocator import PagePool
+from mla_jax.allocator import PagePool, PoolTotals
 from mla_jax.cache import KVCache, cache_dtype, init_kv_cache, init_kv_cache_for
 from mla_jax.chunking import workspace_rows as default_workspace_rows
 from mla_jax.compile_cache import enable_compile_cache
 from mla_jax.config import DeepseekConfig
 from mla_jax.layers import GMM_IMPLS
-from mla_jax.metadata import (
-    AttentionMetadata,
-    BatchShape,
-    DecodeMetadata,
-    PrefillMetadata,
-    ScheduledRequest,
-    build_metadata,
-)
+from mla_jax.metadata import AttentionMetadata, BatchShape, ScheduledRequest, build_metadata, empty_metadata
 from mla_jax.model import Params
 from mla_jax.mtp import has_mtp
-from mla_jax.parallel import ParallelPlan, to_host
+from mla_jax.parallel import ParallelPlan, stack_metadata, to_host
 from mla_jax.sampling import SamplingArrays, SamplingParams
-from mla_jax.scheduler import PENDING, Request, Scheduler, Status
+from mla_jax.scheduler import PENDING, DPScheduler, Request, Scheduler, Status
 from pallas_kernels.util import cdiv
 
 
@@ -131,7 +124,9 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
-    def resolved(self) -> "EngineConfig":
+    def resolved(self, dp: int = 1) -> "EngineConfig":
+        """Defaults filled in. `dp` > 1 (data-parallel attention): `num_pages` and the decode buckets are per DP
+        rank, of max_num_seqs / dp sequences each."""
         k, method = self.num_speculative_tokens, self.speculative_method
         if k or method is not None:
             if method not in spec_decode.METHODS:
@@ -141,11 +136,18 @@ class EngineConfig:
                     f"num_speculative_tokens must be an int in [1, {spec_decode.MAX_SPECULATIVE_TOKENS}] with "
                     f"speculative_method={method!r}, got {k!r}"
                 )
-        pages = self.num_pages or self.max_num_seqs * cdiv(self.max_model_len, self.page_size) + 1
-        dec = self.decode_buckets or _pow2_buckets(1, self.max_num_seqs)
+        if dp > self.max_num_seqs or self.max_num_seqs % dp:
+            raise ValueError(
+                f"EngineConfig.max_num_seqs {self.max_num_seqs} does not divide over dp={dp} data-parallel ranks "
+                "(each rank needs at least one sequence slot)"
+            )
+        seqs = self.max_num_seqs // dp  # per rank
+        pages = self.num_pages or seqs * cdiv(self.max_model_len, self.page_size) + 1
+        dec = self.decode_buckets or _pow2_buckets(1, seqs)
         pre = self.prefill_buckets or _pow2_buckets(min(16, self.token_budget), self.token_budget)
-        if max(dec) < self.max_num_seqs:
-            raise ValueError(f"largest decode bucket {max(dec)} < max_num_seqs {self.max_num_seqs}")
+        if max(dec) < seqs:
+            what = f"max_num_seqs / dp = {seqs}" if dp > 1 else f"max_num_seqs {seqs}"
+            raise ValueError(f"largest decode bucket {max(dec)} < {what}")
         if max(pre) < self.token_budget:
             raise ValueError(f"largest prefill bucket {max(pre)} < token_budget {self.token_budget}")
         return dataclasses.replace(
@@ -251,8 +253,12 @@ class Engine:
 
     On a mesh `config.page_size` is the physical page G of each device; under DCP the scheduler, allocator and
     metadata work in virtual pages of G*dcp tokens (so `config.num_pages`, if given, counts those, and each
-    device holds num_pages * G rows per layer). In a multi-process run every process drives an engine with the
-    same requests: host-side decisions are deterministic, so they stay in step."""
+    device holds num_pages * G rows per layer). Under data-parallel attention (`plan.dp` > 1) every DP rank has
+    its own page pool (`pools`; `config.num_pages` counts one rank's) and scheduler (`mla_jax.scheduler.DPScheduler`:
+    `max_num_seqs` is split over the ranks, `token_budget` and `max_prefills` hold per rank), and each step runs
+    every rank's share, in one static BatchShape (the largest bucket any rank needs), in one jitted step. In a
+    multi-process run every process drives an engine with the same requests: host-side decisions are
+    deterministic, so they stay in step."""
 
     def __init__(
         self,
@@ -264,11 +270,13 @@ class Engine:
     ):
         enable_compile_cache()  # a second start of this configuration loads its compiled steps from disk
         self.plan = plan
+        self.dp = plan.dp if plan is not None else 1
+        config.resolved(self.dp)  # bad fields (e.g. dp > max_num_seqs) fail before the params are placed
         if plan is not None:
             params = plan.shard_params(params, cfg)
             config = dataclasses.replace(config, page_size=config.page_size * plan.dcp)
         self.params, self.cfg = params, cfg
-        self.config = c = config.resolved()
+        self.config = c = config.resolved(self.dp)
         self.spec_k = c.num_speculative_tokens if c.speculative_method else 0
         self.drafter = spec_decode.make_drafter(c.speculative_method, self.spec_k) if self.spec_k else None
         if self.spec_k and plan is not None:
@@ -280,22 +288,25 @@ class Engine:
                 "speculative_method='mtp' needs MTP weights, but the checkpoint has none (config "
                 f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}, no model.layers.{cfg.num_hidden_layers}.*)"
             )
-        self.pool = PagePool(c.num_pages, c.page_size, enable_prefix_caching=c.enable_prefix_caching)
-        if self.pool.num_usable_pages < cdiv(c.max_model_len, c.page_size):
+        self.pools = [
+            PagePool(c.num_pages, c.page_size, enable_prefix_caching=c.enable_prefix_caching) for _ in range(self.dp)
+        ]
+        # DP: `pool` sums the ranks' pools (read-only page counts, for stats)
+        self.pool = self.pools[0] if self.dp == 1 else PoolTotals(self.pools)
+        if self.pools[0].num_usable_pages < cdiv(c.max_model_len, c.page_size):
             raise ValueError(
                 f"{c.num_pages} pages of {c.page_size} cannot hold one max_model_len ({c.max_model_len}) request"
             )
         self.cache = self._init_cache()
-        self.scheduler = Scheduler(
-            self.pool, max_num_seqs=c.max_num_seqs, token_budget=c.token_budget, max_prefills=c.max_prefills
-        )
+        kw = dict(max_num_seqs=c.max_num_seqs, token_budget=c.token_budget, max_prefills=c.max_prefills)
+        self.scheduler = Scheduler(self.pool, **kw) if self.dp == 1 else DPScheduler(self.pools, **kw)
         self.max_pages = cdiv(c.max_model_len, c.page_size)
         self.workspace_rows = default_workspace_rows(c.max_model_len, c.max_prefills, c.page_size)
         chunk_min = (self.workspace_rows // c.max_prefills) // c.page_size * c.page_size
         self.max_chunks = cdiv(c.max_model_len, chunk_min)
         self.async_scheduling = c.async_scheduling and not self.spec_k
         # The last step's sampled ids on the device, padded to the most logit rows a step has (fixed shape).
-        buf = np.zeros(self.batch_shape(max(c.decode_buckets), 1).num_logits, np.int32)
+        buf = np.zeros(self.batch_shape(max(c.decode_buckets), 1).num_logits * self.dp, np.int32)  # DP: rank-major
         self.token_buffer = jax.device_put(buf) if plan is None else plan.replicate(buf)
         self._inflight: _Launched | None = None  # async: the launched step whose outputs are not processed yet
         self._pending_rows: dict[Hashable, int] = {}  # request -> logit row of its pending id in the last step
@@ -473,25 +484,11 @@ class Engine:
 
     def _run_empty(self, shape: BatchShape, top_logprobs: bool = False, filtered: bool = False) -> None:
         """A step of padding rows only: writes nothing, reads nothing, compiles the shape."""
-        z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
-        md = AttentionMetadata(
-            input_ids=z(shape.num_tokens),
-            positions=z(shape.num_tokens),
-            slot_mapping=np.full(shape.num_tokens, -1, np.int32),
-            logits_indices=z(shape.num_logits),
-            decode=DecodeMetadata(z(shape.num_decodes, shape.max_pages), z(shape.num_decodes, shape.decode_query_len)),
-            prefill=PrefillMetadata(
-                z(shape.num_prefills + 1),
-                z(shape.num_prefills),
-                z(shape.num_prefills, shape.max_pages),
-                z(shape.max_chunks, shape.num_prefills),
-                z(shape.max_chunks, shape.num_prefills + 1),
-                np.zeros((), np.int32),
-            ),
-            shape=shape,
-        )
+        md = empty_metadata(shape)
+        if self.dp > 1:
+            md = stack_metadata([md] * self.dp)
         sp = SamplingParams(top_logprobs=int(top_logprobs), temperature=float(filtered), top_p=0.5 if filtered else 1)
-        sampling = SamplingArrays.build([sp], [0], shape.num_logits)  # row 0 selects the variant; writes nothing
+        sampling = SamplingArrays.build([sp], [0], shape.num_logits * self.dp)  # row 0 selects the variant only
         if self.spec_k:
             self._run_spec(md, sampling, spec_decode.SpecArrays.empty(shape))
             return
@@ -514,48 +511,81 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return None
-        reqs = [ScheduledRequest(c.token_ids, c.start, self.pool.pages(c.request.request_id)) for c in chunks]
+        pool_of = self.scheduler.pool_of
+        reqs = [ScheduledRequest(c.token_ids, c.start, pool_of(c.request).pages(c.request.request_id)) for c in chunks]
         # A decode is a request's last token (plus its drafts); anything else is a prefill chunk.
         is_decode = [c.num_tokens - c.num_drafts == 1 for c in chunks]
-        nd = sum(is_decode)
-        tp = sum(c.num_tokens for c, d in zip(chunks, is_decode) if not d)
-        shape = self.batch_shape(nd, tp)
-        md, order = build_metadata(
-            reqs,
-            page_size=self.config.page_size,
-            num_pages=self.config.num_pages,
-            workspace_rows=self.workspace_rows,
-            shape=shape,
-            is_decode=is_decode,
-        )
         self.num_computed_tokens += sum(c.num_tokens for c in chunks)
         self.steps += 1
+        if self.dp > 1:
+            md, rows = self._dp_metadata(chunks, reqs, is_decode)
+            return self._launch_plain(chunks, md, rows)
+        nd = sum(is_decode)
+        tp = sum(c.num_tokens for c, d in zip(chunks, is_decode) if not d)
+        md, order = self._build(reqs, self.batch_shape(nd, tp), is_decode)
         if self.spec_k:
             sampled = [c.samples for c in chunks]
             return _Launched(chunks, sampled, produced=self._spec_outputs(chunks, md, order, nd))
-        return self._launch_plain(chunks, md, order, nd)
+        return self._launch_plain(chunks, md, self._logit_rows(order, nd, md.shape))
+        return self._launch_plain(chunks, md, self._logit_rows(order, nd, md.shape))
 
-    def _launch_plain(self, chunks, md, order, nd) -> "_Launched":
+    def _build(self, reqs, shape: BatchShape, is_decode) -> tuple[AttentionMetadata, list[int]]:
+        """One rank's (or the one device's) metadata of `shape` and the order of `reqs` in it."""
+        c = self.config
+        kw = dict(page_size=c.page_size, num_pages=c.num_pages, workspace_rows=self.workspace_rows)
+        return build_metadata(reqs, shape=shape, is_decode=is_decode, **kw)
+
+    @staticmethod
+    def _logit_rows(order, nd, shape: BatchShape, rank: int = 0) -> list[tuple[int, int, int]]:
+        """(chunk index, logit row, token row of a decode or -1) of each chunk in `order`: decode b -> logit and
+        token row b; prefill s -> logit row Td + s. Under DP rows are rank-major: rank r's start at r *
+        num_logits (logits) and r * num_tokens (the flattened [dp, T] token rows)."""
+        lo, to = rank * shape.num_logits, rank * shape.num_tokens
+        return [
+            (oi, lo + k, to + k) if k < nd else (oi, lo + shape.num_decode_tokens + (k - nd), -1)
+            for k, oi in enumerate(order)
+        ]
+
+    def _dp_metadata(self, chunks, reqs, is_decode) -> tuple[AttentionMetadata, list[tuple[int, int, int]]]:
+        """DP: every rank's metadata in the one BatchShape of the largest rank share (a rank without chunks gets
+        `empty_metadata`), stacked on a leading [dp] axis; and `_logit_rows` of each chunk (rank-major)."""
+        ranks = [[i for i, ch in enumerate(chunks) if ch.request.dp_rank == r] for r in range(self.dp)]
+        nd = max(sum(is_decode[i] for i in idx) for idx in ranks)
+        tp = max(sum(chunks[i].num_tokens for i in idx if not is_decode[i]) for idx in ranks)
+        shape = self.batch_shape(nd, tp)
+        mds, rows = [], []
+        for r, idx in enumerate(ranks):
+            if not idx:
+                mds.append(empty_metadata(shape))
+                continue
+            md, order = self._build([reqs[i] for i in idx], shape, [is_decode[i] for i in idx])
+            mds.append(md)
+            n = sum(is_decode[i] for i in idx)
+            rows += [(idx[oi], row, tok) for oi, row, tok in self._logit_rows(order, n, shape, r)]
+        return stack_metadata(mds), rows
+
+    def _launch_plain(self, chunks, md, rows) -> "_Launched":
         """Launches a step without speculation. Each chunk's rows count as computed from now on, and a chunk that
-        samples gets a pending output (`PENDING`, filled in by `_complete`), so the next schedule sees it."""
+        samples gets a pending output (`PENDING`, filled in by `_complete`), so the next schedule sees it.
+        `rows`: `_logit_rows` of the chunks."""
         shape = md.shape
-        # Logit row of each scheduled chunk (in `order`): decode b -> row b; prefill s -> row Td + s.
-        rows = [k if k < nd else shape.num_decode_tokens + (k - nd) for k in range(len(order))]
-        sp: list[SamplingParams | None] = [None] * shape.num_logits
-        pos = [0] * shape.num_logits
-        prev_index = np.full(shape.num_tokens, -1, np.int32)
-        for k, (row, oi) in enumerate(zip(rows, order)):
+        n = shape.num_logits * self.dp
+        sp: list[SamplingParams | None] = [None] * n
+        pos = [0] * n
+        prev_index = np.full(shape.num_tokens * self.dp, -1, np.int32)
+        for oi, row, tok in rows:
             c = chunks[oi]
             r = c.request
-            if k < nd and r.num_pending:  # its input is the last step's sampled id, still on the device
-                prev_index[k] = self._pending_rows[r.request_id]
+            if tok >= 0 and r.num_pending:  # its input is the last step's sampled id, still on the device
+                prev_index[tok] = self._pending_rows[r.request_id]
             if c.samples:
                 sp[row] = r.params
                 pos[row] = r.num_tokens  # position of the token being sampled
-        tokens, logprobs = self._dispatch(md, SamplingArrays.build(sp, pos, shape.num_logits), prev_index)
+        prev_index = prev_index.reshape(np.shape(md.input_ids))  # DP: [dp, T]
+        tokens, logprobs = self._dispatch(md, SamplingArrays.build(sp, pos, n), prev_index)
         samples = [None] * len(chunks)  # per chunk: (logit row, index of its pending output, preemptions)
         self._pending_rows = {}
-        for row, oi in zip(rows, order):
+        for oi, row, _ in rows:
             c = chunks[oi]
             r = c.request
             r.num_computed_tokens = c.start + c.num_tokens
@@ -736,9 +766,11 @@ def generate(
     prompts = checked
     if config is None:
         longest = max((len(p) + s.max_new_tokens for p, s in zip(prompts, sampling)), default=1)
+        dp = plan.dp if plan is not None else 1
+        seqs = max(1, min(64, 1 << (len(prompts) - 1).bit_length()))
         config = EngineConfig(
             max_model_len=max(64, 1 << (longest - 1).bit_length()),
-            max_num_seqs=max(1, min(64, 1 << (len(prompts) - 1).bit_length())),
+            max_num_seqs=cdiv(seqs, dp) * dp,  # DP: at least one sequence per rank
             page_size=default_page_size(),
             token_budget=512,
         )

@@ -168,16 +168,23 @@ def moe(
     On a mesh (`comm`) this device holds E/n whole experts (expert parallel) or every expert's I/n slice;
     x is replicated, so every device routes all T tokens and keeps the copies routed to its experts (the
     others sort past the ragged groups, which the grouped matmul leaves at 0): the all-gather dispatch. The
-    routed and shared partial sums go into one all-reduce, the combine. Nothing is dropped.
+    routed and shared partial sums go into one all-reduce, the combine. Nothing is dropped. Under DP
+    (data-parallel attention, each "dp" rank its own tokens) the experts are split over "dp" too: the ranks'
+    tokens are all-gathered first and the routed partial reduce-scattered back (`Comm.dispatch_tokens`,
+    `Comm.combine_tokens`, which say why not an all-to-all); the shared experts run on the rank's own tokens.
     """
+    with jax.named_scope("moe_dispatch"):
+        xr = comm.dispatch_tokens(x)  # DP: [dp*T, D], every DP rank's tokens
     with jax.named_scope("moe_router"):
-        weights, ids = route(p["gate"], cfg, x)  # [T, K]
+        weights, ids = route(p["gate"], cfg, xr)  # [T, K]
     with jax.named_scope("moe_routed"):
-        routed = _routed_experts(p, cfg, x, weights, ids, gmm_impl, experts, layer, comm)
+        routed = _routed_experts(p, cfg, xr, weights, ids, gmm_impl, experts, layer, comm)
+    with jax.named_scope("moe_combine"):
+        routed = comm.combine_tokens(routed)  # DP: this rank's [T, D], summed over the DP ranks' experts
     split, whole = [], []
     e_loc, i_loc = (p["experts"] if experts is None else experts)["gate_proj"]["weight"].shape[-3:-1]
     E = cfg.n_routed_experts
-    (split if (e_loc != E or i_loc != cfg.moe_intermediate_size) else whole).append(routed)
+    (split if (e_loc * comm.dp != E or i_loc != cfg.moe_intermediate_size) else whole).append(routed)
     if cfg.n_shared_experts:
         with jax.named_scope("moe_shared"):
             sh = mlp(p["shared_experts"], x).astype(routed.dtype)

@@ -326,3 +326,25 @@ def validate_metadata(md: AttentionMetadata, *, num_pages: int, page_size: int) 
     cu = np.asarray(md.prefill.cu_chunk_lens)
     if cu.size and cu[:, -1].max() > s.workspace_rows:
         raise MetadataError(f"a context chunk holds {int(cu[:, -1].max())} rows > workspace_rows {s.workspace_rows}")
+
+
+def empty_metadata(shape: BatchShape) -> AttentionMetadata:
+    """A step of padding rows only (slot -1, seq_len 0): writes nothing, reads nothing. Compiles a shape
+    (`Engine.warmup`), and is the share of a DP rank with no requests in a step."""
+    z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
+    return AttentionMetadata(
+        input_ids=z(shape.num_tokens),
+        positions=z(shape.num_tokens),
+        slot_mapping=np.full(shape.num_tokens, -1, np.int32),
+        logits_indices=z(shape.num_logits),
+        decode=DecodeMetadata(z(shape.num_decodes, shape.max_pages), z(shape.num_decodes, shape.decode_query_len)),
+        prefill=PrefillMetadata(
+            z(shape.num_prefills + 1),
+            z(shape.num_prefills),
+            z(shape.num_prefills, shape.max_pages),
+            z(shape.max_chunks, shape.num_prefills),
+            z(shape.max_chunks, shape.num_prefills + 1),
+            np.zeros((), np.int32),
+        ),
+        shape=shape,
+    )

@@ -14,6 +14,10 @@ computed context, at most all but its last token, which must be computed to samp
 prefilled, the cached part read as chunked context. After each step `cache_computed` registers the request's
 newly completed full pages. A preempted request drops its references like a finished one; its pages stay
 cached until evicted, so its recompute is often mostly a cache hit.
+
+Data-parallel attention (`DPScheduler`): one `Scheduler` with its own page pool per DP rank; new requests wait in
+one shared queue until a rank takes them, then stay on that rank (their cache is there), preempted and resumed
+within it.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Request:
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_tokens: int = 0  # of which accepted
     num_pending: int = 0  # trailing output ids still PENDING (sampled by a step in flight)
+    dp_rank: int = 0  # data-parallel attention: the rank whose pool holds its pages (`DPScheduler`)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -113,6 +118,10 @@ class Scheduler:
     @property
     def enable_prefix_caching(self) -> bool:
         return self.pool.enable_prefix_caching
+
+    def pool_of(self, r: Request) -> PagePool:
+        """The page pool holding a request's pages (one pool here; one per rank in `DPScheduler`)."""
+        return self.pool
 
     def add(self, request_id: Hashable, prompt: list[int], params: SamplingParams) -> Request:
         r = Request(request_id, list(prompt), params, next(self._arrivals))
@@ -257,3 +266,116 @@ class Scheduler:
             self.waiting.remove(r)
         if r.request_id in self.pool:
             self.pool.free(r.request_id)
+
+
+class DPScheduler:
+    """Data-parallel attention: one `Scheduler` (and page pool) per DP rank, `max_num_seqs` split evenly over them;
+    `token_budget` and `max_prefills` hold per rank (each rank's share of the step has its own static shape).
+
+    New requests wait in one FIFO queue (`unassigned`). Each step, before the ranks schedule, the head of the queue
+    goes to the rank with the fewest tokens (its running and waiting requests' tokens together), among the ranks
+    with a free sequence slot and enough free pages for its tokens after those its own waiting requests need; ties
+    go to the rank with more free pages, then the lower rank. The queue stops at a request no rank can take
+    (FIFO, as the one-rank scheduler). An assigned request stays on its rank: its rank's scheduler runs it,
+    preempts it when its rank's pages run out (the newest of that rank) and resumes it there."""
+
+    def __init__(self, pools: list[PagePool], *, max_num_seqs: int, token_budget: int, max_prefills: int):
+        dp = len(pools)
+        if max_num_seqs < dp or max_num_seqs % dp:
+            raise ValueError(f"max_num_seqs {max_num_seqs} does not divide over dp={dp} ranks (each needs >= 1 slot)")
+        self.ranks = [
+            Scheduler(p, max_num_seqs=max_num_seqs // dp, token_budget=token_budget, max_prefills=max_prefills)
+            for p in pools
+        ]
+        self.max_num_seqs = max_num_seqs
+        self.unassigned: deque[Request] = deque()
+        self._arrivals = itertools.count()
+
+    @property
+    def dp(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for s in self.ranks for r in s.running]
+
+    @property
+    def waiting(self) -> list[Request]:
+        return list(self.unassigned) + [r for s in self.ranks for r in s.waiting]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.unassigned) or any(s.has_unfinished for s in self.ranks)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.ranks)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return sum(s.prefix_cache_queries for s in self.ranks)
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return sum(s.prefix_cache_hits for s in self.ranks)
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.ranks[0].enable_prefix_caching
+
+    def pool_of(self, r: Request) -> PagePool:
+        return self.ranks[r.dp_rank].pool
+
+    def add(self, request_id: Hashable, prompt: list[int], params: SamplingParams) -> Request:
+        r = Request(request_id, list(prompt), params, next(self._arrivals))
+        self.unassigned.append(r)
+        return r
+
+    def abort(self, request_id: Hashable) -> Request | None:
+        for r in self.unassigned:
+            if r.request_id == request_id:
+                self.unassigned.remove(r)
+                r.status = Status.FINISHED
+                r.finish_reason = "abort"
+                return r
+        for s in self.ranks:
+            r = s.abort(request_id)
+            if r is not None:
+                return r
+        return None
+
+    def rank_load(self, rank: int) -> tuple[int, int]:
+        """(tokens of the rank's running and waiting requests, its free pages less what its waiting ones need)."""
+        s = self.ranks[rank]
+        tokens = sum(r.num_tokens for r in s.running) + sum(r.num_tokens for r in s.waiting)
+        reserved = sum(s.pool.pages_needed(r.num_tokens) for r in s.waiting)
+        return tokens, s.pool.num_free_pages - reserved
+
+    def _assign(self) -> None:
+        while self.unassigned:
+            r = self.unassigned[0]
+            best = None
+            for i, s in enumerate(self.ranks):
+                if len(s.running) + len(s.waiting) >= s.max_num_seqs:
+                    continue
+                tokens, free = self.rank_load(i)
+                if free < s.pool.pages_needed(r.num_tokens):
+                    continue
+                key = (tokens, -free, i)
+                best = key if best is None or key < best else best
+            if best is None:
+                return
+            self.unassigned.popleft()
+            r.dp_rank = best[2]
+            self.ranks[r.dp_rank].waiting.append(r)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """Every rank's chunks of this step (each chunk's `request.dp_rank` says whose)."""
+        self._assign()
+        return [c for s in self.ranks for c in s.schedule()]
+
+    def cache_computed(self, r: Request) -> None:
+        self.ranks[r.dp_rank].cache_computed(r)
+
+    def finish(self, r: Request, reason: str) -> None:
+        self.ranks[r.dp_rank].finish(r, reason)

@@ -1,21 +1,23 @@
 """Model-parallel layout of the params pytree on a `jax.sharding.Mesh`.
 
 Mesh axes this module knows: "tp" (tensor parallel), "dcp" (decode context parallel: attention heads are split
-over it too, the latent cache by tokens, see `mla_jax.parallel`) and "ep" (expert parallel only: attention is
-replicated over it). Any other axis (e.g. "dp") replicates. Two groups of axes:
+over it too, the latent cache by tokens, see `mla_jax.parallel`), "ep" (expert parallel only: attention is
+replicated over it) and "dp" (data-parallel attention: each rank its own requests; only the routed experts are
+split over it). Three groups of axes:
 
     head axes    ("tp", "dcp") present in the mesh: attention heads
-    model axes   ("ep", "tp", "dcp") present in the mesh: everything else that is split
+    model axes   ("ep", "tp", "dcp") present in the mesh: everything else that is split, inside a DP group
+    expert axes  ("dp",) + the model axes when "dp" has size > 1, else the model axes: routed experts (moe="ep")
 
 What is split (weights in HF [out, in] layout; stacked layers add a leading, unsplit layer axis):
 
     attention, by heads     q_b_proj / q_proj rows, W_UK_T [N, P, L] and W_UV [N, L, V] on N, o_proj columns
                             (over the head axes)
-    routed experts          moe="ep": experts.{gate,up,down}_proj [E, out, in] on E;
+    routed experts          moe="ep": experts.{gate,up,down}_proj [E, out, in] on E (over the expert axes);
                             moe="tp": each expert's intermediate dim (gate/up rows, down columns)
     dense MLP / shared      gate_proj, up_proj rows and down_proj columns (the intermediate dim)
     embedding, lm_head      by vocab (rows)
-    (all of these over the model axes)
+    (all of these but the moe="ep" experts over the model axes)
 
 Everything else is replicated: norms, q_a_proj, kv_a_proj_with_mqa (the latent is shared by all heads), the
 router (gate.weight, e_score_correction_bias). On a mesh whose only model axis is "tp" this is the plain
@@ -40,8 +42,10 @@ from mla_jax.config import DeepseekConfig
 TP = "tp"
 DCP = "dcp"
 EP = "ep"
+DP = "dp"
 HEAD_AXES = (TP, DCP)
 MODEL_AXES = (EP, TP, DCP)
+MESH_AXES = (DP, EP, TP, DCP)  # every axis a mesh may have, in device order (dp outermost)
 MOE_MODES = ("ep", "tp")
 _STACKS = ("dense_layers", "moe_layers", "mtp_layers")
 
@@ -56,6 +60,16 @@ def mesh_axes(mesh: Mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(a for a in HEAD_AXES if a in names), tuple(a for a in MODEL_AXES if a in names)
 
 
+def dp_size(mesh: Mesh) -> int:
+    return int(mesh.shape[DP]) if DP in mesh.axis_names else 1
+
+
+def expert_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes routed experts are split over by expert (moe="ep"): "dp" (when > 1) then the model axes."""
+    model = mesh_axes(mesh)[1]
+    return ((DP,) if dp_size(mesh) > 1 else ()) + model
+
+
 def axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
     """A PartitionSpec entry for a group of axes ("tp" rather than ("tp",), None for no axes)."""
     if not axes:
@@ -64,7 +78,13 @@ def axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
 
 
 def _spec(
-    path: tuple[str, ...], ndim: int, cfg: DeepseekConfig, heads: tuple[Any, int], model: tuple[Any, int], moe: str
+    path: tuple[str, ...],
+    ndim: int,
+    cfg: DeepseekConfig,
+    heads: tuple[Any, int],
+    model: tuple[Any, int],
+    moe: str,
+    experts: tuple[Any, int] | None = None,
 ) -> PartitionSpec:
     stacked = len(path) > 2 and path[0] == "model" and path[1] in _STACKS
     rel = path[2:] if stacked else path
@@ -83,7 +103,7 @@ def _spec(
         group, axis, units = heads, 1, N
     elif name.startswith("mlp/experts/"):
         if moe == "ep":
-            axis, units = 0, E
+            group, axis, units = experts or model, 0, E
         else:  # the intermediate dim: [E, I, D] rows of gate/up, [E, D, I] columns of down
             axis = 2 if name.startswith("mlp/experts/down_proj") else 1
             units = cfg.moe_intermediate_size
@@ -113,12 +133,14 @@ def param_shardings(params_or_abstract: Any, cfg: DeepseekConfig, mesh: Mesh, *,
     if moe not in MOE_MODES:
         raise ValueError(f"moe must be one of {MOE_MODES}, got {moe!r}")
     head_axes, model_axes = mesh_axes(mesh)
-    if not model_axes:
+    ex_axes = expert_axes(mesh)
+    if not ex_axes:
         raise ValueError(
-            f"mesh axes {mesh.axis_names} have no '{TP}' axis (nor '{DCP}' or '{EP}') for model parallelism"
+            f"mesh axes {mesh.axis_names} have no '{TP}' axis (nor '{DCP}', '{EP}' or '{DP}') for model parallelism"
         )
     heads = (axes_entry(head_axes), math.prod(mesh.shape[a] for a in head_axes))
     model = (axes_entry(model_axes), math.prod(mesh.shape[a] for a in model_axes))
+    experts = (axes_entry(ex_axes), math.prod(mesh.shape[a] for a in ex_axes))
 
     flat = jax.tree_util.tree_flatten_with_path(params_or_abstract)[0]
     shapes = {tuple(_key(k) for k in path): leaf.shape for path, leaf in flat}
@@ -127,8 +149,9 @@ def param_shardings(params_or_abstract: Any, cfg: DeepseekConfig, mesh: Mesh, *,
         keys = tuple(_key(k) for k in path)
         if keys[-1] == "weight_scale_inv":  # block-FP8: the scales split with their weight (see _fp8_spec)
             w = keys[:-1] + ("weight",)
-            return NamedSharding(mesh, _fp8_spec(_spec(w, len(leaf.shape), cfg, heads, model, moe), shapes[w], mesh))
-        spec = _spec(keys, len(leaf.shape), cfg, heads, model, moe)
+            spec = _spec(w, len(leaf.shape), cfg, heads, model, moe, experts)
+            return NamedSharding(mesh, _fp8_spec(spec, shapes[w], mesh))
+        spec = _spec(keys, len(leaf.shape), cfg, heads, model, moe, experts)
         if keys[:-1] + ("weight_scale_inv",) in shapes:
             split = _fp8_spec(spec, leaf.shape, mesh)
             if split != spec and keys[-2] in ("q_proj", "q_b_proj", "o_proj"):  # the heads must stay split

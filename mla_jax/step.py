@@ -7,7 +7,9 @@ o_proj. The layers are `mla_jax.model.decoder_layers`, the one layer loop of the
 in its carry and is updated in place (it is donated by `jit_step` / `engine_step`).
 
 With a `ParallelPlan` the same step function runs inside one `shard_map` over the plan's mesh, each device on
-its shards, with the plan's collectives (`mla_jax.comm.Comm`); without one, with `LOCAL`, the identity.
+its shards, with the plan's collectives (`mla_jax.comm.Comm`); without one, with `LOCAL`, the identity. Under
+data-parallel attention each "dp" rank runs it on its own metadata (its requests, its page pool), all ranks with
+the same static BatchShape.
 
 Sparse-attention models (DeepSeek-V3.2) run `mla_jax.sparse.mla_paged_sparse` in the same layer loop instead,
 with the index group's top-k in the loop's carry next to the cache.
@@ -34,6 +36,7 @@ from mla_jax.mla import absorb_q, mla_project, o_proj, v_up_proj
 from mla_jax.model import Params, decoder_layers, embed, lm_logits
 from mla_jax.packed import Packed
 from mla_jax.sampling import SamplingArrays, sample
+from mla_jax.sharding import DP
 
 if TYPE_CHECKING:
     from mla_jax.parallel import ParallelPlan
@@ -147,6 +150,11 @@ def _device_step(params: Params, cache: KVCache, md: AttentionMetadata, *, cfg: 
     return lm_logits(params, cfg, x[md.logits_indices]), cache
 
 
+def _rank_step(f, params: Params, cache: KVCache, md: AttentionMetadata):
+    """DP: the step on this rank's metadata (the [1, ...] shard of the stacked [dp, ...] metadata)."""
+    return f(params, cache, jax.tree.map(lambda a: a[0], md))
+
+
 def check_cache(cfg: DeepseekConfig, cache: KVCache) -> None:
     """The cache has the model's layers (and, optionally, one more for the MTP drafter) of L+R rows."""
     layers = (cfg.num_hidden_layers,) + ((cfg.num_hidden_layers + 1,) if cfg.num_mtp_layers else ())
@@ -172,7 +180,9 @@ def forward_step(
     `backend` names the attention backend (`mla_jax.attention.BACKENDS`), `gmm_impl` the MoE expert matmul
     (`mla_jax.layers.expert_gmm`); `batch_invariant` decodes with one KV split (outputs independent of the
     batch). With `plan`, params and cache are laid out on its mesh and `md` is the replicated metadata built
-    with the virtual page size (page_size * dcp); the logits come out split by vocab."""
+    with the virtual page size (page_size * dcp); the logits come out split by vocab. Under DP (`plan.dp` > 1)
+    `md` is the per-rank metadata stacked on a leading [dp] axis (`parallel.stack_metadata`, each rank's block
+    tables numbering its own pool's pages) and the logits are [dp * num_logits, vocab], rank-major."""
     check_cache(cfg, cache)
     if cfg.use_sparse:
         sparse.check_sparse_cache(cfg, cache)
@@ -184,12 +194,21 @@ def forward_step(
     plan.validate(cfg)
     if cache.page_size % plan.dcp:
         raise ValueError(f"cache page axis {cache.page_size} is not a multiple of dcp={plan.dcp}")
+    if plan.dp > 1 and (md.input_ids.ndim != 2 or md.input_ids.shape[0] != plan.dp):
+        raise ValueError(
+            f"dp={plan.dp}: the metadata needs a leading [dp] axis (parallel.stack_metadata), input_ids has shape "
+            f"{tuple(md.input_ids.shape)}"
+        )
+    if cache.num_pages % plan.dp:
+        raise ValueError(f"cache has {cache.num_pages} pages, not a multiple of dp={plan.dp} (one pool per rank)")
     cspecs = plan.cache_specs(cache.is_fp8)
     f = functools.partial(_device_step, comm=plan.comm(cfg), **kw)
+    if plan.dp > 1:  # each DP rank its own [1, ...] slice of the stacked metadata
+        f = functools.partial(_rank_step, f)
     return jax.shard_map(
         f,
         mesh=plan.mesh,
-        in_specs=(plan.param_specs(params, cfg), cspecs, P()),
+        in_specs=(plan.param_specs(params, cfg), cspecs, P(DP) if plan.dp > 1 else P()),
         out_specs=(plan.logits_spec(params, cfg), cspecs),
         check_vma=False,
     )(params, cache, md)  # Pallas calls carry no varying-axes types
@@ -222,7 +241,7 @@ def step_batch(md: AttentionMetadata, sampling: SamplingArrays, prev_index=None)
     token row, the row of the previous step's token buffer that holds its input id, or -1 where `md.input_ids`
     has it; all -1 when None)."""
     if prev_index is None:
-        prev_index = np.full(md.shape.num_tokens, -1, np.int32)
+        prev_index = np.full(np.shape(md.input_ids), -1, np.int32)  # DP: [dp, T]
     return Packed.of((md, sampling, prev_index))
 
 

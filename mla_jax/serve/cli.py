@@ -137,6 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--dcp", type=int, default=1, help="decode-context-parallel devices (mesh axis)")
     e.add_argument("--ep", type=int, default=1, help="expert-parallel devices (mesh axis)")
     e.add_argument(
+        "--dp", type=int, default=1, help="data-parallel attention ranks (mesh axis; experts over all devices)"
+    )
+    e.add_argument(
         "--warmup",
         choices=("none", "basic", "full"),
         default="basic",
@@ -174,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mla-jax serve: error: {msg}", file=sys.stderr)
         return 2
 
-    for name in ("max_num_seqs", "page_size", "max_num_batched_tokens", "max_prefills", "tp", "dcp", "ep"):
+    for name in ("max_num_seqs", "page_size", "max_num_batched_tokens", "max_prefills", "tp", "dcp", "ep", "dp"):
         if getattr(args, name) < 1:
             return usage(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.port < 65536:
@@ -194,11 +197,11 @@ def run(args: argparse.Namespace) -> int:
 
     on_cpu = jax.default_backend() == "cpu"
     plan = None
-    if args.tp * args.dcp * args.ep > 1:
+    if args.tp * args.dcp * args.ep * args.dp > 1:
         from mla_jax.parallel import ParallelPlan, make_mesh
 
         try:
-            plan = ParallelPlan(make_mesh(tp=args.tp, dcp=args.dcp, ep=args.ep))
+            plan = ParallelPlan(make_mesh(tp=args.tp, dcp=args.dcp, ep=args.ep, dp=args.dp))
         except ValueError as e:
             return usage(str(e))
     t0 = time.perf_counter()
@@ -236,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
         return usage(str(e))
     c = engine.config
     _log(
-        f"engine: max_model_len {c.max_model_len}, max_num_seqs {c.max_num_seqs}, {c.num_pages} pages of "
+        f"engine: max_model_len {c.max_model_len}, max_num_seqs {c.max_num_seqs}, {c.num_pages} pages "
+        f"{'per DP rank ' if engine.dp > 1 else ''}of "
         f"{c.page_size}, cache {c.cache_dtype}, backend {c.backend}, prefix caching "
         f"{'on' if c.enable_prefix_caching else 'off'}{', mesh ' + plan.describe() if plan else ''}"
     )

@@ -190,10 +190,12 @@ def run_schedule_parallel(
     fill=float("nan"),
     return_state=False,
     compiler_options=FAST_COMPILE,
+    gmm_impl="ragged_dot",
 ):
     """Teacher-forced run through the paged cache (`mla_jax.step.jit_step`) on `plan`'s mesh (None: one device),
-    with the virtual page size page_size * dcp and one static shape. Returns [(request, position, logits)]
-    (and with `return_state`, the final cache and page pool too)."""
+    with the virtual page size page_size * dcp and one static shape. Under DP request r runs on rank r % dp, from
+    that rank's pool of `num_pages` (ranks without requests in a step run an empty share). Returns [(request,
+    position, logits)] (and with `return_state`, the final cache and the page pool, under DP the list of them)."""
     import jax
     import numpy as np
 
@@ -201,7 +203,7 @@ def run_schedule_parallel(
     from mla_jax import step as step_lib
     from mla_jax.allocator import PagePool
     from mla_jax.cache import init_kv_cache
-    from mla_jax.metadata import build_metadata
+    from mla_jax.metadata import build_metadata, empty_metadata
     from tests.mla_jax.helpers import step_logits, step_requests
 
     jit_step = jax.jit(
@@ -215,7 +217,8 @@ def run_schedule_parallel(
     gv = page_size * dcp
     workspace = 4 * gv  # >= one virtual page for each of up to 4 prefills with context
     shape = fixed_shape(gv, workspace)
-    pool = PagePool(num_pages, gv)
+    dp = plan.dp if plan is not None else 1
+    pools = [PagePool(num_pages, gv) for _ in range(dp)]
     if plan is None:
         cache = init_kv_cache(
             cfg.num_hidden_layers,
@@ -233,23 +236,38 @@ def run_schedule_parallel(
     done = [0] * len(seqs)
     out = []
     for step in schedule:
-        reqs = step_requests(pool, seqs, done, step)
-        md, order = build_metadata(
-            reqs,
-            page_size=gv,
-            num_pages=num_pages,
-            reorder_batch_threshold=reorder_batch_threshold,
-            workspace_rows=workspace,
-            shape=shape,
-        )
+        mds, orders, parts = [], [], []
+        for rank in range(dp):
+            part = [(r, n) for r, n in step if r % dp == rank]
+            dn = list(done)  # step_requests advances nothing; step_logits does, per rank below
+            if part:
+                md, order = build_metadata(
+                    step_requests(pools[rank], seqs, dn, part),
+                    page_size=gv,
+                    num_pages=num_pages,
+                    reorder_batch_threshold=reorder_batch_threshold,
+                    workspace_rows=workspace,
+                    shape=shape,
+                )
+            else:
+                md, order = empty_metadata(shape), []
+            mds.append(md)
+            orders.append(order)
+            parts.append(part)
         if plan is None:
-            logits, cache = jit_step(params, cfg, cache, md.to_device(), backend=backend)
+            logits, cache = jit_step(params, cfg, cache, mds[0].to_device(), backend=backend, gmm_impl=gmm_impl)
             logits = np.asarray(logits)
         else:
-            logits, cache = jit_step(params, cfg, cache, plan.replicate(md), plan=plan, backend=backend)
+            md = mds[0] if dp == 1 else parallel.stack_metadata(mds)
+            logits, cache = jit_step(
+                params, cfg, cache, plan.put_metadata(md), plan=plan, backend=backend, gmm_impl=gmm_impl
+            )
             logits = parallel.to_host(logits)
-        nd = sum(n <= reorder_batch_threshold for _, n in step)  # real decodes (the shape pads them)
-        out += step_logits(logits, md.shape, nd, step, order, done)
+        logits = logits.reshape(dp, shape.num_logits, -1)  # DP: rank-major rows
+        for rank in range(dp):
+            nd = sum(n <= reorder_batch_threshold for _, n in parts[rank])  # real decodes (the shape pads them)
+            out += step_logits(logits[rank], shape, nd, parts[rank], orders[rank], done)
+    pool = pools if dp > 1 else pools[0]
     return (out, cache, pool) if return_state else out
 
 
@@ -262,6 +280,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dcp", type=int, default=2)
     ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.local_devices}"
@@ -287,7 +306,7 @@ def main(argv=None) -> None:
     # different processes, so the DCP all-gathers / reduce-scatters and every all-reduce cross the process boundary.
     per_process = [[d for d in jax.devices() if d.process_index == i] for i in range(args.num_processes)]
     devices = [d for group in zip(*per_process) for d in group]
-    plan = parallel.ParallelPlan(parallel.make_mesh(tp=args.tp, dcp=args.dcp, ep=args.ep, devices=devices))
+    plan = parallel.ParallelPlan(parallel.make_mesh(tp=args.tp, dcp=args.dcp, ep=args.ep, dp=args.dp, devices=devices))
     out = run_schedule_parallel(params, cfg, sequences(cfg), SCHEDULE, plan=plan)
     gen_params = random_params(cfg, 1, std=0.3)
     step.engine_step = fast_engine_step()

@@ -44,10 +44,10 @@ def _actual_per_device(params):
     return out
 
 
-@pytest.mark.parametrize("weights, ep, tp", [("fp8", 2, 2), ("bf16", 1, 2)])
-def test_plan_matches_placed_arrays(weights, ep, tp):
-    if len(jax.devices()) < ep * tp:
-        pytest.skip(f"needs {ep * tp} devices")
+@pytest.mark.parametrize("weights, ep, tp, dp", [("fp8", 2, 2, 1), ("bf16", 1, 2, 1), ("fp8", 1, 2, 2)])
+def test_plan_matches_placed_arrays(weights, ep, tp, dp):
+    if len(jax.devices()) < ep * tp * dp:
+        pytest.skip(f"needs {ep * tp * dp} devices")
     cfg = tiny_config(**REDUCED)
     params = prepare_params(random_params(cfg, 0), cfg)  # numpy-drawn: eager init_params compiles per shape
     params = jax.tree_util.tree_map_with_path(
@@ -55,16 +55,19 @@ def test_plan_matches_placed_arrays(weights, ep, tp):
     )  # bf16 weights, the router in float32 (as the loader keeps them)
     if weights == "fp8":
         params, _ = quantize_params(params)
-    mesh = make_mesh(ep=ep, tp=tp)
-    placed = shard_params(params, cfg, mesh, moe="ep" if ep > 1 else "tp")
-    plan = weight_bytes_per_device(abstract_params(cfg, weights=weights), cfg, {"ep": ep, "tp": tp, "dcp": 1})
+    mesh = make_mesh(ep=ep, tp=tp, dp=dp)
+    moe = "ep" if ep * dp > 1 else "tp"
+    shape = {"dp": dp, "ep": ep, "tp": tp, "dcp": 1}
+    placed = shard_params(params, cfg, mesh, moe=moe)
+    plan = weight_bytes_per_device(abstract_params(cfg, weights=weights), cfg, shape, moe=moe)
     actual = _actual_per_device(placed)
     assert plan == actual
     assert actual["routed_experts"] > 0 and actual["attention"] > 0
-    full = memory_plan(cfg, ep=ep, tp=tp, weights=weights, cache_tokens=1000, page_size=64, device_bytes=10**9)
+    full = memory_plan(cfg, ep=ep, tp=tp, dp=dp, weights=weights, cache_tokens=1000, page_size=64, device_bytes=10**9)
     assert full.weights == actual
     cache = init_kv_cache_for(cfg, num_pages=16, page_size=64)  # 1000 tokens -> 16 whole pages
     assert full.cache == cache.kv_c_and_k_pe_cache.nbytes and full.cache_tokens == 1000
+    assert full.mesh_cache_tokens == 1000 * dp  # each DP group its own requests' tokens
 
 
 def test_fp8_head_split_must_keep_whole_blocks():
@@ -86,3 +89,27 @@ def test_v3_on_8_h200():
     assert mixed.fits, mixed.report()
     bf16 = memory_plan(cfg, ep=8, weights="bf16")
     assert not bf16.fits and bf16.cache_tokens == 0
+
+
+def test_capacity_table_v3_v2_lite():
+    """The README's capacity table: TP 8 caches one GPU's tokens per node (the latent is replicated), DCP 8 and DP 8
+    eight GPUs' worth; DP replicates attention (more weights a GPU) but V3's node still caches several times
+    TP 8's tokens."""
+    from mla_jax.config import DEEPSEEK_V2_LITE
+    from mla_jax.memory import CAPACITY_LAYOUTS, capacity_table
+
+    models = {
+        "V3": (DeepseekConfig.from_dict(DEEPSEEK_V3), "fp8"),
+        "V2-Lite": (DeepseekConfig.from_dict(DEEPSEEK_V2_LITE), "bf16"),
+    }
+    rows = {(r["model"], r["layout"]): r for r in capacity_table(models)}
+    assert len(rows) == 2 * len(CAPACITY_LAYOUTS) and all(r["fits"] for r in rows.values())
+    for m in models:
+        tp8, dcp8, dp8, dp4 = (rows[m, name] for name, _ in CAPACITY_LAYOUTS)
+        assert tp8["tokens_per_node"] == tp8["tokens_per_gpu"]
+        assert (
+            dp8["tokens_per_node"] == 8 * dp8["tokens_per_gpu"] and dp4["tokens_per_node"] == 4 * dp4["tokens_per_gpu"]
+        )
+        assert abs(dcp8["tokens_per_node"] - 8 * dcp8["tokens_per_gpu"]) <= 8
+        assert dp8["weights_gb_per_gpu"] > dp4["weights_gb_per_gpu"] > tp8["weights_gb_per_gpu"]
+    assert rows["V3", "DP 8"]["tokens_per_node"] > 4 * rows["V3", "TP 8"]["tokens_per_node"]

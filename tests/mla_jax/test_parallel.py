@@ -190,7 +190,7 @@ def test_plan_errors():
     with pytest.raises(ValueError, match="needs 16 devices, 8 available"):
         parallel.make_mesh(tp=4, dcp=4)
     with pytest.raises(ValueError, match="not supported"):
-        parallel.ParallelPlan(jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("dp", "tp")))
+        parallel.ParallelPlan(jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("sp", "tp")))
     with pytest.raises(ValueError, match="moe must be one of"):
         parallel.ParallelPlan(parallel.make_mesh(tp=2), moe="dense")
     parallel.ParallelPlan(parallel.make_mesh(tp=2, dcp=2, ep=2)).validate(cfg)
