@@ -524,36 +524,42 @@ class OpenAIServing:
     def _echo_text(self, prompt: Prompt) -> str:
         return prompt.text if prompt.text is not None else self.tok.decode(prompt.ids)
 
-    async def completion_stream(self, req: CompletionRequest, jobs: list[Job]) -> AsyncIterator[str]:
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    def completion_stream(self, req: CompletionRequest, jobs: list[Job]) -> AsyncIterator[str]:
+        opening = [
+            {"index": j.index, "text": self._echo_text(j.prompt), "logprobs": None, "finish_reason": None}
+            for j in jobs
+            if req.echo
+        ]
+
+        def choice(up):
+            lp = self._completion_logprobs(up)
+            return {"index": up.choice.job.index, "text": up.text, "logprobs": lp, "finish_reason": up.finish_reason}
+
+        return self._stream(req, jobs, "cmpl", "text_completion", opening, choice)
+
+    async def _stream(self, req, jobs: list[Job], prefix: str, obj: str, opening: list, choice) -> AsyncIterator[str]:
+        """The SSE stream of both endpoints: each of `opening`'s choices in a chunk of its own, then a chunk per
+        update that carries text, logprobs or a finish (`choice(up)` builds its choice), the usage chunk if asked
+        (per chunk with continuous_usage_stats), then [DONE]; an engine failure is an error event."""
+        rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         seen: dict[int, ChoiceState] = {}
 
         def chunk(choices, usage=None):
-            d = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-            }
+            d = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
             if usage is not None:
                 d["usage"] = usage
             return _sse(d)
 
         try:
-            if req.echo:
-                for j in jobs:
-                    yield chunk(
-                        [{"index": j.index, "text": self._echo_text(j.prompt), "logprobs": None, "finish_reason": None}]
-                    )
+            for c in opening:
+                yield chunk([c])
             async for up in self.run(jobs):
                 seen[up.choice.job.index] = up.choice
-                lp = self._completion_logprobs(up)
-                if not up.text and up.finish_reason is None and lp is None:
+                c = choice(up)
+                if not up.text and up.finish_reason is None and c["logprobs"] is None:
                     continue
-                c = {"index": up.choice.job.index, "text": up.text, "logprobs": lp, "finish_reason": up.finish_reason}
                 if up.finish_reason is not None:
                     c["stop_reason"] = up.choice.stop_reason
                 yield chunk([c], self._usage(jobs, seen) if continuous else None)
@@ -591,55 +597,21 @@ class OpenAIServing:
             "usage": self._usage(jobs, choices),
         }
 
-    async def chat_stream(self, req: ChatCompletionRequest, jobs: list[Job]) -> AsyncIterator[str]:
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        seen: dict[int, ChoiceState] = {}
+    def chat_stream(self, req: ChatCompletionRequest, jobs: list[Job]) -> AsyncIterator[str]:
+        opening = [
+            {"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for j in jobs
+        ]
 
-        def chunk(choices, usage=None):
-            d = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
+        def choice(up):
+            return {
+                "index": up.choice.job.index,
+                "delta": {"content": up.text} if up.text else {},
+                "logprobs": self._chat_logprobs(up),
+                "finish_reason": up.finish_reason,
             }
-            if usage is not None:
-                d["usage"] = usage
-            return _sse(d)
 
-        try:
-            for j in jobs:
-                yield chunk(
-                    [
-                        {
-                            "index": j.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-            async for up in self.run(jobs):
-                seen[up.choice.job.index] = up.choice
-                lp = self._chat_logprobs(up)
-                if not up.text and up.finish_reason is None and lp is None:
-                    continue
-                c = {
-                    "index": up.choice.job.index,
-                    "delta": {"content": up.text} if up.text else {},
-                    "logprobs": lp,
-                    "finish_reason": up.finish_reason,
-                }
-                if up.finish_reason is not None:
-                    c["stop_reason"] = up.choice.stop_reason
-                yield chunk([c], self._usage(jobs, seen) if continuous else None)
-            if include_usage:
-                yield chunk([], self._usage(jobs, seen))
-        except EngineDeadError as e:
-            yield _sse(RequestError(str(e), status=500, type="server_error").body())
-        yield "data: [DONE]\n\n"
+        return self._stream(req, jobs, "chatcmpl", "chat.completion.chunk", opening, choice)
 
 
 def _sse(data: dict[str, Any]) -> str:
