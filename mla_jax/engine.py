@@ -39,7 +39,7 @@ from mla_jax.metadata import (
     build_metadata,
 )
 from mla_jax.model import Params
-from mla_jax.mtp import has_mtp
+from mla_jax.mtp import has_mtp, num_draft_layers
 from mla_jax.parallel import ParallelPlan, to_host
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.scheduler import Request, Scheduler, Status
@@ -252,10 +252,11 @@ class Engine:
         self.config = c = config.resolved()
         self.spec_k = c.num_speculative_tokens if c.speculative_method else 0
         self.drafter = spec_decode.make_drafter(c.speculative_method, self.spec_k) if self.spec_k else None
-        if self.spec_k and plan is not None:
-            raise NotImplementedError("speculative decoding on a mesh (ParallelPlan) is not supported")
-        if self.spec_k and cfg.use_sparse:
-            raise NotImplementedError(f"{cfg.model_type}: speculative decoding with sparse attention is not supported")
+        if c.speculative_method == "mtp" and cfg.use_sparse:
+            raise ValueError(
+                f"speculative_method='mtp': {cfg.model_type} uses sparse attention, whose MTP layers are not loaded; "
+                "use speculative_method='ngram'"
+            )
         if c.speculative_method == "mtp" and not has_mtp(params, cfg):
             raise ValueError(
                 "speculative_method='mtp' needs MTP weights, but the checkpoint has none (config "
@@ -296,11 +297,16 @@ class Engine:
     def _init_cache(self) -> KVCache:
         """The zeroed paged cache, laid out on the plan's mesh if there is one."""
         c, cfg = self.config, self.cfg
+        # MTP drafting: one more latent cache layer per MTP layer it runs, same slots
+        extra = num_draft_layers(cfg, self.spec_k) if c.speculative_method == "mtp" else 0
         if self.plan is not None:
-            return self.plan.init_cache(cfg, c.num_pages, c.page_size // self.plan.dcp, dtype=c.cache_dtype)
-        if c.speculative_method == "mtp":  # one more layer: the MTP layer's latent cache, same slots
+            G = c.page_size // self.plan.dcp
+            return self.plan.init_cache(
+                cfg, c.num_pages, G, dtype=c.cache_dtype, num_layers=cfg.num_hidden_layers + extra
+            )
+        if extra:
             kw = dict(kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, allow_any_page_size=True)
-            return init_kv_cache(cfg.num_hidden_layers + 1, c.num_pages, c.page_size, dtype=c.cache_dtype, **kw)
+            return init_kv_cache(cfg.num_hidden_layers + extra, c.num_pages, c.page_size, dtype=c.cache_dtype, **kw)
         return init_kv_cache_for(cfg, c.num_pages, c.page_size, dtype=c.cache_dtype, allow_any_page_size=True)
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -382,7 +388,10 @@ class Engine:
     def _run_spec(self, md: AttentionMetadata, sampling: SamplingArrays, spec: spec_decode.SpecArrays):
         """One jitted speculative step (`spec_decode.spec_step`): (tokens [E, k+1], num_out [E], logprobs
         [E, k+1], MTP drafts [E, k]) on the host, E = decode entries then prefills."""
-        md, sampling, spec = md.to_device(), jax.tree.map(jnp.asarray, sampling), jax.tree.map(jnp.asarray, spec)
+        if self.plan is None:
+            md, sampling, spec = md.to_device(), jax.tree.map(jnp.asarray, sampling), jax.tree.map(jnp.asarray, spec)
+        else:
+            md, sampling, spec = self.plan.replicate(md), self.plan.replicate(sampling), self.plan.replicate(spec)
         *out, self.cache = spec_decode.spec_step(
             self.params,
             self.cfg,
@@ -391,12 +400,13 @@ class Engine:
             sampling,
             spec,
             backend=self.config.backend,
+            plan=self.plan,
             batch_invariant=self.config.batch_invariant,
             gmm_impl=self.config.gmm_impl,
             num_speculative_tokens=self.spec_k,
             method=self.drafter.method,
         )
-        return tuple(np.asarray(x) for x in out)
+        return tuple(to_host(x) for x in out)
 
     def warmup(
         self, prefill: bool = True, top_logprobs: bool = False, all_shapes: bool = False, log: TextIO | None = None

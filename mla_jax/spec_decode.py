@@ -18,26 +18,38 @@ Drafters (`Drafter`): `NgramDrafter` proposes from the request's own tokens on t
 `MtpDrafter` takes the drafts the step's MTP module made on device (`mla_jax.mtp`): after verification, in the
 same jitted step, the MTP layer runs over every computed row (the target's hidden states, the next tokens, its
 own cache layer at the same slots; rows of rejected drafts write nowhere), then k - 1 more single-row passes
-feed its own hidden state and draft back in.
+feed its own hidden state and draft back in, pass i through MTP layer i % num_mtp_layers (`mla_jax.mtp.draft_layer`,
+vLLM's choice: a checkpoint's MTP layers chain, a single one is reused).
+
+The step is one code path everywhere: on a mesh (`ParallelPlan`: TP / EP / DCP) `spec_step` runs it inside one
+`shard_map` as `mla_jax.step.forward_step` does, the logits all-gathered before acceptance so every device accepts
+the same tokens; sparse-attention models (V3.2) verify through the same layer loop (`mla_jax.sparse` scores and
+attends per token row, so a verify row j sees exactly the keys below its position; n-gram drafter only: their
+MTP layers are not loaded, `DeepseekConfig.num_mtp_layers`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from mla_jax import attention
-from mla_jax.comm import LOCAL
+from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
 from mla_jax.metadata import AttentionMetadata, BatchShape, DecodeMetadata, PrefillMetadata
 from mla_jax.model import Params, lm_logits
-from mla_jax.mtp import mtp_hidden, mtp_logits
+from mla_jax.mtp import draft_layer, full_vocab, mtp_hidden, mtp_logits
 from mla_jax.sampling import SamplingArrays, filtered_logprobs
 from mla_jax.step import _device_hidden, mla_paged
+
+if TYPE_CHECKING:
+    from mla_jax.parallel import ParallelPlan
 
 METHODS = ("mtp", "ngram")
 MAX_SPECULATIVE_TOKENS = 4
@@ -166,36 +178,29 @@ def _decode_only(md_positions, input_ids, slots, block_table, seq_lens) -> Atten
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("cfg", "backend", "batch_invariant", "gmm_impl", "num_speculative_tokens", "method"),
-    donate_argnames=("cache",),
-)
-def spec_step(
+def _spec_device(
     params: Params,
-    cfg: DeepseekConfig,
     cache,
     md: AttentionMetadata,
     sampling: SamplingArrays,
     spec: SpecArrays,
     *,
+    cfg: DeepseekConfig,
+    comm: Comm,
     backend: str,
-    batch_invariant: bool = False,
-    gmm_impl: str = "ragged_dot",
+    batch_invariant: bool,
+    gmm_impl: str,
     num_speculative_tokens: int,
     method: str,
 ):
-    """Target step + verification (+ MTP drafting): (tokens i32[Bd+Sp, Q], num_out i32[Bd+Sp], logprobs
-    f32[Bd+Sp, Q], drafts i32[Bd+Sp, k] (MTP; zeros for "ngram"), cache).
-
-    Entries: the Bd decode requests (Q = k+1 rows each), then the Sp prefills (their last row; one output).
-    `sampling` holds one row per logit row (decode rows, then one per prefill)."""
+    """The speculative step on one device's shards (`spec_step`); every output but the cache is the same on
+    every device of a mesh (the logits are all-gathered before acceptance)."""
     s = md.shape
     Bd, Q, Sp, Td = s.num_decodes, s.decode_query_len, s.num_prefills, s.num_decode_tokens
     k = num_speculative_tokens
-    kw = dict(cfg=cfg, comm=LOCAL, backend=backend, batch_invariant=batch_invariant, gmm_impl=gmm_impl)
+    kw = dict(cfg=cfg, comm=comm, backend=backend, batch_invariant=batch_invariant, gmm_impl=gmm_impl)
     x, cache = _device_hidden(params, cache, md, **kw)  # [T, D]
-    logits = lm_logits(params, cfg, x[md.logits_indices])  # [Td + Sp, vocab]
+    logits = full_vocab(lm_logits(params, cfg, x[md.logits_indices]), comm, cfg.vocab_size)  # [Td + Sp, vocab]
     rows = lambda a, lo, hi: jax.tree.map(lambda v: v[lo:hi], a)  # noqa: E731
     toks, nout, lps = [], [], []
     if Bd:
@@ -220,6 +225,8 @@ def spec_step(
     # nowhere); a prefill's last row's is its sampled token.
     be = attention.get_backend(backend)
     N = cfg.num_hidden_layers
+    heads = cfg.num_attention_heads // comm.head_shards
+    cfg_loc = cfg if heads == cfg.num_attention_heads else dataclasses.replace(cfg, num_attention_heads=heads)
     nxt = spec.next_ids
     slots = md.slot_mapping
     sel = []
@@ -234,25 +241,84 @@ def spec_step(
         nxt = nxt.at[last].set(jnp.where(nxt[last] >= 0, nxt[last], tokens[Bd:, 0]))
         sel.append(last)
     nxt = jnp.maximum(nxt, 0)  # padding rows (write nowhere, never selected)
+
+    def attn(view, j):
+        """MTP layer j's attention over its cache layer N + j; `view` the global metadata (this rank's part
+        taken here, as `_device_hidden` does for the target)."""
+        view = comm.local_view(view, cache.page_size)
+        return lambda p, h, c, layer: mla_paged(
+            p, cfg_loc, h, view, c, layer + N + j, be, comm=comm, batch_invariant=batch_invariant
+        )
+
+    mkw = dict(gmm_impl=gmm_impl, comm=comm)
     md1 = dataclasses.replace(md, slot_mapping=slots)
-
-    def attn(view):
-        return lambda p, h, c, layer: mla_paged(p, cfg, h, view, c, layer + N, be, batch_invariant=batch_invariant)
-
-    h, cache = mtp_hidden(params, cfg, x, nxt, md.positions, attn(md1), cache, gmm_impl=gmm_impl)
+    h, cache = mtp_hidden(params, cfg, x, nxt, md.positions, attn(md1, 0), cache, j=0, **mkw)
     sel = jnp.concatenate(sel)
     h, pos = h[sel], md.positions[sel]  # [E, D], [E]
-    d = jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32)
+    d = jnp.argmax(mtp_logits(params, cfg, h, j=0, comm=comm), axis=-1).astype(jnp.int32)
     drafts = [d]
     bt = jnp.concatenate([md.decode.block_table, md.prefill.block_table], axis=0)  # [E, MP]
-    G, MP = cache.page_size, bt.shape[1]
+    G, MP = cache.page_size * comm.dcp, bt.shape[1]  # the block tables' (virtual, under DCP) page size
     for i in range(1, k):
+        j = draft_layer(cfg, i)
         p = pos + i
         live = (spec.capacity > 0) & (p < MP * G)
         page = jnp.take_along_axis(bt, jnp.minimum(p // G, MP - 1)[:, None], axis=1)[:, 0]
         slot = jnp.where(live & (p < spec.capacity), page * G + p % G, -1)
         view = _decode_only(p, d, slot, bt, jnp.where(live, p + 1, 0))
-        h, cache = mtp_hidden(params, cfg, h, d, p, attn(view), cache, gmm_impl=gmm_impl)
-        d = jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32)
+        h, cache = mtp_hidden(params, cfg, h, d, p, attn(view, j), cache, j=j, **mkw)
+        d = jnp.argmax(mtp_logits(params, cfg, h, j=j, comm=comm), axis=-1).astype(jnp.int32)
         drafts.append(d)
     return tokens, num_out, logprobs, jnp.stack(drafts, axis=1), cache
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "backend", "plan", "batch_invariant", "gmm_impl", "num_speculative_tokens", "method"),
+    donate_argnames=("cache",),
+)
+def spec_step(
+    params: Params,
+    cfg: DeepseekConfig,
+    cache,
+    md: AttentionMetadata,
+    sampling: SamplingArrays,
+    spec: SpecArrays,
+    *,
+    backend: str,
+    plan: ParallelPlan | None = None,
+    batch_invariant: bool = False,
+    gmm_impl: str = "ragged_dot",
+    num_speculative_tokens: int,
+    method: str,
+):
+    """Target step + verification (+ MTP drafting): (tokens i32[Bd+Sp, Q], num_out i32[Bd+Sp], logprobs
+    f32[Bd+Sp, Q], drafts i32[Bd+Sp, k] (MTP; zeros for "ngram"), cache).
+
+    Entries: the Bd decode requests (Q = k+1 rows each), then the Sp prefills (their last row; one output).
+    `sampling` holds one row per logit row (decode rows, then one per prefill). With `plan` the step runs in
+    one `shard_map` over its mesh as `mla_jax.step.forward_step` does (md, sampling, spec replicated; outputs
+    replicated)."""
+    kw = dict(
+        cfg=cfg,
+        backend=backend,
+        batch_invariant=batch_invariant,
+        gmm_impl=gmm_impl,
+        num_speculative_tokens=num_speculative_tokens,
+        method=method,
+    )
+    if plan is None:
+        return _spec_device(params, cache, md, sampling, spec, comm=LOCAL, **kw)
+    if cfg.use_sparse:
+        raise NotImplementedError(f"{cfg.model_type}: sparse attention on a mesh (ParallelPlan) is not supported")
+    plan.validate(cfg)
+    if cache.page_size % plan.dcp:
+        raise ValueError(f"cache page axis {cache.page_size} is not a multiple of dcp={plan.dcp}")
+    cspecs = plan.cache_specs(cache.is_fp8)
+    return jax.shard_map(
+        functools.partial(_spec_device, comm=plan.comm(cfg), **kw),
+        mesh=plan.mesh,
+        in_specs=(plan.param_specs(params, cfg), cspecs, P(), P(), P()),
+        out_specs=(P(), P(), P(), P(), cspecs),
+        check_vma=False,
+    )(params, cache, md, sampling, spec)  # Pallas calls carry no varying-axes types
