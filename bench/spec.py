@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
             res["rows"].append(row)
             print(row, flush=True)
             save()
+    save()
     if not path:
         print("not written (no --out)", flush=True)
     elif left or not more_time():
