@@ -88,8 +88,9 @@ class EngineConfig:
     # with cached pages prefills only the rest. Off by default here (the server turns it on).
     enable_prefix_caching: bool = False
     # Speculative decoding (`mla_jax.spec_decode`): k = num_speculative_tokens (1..4) drafts per request and
-    # step, from DeepSeek's MTP layer ("mtp") or prompt lookup ("ngram"), verified in one target step of k+1
-    # query rows per request. 0 / None: off.
+    # step, from DeepSeek's MTP layers ("mtp"; draft i from layer i % num_mtp_layers, as vLLM) or prompt lookup
+    # ("ngram"), verified in one target step of k+1 query rows per request, on one device or a mesh. 0 / None:
+    # off.
     num_speculative_tokens: int = 0
     speculative_method: str | None = None
 
