@@ -44,7 +44,7 @@ from mla_jax.bench.common import (
 )
 from mla_jax.cache import KVCache, init_kv_cache
 from mla_jax.compile_cache import enable_compile_cache
-from mla_jax.engine import Engine, EngineConfig
+from mla_jax.engine import Engine, EngineConfig, default_page_size
 from mla_jax.metadata import ScheduledRequest, build_metadata
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.spec_decode import SpecArrays, spec_step
@@ -198,7 +198,7 @@ def demo_rows(args, res, done: set, more_time, save) -> None:
             ec = EngineConfig(
                 max_model_len=256,
                 max_num_seqs=B,
-                page_size=16,
+                page_size=default_page_size(),  # 64 on a GPU: the decode kernel the verify rows measure
                 token_budget=256,
                 max_prefills=B,
                 decode_buckets=(B,),
