@@ -208,11 +208,12 @@ def demo_rows(args, res, done: set, more_time, save) -> None:
             )
             eng = Engine(params, cfg, ec)
             eng.warmup(all_shapes=True)
-            for p in ps:
-                eng.add_request(p, sp)
-            t0 = time.perf_counter()
-            final = eng.run()
-            dt = time.perf_counter() - t0
+            for _ in range(2):  # the second pass is timed: the host side's first-call costs stay out
+                for p in ps:
+                    eng.add_request(p, sp)
+                steps0, t0 = eng.steps, time.perf_counter()
+                final = eng.run()
+                dt = time.perf_counter() - t0
             n = sum(len(o.token_ids) for o in final.values())
             tps = n / dt
             base = base or tps
@@ -225,7 +226,7 @@ def demo_rows(args, res, done: set, more_time, save) -> None:
                 tokens=n,
                 tokens_per_s=round(tps, 1),
                 speedup=round(tps / base, 3),
-                steps=eng.steps,
+                steps=eng.steps - steps0,
             )
             if k:
                 acc = eng.acceptance
