@@ -23,7 +23,7 @@ the target's slots: layer 0 by the pass over every verified row, layers j > 0 (a
 their single-row draft passes ran, so their context holds rows of earlier drafts (draft quality only: the
 verification keeps outputs exact).
 
-On a mesh the same functions run inside the step's `shard_map` with its `Comm`: the decoder layer's heads,
+On a mesh the same functions run inside the step's `shard_map`s with its `Comm`: the decoder layer's heads,
 MLP and experts split as the target's (`mla_jax.sharding` covers the stacked MTP group), the target's
 vocab-split embedding / lm_head looked up / all-gathered through the comm.
 """

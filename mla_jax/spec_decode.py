@@ -21,11 +21,14 @@ own cache layer at the same slots; rows of rejected drafts write nowhere), then 
 feed its own hidden state and draft back in, pass i through MTP layer i % num_mtp_layers (`mla_jax.mtp.draft_layer`,
 vLLM's choice: a checkpoint's MTP layers chain, a single one is reused).
 
-The step is one code path everywhere: on a mesh (`ParallelPlan`: TP / EP / DCP) `spec_step` runs it inside one
-`shard_map` as `mla_jax.step.forward_step` does, the logits all-gathered before acceptance so every device accepts
-the same tokens; sparse-attention models (V3.2) verify through the same layer loop (`mla_jax.sparse` scores and
-attends per token row, so a verify row j sees exactly the keys below its position; n-gram drafter only: their
-MTP layers are not loaded, `DeepseekConfig.num_mtp_layers`).
+The step is one code path everywhere (`_verify_device`, `_draft_first`, `_draft_next`: each on one device's
+shards): on a mesh (`ParallelPlan`: TP / EP / DCP) `spec_step` runs each part in a `shard_map` as
+`mla_jax.step.forward_step` does, all in one jitted step, the logits all-gathered before acceptance so every
+device accepts and drafts the same tokens (one manual computation for the whole step crashed Shardy's
+canonicalizer, `ManualComputationUnusedInputsPattern`, in XLA's CPU compile; split, it compiles).
+Sparse-attention models (V3.2) verify through the same layer loop (`mla_jax.sparse` scores and attends per token
+row, so a verify row j sees exactly the keys below its position); n-gram drafter only: their MTP layers are not
+loaded (`DeepseekConfig.num_mtp_layers`).
 """
 
 from __future__ import annotations
@@ -336,9 +339,9 @@ def spec_step(
     f32[Bd+Sp, Q], drafts i32[Bd+Sp, k] (MTP; zeros for "ngram"), cache).
 
     Entries: the Bd decode requests (Q = k+1 rows each), then the Sp prefills (their last row; one output).
-    `sampling` holds one row per logit row (decode rows, then one per prefill). With `plan` the step runs in
-    one `shard_map` over its mesh as `mla_jax.step.forward_step` does (md, sampling, spec replicated; outputs
-    replicated)."""
+    `sampling` holds one row per logit row (decode rows, then one per prefill). With `plan` each part runs in a
+    `shard_map` over its mesh as `mla_jax.step.forward_step` does (md, sampling, spec and the parts' hand-offs
+    replicated; the outputs too)."""
     kw = dict(cfg=cfg, backend=backend, batch_invariant=batch_invariant, gmm_impl=gmm_impl)
     k, E = num_speculative_tokens, md.shape.num_decodes + md.shape.num_prefills
     if plan is None:
