@@ -297,7 +297,7 @@ def test_sparse_v32_ngram_greedy_identical(monkeypatch):
         index_topk=8,
         index_n_heads=4,
         index_head_dim=32,
-        num_hidden_layers=2,
+        num_hidden_layers=1,
         n_routed_experts=None,
         vocab_size=VOCAB,
     )
