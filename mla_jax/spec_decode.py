@@ -270,7 +270,8 @@ def _draft_first(
         sel.append(jnp.arange(Bd) * Q + num_out[:Bd] - 1)
     if Sp:
         last = md.logits_indices[Td:]
-        is_last = jnp.arange(s.num_tokens)[:, None] == last[None, :]  # [T, Sp]
+        samples = spec.capacity[Bd:] > 0  # padding prefill entries (logits row 0) sample nothing
+        is_last = (jnp.arange(s.num_tokens)[:, None] == last[None, :]) & samples[None, :]  # [T, Sp]
         sampled_next = jnp.sum(jnp.where(is_last, tokens[Bd:, 0][None, :], 0), axis=1)
         nxt = jnp.where(is_last.any(axis=1) & (nxt < 0), sampled_next, nxt)
         sel.append(last)
