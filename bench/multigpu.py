@@ -44,15 +44,22 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from mla_jax import attention, model, parallel  # noqa: E402
-from mla_jax.bench.common import measure_ceilings, results_header, write_results  # noqa: E402
-from mla_jax.bench.e2e import V2_LITE, weight_bytes  # noqa: E402
+from mla_jax import model, parallel  # noqa: E402
+from mla_jax.bench.common import (  # noqa: E402
+    add_common_args,
+    bench_ceilings,
+    int_list,
+    resolve_impls,
+    results_header,
+    time_step,
+    v2_lite_config,
+    write_results,
+)
+from mla_jax.bench.e2e import weight_bytes  # noqa: E402
 from mla_jax.cache import KVCache  # noqa: E402
 from mla_jax.config import DeepseekConfig  # noqa: E402
-from mla_jax.engine import default_gmm_impl  # noqa: E402
 from mla_jax.metadata import BatchShape, ScheduledRequest, build_metadata  # noqa: E402
 from mla_jax.parallel import stack_metadata  # noqa: E402
 from mla_jax.sampling import SamplingArrays  # noqa: E402
@@ -60,10 +67,6 @@ from mla_jax.step import engine_step, step_batch  # noqa: E402
 from pallas_kernels.util import cdiv  # noqa: E402
 
 RESULT_FILE = "multigpu-h200.json"
-
-
-def _ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x)
 
 
 def device_bytes_limit() -> int | None:
@@ -135,22 +138,8 @@ def run_row(*, params, cfg, plan, batch, ctx, page, backend, gmm, steps, reps, c
         t, _, cache, _ = engine_step(params, cfg, cache, inputs, plan=plan, backend=backend, gmm_impl=gmm)
         return t, cache
 
-    t0 = time.perf_counter()
-    tok, cache = step(cache)
-    jax.block_until_ready(tok)
-    compile_s = time.perf_counter() - t0
-    for _ in range(3):
-        tok, cache = step(cache)
-    jax.block_until_ready(tok)
-    times = []
-    for _ in range(reps):
-        t1 = time.perf_counter()
-        for _ in range(steps):
-            tok, cache = step(cache)
-        jax.block_until_ready(tok)
-        times.append((time.perf_counter() - t1) / steps)
+    step_s, compile_s, cache = time_step(step, cache, steps=steps, reps=reps)
     del cache
-    step_s = float(np.median(times))
     devices = plan.num_devices if plan is not None else 1
     kv_bytes = local * ctx * 2 * cfg.cache_row_dim * cfg.num_hidden_layers / dcp
     dense = nbytes_weights(0)  # everything but the routed experts: split over tp*dcp, replicated over dp
@@ -190,58 +179,27 @@ def add_scaling(rows: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--backend", default=None, help="attention backend (default: the engine's for this device)")
-    ap.add_argument(
-        "--gmm",
-        choices=("ragged_dot", "pallas"),
-        default=None,
-        help="MoE expert matmul (default: the engine's for this device: pallas on GPU)",
-    )
-    ap.add_argument("--layers", type=int, default=27)
-    ap.add_argument("--tp", type=_ints, default=(1, 2, 4))
-    ap.add_argument("--dcp", type=_ints, default=(1, 2, 4))
-    ap.add_argument("--dp", type=_ints, default=(1, 2, 4, 8), help="data-parallel attention ranks (1: none)")
-    ap.add_argument("--dp-tp", type=_ints, default=(1, 2), help="TP inside a DP group for the dp > 1 rows (dcp 1)")
-    ap.add_argument("--batch", type=_ints, default=(32, 128))
-    ap.add_argument("--ctx", type=_ints, default=(4096, 32768))
+    add_common_args(ap, out_default="bench/results", out_help=f"directory for {RESULT_FILE}", budget_min=9.0)
+    ap.add_argument("--tp", type=int_list, default=(1, 2, 4))
+    ap.add_argument("--dcp", type=int_list, default=(1, 2, 4))
+    ap.add_argument("--dp", type=int_list, default=(1, 2, 4, 8), help="data-parallel attention ranks (1: none)")
+    ap.add_argument("--dp-tp", type=int_list, default=(1, 2), help="TP inside a DP group for the dp > 1 rows (dcp 1)")
+    ap.add_argument("--batch", type=int_list, default=(32, 128))
+    ap.add_argument("--ctx", type=int_list, default=(4096, 32768))
     ap.add_argument("--page", type=int, default=64, help="physical page size G of each device")
     ap.add_argument("--no-baseline", action="store_true", help="skip the plain one-GPU engine_step rows")
-    ap.add_argument("--budget-min", type=float, default=9.0, help="start no new row after this many minutes")
     ap.add_argument("--resume", default=None, help="a previous result file: keep its rows, skip those measurements")
-    ap.add_argument("--smoke", action="store_true", help="tiny dims on 8 virtual CPU devices: checks the script")
-    args = ap.parse_args()
+    args = resolve_impls(ap.parse_args())
     t_start = time.perf_counter()
 
-    d = {**V2_LITE, "num_hidden_layers": args.layers}
     steps, reps = 10, 5
-    if args.smoke:
-        d |= dict(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_attention_heads=8,
-            kv_lora_rank=64,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=16,
-            v_head_dim=32,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            num_hidden_layers=2,
-        )
-        if "num_key_value_heads" in d:  # must equal the heads for MLA
-            d["num_key_value_heads"] = d["num_attention_heads"]
-        args.batch, args.ctx, args.page = (8,), (32, 128), 16
+    if args.smoke:  # tiny dims on 8 virtual CPU devices (8 heads: every mesh divides them; batch 8: every dp)
+        args.layers, args.batch, args.ctx, args.page = 2, (8,), (32, 128), 16
         steps, reps = 2, 2
-    cfg = DeepseekConfig.from_dict(d)
-    backend = args.backend or attention.default_backend_name()
-    gmm = args.gmm or default_gmm_impl()
+    cfg = v2_lite_config(args.layers, smoke=args.smoke, **({"num_attention_heads": 8} if args.smoke else {}))
+    backend, gmm = args.backend, args.gmm
     n_dev = jax.device_count()
-    if args.smoke:  # the ceilings' 2 GiB copies and 8192^3 matmuls take minutes on a CPU
-        ceilings = {"copy_TBps": 0.01, "matmul_TFLOPs": 0.1, "smoke": True}
-    else:
-        ceilings = measure_ceilings(small=args.smoke)
+    ceilings = bench_ceilings(args.smoke)
     res = results_header(ceilings)
     res["model"] = f"DeepSeek-V2-Lite shape, random bf16 weights, {cfg.num_hidden_layers} layers"
     res["backend"] = backend

@@ -36,31 +36,19 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mla_jax import attention, model  # noqa: E402
-from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig  # noqa: E402
+from mla_jax import model  # noqa: E402
+from mla_jax.bench.common import (  # noqa: E402
+    add_common_args,
+    bench_ceilings,
+    float_list,
+    resolve_impls,
+    results_header,
+    v2_lite_config,
+    write_results,
+)
 from mla_jax.engine import Engine, EngineConfig  # noqa: E402
 from mla_jax.sampling import SamplingParams  # noqa: E402
 from mla_jax.serve.engine_loop import AsyncEngine  # noqa: E402
-
-try:  # the shared bench plumbing moved into the package; a checkout may have either
-    from mla_jax.bench.common import measure_ceilings, results_header, write_results
-except ImportError:  # pragma: no cover
-    from bench.common import measure_ceilings, results_header, write_results
-
-SMOKE_DIMS = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,19 +168,14 @@ def run_row(params, cfg, ec: EngineConfig, trace: list[TraceRequest]) -> dict:
     return row
 
 
-def _floats(s: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in s.split(","))
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="directory for serving-h200.json (default: print only)")
-    ap.add_argument("--smoke", action="store_true", help="tiny dims and trace: checks the script on a CPU")
-    ap.add_argument("--layers", type=int, default=27)
-    ap.add_argument("--backend", default=None, help="attention backend (default: the engine's for this device)")
+    add_common_args(
+        ap, out_default=None, out_help="directory for serving-h200.json (default: print only)", budget_min=8.5
+    )
     ap.add_argument(
         "--rates",
-        type=_floats,
+        type=float_list,
         default=(2.0, 8.0, 32.0, math.inf),
         help="request rates in requests/s, comma-separated ('inf': all at once)",
     )
@@ -210,14 +193,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--budget-min", type=float, default=8.5, help="start no new row after this many minutes")
-    args = ap.parse_args(argv)
+    args = resolve_impls(ap.parse_args(argv))
     t_start = time.perf_counter()
-    backend = args.backend or attention.default_backend_name()
-
-    d = {**DEEPSEEK_V2_LITE, "num_hidden_layers": args.layers}
+    backend = args.backend
+    cfg = v2_lite_config(min(args.layers, 2) if args.smoke else args.layers, smoke=args.smoke)
     if args.smoke:
-        d |= SMOKE_DIMS | dict(num_hidden_layers=min(args.layers, 2))
         spec = TraceSpec(
             num_prompts=min(args.num_prompts, 12),
             input_median=16,
@@ -259,11 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         rates = args.rates
         dtype = jnp.bfloat16
-    cfg = DeepseekConfig.from_dict(d)
-    if args.smoke:
-        ceilings = {"note": "not measured in --smoke"}
-    else:
-        ceilings = measure_ceilings()
+    ec = dataclasses.replace(ec, gmm_impl=args.gmm)
+    ceilings = bench_ceilings(args.smoke)
     res = results_header(ceilings)
     res["model"] = (
         f"DeepSeek-V2-Lite shape, random {'fp32' if args.smoke else 'bf16'} weights, "

@@ -32,7 +32,7 @@ from mla_jax.config import DeepseekConfig
 from mla_jax.layers import GMM_IMPLS
 from mla_jax.metadata import AttentionMetadata, BatchShape, ScheduledRequest, build_metadata, empty_metadata
 from mla_jax.model import Params
-from mla_jax.mtp import has_mtp
+from mla_jax.mtp import has_mtp, num_draft_layers
 from mla_jax.parallel import ParallelPlan, stack_metadata, to_host
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.scheduler import PENDING, DPScheduler, Request, Scheduler, Status
@@ -81,8 +81,9 @@ class EngineConfig:
     # with cached pages prefills only the rest. Off by default here (the server turns it on).
     enable_prefix_caching: bool = False
     # Speculative decoding (`mla_jax.spec_decode`): k = num_speculative_tokens (1..4) drafts per request and
-    # step, from DeepSeek's MTP layer ("mtp") or prompt lookup ("ngram"), verified in one target step of k+1
-    # query rows per request. 0 / None: off.
+    # step, from DeepSeek's MTP layers ("mtp"; draft i from layer i % num_mtp_layers, as vLLM) or prompt lookup
+    # ("ngram"), verified in one target step of k+1 query rows per request, on one device or a mesh. 0 / None:
+    # off.
     num_speculative_tokens: int = 0
     speculative_method: str | None = None
     # Schedule and send step n+1 while step n runs on the device: decode rows read their input id from step
@@ -272,6 +273,8 @@ class Engine:
         self.plan = plan
         self.dp = plan.dp if plan is not None else 1
         config.resolved(self.dp)  # bad fields (e.g. dp > max_num_seqs) fail before the params are placed
+        if config.speculative_method and config.num_speculative_tokens and self.dp > 1:
+            raise ValueError(f"speculative decoding with data-parallel attention (dp={self.dp}) is not supported")
         if plan is not None:
             params = plan.shard_params(params, cfg)
             config = dataclasses.replace(config, page_size=config.page_size * plan.dcp)
@@ -279,10 +282,11 @@ class Engine:
         self.config = c = config.resolved(self.dp)
         self.spec_k = c.num_speculative_tokens if c.speculative_method else 0
         self.drafter = spec_decode.make_drafter(c.speculative_method, self.spec_k) if self.spec_k else None
-        if self.spec_k and plan is not None:
-            raise NotImplementedError("speculative decoding on a mesh (ParallelPlan) is not supported")
-        if self.spec_k and cfg.use_sparse:
-            raise NotImplementedError(f"{cfg.model_type}: speculative decoding with sparse attention is not supported")
+        if c.speculative_method == "mtp" and cfg.use_sparse:
+            raise ValueError(
+                f"speculative_method='mtp': {cfg.model_type} uses sparse attention, whose MTP layers are not loaded; "
+                "use speculative_method='ngram'"
+            )
         if c.speculative_method == "mtp" and not has_mtp(params, cfg):
             raise ValueError(
                 "speculative_method='mtp' needs MTP weights, but the checkpoint has none (config "
@@ -333,11 +337,16 @@ class Engine:
     def _init_cache(self) -> KVCache:
         """The zeroed paged cache, laid out on the plan's mesh if there is one."""
         c, cfg = self.config, self.cfg
+        # MTP drafting: one more latent cache layer per MTP layer it runs, same slots
+        extra = num_draft_layers(cfg, self.spec_k) if c.speculative_method == "mtp" else 0
         if self.plan is not None:
-            return self.plan.init_cache(cfg, c.num_pages, c.page_size // self.plan.dcp, dtype=c.cache_dtype)
-        if c.speculative_method == "mtp":  # one more layer: the MTP layer's latent cache, same slots
+            G = c.page_size // self.plan.dcp
+            return self.plan.init_cache(
+                cfg, c.num_pages, G, dtype=c.cache_dtype, num_layers=cfg.num_hidden_layers + extra
+            )
+        if extra:
             kw = dict(kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, allow_any_page_size=True)
-            return init_kv_cache(cfg.num_hidden_layers + 1, c.num_pages, c.page_size, dtype=c.cache_dtype, **kw)
+            return init_kv_cache(cfg.num_hidden_layers + extra, c.num_pages, c.page_size, dtype=c.cache_dtype, **kw)
         return init_kv_cache_for(cfg, c.num_pages, c.page_size, dtype=c.cache_dtype, allow_any_page_size=True)
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -427,7 +436,10 @@ class Engine:
     def _run_spec(self, md: AttentionMetadata, sampling: SamplingArrays, spec: spec_decode.SpecArrays):
         """One jitted speculative step (`spec_decode.spec_step`): (tokens [E, k+1], num_out [E], logprobs
         [E, k+1], MTP drafts [E, k]) on the host, E = decode entries then prefills."""
-        md, sampling, spec = md.to_device(), jax.tree.map(jnp.asarray, sampling), jax.tree.map(jnp.asarray, spec)
+        if self.plan is None:
+            md, sampling, spec = md.to_device(), jax.tree.map(jnp.asarray, sampling), jax.tree.map(jnp.asarray, spec)
+        else:
+            md, sampling, spec = self.plan.replicate(md), self.plan.replicate(sampling), self.plan.replicate(spec)
         *out, self.cache = spec_decode.spec_step(
             self.params,
             self.cfg,
@@ -436,12 +448,13 @@ class Engine:
             sampling,
             spec,
             backend=self.config.backend,
+            plan=self.plan,
             batch_invariant=self.config.batch_invariant,
             gmm_impl=self.config.gmm_impl,
             num_speculative_tokens=self.spec_k,
             method=self.drafter.method,
         )
-        return tuple(np.asarray(x) for x in out)
+        return tuple(to_host(x) for x in out)
 
     def warmup(
         self,

@@ -15,8 +15,17 @@ the token at p+1, and predicts the token at p+2:
     x = decoder layer(x)                                          # through `mla_jax.model.decoder_layers`
     logits = shared_head.head(shared_head.norm(x))
 
-Drafting k tokens feeds x back as the next step's hidden state. The decoder layer attends over its own latent
-cache layer (the engine's cache layer num_hidden_layers), filled at the target's slots.
+Drafting k tokens feeds x back as the next step's hidden state. Draft step i (0 <= i < k) runs MTP layer
+i % num_mtp_layers (`draft_layer`: vLLM's `DeepSeekMultiTokenPredictor` picks `mtp_start_layer_idx +
+spec_step_idx % num_mtp_layers`, so a checkpoint with several MTP layers chains them and one with a single layer
+reuses it for every step). MTP layer j attends over its own latent cache layer num_hidden_layers + j, filled at
+the target's slots: layer 0 by the pass over every verified row, layers j > 0 (as in vLLM) only at the positions
+their single-row draft passes ran, so their context holds rows of earlier drafts (draft quality only: the
+verification keeps outputs exact).
+
+On a mesh the same functions run inside the step's `shard_map`s with its `Comm`: the decoder layer's heads,
+MLP and experts split as the target's (`mla_jax.sharding` covers the stacked MTP group), the target's
+vocab-split embedding / lm_head looked up / all-gathered through the comm.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
 from mla_jax.layers import linear, rms_norm
 from mla_jax.model import MTP_GROUP, AttentionFn, Params, decoder_layers, full_attention, lm_head_weight
@@ -37,6 +47,16 @@ LAYER_KEYS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 def has_mtp(params: Params, cfg: DeepseekConfig) -> bool:
     return cfg.num_mtp_layers > 0 and MTP_GROUP in params["model"]
+
+
+def draft_layer(cfg: DeepseekConfig, i: int) -> int:
+    """The MTP layer that makes draft i (0-based), as vLLM picks it: i % num_mtp_layers."""
+    return i % cfg.num_mtp_layers
+
+
+def num_draft_layers(cfg: DeepseekConfig, k: int) -> int:
+    """MTP layers (hence extra latent cache layers) that drafting k tokens runs."""
+    return min(cfg.num_mtp_layers, k)
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,6 +91,7 @@ def mtp_hidden(
     *,
     j: int = 0,
     gmm_impl: str = "ragged_dot",
+    comm: Comm = LOCAL,
 ) -> tuple[jax.Array, Any]:
     """MTP layer j over T rows: the target's hidden states [T, D], the next tokens i32[T] and the rows'
     positions i32[T] -> (MTP hidden state [T, D] before shared_head.norm, loop state). `attention` is the
@@ -78,7 +99,7 @@ def mtp_hidden(
     p = _layer(params, cfg, j)
     eps = cfg.rms_norm_eps
     table = p["embed_tokens"]["weight"][0] if "embed_tokens" in p else params["model"]["embed_tokens"]["weight"]
-    e = jnp.take(table, next_ids, axis=0)  # [T, D]
+    e = comm.embed(table, next_ids, cfg.vocab_size)  # [T, D]
     e = jnp.where((positions == 0)[:, None], jnp.zeros_like(e), e)  # vLLM: position 0 needs no MTP input
     sq = lambda d: jax.tree.map(lambda a: a[0], d)  # noqa: E731
     x = jnp.concatenate([rms_norm(sq(p["enorm"]), e, eps), rms_norm(sq(p["hnorm"]), hidden.astype(e.dtype), eps)], -1)
@@ -86,16 +107,24 @@ def mtp_hidden(
     mcfg = mtp_config(cfg)
     group = "moe_layers" if mcfg.first_k_dense_replace == 0 else "dense_layers"
     sub = {"model": {group: {k: p[k] for k in LAYER_KEYS}}}
-    return decoder_layers(sub, mcfg, x, attention, state, gmm_impl=gmm_impl)
+    return decoder_layers(sub, mcfg, x, attention, state, gmm_impl=gmm_impl, comm=comm)
 
 
-def mtp_logits(params: Params, cfg: DeepseekConfig, x: jax.Array, *, j: int = 0) -> jax.Array:
-    """shared_head: x [T, D] -> logits f32[T, vocab]."""
+def full_vocab(logits: jax.Array, comm: Comm, vocab: int) -> jax.Array:
+    """Logits f32[T, vocab or vocab/n] (n-way vocab split over the comm's model axes, as `Comm.embed` reads
+    the embedding) -> the whole row on every device."""
+    if logits.shape[-1] == vocab:
+        return logits
+    return jax.lax.all_gather(logits, comm.model_axes, axis=logits.ndim - 1, tiled=True)
+
+
+def mtp_logits(params: Params, cfg: DeepseekConfig, x: jax.Array, *, j: int = 0, comm: Comm = LOCAL) -> jax.Array:
+    """shared_head: x [T, D] -> logits f32[T, vocab] (the whole vocab, also on a mesh)."""
     p = _layer(params, cfg, j)
     head = p["shared_head"]
     x = rms_norm({"weight": head["norm"]["weight"][0]}, x, cfg.rms_norm_eps)
     w = head["head"]["weight"][0] if "head" in head else lm_head_weight(params)
-    return linear({"weight": w}, x).astype(jnp.float32)
+    return full_vocab(linear({"weight": w}, x).astype(jnp.float32), comm, cfg.vocab_size)
 
 
 def mtp_forward(

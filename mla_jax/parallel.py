@@ -221,18 +221,26 @@ class ParallelPlan:
         return KVCache(P(None, pages, rows, None), P(None, pages, rows) if fp8 else None)
 
     def init_cache(
-        self, cfg: DeepseekConfig, num_pages: int, page_size: int, *, dtype: Any = "bf16", fill: float = 0.0
+        self,
+        cfg: DeepseekConfig,
+        num_pages: int,
+        page_size: int,
+        *,
+        dtype: Any = "bf16",
+        fill: float = 0.0,
+        num_layers: int | None = None,
     ) -> KVCache:
         """The stacked cache, created directly in its sharding (never whole on one device).
 
         `page_size` is the physical page G of each device; the global page axis holds G*dcp rows, the virtual
         page the block tables (and `build_metadata(page_size=G*dcp)`) use. `num_pages` is per DP rank: the
         global page axis holds dp * num_pages pages, rank r's pool is pages [r*num_pages, (r+1)*num_pages),
-        which its block tables number 0..num_pages-1."""
+        which its block tables number 0..num_pages-1. `num_layers` (default: the model's) counts the MTP
+        drafter's layers too when it runs."""
         check_page_size(page_size, allow_any_page_size=True)
         d = cache_dtype(dtype)
         fp8 = d == jnp.dtype(jnp.float8_e4m3fn)
-        shape = (cfg.num_hidden_layers, num_pages * self.dp, page_size * self.dcp, cfg.cache_row_dim)
+        shape = (num_layers or cfg.num_hidden_layers, num_pages * self.dp, page_size * self.dcp, cfg.cache_row_dim)
         specs = self.cache_specs(fp8)
         out = KVCache(
             NamedSharding(self.mesh, specs.kv_c_and_k_pe_cache),

@@ -18,26 +18,41 @@ Drafters (`Drafter`): `NgramDrafter` proposes from the request's own tokens on t
 `MtpDrafter` takes the drafts the step's MTP module made on device (`mla_jax.mtp`): after verification, in the
 same jitted step, the MTP layer runs over every computed row (the target's hidden states, the next tokens, its
 own cache layer at the same slots; rows of rejected drafts write nowhere), then k - 1 more single-row passes
-feed its own hidden state and draft back in.
+feed its own hidden state and draft back in, pass i through MTP layer i % num_mtp_layers (`mla_jax.mtp.draft_layer`,
+vLLM's choice: a checkpoint's MTP layers chain, a single one is reused).
+
+The step is one code path everywhere (`_verify_device`, `_draft_first`, `_draft_next`: each on one device's
+shards): on a mesh (`ParallelPlan`: TP / EP / DCP) `spec_step` runs each part in a `shard_map` as
+`mla_jax.step.forward_step` does, all in one jitted step, the logits all-gathered before acceptance so every
+device accepts and drafts the same tokens (one manual computation for the whole step crashed Shardy's
+canonicalizer, `ManualComputationUnusedInputsPattern`, in XLA's CPU compile; split, it compiles).
+Sparse-attention models (V3.2) verify through the same layer loop (`mla_jax.sparse` scores and attends per token
+row, so a verify row j sees exactly the keys below its position); n-gram drafter only: their MTP layers are not
+loaded (`DeepseekConfig.num_mtp_layers`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from mla_jax import attention
-from mla_jax.comm import LOCAL
+from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
 from mla_jax.metadata import AttentionMetadata, BatchShape, DecodeMetadata, PrefillMetadata
 from mla_jax.model import Params, lm_logits
-from mla_jax.mtp import mtp_hidden, mtp_logits
+from mla_jax.mtp import draft_layer, full_vocab, mtp_hidden, mtp_logits
 from mla_jax.sampling import SamplingArrays, filtered_logprobs
 from mla_jax.step import _device_hidden, mla_paged
+
+if TYPE_CHECKING:
+    from mla_jax.parallel import ParallelPlan
 
 METHODS = ("mtp", "ngram")
 MAX_SPECULATIVE_TOKENS = 4
@@ -166,36 +181,27 @@ def _decode_only(md_positions, input_ids, slots, block_table, seq_lens) -> Atten
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("cfg", "backend", "batch_invariant", "gmm_impl", "num_speculative_tokens", "method"),
-    donate_argnames=("cache",),
-)
-def spec_step(
+def _verify_device(
     params: Params,
-    cfg: DeepseekConfig,
     cache,
     md: AttentionMetadata,
     sampling: SamplingArrays,
     spec: SpecArrays,
     *,
+    cfg: DeepseekConfig,
+    comm: Comm,
     backend: str,
-    batch_invariant: bool = False,
-    gmm_impl: str = "ragged_dot",
-    num_speculative_tokens: int,
-    method: str,
+    batch_invariant: bool,
+    gmm_impl: str,
 ):
-    """Target step + verification (+ MTP drafting): (tokens i32[Bd+Sp, Q], num_out i32[Bd+Sp], logprobs
-    f32[Bd+Sp, Q], drafts i32[Bd+Sp, k] (MTP; zeros for "ngram"), cache).
-
-    Entries: the Bd decode requests (Q = k+1 rows each), then the Sp prefills (their last row; one output).
-    `sampling` holds one row per logit row (decode rows, then one per prefill)."""
+    """Target step + acceptance on one device's shards: (tokens i32[E, Q], num_out i32[E], logprobs f32[E, Q],
+    last hidden states [T, D], cache). Every output but the cache is the same on every device of a mesh (the
+    logits are all-gathered before acceptance)."""
     s = md.shape
     Bd, Q, Sp, Td = s.num_decodes, s.decode_query_len, s.num_prefills, s.num_decode_tokens
-    k = num_speculative_tokens
-    kw = dict(cfg=cfg, comm=LOCAL, backend=backend, batch_invariant=batch_invariant, gmm_impl=gmm_impl)
+    kw = dict(cfg=cfg, comm=comm, backend=backend, batch_invariant=batch_invariant, gmm_impl=gmm_impl)
     x, cache = _device_hidden(params, cache, md, **kw)  # [T, D]
-    logits = lm_logits(params, cfg, x[md.logits_indices])  # [Td + Sp, vocab]
+    logits = full_vocab(lm_logits(params, cfg, x[md.logits_indices]), comm, cfg.vocab_size)  # [Td + Sp, vocab]
     rows = lambda a, lo, hi: jax.tree.map(lambda v: v[lo:hi], a)  # noqa: E731
     toks, nout, lps = [], [], []
     if Bd:
@@ -212,47 +218,166 @@ def spec_step(
         pad = lambda a: jnp.pad(a, ((0, 0), (0, Q - 1))) if Q > 1 else a  # noqa: E731
         toks, nout, lps = toks + [pad(t)], nout + [n], lps + [pad(lp)]
     tokens, num_out, logprobs = (jnp.concatenate(a, axis=0) for a in (toks, nout, lps))
-    E = Bd + Sp
-    if method != "mtp":
-        return tokens, num_out, logprobs, jnp.zeros((E, k), jnp.int32), cache
+    return tokens, num_out, logprobs, x, cache
 
-    # MTP over every row: the next token of decode row j is output j (rows past the accepted ones write
-    # nowhere); a prefill's last row's is its sampled token.
+
+def _mtp_attention(cfg: DeepseekConfig, comm: Comm, backend: str, batch_invariant: bool, page_size: int):
+    """attn(view, j): MTP layer j's attention (an `AttentionFn`) over its cache layer num_hidden_layers + j;
+    `view` the global metadata (this rank's part taken here, as `_device_hidden` does for the target)."""
     be = attention.get_backend(backend)
     N = cfg.num_hidden_layers
+    heads = cfg.num_attention_heads // comm.head_shards
+    cfg_loc = cfg if heads == cfg.num_attention_heads else dataclasses.replace(cfg, num_attention_heads=heads)
+
+    def attn(view, j):
+        view = comm.local_view(view, page_size)
+        return lambda p, h, c, layer: mla_paged(
+            p, cfg_loc, h, view, c, layer + N + j, be, comm=comm, batch_invariant=batch_invariant
+        )
+
+    return attn
+
+
+def _draft_first(
+    params: Params,
+    cache,
+    md: AttentionMetadata,
+    spec: SpecArrays,
+    x: jax.Array,
+    tokens: jax.Array,
+    num_out: jax.Array,
+    *,
+    cfg: DeepseekConfig,
+    comm: Comm,
+    backend: str,
+    batch_invariant: bool,
+    gmm_impl: str,
+):
+    """The first MTP pass, over every row of the step after `_verify_device` (x: the target's last hidden states
+    [T, D]): the next token of decode row j is output j (rows past the accepted ones write nowhere); a prefill's
+    last row's is its sampled token. Returns (MTP hidden state [E, D], position i32[E], first draft i32[E] of
+    each entry's last computed row, cache)."""
+    s = md.shape
+    Bd, Q, Sp, Td = s.num_decodes, s.decode_query_len, s.num_prefills, s.num_decode_tokens
     nxt = spec.next_ids
     slots = md.slot_mapping
     sel = []
     if Bd:
         dec_next = jnp.where(nxt[:Td].reshape(Bd, Q) >= 0, nxt[:Td].reshape(Bd, Q), tokens[:Bd])
         valid = jnp.arange(Q)[None, :] < num_out[:Bd, None]
-        nxt = nxt.at[:Td].set(dec_next.reshape(-1))
-        slots = slots.at[:Td].set(jnp.where(valid.reshape(-1), slots[:Td], -1))
+        nxt = jnp.concatenate([dec_next.reshape(-1), nxt[Td:]])
+        slots = jnp.concatenate([jnp.where(valid.reshape(-1), slots[:Td], -1), slots[Td:]])
         sel.append(jnp.arange(Bd) * Q + num_out[:Bd] - 1)
     if Sp:
         last = md.logits_indices[Td:]
-        nxt = nxt.at[last].set(jnp.where(nxt[last] >= 0, nxt[last], tokens[Bd:, 0]))
+        samples = spec.capacity[Bd:] > 0  # padding prefill entries (logits row 0) sample nothing
+        is_last = (jnp.arange(s.num_tokens)[:, None] == last[None, :]) & samples[None, :]  # [T, Sp]
+        sampled_next = jnp.sum(jnp.where(is_last, tokens[Bd:, 0][None, :], 0), axis=1)
+        nxt = jnp.where(is_last.any(axis=1) & (nxt < 0), sampled_next, nxt)
         sel.append(last)
     nxt = jnp.maximum(nxt, 0)  # padding rows (write nowhere, never selected)
+    attn = _mtp_attention(cfg, comm, backend, batch_invariant, cache.page_size)
     md1 = dataclasses.replace(md, slot_mapping=slots)
-
-    def attn(view):
-        return lambda p, h, c, layer: mla_paged(p, cfg, h, view, c, layer + N, be, batch_invariant=batch_invariant)
-
-    h, cache = mtp_hidden(params, cfg, x, nxt, md.positions, attn(md1), cache, gmm_impl=gmm_impl)
+    h, cache = mtp_hidden(params, cfg, x, nxt, md.positions, attn(md1, 0), cache, j=0, gmm_impl=gmm_impl, comm=comm)
     sel = jnp.concatenate(sel)
     h, pos = h[sel], md.positions[sel]  # [E, D], [E]
-    d = jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32)
+    d = jnp.argmax(mtp_logits(params, cfg, h, j=0, comm=comm), axis=-1).astype(jnp.int32)
+    return h, pos, d, cache
+
+
+def _draft_next(
+    params: Params,
+    cache,
+    block_table: jax.Array,
+    capacity: jax.Array,
+    h: jax.Array,
+    d: jax.Array,
+    pos: jax.Array,
+    *,
+    i: int,
+    cfg: DeepseekConfig,
+    comm: Comm,
+    backend: str,
+    batch_invariant: bool,
+    gmm_impl: str,
+):
+    """MTP pass i >= 1 (layer `draft_layer(cfg, i)`): one row per entry at position pos + i, fed the previous
+    pass's hidden state h [E, D] and draft d i32[E]; writes its cache row below `capacity` only. Returns (h, d,
+    cache)."""
+    j = draft_layer(cfg, i)
+    G, MP = cache.page_size * comm.dcp, block_table.shape[1]  # the block tables' (virtual, under DCP) page size
+    p = pos + i
+    live = (capacity > 0) & (p < MP * G)
+    page = jnp.take_along_axis(block_table, jnp.minimum(p // G, MP - 1)[:, None], axis=1)[:, 0]
+    slot = jnp.where(live & (p < capacity), page * G + p % G, -1)
+    view = _decode_only(p, d, slot, block_table, jnp.where(live, p + 1, 0))
+    attn = _mtp_attention(cfg, comm, backend, batch_invariant, cache.page_size)
+    h, cache = mtp_hidden(params, cfg, h, d, p, attn(view, j), cache, j=j, gmm_impl=gmm_impl, comm=comm)
+    return h, jnp.argmax(mtp_logits(params, cfg, h, j=j, comm=comm), axis=-1).astype(jnp.int32), cache
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "backend", "plan", "batch_invariant", "gmm_impl", "num_speculative_tokens", "method"),
+    donate_argnames=("cache",),
+)
+def spec_step(
+    params: Params,
+    cfg: DeepseekConfig,
+    cache,
+    md: AttentionMetadata,
+    sampling: SamplingArrays,
+    spec: SpecArrays,
+    *,
+    backend: str,
+    plan: ParallelPlan | None = None,
+    batch_invariant: bool = False,
+    gmm_impl: str = "ragged_dot",
+    num_speculative_tokens: int,
+    method: str,
+):
+    """Target step + verification (+ MTP drafting): (tokens i32[Bd+Sp, Q], num_out i32[Bd+Sp], logprobs
+    f32[Bd+Sp, Q], drafts i32[Bd+Sp, k] (MTP; zeros for "ngram"), cache).
+
+    Entries: the Bd decode requests (Q = k+1 rows each), then the Sp prefills (their last row; one output).
+    `sampling` holds one row per logit row (decode rows, then one per prefill). With `plan` each part runs in a
+    `shard_map` over its mesh as `mla_jax.step.forward_step` does (md, sampling, spec and the parts' hand-offs
+    replicated; the outputs too)."""
+    kw = dict(cfg=cfg, backend=backend, batch_invariant=batch_invariant, gmm_impl=gmm_impl)
+    k, E = num_speculative_tokens, md.shape.num_decodes + md.shape.num_prefills
+    if plan is None:
+        comm, cspecs = LOCAL, None
+
+        def on_mesh(f, in_specs, out_specs):
+            return f
+
+    else:
+        if cfg.use_sparse:
+            raise NotImplementedError(f"{cfg.model_type}: sparse attention on a mesh (ParallelPlan) is not supported")
+        plan.validate(cfg)
+        if cache.page_size % plan.dcp:
+            raise ValueError(f"cache page axis {cache.page_size} is not a multiple of dcp={plan.dcp}")
+        comm, cspecs = plan.comm(cfg), plan.cache_specs(cache.is_fp8)
+
+        def on_mesh(f, in_specs, out_specs):
+            pspecs = plan.param_specs(params, cfg)
+            return jax.shard_map(
+                f, mesh=plan.mesh, in_specs=(pspecs, cspecs) + in_specs, out_specs=out_specs, check_vma=False
+            )  # Pallas calls carry no varying-axes types
+
+    tokens, num_out, logprobs, x, cache = on_mesh(
+        functools.partial(_verify_device, comm=comm, **kw), (P(), P(), P()), (P(), P(), P(), P(), cspecs)
+    )(params, cache, md, sampling, spec)
+    if method != "mtp":
+        return tokens, num_out, logprobs, jnp.zeros((E, k), jnp.int32), cache
+    h, pos, d, cache = on_mesh(functools.partial(_draft_first, comm=comm, **kw), (P(),) * 5, (P(), P(), P(), cspecs))(
+        params, cache, md, spec, x, tokens, num_out
+    )
     drafts = [d]
     bt = jnp.concatenate([md.decode.block_table, md.prefill.block_table], axis=0)  # [E, MP]
-    G, MP = cache.page_size, bt.shape[1]
     for i in range(1, k):
-        p = pos + i
-        live = (spec.capacity > 0) & (p < MP * G)
-        page = jnp.take_along_axis(bt, jnp.minimum(p // G, MP - 1)[:, None], axis=1)[:, 0]
-        slot = jnp.where(live & (p < spec.capacity), page * G + p % G, -1)
-        view = _decode_only(p, d, slot, bt, jnp.where(live, p + 1, 0))
-        h, cache = mtp_hidden(params, cfg, h, d, p, attn(view), cache, gmm_impl=gmm_impl)
-        d = jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32)
+        h, d, cache = on_mesh(functools.partial(_draft_next, i=i, comm=comm, **kw), (P(),) * 5, (P(), P(), cspecs))(
+            params, cache, bt, spec.capacity, h, d, pos
+        )
         drafts.append(d)
     return tokens, num_out, logprobs, jnp.stack(drafts, axis=1), cache

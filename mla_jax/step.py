@@ -156,8 +156,8 @@ def _rank_step(f, params: Params, cache: KVCache, md: AttentionMetadata):
 
 
 def check_cache(cfg: DeepseekConfig, cache: KVCache) -> None:
-    """The cache has the model's layers (and, optionally, one more for the MTP drafter) of L+R rows."""
-    layers = (cfg.num_hidden_layers,) + ((cfg.num_hidden_layers + 1,) if cfg.num_mtp_layers else ())
+    """The cache has the model's layers (and, optionally, one more per MTP layer the drafter runs) of L+R rows."""
+    layers = tuple(range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_mtp_layers + 1))
     if cache.num_layers not in layers:
         raise ValueError(f"cache has {cache.num_layers} layers, the model {' or '.join(map(str, layers))}")
     if cache.width != cfg.cache_row_dim:

@@ -5,6 +5,7 @@ Results format: ../shared/notes/bench-results.md (one JSON object per benchmark 
 
 from __future__ import annotations
 
+import argparse
 import collections
 import datetime
 import glob
@@ -56,6 +57,84 @@ SMOKE_DIMS = dict(
     n_routed_experts=8,
     num_experts_per_tok=2,
 )
+
+
+def int_list(s: str) -> tuple[int, ...]:
+    """A comma-separated argument ("1,8,32") as ints; empty items dropped ("" -> ())."""
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def float_list(s: str) -> tuple[float, ...]:
+    """A comma-separated argument as floats ("inf" allowed)."""
+    return tuple(float(x) for x in s.split(",") if x.strip())
+
+
+def add_common_args(
+    ap: argparse.ArgumentParser, *, out_default: str | None, out_help: str, budget_min: float | None = None
+) -> None:
+    """The arguments every step benchmark shares: --out, --smoke, --layers, --backend, --gmm (and, with
+    `budget_min`, --budget-min). `resolve_impls` fills in the engine's defaults for --backend / --gmm."""
+    ap.add_argument("--out", default=out_default, help=out_help)
+    ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes: checks the script on a CPU")
+    ap.add_argument("--layers", type=int, default=27, help="decoder layers of the V2-Lite-shaped model")
+    ap.add_argument("--backend", default=None, help="attention backend (default: the engine's for this device)")
+    ap.add_argument(
+        "--gmm",
+        choices=("ragged_dot", "pallas"),
+        default=None,
+        help="MoE expert matmul (default: the engine's for this device: pallas on GPU)",
+    )
+    if budget_min is not None:
+        ap.add_argument("--budget-min", type=float, default=budget_min, help="start no new row after this many minutes")
+
+
+def resolve_impls(args: argparse.Namespace) -> argparse.Namespace:
+    """--backend / --gmm left unset -> the engine's defaults for this device."""
+    from mla_jax import attention
+    from mla_jax.engine import default_gmm_impl
+
+    args.backend = args.backend or attention.default_backend_name()
+    args.gmm = args.gmm or default_gmm_impl()
+    return args
+
+
+def v2_lite_config(layers: int, *, smoke: bool = False, **overrides: Any):
+    """The DeepSeek-V2-Lite shape with `layers` decoder layers (`SMOKE_DIMS` with `smoke`), then `overrides`."""
+    from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
+
+    d = {**DEEPSEEK_V2_LITE, "num_hidden_layers": layers} | (SMOKE_DIMS if smoke else {}) | overrides
+    if "num_key_value_heads" in d:  # must equal the heads for MLA
+        d["num_key_value_heads"] = d["num_attention_heads"]
+    return DeepseekConfig.from_dict(d)
+
+
+def bench_ceilings(smoke: bool) -> dict[str, Any]:
+    """`measure_ceilings` for a real run; a marked placeholder in --smoke (a CPU's figures mean nothing)."""
+    if smoke:  # the real ceilings' 2 GiB copies and 8192^3 matmuls take minutes on a CPU
+        return {"copy_TBps": 0.01, "matmul_TFLOPs": 0.1, "smoke": True, "note": "not measured in --smoke"}
+    return measure_ceilings()
+
+
+def time_step(
+    step: Callable[[Any], tuple[Any, Any]], cache: Any, *, steps: int, reps: int, warmup: int = 3
+) -> tuple[float, float, Any]:
+    """(median seconds per call, seconds of the first call (compile + run), cache) of `step(cache) -> (out,
+    cache)`, the donated cache threaded through; `reps` samples of `steps` back-to-back calls after `warmup`."""
+    t0 = time.perf_counter()
+    out, cache = step(cache)
+    jax.block_until_ready(out)
+    first_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        out, cache = step(cache)
+    jax.block_until_ready(out)
+    samples = []
+    for _ in range(reps):
+        t1 = time.perf_counter()
+        for _ in range(steps):
+            out, cache = step(cache)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t1) / steps)
+    return statistics.median(samples), first_s, cache
 
 
 def measure_ceilings(*, small: bool = False) -> dict[str, float]:

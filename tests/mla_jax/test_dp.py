@@ -187,6 +187,8 @@ def test_dp_layout_errors():
     plan = parallel.ParallelPlan(parallel.make_mesh(dp=8))
     with pytest.raises(ValueError, match="max_num_seqs 4 does not divide over dp=8"):
         Engine({}, cfg, EngineConfig(max_num_seqs=4), plan=plan)  # before any param is touched
+    with pytest.raises(ValueError, match="speculative decoding with data-parallel attention"):
+        Engine({}, cfg, EngineConfig(max_num_seqs=8, num_speculative_tokens=2, speculative_method="ngram"), plan=plan)
     with pytest.raises(ValueError, match="leading \\[dp\\] axis"):
         from mla_jax.metadata import BatchShape, empty_metadata
 

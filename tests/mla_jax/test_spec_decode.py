@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 
 from mla_jax import model as M
+from mla_jax import spec_decode
 from mla_jax.engine import Engine, EngineConfig
 from mla_jax.mtp import mtp_forward
 from mla_jax.sampling import SamplingArrays, SamplingParams, filtered_logprobs
 from mla_jax.spec_decode import NgramDrafter, accept
 from pallas_kernels.util import cdiv
 from tests.mla_jax.helpers import tiny_config
+from tests.mla_jax.multihost_worker import fast_jit
 
 VOCAB = 64
 
@@ -212,3 +214,101 @@ def test_demo_model_greedy_identical_and_acceptance():
 
 def _gen(params, cfg, prompts, sp, ec):
     return _run(Engine(params, cfg, ec), prompts, sp)
+
+
+def test_mtp_layers_chain_as_vllm(model, reference, monkeypatch):
+    """Two MTP layers, k = 3: draft i comes from MTP layer i % 2 (vLLM's `spec_step_idx % num_mtp_layers`), each
+    with its own cache layer. Layer 1's shared_head.norm is zeroed, so its logits are all 0 and its draft is token
+    0: every second draft is 0, the first and third (layer 0 again) are not constant; greedy outputs are the
+    plain run's."""
+    monkeypatch.setattr(spec_decode, "spec_step", fast_spec_step())
+    cfg, params = model
+    cfg = dataclasses.replace(cfg, num_nextn_predict_layers=2)
+    mtp = jax.tree.map(lambda a: jnp.concatenate([a, a]), params["model"][M.MTP_GROUP])  # the module's layer, twice
+    w = mtp["shared_head"]["norm"]["weight"]
+    mtp = {**mtp, "shared_head": {**mtp["shared_head"], "norm": {"weight": w.at[1].set(0.0)}}}
+    params = {**params, "model": {**params["model"], M.MTP_GROUP: mtp}}
+    sp, ref = reference
+    eng = Engine(params, cfg, _config(num_speculative_tokens=3, speculative_method="mtp"))
+    seen = []
+    got = _run(eng, _prompts(4)[2:], sp, lambda e: seen.extend(list(r.draft_token_ids) for r in e.scheduler.running))
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref[2:]]  # two prompts: two compiled shapes
+    N = cfg.num_hidden_layers
+    assert eng.cache.num_layers == N + 2
+    kv = np.asarray(eng.cache.kv_c_and_k_pe_cache)
+    assert np.abs(kv[N]).sum() > 0 and np.abs(kv[N + 1]).sum() > 0  # both MTP layers wrote their cache layer
+    drafts = np.asarray([d for d in seen if len(d) == 3])
+    assert len(drafts) > 5 and (drafts[:, 1] == 0).all()
+    assert len(set(drafts[:, 0].tolist())) > 1 and len(set(drafts[:, 2].tolist())) > 1
+
+
+def fast_spec_step():
+    """`spec_decode.spec_step` recompiled at XLA optimisation level 0 (compile time of the extra models here)."""
+    return fast_jit(spec_decode.spec_step, static_argnames=SPEC_STATIC, donate_argnames=("cache",))
+
+
+SPEC_STATIC = ("cfg", "backend", "plan", "batch_invariant", "gmm_impl", "num_speculative_tokens", "method")
+
+
+def test_mesh_mtp_chain_matches_one_device(monkeypatch):
+    """TP2 x DCP2 x EP2 (8 virtual CPU devices): the speculative step runs on the mesh (`spec_step`'s manual
+    computations), the MoE MTP layers (two, chained) split like the target's layers, their cache layers split
+    by tokens. Output tokens and the drafts after every step are those of the one-device run with the same
+    (virtual) page size (fp32; the mesh only reorders sums). The page size matters
+    to MTP layer 1, whose cache holds only the rows its passes wrote below each request's page capacity."""
+    from mla_jax import parallel
+    from tests.mla_jax.multihost_worker import engine_config, parallel_config, prompts, random_params
+
+    monkeypatch.setattr(spec_decode, "spec_step", fast_spec_step())
+    cfg = parallel_config(num_nextn_predict_layers=2)
+    params = random_params(cfg, 1, std=0.3)
+    ps, n = prompts(cfg)[:3], 6
+    plan = parallel.ParallelPlan(parallel.make_mesh(tp=2, dcp=2, ep=2))
+    ec = dataclasses.replace(engine_config(), num_speculative_tokens=2, speculative_method="mtp")
+    runs = []
+    for pl, c in ((None, dataclasses.replace(ec, page_size=ec.page_size * plan.dcp)), (plan, ec)):
+        eng = Engine(params, cfg, c, plan=pl)
+        seen = []
+        out = _run(eng, ps, SamplingParams(max_new_tokens=n), lambda e: seen.append(_drafts(e)))
+        assert eng.cache.num_layers == cfg.num_hidden_layers + 2
+        runs.append(([o.token_ids for o in out], seen, eng.num_accepted_tokens))
+    (one, one_drafts, one_acc), (mesh, mesh_drafts, mesh_acc) = runs
+    assert one == mesh
+    assert mesh_drafts == one_drafts and sum(len(d) for step in one_drafts for d in step) > 20
+    assert one_acc == mesh_acc
+
+
+def _drafts(engine):
+    return [list(r.draft_token_ids) for r in sorted(engine.scheduler.running, key=lambda r: r.request_id)]
+
+
+def test_sparse_v32_ngram_greedy_identical(monkeypatch):
+    """DeepSeek-V3.2 (sparse attention, index_topk 8 below the sequence lengths): the n-gram drafter's verify
+    rows (k + 1 = 4 query rows per request, each scored by the indexer and attended sparsely at its own
+    position) give the plain run's greedy tokens, with drafts accepted; MTP is refused with a clear error."""
+    from mla_jax import step
+    from tests.mla_jax.helpers import paged_config
+    from tests.mla_jax.multihost_worker import fast_engine_step, random_params
+
+    monkeypatch.setattr(step, "engine_step", fast_engine_step())
+    monkeypatch.setattr(spec_decode, "spec_step", fast_spec_step())
+    cfg = paged_config(
+        model_type="deepseek_v32",
+        index_topk=8,
+        index_n_heads=4,
+        index_head_dim=32,
+        num_hidden_layers=1,
+        n_routed_experts=None,
+        vocab_size=VOCAB,
+    )
+    params = random_params(cfg, 2, std=0.2)
+    ps = [p for p in _prompts(3) if len(p) > 8][:2]  # both fit the first step: two compiled shapes each
+    sp = SamplingParams(max_new_tokens=16)
+    ec = _config(cache_dtype="fp32")
+    plain = _run(Engine(params, cfg, ec), ps, sp)
+    eng = Engine(params, cfg, dataclasses.replace(ec, num_speculative_tokens=3, speculative_method="ngram"))
+    got = _run(eng, ps, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert eng.num_accepted_tokens > 0
+    with pytest.raises(ValueError, match="sparse attention, whose MTP layers are not loaded"):
+        Engine(params, cfg, dataclasses.replace(ec, num_speculative_tokens=1, speculative_method="mtp"))
