@@ -169,9 +169,18 @@ def _engine(params, cfg, args, shapes, max_len, G, prefill, with_prefill):
 
 
 def _step_fn(eng, cfg, args, batch):
+    """The engine's jitted step as the engine calls it (with its device token buffer), cache in and out."""
+
     def step(cache):
         t, _, cache, _ = engine_step(
-            eng.params, cfg, cache, batch, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
+            eng.params,
+            cfg,
+            cache,
+            batch,
+            eng.token_buffer,
+            backend=args.backend,
+            batch_invariant=False,
+            gmm_impl=args.gmm,
         )
         return t, cache
 
@@ -206,7 +215,14 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
             jax.block_until_ready(tok)
         hlo = (
             engine_step.lower(
-                eng.params, cfg, cache, batch, backend=args.backend, batch_invariant=False, gmm_impl=args.gmm
+                eng.params,
+                cfg,
+                cache,
+                batch,
+                eng.token_buffer,
+                backend=args.backend,
+                batch_invariant=False,
+                gmm_impl=args.gmm,
             )
             .compile()
             .as_text()
