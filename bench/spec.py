@@ -46,6 +46,7 @@ from mla_jax.cache import KVCache, init_kv_cache
 from mla_jax.compile_cache import enable_compile_cache
 from mla_jax.engine import Engine, EngineConfig, default_page_size
 from mla_jax.metadata import ScheduledRequest, build_metadata
+from mla_jax.packed import Packed
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.spec_decode import SpecArrays, spec_step
 from mla_jax.step import engine_step, step_batch
@@ -118,21 +119,19 @@ class VerifyBench:
         a, G = self.args, self.G
         t_plain = self.plain(B, ctx)
         mdk = self._md(B, ctx, k + 1)
-        spk = jax.tree.map(jnp.asarray, SamplingArrays.build([], [], mdk.shape.num_logits))
+        spk = SamplingArrays.build([], [], mdk.shape.num_logits)
         spec = SpecArrays.empty(mdk.shape)
         spec.num_drafts[:B] = k
         spec.next_ids[:] = 7
         spec.capacity[:B] = self.pages_per_req * G
-        mdk, spec = mdk.to_device(), jax.tree.map(jnp.asarray, spec)
+        batch = jax.device_put(Packed.of((mdk, spk, spec)))
 
         def run(c, method):
             *o, c = spec_step(
                 self.params,
                 self.cfg,
                 c,
-                mdk,
-                spk,
-                spec,
+                batch,
                 backend=a.backend,
                 gmm_impl=a.gmm,
                 num_speculative_tokens=k,

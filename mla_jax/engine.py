@@ -19,7 +19,6 @@ import time
 from typing import Hashable, Iterable, Sequence, TextIO
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mla_jax import attention, spec_decode
@@ -33,6 +32,7 @@ from mla_jax.layers import GMM_IMPLS
 from mla_jax.metadata import AttentionMetadata, BatchShape, ScheduledRequest, build_metadata, empty_metadata
 from mla_jax.model import Params
 from mla_jax.mtp import has_mtp, num_draft_layers
+from mla_jax.packed import Packed
 from mla_jax.parallel import ParallelPlan, stack_metadata, to_host
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.scheduler import PENDING, DPScheduler, Request, Scheduler, Status
@@ -436,17 +436,13 @@ class Engine:
     def _run_spec(self, md: AttentionMetadata, sampling: SamplingArrays, spec: spec_decode.SpecArrays):
         """One jitted speculative step (`spec_decode.spec_step`): (tokens [E, k+1], num_out [E], logprobs
         [E, k+1], MTP drafts [E, k]) on the host, E = decode entries then prefills."""
-        if self.plan is None:
-            md, sampling, spec = md.to_device(), jax.tree.map(jnp.asarray, sampling), jax.tree.map(jnp.asarray, spec)
-        else:
-            md, sampling, spec = self.plan.replicate(md), self.plan.replicate(sampling), self.plan.replicate(spec)
+        batch = Packed.of((md, sampling, spec))  # one transfer
+        batch = jax.device_put(batch) if self.plan is None else self.plan.replicate(batch)
         *out, self.cache = spec_decode.spec_step(
             self.params,
             self.cfg,
             self.cache,
-            md,
-            sampling,
-            spec,
+            batch,
             backend=self.config.backend,
             plan=self.plan,
             batch_invariant=self.config.batch_invariant,

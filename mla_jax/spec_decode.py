@@ -48,6 +48,7 @@ from mla_jax.config import DeepseekConfig
 from mla_jax.metadata import AttentionMetadata, BatchShape, DecodeMetadata, PrefillMetadata
 from mla_jax.model import Params, lm_logits
 from mla_jax.mtp import draft_layer, full_vocab, mtp_hidden, mtp_logits
+from mla_jax.packed import Packed
 from mla_jax.sampling import SamplingArrays, filtered_logprobs
 from mla_jax.step import _device_hidden, mla_paged
 
@@ -325,9 +326,7 @@ def spec_step(
     params: Params,
     cfg: DeepseekConfig,
     cache,
-    md: AttentionMetadata,
-    sampling: SamplingArrays,
-    spec: SpecArrays,
+    batch: Packed,
     *,
     backend: str,
     plan: ParallelPlan | None = None,
@@ -339,10 +338,12 @@ def spec_step(
     """Target step + verification (+ MTP drafting): (tokens i32[Bd+Sp, Q], num_out i32[Bd+Sp], logprobs
     f32[Bd+Sp, Q], drafts i32[Bd+Sp, k] (MTP; zeros for "ngram"), cache).
 
-    Entries: the Bd decode requests (Q = k+1 rows each), then the Sp prefills (their last row; one output).
-    `sampling` holds one row per logit row (decode rows, then one per prefill). With `plan` each part runs in a
+    `batch` is `Packed.of((md, sampling, spec))` (one host→device transfer). Entries: the Bd decode requests (Q =
+    k+1 rows each), then the Sp prefills (their last row; one output). `sampling` holds one row per logit row
+    (decode rows, then one per prefill). With `plan` each part runs in a
     `shard_map` over its mesh as `mla_jax.step.forward_step` does (md, sampling, spec and the parts' hand-offs
     replicated; the outputs too)."""
+    md, sampling, spec = batch.unpack()
     kw = dict(cfg=cfg, backend=backend, batch_invariant=batch_invariant, gmm_impl=gmm_impl)
     k, E = num_speculative_tokens, md.shape.num_decodes + md.shape.num_prefills
     if plan is None:

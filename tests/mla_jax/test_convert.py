@@ -384,7 +384,7 @@ def test_restore_on_tensor_parallel_mesh(tmp_path):
     cfg, single = load_checkpoint(out)
     devs = np.array(jax.devices())
 
-    # dp=2 x tp=4: 4 heads, 8 experts, vocab 256, intermediate 96 / 32 all divide by 4.
+    # dp=2 x tp=4: 4 heads, vocab 256, intermediate 96 / 32 divide by 4; the 8 experts over all 8 devices.
     mesh = Mesh(devs.reshape(2, 4), ("dp", "tp"))
     _, sharded = load_checkpoint(out, mesh=mesh)
     want = param_shardings(sharded, cfg, mesh)
@@ -396,14 +396,16 @@ def test_restore_on_tensor_parallel_mesh(tmp_path):
     assert m["moe_layers"]["self_attn"]["W_UV"].sharding.spec == PartitionSpec(None, tp, None, None)
     assert m["dense_layers"]["self_attn"]["q_b_proj"]["weight"].sharding.spec == PartitionSpec(None, tp, None)
     assert m["dense_layers"]["self_attn"]["o_proj"]["weight"].sharding.spec == PartitionSpec(None, None, tp)
-    assert m["moe_layers"]["mlp"]["experts"]["gate_proj"]["weight"].sharding.spec == PartitionSpec(None, tp, None, None)
+    # routed experts split by expert over every device (dp outermost: expert parallelism across the DP ranks)
+    experts = PartitionSpec(None, ("dp", tp), None, None)
+    assert m["moe_layers"]["mlp"]["experts"]["gate_proj"]["weight"].sharding.spec == experts
     assert m["embed_tokens"]["weight"].sharding.spec == PartitionSpec(tp, None)
     assert sharded["lm_head"]["weight"].sharding.spec == PartitionSpec(tp, None)
     assert m["norm"]["weight"].sharding.is_fully_replicated
     assert m["moe_layers"]["self_attn"]["kv_a_proj_with_mqa"]["weight"].sharding.is_fully_replicated
     assert m["moe_layers"]["mlp"]["gate"]["weight"].sharding.is_fully_replicated
     w = m["moe_layers"]["mlp"]["experts"]["gate_proj"]["weight"]
-    assert w.addressable_shards[0].data.shape == (2, 2, 32, 64)  # [layers, E/4, I, D]
+    assert w.addressable_shards[0].data.shape == (2, 1, 32, 64)  # [layers, E/8, I, D]
     assert_same_params(jax.tree.map(np.asarray, sharded), jax.tree.map(np.asarray, single))
     ids, _ = _prompt("v3")
     a = np.asarray(model.forward(single, cfg, ids))
@@ -423,8 +425,8 @@ def test_restore_on_tensor_parallel_mesh(tmp_path):
         None, tp, None, None
     )
     assert m8["embed_tokens"]["weight"].sharding.spec == PartitionSpec(tp, None)
-    with pytest.raises(ValueError, match="no 'tp' axis"):
-        param_shardings(single, cfg, Mesh(devs, ("dp",)))
+    with pytest.raises(ValueError, match="no 'tp' axis"):  # (a "dp"-only mesh is DP attention with EP over dp)
+        param_shardings(single, cfg, Mesh(devs, ("sp",)))
 
 
 # ------------------------------------------------------------------------------------------------- errors
