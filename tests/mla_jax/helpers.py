@@ -1,5 +1,6 @@
 """Tiny configs and checkpoint-editing helpers shared by the model tests."""
 
+import dataclasses
 import os
 import shutil
 
@@ -69,12 +70,8 @@ def run_schedule(
     """Teacher-forced run through the paged cache: `schedule` is a list of steps, each a list of
     (request index, number of new tokens). Returns [(request, position, logits f32[vocab])] for every logit
     row the steps produce, to compare with the full forward at that position."""
-    import numpy as np
-
     from mla_jax.allocator import PagePool
     from mla_jax.cache import init_kv_cache
-    from mla_jax.metadata import build_metadata
-    from mla_jax.step import jit_step
 
     pool = PagePool(num_pages, page_size)
     cache = init_kv_cache(
@@ -87,21 +84,55 @@ def run_schedule(
         allow_any_page_size=True,
         fill=fill,
     )
+    return run_steps(
+        params,
+        cfg,
+        cache,
+        pool,
+        seqs,
+        schedule,
+        backend=backend,
+        workspace_rows=workspace_rows,
+        reorder_batch_threshold=reorder_batch_threshold,
+        causal=causal,
+    )
+
+
+def run_steps(
+    params, cfg, cache, pool, seqs, schedule, *, backend="xla", workspace_rows=0, reorder_batch_threshold=1, causal=True
+):
+    """`run_schedule`'s steps over a given cache and its page pool."""
+    import numpy as np
+
+    from mla_jax.metadata import build_metadata
+    from mla_jax.step import jit_step
+
+    page_size, num_pages = pool.page_size, pool.num_pages
+    kw = dict(
+        page_size=page_size,
+        num_pages=num_pages,
+        reorder_batch_threshold=reorder_batch_threshold,
+        causal=causal,
+        workspace_rows=workspace_rows,
+    )
+    # Every step padded to one static shape (the field-wise max of the steps' own), as the engine's buckets pad
+    # them: padding rows in every step, and one compilation per schedule instead of one per step.
+    ahead = [0] * len(seqs)
+    steps = []
+    for step in schedule:
+        reqs = step_requests(pool, seqs, ahead, step)
+        steps.append((step, reqs, build_metadata(reqs, **kw)[0].shape))
+        for r, n in step:
+            ahead[r] += n
+    shape = dataclasses.replace(
+        steps[0][2], **{f.name: max(getattr(s, f.name) for *_, s in steps) for f in dataclasses.fields(steps[0][2])}
+    )
     done = [0] * len(seqs)
     out = []
-    for step in schedule:
-        reqs = step_requests(pool, seqs, done, step)
-        md, order = build_metadata(
-            reqs,
-            page_size=page_size,
-            num_pages=num_pages,
-            reorder_batch_threshold=reorder_batch_threshold,
-            causal=causal,
-            workspace_rows=workspace_rows,
-        )
+    for step, reqs, own in steps:
+        md, order = build_metadata(reqs, shape=shape, **kw)
         logits, cache = jit_step(params, cfg, cache, md.to_device(), backend=backend)
-        logits = np.asarray(logits)
-        out += step_logits(logits, md.shape, md.shape.num_decodes, step, order, done)
+        out += step_logits(np.asarray(logits), md.shape, own.num_decodes, step, order, done)
     return out
 
 

@@ -14,7 +14,7 @@ from mla_jax.allocator import PagePool
 from mla_jax.cache import init_kv_cache, init_kv_cache_for
 from mla_jax.metadata import ScheduledRequest, build_metadata
 from mla_jax.step import jit_step
-from tests.mla_jax.helpers import paged_config, step_logits, step_requests
+from tests.mla_jax.helpers import paged_config, run_steps
 
 ATOL = 1e-4
 K = 8  # index_topk, below most sequence lengths here
@@ -69,20 +69,18 @@ def run(
         fill=float("nan"),
         index_dtype=index_dtype,
     )
-    done, out = [0] * len(seqs), []
-    for step in schedule:
-        reqs = step_requests(pool, seqs, done, step)
-        md, order = build_metadata(
-            reqs,
-            page_size=page_size,
-            num_pages=num_pages,
-            causal=causal,
-            reorder_batch_threshold=reorder_batch_threshold,
-            workspace_rows=workspace_rows,
-        )
-        logits, cache = jit_step(params, cfg, cache, md.to_device(), backend=backend)
-        out += step_logits(np.asarray(logits), md.shape, md.shape.num_decodes, step, order, done)
-    return out
+    return run_steps(
+        params,
+        cfg,
+        cache,
+        pool,
+        seqs,
+        schedule,
+        backend=backend,
+        workspace_rows=workspace_rows,
+        reorder_batch_threshold=reorder_batch_threshold,
+        causal=causal,
+    )
 
 
 # Prompts chunked over steps (a context of several chunks of W = 16 rows), decodes, 3-token decode rows, a
