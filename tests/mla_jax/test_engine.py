@@ -32,13 +32,16 @@ def tiny():
     return cfg, params
 
 
+FORWARD = jax.jit(model.forward, static_argnums=1)  # the full forward, compiled once per shape
+
+
 def greedy_reference(params, cfg, prompt, n):
     """Greedy decoding over the full-sequence forward, padded to one length (causal: padding is ignored)."""
     total = len(prompt) + n
     ids = np.zeros((1, SMALL["max_model_len"]), np.int32)
     ids[0, : len(prompt)] = prompt
     for t in range(len(prompt), total):
-        ids[0, t] = int(jnp.argmax(model.forward(params, cfg, jnp.asarray(ids))[0, t - 1]))
+        ids[0, t] = int(jnp.argmax(FORWARD(params, cfg, jnp.asarray(ids))[0, t - 1]))
     return ids[0, len(prompt) : total].tolist()
 
 
