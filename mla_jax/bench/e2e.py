@@ -22,7 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_jax import attention, layers, model
-from mla_jax.bench.common import SMOKE_DIMS, kernel_breakdown, measure_ceilings, results_header, write_results
+from mla_jax.bench.common import (
+    SMOKE_DIMS,
+    kernel_breakdown,
+    measure_ceilings,
+    results_header,
+    time_step,
+    write_results,
+)
 from mla_jax.cache import KVCache, init_kv_cache_for
 from mla_jax.checkpoint.fp8 import WEIGHTS, quantize_params
 from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
@@ -194,17 +201,7 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
     md, _ = build_metadata(reqs, page_size=G, num_pages=eng.config.num_pages, shape=eng.batch_shape(B, 0))
     batch = jax.device_put(step_batch(md, SamplingArrays.build([], [], md.shape.num_logits)))
     step = _step_fn(eng, cfg, args, batch)
-    cache = eng.cache
-    for _ in range(3):
-        _, cache = step(cache)
-    jax.block_until_ready(cache)
-    times = []
-    for _ in range(5):
-        t1 = time.perf_counter()
-        for _ in range(10):
-            tok, cache = step(cache)
-        jax.block_until_ready(tok)
-        times.append((time.perf_counter() - t1) / 10)
+    step_s, _, cache = time_step(step, eng.cache, steps=10, reps=5, warmup=2)
     breakdown = None
     if args.profile:
         tag = "" if args.weights == "bf16" else f"-{args.weights}"
@@ -235,21 +232,9 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
         if args.out and B in (1, 128) and ctx == 4096:
             write_results(f"{args.out}/e2e-profile-b{B}{tag}-h200.json", {**res_meta(res), **breakdown})
     eng.cache = cache
-    step_s = float(np.median(times))
     nbytes = weight_bytes(params, cfg, B) + B * ctx * row_bytes * cfg.num_hidden_layers
-    roof = nbytes / (ceilings["copy_TBps"] * 1e12)
-    row = dict(
-        batch=B,
-        ctx=ctx,
-        phase="decode",
-        weights=args.weights,
-        step_ms=round(step_s * 1e3, 3),
-        tokens_per_s=round(B / step_s, 1),
-        roofline_ms=round(roof * 1e3, 3),
-        x_roofline=round(step_s / roof, 2),
-        compile_s=round(compile_s, 1),
-        max_model_len=eng.config.max_model_len,
-    )
+    row = _row("decode", B, ctx, B, step_s, nbytes, ceilings, args, compile_s)
+    row["max_model_len"] = eng.config.max_model_len
     if breakdown and "kernels_per_step" in breakdown:
         row["kernels_per_step"] = breakdown["kernels_per_step"]
         row["device_busy_ms"] = round(breakdown["busy_us_per_step"] / 1e3, 3)
@@ -276,32 +261,26 @@ def _prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params):
     )
     batch = jax.device_put(step_batch(md, SamplingArrays.build([], [], md.shape.num_logits)))
     step = _step_fn(eng, cfg, args, batch)
-    cache = eng.cache
-    for _ in range(2):
-        _, cache = step(cache)
-    jax.block_until_ready(cache)
-    times = []
-    for _ in range(3):
-        t1 = time.perf_counter()
-        tok, cache = step(cache)
-        jax.block_until_ready(tok)
-        times.append(time.perf_counter() - t1)
-    eng.cache = cache
-    step_s = float(np.median(times))
-    roof = weight_bytes(params, cfg, S * P) / (ceilings["copy_TBps"] * 1e12)
-    row = dict(
-        batch=P,
-        ctx=S,
-        phase="prefill",
+    step_s, _, eng.cache = time_step(step, eng.cache, steps=1, reps=3, warmup=1)
+    row = _row("prefill", P, S, S * P, step_s, weight_bytes(params, cfg, S * P), ceilings, args, compile_s)
+    print(row, flush=True)
+    return row
+
+
+def _row(phase, batch, ctx, tokens, step_s, nbytes, ceilings, args, compile_s) -> dict:
+    """A result row: the step time against its roofline (`nbytes` read at copy bandwidth)."""
+    roof = nbytes / (ceilings["copy_TBps"] * 1e12)
+    return dict(
+        batch=batch,
+        ctx=ctx,
+        phase=phase,
         weights=args.weights,
         step_ms=round(step_s * 1e3, 3),
-        tokens_per_s=round(S * P / step_s, 1),
+        tokens_per_s=round(tokens / step_s, 1),
         roofline_ms=round(roof * 1e3, 3),
         x_roofline=round(step_s / roof, 2),
         compile_s=round(compile_s, 1),
     )
-    print(row, flush=True)
-    return row
 
 
 def _engine_row(eng, cfg, B, steps: int = 40) -> dict:
