@@ -238,7 +238,7 @@ def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, cfg: D
 @dataclasses.dataclass
 class _Launched:
     """A step in flight: its chunks, and either the device arrays of its sampled ids and logprobs with, per
-    chunk that samples, (logit row, index of its pending output, preemptions at launch); or (speculative
+    chunk that samples, (logit row, index of its pending output); or (speculative
     steps, which complete at launch) the per-chunk outputs."""
 
     chunks: list
@@ -311,7 +311,7 @@ class Engine:
         self.async_scheduling = c.async_scheduling and not self.spec_k
         # The last step's sampled ids on the device, padded to the most logit rows a step has (fixed shape).
         buf = np.zeros(self.batch_shape(max(c.decode_buckets), 1).num_logits * self.dp, np.int32)  # DP: rank-major
-        self.token_buffer = jax.device_put(buf) if plan is None else plan.replicate(buf)
+        self.token_buffer = self._to_device(buf)
         self._inflight: _Launched | None = None  # async: the launched step whose outputs are not processed yet
         self._pending_rows: dict[Hashable, int] = {}  # request -> logit row of its pending id in the last step
         self.device_wait_s = 0.0  # time step() spent blocked on sampled ids (the rest of its time is host work)
@@ -406,12 +406,15 @@ class Engine:
             max_chunks=self.max_chunks if has_prefill else 0,
         )
 
+    def _to_device(self, tree):
+        """Host arrays on the device, or replicated over the plan's mesh."""
+        return jax.device_put(tree) if self.plan is None else self.plan.replicate(tree)
+
     def _dispatch(self, md: AttentionMetadata, sampling: SamplingArrays, prev_index: np.ndarray | None = None):
         """Launches one jitted step (asynchronously) and starts copying its sampled ids and logprobs to the host;
         returns them as device arrays. The host inputs go as one buffer (one transfer); rows with `prev_index`
         >= 0 take their input id from the previous step's ids on the device (`step.engine_step`)."""
-        batch = step_lib.step_batch(md, sampling, prev_index)
-        batch = jax.device_put(batch) if self.plan is None else self.plan.replicate(batch)
+        batch = self._to_device(step_lib.step_batch(md, sampling, prev_index))
         tokens, logprobs, self.cache, self.token_buffer = step_lib.engine_step(
             self.params,
             self.cfg,
@@ -436,8 +439,7 @@ class Engine:
     def _run_spec(self, md: AttentionMetadata, sampling: SamplingArrays, spec: spec_decode.SpecArrays):
         """One jitted speculative step (`spec_decode.spec_step`): (tokens [E, k+1], num_out [E], logprobs
         [E, k+1], MTP drafts [E, k]) on the host, E = decode entries then prefills."""
-        batch = Packed.of((md, sampling, spec))  # one transfer
-        batch = jax.device_put(batch) if self.plan is None else self.plan.replicate(batch)
+        batch = self._to_device(Packed.of((md, sampling, spec)))  # one transfer
         *out, self.cache = spec_decode.spec_step(
             self.params,
             self.cfg,
@@ -536,7 +538,6 @@ class Engine:
             sampled = [c.samples for c in chunks]
             return _Launched(chunks, sampled, produced=self._spec_outputs(chunks, md, order, nd))
         return self._launch_plain(chunks, md, self._logit_rows(order, nd, md.shape))
-        return self._launch_plain(chunks, md, self._logit_rows(order, nd, md.shape))
 
     def _build(self, reqs, shape: BatchShape, is_decode) -> tuple[AttentionMetadata, list[int]]:
         """One rank's (or the one device's) metadata of `shape` and the order of `reqs` in it."""
@@ -592,14 +593,14 @@ class Engine:
                 pos[row] = r.num_tokens  # position of the token being sampled
         prev_index = prev_index.reshape(np.shape(md.input_ids))  # DP: [dp, T]
         tokens, logprobs = self._dispatch(md, SamplingArrays.build(sp, pos, n), prev_index)
-        samples = [None] * len(chunks)  # per chunk: (logit row, index of its pending output, preemptions)
+        samples = [None] * len(chunks)  # per chunk that samples: (logit row, index of its pending output)
         self._pending_rows = {}
         for oi, row, _ in rows:
             c = chunks[oi]
             r = c.request
             r.num_computed_tokens = c.start + c.num_tokens
             if c.samples:
-                samples[oi] = (row, len(r.output_token_ids), r.num_preemptions)
+                samples[oi] = (row, len(r.output_token_ids))
                 r.output_token_ids.append(PENDING)
                 r.num_pending += 1
                 self._pending_rows[r.request_id] = row
