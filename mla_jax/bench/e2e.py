@@ -23,23 +23,21 @@ import numpy as np
 
 from mla_jax import attention, layers, model
 from mla_jax.bench.common import (
-    SMOKE_DIMS,
     kernel_breakdown,
     measure_ceilings,
     results_header,
     time_step,
+    v2_lite_config,
     write_results,
 )
 from mla_jax.cache import KVCache, init_kv_cache_for
 from mla_jax.checkpoint.fp8 import WEIGHTS, quantize_params
-from mla_jax.config import DEEPSEEK_V2_LITE, DeepseekConfig
+from mla_jax.config import DeepseekConfig
 from mla_jax.engine import GPU_PAGE_SIZE, Engine, EngineConfig
 from mla_jax.metadata import ScheduledRequest, build_metadata
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.step import engine_step, step_batch
 from pallas_kernels.util import cdiv
-
-V2_LITE = DEEPSEEK_V2_LITE
 
 
 def weight_bytes(params, cfg: DeepseekConfig, tokens: int) -> float:
@@ -87,10 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     if not weights or any(w not in WEIGHTS for w in weights) or len(set(weights)) != len(weights):
         ap.error(f"--weights {args.weights!r}: a comma-separated list of distinct {WEIGHTS}")
 
-    d = {**V2_LITE, "num_hidden_layers": args.layers}
-    if args.smoke:
-        d |= SMOKE_DIMS
-    cfg = DeepseekConfig.from_dict(d)
+    cfg = v2_lite_config(args.layers, smoke=args.smoke)
     ceilings = measure_ceilings(small=args.smoke)
     res = results_header(ceilings)
     res["model"] = f"DeepSeek-V2-Lite shape, random {'/'.join(weights)} weights, {args.layers} layers"
@@ -176,21 +171,15 @@ def _engine(params, cfg, args, shapes, max_len, G, prefill, with_prefill):
 
 
 def _step_fn(eng, cfg, args, batch):
-    """The engine's jitted step as the engine calls it (with its device token buffer), cache in and out."""
+    """The engine's jitted step as the engine calls it (with its device token buffer), cache in and out; its
+    `lower(cache)` lowers that same call."""
+    kw = dict(backend=args.backend, batch_invariant=False, gmm_impl=args.gmm)
 
     def step(cache):
-        t, _, cache, _ = engine_step(
-            eng.params,
-            cfg,
-            cache,
-            batch,
-            eng.token_buffer,
-            backend=args.backend,
-            batch_invariant=False,
-            gmm_impl=args.gmm,
-        )
+        t, _, cache, _ = engine_step(eng.params, cfg, cache, batch, eng.token_buffer, **kw)
         return t, cache
 
+    step.lower = lambda cache: engine_step.lower(eng.params, cfg, cache, batch, eng.token_buffer, **kw)
     return step
 
 
@@ -210,20 +199,7 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
             for _ in range(steps):
                 tok, cache = step(cache)
             jax.block_until_ready(tok)
-        hlo = (
-            engine_step.lower(
-                eng.params,
-                cfg,
-                cache,
-                batch,
-                eng.token_buffer,
-                backend=args.backend,
-                batch_invariant=False,
-                gmm_impl=args.gmm,
-            )
-            .compile()
-            .as_text()
-        )  # the compiled step (a cache hit)
+        hlo = step.lower(cache).compile().as_text()  # the compiled step (a cache hit)
         with open(f"{d}/step.hlo.txt", "w") as f:
             f.write(hlo)
         breakdown = kernel_breakdown(d, hlo, steps)
