@@ -34,20 +34,13 @@ def act_dtype(p: dict, default=jnp.bfloat16):
     return default if is_fp8(p) else p["weight"].dtype
 
 
-# The Mosaic GPU fp8 GEMMs match their reference in the interpreter, but on the H200 (2026-12-01) they are off by
-# 2.6e-2 of max|ref| against the same numerics in XLA on every shape (bench/results/fp8-gemm-h200.json; their GPU
-# tests fail): until they pass there, fp8 weights run XLA's dequantize + dot (`fp8_matmul_xla`) everywhere.
-FP8_KERNELS_PASS_ON_GPU = False
-
-
 def _fp8_kernel_ok(n: int, k: int) -> bool:
-    return FP8_KERNELS_PASS_ON_GPU and jax.default_backend() == "gpu" and fp8.unsupported_reason(n, k) is None
+    return jax.default_backend() == "gpu" and fp8.unsupported_reason(n, k) is None
 
 
 def linear(p: dict, x: jnp.ndarray) -> jnp.ndarray:
     """x [..., in] @ weight[out, in]^T. An fp8 weight (`is_fp8`) runs the W8A8 Mosaic GPU GEMM on a GPU
-    (`pallas_kernels.fp8_matmul`; see FP8_KERNELS_PASS_ON_GPU), elsewhere or for shapes it does not take
-    XLA's dequantize + dot."""
+    (`pallas_kernels.fp8_matmul`); elsewhere, or for shapes it does not take, XLA's dequantize + dot."""
     if not is_fp8(p):
         return jnp.einsum("...i,oi->...o", x, p["weight"])
     w, s = p["weight"], p["weight_scale_inv"]
