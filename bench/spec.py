@@ -8,7 +8,10 @@ Part 1, DeepSeek-V2-Lite shape (random bf16 weights plus one random MTP layer, l
 batch B and context ctx: a plain decode step (one query row per request), the target's verify step with k+1
 rows per request (`spec_decode.spec_step` with the n-gram method: target + acceptance, no drafting) for k =
 1..4, and the same step with MTP drafting (`method="mtp"`: + the MTP layer over the k+1 rows and k-1 one-row
-passes); rows carry `verify_over_plain` and `mtp_draft_ms` (MTP step - verify step). Part 2, the shipped demo
+passes); rows carry `verify_over_plain`, `roofline_ratio` (the bytes the verify step must read over the plain
+step's: the target's weights, counting the experts its tokens hit, + KV) and `mtp_draft_ms` (MTP step - verify
+step). `--profile DIR` traces the plain and the k = 2 verify step and writes OUT/spec-profile-b{B}-h200.json
+(kernels and µs per step part of each). Part 2, the shipped demo
 model (mla_jax/data/demo): greedy generation of a few prompts, plain and with each drafter at k = 1..3, after
 warm-up: tokens/s, `acceptance` (mean accepted drafts / k) and `speedup`; each demo acceptance is also projected
 onto the V2-Lite step times: (1 + acceptance k) x plain / (verify + draft). Ceilings and header as every
@@ -36,12 +39,14 @@ from mla_jax.bench.common import (
     add_common_args,
     bench_ceilings,
     int_list,
+    kernel_breakdown,
     resolve_impls,
     results_header,
     time_step,
     v2_lite_config,
     write_results,
 )
+from mla_jax.bench.e2e import weight_bytes
 from mla_jax.cache import KVCache, init_kv_cache
 from mla_jax.compile_cache import enable_compile_cache
 from mla_jax.engine import Engine, EngineConfig, default_page_size
@@ -90,6 +95,13 @@ class VerifyBench:
         self.cache = KVCache(jax.random.normal(jax.random.key(1), kv.shape, kv.dtype), cache.kv_scale)
         del kv, cache
         self.args, self.res = args, res
+        # what a step over n tokens must read: the target's weights (the experts its tokens hit; no MTP layer)
+        # and the KV rows, over copy bandwidth: the verify step's roofline over the plain step's
+        target = {**self.params, "model": {k: v for k, v in self.params["model"].items() if k != "mtp_layers"}}
+        row_bytes = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+        self.step_bytes = lambda B, ctx, n: (  # noqa: E731
+            weight_bytes(target, cfg, n) + B * ctx * row_bytes * cfg.num_hidden_layers
+        )
         self.times: dict = {}  # (B, ctx) -> {"plain": s, k: (verify s, mtp s or None)}
         res["model"] = f"DeepSeek-V2-Lite shape, random bf16 weights + 1 MTP layer, {args.layers} layers"
 
@@ -108,11 +120,30 @@ class VerifyBench:
             a = self.args
 
             def step(c):
-                tok, _, c, _ = engine_step(self.params, self.cfg, c, batch, backend=a.backend, gmm_impl=a.gmm)
+                tok, _, c, _ = engine_step(self.params, self.cfg, c, batch, **self._kw())
                 return tok, c
 
             t["plain"], self.cache = _time(step, self.cache, a.iters)
+            t["plain_fn"] = step, lambda c: engine_step.lower(self.params, self.cfg, c, batch, **self._kw())
         return t["plain"]
+
+    def _kw(self) -> dict:
+        return dict(backend=self.args.backend, gmm_impl=self.args.gmm)
+
+    def profile(self, B: int, ctx: int, k: int, verify, lower_verify) -> dict:
+        """Kernel breakdowns (`kernel_breakdown`: kernels and µs per step part) of the plain and the verify
+        step at (B, ctx), each from a device trace of 5 steps."""
+        out = dict(batch=B, ctx=ctx, k=k, backend=self.args.backend, gmm_impl=self.args.gmm)
+        plain, lower_plain = self.times[(B, ctx)]["plain_fn"]
+        for name, fn, lower in (("plain", plain, lower_plain), ("verify", verify, lower_verify)):
+            d = f"{self.args.profile}/b{B}-ctx{ctx}-k{k}-{name}"
+            with jax.profiler.trace(d):
+                for _ in range(5):
+                    tok, self.cache = fn(self.cache)
+                jax.block_until_ready(tok)
+            out[name] = kernel_breakdown(d, lower(self.cache).compile().as_text(), 5)
+            print(name, {x: out[name].get(x) for x in ("kernels_per_step", "busy_us_per_step", "parts")}, flush=True)
+        return out
 
     def row(self, B: int, ctx: int, k: int, mtp: bool) -> dict:
         """The verify step with k+1 rows per request (and, with `mtp`, the step with MTP drafting)."""
@@ -126,17 +157,10 @@ class VerifyBench:
         spec.capacity[:B] = self.pages_per_req * G
         batch = jax.device_put(Packed.of((mdk, spk, spec)))
 
+        kw = dict(self._kw(), num_speculative_tokens=k)
+
         def run(c, method):
-            *o, c = spec_step(
-                self.params,
-                self.cfg,
-                c,
-                batch,
-                backend=a.backend,
-                gmm_impl=a.gmm,
-                num_speculative_tokens=k,
-                method=method,
-            )
+            *o, c = spec_step(self.params, self.cfg, c, batch, **kw, method=method)
             return o[0], c
 
         t_ver, self.cache = _time(lambda c: run(c, "ngram"), self.cache, a.iters)
@@ -152,12 +176,21 @@ class VerifyBench:
             plain_ms=round(t_plain * 1e3, 3),
             verify_ms=round(t_ver * 1e3, 3),
             verify_over_plain=round(t_ver / t_plain, 3),
+            roofline_ratio=round(self.step_bytes(B, ctx, B * (k + 1)) / self.step_bytes(B, ctx, B), 3),
         )
         if k == TARGET_K:
             row["meets_target"] = t_ver / t_plain <= TARGET_VERIFY_OVER_PLAIN
         if t_mtp is not None:
             row |= dict(mtp_step_ms=round(t_mtp * 1e3, 3), mtp_draft_ms=round((t_mtp - t_ver) * 1e3, 3))
+        if a.profile and k == TARGET_K and B in int_list(a.profile_batches) and ctx == min(int_list(a.ctxs)):
+            lower = lambda c: spec_step.lower(self.params, self.cfg, c, batch, **kw, method="ngram")  # noqa: E731
+            prof = self.profile(B, ctx, k, lambda c: run(c, "ngram"), lower)
+            if a.out:
+                write_results(os.path.join(a.out, f"spec-profile-b{B}-h200.json"), {**self.res_meta(), **prof})
         return row
+
+    def res_meta(self) -> dict:
+        return {k: v for k, v in self.res.items() if k != "rows"}
 
 
 def demo_rows(args, res, done: set, more_time, save) -> None:
@@ -260,6 +293,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--demo-tokens", type=int, default=128)
     ap.add_argument("--no-verify", action="store_true", help="only the demo part")
     ap.add_argument("--no-demo", action="store_true", help="only the verify part")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="trace the plain and the k = 2 verify step into DIR (at the smallest ctx, batches --profile-batches) "
+        "and write OUT/spec-profile-b{B}-h200.json: kernels and µs per step part of each",
+    )
+    ap.add_argument("--profile-batches", default="1,32")
     args = resolve_impls(ap.parse_args(argv))
     if args.smoke:
         args.layers, args.batches, args.ctxs, args.ks, args.iters = 2, "1,2", "32,64", "1,2", 2

@@ -353,7 +353,7 @@ def kernel_breakdown(trace_dir: str, hlo_text: str, steps: int) -> dict[str, Any
                 item = (ev.name[:120], str(stats.get("hlo_op", ev.name)), ev.duration_ns)
                 if on_gpu:
                     gpu.append(item)
-                elif "engine_step" in str(stats.get("hlo_module", "")):
+                elif any(m in str(stats.get("hlo_module", "")) for m in ("engine_step", "spec_step")):
                     host.append(item)
     events = gpu or host
     per: dict[tuple[str, str], list[float]] = {}
