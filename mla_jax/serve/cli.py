@@ -246,11 +246,11 @@ def run(args: argparse.Namespace) -> int:
     )
     defaults = GenerationDefaults.from_dir(args.model)
     if args.warmup != "none":
-        # the top-k/top-p variants too when the checkpoint's sampling defaults filter (most requests will)
-        filtered = defaults.temperature > 0 and (defaults.top_p < 1 or defaults.top_k > 0)
-        s = engine.warmup(
-            prefill=True, top_logprobs=args.warmup_logprobs, all_shapes=args.warmup == "full", filtered=filtered
-        )
+        # the top-k/top-p variants too when the checkpoint's sampling defaults filter (most requests will); every
+        # variant with "full"
+        full = args.warmup == "full"
+        filtered = full or (defaults.temperature > 0 and (defaults.top_p < 1 or defaults.top_k > 0))
+        s = engine.warmup(prefill=True, top_logprobs=args.warmup_logprobs or full, all_shapes=full, filtered=filtered)
         _log(f"compiled the step shapes ({args.warmup}) in {s:.1f} s")
 
     import uvicorn

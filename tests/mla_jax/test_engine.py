@@ -257,14 +257,16 @@ def test_async_scheduling_same_outputs_and_overlapped(tiny, monkeypatch):
     assert sum(n == k + 2 for k, n in enumerate(reads_async)) >= len(reads_async) - 3
 
 
-def test_full_warmup_leaves_nothing_to_compile(tiny):
-    """warmup(all_shapes=True) compiles every step a workload can need: mixed prefill + decode steps, top-k /
-    top-p sampling (which sorts the vocabulary: its own variant) and top logprobs."""
+@pytest.mark.parametrize("variants", [True, False])
+def test_full_warmup_leaves_nothing_to_compile(tiny, variants):
+    """warmup(all_shapes=True, top_logprobs=True, filtered=True) compiles every step a workload can need: mixed
+    prefill + decode steps, top-k / top-p sampling (which sorts the vocabulary: its own variant) and top
+    logprobs; without the variants, a greedy and plain-sampling workload compiles nothing either."""
     cfg, params = tiny
     eng = Engine(
         params, cfg, EngineConfig(**{**SMALL, "max_num_seqs": 4, "decode_buckets": (4,), "prefill_buckets": (64,)})
     )
-    eng.warmup(all_shapes=True)
+    eng.warmup(all_shapes=True, top_logprobs=variants, filtered=variants)
     before = eng.counter.count
     rng = np.random.default_rng(3)
     sps = [
@@ -273,6 +275,8 @@ def test_full_warmup_leaves_nothing_to_compile(tiny):
         SamplingParams(max_new_tokens=4, temperature=1.0, top_k=5, seed=2, top_logprobs=2),
         SamplingParams(max_new_tokens=7, temperature=0.5, seed=3),
     ]
+    if not variants:
+        sps = [sps[0], sps[3]]
     for i, sp in enumerate(sps * 2):
         eng.add_request(rng.integers(0, cfg.vocab_size, int(rng.integers(1, 30))).tolist(), sp)
         if i % 3 == 0:
