@@ -9,7 +9,9 @@ pallas_kernels/mla_decode.py (rows "pallas") and, on Hopper, the Mosaic GPU pall
     of the Triton kernel; an sm90 mismatch is logged, recorded under "checks" and its timing rows
     are skipped), (b) measures the copy/matmul ceilings, (c) times the
     kernels (bf16 and fp8 caches, page 64) and the XLA backend (the reference under jit, bf16) on the
-    project's decode shapes and writes DIR/decode-h200.json; (d) with --sweep also times tuning variants
+    project's decode shapes and writes DIR/decode-h200.json, then the ragged batch (128 requests, lengths
+    log-uniform in [256, 32k], seeded) against uniform requests of the same total tokens, per kernel, N 16 and
+    128 (rows with `ragged` and `ragged_over_uniform`; --no-ragged skips them); (d) with --sweep also times tuning variants
     per shape (Triton: block_h, block_kv, num_warps, num_stages, num_kv_splits; sm90: num_kv_splits,
     num_stages, fp8_compute) into DIR/decode-sweep.json.
 """
@@ -69,6 +71,66 @@ def make_inputs(key, b, nq, n, ctx, dtype, *, page=PAGE, extra_pages=3, width=L 
         kv_scale = jax.random.uniform(k[3], (num_pages, page), jnp.float32, 0.25, 0.75)
     seq_lens = jnp.full((b, nq), ctx, jnp.int32)
     return q, cache, bt, seq_lens, kv_scale
+
+
+RAGGED = dict(b=128, lo=256, hi=32768, seed=0)  # issue #21: lengths log-uniform in [256, 32k]
+
+
+def ragged_lengths(b=RAGGED["b"], lo=RAGGED["lo"], hi=RAGGED["hi"], seed=RAGGED["seed"]) -> np.ndarray:
+    """b request lengths, log-uniform in [lo, hi] (seeded: the same mix on every run)."""
+    rng = np.random.default_rng(seed)
+    return np.exp(rng.uniform(np.log(lo), np.log(hi), b)).astype(np.int32)
+
+
+def make_ragged_inputs(key, lens, n, dtype, *, page=PAGE, width=L + R):
+    """Like `make_inputs` for per-request lengths `lens`: each request owns cdiv(len, page) pages of a
+    shuffled pool; block table entries past a request's pages point at page 0 (never read)."""
+    b = len(lens)
+    ppr = [cdiv(int(x), page) for x in lens]
+    max_pages, num_pages = max(ppr), sum(ppr) + 1
+    k = jax.random.split(key, 4)
+    q = jax.random.normal(k[0], (b, 1, n, width), jnp.bfloat16)
+    perm = np.asarray(jax.random.permutation(k[1], np.arange(1, num_pages)))
+    bt = np.zeros((b, max_pages), np.int32)
+    offs = np.cumsum([0] + ppr)
+    for i, m in enumerate(ppr):
+        bt[i, :m] = perm[offs[i] : offs[i] + m]
+    if dtype == "bf16":
+        cache = jax.random.normal(k[2], (num_pages, page, width), jnp.bfloat16)
+        kv_scale = None
+    else:
+        cache = (jax.random.normal(k[2], (num_pages, page, width), jnp.float32) * 2.0).astype(jnp.float8_e4m3fn)
+        kv_scale = jax.random.uniform(k[3], (num_pages, page), jnp.float32, 0.25, 0.75)
+    seq_lens = jnp.asarray(np.asarray(lens, np.int32)[:, None])
+    return q, cache, jnp.asarray(bt), seq_lens, kv_scale
+
+
+def ragged_rows(timed_kernels, n, dtype, ceil) -> list[dict]:
+    """Issue #21's ragged batch: 128 requests, lengths log-uniform in [256, 32k], against uniform requests
+    with the same total tokens (B = 128, ctx = total / 128 rounded to a page): `ragged_over_uniform` per
+    kernel (target <= 1.1x). `us` counts the same bytes in both, so TB/s compares directly."""
+    lens = ragged_lengths()
+    total = int(lens.sum())
+    b = len(lens)
+    ctx = max(PAGE, round(total / b / PAGE) * PAGE)
+    rag = [make_ragged_inputs(jax.random.key(j), lens, n, dtype) for j in range(2)]
+    uni = [make_inputs(jax.random.key(j), b, 1, n, ctx, dtype) for j in range(2)]
+    rows = []
+    for name, fn, extra in timed_kernels:
+        try:
+            us_r, us_u = timed(fn, rag, 20, 7), timed(fn, uni, 20, 7)
+        except Exception as e:  # noqa: BLE001
+            rows.append({"kernel": name, "N": n, "dtype": dtype, "ragged": True, **extra, "error": str(e)[:400]})
+            continue
+        row = row_for(name, b, n, ctx, dtype, us_r, ceil, **extra)  # bytes: the same total tokens
+        row |= dict(
+            ragged=RAGGED | {"dist": "log-uniform", "max_len": int(lens.max()), "total_tokens": total},
+            uniform_us=round(us_u, 2),
+            ragged_over_uniform=round(us_r / us_u, 3),
+        )
+        rows.append(row)
+        log(f"{name} {dtype} ragged B={b} N={n} ({total} tokens): {us_r:.1f} us vs uniform ctx {ctx}: {us_u:.1f} us")
+    return rows
 
 
 def check_correctness(decode, kernel) -> bool:
@@ -267,6 +329,25 @@ def sweep_variants(n, dtype, num_splits_default):
     return out
 
 
+def kernels_to_time(b, n, ctx, dtype, run_triton, run_sm90) -> list[tuple]:
+    """(kernel, jitted fn, extra row fields) for each decode kernel timed at this shape."""
+    out = []
+    if run_triton:
+        out.append(("pallas", kernel_fn(), {"num_kv_splits": md.choose_num_kv_splits(b, n, ctx, num_sms())}))
+    if run_sm90:  # both schedules of the sm90 kernel (static splits; on-device work list)
+        out.append(("pallas_sm90", sm90_fn(), {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx)}))
+        out.append(("pallas_sm90", sm90_fn(schedule="worklist"), {"schedule": "worklist"}))
+        if dtype == "fp8":  # QK^T as an fp8 wgmma (q quantized per row): its own rows
+            out.append(
+                (
+                    "pallas_sm90",
+                    sm90_fn(fp8_qk=True),
+                    {"schedule": "grid", "fp8_qk": True, "num_kv_splits": sm90_splits(b, n, ctx)},
+                )
+            )
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -285,6 +366,11 @@ def main():
         type=float,
         default=180.0,
         help="sweep time over all shapes (split evenly; later variants are skipped)",
+    )
+    ap.add_argument(
+        "--no-ragged",
+        action="store_true",
+        help="skip the ragged-batch rows (128 requests, lengths log-uniform in [256, 32k], vs uniform)",
     )
     ap.add_argument(
         "--kernels",
@@ -330,22 +416,7 @@ def main():
         for dtype in dtypes:
             sets = arg_sets_for(b, n, ctx, dtype)
             splits = md.choose_num_kv_splits(b, n, ctx, num_sms())
-            timed_kernels = []  # (kernel, jitted fn, extra row fields)
-            if run_triton:
-                timed_kernels.append(("pallas", kernel_fn(), {"num_kv_splits": splits}))
-            if run_sm90:  # both schedules of the sm90 kernel (static splits; on-device work list)
-                timed_kernels.append(
-                    ("pallas_sm90", sm90_fn(), {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx)})
-                )
-                timed_kernels.append(("pallas_sm90", sm90_fn(schedule="worklist"), {"schedule": "worklist"}))
-                if dtype == "fp8":  # QK^T as an fp8 wgmma (q quantized per row): its own rows
-                    timed_kernels.append(
-                        (
-                            "pallas_sm90",
-                            sm90_fn(fp8_qk=True),
-                            {"schedule": "grid", "fp8_qk": True, "num_kv_splits": sm90_splits(b, n, ctx)},
-                        )
-                    )
+            timed_kernels = kernels_to_time(b, n, ctx, dtype, run_triton, run_sm90)
             for name, fn, extra in timed_kernels:
                 try:
                     us = timed(fn, sets, 20, 7)
@@ -400,6 +471,14 @@ def main():
         common.write_results(os.path.join(args.out, "decode-h200.json"), results)
         if args.sweep:
             common.write_results(os.path.join(args.out, "decode-sweep.json"), sweep)
+
+    if not args.no_ragged and not args.quick:
+        for n in (16, 128):
+            for dtype in dtypes:
+                # the static split grid as the step sizes it: from the block table width (the longest request)
+                k = kernels_to_time(RAGGED["b"], n, int(ragged_lengths().max()), dtype, run_triton, run_sm90)
+                results["rows"] += ragged_rows(k, n, dtype, ceil)
+                common.write_results(os.path.join(args.out, "decode-h200.json"), results)
 
     log("\n kernel               dtype    B    N    ctx       us   TB/s  TFLOP/s  frac_copy  frac_mm")
     for r in results["rows"]:
