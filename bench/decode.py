@@ -11,8 +11,8 @@ pallas_kernels/mla_decode.py (rows "pallas") and, on Hopper, the Mosaic GPU pall
     kernels (bf16 and fp8 caches, page 64) and the XLA backend (the reference under jit, bf16) on the
     project's decode shapes and writes DIR/decode-h200.json, then the ragged batch (128 requests, lengths
     log-uniform in [256, 32k], seeded) against uniform requests of the same total tokens, per kernel, N 16 and
-    128 (rows with `ragged` and `ragged_over_uniform`; --no-ragged skips them); (d) with --sweep also times tuning variants
-    per shape (Triton: block_h, block_kv, num_warps, num_stages, num_kv_splits; sm90: num_kv_splits,
+    128 (rows with `ragged` and `ragged_over_uniform`; --no-ragged skips them); (d) with --sweep also times
+    tuning variants per shape (Triton: block_h, block_kv, num_warps, num_stages, num_kv_splits; sm90: num_kv_splits,
     num_stages, fp8_compute) into DIR/decode-sweep.json.
 """
 
