@@ -289,25 +289,19 @@ def indexer_logits(
     """f32[T, max_pages * G]: the ReLU-weighted index scores of every row over the keys it sees, -inf past
     seq_lens (Pallas kernel; -0.0 written as +0.0). Tuning: block_k keys per dot (power of two >= 16; default
     min(128, S)), blocks_per_program (default: ~4 programs per SM)."""
-    validate_indexer(q, weights, index_k_cache, block_table, seq_lens, k_scale, for_kernel=True)
-    _pow2_knob("block_k", block_k, 16)
-    logits, _ = _logits_impl(
-        q,
-        weights,
-        index_k_cache,
-        block_table,
-        seq_lens,
-        k_scale,
-        scale=float(scale),
-        interpret=bool(interpret),
-        block_k=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        histogram=False,
-        width=1,
-        blocks_per_program=blocks_per_program,
+    tuning = dict(block_k=block_k, num_warps=num_warps, num_stages=num_stages, blocks_per_program=blocks_per_program)
+    logits, _ = _checked_scores(
+        q, weights, index_k_cache, block_table, seq_lens, k_scale, scale, interpret, tuning, histogram=False, width=1
     )
     return logits[:, : block_table.shape[1] * index_k_cache.shape[1]]
+
+
+def _checked_scores(q, weights, index_k_cache, block_table, seq_lens, k_scale, scale, interpret, tuning, **kw):
+    """Validated inputs -> the score kernel's (logits, histogram) (`_logits_impl`; kw: histogram, width)."""
+    validate_indexer(q, weights, index_k_cache, block_table, seq_lens, k_scale, for_kernel=True)
+    _pow2_knob("block_k", tuning["block_k"], 16)
+    args = (q, weights, index_k_cache, block_table, seq_lens, k_scale)
+    return _logits_impl(*args, scale=float(scale), interpret=bool(interpret), **tuning, **kw)
 
 
 def indexer_logits_reference(q, weights, index_k_cache, block_table, seq_lens, *, scale: float, k_scale=None, **_):
@@ -525,26 +519,12 @@ def indexer_topk(
 ):
     """topk_indices i32[T, min(k, S)]: each row's top-k key positions (the contract above): the score kernel
     (with its bin histogram) then the select kernel; equal to `topk_from_logits` of the same scores."""
-    validate_indexer(q, weights, index_k_cache, block_table, seq_lens, k_scale, for_kernel=True)
     _validate_k(k)
-    _pow2_knob("block_k", block_k, 16)
     _pow2_knob("width", width, 16)
     width = width or _SELECT_WIDTH
-    logits, hist = _logits_impl(
-        q,
-        weights,
-        index_k_cache,
-        block_table,
-        seq_lens,
-        k_scale,
-        scale=float(scale),
-        interpret=bool(interpret),
-        block_k=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        histogram=True,
-        width=width,
-        blocks_per_program=blocks_per_program,
+    tuning = dict(block_k=block_k, num_warps=num_warps, num_stages=num_stages, blocks_per_program=blocks_per_program)
+    logits, hist = _checked_scores(
+        q, weights, index_k_cache, block_table, seq_lens, k_scale, scale, interpret, tuning, histogram=True, width=width
     )  # [T, S_pad], [T, NUM_BINS]
     s = block_table.shape[1] * index_k_cache.shape[1]
     out = _select_impl(
