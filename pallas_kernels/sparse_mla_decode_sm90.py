@@ -18,15 +18,16 @@ the outputs) and the table entries [s * K/S, (s + 1) * K/S) up to the row's last
 
 The gather. Hopper's TMA has no row gather (Blackwell's gather4), and a wgmma operand tile cannot take one
 row at a time (its 8-row swizzle atoms), so the producer warpgroup gathers in two steps:
-- each of its 4 warps issues, for 16 of a tile's 64 entries, one bulk copy (`cp.async.bulk`, no tensor map)
-  of the named cache row into row j of a plain row-major staging tile [64, L+R]; an unnamed entry (-1, or a
-  slot outside the pool under jit) copies nothing and arrives instead, so the tile's barrier always counts
-  64 arrivals and every named row's bytes. (Warp-level issue: a 576-byte fp8 row is not a multiple of the
-  128 bytes per warpgroup that a warpgroup-level copy needs.)
+- it issues, per entry of a 64-entry tile, one async copy (TMA, no zero fill: the slot is checked first) of
+  the named cache row into row j of a staging tile [64, L+R]; an unnamed entry (-1, or a slot outside the pool
+  under jit) copies nothing and arrives instead, so the tile's barrier always counts 64 arrivals and the
+  bytes of every named row. Mosaic's layout inference gives the staging tile 1-row tiles of 64 columns with
+  a 128-byte (fp8: 64-byte) swizzle, copies and loads alike, so the relayout's 16-byte loads do not conflict;
 - then it re-lays the staging tile into the swizzled wgmma tile (the fp8 cache: cast to bf16 on the way,
   exact), zeroing the rows of unnamed entries (p = 0 there, but 0 * NaN garbage would poison P.V), and
-  publishes the tile's token mask (and, fp8, its per-token scales) for the softmax warpgroup.
-The slot table reaches shared memory by TMA, one 64-entry tile at a time, `stages + 1` tiles ahead; the
+  hands the tile to the consumers.
+The slot table reaches shared memory by TMA, one 64-entry tile at a time (with its `tokens` tile: -1 for an
+unnamed entry, else 1 or, fp8, the row's kv_scale, gathered by XLA beforehand), `stages + 1` buffers deep; the
 staging ring is `stages` deep (bf16 1, fp8 2: what 227 KB hold next to Q and the wgmma tile), so the copies
 of the next tile(s) fly while the consumers work on this one.
 
@@ -36,13 +37,14 @@ memory and P V for output columns [0, L/2); warpgroup 1 waits for P and runs P V
 normalized output and LSE (natural log) by TMA through staging that aliases the loop buffers.
 
 Shared memory at L+R = 576: Q 72 KB + wgmma tile 72 KB + staging 72 KB (bf16: 1 x [64, 576]; fp8: 2 x
-[64, 576] fp8) + P 8 KB + slot/scale tiles and row vectors: 226-227 KB of 227.
+[64, 576] fp8) + P 8 KB + slot and token tiles and alpha: 226 KB of the 227 KB (Pallas starts every buffer
+at a 1 KB boundary).
 
 Barriers (every waiter waits every phase, in order):
   q_bar            Q landed (TMA)                                          WG0 waits
-  slot_ready[D]    slot tile (and fp8 scale tile) landed (TMA)             producer waits
+  slot_ready[D]    slot and token tiles landed (TMA, 2 arrivals)           producer waits
   stage_ready[S]   the 64 entries of a staging tile: copies or arrivals    producer waits
-  kv_ready         the wgmma tile, mask and scales of tile i published     WG0, WG1 wait
+  kv_ready         the wgmma tile of tile i written                        WG0, WG1 wait
   kv_consumed      both consumers done with tile i (2 arrivals)            producer waits
   p_ready / p_consumed / epi_bar / fin_bar: as in mla_decode_sm90
 
@@ -87,7 +89,6 @@ __all__ = [
 ]
 
 TILE_K = 64  # table entries (gathered rows) per KV tile: the wgmma N of Q K^T and K of P V
-_WARPS = 4  # warps of the producer warpgroup; each issues the copies of TILE_K / _WARPS entries
 
 # Rows of the loop's row-vector buffer.
 _ROW_ALPHA = 0  # alpha_i (WG0 -> WG1)
@@ -379,12 +380,12 @@ def _produce(cfg, gmem, smem, bars, row, start, n):
     def relayout(i):
         """Staging slot i % stages -> the wgmma tile (bf16), the rows of unnamed entries zeroed."""
         b, st = rem(i, bufs), rem(i, stages)
-        named = plgpu.load(loop_rows.at[_ROWS + b], (), layout=_ROW_LAYOUT) >= 0.0  # [64]
+        named = loop_rows.at[_ROWS + b][...] >= 0.0  # [64]
         keep = lax.broadcast_in_dim(named, (TILE_K, 64), [0])
         with jax.named_scope("relayout"):
             for c in range(cfg.d // 64):
                 cols = pl.ds(64 * c, 64)
-                x = plgpu.load(staging.at[st, :, cols], (), layout=plgpu.Layout.WGMMA)
+                x = plgpu.load(staging.at[st, :, cols], (), layout=_COPY_LAYOUT)
                 if cfg.fp8:  # exact: e4m3 -> f32 -> bf16
                     x = x.astype(jnp.float32).astype(BF16)
                 tile.at[:, cols][...] = jnp.where(keep, x, jnp.zeros((), BF16))
@@ -420,6 +421,10 @@ def _produce(cfg, gmem, smem, bars, row, start, n):
 # 2 x 128 x consumer + 128 x producer <= 64512 (as mla_decode_sm90's fp8 split: the producer converts 64 x 64
 # chunks).
 _REGS = (208, 88)
+
+
+# The relayout's register layout: 16-byte vectors along rows (the layout of copies to and from a swizzled tile)
+_COPY_LAYOUT = plgpu.Layout.SMEM_GMEM_COPY((TILE_K, 64), BF16, 128)
 
 
 def _stages(fp8: bool) -> int:
