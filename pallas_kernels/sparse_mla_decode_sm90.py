@@ -362,7 +362,7 @@ def _produce(cfg, gmem, smem, bars, row, start, n):
         plgpu.barrier_wait(slot_ready.at[b])
         bar = stage_ready.at[st]
 
-        for j in range(TILE_K):
+        def entry(j, _):
             slot = slots[b, j]
             named = named_slot(slot)
 
@@ -372,10 +372,14 @@ def _produce(cfg, gmem, smem, bars, row, start, n):
                     gmem["kv"].at[pl.ds(slot, 1)],
                     staging.at[st, pl.ds(j, 1)],
                     bar,
-                    oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,  # a plain bulk copy, no tensor map
+                    oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,  # (named: the slot is in the pool)
                 )
 
             pl.when(jnp.logical_not(named))(lambda: plgpu.barrier_arrive(bar))
+            return ()
+
+        # (unrolled on the GPU; the interpreter compiles the rolled loop much faster)
+        lax.fori_loop(0, TILE_K, entry, (), unroll=1 if cfg.interpret else 8)
 
     def relayout(i):
         """Staging slot i % stages -> the wgmma tile (bf16), the rows of unnamed entries zeroed."""
