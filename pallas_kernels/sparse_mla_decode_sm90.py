@@ -18,27 +18,26 @@ the outputs) and the table entries [s * K/S, (s + 1) * K/S) up to the row's last
 
 The gather. Hopper's TMA has no row gather (Blackwell's gather4), and a wgmma operand tile cannot take one
 row at a time (its 8-row swizzle atoms), so the producer warpgroup gathers in two steps:
-- it issues, per entry of a 64-entry tile, one async copy (TMA, no zero fill: the slot is checked first) of
-  the named cache row into row j of a staging tile [64, L+R]; an unnamed entry (-1, or a slot outside the pool
-  under jit) copies nothing and arrives instead, so the tile's barrier always counts 64 arrivals and the
-  bytes of every named row. Mosaic's layout inference gives the staging tile 1-row tiles of 64 columns with
-  a 128-byte (fp8: 64-byte) swizzle, copies and loads alike, so the relayout's 16-byte loads do not conflict;
+- it issues, per entry of a 64-entry tile, one TMA (no zero fill: the slot is checked first) of the named
+  cache row into row j of a staging tile [64, L+R]; an unnamed entry (-1, or a slot outside the pool under jit)
+  copies nothing and arrives instead, so the tile's barrier always counts 64 arrivals and the bytes of every
+  named row. Each staging row is its own tile of 64-column chunks, 128-byte (fp8: 64-byte) swizzled, and its
+  pitch an odd multiple of 128 bytes (bf16 1152; fp8 576 padded to 640): copies start 128-byte aligned and the
+  relayout's reads are free of bank conflicts;
 - then it re-lays the staging tile into the swizzled wgmma tile (the fp8 cache: cast to bf16 on the way,
   exact), zeroing the rows of unnamed entries (p = 0 there, but 0 * NaN garbage would poison P.V), and
   hands the tile to the consumers.
 The slot table reaches shared memory by TMA, one 64-entry tile at a time (with its `tokens` tile: -1 for an
-unnamed entry, else 1 or, fp8, the row's kv_scale, gathered by XLA beforehand), `stages + 1` buffers deep; the
-staging ring is `stages` deep (bf16 1, fp8 2: what 227 KB hold next to Q and the wgmma tile), so the copies
-of the next tile(s) fly while the consumers work on this one.
+unnamed entry, else 1 or, fp8, the row's kv_scale, gathered by XLA beforehand), two tiles deep; the copies of
+tile i + 1 fly while the consumers work on tile i (one staging tile: `_STAGES`).
 
 Consumers, as in `mla_decode_sm90` (bf16 path): warpgroup 0 runs S = Q K^T (one wgmma over L+R), the
 online softmax (f32, exp2; masked tokens -inf; fp8: logits and p times the per-token scale), P to shared
 memory and P V for output columns [0, L/2); warpgroup 1 waits for P and runs P V for [L/2, L). Epilogue:
 normalized output and LSE (natural log) by TMA through staging that aliases the loop buffers.
 
-Shared memory at L+R = 576: Q 72 KB + wgmma tile 72 KB + staging 72 KB (bf16: 1 x [64, 576]; fp8: 2 x
-[64, 576] fp8) + P 8 KB + slot and token tiles and alpha: 226 KB of the 227 KB (Pallas starts every buffer
-at a 1 KB boundary).
+Shared memory at L+R = 576: Q 72 KB + wgmma tile 72 KB + staging (bf16 72 KB, fp8 40 KB) + P 8 KB + slot and
+token tiles and alpha: bf16 226 KB of the 227 KB (Pallas starts every buffer at a 1 KB boundary), fp8 194 KB.
 
 Barriers (every waiter waits every phase, in order):
   q_bar            Q landed (TMA)                                          WG0 waits
@@ -139,7 +138,12 @@ def _smem_plan(cfg: _Cfg):
     group_a = [
         plgpu.SMEM((TILE_M, cfg.d), BF16, transforms=tiled(BF16)),  # Q
         plgpu.SMEM((TILE_K, cfg.d), BF16, transforms=tiled(BF16)),  # the wgmma KV tile
-        plgpu.SMEM((cfg.stages, TILE_K, cfg.d), kv_dt),  # staging ring: gathered rows, row-major
+        # staging ring: gathered rows, each row its own tile of 64-column swizzled chunks (a row copy is one TMA)
+        plgpu.SMEM(
+            (cfg.stages, TILE_K, _stage_cols(cfg)),
+            kv_dt,
+            transforms=(plgpu.TilingTransform((1, 64)), plgpu.SwizzleTransform(64 * kv_dt.itemsize)),
+        ),
         plgpu.SMEM((TILE_M, TILE_K), BF16, transforms=tiled(BF16)),  # P
         plgpu.SMEM((cfg.slot_bufs, TILE_K), jnp.int32),  # slot tiles
         # row vectors (_ROW_*), then the token tiles (one buffer: refs start at 1 KB boundaries, and fp8 has
@@ -370,7 +374,7 @@ def _produce(cfg, gmem, smem, bars, row, start, n):
             def _():
                 plgpu.copy_gmem_to_smem(
                     gmem["kv"].at[pl.ds(slot, 1)],
-                    staging.at[st, pl.ds(j, 1)],
+                    staging.at[st, pl.ds(j, 1), pl.ds(0, cfg.d)],
                     bar,
                     oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,  # (named: the slot is in the pool)
                 )
@@ -389,7 +393,7 @@ def _produce(cfg, gmem, smem, bars, row, start, n):
         with jax.named_scope("relayout"):
             for c in range(cfg.d // 64):
                 cols = pl.ds(64 * c, 64)
-                x = plgpu.load(staging.at[st, :, cols], (), layout=_COPY_LAYOUT)
+                x = plgpu.load(staging.at[st, :, cols], (), layout=_FP8_LAYOUT if cfg.fp8 else _COPY_LAYOUT)
                 if cfg.fp8:  # exact: e4m3 -> f32 -> bf16
                     x = x.astype(jnp.float32).astype(BF16)
                 tile.at[:, cols][...] = jnp.where(keep, x, jnp.zeros((), BF16))
@@ -427,12 +431,24 @@ def _produce(cfg, gmem, smem, bars, row, start, n):
 _REGS = (208, 88)
 
 
-# The relayout's register layout: 16-byte vectors along rows (the layout of copies to and from a swizzled tile)
+# The relayout's register layouts: bf16, 16-byte vectors along rows (the layout of copies to and from a swizzled
+# tile); fp8, the wgmma layout (the one Mosaic finds a conflict-free transfer for from 64-byte swizzled rows).
 _COPY_LAYOUT = plgpu.Layout.SMEM_GMEM_COPY((TILE_K, 64), BF16, 128)
+_FP8_LAYOUT = plgpu.Layout.WGMMA
 
 
-def _stages(fp8: bool) -> int:
-    return 2 if fp8 else 1  # what fits next to Q and the wgmma tile (module docstring)
+# Staging tiles: what 227 KB hold next to Q and the wgmma tile is one [64, L+R] bf16 tile (fp8, with its rows
+# padded to 640 bytes, would need 234 KB for two). The copies of tile i + 1 fly while the consumers work on tile i.
+_STAGES = 1
+
+
+def _stage_cols(cfg) -> int:
+    """Staging row width (elements): L+R rounded up to an odd multiple of 128 bytes, so that every row's copy
+    starts 128-byte aligned and the relayout's reads of 8 consecutive rows hit distinct swizzle phases (bank
+    conflicts otherwise: Mosaic refuses them)."""
+    per_128 = 128 // (1 if cfg.fp8 else 2)
+    units = cdiv(cfg.d, per_128)
+    return (units + 1 - units % 2) * per_128
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "interpret", "sms"))
@@ -460,7 +476,7 @@ def _impl(q, kv_cache, topk_slots, kv_scale, *, scale, kv_lora_rank, num_kv_spli
         tail=tail,
         splits=splits,
         split_tokens=split_tokens,
-        stages=_stages(fp8),
+        stages=_STAGES,
         num_slots=num_slots,
         fp8=fp8,
         sm_scale=float(scale),

@@ -53,7 +53,12 @@ CASES = [
 
 # On the GPU: the portable kernel's cases (N 128/16/64, K 2048, bf16/fp8, Q 1/2) and N 16/128 at Q = 2.
 GPU_CASES = SPARSE_DECODE_GPU_CASES + [
-    ("q2_causal_n16_k2048_fp8", dict(b=3, nq=2, n=16, k=2048, lens=[6000, 2049, 40], causal=True, cache_dtype="fp8"), {}, "fp8"),
+    (
+        "q2_causal_n16_k2048_fp8",
+        dict(b=3, nq=2, n=16, k=2048, lens=[6000, 2049, 40], causal=True, cache_dtype="fp8"),
+        {},
+        "fp8",
+    ),
     ("q2_causal_n128_k2048_bf16", dict(b=2, nq=2, n=128, k=2048, lens=[2100, 4096], causal=True), {}, "bf16"),
     ("n16_k2048_bf16_empty_row", dict(b=3, nq=1, n=16, k=2048, lens=[10000, 0, 2047]), {}, "bf16"),
 ]
@@ -152,12 +157,17 @@ def _lower_for_sm90(cache_dtype, n, **kw):
 
 @pytest.mark.parametrize(
     "cache_dtype, n, kw",
-    [("bf16", 16, dict(num_kv_splits=1)), ("fp8", 128, dict(num_kv_splits=2)), ("bf16", 80, dict(num_kv_splits=3))],
+    [
+        ("bf16", 16, dict(num_kv_splits=1)),
+        ("fp8", 16, dict(num_kv_splits=1)),
+        ("fp8", 128, dict(num_kv_splits=2)),
+        ("bf16", 80, dict(num_kv_splits=3)),
+    ],
 )
 def test_lowers_for_sm90(cache_dtype, n, kw, monkeypatch):
-    """The GPU code path at L = 512 / R = 64 (bf16: 1 staging tile, fp8: 2) passes Mosaic GPU's lowering for
-    sm_90, 227 KB of shared memory included. The split merge is a Triton kernel, which cannot lower without a
-    GPU: its jnp reference stands in (it has its own tests in test_mla_decode.py)."""
+    """The GPU code path at L = 512 / R = 64 passes Mosaic GPU's lowering for sm_90: layout inference (which
+    refuses bank-conflicting transfers), wgmma and copy shapes, 227 KB of shared memory. The split merge is a
+    Triton kernel, which cannot lower without a GPU: its jnp reference stands in (tested in test_mla_decode.py)."""
 
     def merge_ref(o_part, lse_part, *, out_dtype, interpret):
         out, lse = mla_decode.merge_splits_reference(o_part, lse_part)
