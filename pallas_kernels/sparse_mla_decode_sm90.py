@@ -1,4 +1,4 @@
-"""Token-sparse latent MQA decode on Hopper (sm_90): a Mosaic GPU kernel (per-row bulk copies + wgmma).
+"""Token-sparse latent MQA decode on Hopper (sm_90): a Mosaic GPU kernel (per-row TMA gather + wgmma).
 
 Same API and outputs as `pallas_kernels.sparse_mla_decode.sparse_mla_decode` (the Triton-lowered, portable
 kernel); its float32 reference `sparse_mla_decode_reference` is this kernel's reference too.
@@ -41,8 +41,8 @@ token tiles and alpha: bf16 226 KB of the 227 KB (Pallas starts every buffer at 
 
 Barriers (every waiter waits every phase, in order):
   q_bar            Q landed (TMA)                                          WG0 waits
-  slot_ready[D]    slot and token tiles landed (TMA, 2 arrivals)           producer waits
-  stage_ready[S]   the 64 entries of a staging tile: copies or arrivals    producer waits
+  slot_ready[2]    slot and token tiles landed (TMA, 2 arrivals)           producer waits
+  stage_ready      the 64 entries of the staging tile: copies or arrivals  producer waits
   kv_ready         the wgmma tile of tile i written                        WG0, WG1 wait
   kv_consumed      both consumers done with tile i (2 arrivals)            producer waits
   p_ready / p_consumed / epi_bar / fin_bar: as in mla_decode_sm90
@@ -146,8 +146,8 @@ def _smem_plan(cfg: _Cfg):
         ),
         plgpu.SMEM((TILE_M, TILE_K), BF16, transforms=tiled(BF16)),  # P
         plgpu.SMEM((cfg.slot_bufs, TILE_K), jnp.int32),  # slot tiles
-        # row vectors (_ROW_*), then the token tiles (one buffer: refs start at 1 KB boundaries, and fp8 has
-        # 1 KB to spare)
+        # row vectors (_ROW_*), then the token tiles: one buffer (refs start at 1 KB boundaries; bf16 has 1 KB
+        # to spare)
         plgpu.SMEM((_ROWS + cfg.slot_bufs, TILE_K), f32),
     ]
     half = cfg.l // 2
