@@ -5,10 +5,11 @@
 
 (each section a few minutes on the H200: one section per 10-minute call, each into its own DIR)
 
-(a) checks the sparse decode kernel against its float32 reference on the GPU cases of
+(a) checks each sparse decode kernel (`impl`: "sm90", the Hopper kernel, where the device is one, and
+    "triton", the portable one) against its float32 reference on the GPU cases of
     `pallas_kernels.testing.SPARSE_DECODE_GPU_CASES` (exits 1 on a mismatch), (b) measures the copy/matmul
     ceilings, then times:
-- `decode`: token-sparse latent MQA (`Backend.sparse_mla_decode`, top-k 2048) against our dense paged decode
+- `decode`: token-sparse latent MQA (top-k 2048), one row per kernel (`impl`), against our dense paged decode
   (`Backend.mla_decode`, the backend's own kernel choice) at ctx 8k/32k/128k, N = 128 and 16 heads, bf16 and
   fp8 (+scale) caches, B = 32 decode rows, page 64: `us`, `dense_us`, `speedup_vs_dense`, the kernel's
   TFLOP/s (2 B N K (576 + 512)) and its fraction of FlashMLA's published sparse decode rate (410 TFLOP/s,
@@ -29,7 +30,8 @@
   which MHA was faster at every S measured (the value for `mla_jax.attention.SPARSE_PREFILL_MHA_MAX_LEN[N]`;
   0: MQA won everywhere measured). MHA needing more than --mha-max-logits-gb of f32 logits is not run (mqa).
   `--only threshold` and `--only e2e` each take a few minutes.
-Writes DIR/sparse-h200.json (rows with `kind`; decode rows carry ctx, N, dtype, topk, us, speedup_vs_dense).
+Writes DIR/sparse-h200.json (rows with `kind`; decode rows carry impl, ctx, N, dtype, topk, us,
+speedup_vs_dense).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from mla_jax.config import DEEPSEEK_V32, DeepseekConfig  # noqa: E402
 from mla_jax.metadata import ScheduledRequest, build_metadata  # noqa: E402
 from mla_jax.step import jit_step  # noqa: E402
 from pallas_kernels import lightning_indexer as li  # noqa: E402
+from pallas_kernels import mla_decode_sm90 as md90  # noqa: E402
 from pallas_kernels import testing  # noqa: E402
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode_reference  # noqa: E402
 
@@ -65,19 +68,31 @@ def log(*a):
     print(f"[{time.time() - t_start:6.1f}s]", *a, flush=True)
 
 
-def check(backend, cases) -> bool:
+def sparse_impls():
+    """The sparse decode kernels timed (`impl`): the Hopper one on a Hopper GPU (or interpreted, --smoke), the
+    portable one everywhere; each still declines the shapes it does not take (`Kernel.supports`)."""
+    hopper = md90.is_sm90() or jax.default_backend() == "cpu"
+    return [k for k in (attention.SPARSE_DECODE_SM90, attention.SPARSE_DECODE_TRITON) if hopper or k.name != "sm90"]
+
+
+def check(cases) -> bool:
     ok = True
     for name, inputs, kernel, kind in cases:
         q, cache, table, ks, _, _ = testing.sparse_decode_inputs(1234, **inputs)
         l = inputs.get("l", 512)
-        try:
-            out, lse = backend.sparse_mla_decode(q, cache, table, scale=SCALE, kv_scale=ks, kv_lora_rank=l, **kernel)
-            ref, ref_lse = sparse_mla_decode_reference(q, cache, table, scale=SCALE, kv_scale=ks, kv_lora_rank=l)
-            testing.assert_decode_close(out, lse, ref, ref_lse, kind, lse_tol=testing.decode_gpu_tolerance(kind)[1])
-            log(f"check {name}: ok")
-        except AssertionError as e:
-            ok = False
-            log(f"check {name}: FAIL {e}")
+        ref, ref_lse = sparse_mla_decode_reference(q, cache, table, scale=SCALE, kv_scale=ks, kv_lora_rank=l)
+        for impl in sparse_impls():
+            if (reason := impl.supports(q, cache, table, kv_lora_rank=l)) is not None:
+                log(f"check {name} {impl.name}: declines ({reason})")
+                continue
+            try:
+                out, lse = impl.fn(q, cache, table, scale=SCALE, kv_scale=ks, kv_lora_rank=l, **kernel)
+                lse_tol = testing.decode_gpu_tolerance(kind)[1]
+                testing.assert_decode_close(out, lse, ref, ref_lse, kind, lse_tol=lse_tol)
+                log(f"check {name} {impl.name}: ok")
+            except AssertionError as e:
+                ok = False
+                log(f"check {name} {impl.name}: FAIL {e}")
     return ok
 
 
@@ -155,9 +170,10 @@ def bench_decode(args, backend, res, ceilings):
         for wn in args.select_tunings
     }
     dense = jax.jit(lambda q, c, bt, sl, ks: backend.mla_decode(q, c, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L))
-    sparse_fn = jax.jit(
-        lambda q, c, t, ks: backend.sparse_mla_decode(q, c, t, scale=SCALE, kv_scale=ks, kv_lora_rank=L)
-    )
+    sparse_fns = {
+        impl: jax.jit(lambda q, c, t, ks, impl=impl: impl.fn(q, c, t, scale=SCALE, kv_scale=ks, kv_lora_rank=L))
+        for impl in sparse_impls()
+    }
     for dtype in args.dtypes:
         bt_full, cache, ks = pool(jax.random.key(1), B, max_ctx, G, L + R, dtype)
         _, icache, iks = pool(jax.random.key(2), B, max_ctx, G, D_I, dtype)
@@ -205,17 +221,21 @@ def bench_decode(args, backend, res, ceilings):
                 q = jax.random.normal(jax.random.key(5), (B, 1, n, L + R), jnp.bfloat16)
                 dense_us = common.time_fn(dense, [(q, cache, bt, sl[:, None], ks)], iters=args.iters, reps=args.reps)
                 tables = [(q, cache, topk_slots(jax.random.key(10 + i), bt, ctx, K, G), ks) for i in range(3)]
-                us = common.time_fn(sparse_fn, tables, iters=args.iters, reps=args.reps)
-                tflops = 2 * B * n * K * (L + L + R) / (us * 1e-6) / 1e12
-                row_bytes = (L + R) * (1 if dtype == "fp8" else 2) + (4 if dtype == "fp8" else 0)
-                row = dict(kind="decode", B=B, ctx=ctx, N=n, dtype=dtype, topk=K, page=G, us=round(us, 2))
-                row |= dict(dense_us=round(dense_us, 2), speedup_vs_dense=round(dense_us / us, 2))
-                row |= dict(TFLOPs=round(tflops, 1), frac_matmul=round(tflops / ceilings["matmul_TFLOPs"], 3))
-                row |= dict(frac_flashmla_410=round(tflops / FLASHMLA_SPARSE_TFLOPS, 3))
-                row |= dict(TBps=round(B * K * row_bytes / (us * 1e-6) / 1e12, 3))
-                row |= dict(indexer_us=round(idx_us, 2), indexer_frac=round(idx_us / us, 2))
-                res["rows"].append(row)
-                log(row)
+                for impl, sparse_fn in sparse_fns.items():
+                    if (reason := impl.supports(*tables[0][:3], kv_lora_rank=L)) is not None:
+                        log(f"decode {impl.name} declines N={n} {dtype}: {reason}")
+                        continue
+                    us = common.time_fn(sparse_fn, tables, iters=args.iters, reps=args.reps)
+                    tflops = 2 * B * n * K * (L + L + R) / (us * 1e-6) / 1e12
+                    row_bytes = (L + R) * (1 if dtype == "fp8" else 2) + (4 if dtype == "fp8" else 0)
+                    row = dict(kind="decode", impl=impl.name, B=B, ctx=ctx, N=n, dtype=dtype, topk=K, page=G)
+                    row |= dict(us=round(us, 2), dense_us=round(dense_us, 2), speedup_vs_dense=round(dense_us / us, 2))
+                    row |= dict(TFLOPs=round(tflops, 1), frac_matmul=round(tflops / ceilings["matmul_TFLOPs"], 3))
+                    row |= dict(frac_flashmla_410=round(tflops / FLASHMLA_SPARSE_TFLOPS, 3))
+                    row |= dict(TBps=round(B * K * row_bytes / (us * 1e-6) / 1e12, 3))
+                    row |= dict(indexer_us=round(idx_us, 2), indexer_frac=round(idx_us / us, 2))
+                    res["rows"].append(row)
+                    log(row)
         del cache, icache
 
 
@@ -364,7 +384,7 @@ def main(argv=None):
             2,
             16,
         )
-        args.l, args.r, args.index_heads, args.index_dim = 64, 16, 4, 32
+        args.l, args.r, args.index_heads, args.index_dim = 128, 64, 4, 32  # (the Hopper kernel's smallest L, R)
         args.e2e_ctx, args.prefill_lens, args.iters, args.reps, args.steps, args.layers = 128, (32, 128), 2, 2, 1, 2
         args.select_tunings = ((16, 4), (32, 4))
         args.score_tunings = ((32, 4, 1), (32, 4, 2))
@@ -387,8 +407,8 @@ def main(argv=None):
     backend = attention.get_backend(args.backend)
     log(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, backend {args.backend}")
     if not args.no_check:
-        cases = testing.SPARSE_DECODE_CASES[:1] if args.smoke else testing.SPARSE_DECODE_GPU_CASES
-        if not check(backend, cases):
+        cases = testing.SPARSE_DECODE_CASES[::5] if args.smoke else testing.SPARSE_DECODE_GPU_CASES
+        if not check(cases):
             log("sparse decode kernel FAILS its reference: not timing")
             sys.exit(1)
     ceilings = common.measure_ceilings(small=args.smoke)

@@ -35,6 +35,7 @@ from pallas_kernels import merge_attn_states as ms
 from pallas_kernels import mla_decode as md
 from pallas_kernels import mla_decode_sm90 as md90
 from pallas_kernels import sparse_mla_decode as smd
+from pallas_kernels import sparse_mla_decode_sm90 as smd90
 
 
 def _interpret() -> bool:
@@ -171,8 +172,17 @@ def _sparse_triton_declines(q, cache, topk_slots, *, kv_lora_rank=512, **_) -> s
     return None
 
 
+def _sparse_decode_sm90(q, cache, topk_slots, **kw):
+    return smd90.sparse_mla_decode_sm90(q, cache, topk_slots, interpret=_interpret(), **kw)
+
+
+def _sparse_sm90_declines(q, cache, topk_slots, *, kv_lora_rank=512, **_) -> str | None:
+    return smd90.unsupported_reason(q, cache, kv_lora_rank)
+
+
 SPARSE_DECODE_XLA = Kernel("xla", smd.sparse_mla_decode_reference)
 SPARSE_DECODE_TRITON = Kernel("triton", _sparse_decode_triton, _sparse_triton_declines)
+SPARSE_DECODE_SM90 = Kernel("sm90", _sparse_decode_sm90, _sparse_sm90_declines)
 
 # ---- the lightning indexer's top-k: (q [T, H_I, D_I], weights f32[T, H_I], index_k_cache [pages, G, D_I],
 #      block_table i32[T, max_pages], seq_lens i32[T], *, scale, k, k_scale) -> topk_indices i32[T, min(k, S)]
@@ -265,7 +275,7 @@ BACKENDS: dict[str, Backend] = {
         (PREFILL_SM90, PREFILL_TRITON, PREFILL_XLA),
         _gather_auto,
         _merge_auto,
-        sparse_decode=(SPARSE_DECODE_TRITON, SPARSE_DECODE_XLA),
+        sparse_decode=(SPARSE_DECODE_SM90, SPARSE_DECODE_TRITON, SPARSE_DECODE_XLA),
         indexer=(INDEXER_TRITON, INDEXER_XLA),
     ),
     # "pallas_sm90" with fp8 caches decoded by the fp8 QK^T mode (opt-in: lossy)
@@ -275,7 +285,7 @@ BACKENDS: dict[str, Backend] = {
         (PREFILL_SM90, PREFILL_TRITON, PREFILL_XLA),
         _gather_auto,
         _merge_auto,
-        sparse_decode=(SPARSE_DECODE_TRITON, SPARSE_DECODE_XLA),
+        sparse_decode=(SPARSE_DECODE_SM90, SPARSE_DECODE_TRITON, SPARSE_DECODE_XLA),
         indexer=(INDEXER_TRITON, INDEXER_XLA),
     ),
 }
