@@ -128,8 +128,9 @@ def test_bad_inputs():
 
 
 def test_attention_backend_pallas_sm90(monkeypatch):
-    """get_backend("pallas_sm90").sparse_mla_decode goes through this kernel where `unsupported_reason` is None
-    and falls through to the portable kernel otherwise (here L = 64 / R = 16)."""
+    """A backend list with this kernel first (`attention.SPARSE_DECODE_SM90`, as the Hopper backends will have it
+    once it has passed on a GPU) goes through it where `unsupported_reason` is None and falls through to the
+    portable kernel otherwise (here L = 64 / R = 16)."""
     from mla_jax import attention
     from pallas_kernels import sparse_mla_decode as smd
 
@@ -139,7 +140,8 @@ def test_attention_backend_pallas_sm90(monkeypatch):
     monkeypatch.setattr(smd, "sparse_mla_decode", lambda *a, **kw: calls.append("triton") or real(*a, **kw))
     if not NPROC_IN_TIME:
         pytest.skip("NPROC was raised too late for the interpreter")
-    decode = attention.get_backend("pallas_sm90").sparse_mla_decode
+    kernels = (attention.SPARSE_DECODE_SM90,) + attention.HOPPER_SPARSE_DECODE
+    decode = attention.Backend("sm90_sparse_first", (), (), None, None, sparse_decode=kernels).sparse_mla_decode
     for (l, r), want in (((128, 64), "sm90"), ((64, 16), "triton")):
         q, cache, table, ks = _inputs(b=2, nq=2, k=48, lens=[50, 9], l=l, r=r)
         out, lse = decode(q, cache, table, scale=SCALE, kv_scale=ks, kv_lora_rank=l)
