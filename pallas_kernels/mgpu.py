@@ -6,12 +6,14 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.util import cdiv
+from pallas_kernels.util import M_INIT, cdiv
 
 SMEM_BYTES = 227 * 1024  # per-block opt-in shared memory on H100/H200
+ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma accumulator (softmax m, l)
 
 
 def tiled(dtype, minor_bytes=128):
@@ -88,3 +90,26 @@ def copy_zeroing_rows(src, dst, ready, raw_bar, *, partial, lo, hi):
                 block[...] = jnp.where(keep, block[...], jnp.zeros((), dst.dtype))
         plgpu.commit_smem()  # generic-proxy writes before the consumers' wgmma reads
         plgpu.barrier_arrive(ready)
+
+
+def softmax_state(rows: int, cols: int):
+    """The online softmax's initial (acc f32[rows, cols] zeros in the wgmma layout, m = M_INIT, l = 0 per row)."""
+    f32 = jnp.float32
+    acc = plgpu.layout_cast(jnp.zeros((rows, cols), f32), plgpu.Layout.WGMMA)
+    m_i = plgpu.layout_cast(jnp.full((rows,), M_INIT, f32), ROW_LAYOUT)
+    l_i = plgpu.layout_cast(jnp.zeros((rows,), f32), ROW_LAYOUT)
+    return acc, m_i, l_i
+
+
+def rows_bcast(v, shape):
+    """A per-row vector broadcast along the columns of `shape`."""
+    return lax.broadcast_in_dim(v, shape, [0])
+
+
+def write_out(acc, inv, stage, dst, by_rows):
+    """Normalize, stage in shared memory, TMA the real rows to the output (this warpgroup's half
+    of the columns); dst(rows) is the destination ref."""
+    out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    stage[...] = out.astype(stage.dtype)
+    plgpu.commit_smem()
+    by_rows(lambda k: plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, k)], dst(k)))

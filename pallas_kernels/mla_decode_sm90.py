@@ -82,13 +82,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mgpu import (
+    ROW_LAYOUT,
     SMEM_BYTES,
     copy_zeroing_rows,
     interpret_params,
+    rows_bcast,
     smem_bytes,
+    softmax_state,
     static_interpret,
     tiled,
     wgmma_accumulate,
+    write_out,
 )
 from pallas_kernels.mla_decode import merge_segments, merge_splits, mla_decode_reference, segments_from_slot_tile
 from pallas_kernels.util import (
@@ -97,7 +101,6 @@ from pallas_kernels.util import (
     FP8,
     LN2,
     LOG2E,
-    M_INIT,
     cdiv,
     check_interpreter_workers,
     is_sm90,
@@ -332,15 +335,15 @@ class _Piece:
         c = self.cfg.sm_scale * LOG2E
         if not self.cfg.qk8:
             return c
-        return plgpu.load(self.r["loop_rows"].at[_ROW_QSCALE], layout=_ROW_LAYOUT) * c
+        return plgpu.load(self.r["loop_rows"].at[_ROW_QSCALE], layout=ROW_LAYOUT) * c
 
     def logits(self, s, page, scale):
         """Scaled logits (log2 units) of this piece's page `page`, -inf past each row's length."""
         g = PAGE_SIZE
-        lens = plgpu.load(self.r["loop_rows"].at[_ROW_LENS], layout=_ROW_LAYOUT).astype(jnp.int32)
+        lens = plgpu.load(self.r["loop_rows"].at[_ROW_LENS], layout=ROW_LAYOUT).astype(jnp.int32)
         tok = (self.first + page) * g + plgpu.broadcasted_iota(jnp.int32, (TILE_M, g), 1, layout=plgpu.Layout.WGMMA)
         valid = tok < lax.broadcast_in_dim(lens, (TILE_M, g), [0])
-        scale = scale if isinstance(scale, float) else _rows_bcast(scale, s.shape)
+        scale = scale if isinstance(scale, float) else rows_bcast(scale, s.shape)
         return jnp.where(valid, s * scale, -jnp.inf)
 
     def epilogue_wg0(self, acc, m_i, l_i):
@@ -355,7 +358,7 @@ class _Piece:
             lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * LN2, -jnp.inf)
             rows[0] = inv
             rows[1] = lse
-            pl.when(write_o)(lambda: _write_out(acc, inv, stage.at[0], o_dst, self.by_rows))
+            pl.when(write_o)(lambda: write_out(acc, inv, stage.at[0], o_dst, self.by_rows))
             plgpu.commit_smem()
             plgpu.barrier_arrive(r["fin_bar"])  # 1/l published for WG1
             self.by_rows(lambda k: plgpu.copy_smem_to_gmem(rows.at[1, pl.ds(0, k)], lse_dst(k)))
@@ -377,8 +380,8 @@ class _Piece:
 
             @pl.when(write_o)
             def _():
-                inv = plgpu.load(rows.at[0], layout=_ROW_LAYOUT)
-                _write_out(acc, inv, stage.at[1], o_dst, self.by_rows)
+                inv = plgpu.load(rows.at[0], layout=ROW_LAYOUT)
+                write_out(acc, inv, stage.at[1], o_dst, self.by_rows)
                 plgpu.wait_smem_to_gmem(0)
 
         @pl.when(self.has_out)
@@ -389,21 +392,6 @@ class _Piece:
             fin, part = self.out_dsts(pl.ds(half, half))
             pl.when(self.final)(lambda: epilogue(*fin, True))
             pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))
-
-
-_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
-
-
-def _init_state(cfg):
-    f32 = jnp.float32
-    acc = plgpu.layout_cast(jnp.zeros((TILE_M, cfg.l // 2), f32), plgpu.Layout.WGMMA)
-    m_i = plgpu.layout_cast(jnp.full((TILE_M,), M_INIT, f32), _ROW_LAYOUT)
-    l_i = plgpu.layout_cast(jnp.zeros((TILE_M,), f32), _ROW_LAYOUT)
-    return acc, m_i, l_i
-
-
-def _rows_bcast(v, shape):
-    return lax.broadcast_in_dim(v, shape, [0])
 
 
 def _body(cfg, r, pc):
@@ -489,7 +477,7 @@ def _body(cfg, r, pc):
                 s = pc.logits(s, i, logit_scale)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - _rows_bcast(m_new, s.shape))
+                p = jnp.exp2(s - rows_bcast(m_new, s.shape))
                 l_i = l_i * alpha + p.sum(axis=1)
 
             @pl.when(i > 0)
@@ -508,12 +496,12 @@ def _body(cfg, r, pc):
                 with jax.named_scope("wait_v"):
                     plgpu.barrier_wait(kv_ready.at[slot_i])
             with jax.named_scope("pv"):
-                acc = acc * _rows_bcast(alpha, acc.shape)
+                acc = acc * rows_bcast(alpha, acc.shape)
                 acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)], interpret=cfg.interpret)
             plgpu.barrier_arrive(kv_consumed.at[slot_i])
             return acc, m_new, l_i
 
-        acc, m_i, l_i = lax.fori_loop(0, n, step, _init_state(cfg))
+        acc, m_i, l_i = lax.fori_loop(0, n, step, softmax_state(TILE_M, cfg.l // 2))
         pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
         pc.epilogue_wg0(acc, m_i, l_i)
 
@@ -538,15 +526,15 @@ def _body(cfg, r, pc):
                     plgpu.barrier_wait(kv_ready.at[slot_i])
                     plgpu.barrier_wait(p_ready)
             with jax.named_scope("pv"):
-                alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], layout=_ROW_LAYOUT)
-                acc = acc * _rows_bcast(alpha, acc.shape)
+                alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], layout=ROW_LAYOUT)
+                acc = acc * rows_bcast(alpha, acc.shape)
                 acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(half, half)], interpret=cfg.interpret)
             plgpu.barrier_arrive(p_consumed)
             if not cfg.qk8:
                 plgpu.barrier_arrive(kv_consumed.at[slot_i])
             return acc
 
-        acc = lax.fori_loop(0, n, step, _init_state(cfg)[0])
+        acc = lax.fori_loop(0, n, step, softmax_state(TILE_M, cfg.l // 2)[0])
         pc.epilogue_wg1(acc)
 
     @pl.when(wg == 2)
@@ -608,8 +596,8 @@ def _body(cfg, r, pc):
                 valid_rows = page_rows(i)
                 if not cfg.qk8:
                     # Per-token scales for WG0 (0 past the length: p * scale must stay 0 next to garbage).
-                    scale = plgpu.load(scale_ring.at[fslot], layout=_ROW_LAYOUT)  # [G] f32
-                    tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_ROW_LAYOUT)
+                    scale = plgpu.load(scale_ring.at[fslot], layout=ROW_LAYOUT)  # [G] f32
+                    tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=ROW_LAYOUT)
                     loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
                 # All 576 columns (K and V) or, with fp8 QK^T, V's first half (WG1 casts the second).
                 cast_fp8(fslot, slot_i, valid_rows, range(half // 64 if cfg.qk8 else cfg.d // 64))
@@ -642,15 +630,6 @@ def _regs(is_fp8):
     [64, L/2] f32 accumulator (128) plus the [64, 64] logits; the fp8 producer converts 64x64
     chunks."""
     return (208, 88) if is_fp8 else (224, 56)
-
-
-def _write_out(acc, inv, stage, dst, by_rows):
-    """Normalize, stage in shared memory, TMA the real rows to the output (this warpgroup's half
-    of the columns); dst(rows) is the destination ref."""
-    out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-    stage[...] = out.astype(stage.dtype)
-    plgpu.commit_smem()
-    by_rows(lambda k: plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, k)], dst(k)))
 
 
 def _rows_per_tile(cfg):

@@ -86,7 +86,7 @@ def check_topk_slots(topk_slots, num_slots: int) -> None:
         raise ValueError(f"topk_slots holds slot {int(bad[0])} outside [-1, {num_slots}) ({bad.size} entries)")
 
 
-def _check_concrete(topk_slots, kv_cache) -> None:
+def check_concrete(topk_slots, kv_cache) -> None:
     """Eagerly called with a concrete table: out-of-range slots are an error (under jit they are masked)."""
     if not isinstance(topk_slots, jax.core.Tracer):
         check_topk_slots(topk_slots, kv_cache.shape[0] * kv_cache.shape[1])
@@ -269,7 +269,7 @@ def sparse_mla_decode(
     num_kv_splits (static split count of the K table), block_h heads per program, block_kv table entries per
     step (powers of two >= 16), num_warps, num_stages."""
     validate_sparse_decode(q, kv_cache, topk_slots, kv_scale, kv_lora_rank, for_kernel=True)
-    _check_concrete(topk_slots, kv_cache)
+    check_concrete(topk_slots, kv_cache)
     for name, v in (("block_h", block_h), ("block_kv", block_kv)):
         if v is not None and not (is_pow2(v) and v >= 16):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")

@@ -62,20 +62,27 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu import SMEM_BYTES, interpret_params, smem_bytes, static_interpret, tiled, wgmma_accumulate
+from pallas_kernels.mgpu import (
+    ROW_LAYOUT,
+    SMEM_BYTES,
+    interpret_params,
+    rows_bcast,
+    smem_bytes,
+    softmax_state,
+    static_interpret,
+    tiled,
+    wgmma_accumulate,
+    write_out,
+)
 from pallas_kernels.mla_decode import merge_splits
 
 # The dense Hopper decode's pieces this kernel shares: the tile height, the split-count model, the consumer
 # state, the row-vector layout and the output write.
 from pallas_kernels.mla_decode_sm90 import (
-    _ROW_LAYOUT,
     TILE_M,
-    _init_state,
-    _rows_bcast,
-    _write_out,
     choose_num_kv_splits_sm90,
 )
-from pallas_kernels.sparse_mla_decode import _check_concrete, sparse_mla_decode_reference, validate_sparse_decode
+from pallas_kernels.sparse_mla_decode import check_concrete, sparse_mla_decode_reference, validate_sparse_decode
 from pallas_kernels.util import BF16, F16, FP8, LN2, LOG2E, cdiv, check_interpreter_workers, is_sm90
 from pallas_kernels.util import num_sms as _device_num_sms
 
@@ -267,7 +274,7 @@ def _body(cfg, gmem, smem, bars, nvalid_gmem):
                 s = jnp.where(named, s * qk_scale, -jnp.inf)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - _rows_bcast(m_new, s.shape))
+                p = jnp.exp2(s - rows_bcast(m_new, s.shape))
                 l_i = l_i * alpha + p.sum(axis=1)
 
             @pl.when(i > 0)
@@ -282,12 +289,12 @@ def _body(cfg, gmem, smem, bars, nvalid_gmem):
                 plgpu.commit_smem()  # (also orders the token tile's read before the TMA that reuses it)
                 plgpu.barrier_arrive(bars["p_ready"])
             with jax.named_scope("pv"):
-                acc = acc * _rows_bcast(alpha, acc.shape)
+                acc = acc * rows_bcast(alpha, acc.shape)
                 acc = wgmma_accumulate(acc, p_smem, tile.at[:, pl.ds(0, half)], interpret=cfg.interpret)
             plgpu.barrier_arrive(bars["kv_consumed"])
             return acc, m_new, l_i
 
-        acc, m_i, l_i = lax.fori_loop(0, n, step, _init_state(cfg))
+        acc, m_i, l_i = lax.fori_loop(0, n, step, softmax_state(TILE_M, cfg.l // 2))
         pl.when(n > 0)(lambda: plgpu.barrier_wait(bars["p_consumed"]))  # its last phase too
 
         # Epilogue: after both consumers are done with the loop's buffers, which the staging aliases.
@@ -300,7 +307,7 @@ def _body(cfg, gmem, smem, bars, nvalid_gmem):
         rows[0] = inv
         rows[1] = jnp.where(has, (m_i + jnp.log2(safe_l)) * LN2, -jnp.inf)
         o_dst, lse_dst = out_dst(pl.ds(0, half))
-        pl.when(write_o)(lambda: _write_out(acc, inv, smem["out_stage"].at[0], o_dst, by_rows))
+        pl.when(write_o)(lambda: write_out(acc, inv, smem["out_stage"].at[0], o_dst, by_rows))
         plgpu.commit_smem()
         plgpu.barrier_arrive(bars["fin_bar"])  # 1/l published for WG1
         by_rows(lambda k: plgpu.copy_smem_to_gmem(rows.at[1, pl.ds(0, k)], lse_dst(k)))
@@ -315,14 +322,14 @@ def _body(cfg, gmem, smem, bars, nvalid_gmem):
                 plgpu.barrier_wait(bars["kv_ready"])
                 plgpu.barrier_wait(bars["p_ready"])
             with jax.named_scope("pv"):
-                alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], (), layout=_ROW_LAYOUT)
-                acc = acc * _rows_bcast(alpha, acc.shape)
+                alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], (), layout=ROW_LAYOUT)
+                acc = acc * rows_bcast(alpha, acc.shape)
                 acc = wgmma_accumulate(acc, p_smem, tile.at[:, pl.ds(half, half)], interpret=cfg.interpret)
             plgpu.barrier_arrive(bars["p_consumed"])
             plgpu.barrier_arrive(bars["kv_consumed"])
             return acc
 
-        acc = lax.fori_loop(0, n, step, _init_state(cfg)[0])
+        acc = lax.fori_loop(0, n, step, softmax_state(TILE_M, cfg.l // 2)[0])
         plgpu.barrier_arrive(bars["epi_bar"])
         plgpu.barrier_wait(bars["epi_bar"])
         plgpu.barrier_wait(bars["fin_bar"])  # WG0 has written 1/l
@@ -330,8 +337,8 @@ def _body(cfg, gmem, smem, bars, nvalid_gmem):
 
         @pl.when(write_o)
         def _():
-            inv = plgpu.load(smem["out_rows"].at[0], (), layout=_ROW_LAYOUT)
-            _write_out(acc, inv, smem["out_stage"].at[1], o_dst, by_rows)
+            inv = plgpu.load(smem["out_rows"].at[0], (), layout=ROW_LAYOUT)
+            write_out(acc, inv, smem["out_stage"].at[1], o_dst, by_rows)
             plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -558,7 +565,7 @@ def sparse_mla_decode_sm90(
     reason = unsupported_reason(q, kv_cache, kv_lora_rank)
     if reason is not None:
         raise ValueError(f"sparse_mla_decode_sm90 does not take this call ({reason}); use sparse_mla_decode")
-    _check_concrete(topk_slots, kv_cache)
+    check_concrete(topk_slots, kv_cache)
     if num_kv_splits is not None and not (isinstance(num_kv_splits, int) and num_kv_splits >= 1):
         raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits}")
     if num_sms is not None and not (isinstance(num_sms, int) and num_sms >= 1):
