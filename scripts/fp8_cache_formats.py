@@ -183,13 +183,18 @@ def measure(params, cfg, row_ids: np.ndarray, val_ids: np.ndarray, group: int) -
     return out
 
 
-def run(group: int | None = None, num_windows: int = 8, seq_len: int = 256) -> dict:
-    """`measure` on the demo model: ``num_windows`` windows of ``seq_len`` tokens each for the rows and for the loss
-    (one shape: one compile)."""
+def load_demo():
+    """The demo model in float32 and its tokenizer: (cfg, params, tokenizer)."""
     from tokenizers import Tokenizer
 
     cfg, params = load_model(str(DEMO), dtype="fp32")
-    tok = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
+    return cfg, params, Tokenizer.from_file(str(DEMO / "tokenizer.json"))
+
+
+def run(group: int | None = None, num_windows: int = 8, seq_len: int = 256, demo=None) -> dict:
+    """`measure` on the demo model (``demo``: `load_demo()`'s result, loaded here if None): ``num_windows`` windows
+    of ``seq_len`` tokens each for the rows and for the loss (one shape: one compile)."""
+    cfg, params, tok = load_demo() if demo is None else demo
     group = cfg.kv_lora_rank // 4 if group is None else group
     row_ids = windows(tok, ROW_FILES, num_windows, seq_len)
     val_ids = windows(tok, VAL_FILES, num_windows, seq_len)
