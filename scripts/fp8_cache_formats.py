@@ -183,6 +183,29 @@ def measure(params, cfg, row_ids: np.ndarray, val_ids: np.ndarray, group: int) -
     return out
 
 
+def paged_check(params, cfg, ids: np.ndarray, group: int) -> dict[str, float]:
+    """The fake quantization against the real cache: ids i32[B, S] decoded token by token through the paged fp8
+    cache (`mla_jax.step.jit_step`, teacher-forced, via the tests' `run_schedule`) against `forward_fake_quant`
+    with "per_token" rows -> {"fp8": max |logit difference|, "fp8_shift": how far the fp8 rows move the logits
+    from the float32 rows' at all}. (The fp32 cache against the plain forward: tests/mla_jax/test_demo_model.py.)"""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from tests.mla_jax.helpers import run_schedule
+
+    B, S = ids.shape
+    steps = [[(b, 1) for b in range(B)]] * S
+    got = run_schedule(params, cfg, ids.tolist(), steps, page_size=16, num_pages=B * -(-S // 16) + 1, cache_dtype="fp8")
+    paged = np.zeros((B, S, cfg.vocab_size), np.float32)
+    for r, pos, lg in got:
+        paged[r, pos] = lg
+    fq, ref = (
+        np.asarray(forward_fake_quant(params, cfg, jnp.asarray(ids), FORMATS.index(f), group)[0])
+        for f in ("per_token", "f32")
+    )
+    return {"fp8": float(np.abs(paged - fq).max()), "fp8_shift": float(np.abs(fq - ref).max())}
+
+
 def load_demo():
     """The demo model in float32 and its tokenizer: (cfg, params, tokenizer)."""
     from tokenizers import Tokenizer
@@ -222,10 +245,18 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write the full results (per-token errors included) as JSON here")
     ap.add_argument("--group", type=int, default=None, help="latent values per scale (default L / 4)")
+    ap.add_argument(
+        "--paged-check", action="store_true", help="also check the fake quantization against the paged cache"
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    res = run(args.group)
+    demo = load_demo()
+    res = run(args.group, demo=demo)
     print(summary(res))
+    if args.paged_check:
+        cfg, params, tok = demo
+        res["paged_check"] = paged_check(params, cfg, windows(tok, VAL_FILES, 2, 40), res["group"])
+        print("max |logit difference|, paged decode vs fake quantization:", res["paged_check"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f)
