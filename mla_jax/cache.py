@@ -16,6 +16,10 @@ Bytes per row (L + R = 576):
   One scale covers the whole 576-wide row (latent and rope together).
 * ``"fp32"``: 2304 B; exact, for tests.
 
+Other fp8 row formats (per-128 latent scales, rope in bf16: vLLM's ``fp8_ds_mla``, 656 B) are defined next to the
+quantisation (``FP8_ROW_FORMATS``, ``quantize_cache_rows``) to be measured against this one; the cache stores only
+the per-token format (accuracy: docs/perf-notes.md, notebooks/09_fp8_cache_formats.ipynb).
+
 Page sizes: production page sizes are {16, 32, 64, 128} (FlashMLA: 64, Cutlass MLA: 128); default 64.
 Tiny tests may pass ``allow_any_page_size=True`` to use any power of two >= 1.
 
@@ -291,6 +295,8 @@ def quantize_cache_rows(rows: jax.Array, fmt: str, *, kv_lora_rank: int = 512, g
     """Rows [..., L+R] (``[kv_c_normed | k_pe]``) -> `Fp8Rows` in fp8 row format ``fmt`` (`FP8_ROW_FORMATS`).
     "per_token" is exactly what `write_kv` stores (`quantize_rows`: values and the scale, as [..., 1])."""
     L = kv_lora_rank
+    if rows.shape[-1] <= L:
+        raise ValueError(f"rows must be [..., L+R] with L = kv_lora_rank = {L} and R >= 1, got shape {rows.shape}")
     g = _format_groups(fmt, L, rows.shape[-1] - L, group)
     rows = rows.astype(jnp.float32)
     if fmt == "per_token":
@@ -308,6 +314,11 @@ def dequantize_cache_rows(packed: Fp8Rows, fmt: str, *, kv_lora_rank: int = 512)
     if fmt not in FP8_ROW_FORMATS:
         raise ValueError(f"unknown fp8 row format {fmt!r}; expected one of {FP8_ROW_FORMATS}")
     q, s, rope = packed
+    if (rope is not None) != (fmt in _BF16_ROPE) or (fmt in ("per_token", "bf16_rope")) != (s.shape[-1] == 1):
+        raise ValueError(
+            f"packed rows (values {q.shape}, scales {s.shape}, rope {None if rope is None else rope.shape}) are not "
+            f"in format {fmt!r}"
+        )
     if fmt == "per_token":
         return dequantize_rows(q, s[..., 0])
     if fmt in _BF16_ROPE:

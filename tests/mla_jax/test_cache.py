@@ -263,6 +263,12 @@ def test_fp8_row_format_bytes():
         quantize_cache_rows(x, "ds_mla", group=96)
     with pytest.raises(ValueError, match="unknown fp8 row format"):
         dequantize_cache_rows(quantize_cache_rows(x, "ds_mla"), "fp8_ds_mla")
+    with pytest.raises(ValueError, match="not in format 'per_group'"):
+        dequantize_cache_rows(quantize_cache_rows(x, "ds_mla"), "per_group")
+    with pytest.raises(ValueError, match="not in format 'ds_mla'"):
+        dequantize_cache_rows(quantize_cache_rows(x, "bf16_rope"), "ds_mla")
+    with pytest.raises(ValueError, match="R >= 1"):
+        quantize_cache_rows(x[..., :L], "per_token")
 
 
 @pytest.mark.parametrize("fmt", FP8_ROW_FORMATS)
