@@ -16,6 +16,10 @@ Bytes per row (L + R = 576):
   One scale covers the whole 576-wide row (latent and rope together).
 * ``"fp32"``: 2304 B; exact, for tests.
 
+Other fp8 row formats (per-128 latent scales, rope in bf16: vLLM's ``fp8_ds_mla``, 656 B) are defined next to the
+quantisation (``FP8_ROW_FORMATS``, ``quantize_cache_rows``) to be measured against this one; the cache stores only
+the per-token format (accuracy: docs/perf-notes.md, notebooks/09_fp8_cache_formats.ipynb).
+
 Page sizes: production page sizes are {16, 32, 64, 128} (FlashMLA: 64, Cutlass MLA: 128); default 64.
 Tiny tests may pass ``allow_any_page_size=True`` to use any power of two >= 1.
 
@@ -45,7 +49,7 @@ stacked cache as scan ``xs``/``ys`` (that slices and restacks, i.e. copies).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -224,6 +228,103 @@ def dequantize_rows(q: jax.Array, scale: jax.Array | None, dtype: Any = jnp.floa
     if scale is None:
         return q.astype(dtype)
     return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+# fp8 row formats, compared for accuracy in notebooks/09_fp8_cache_formats.ipynb (docs/perf-notes.md). The cache
+# stores "per_token" (`write_kv`); the others exist to be measured against it (no kernel reads them yet).
+#   "per_token": L+R e4m3, one f32 scale for the whole row (latent and rope together): 576 + 4 = 580 B.
+#   "ds_mla":    vLLM's `fp8_ds_mla` (FlashMLA's sparse fp8 row): L e4m3 with one f32 scale per `group` (128)
+#                latent values, rope kept in bf16: 512 + 4 * 4 + 64 * 2 = 656 B.
+#   "per_group": the ds_mla scales, but the rope in e4m3 too under a scale of its own: 576 + 5 * 4 = 596 B.
+#   "bf16_rope": one f32 scale for the latent, rope kept in bf16: 512 + 4 + 128 = 644 B.
+# (The four form a 2 x 2: one scale or one per group for the latent, rope in e4m3 or bf16.)
+FP8_ROW_FORMATS = ("per_token", "ds_mla", "per_group", "bf16_rope")
+_BF16_ROPE = ("ds_mla", "bf16_rope")
+
+
+class Fp8Rows(NamedTuple):
+    """Rows [..., L+R] in an fp8 row format: ``values`` e4m3 [..., L+R] (rope included) or [..., L] ("ds_mla"),
+    ``scales`` f32 [..., S] (S = 1 for "per_token" and "bf16_rope", L / group for "ds_mla", L / group + 1 for
+    "per_group": the last one the rope's), ``rope`` bf16 [..., R] ("ds_mla", "bf16_rope") or None."""
+
+    values: jax.Array
+    scales: jax.Array
+    rope: jax.Array | None
+
+
+def _format_groups(fmt: str, kv_lora_rank: int, rope_dim: int, group: int) -> int:
+    """Latent values per scale of ``fmt`` (checked; "per_token": the whole row's)."""
+    if fmt not in FP8_ROW_FORMATS:
+        raise ValueError(f"unknown fp8 row format {fmt!r}; expected one of {FP8_ROW_FORMATS}")
+    if fmt in ("per_token", "bf16_rope"):
+        return kv_lora_rank
+    g = min(group, kv_lora_rank)
+    if g < 1 or kv_lora_rank % g:
+        raise ValueError(f"group {group} must divide kv_lora_rank {kv_lora_rank} (or be >= it)")
+    if fmt == "per_group" and rope_dim > g:
+        raise ValueError(f"per_group keeps the rope ({rope_dim}) under one scale: it must fit in group {g}")
+    return g
+
+
+def fp8_format_row_bytes(fmt: str, *, kv_lora_rank: int = 512, rope_dim: int = 64, group: int = 128) -> int:
+    """Bytes one token occupies in one layer in fp8 row format ``fmt`` (payload + scales); "per_token" is
+    `row_bytes("fp8")`."""
+    g = _format_groups(fmt, kv_lora_rank, rope_dim, group)
+    if fmt == "per_token":
+        return kv_lora_rank + rope_dim + 4
+    if fmt in _BF16_ROPE:
+        return kv_lora_rank + 4 * (kv_lora_rank // g) + 2 * rope_dim
+    return kv_lora_rank + rope_dim + 4 * (kv_lora_rank // g + 1)
+
+
+def _quantize_groups(x: jax.Array, g: int) -> tuple[jax.Array, jax.Array]:
+    """x [..., n * g] -> (e4m3 [..., n * g], f32 scales [..., n]): `quantize_rows` on each g-wide group."""
+    lead, w = x.shape[:-1], x.shape[-1]
+    q, s = quantize_rows(x.reshape(-1, g))
+    return q.reshape(*lead, w), s.reshape(*lead, w // g)
+
+
+def _dequantize_groups(q: jax.Array, scales: jax.Array) -> jax.Array:
+    """Inverse of `_quantize_groups` -> f32."""
+    n = scales.shape[-1]
+    lead, w = q.shape[:-1], q.shape[-1]
+    return dequantize_rows(q.reshape(*lead, n, w // n), scales).reshape(*lead, w)
+
+
+def quantize_cache_rows(rows: jax.Array, fmt: str, *, kv_lora_rank: int = 512, group: int = 128) -> Fp8Rows:
+    """Rows [..., L+R] (``[kv_c_normed | k_pe]``) -> `Fp8Rows` in fp8 row format ``fmt`` (`FP8_ROW_FORMATS`).
+    "per_token" is exactly what `write_kv` stores (`quantize_rows`: values and the scale, as [..., 1])."""
+    L = kv_lora_rank
+    if rows.shape[-1] <= L:
+        raise ValueError(f"rows must be [..., L+R] with L = kv_lora_rank = {L} and R >= 1, got shape {rows.shape}")
+    g = _format_groups(fmt, L, rows.shape[-1] - L, group)
+    rows = rows.astype(jnp.float32)
+    if fmt == "per_token":
+        q, s = _quantize_groups(rows, rows.shape[-1])
+        return Fp8Rows(q, s, None)
+    q, s = _quantize_groups(rows[..., :L], g)  # [..., L], [..., L / g]
+    if fmt in _BF16_ROPE:
+        return Fp8Rows(q, s, rows[..., L:].astype(jnp.bfloat16))
+    qr, sr = _quantize_groups(rows[..., L:], rows.shape[-1] - L)  # the rope under its own scale
+    return Fp8Rows(jnp.concatenate([q, qr], -1), jnp.concatenate([s, sr], -1), None)
+
+
+def dequantize_cache_rows(packed: Fp8Rows, fmt: str, *, kv_lora_rank: int = 512) -> jax.Array:
+    """Inverse of `quantize_cache_rows` -> f32 rows [..., L+R]."""
+    if fmt not in FP8_ROW_FORMATS:
+        raise ValueError(f"unknown fp8 row format {fmt!r}; expected one of {FP8_ROW_FORMATS}")
+    q, s, rope = packed
+    if (rope is not None) != (fmt in _BF16_ROPE) or (fmt in ("per_token", "bf16_rope")) != (s.shape[-1] == 1):
+        raise ValueError(
+            f"packed rows (values {q.shape}, scales {s.shape}, rope {None if rope is None else rope.shape}) are not "
+            f"in format {fmt!r}"
+        )
+    if fmt == "per_token":
+        return dequantize_rows(q, s[..., 0])
+    if fmt in _BF16_ROPE:
+        return jnp.concatenate([_dequantize_groups(q, s), rope.astype(jnp.float32)], -1)
+    L = kv_lora_rank
+    return jnp.concatenate([_dequantize_groups(q[..., :L], s[..., :-1]), dequantize_rows(q[..., L:], s[..., -1])], -1)
 
 
 # ----------------------------------------------------------------------------------------------------

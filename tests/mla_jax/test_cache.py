@@ -9,15 +9,20 @@ import pytest
 
 from mla_jax.cache import (
     FP8_MAX,
+    FP8_ROW_FORMATS,
+    Fp8Rows,
     KVCache,
     bytes_per_token,
     cache_bytes,
     check_page_size,
     check_slot_mapping,
+    dequantize_cache_rows,
     dequantize_rows,
+    fp8_format_row_bytes,
     gather_rows,
     init_kv_cache,
     num_pages_for_bytes,
+    quantize_cache_rows,
     quantize_rows,
     row_bytes,
     update_cache,
@@ -231,6 +236,118 @@ def test_fp8_write_round_trip_and_untouched():
     mask[slots] = False
     assert np.isnan(kv[1].reshape(-1, W)[mask]).all(), "unwritten rows changed"
     np.testing.assert_array_equal(scale[mask], 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# fp8 row formats (compared in notebooks/09_fp8_cache_formats.ipynb)
+
+
+def _packed_row_bytes(p: Fp8Rows) -> int:
+    return sum(a.shape[-1] * a.dtype.itemsize for a in p if a is not None)
+
+
+def test_fp8_row_format_bytes():
+    want = {"per_token": 580, "ds_mla": 656, "per_group": 596, "bf16_rope": 644}  # DeepSeek-V3 dims, group 128
+    assert {f: fp8_format_row_bytes(f) for f in FP8_ROW_FORMATS} == want
+    assert fp8_format_row_bytes("per_token") == row_bytes("fp8")
+    x = jnp.ones((2, 3, W), jnp.float32)
+    for f in FP8_ROW_FORMATS:  # the bytes are those of the arrays the format stores
+        assert _packed_row_bytes(quantize_cache_rows(x, f)) == want[f]
+        small = quantize_cache_rows(jnp.ones((2, 80)), f, kv_lora_rank=64, group=16)  # the demo model's dims
+        assert _packed_row_bytes(small) == fp8_format_row_bytes(f, kv_lora_rank=64, rope_dim=16, group=16)
+    assert fp8_format_row_bytes("ds_mla", kv_lora_rank=64, rope_dim=16, group=16) == 64 + 4 * 4 + 32
+    assert fp8_format_row_bytes("ds_mla", kv_lora_rank=64, rope_dim=16) == 64 + 4 + 32  # group 128 > L: one scale
+    with pytest.raises(ValueError, match="unknown fp8 row format"):
+        fp8_format_row_bytes("per_tensor")
+    with pytest.raises(ValueError, match="must divide kv_lora_rank"):
+        quantize_cache_rows(x, "ds_mla", group=96)
+    with pytest.raises(ValueError, match="unknown fp8 row format"):
+        dequantize_cache_rows(quantize_cache_rows(x, "ds_mla"), "fp8_ds_mla")
+    with pytest.raises(ValueError, match="not in format 'per_group'"):
+        dequantize_cache_rows(quantize_cache_rows(x, "ds_mla"), "per_group")
+    with pytest.raises(ValueError, match="not in format 'ds_mla'"):
+        dequantize_cache_rows(quantize_cache_rows(x, "bf16_rope"), "ds_mla")
+    with pytest.raises(ValueError, match="R >= 1"):
+        quantize_cache_rows(x[..., :L], "per_token")
+
+
+@pytest.mark.parametrize("fmt", FP8_ROW_FORMATS)
+def test_fp8_row_format_round_trip_bound(fmt):
+    """Every value within e4m3's rounding (2^-4 relative, 2^-10 of its own scale absolute near zero) or bf16's
+    (2^-8) of the input; each scale is amax / 448 of exactly the values it covers; zero rows come back zero."""
+    rng = np.random.default_rng(7)
+    t, g = 48, 128
+    x = rng.standard_normal((4, t // 4, W)).astype(np.float32) * np.logspace(-3, 3, t, dtype=np.float32).reshape(
+        4, -1, 1
+    )
+    x[..., L:] *= 8.0  # rope larger than the latent, as in the demo model's rows
+    x[..., 3:5, 128:256] *= 1e-3  # one quiet latent group
+    x[1, 2] = 0.0  # a zero row
+    x[2, 1, :L] = 0.0  # a zero latent with a non-zero rope
+    p = quantize_cache_rows(jnp.asarray(x), fmt)
+    back = np.asarray(dequantize_cache_rows(p, fmt))
+    assert back.shape == x.shape and back.dtype == np.float32 and np.isfinite(back).all()
+    q, s = np.asarray(p.values).astype(np.float32), np.asarray(p.scales)
+    assert p.values.dtype == jnp.float8_e4m3fn and np.abs(q).max() <= FP8_MAX
+    # the scale of each value (same layout as x) and the values each scale covers
+    if fmt == "per_token":
+        cover = [(slice(0, W), 0)]
+    elif fmt == "bf16_rope":
+        cover = [(slice(0, L), 0)]
+    else:
+        cover = [(slice(i * g, (i + 1) * g), i) for i in range(L // g)]
+        cover += [(slice(L, W), L // g)] if fmt == "per_group" else []
+    e4m3 = np.zeros(W, bool)
+    for sl, k in cover:
+        amax = np.abs(x[..., sl]).max(-1)
+        np.testing.assert_allclose(s[..., k], np.where(amax > 0, amax / FP8_MAX, 1.0), rtol=1e-6)
+        err = np.abs(back[..., sl] - x[..., sl])
+        assert (err <= np.abs(x[..., sl]) * 2.0**-4 + s[..., k : k + 1] * 2.0**-10).all(), (fmt, sl)
+        e4m3[sl] = True
+    assert s.shape == x.shape[:-1] + (len(cover),)
+    if fmt in ("ds_mla", "bf16_rope"):
+        assert p.rope.dtype == jnp.bfloat16 and not e4m3[L:].any()
+        assert (np.abs(back[..., L:] - x[..., L:]) <= np.abs(x[..., L:]) * 2.0**-8).all()
+    else:
+        assert p.rope is None and e4m3.all()
+    np.testing.assert_array_equal(back[1, 2], 0.0)
+    np.testing.assert_array_equal(back[2, 1, :L], 0.0)
+    assert (s[1, 2] == 1.0).all()
+
+
+def test_fp8_row_formats_rope_in_bf16_or_own_scale_cut_the_error():
+    """With a rope 8x the latent (the demo's rows: rope RMS 2-8x the latent's), one row scale costs the latent
+    precision (its small values go subnormal); per-group scales recover it, a bf16 rope is ~16x more exact."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((256, W)).astype(np.float32)
+    x[:, L:] *= 8.0
+    x[:, :L] *= np.exp(rng.standard_normal(L)).astype(np.float32)  # uneven channels, as after RMSNorm's weight
+
+    def err(fmt, part):
+        back = np.asarray(dequantize_cache_rows(quantize_cache_rows(jnp.asarray(x), fmt), fmt))
+        return np.linalg.norm(back[:, part] - x[:, part]) / np.linalg.norm(x[:, part])
+
+    lat, rope = slice(0, L), slice(L, W)
+    assert err("ds_mla", lat) < err("per_token", lat)
+    assert err("per_group", lat) == err("ds_mla", lat)  # the same latent scales
+    assert err("ds_mla", rope) < err("per_token", rope) / 8
+    assert err("bf16_rope", rope) == err("ds_mla", rope)
+
+
+def test_fp8_per_token_format_is_what_the_cache_stores():
+    rng = np.random.default_rng(9)
+    page_size, num_pages, t = 16, 2, 20
+    c = init_kv_cache(1, num_pages, page_size, dtype="fp8", fill=np.nan)
+    kv_c, k_pe = _inputs(rng, t, jnp.bfloat16)
+    slots = _slots(rng, num_pages, page_size, t)
+    kv, scale = write_kv(*c.layer(0), kv_c, k_pe, jnp.asarray(slots))
+    rows = jnp.concatenate([kv_c, k_pe], -1)  # [T, L+R] bf16, as the write path takes them
+    p = quantize_cache_rows(rows, "per_token")
+    np.testing.assert_array_equal(_bits(p.values), _bits(kv.reshape(-1, W)[slots]))
+    np.testing.assert_array_equal(_bits(p.scales[:, 0]), _bits(scale.reshape(-1)[slots]))
+    np.testing.assert_array_equal(
+        _bits(dequantize_cache_rows(p, "per_token")), _bits(gather_rows(kv, scale, jnp.asarray(slots)))
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
