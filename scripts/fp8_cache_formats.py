@@ -43,10 +43,12 @@ from mla_jax.model import decoder_layers, embed, lm_logits
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEMO = ROOT / "mla_jax" / "data" / "demo"
 FORMATS = ("f32", "bf16", *FP8_ROW_FORMATS)  # "f32": the reference; "bf16": today's default cache, for scale
-# Text the demo never saw (it was trained on the Python stdlib): the rows come from these files ...
-ROW_FILES = ("mla_jax/cache.py", "mla_jax/mla.py")
+# Text the demo never saw (it was trained on the Python stdlib), frozen copies of some of this repo's modules as
+# of 2026-12-01 (so that editing them does not move the numbers): the rows come from these files ...
+_TEXT = "tests/fixtures/fp8_cache_text"
+ROW_FILES = tuple(f"{_TEXT}/{m}.py.txt" for m in ("cache", "mla"))
 # ... the validation loss from these.
-VAL_FILES = ("mla_jax/allocator.py", "mla_jax/scheduler.py", "mla_jax/metadata.py", "mla_jax/sampling.py")
+VAL_FILES = tuple(f"{_TEXT}/{m}.py.txt" for m in ("allocator", "scheduler", "metadata", "sampling"))
 
 
 def fake_quant(rows: jax.Array, fmt: str, *, kv_lora_rank: int, group: int) -> jax.Array:
