@@ -11,7 +11,8 @@ pallas_kernels/mla_decode.py (rows "pallas") and, on Hopper, the Mosaic GPU pall
     kernels (bf16 and fp8 caches, page 64) and the XLA backend (the reference under jit, bf16) on the
     project's decode shapes and writes DIR/decode-h200.json, then the ragged batch (128 requests, lengths
     log-uniform in [256, 32k], seeded) against uniform requests of the same total tokens, per kernel, N 16 and
-    128 (rows with `ragged` and `ragged_over_uniform`; --no-ragged skips them); (d) with --sweep also times
+    128 (rows with `ragged` and `ragged_over_uniform`; --no-ragged skips them), and speculative verification rows
+    (Q = 3 causal query tokens, 16 heads: rows with `Q`) through both kernels; (d) with --sweep also times
     tuning variants per shape (Triton: block_h, block_kv, num_warps, num_stages, num_kv_splits; sm90: num_kv_splits,
     num_stages, fp8_compute) into DIR/decode-sweep.json.
 """
@@ -69,10 +70,13 @@ def make_inputs(key, b, nq, n, ctx, dtype, *, page=PAGE, extra_pages=3, width=L 
     else:
         cache = (jax.random.normal(k[2], (num_pages, page, width), jnp.float32) * 2.0).astype(jnp.float8_e4m3fn)
         kv_scale = jax.random.uniform(k[3], (num_pages, page), jnp.float32, 0.25, 0.75)
-    seq_lens = jnp.full((b, nq), ctx, jnp.int32)
+    seq_lens = jnp.broadcast_to(ctx - nq + 1 + jnp.arange(nq, dtype=jnp.int32), (b, nq))  # causal rows
     return q, cache, bt, seq_lens, kv_scale
 
 
+# Speculative verification rows (k = 2: 3 causal query tokens per request) at 16 heads: 48 rows, where the
+# backend's rule (`attention._sm90_declines`: fewer than 64 rows go to Triton) was measured only at 16 rows.
+SPEC_SHAPES = [(8, 3, 16, 4096), (32, 3, 16, 1024), (32, 3, 16, 4096)]  # (B, Q, N, ctx)
 RAGGED = dict(b=128, lo=256, hi=32768, seed=0)  # issue #21: lengths log-uniform in [256, 32k]
 
 
@@ -256,9 +260,9 @@ def xla_fn():
     return jax.jit(f)
 
 
-def row_for(kernel, b, n, ctx, dtype, us, ceil, **extra):
+def row_for(kernel, b, n, ctx, dtype, us, ceil, nq=1, **extra):
     tbps = b * ctx * ROW_BYTES[dtype] / (us * 1e-6) / 1e12
-    tflops = 2 * b * n * ctx * (576 + 512) / (us * 1e-6) / 1e12
+    tflops = 2 * b * nq * n * ctx * (576 + 512) / (us * 1e-6) / 1e12
     row = {
         "kernel": kernel,
         "B": b,
@@ -272,6 +276,8 @@ def row_for(kernel, b, n, ctx, dtype, us, ceil, **extra):
         "frac_copy": round(tbps / ceil["copy_TBps"], 3),
         "frac_matmul": round(tflops / ceil["matmul_TFLOPs"], 3),
     }
+    if nq > 1:
+        row["Q"] = nq
     row.update(extra)
     return row
 
@@ -471,6 +477,18 @@ def main():
         common.write_results(os.path.join(args.out, "decode-h200.json"), results)
         if args.sweep:
             common.write_results(os.path.join(args.out, "decode-sweep.json"), sweep)
+
+    if not args.quick:  # multi-token rows: both kernels (called directly, whatever the backend rule picks)
+        for b, nq, n, ctx in SPEC_SHAPES:
+            sets = [make_inputs(jax.random.key(j), b, nq, n, ctx, "bf16") for j in range(3)]
+            for name, fn, extra in kernels_to_time(b, nq * n, ctx, "bf16", run_triton, run_sm90)[:2]:
+                try:
+                    us = timed(fn, sets, 20, 7)
+                    results["rows"].append(row_for(name, b, n, ctx, "bf16", us, ceil, nq=nq, **extra))
+                    log(f"{name} bf16 B={b} Q={nq} N={n} ctx={ctx}: {us:.1f} us")
+                except Exception as e:  # noqa: BLE001
+                    results["rows"].append({"kernel": name, "B": b, "Q": nq, "N": n, "ctx": ctx, "error": str(e)[:400]})
+        common.write_results(os.path.join(args.out, "decode-h200.json"), results)
 
     if not args.no_ragged and not args.quick:
         for n in (16, 128):
