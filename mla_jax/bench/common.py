@@ -108,6 +108,24 @@ def v2_lite_config(layers: int, *, smoke: bool = False, **overrides: Any):
     return DeepseekConfig.from_dict(d)
 
 
+def v3_slice_config(layers: int, *, smoke: bool = False):
+    """DeepSeek-V3's shape (128 heads, q LoRA, all 256 routed experts with group-limited routing) cut to `layers`
+    decoder layers, the first dense and the rest MoE (V3 has 3 dense of 61): what one GPU holds (issue #25's V3
+    slice: 22.5 GB of bf16 experts a MoE layer, half in fp8). `smoke`: tiny dims with the same structure."""
+    from mla_jax.config import DEEPSEEK_V3, DeepseekConfig
+
+    d = {**DEEPSEEK_V3, "num_hidden_layers": layers, "first_k_dense_replace": min(1, layers)}
+    if smoke:
+        d |= SMOKE_DIMS | dict(q_lora_rank=32, n_routed_experts=16, n_group=4, topk_group=2)
+        d["num_key_value_heads"] = d["num_attention_heads"]
+    return DeepseekConfig.from_dict(d)
+
+
+# name -> (config, default layers). The V3 slice's 2 layers (1 dense, 1 MoE) keep `--weights bf16,fp8` well inside
+# one H200: 29 GB of bf16 weights, and quantizing them to fp8 peaks near 60 GB (a stacked expert leaf's f32 copy).
+BENCH_MODELS = {"v2-lite": (v2_lite_config, 27), "v3-slice": (v3_slice_config, 2)}
+
+
 def bench_ceilings(smoke: bool) -> dict[str, Any]:
     """`measure_ceilings` for a real run; a marked placeholder in --smoke (a CPU's figures mean nothing)."""
     if smoke:  # the real ceilings' 2 GiB copies and 8192^3 matmuls take minutes on a CPU

@@ -7,7 +7,8 @@
 Decode step time and tokens/s at batch 1, 32, 128 with context 1k and 4k (the cache is filled with random rows,
 every request reading its own pages), prefill throughput for 8 prompts of 2k tokens, warm-up compile time.
 Each step time is set against its roofline: bytes of weights and KV the step must read over the copy bandwidth
-measured in the same run. With --out, writes DIR/e2e-h200.json (format: shared/notes/bench-results.md);
+measured in the same run. With --out, writes DIR/e2e-h200.json (`--model v3-slice`: DIR/e2e-v3-slice-h200.json,
+DeepSeek-V3's shape cut to a few layers, all 256 experts; format: shared/notes/bench-results.md);
 without it, only prints.
 """
 
@@ -23,11 +24,11 @@ import numpy as np
 
 from mla_jax import attention, model
 from mla_jax.bench.common import (
+    BENCH_MODELS,
     kernel_breakdown,
     measure_ceilings,
     results_header,
     time_step,
-    v2_lite_config,
     write_results,
 )
 from mla_jax.cache import KVCache, init_kv_cache_for
@@ -55,7 +56,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="directory for e2e-h200.json (default: print only)")
     ap.add_argument("--backend", default=None, help="attention backend (default: the engine's for this GPU)")
-    ap.add_argument("--layers", type=int, default=27, help="fewer layers for a quick look")
+    ap.add_argument(
+        "--model",
+        choices=tuple(BENCH_MODELS),
+        default="v2-lite",
+        help="v2-lite: DeepSeek-V2-Lite's shape; v3-slice: DeepSeek-V3's shape (128 heads, 256 experts), few layers",
+    )
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 27 for v2-lite, 2 for v3-slice)")
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes: checks the script on a CPU")
     ap.add_argument(
         "--gmm",
@@ -85,10 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     if not weights or any(w not in WEIGHTS for w in weights) or len(set(weights)) != len(weights):
         ap.error(f"--weights {args.weights!r}: a comma-separated list of distinct {WEIGHTS}")
 
-    cfg = v2_lite_config(args.layers, smoke=args.smoke)
+    make_config, default_layers = BENCH_MODELS[args.model]
+    args.layers = args.layers or default_layers
+    cfg = make_config(args.layers, smoke=args.smoke)
     ceilings = measure_ceilings(small=args.smoke)
     res = results_header(ceilings)
-    res["model"] = f"DeepSeek-V2-Lite shape, random {'/'.join(weights)} weights, {args.layers} layers"
+    shape = {"v2-lite": "DeepSeek-V2-Lite", "v3-slice": "DeepSeek-V3 (slice)"}[args.model]
+    res["model"] = f"{shape} shape, random {'/'.join(weights)} weights, {args.layers} layers"
     res["weights"] = ",".join(weights)
     if "fp8" in weights:  # which fp8 GEMM the model ran: the Mosaic GPU kernels or XLA's dequantize + dot
         res["fp8_impl"] = "kernel" if jax.default_backend() == "gpu" else "xla"
@@ -206,7 +216,8 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
         breakdown["shape"] = dict(batch=B, ctx=ctx, backend=args.backend, gmm_impl=args.gmm, weights=args.weights)
         print({k: breakdown.get(k) for k in ("kernels_per_step", "busy_us_per_step", "parts")}, flush=True)
         if args.out and B in (1, 128) and ctx == 4096:
-            write_results(f"{args.out}/e2e-profile-b{B}{tag}-h200.json", {**res_meta(res), **breakdown})
+            model = "" if args.model == "v2-lite" else f"-{args.model}"
+            write_results(f"{args.out}/e2e-profile{model}-b{B}{tag}-h200.json", {**res_meta(res), **breakdown})
     eng.cache = cache
     nbytes = weight_bytes(params, cfg, B) + B * ctx * row_bytes * cfg.num_hidden_layers
     row = _row("decode", B, ctx, B, step_s, nbytes, ceilings, args, compile_s)
@@ -294,7 +305,8 @@ def res_meta(res: dict) -> dict:
 
 def _finish(args, res, quiet: bool = False) -> None:
     if args.out:
-        write_results(f"{args.out}/e2e-h200.json", res)
+        name = "e2e-h200.json" if args.model == "v2-lite" else f"e2e-{args.model}-h200.json"
+        write_results(f"{args.out}/{name}", res)
     elif not quiet:
         print("not written (no --out)", flush=True)
 

@@ -1,0 +1,32 @@
+"""The benchmark model shapes (`mla_jax.bench.common.BENCH_MODELS`): the V3 slice keeps V3's structure at few layers,
+and its smoke dims run one decode row of the e2e benchmark on CPU."""
+
+import jax
+import jax.numpy as jnp
+
+from mla_jax import model
+from mla_jax.bench.common import BENCH_MODELS, v3_slice_config
+from mla_jax.bench.e2e import main as e2e_main
+from mla_jax.config import DEEPSEEK_V3
+
+
+def test_v3_slice_is_v3_cut_to_a_dense_and_a_moe_layer():
+    make, layers = BENCH_MODELS["v3-slice"]
+    cfg = make(layers)
+    assert (cfg.num_hidden_layers, cfg.first_k_dense_replace) == (2, 1)
+    keys = ("hidden_size", "num_attention_heads", "q_lora_rank", "n_routed_experts", "num_experts_per_tok", "n_group")
+    for k in keys:
+        assert getattr(cfg, k) == DEEPSEEK_V3[k], k
+    params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16))
+    experts = params["model"]["moe_layers"]["mlp"]["experts"]
+    assert all(x.shape[:2] == (1, 256) for x in jax.tree.leaves(experts))  # one MoE layer, all 256 experts
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    assert 25e9 < nbytes < 32e9  # what the e2e benchmark puts on one GPU in bf16 (BENCH_MODELS' comment)
+
+
+def test_v3_slice_smoke_runs_the_e2e_benchmark(tmp_path):
+    cfg = v3_slice_config(2, smoke=True)
+    assert cfg.n_routed_experts % cfg.n_group == 0 and cfg.q_lora_rank
+    args = ["--smoke", "--model", "v3-slice", "--no-prefill", "--batches", "1", "--ctxs", "32"]
+    e2e_main(args + ["--out", str(tmp_path)])
+    assert (tmp_path / "e2e-v3-slice-h200.json").exists() and not (tmp_path / "e2e-h200.json").exists()
