@@ -66,23 +66,18 @@ def run_schedule(
     reorder_batch_threshold=1,
     causal=True,
     fill=float("nan"),
+    index_dtype=None,
 ):
-    """Teacher-forced run through the paged cache: `schedule` is a list of steps, each a list of
-    (request index, number of new tokens). Returns [(request, position, logits f32[vocab])] for every logit
-    row the steps produce, to compare with the full forward at that position."""
+    """Teacher-forced run through the paged cache (and, for a sparse config, the index-key cache in
+    `index_dtype`): `schedule` is a list of steps, each a list of (request index, number of new tokens). Returns
+    [(request, position, logits f32[vocab])] for every logit row the steps produce, to compare with the full
+    forward at that position."""
     from mla_jax.allocator import PagePool
-    from mla_jax.cache import init_kv_cache
+    from mla_jax.cache import init_kv_cache_for
 
     pool = PagePool(num_pages, page_size)
-    cache = init_kv_cache(
-        cfg.num_hidden_layers,
-        num_pages,
-        page_size,
-        kv_lora_rank=cfg.kv_lora_rank,
-        rope_dim=cfg.qk_rope_head_dim,
-        dtype=cache_dtype,
-        allow_any_page_size=True,
-        fill=fill,
+    cache = init_kv_cache_for(
+        cfg, num_pages, page_size, dtype=cache_dtype, allow_any_page_size=True, fill=fill, index_dtype=index_dtype
     )
     return run_steps(
         params,

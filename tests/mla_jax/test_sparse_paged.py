@@ -3,6 +3,7 @@ with context, multi-token rows) equal the full forward, for both prefill algorit
 index groups (GLM-MoE-DSA's shared layers); generate through the engine; bad caches get clear errors."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +11,10 @@ import numpy as np
 import pytest
 
 from mla_jax import attention, model
-from mla_jax.allocator import PagePool
 from mla_jax.cache import init_kv_cache, init_kv_cache_for
 from mla_jax.metadata import ScheduledRequest, build_metadata
 from mla_jax.step import jit_step
-from tests.mla_jax.helpers import paged_config, run_steps
+from tests.mla_jax.helpers import paged_config, run_schedule
 
 ATOL = 1e-4
 K = 8  # index_topk, below most sequence lengths here
@@ -43,44 +43,9 @@ def setup(request):
     return cfg, params, seqs, full
 
 
-def run(
-    params,
-    cfg,
-    seqs,
-    schedule,
-    *,
-    page_size=8,
-    num_pages=48,
-    cache_dtype="fp32",
-    backend="xla",
-    workspace_rows=16,
-    reorder_batch_threshold=4,
-    causal=True,
-    index_dtype=None,
-):
-    """Teacher-forced steps through the paged caches (NaN-poisoned); [(request, position, logits)]."""
-    pool = PagePool(num_pages, page_size)
-    cache = init_kv_cache_for(
-        cfg,
-        num_pages,
-        page_size,
-        dtype=cache_dtype,
-        allow_any_page_size=True,
-        fill=float("nan"),
-        index_dtype=index_dtype,
-    )
-    return run_steps(
-        params,
-        cfg,
-        cache,
-        pool,
-        seqs,
-        schedule,
-        backend=backend,
-        workspace_rows=workspace_rows,
-        reorder_batch_threshold=reorder_batch_threshold,
-        causal=causal,
-    )
+# Teacher-forced steps through the paged caches (NaN-poisoned): small pages, a 16-row context workspace, 3-token
+# decode rows.
+run = functools.partial(run_schedule, page_size=8, num_pages=48, workspace_rows=16, reorder_batch_threshold=4)
 
 
 # Prompts chunked over steps (a context of several chunks of W = 16 rows), decodes, 3-token decode rows, a
