@@ -39,7 +39,8 @@ from mla_jax.bench.common import (
     add_common_args,
     bench_ceilings,
     int_list,
-    kernel_breakdown,
+    profile_steps,
+    res_meta,
     resolve_impls,
     results_header,
     time_step,
@@ -136,13 +137,9 @@ class VerifyBench:
         out = dict(batch=B, ctx=ctx, k=k, backend=self.args.backend, gmm_impl=self.args.gmm)
         plain, lower_plain = self.times[(B, ctx)]["plain_fn"]
         for name, fn, lower in (("plain", plain, lower_plain), ("verify", verify, lower_verify)):
+            print(name, flush=True)
             d = f"{self.args.profile}/b{B}-ctx{ctx}-k{k}-{name}"
-            with jax.profiler.trace(d):
-                for _ in range(5):
-                    tok, self.cache = fn(self.cache)
-                jax.block_until_ready(tok)
-            out[name] = kernel_breakdown(d, lower(self.cache).compile().as_text(), 5)
-            print(name, {x: out[name].get(x) for x in ("kernels_per_step", "busy_us_per_step", "parts")}, flush=True)
+            out[name], self.cache = profile_steps(fn, self.cache, lower, d)
         return out
 
     def row(self, B: int, ctx: int, k: int, mtp: bool) -> dict:
@@ -186,11 +183,8 @@ class VerifyBench:
             lower = lambda c: spec_step.lower(self.params, self.cfg, c, batch, **kw, method="ngram")  # noqa: E731
             prof = self.profile(B, ctx, k, lambda c: run(c, "ngram"), lower)
             if a.out:
-                write_results(os.path.join(a.out, f"spec-profile-b{B}-h200.json"), {**self.res_meta(), **prof})
+                write_results(os.path.join(a.out, f"spec-profile-b{B}-h200.json"), {**res_meta(self.res), **prof})
         return row
-
-    def res_meta(self) -> dict:
-        return {k: v for k, v in self.res.items() if k != "rows"}
 
 
 def demo_rows(args, res, done: set, more_time, save) -> None:

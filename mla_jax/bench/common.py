@@ -121,9 +121,12 @@ def v3_slice_config(layers: int, *, smoke: bool = False):
     return DeepseekConfig.from_dict(d)
 
 
-# name -> (config, default layers). The V3 slice's 2 layers (1 dense, 1 MoE) keep `--weights bf16,fp8` well inside
+# The V3 slice's 2 layers (1 dense, 1 MoE) keep `--weights bf16,fp8` well inside
 # one H200: 29 GB of bf16 weights, and quantizing them to fp8 peaks near 60 GB (a stacked expert leaf's f32 copy).
-BENCH_MODELS = {"v2-lite": (v2_lite_config, 27), "v3-slice": (v3_slice_config, 2)}
+BENCH_MODELS = {  # name -> (config, default layers, what the results call it)
+    "v2-lite": (v2_lite_config, 27, "DeepSeek-V2-Lite"),
+    "v3-slice": (v3_slice_config, 2, "DeepSeek-V3 (slice)"),
+}
 
 
 def bench_ceilings(smoke: bool) -> dict[str, Any]:
@@ -348,6 +351,27 @@ def hlo_op_parts(hlo_text: str) -> dict[str, str]:
         if scopes[-1] == "pallas_call" and len(scopes) > 1:
             parts[re.sub(r"\W", "_", scopes[-2])] = part
     return parts
+
+
+def res_meta(res: dict[str, Any]) -> dict[str, Any]:
+    """A results dict's header without its rows (for the profile files beside it)."""
+    return {k: v for k, v in res.items() if k != "rows"}
+
+
+def profile_steps(step: Callable, cache: Any, lower: Callable, trace_dir: str, *, steps: int = 5):
+    """Traces `steps` calls of step(cache) -> (out, cache) into `trace_dir` and returns (`kernel_breakdown` of
+    them, the cache); `lower(cache)` is the step's lowering (its compiled HLO maps kernels to step parts, and is
+    written beside the trace as step.hlo.txt)."""
+    with jax.profiler.trace(trace_dir):
+        for _ in range(steps):
+            out, cache = step(cache)
+        jax.block_until_ready(out)
+    hlo = lower(cache).compile().as_text()  # the compiled step (a cache hit)
+    with open(os.path.join(trace_dir, "step.hlo.txt"), "w") as f:
+        f.write(hlo)
+    breakdown = kernel_breakdown(trace_dir, hlo, steps)
+    print({k: breakdown.get(k) for k in ("kernels_per_step", "busy_us_per_step", "parts")}, flush=True)
+    return breakdown, cache
 
 
 def kernel_breakdown(trace_dir: str, hlo_text: str, steps: int) -> dict[str, Any]:

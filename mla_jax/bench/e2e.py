@@ -25,8 +25,9 @@ import numpy as np
 from mla_jax import attention, model
 from mla_jax.bench.common import (
     BENCH_MODELS,
-    kernel_breakdown,
     measure_ceilings,
+    profile_steps,
+    res_meta,
     results_header,
     time_step,
     write_results,
@@ -92,12 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     if not weights or any(w not in WEIGHTS for w in weights) or len(set(weights)) != len(weights):
         ap.error(f"--weights {args.weights!r}: a comma-separated list of distinct {WEIGHTS}")
 
-    make_config, default_layers = BENCH_MODELS[args.model]
+    make_config, default_layers, shape = BENCH_MODELS[args.model]
     args.layers = args.layers or default_layers
     cfg = make_config(args.layers, smoke=args.smoke)
     ceilings = measure_ceilings(small=args.smoke)
     res = results_header(ceilings)
-    shape = {"v2-lite": "DeepSeek-V2-Lite", "v3-slice": "DeepSeek-V3 (slice)"}[args.model]
     res["model"] = f"{shape} shape, random {'/'.join(weights)} weights, {args.layers} layers"
     res["weights"] = ",".join(weights)
     if "fp8" in weights:  # which fp8 GEMM the model ran: the Mosaic GPU kernels or XLA's dequantize + dot
@@ -204,17 +204,8 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
     breakdown = None
     if args.profile:
         tag = "" if args.weights == "bf16" else f"-{args.weights}"
-        steps, d = 5, f"{args.profile}/b{B}-ctx{ctx}{tag}"
-        with jax.profiler.trace(d):
-            for _ in range(steps):
-                tok, cache = step(cache)
-            jax.block_until_ready(tok)
-        hlo = step.lower(cache).compile().as_text()  # the compiled step (a cache hit)
-        with open(f"{d}/step.hlo.txt", "w") as f:
-            f.write(hlo)
-        breakdown = kernel_breakdown(d, hlo, steps)
+        breakdown, cache = profile_steps(step, cache, step.lower, f"{args.profile}/b{B}-ctx{ctx}{tag}")
         breakdown["shape"] = dict(batch=B, ctx=ctx, backend=args.backend, gmm_impl=args.gmm, weights=args.weights)
-        print({k: breakdown.get(k) for k in ("kernels_per_step", "busy_us_per_step", "parts")}, flush=True)
         if args.out and B in (1, 128) and ctx == 4096:
             model = "" if args.model == "v2-lite" else f"-{args.model}"
             write_results(f"{args.out}/e2e-profile{model}-b{B}{tag}-h200.json", {**res_meta(res), **breakdown})
@@ -296,11 +287,6 @@ def _engine_row(eng, cfg, B, steps: int = 40) -> dict:
     )
     print(row, flush=True)
     return row
-
-
-def res_meta(res: dict) -> dict:
-    """The results header without the rows (for the profile files)."""
-    return {k: v for k, v in res.items() if k != "rows"}
 
 
 def _finish(args, res, quiet: bool = False) -> None:

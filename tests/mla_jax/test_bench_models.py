@@ -11,7 +11,7 @@ from mla_jax.config import DEEPSEEK_V3
 
 
 def test_v3_slice_is_v3_cut_to_a_dense_and_a_moe_layer():
-    make, layers = BENCH_MODELS["v3-slice"]
+    make, layers, _ = BENCH_MODELS["v3-slice"]
     cfg = make(layers)
     assert (cfg.num_hidden_layers, cfg.first_k_dense_replace) == (2, 1)
     keys = ("hidden_size", "num_attention_heads", "q_lora_rank", "n_routed_experts", "num_experts_per_tok", "n_group")
