@@ -127,11 +127,16 @@ PAGE_SIZE = 64  # the only supported page size (one page = one KV tile, FlashMLA
 def unsupported_reason(q, cache, kv_lora_rank: int = 512) -> str | None:
     """None when this kernel takes these (static) shapes and dtypes, else why not; callers fall
     back to the portable `pallas_kernels.mla_decode` (page sizes other than 64, f32/f16 caches...)."""
-    l, d = kv_lora_rank, q.shape[-1]
     if cache.ndim != 3 or cache.shape[1] != PAGE_SIZE:
         return f"page size {cache.shape[1:2]} is not {PAGE_SIZE}"
-    if jnp.dtype(cache.dtype) not in (BF16, FP8):
-        return f"cache dtype {cache.dtype} is not bfloat16 or float8_e4m3fn"
+    return cache_and_width_reason(cache.dtype, kv_lora_rank, q.shape[-1])
+
+
+def cache_and_width_reason(cache_dtype, l: int, d: int) -> str | None:
+    """None when a Hopper latent decode (dense or sparse) takes this cache dtype and row width (L latent
+    columns split in two 64-aligned halves, one per consumer warpgroup, + R rope), else why not."""
+    if jnp.dtype(cache_dtype) not in (BF16, FP8):
+        return f"cache dtype {cache_dtype} is not bfloat16 or float8_e4m3fn"
     if l % 128 or l > 512 or (d - l) % 64 or d <= l:
         return f"L={l}, R={d - l}: needs L % 128 == 0, L <= 512, R % 64 == 0"
     return None

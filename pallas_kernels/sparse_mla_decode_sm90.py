@@ -80,6 +80,7 @@ from pallas_kernels.mla_decode import merge_splits
 # state, the row-vector layout and the output write.
 from pallas_kernels.mla_decode_sm90 import (
     TILE_M,
+    cache_and_width_reason,
     choose_num_kv_splits_sm90,
 )
 from pallas_kernels.sparse_mla_decode import check_concrete, sparse_mla_decode_reference, validate_sparse_decode
@@ -104,14 +105,9 @@ _ROWS = 1  # then the token tiles: row _ROWS + b holds the `tokens` entries of s
 def unsupported_reason(q, kv_cache, kv_lora_rank: int = 512) -> str | None:
     """None when this kernel takes these (static) shapes and dtypes, else why not; callers fall back to the
     portable `pallas_kernels.sparse_mla_decode`."""
-    l, d = kv_lora_rank, q.shape[-1]
-    if jnp.dtype(kv_cache.dtype) not in (BF16, FP8):
-        return f"cache dtype {kv_cache.dtype} is not bfloat16 or float8_e4m3fn"
     if jnp.dtype(q.dtype) not in (BF16, F16):
         return f"q dtype {q.dtype}: this kernel computes in bfloat16"
-    if l % 128 or l > 512 or (d - l) % 64 or d <= l:
-        return f"L={l}, R={d - l}: needs L % 128 == 0, L <= 512, R % 64 == 0"
-    return None
+    return cache_and_width_reason(kv_cache.dtype, kv_lora_rank, q.shape[-1])
 
 
 @dataclasses.dataclass(frozen=True)
