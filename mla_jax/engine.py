@@ -465,10 +465,9 @@ class Engine:
         """Compiles every decode bucket (and, with `prefill`, the largest prefill bucket; with `all_shapes`, every
         prefill bucket alone and with every decode bucket, so that no greedy or plain-sampling step compiles
         later); with `top_logprobs`, the variants of these shapes that return top logprobs too; with `filtered`,
-        those that sort the vocabulary for top-k / top-p sampling (all three: nothing compiles later). Each
-        variant doubles the compiles (44 at 27 layers for the serving benchmark's 11 shapes: 426 s on a fresh
-        H200). Returns seconds. `log` gets a line per compiled shape with its time (the CLI passes stderr on a
-        terminal)."""
+        those that sort the vocabulary for top-k / top-p sampling (all three: nothing compiles later; each
+        variant doubles the compiles, docs/perf-notes.md). Returns seconds. `log` gets a line per compiled shape
+        with its time (the CLI passes stderr on a terminal)."""
         t0 = time.perf_counter()
         c = self.config
         shapes = [self.batch_shape(nd, 0) for nd in c.decode_buckets]
