@@ -21,9 +21,13 @@ row at a time (its 8-row swizzle atoms), so the producer warpgroup gathers in tw
 - it issues, per entry of a 64-entry tile, one TMA (no zero fill: the slot is checked first) of the named
   cache row into row j of a staging tile [64, L+R]; an unnamed entry (-1, or a slot outside the pool under jit)
   copies nothing and arrives instead, so the tile's barrier always counts 64 arrivals and the bytes of every
-  named row. Each staging row is its own tile of 64-column chunks, 128-byte (fp8: 64-byte) swizzled, and its
-  pitch an odd multiple of 128 bytes (bf16 1152; fp8 576 padded to 640): copies start 128-byte aligned and the
-  relayout's reads are free of bank conflicts;
+  named row. Each staging row is its own tile of 64-column chunks, unswizzled, its pitch a multiple of 128
+  bytes (bf16 1152; fp8 576 padded to 640) so that every copy starts 128-byte aligned. Not swizzled because
+  the TMA swizzles by the absolute shared-memory address while Mosaic's loads swizzle by the offset from the
+  sliced ref: a 64-column chunk of a row starts at c * 128 bytes, inside a 1 KB swizzle period, so the two
+  disagree for every chunk but those at 1 KB multiples (the first GPU run of the swizzled staging failed
+  every case). The bf16 relayout reads whole 128-byte lines (conflict-free); the fp8 one reads in the
+  wgmma layout, with bank conflicts (`optimized=False`);
 - then it re-lays the staging tile into the swizzled wgmma tile (the fp8 cache: cast to bf16 on the way,
   exact), zeroing the rows of unnamed entries (p = 0 there, but 0 * NaN garbage would poison P.V), and
   hands the tile to the consumers.
@@ -141,11 +145,11 @@ def _smem_plan(cfg: _Cfg):
     group_a = [
         plgpu.SMEM((TILE_M, cfg.d), BF16, transforms=tiled(BF16)),  # Q
         plgpu.SMEM((TILE_K, cfg.d), BF16, transforms=tiled(BF16)),  # the wgmma KV tile
-        # staging ring: gathered rows, each row its own tile of 64-column swizzled chunks (a row copy is one TMA)
+        # staging ring: gathered rows, each row its own tile of 64-column chunks (a row copy is one TMA)
         plgpu.SMEM(
             (cfg.stages, TILE_K, _stage_cols(cfg)),
             kv_dt,
-            transforms=(plgpu.TilingTransform((1, 64)), plgpu.SwizzleTransform(64 * kv_dt.itemsize)),
+            transforms=(plgpu.TilingTransform((1, 64)),),
         ),
         plgpu.SMEM((TILE_M, TILE_K), BF16, transforms=tiled(BF16)),  # P
         plgpu.SMEM((cfg.slot_bufs, TILE_K), jnp.int32),  # slot tiles
@@ -396,7 +400,9 @@ def _produce(cfg, gmem, smem, bars, row, start, n):
         with jax.named_scope("relayout"):
             for c in range(cfg.d // 64):
                 cols = pl.ds(64 * c, 64)
-                x = plgpu.load(staging.at[st, :, cols], (), layout=_FP8_LAYOUT if cfg.fp8 else _COPY_LAYOUT)
+                x = plgpu.load(
+                    staging.at[st, :, cols], (), layout=_FP8_LAYOUT if cfg.fp8 else _COPY_LAYOUT, optimized=not cfg.fp8
+                )
                 if cfg.fp8:  # exact: e4m3 -> f32 -> bf16
                     x = x.astype(jnp.float32).astype(BF16)
                 tile.at[:, cols][...] = jnp.where(keep, x, jnp.zeros((), BF16))
@@ -435,7 +441,7 @@ _REGS = (208, 88)
 
 
 # The relayout's register layouts: bf16, 16-byte vectors along rows (the layout of copies to and from a swizzled
-# tile); fp8, the wgmma layout (the one Mosaic finds a conflict-free transfer for from 64-byte swizzled rows).
+# tile); fp8, the wgmma layout (its cast to bf16 stores into the wgmma tile).
 _COPY_LAYOUT = plgpu.Layout.SMEM_GMEM_COPY((TILE_K, 64), BF16, 128)
 _FP8_LAYOUT = plgpu.Layout.WGMMA
 
@@ -446,12 +452,10 @@ _STAGES = 1
 
 
 def _stage_cols(cfg) -> int:
-    """Staging row width (elements): L+R rounded up to an odd multiple of 128 bytes, so that every row's copy
-    starts 128-byte aligned and the relayout's reads of 8 consecutive rows hit distinct swizzle phases (bank
-    conflicts otherwise: Mosaic refuses them)."""
+    """Staging row width (elements): L+R rounded up to a multiple of 128 bytes, so that every row's copy starts
+    128-byte aligned (the TMA's shared-memory alignment)."""
     per_128 = 128 // (1 if cfg.fp8 else 2)
-    units = cdiv(cfg.d, per_128)
-    return (units + 1 - units % 2) * per_128
+    return cdiv(cfg.d, per_128) * per_128
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "interpret", "sms"))
