@@ -5,6 +5,10 @@ transfer and its own argument of the jitted step. Packed, they are one transfer 
 concatenates the leaves' 4-byte words on the host, and `unpack` (inside jit) slices them back at static offsets
 and bitcasts each to its dtype. The layout (tree structure, shapes, dtypes) is static pytree data, so a
 `Packed` selects its compiled step exactly as the unpacked tree would.
+
+Each leaf starts at a multiple of `ALIGN_WORDS` (256 bytes): XLA passes a slice at an offset as a view of the
+buffer, and Mosaic GPU kernels refuse inputs that are not 256-byte aligned (the H200 run of 2026-12-01: "Input
+buffer 2 is not 256-byte aligned" in the Hopper decode of a 128-head engine step).
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 _WORD_DTYPES = ("int32", "uint32", "float32")
+ALIGN_WORDS = 64  # 256 bytes: the alignment Mosaic GPU kernels require of their inputs
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN_WORDS) * ALIGN_WORDS
 
 
 @jax.tree_util.register_pytree_node_class
@@ -37,7 +46,8 @@ class Packed:
                 a = a.astype(np.int32)
             elif name not in _WORD_DTYPES:
                 raise TypeError(f"cannot pack leaf {i} of dtype {name} (int32, uint32, float32 or bool only)")
-            words.append(np.ascontiguousarray(a).reshape(-1).view(np.int32))
+            w = np.ascontiguousarray(a).reshape(-1).view(np.int32)
+            words.append(np.pad(w, (0, _padded(w.size) - w.size)))
             spec.append((a.shape, name))
         buf = np.concatenate(words) if words else np.zeros(0, np.int32)
         return Packed(buf, (treedef, tuple(spec)))
@@ -49,7 +59,7 @@ class Packed:
         for shape, name in spec:
             n = int(np.prod(shape, dtype=np.int64))
             w = self.buf[off : off + n].reshape(shape)
-            off += n
+            off += _padded(n)
             if name == "bool":
                 w = w != 0
             elif name != "int32":
