@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mla_jax.metadata import ScheduledRequest, build_metadata
-from mla_jax.packed import Packed
+from mla_jax.packed import ALIGN_WORDS, Packed
 from mla_jax.sampling import SamplingArrays, SamplingParams
 
 
@@ -50,3 +50,16 @@ def test_step_inputs_are_one_transfer():
 def test_unsupported_dtype_named():
     with pytest.raises(TypeError, match="leaf 1 of dtype int64"):
         Packed.of([np.zeros(2, np.int32), np.zeros(2, np.int64)])
+
+
+def test_leaves_start_at_256_byte_boundaries():
+    """Mosaic GPU kernels refuse inputs that are not 256-byte aligned, and XLA passes a leaf as a view of the
+    buffer: every leaf starts at a multiple of ALIGN_WORDS words, its padding zero."""
+    tree = [np.arange(3, dtype=np.int32), np.full(70, 9, np.int32), np.zeros(0, np.int32), np.ones(1, np.float32)]
+    packed = Packed.of(tree)
+    assert ALIGN_WORDS * 4 == 256 and packed.buf.size == 4 * ALIGN_WORDS
+    starts = [0, ALIGN_WORDS, 3 * ALIGN_WORDS, 3 * ALIGN_WORDS]
+    for a, s in zip(tree, starts):
+        assert packed.buf[s : s + a.size].tobytes() == a.tobytes()
+    assert not packed.buf[3:ALIGN_WORDS].any() and not packed.buf[ALIGN_WORDS + 70 : 3 * ALIGN_WORDS].any()
+    _equal(packed.unpack(), tree)
