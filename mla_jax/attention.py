@@ -72,11 +72,17 @@ def _decode_sm90_fp8qk(q, cache, block_table, seq_lens, **kw):
     return md90.mla_decode_sm90(q, cache, block_table, seq_lens, interpret=_interpret(), fp8_qk=True, **kw)
 
 
+# Fewest query rows (query tokens x heads, which share the Hopper kernel's 64-row wgmma tile) it takes; fewer go to
+# the Triton kernel. Measured on the H200 (bench/results/decode-h200.json): at 16 rows (16 heads, one token) Triton
+# is faster; at 48 (16 heads x 3 speculative tokens) the Hopper kernel is, 1.03-1.58x (B 8/32, ctx 1k/4k); 32 rows
+# are not measured.
+SM90_MIN_ROWS = 48
+
+
 def _sm90_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512, **_) -> str | None:
-    rows = q.shape[1] * q.shape[2]  # query tokens x heads share the kernel's 64-row wgmma tile
-    if rows < md90.TILE_M:
-        # e.g. 16 heads, one token: the tile is mostly padding and the Triton kernel is faster (docs/perf-notes.md)
-        return f"{q.shape[2]} heads x {q.shape[1]} query tokens = {rows} rows fill less than its {md90.TILE_M}-row tile"
+    rows = q.shape[1] * q.shape[2]
+    if rows < SM90_MIN_ROWS:
+        return f"{q.shape[2]} heads x {q.shape[1]} query tokens = {rows} rows (< {SM90_MIN_ROWS}: Triton is faster)"
     return md90.unsupported_reason(q, cache, kv_lora_rank)
 
 
@@ -209,11 +215,11 @@ INDEXER_XLA = Kernel("xla", li.indexer_topk_reference)
 INDEXER_TRITON = Kernel("triton", _indexer_triton, _indexer_triton_declines)
 
 # Prefill rows of sparse layers: sequences up to this many tokens take the masked dense MHA path, longer ones the
-# token-sparse MQA path, keyed by query heads per device (`sparse_prefill_mha_max_len`). Measured on the H200 by
-# `bench/sparse.py` (its `threshold` entry in bench/results/sparse-h200.json: the longest prompt at which MHA was
-# faster, N = 128 and 16); until an entry is committed here the model's index_topk is used (up to it MHA is exactly
-# dense attention, which it is always cheapest at).
-SPARSE_PREFILL_MHA_MAX_LEN: dict[int, int] = {}
+# token-sparse MQA path, keyed by query heads per device (`sparse_prefill_mha_max_len`; other head counts take the
+# nearest measured one). Measured on the H200 by `bench/sparse.py --only threshold` (bench/results/sparse-h200.json,
+# `prefill_threshold` rows: one sparse layer, prompts of 1k-8k tokens, top-k 2048): MQA was faster at every length,
+# 2.0-3.7x at N = 128 and 1.4-2.9x at N = 16 (the masked MHA up-projects every key and masks full f32 logits), so 0.
+SPARSE_PREFILL_MHA_MAX_LEN: dict[int, int] = {128: 0, 16: 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,11 +301,12 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
-def sparse_prefill_mha_max_len(backend: Backend, cfg: DeepseekConfig, num_heads: int) -> int:
+def sparse_prefill_mha_max_len(backend: Backend, num_heads: int) -> int:
     """Longest prefill sequence (tokens) that takes the masked dense MHA path on a sparse layer."""
     if backend.sparse_prefill_mha_max_len is not None:
         return backend.sparse_prefill_mha_max_len
-    return SPARSE_PREFILL_MHA_MAX_LEN.get(num_heads, cfg.index_topk)
+    nearest = min(SPARSE_PREFILL_MHA_MAX_LEN, key=lambda n: (abs(n - num_heads), n))
+    return SPARSE_PREFILL_MHA_MAX_LEN[nearest]
 
 
 def get_backend(name: str) -> Backend:

@@ -278,7 +278,7 @@ def mla_paged_sparse(
         def mqa():
             return sparse_mqa(q_mqa[Td:], slots[Td:]).astype(x.dtype)
 
-        threshold = attention.sparse_prefill_mha_max_len(backend, cfg, N)
+        threshold = attention.sparse_prefill_mha_max_len(backend, N)
         outs.append(jax.lax.cond(jnp.max(seq_lens[Td:]) <= threshold, mha, mqa))  # [Tp, N, V]
     attn = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
     return o_proj(p, attn.astype(x.dtype)), cache, topk

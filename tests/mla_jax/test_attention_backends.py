@@ -1,6 +1,8 @@
 """The backend registry: every Pallas backend falls through its kernels down to the plain-JAX reference for shapes
 no kernel takes (one warning naming the kernel and its reason), and `pick` reads the table in order."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,3 +60,13 @@ def test_pick_reports_every_reason_when_nothing_fits():
     never = attention.Kernel("never", lambda *a: None, lambda *a, **k: "never fits")
     with pytest.raises(ValueError, match="never: never fits"):
         attention.pick((never,), jnp.zeros(1))
+
+
+def test_sparse_prefill_threshold_from_the_measured_table(monkeypatch):
+    """A head count takes the nearest measured entry (ties to the smaller); a backend's own number overrides."""
+    monkeypatch.setattr(attention, "SPARSE_PREFILL_MHA_MAX_LEN", {16: 100, 128: 7})
+    b = attention.get_backend("xla")
+    got = [attention.sparse_prefill_mha_max_len(b, n) for n in (8, 16, 64, 72, 80, 128, 256)]
+    assert got == [100, 100, 100, 100, 7, 7, 7]
+    forced = dataclasses.replace(b, sparse_prefill_mha_max_len=5)
+    assert attention.sparse_prefill_mha_max_len(forced, 128) == 5
