@@ -50,6 +50,7 @@ from mla_jax import model, parallel  # noqa: E402
 from mla_jax.bench.common import (  # noqa: E402
     add_common_args,
     bench_ceilings,
+    bench_token_ids,
     int_list,
     resolve_impls,
     results_header,
@@ -118,8 +119,9 @@ def run_row(*, params, cfg, plan, batch, ctx, page, backend, gmm, steps, reps, c
         cache = random_cache(shape, None, jnp.bfloat16)
     else:
         cache = random_cache(shape, NamedSharding(plan.mesh, plan.cache_specs(False).kv_c_and_k_pe_cache), jnp.bfloat16)
+    ids = bench_token_ids(local, cfg.vocab_size)  # distinct: alike tokens route alike
     reqs = [
-        ScheduledRequest([7], ctx - 1, list(range(1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)))
+        ScheduledRequest([int(ids[b])], ctx - 1, list(range(1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)))
         for b in range(local)
     ]
     md, _ = build_metadata(

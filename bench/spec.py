@@ -38,6 +38,7 @@ from mla_jax import model
 from mla_jax.bench.common import (
     add_common_args,
     bench_ceilings,
+    bench_token_ids,
     int_list,
     profile_steps,
     res_meta,
@@ -108,7 +109,11 @@ class VerifyBench:
 
     def _md(self, B: int, ctx: int, q: int):
         P = self.pages_per_req
-        reqs = [ScheduledRequest([7] * q, ctx - 1, list(range(1 + b * P, 1 + (b + 1) * P))) for b in range(B)]
+        ids = bench_token_ids(B * q, self.cfg.vocab_size).tolist()  # distinct: alike tokens route alike
+        reqs = [
+            ScheduledRequest(ids[b * q : (b + 1) * q], ctx - 1, list(range(1 + b * P, 1 + (b + 1) * P)))
+            for b in range(B)
+        ]
         md, _ = build_metadata(reqs, page_size=self.G, num_pages=self.num_pages, reorder_batch_threshold=q)
         return md
 

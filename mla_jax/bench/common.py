@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def time_fn(
@@ -127,6 +128,13 @@ BENCH_MODELS = {  # name -> (config, default layers, what the results call it)
     "v2-lite": (v2_lite_config, 27, "DeepSeek-V2-Lite"),
     "v3-slice": (v3_slice_config, 2, "DeepSeek-V3 (slice)"),
 }
+
+
+def bench_token_ids(n: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+    """n distinct-looking input ids (seeded, never 0): what the benchmarks' decode rows feed, one per query token.
+    The same id in every request makes the requests' hidden states alike, so they route to the same experts and the
+    step reads a fraction of the expert bytes the roofline counts (scripts/routing_diversity.py)."""
+    return np.random.default_rng(seed).integers(1, vocab_size, n).astype(np.int32)
 
 
 def bench_ceilings(smoke: bool) -> dict[str, Any]:
