@@ -283,3 +283,34 @@ def test_full_warmup_leaves_nothing_to_compile(tiny, variants):
             eng.step()  # requests join while others decode: mixed steps
     eng.run()
     assert eng.counter.count == before, f"{eng.counter.count - before} steps compiled after the full warm-up"
+
+
+@pytest.mark.gpu
+def test_gpu_engine_through_the_hopper_decode():
+    """On the H200 with the default backend: 64 heads (>= attention.SM90_MIN_ROWS rows, so the Mosaic GPU decode
+    kernel), page 64, a bf16 cache, prompts of odd lengths so that the packed step inputs' arrays would start
+    off 256-byte boundaries (Mosaic GPU refuses such inputs: the V3 slice's engine crashed so before packed's
+    alignment). Async and synchronous scheduling return the same ids; the decode kernel is the Hopper one."""
+    from mla_jax import attention
+    from pallas_kernels import mla_decode_sm90 as md90
+
+    if jax.default_backend() != "gpu" or not md90.is_sm90():
+        pytest.skip("needs a Hopper GPU")
+    cfg = paged_config(
+        num_hidden_layers=2, num_attention_heads=64, kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=32
+    )
+    params = model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.3)
+    be = attention.get_backend(attention.default_backend_name())
+    q = jnp.zeros((3, 1, 64, 128 + 64), jnp.bfloat16)
+    cache = jnp.zeros((8, 64, 128 + 64), jnp.bfloat16)
+    bt, sl = jnp.zeros((3, 2), jnp.int32), jnp.ones((3,), jnp.int32)
+    assert attention.pick(be.decode, q, cache, bt, sl, kv_lora_rank=128).name == "sm90"
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in (5, 37, 70)]
+    sp = SamplingParams(max_new_tokens=12)
+    ec = EngineConfig(max_model_len=256, max_num_seqs=4, page_size=64, token_budget=128, cache_dtype="bf16")
+    outs = {}
+    for async_scheduling in (True, False):
+        got = generate(params, cfg, prompts, sp, dataclasses.replace(ec, async_scheduling=async_scheduling))
+        outs[async_scheduling] = [o.token_ids for o in got]
+    assert outs[True] == outs[False] and all(len(t) == 12 for t in outs[True])
