@@ -213,8 +213,11 @@ def _routed_experts(p, cfg, x, weights, ids, gmm_impl, experts, layer, comm) -> 
         return expert_gmm(lhs, w["weight"], group_sizes, gmm_impl, layer, w.get("weight_scale_inv"))
 
     h = jax.nn.silu(gmm(xs, ex["gate_proj"])) * gmm(xs, ex["up_proj"])  # [T*K, I_loc]
-    y = gmm(h, ex["down_proj"])  # [T*K, D]
-    w_sorted = weights.reshape(-1)[order]
-    if mine is not None:
-        w_sorted = jnp.where(mine[order], w_sorted, 0.0)
-    return jnp.zeros((T, D), y.dtype).at[token].add(y * w_sorted.astype(y.dtype)[:, None])
+    y = gmm(h, ex["down_proj"])  # [T*K, D], sorted by expert
+    # Combine: each token gathers its K copies back through the inverse permutation and sums them, weighted (a
+    # gather-reduce fusion). A scatter-add of the sorted copies into [T, D] took 5.3 us a layer at T = 1 on the
+    # H200 (all K copies add into one row: atomics on the same addresses).
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(T * K, dtype=order.dtype))  # [T*K]: copy -> sorted row
+    w = weights if mine is None else jnp.where(mine.reshape(T, K), weights, 0.0)  # f32[T, K]
+    copies = y[inv].reshape(T, K, D).astype(jnp.float32)  # [T, K, D]
+    return jnp.sum(copies * w[:, :, None], axis=1).astype(y.dtype)
