@@ -12,15 +12,22 @@ from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
 from pallas_kernels import fp8_matmul as fp8
 from pallas_kernels import grouped_matmul as gmm_kernel
+from pallas_kernels import rms_norm as rms_norm_kernel
 
 GMM_IMPLS = ("ragged_dot", "pallas")
 
 
 def rms_norm(p: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:
     """HF DeepseekRMSNorm: normalise in float32, cast back, then scale by the weight."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return p["weight"] * xf.astype(x.dtype)
+    return add_rms_norm(p, x, None, eps)[0]
+
+
+def add_rms_norm(p: dict, x: jnp.ndarray, residual: jnp.ndarray | None, eps: float):
+    """(normed, h): h = x + residual (the residual stream's add; x when None), normed = rms_norm(h). On a GPU one
+    Pallas kernel for [T, D] rows (`pallas_kernels.rms_norm`: XLA runs three), elsewhere plain jnp."""
+    if jax.default_backend() == "gpu" and x.ndim == 2:
+        return rms_norm_kernel.add_rms_norm(x, residual, p["weight"], eps=eps)
+    return rms_norm_kernel.add_rms_norm_reference(x, residual, p["weight"], eps=eps)
 
 
 def is_fp8(p: dict) -> bool:

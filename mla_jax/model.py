@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import ConfigError, DeepseekConfig
 from mla_jax.indexer import causal_topk
-from mla_jax.layers import linear, mlp, moe, rms_norm
+from mla_jax.layers import add_rms_norm, linear, mlp, moe, rms_norm
 from mla_jax.mla import mla_forward_full, split_kv_b_proj
 
 Params = dict[str, Any]
@@ -222,27 +222,29 @@ def decoder_layers(
     compile time does not grow with depth; `state` rides in the scan carry (the cache is updated in place)."""
     model = params["model"]
     eps = cfg.rms_norm_eps
+    f = jnp.zeros_like(x)  # the pending MLP/MoE output (none before the first layer)
     for name, start, _ in layer_groups(cfg):
         is_moe = name == "moe_layers"
         scanned, experts = split_experts(model[name], is_moe, gmm_impl)
 
         def body(carry, p, is_moe=is_moe, start=start, experts=experts):
-            h, state, layer = carry  # layer: the model's layer index (the cache's); layer - start: the group's
+            # h: the residual stream without the previous layer's MLP/MoE output f, which is added here, in one
+            # kernel with the norm (add_rms_norm); layer: the model's layer index (the cache's)
+            h, f, state, layer = carry
             with jax.named_scope("norm"):
-                hn = rms_norm(p["input_layernorm"], h, eps)
+                hn, h = add_rms_norm(p["input_layernorm"], h, f, eps)
             a, state = attention(p["self_attn"], hn, state, layer)
             with jax.named_scope("norm"):
-                h = h + comm.reduce_heads(a)
-                hn = rms_norm(p["post_attention_layernorm"], h, eps)
+                hn, h = add_rms_norm(p["post_attention_layernorm"], h, comm.reduce_heads(a).astype(h.dtype), eps)
             if is_moe:
                 f = moe(p["mlp"], cfg, hn, gmm_impl=gmm_impl, experts=experts, layer=layer - start, comm=comm)
             else:
                 with jax.named_scope("mlp"):
                     f = mlp(p["mlp"], hn, intermediate_size=cfg.intermediate_size, comm=comm)
-            return (h + f, state, layer + 1), None
+            return (h, f.astype(h.dtype), state, layer + 1), None
 
-        (x, state, _), _ = jax.lax.scan(body, (x, state, jnp.int32(start)), scanned)
-    return x, state
+        (x, f, state, _), _ = jax.lax.scan(body, (x, f, state, jnp.int32(start)), scanned)
+    return x + f, state
 
 
 def embed(params: Params, cfg: DeepseekConfig, input_ids: jax.Array, comm: Comm = LOCAL) -> jax.Array:

@@ -1,0 +1,119 @@
+"""Residual add + RMSNorm in one kernel (vLLM's `fused_add_rms_norm`), Triton-lowered.
+
+    add_rms_norm(x [T, D], residual [T, D] | None, weight [D], *, eps) -> (normed [T, D], h [T, D])
+
+h = x + residual (in x's dtype, as the model adds its residual stream; h = x without a residual) and
+normed = weight * (h32 * rsqrt(mean(h32^2) + eps)).astype(x.dtype) with h32 = h in float32: HF's
+DeepseekRMSNorm on h. XLA runs the add, the sum of squares and the scaling as three kernels (a decode step at batch
+1 on the H200: ~1.3 us each, two norms a layer); this is one, a program per row: pass 1 adds the chunks, writes h
+and sums the squares; pass 2 recomputes the sum from the inputs (re-read from L2; reading back its own stores
+would need a barrier between the threads) and writes the normalized chunks. Chunks are the largest power of two
+dividing D, up to 2048 (Triton's loads are powers of two): 7168 = 7 x 1024, 2048 = 1 x 2048.
+
+`add_rms_norm_reference` (plain jnp) is the reference and the path on CPU and for widths without such a chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.util import FLOAT_DTYPES
+
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "chunk_width"]
+
+_MAX_CHUNK = 2048
+
+
+def chunk_width(d: int) -> int | None:
+    """The kernel's chunk for a row of d values: the largest power of two dividing d, at most 2048; None when
+    that is below 16 (the kernel declines)."""
+    c = d & -d
+    c = min(c, _MAX_CHUNK)
+    return c if c >= 16 else None
+
+
+def add_rms_norm_reference(x, residual, weight, *, eps: float):
+    """(normed, h): h = x + residual in x's dtype, normed = HF DeepseekRMSNorm(h)."""
+    h = x if residual is None else x + residual
+    hf = h.astype(jnp.float32)
+    hf = hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps)
+    return weight * hf.astype(h.dtype), h
+
+
+def _kernel(*refs, eps: float, d: int, chunk: int, has_residual: bool):
+    if has_residual:
+        x_ref, r_ref, w_ref, out_ref, h_ref = refs
+    else:
+        x_ref, w_ref, out_ref = refs
+    n = d // chunk
+
+    def h_chunk(c):  # [chunk] in x's dtype
+        cols = pl.ds(c * chunk, chunk)
+        return x_ref[cols] + r_ref[cols] if has_residual else x_ref[cols]
+
+    ss = jnp.float32(0.0)
+    for c in range(n):
+        h = h_chunk(c)
+        if has_residual:
+            h_ref[pl.ds(c * chunk, chunk)] = h
+        hf = h.astype(jnp.float32)
+        ss = ss + jnp.sum(hf * hf)
+    inv = jax.lax.rsqrt(ss / d + eps)
+    for c in range(n):
+        cols = pl.ds(c * chunk, chunk)
+        hf = h_chunk(c).astype(jnp.float32)
+        out_ref[cols] = w_ref[cols] * (hf * inv).astype(x_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
+def _impl(x, residual, weight, *, eps: float, interpret: bool, num_warps: int):
+    t, d = x.shape
+    chunk = chunk_width(d)
+    has_residual = residual is not None
+    row = pl.BlockSpec((None, d), lambda i: (i, 0))
+    in_specs = [row] + ([row] if has_residual else []) + [pl.BlockSpec((d,), lambda i: (0,))]
+    out_shape = [jax.ShapeDtypeStruct((t, d), jnp.result_type(weight.dtype, x.dtype))]
+    out_specs = [row]
+    if has_residual:
+        out_shape.append(jax.ShapeDtypeStruct((t, d), x.dtype))
+        out_specs.append(row)
+    outs = pl.pallas_call(
+        functools.partial(_kernel, eps=eps, d=d, chunk=chunk, has_residual=has_residual),
+        grid=(t,),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"add_rms_norm_d{d}" if has_residual else f"rms_norm_d{d}",
+    )(*([x, residual, weight] if has_residual else [x, weight]))
+    return (outs[0], outs[1]) if has_residual else (outs[0], x)
+
+
+def add_rms_norm(
+    x,  # [T, D] bf16/f16/f32
+    residual,  # [T, D] like x, or None
+    weight,  # [D]
+    *,
+    eps: float,
+    interpret: bool = False,
+    num_warps: int = 4,
+):
+    """(normed [T, D], h [T, D]); see the module docstring. Widths without a power-of-two chunk >= 16 run the
+    reference."""
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, D], got shape {x.shape}")
+    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"x dtype must be bfloat16, float16 or float32, got {x.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual must match x ({x.shape} {x.dtype}), got {residual.shape} {residual.dtype}")
+    if weight.shape != x.shape[1:]:
+        raise ValueError(f"weight must be [D] = [{x.shape[1]}], got shape {weight.shape}")
+    if chunk_width(x.shape[1]) is None or x.shape[0] == 0:
+        return add_rms_norm_reference(x, residual, weight, eps=eps)
+    return _impl(x, residual, weight, eps=float(eps), interpret=bool(interpret), num_warps=int(num_warps))
