@@ -80,6 +80,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.mgpu import (
     ROW_LAYOUT,
@@ -104,6 +105,7 @@ from pallas_kernels.util import (
     cdiv,
     check_interpreter_workers,
     is_sm90,
+    next_pow2,
     validate_decode,
 )
 from pallas_kernels.util import num_sms as _device_num_sms
@@ -760,18 +762,49 @@ def worklist_slots(num_sms: int) -> int:
     return cdiv(4 * num_sms, 3) + 1
 
 
-def _worklist_pieces(tile_len, num_sms, min_pages):
-    """Length-adaptive schedule (the metadata step, on device): each head tile with P pages is cut
+def _worklist_cuts(pages, num_sms: int, min_pages: int):
+    """Pieces per head tile, k = clip(round(pages / target), 1, max(pages, 1)) with target =
+    max(total pages / SMs, min_pages), rounding half up; i32 pages [BT] -> i32 k [BT].
+
+    Exact integer arithmetic, target = a / b: k = floor((2 pages b + a) / 2a). A float32
+    target and division would make ties (uniform lengths: pages / target = 1.5 exactly) depend on
+    the backend: XLA turns both divisions into reciprocal multiplies, the GPU's reciprocal is
+    div.full (2 ulp) and may be fused into an FMA; the work-list kernel and its reference must agree
+    bit for bit. Operands are non-negative (lax.div = floor) and stay below 2^31
+    (`_check_worklist_bounds`). The plain-JAX reference and the kernel both call it."""
+    total = jnp.sum(pages)
+    big = total >= min_pages * num_sms  # target = total / SMs, else min_pages
+    a = jnp.where(big, total, min_pages)
+    b = jnp.where(big, num_sms, 1 + 0 * total)  # (a select of two literals lowers as i1 under Triton)
+    k = lax.div(2 * pages * b + a, 2 * a)
+    return jnp.clip(k, 1, jnp.maximum(pages, 1))
+
+
+def _check_worklist_bounds(num_tiles: int, max_pages: int, num_sms: int, min_pages: int):
+    """The work list's i32 arithmetic (`_worklist_cuts`, piece bounds i * pages) stays below 2^31."""
+    if min_pages < 1 or num_sms < 1:
+        raise ValueError(f"work list: min_pages ({min_pages}) and num_sms ({num_sms}) must be >= 1")
+    bound = max_pages * (2 * (num_tiles + num_sms) + worklist_slots(num_sms)) + min_pages
+    if bound >= 2**31:
+        raise ValueError(
+            f"work list: {num_tiles} head tiles x {max_pages} pages per tile overflow its int32 "
+            f"arithmetic ({bound} >= 2^31); use schedule='grid'"
+        )
+
+
+def worklist_pieces_reference(tile_len, num_sms: int, min_pages: int):
+    """Length-adaptive schedule (the metadata step), plain JAX: each head tile with P pages is cut
     into k = clip(round(P / target), 1, P) equal pieces, target = max(total pages / SMs,
-    min_pages), so long requests spread over many SMs and short ones stay whole (no merge).
-    Returns (meta [B*T + slots, 6], slot_tile [slots]: the tile of each partial slot or -1)."""
+    min_pages) (`_worklist_cuts`), so long requests spread over many SMs and short ones stay whole
+    (no merge). i32 tile_len [B, T] -> (meta i32[B*T + slots, 6]: (b, h, p0, n, slot, tile length)
+    per piece, slot -1 for a whole tile, -2 (n = 0) past the last piece; slot_tile i32[slots]: the
+    tile of each partial slot or -1). The split pieces always fit the slots (`worklist_slots`)."""
     b, t = tile_len.shape
     nt = b * t
     slots = worklist_slots(num_sms)
     tl = tile_len.reshape(-1)
     pages = (tl + PAGE_SIZE - 1) // PAGE_SIZE  # [BT]
-    target = jnp.maximum(jnp.sum(pages) / num_sms, float(min_pages))
-    k = jnp.clip(jnp.floor(pages / target + 0.5).astype(jnp.int32), 1, jnp.maximum(pages, 1))
+    k = _worklist_cuts(pages, num_sms, min_pages)
     end = jnp.cumsum(k)
     start = end - k
     split = k > 1
@@ -788,6 +821,108 @@ def _worklist_pieces(tile_len, num_sms, min_pages):
     meta = jnp.stack([tile // t, tile % t, p0, jnp.where(valid, n, 0), slot, tl[tile]], axis=-1)
     slot_tile = jnp.full((slots,), -1, jnp.int32).at[jnp.where(slot >= 0, slot, slots)].set(tile, mode="drop")
     return meta.astype(jnp.int32), slot_tile
+
+
+def _worklist_kernel(
+    tl_ref,  # i32[BT]
+    meta_ref,  # i32[J, 6], J = BT + slots
+    slot_tile_ref,  # i32[slots]
+    marks_ref,  # i32[MP] scratch: 1 where a tile's pieces end
+    tile_ref,  # i32[3, BT'] scratch: start piece, first slot, pieces k of each tile
+    slot_buf_ref,  # i32[SB] scratch: the tile of each slot
+    *,
+    t: int,
+    num_sms: int,
+    min_pages: int,
+    interpret: bool,
+):
+    """One program. Prefix sums over the tiles (BT' = next_pow2(BT), padding tiles k = 0), then per
+    piece j (J' = next_pow2(J) lanes) its tile = #(tiles ending at or before j), counted as a prefix
+    sum of end marks scattered to global scratch; per-tile values are gathered back from scratch.
+    Scatters go to distinct addresses (masked-off lanes to their own dummy slots past the live
+    range) and a CTA barrier separates a scratch write from its reads."""
+    nt = tl_ref.shape[0]
+    n_rows = meta_ref.shape[0]
+    slots = slot_tile_ref.shape[0]
+    bt_pad = tile_ref.shape[1]
+    j_pad = next_pow2(n_rows)
+    s_pad = next_pow2(slots)
+    barrier = (lambda: None) if interpret else pltriton.debug_barrier  # the interpreter runs in order
+
+    u = jnp.arange(bt_pad, dtype=jnp.int32)
+    real = u < nt
+    tl = pltriton.load(tl_ref.at[jnp.minimum(u, nt - 1)], mask=real, other=0)  # [BT']
+    pages = lax.div(tl + PAGE_SIZE - 1, PAGE_SIZE)
+    k = jnp.where(real, _worklist_cuts(pages, num_sms, min_pages), 0)
+    end = jnp.cumsum(k)
+    ks = jnp.where(k > 1, k, 0)  # slots of split tiles
+    total = jnp.sum(k)
+    pltriton.store(marks_ref.at[pl.ds(0, marks_ref.shape[0])], jnp.zeros(marks_ref.shape, jnp.int32))
+    pltriton.store(slot_buf_ref.at[pl.ds(0, slot_buf_ref.shape[0])], jnp.full(slot_buf_ref.shape, -1, jnp.int32))
+    pltriton.store(tile_ref.at[jnp.int32(0), pl.ds(0, bt_pad)], end - k)
+    pltriton.store(tile_ref.at[jnp.int32(1), pl.ds(0, bt_pad)], jnp.cumsum(ks) - ks)
+    pltriton.store(tile_ref.at[jnp.int32(2), pl.ds(0, bt_pad)], k)
+    barrier()
+    # Real tiles end at distinct pieces 1..total (k >= 1); padding tiles mark j_pad + u.
+    pltriton.store(marks_ref.at[jnp.where(real, end, j_pad + u)], jnp.ones((bt_pad,), jnp.int32))
+    barrier()
+
+    j = jnp.arange(j_pad, dtype=jnp.int32)
+    tile = jnp.minimum(jnp.cumsum(pltriton.load(marks_ref.at[pl.ds(0, j_pad)])), nt - 1)  # [J']
+    start = pltriton.load(tile_ref.at[jnp.int32(0), tile])
+    split_start = pltriton.load(tile_ref.at[jnp.int32(1), tile])
+    kt = pltriton.load(tile_ref.at[jnp.int32(2), tile])
+    tl_t = pltriton.load(tl_ref.at[tile])
+    pg = lax.div(tl_t + PAGE_SIZE - 1, PAGE_SIZE)
+    i = j - start  # >= 0: piece i of its tile (past the last piece: of the last tile)
+    p0 = lax.div(i * pg, kt)
+    valid = j < total
+    n = jnp.where(valid, lax.div((i + 1) * pg, kt) - p0, 0)
+    slot = jnp.where(valid, jnp.where(kt > 1, split_start + i, -1), -2)
+    rows = j < n_rows
+    for col, val in enumerate((lax.div(tile, t), lax.rem(tile, t), p0, n, slot, tl_t)):
+        pltriton.store(meta_ref.at[pl.ds(0, j_pad), jnp.int32(col)], val, mask=rows)
+    # Split pieces own distinct slots < slots; the other pieces write dummies s_pad + j.
+    pltriton.store(slot_buf_ref.at[jnp.where(slot >= 0, slot, s_pad + j)], tile)
+    barrier()
+    st = pltriton.load(slot_buf_ref.at[pl.ds(0, s_pad)])
+    pltriton.store(slot_tile_ref.at[pl.ds(0, s_pad)], st, mask=jnp.arange(s_pad, dtype=jnp.int32) < slots)
+
+
+@functools.partial(jax.jit, static_argnames=("num_sms", "min_pages", "interpret"))
+def worklist_pieces(tile_len, num_sms: int, min_pages: int, *, interpret: bool = False):
+    """`worklist_pieces_reference` as one Pallas kernel (Triton lowering, one program), bit for bit:
+    i32 tile_len [B, T] -> (meta i32[B*T + slots, 6], slot_tile i32[slots]). The plain-JAX metadata
+    step is ~15 XLA ops (cumsum, searchsorted, gathers, a scatter) that ran as ~50 small kernels per
+    decode call on the H200, more time than the worklist decode saved at uniform lengths
+    (bench/results/decode-h200.json); this is one launch. Lengths must keep its int32 arithmetic
+    below 2^31 (`_check_worklist_bounds`, checked by the decode)."""
+    b, t = tile_len.shape
+    nt = b * t
+    slots = worklist_slots(num_sms)
+    bt_pad = next_pow2(nt)
+    j_pad = next_pow2(nt + slots)
+    s_pad = next_pow2(slots)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
+    shapes = [
+        (nt + slots, 6),  # meta
+        (slots,),  # slot_tile
+        (next_pow2(j_pad + bt_pad),),  # marks: pieces, then padding tiles' dummies
+        (3, bt_pad),  # per-tile start, first slot, k
+        (next_pow2(s_pad + j_pad),),  # slot_buf: slots, then unsplit pieces' dummies
+    ]
+    meta, slot_tile, *_ = pl.pallas_call(
+        functools.partial(_worklist_kernel, t=t, num_sms=num_sms, min_pages=min_pages, interpret=interpret),
+        grid=(1,),
+        # Whole-array blocks: under the Triton lowering a block only sets a base pointer.
+        in_specs=[whole((nt,))],
+        out_specs=[whole(s) for s in shapes],
+        out_shape=[jax.ShapeDtypeStruct(s, jnp.int32) for s in shapes],
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name="mla_decode_sm90_worklist",
+    )(tile_len.reshape(nt).astype(jnp.int32))
+    return meta, slot_tile
 
 
 def _merge_worklist(out, lse, o_part, lse_part, slot_tile, interpret=False):
@@ -931,7 +1066,8 @@ def _impl(
         n_slots = meta.shape[0] if splits > 1 else 1
         name = f"grid{splits}"
     else:
-        meta, slot_tile = _worklist_pieces(tile_len, sms, _WORKLIST_MIN_PAGES)
+        _check_worklist_bounds(b * head_tiles, max_pages, sms, _WORKLIST_MIN_PAGES)
+        meta, slot_tile = worklist_pieces(tile_len, sms, _WORKLIST_MIN_PAGES, interpret=bool(interpret))
         n_slots = slot_tile.shape[0]
         name = "worklist"
 
