@@ -17,7 +17,8 @@ comes from one of two schedules:
 - "worklist": a metadata step on device (FlashMLA's get_mla_metadata idea) cuts each tile by its
   actual length into k = round(pages / target) pieces, target = total pages / SMs, so long requests
   spread over many SMs and short ones stay whole (final output written directly); only split tiles
-  go through f32 partial slots, merged by `_merge_worklist`.
+  go through f32 partial slots, merged by `_merge_worklist`. The metadata step is one Triton-lowered
+  Pallas kernel (`worklist_pieces`; plain-JAX reference `worklist_pieces_reference`).
 
 One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule simplified:
 - Warpgroup 2, producer: one TMA per page (block-table entry) into a `num_stages` shared-memory

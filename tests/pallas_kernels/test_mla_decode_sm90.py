@@ -114,6 +114,12 @@ def test_worklist_cuts_round_half_up():
             np.testing.assert_array_equal(np.asarray(got)[: len(pages)], want)
 
 
+def test_worklist_bounds_error():
+    k90._check_worklist_bounds(256, 512, 132, 4)  # a decode batch: fine
+    with pytest.raises(ValueError, match="overflow its int32"):
+        k90._check_worklist_bounds(4096, 2**18 - 1, 132, 4)
+
+
 def _worklist_lengths(rng, nt):
     """Head-tile lengths i32[nt] of varied kinds: ragged with zeros, all equal (ties), one huge
     request among tiny ones, all zero, a few pages each."""
