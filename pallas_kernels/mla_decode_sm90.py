@@ -96,7 +96,7 @@ from pallas_kernels.mgpu import (
     wgmma_accumulate,
     write_out,
 )
-from pallas_kernels.mla_decode import merge_segments, merge_splits, mla_decode_reference, segments_from_slot_tile
+from pallas_kernels.mla_decode import merge_segments, merge_splits, mla_decode_reference
 from pallas_kernels.util import (
     BF16,
     F16,
@@ -828,6 +828,8 @@ def _worklist_kernel(
     tl_ref,  # i32[BT]
     meta_ref,  # i32[J, 6], J = BT + slots
     slot_tile_ref,  # i32[slots]
+    seg_first_ref,  # i32[BT]: first slot of each split tile, else 0
+    seg_count_ref,  # i32[BT]: slots of each split tile (its k), else 0
     marks_ref,  # i32[MP] scratch: 1 where a tile's pieces end
     tile_ref,  # i32[3, BT'] scratch: start piece, first slot, pieces k of each tile
     slot_buf_ref,  # i32[SB] scratch: the tile of each slot
@@ -863,6 +865,8 @@ def _worklist_kernel(
     pltriton.store(tile_ref.at[jnp.int32(0), pl.ds(0, bt_pad)], end - k)
     pltriton.store(tile_ref.at[jnp.int32(1), pl.ds(0, bt_pad)], jnp.cumsum(ks) - ks)
     pltriton.store(tile_ref.at[jnp.int32(2), pl.ds(0, bt_pad)], k)
+    pltriton.store(seg_first_ref.at[pl.ds(0, bt_pad)], jnp.where(k > 1, jnp.cumsum(ks) - ks, 0), mask=real)
+    pltriton.store(seg_count_ref.at[pl.ds(0, bt_pad)], ks, mask=real)
     barrier()
     # Real tiles end at distinct pieces 1..total (k >= 1); padding tiles mark j_pad + u.
     pltriton.store(marks_ref.at[jnp.where(real, end, j_pad + u)], jnp.ones((bt_pad,), jnp.int32))
@@ -893,7 +897,9 @@ def _worklist_kernel(
 @functools.partial(jax.jit, static_argnames=("num_sms", "min_pages", "interpret"))
 def worklist_pieces(tile_len, num_sms: int, min_pages: int, *, interpret: bool = False):
     """`worklist_pieces_reference` as one Pallas kernel (Triton lowering, one program), bit for bit:
-    i32 tile_len [B, T] -> (meta i32[B*T + slots, 6], slot_tile i32[slots]). The plain-JAX metadata
+    i32 tile_len [B, T] -> (meta i32[B*T + slots, 6], slot_tile i32[slots]), and the merge's
+    (seg_first, seg_count) i32[B*T] (`segments_from_slot_tile` of slot_tile, whose two XLA
+    scatters it saves). The plain-JAX metadata
     step is ~15 XLA ops (cumsum, searchsorted, gathers, a scatter) that ran as ~50 small kernels per
     decode call on the H200, more time than the worklist decode saved at uniform lengths
     (bench/results/decode-h200.json); this is one launch. Lengths must keep its int32 arithmetic
@@ -908,11 +914,13 @@ def worklist_pieces(tile_len, num_sms: int, min_pages: int, *, interpret: bool =
     shapes = [
         (nt + slots, 6),  # meta
         (slots,),  # slot_tile
+        (nt,),  # seg_first
+        (nt,),  # seg_count
         (next_pow2(j_pad + bt_pad),),  # marks: pieces, then padding tiles' dummies
         (3, bt_pad),  # per-tile start, first slot, k
         (next_pow2(s_pad + j_pad),),  # slot_buf: slots, then unsplit pieces' dummies
     ]
-    meta, slot_tile, *_ = pl.pallas_call(
+    meta, slot_tile, seg_first, seg_count, *_ = pl.pallas_call(
         functools.partial(_worklist_kernel, t=t, num_sms=num_sms, min_pages=min_pages, interpret=interpret),
         grid=(1,),
         # Whole-array blocks: under the Triton lowering a block only sets a base pointer.
@@ -923,16 +931,15 @@ def worklist_pieces(tile_len, num_sms: int, min_pages: int, *, interpret: bool =
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         name="mla_decode_sm90_worklist",
     )(tile_len.reshape(nt).astype(jnp.int32))
-    return meta, slot_tile
+    return meta, slot_tile, seg_first, seg_count
 
 
-def _merge_worklist(out, lse, o_part, lse_part, slot_tile, interpret=False):
+def _merge_worklist(out, lse, o_part, lse_part, seg_first, seg_count, interpret=False):
     """LSE-merge the partial slots of each split tile into out [BT, 64, L] / lse [BT, 64], in place.
 
-    Slots of a tile are consecutive (slot_tile: the tile of each slot, -1 unused). One Pallas kernel
+    Slots of a tile are consecutive: seg_first, seg_count i32[BT] (`worklist_pieces`). One Pallas kernel
     (`merge_segments`) reads only the live slots of split tiles and writes only those tiles; it
     replaced a much slower XLA segment_sum scatter (docs/perf-notes.md)."""
-    seg_first, seg_count = segments_from_slot_tile(slot_tile, out.shape[0])  # i32[BT] each
     return merge_segments(
         out,
         lse,
@@ -940,7 +947,7 @@ def _merge_worklist(out, lse, o_part, lse_part, slot_tile, interpret=False):
         lse_part.reshape(-1),
         seg_first,
         seg_count,
-        max_segment=slot_tile.shape[0],
+        max_segment=lse_part.shape[0],
         interpret=interpret,
     )
 
@@ -1068,8 +1075,8 @@ def _impl(
         name = f"grid{splits}"
     else:
         _check_worklist_bounds(b * head_tiles, max_pages, sms, _WORKLIST_MIN_PAGES)
-        meta, slot_tile = worklist_pieces(tile_len, sms, _WORKLIST_MIN_PAGES, interpret=bool(interpret))
-        n_slots = slot_tile.shape[0]
+        meta, _, seg_first, seg_count = worklist_pieces(tile_len, sms, _WORKLIST_MIN_PAGES, interpret=bool(interpret))
+        n_slots = worklist_slots(sms)
         name = "worklist"
 
     args = [q_rows, cache] + ([kv_scale] if is_fp8 else []) + [block_table, row_lens, meta] + ([q_scale] if qk8 else [])
@@ -1110,7 +1117,8 @@ def _impl(
             lse.reshape(b * head_tiles, rpt),
             o_part.reshape(-1, rpt, l),
             lse_part.reshape(-1, rpt),
-            slot_tile,
+            seg_first,
+            seg_count,
             bool(interpret),
         )
         out, lse = out.reshape(b, m_out, l), lse.reshape(b, m_out)

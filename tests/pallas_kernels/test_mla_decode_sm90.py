@@ -139,18 +139,25 @@ def _worklist_lengths(rng, nt):
     return tl.astype(np.int32)
 
 
+def _worklist_want(ref_fn, tile_len, num_sms):
+    """(meta, slot_tile) of the reference, then the merge's (seg_first, seg_count) from slot_tile."""
+    meta, slot_tile = ref_fn(tile_len, num_sms, k90._WORKLIST_MIN_PAGES)
+    return (meta, slot_tile, *mla_decode.segments_from_slot_tile(slot_tile, tile_len.size))
+
+
 @pytest.mark.parametrize("num_sms", [4, 132])
 def test_worklist_kernel_matches_reference(num_sms):
-    """The one-program Triton kernel (interpret mode) writes the reference's meta and slot_tile bit
-    for bit, B*T from 1 to 300 (padding tiles of the power-of-two lanes change nothing)."""
+    """The one-program Triton kernel (interpret mode) writes the reference's meta and slot_tile, and
+    the merge's segments, bit for bit, B*T from 1 to 300 (padding tiles of the power-of-two lanes
+    change nothing)."""
     rng = np.random.default_rng(num_sms)
     ref_fn = jax.jit(k90.worklist_pieces_reference, static_argnums=(1, 2))
     for b, t in ((1, 1), (5, 3), (33, 2), (300, 1)):
         for _ in range(6):
             tile_len = jnp.asarray(_worklist_lengths(rng, b * t).reshape(b, t))
             got = k90.worklist_pieces(tile_len, num_sms, k90._WORKLIST_MIN_PAGES, interpret=True)
-            want = ref_fn(tile_len, num_sms, k90._WORKLIST_MIN_PAGES)
-            for g, w in zip(got, want):
+            want = _worklist_want(ref_fn, tile_len, num_sms)
+            for g, w in zip(got, want, strict=True):
                 assert g.dtype == w.dtype == jnp.int32
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
@@ -183,8 +190,8 @@ def test_gpu_worklist_kernel_matches_reference():
             for _ in range(8):
                 tile_len = jnp.asarray(_worklist_lengths(rng, b * t).reshape(b, t))
                 got = k90.worklist_pieces(tile_len, num_sms, k90._WORKLIST_MIN_PAGES)
-                want = ref_fn(tile_len, num_sms, k90._WORKLIST_MIN_PAGES)
-                for g, w in zip(got, want):
+                want = _worklist_want(ref_fn, tile_len, num_sms)
+                for g, w in zip(got, want, strict=True):
                     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
