@@ -17,7 +17,8 @@ comes from one of two schedules:
 - "worklist": a metadata step on device (FlashMLA's get_mla_metadata idea) cuts each tile by its
   actual length into k = round(pages / target) pieces, target = total pages / SMs, so long requests
   spread over many SMs and short ones stay whole (final output written directly); only split tiles
-  go through f32 partial slots, merged by `_merge_worklist`.
+  go through f32 partial slots, merged by `_merge_worklist`. The metadata step is one Triton-lowered
+  Pallas kernel (`worklist_pieces`; plain-JAX reference `worklist_pieces_reference`).
 
 One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule simplified:
 - Warpgroup 2, producer: one TMA per page (block-table entry) into a `num_stages` shared-memory
@@ -80,6 +81,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.mgpu import (
     ROW_LAYOUT,
@@ -94,7 +96,7 @@ from pallas_kernels.mgpu import (
     wgmma_accumulate,
     write_out,
 )
-from pallas_kernels.mla_decode import merge_segments, merge_splits, mla_decode_reference, segments_from_slot_tile
+from pallas_kernels.mla_decode import merge_segments, merge_splits, mla_decode_reference
 from pallas_kernels.util import (
     BF16,
     F16,
@@ -104,6 +106,7 @@ from pallas_kernels.util import (
     cdiv,
     check_interpreter_workers,
     is_sm90,
+    next_pow2,
     validate_decode,
 )
 from pallas_kernels.util import num_sms as _device_num_sms
@@ -760,18 +763,49 @@ def worklist_slots(num_sms: int) -> int:
     return cdiv(4 * num_sms, 3) + 1
 
 
-def _worklist_pieces(tile_len, num_sms, min_pages):
-    """Length-adaptive schedule (the metadata step, on device): each head tile with P pages is cut
+def _worklist_cuts(pages, num_sms: int, min_pages: int):
+    """Pieces per head tile, k = clip(round(pages / target), 1, max(pages, 1)) with target =
+    max(total pages / SMs, min_pages), rounding half up; i32 pages [BT] -> i32 k [BT].
+
+    Exact integer arithmetic, target = a / b: k = floor((2 pages b + a) / 2a). A float32
+    target and division would make ties (uniform lengths: pages / target = 1.5 exactly) depend on
+    the backend: XLA turns both divisions into reciprocal multiplies, the GPU's reciprocal is
+    div.full (2 ulp) and may be fused into an FMA; the work-list kernel and its reference must agree
+    bit for bit. Operands are non-negative (lax.div = floor) and stay below 2^31
+    (`_check_worklist_bounds`). The plain-JAX reference and the kernel both call it."""
+    total = jnp.sum(pages)
+    big = total >= min_pages * num_sms  # target = total / SMs, else min_pages
+    a = jnp.where(big, total, min_pages)
+    b = jnp.where(big, num_sms, 1 + 0 * total)  # (a select of two literals lowers as i1 under Triton)
+    k = lax.div(2 * pages * b + a, 2 * a)
+    return jnp.clip(k, 1, jnp.maximum(pages, 1))
+
+
+def _check_worklist_bounds(num_tiles: int, max_pages: int, num_sms: int, min_pages: int):
+    """The work list's i32 arithmetic (`_worklist_cuts`, piece bounds i * pages) stays below 2^31."""
+    if min_pages < 1 or num_sms < 1:
+        raise ValueError(f"work list: min_pages ({min_pages}) and num_sms ({num_sms}) must be >= 1")
+    bound = max_pages * (2 * (num_tiles + num_sms) + worklist_slots(num_sms)) + min_pages
+    if bound >= 2**31:
+        raise ValueError(
+            f"work list: {num_tiles} head tiles x {max_pages} pages per tile overflow its int32 "
+            f"arithmetic ({bound} >= 2^31); use schedule='grid'"
+        )
+
+
+def worklist_pieces_reference(tile_len, num_sms: int, min_pages: int):
+    """Length-adaptive schedule (the metadata step), plain JAX: each head tile with P pages is cut
     into k = clip(round(P / target), 1, P) equal pieces, target = max(total pages / SMs,
-    min_pages), so long requests spread over many SMs and short ones stay whole (no merge).
-    Returns (meta [B*T + slots, 6], slot_tile [slots]: the tile of each partial slot or -1)."""
+    min_pages) (`_worklist_cuts`), so long requests spread over many SMs and short ones stay whole
+    (no merge). i32 tile_len [B, T] -> (meta i32[B*T + slots, 6]: (b, h, p0, n, slot, tile length)
+    per piece, slot -1 for a whole tile, -2 (n = 0) past the last piece; slot_tile i32[slots]: the
+    tile of each partial slot or -1). The split pieces always fit the slots (`worklist_slots`)."""
     b, t = tile_len.shape
     nt = b * t
     slots = worklist_slots(num_sms)
     tl = tile_len.reshape(-1)
     pages = (tl + PAGE_SIZE - 1) // PAGE_SIZE  # [BT]
-    target = jnp.maximum(jnp.sum(pages) / num_sms, float(min_pages))
-    k = jnp.clip(jnp.floor(pages / target + 0.5).astype(jnp.int32), 1, jnp.maximum(pages, 1))
+    k = _worklist_cuts(pages, num_sms, min_pages)
     end = jnp.cumsum(k)
     start = end - k
     split = k > 1
@@ -790,13 +824,122 @@ def _worklist_pieces(tile_len, num_sms, min_pages):
     return meta.astype(jnp.int32), slot_tile
 
 
-def _merge_worklist(out, lse, o_part, lse_part, slot_tile, interpret=False):
+def _worklist_kernel(
+    tl_ref,  # i32[BT]
+    meta_ref,  # i32[J, 6], J = BT + slots
+    slot_tile_ref,  # i32[slots]
+    seg_first_ref,  # i32[BT]: first slot of each split tile, else 0
+    seg_count_ref,  # i32[BT]: slots of each split tile (its k), else 0
+    marks_ref,  # i32[MP] scratch: 1 where a tile's pieces end
+    tile_ref,  # i32[3, BT'] scratch: start piece, first slot, pieces k of each tile
+    slot_buf_ref,  # i32[SB] scratch: the tile of each slot
+    *,
+    t: int,
+    num_sms: int,
+    min_pages: int,
+    interpret: bool,
+):
+    """One program. Prefix sums over the tiles (BT' = next_pow2(BT), padding tiles k = 0), then per
+    piece j (J' = next_pow2(J) lanes) its tile = #(tiles ending at or before j), counted as a prefix
+    sum of end marks scattered to global scratch; per-tile values are gathered back from scratch.
+    Scatters go to distinct addresses (masked-off lanes to their own dummy slots past the live
+    range) and a CTA barrier separates a scratch write from its reads."""
+    nt = tl_ref.shape[0]
+    n_rows = meta_ref.shape[0]
+    slots = slot_tile_ref.shape[0]
+    bt_pad = tile_ref.shape[1]
+    j_pad = next_pow2(n_rows)
+    s_pad = next_pow2(slots)
+    barrier = (lambda: None) if interpret else pltriton.debug_barrier  # the interpreter runs in order
+
+    u = jnp.arange(bt_pad, dtype=jnp.int32)
+    real = u < nt
+    tl = pltriton.load(tl_ref.at[jnp.minimum(u, nt - 1)], mask=real, other=0)  # [BT']
+    pages = lax.div(tl + PAGE_SIZE - 1, PAGE_SIZE)
+    k = jnp.where(real, _worklist_cuts(pages, num_sms, min_pages), 0)
+    end = jnp.cumsum(k)
+    ks = jnp.where(k > 1, k, 0)  # slots of split tiles
+    total = jnp.sum(k)
+    pltriton.store(marks_ref.at[pl.ds(0, marks_ref.shape[0])], jnp.zeros(marks_ref.shape, jnp.int32))
+    pltriton.store(slot_buf_ref.at[pl.ds(0, slot_buf_ref.shape[0])], jnp.full(slot_buf_ref.shape, -1, jnp.int32))
+    pltriton.store(tile_ref.at[jnp.int32(0), pl.ds(0, bt_pad)], end - k)
+    pltriton.store(tile_ref.at[jnp.int32(1), pl.ds(0, bt_pad)], jnp.cumsum(ks) - ks)
+    pltriton.store(tile_ref.at[jnp.int32(2), pl.ds(0, bt_pad)], k)
+    pltriton.store(seg_first_ref.at[pl.ds(0, bt_pad)], jnp.where(k > 1, jnp.cumsum(ks) - ks, 0), mask=real)
+    pltriton.store(seg_count_ref.at[pl.ds(0, bt_pad)], ks, mask=real)
+    barrier()
+    # Real tiles end at distinct pieces 1..total (k >= 1); padding tiles mark j_pad + u.
+    pltriton.store(marks_ref.at[jnp.where(real, end, j_pad + u)], jnp.ones((bt_pad,), jnp.int32))
+    barrier()
+
+    j = jnp.arange(j_pad, dtype=jnp.int32)
+    tile = jnp.minimum(jnp.cumsum(pltriton.load(marks_ref.at[pl.ds(0, j_pad)])), nt - 1)  # [J']
+    start = pltriton.load(tile_ref.at[jnp.int32(0), tile])
+    split_start = pltriton.load(tile_ref.at[jnp.int32(1), tile])
+    kt = pltriton.load(tile_ref.at[jnp.int32(2), tile])
+    tl_t = pltriton.load(tl_ref.at[tile])
+    pg = lax.div(tl_t + PAGE_SIZE - 1, PAGE_SIZE)
+    i = j - start  # >= 0: piece i of its tile (past the last piece: of the last tile)
+    p0 = lax.div(i * pg, kt)
+    valid = j < total
+    n = jnp.where(valid, lax.div((i + 1) * pg, kt) - p0, 0)
+    slot = jnp.where(valid, jnp.where(kt > 1, split_start + i, -1), -2)
+    rows = j < n_rows
+    for col, val in enumerate((lax.div(tile, t), lax.rem(tile, t), p0, n, slot, tl_t)):
+        pltriton.store(meta_ref.at[pl.ds(0, j_pad), jnp.int32(col)], val, mask=rows)
+    # Split pieces own distinct slots < slots; the other pieces write dummies s_pad + j.
+    pltriton.store(slot_buf_ref.at[jnp.where(slot >= 0, slot, s_pad + j)], tile)
+    barrier()
+    st = pltriton.load(slot_buf_ref.at[pl.ds(0, s_pad)])
+    pltriton.store(slot_tile_ref.at[pl.ds(0, s_pad)], st, mask=jnp.arange(s_pad, dtype=jnp.int32) < slots)
+
+
+@functools.partial(jax.jit, static_argnames=("num_sms", "min_pages", "interpret"))
+def worklist_pieces(tile_len, num_sms: int, min_pages: int, *, interpret: bool = False):
+    """`worklist_pieces_reference` as one Pallas kernel (Triton lowering, one program), bit for bit:
+    i32 tile_len [B, T] -> (meta i32[B*T + slots, 6], slot_tile i32[slots]), and the merge's
+    (seg_first, seg_count) i32[B*T] (`segments_from_slot_tile` of slot_tile, whose two XLA
+    scatters it saves). The plain-JAX metadata
+    step is ~15 XLA ops (cumsum, searchsorted, gathers, a scatter) that ran as ~50 small kernels per
+    decode call on the H200, more time than the worklist decode saved at uniform lengths
+    (bench/results/decode-h200.json); this is one launch. Lengths must keep its int32 arithmetic
+    below 2^31 (`_check_worklist_bounds`, checked by the decode)."""
+    b, t = tile_len.shape
+    nt = b * t
+    slots = worklist_slots(num_sms)
+    bt_pad = next_pow2(nt)
+    j_pad = next_pow2(nt + slots)
+    s_pad = next_pow2(slots)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
+    shapes = [
+        (nt + slots, 6),  # meta
+        (slots,),  # slot_tile
+        (nt,),  # seg_first
+        (nt,),  # seg_count
+        (next_pow2(j_pad + bt_pad),),  # marks: pieces, then padding tiles' dummies
+        (3, bt_pad),  # per-tile start, first slot, k
+        (next_pow2(s_pad + j_pad),),  # slot_buf: slots, then unsplit pieces' dummies
+    ]
+    meta, slot_tile, seg_first, seg_count, *_ = pl.pallas_call(
+        functools.partial(_worklist_kernel, t=t, num_sms=num_sms, min_pages=min_pages, interpret=interpret),
+        grid=(1,),
+        # Whole-array blocks: under the Triton lowering a block only sets a base pointer.
+        in_specs=[whole((nt,))],
+        out_specs=[whole(s) for s in shapes],
+        out_shape=[jax.ShapeDtypeStruct(s, jnp.int32) for s in shapes],
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name="mla_decode_sm90_worklist",
+    )(tile_len.reshape(nt).astype(jnp.int32))
+    return meta, slot_tile, seg_first, seg_count
+
+
+def _merge_worklist(out, lse, o_part, lse_part, seg_first, seg_count, interpret=False):
     """LSE-merge the partial slots of each split tile into out [BT, 64, L] / lse [BT, 64], in place.
 
-    Slots of a tile are consecutive (slot_tile: the tile of each slot, -1 unused). One Pallas kernel
+    Slots of a tile are consecutive: seg_first, seg_count i32[BT] (`worklist_pieces`). One Pallas kernel
     (`merge_segments`) reads only the live slots of split tiles and writes only those tiles; it
     replaced a much slower XLA segment_sum scatter (docs/perf-notes.md)."""
-    seg_first, seg_count = segments_from_slot_tile(slot_tile, out.shape[0])  # i32[BT] each
     return merge_segments(
         out,
         lse,
@@ -804,7 +947,7 @@ def _merge_worklist(out, lse, o_part, lse_part, slot_tile, interpret=False):
         lse_part.reshape(-1),
         seg_first,
         seg_count,
-        max_segment=slot_tile.shape[0],
+        max_segment=lse_part.shape[0],
         interpret=interpret,
     )
 
@@ -931,8 +1074,9 @@ def _impl(
         n_slots = meta.shape[0] if splits > 1 else 1
         name = f"grid{splits}"
     else:
-        meta, slot_tile = _worklist_pieces(tile_len, sms, _WORKLIST_MIN_PAGES)
-        n_slots = slot_tile.shape[0]
+        _check_worklist_bounds(b * head_tiles, max_pages, sms, _WORKLIST_MIN_PAGES)
+        meta, _, seg_first, seg_count = worklist_pieces(tile_len, sms, _WORKLIST_MIN_PAGES, interpret=bool(interpret))
+        n_slots = worklist_slots(sms)
         name = "worklist"
 
     args = [q_rows, cache] + ([kv_scale] if is_fp8 else []) + [block_table, row_lens, meta] + ([q_scale] if qk8 else [])
@@ -973,7 +1117,8 @@ def _impl(
             lse.reshape(b * head_tiles, rpt),
             o_part.reshape(-1, rpt, l),
             lse_part.reshape(-1, rpt),
-            slot_tile,
+            seg_first,
+            seg_count,
             bool(interpret),
         )
         out, lse = out.reshape(b, m_out, l), lse.reshape(b, m_out)

@@ -16,6 +16,9 @@ The interpreter's 3 warpgroups need >= 3 XLA CPU workers: see mosaic_interpreter
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,7 +49,9 @@ class TestMlaDecodeSm90(DecodeSuite):
             rows = np.repeat(np.asarray(seq_lens), case.inputs["n"], axis=1)
             rows = np.pad(rows, ((0, 0), (0, -rows.shape[1] % k90.TILE_M)))
             tile_len = rows.reshape(rows.shape[0], -1, k90.TILE_M).max(-1)
-            meta, _ = k90._worklist_pieces(jnp.asarray(tile_len), case.kernel["num_sms"], k90._WORKLIST_MIN_PAGES)
+            meta, _ = k90.worklist_pieces_reference(
+                jnp.asarray(tile_len), case.kernel["num_sms"], k90._WORKLIST_MIN_PAGES
+            )
             slots = np.asarray(meta)[:, 4]
             assert (slots >= 0).any() and (slots == -1).any()
 
@@ -61,7 +66,7 @@ def test_worklist_pieces_cover_each_tile(num_sms):
     """The metadata step: pieces tile [0, pages) of every head tile in order, split pieces get
     consecutive unique slots within the static bound, and the grid bound holds."""
     rng = np.random.default_rng(num_sms)
-    pieces_fn = jax.jit(k90._worklist_pieces, static_argnums=(1, 2))
+    pieces_fn = jax.jit(k90.worklist_pieces_reference, static_argnums=(1, 2))
     b, t = 7, 2
     for trial in range(12):
         tile_len = rng.integers(0, [700, 20000, 200000][trial % 3], (b, t)).astype(np.int32)
@@ -90,6 +95,104 @@ def test_worklist_pieces_cover_each_tile(num_sms):
                 assert slots == list(range(slots[0], slots[0] + len(slots)))
                 assert all(slot_tile[sl] == tile for sl in slots)
         assert (slot_tile >= 0).sum() == sum(len(p) for p in seen.values() if len(p) > 1)
+
+
+def test_worklist_cuts_round_half_up():
+    """k = round(pages / target) half up, target = max(total / SMs, min_pages), against exact
+    rationals: ties (uniform lengths give pages / target = 1.5 exactly) included."""
+    rng = np.random.default_rng(3)
+    cases = [np.full(12, 6), np.full(11, 9), np.array([0, 0, 5]), np.zeros(4, int), np.arange(1, 40)]
+    cases += [rng.integers(0, 3000, rng.integers(1, 60)) for _ in range(40)]
+    cuts = jax.jit(k90._worklist_cuts, static_argnums=(1, 2))
+    for pages in cases:
+        for num_sms in (1, 4, 132):
+            target = max(Fraction(int(pages.sum()), num_sms), Fraction(4))
+            want = [min(max(math.floor(Fraction(int(p)) / target + Fraction(1, 2)), 1), max(int(p), 1)) for p in pages]
+            padded = np.zeros(64, np.int32)  # empty tiles add no pages: one compile per num_sms
+            padded[: len(pages)] = pages
+            got = cuts(jnp.asarray(padded), num_sms, 4)
+            np.testing.assert_array_equal(np.asarray(got)[: len(pages)], want)
+
+
+def test_worklist_bounds_error():
+    k90._check_worklist_bounds(256, 512, 132, 4)  # a decode batch: fine
+    with pytest.raises(ValueError, match="overflow its int32"):
+        k90._check_worklist_bounds(4096, 2**18 - 1, 132, 4)
+
+
+def _worklist_lengths(rng, nt):
+    """Head-tile lengths i32[nt] of varied kinds: ragged with zeros, all equal (ties), one huge
+    request among tiny ones, all zero, a few pages each."""
+    kind = rng.integers(5)
+    if kind == 0:
+        tl = rng.integers(0, 40000, nt)
+        tl[rng.random(nt) < 0.25] = 0
+    elif kind == 1:
+        tl = np.full(nt, rng.integers(1, 40000))
+    elif kind == 2:
+        tl = rng.integers(0, 300, nt)
+        tl[rng.integers(nt)] = rng.integers(100000, 1 << 20)
+    elif kind == 3:
+        tl = np.zeros(nt)
+    else:
+        tl = rng.integers(0, 12 * G, nt)
+    return tl.astype(np.int32)
+
+
+def _worklist_want(ref_fn, tile_len, num_sms):
+    """(meta, slot_tile) of the reference, then the merge's (seg_first, seg_count) from slot_tile."""
+    meta, slot_tile = ref_fn(tile_len, num_sms, k90._WORKLIST_MIN_PAGES)
+    return (meta, slot_tile, *mla_decode.segments_from_slot_tile(slot_tile, tile_len.size))
+
+
+@pytest.mark.parametrize("num_sms", [4, 132])
+def test_worklist_kernel_matches_reference(num_sms):
+    """The one-program Triton kernel (interpret mode) writes the reference's meta and slot_tile, and
+    the merge's segments, bit for bit, B*T from 1 to 300 (padding tiles of the power-of-two lanes
+    change nothing)."""
+    rng = np.random.default_rng(num_sms)
+    ref_fn = jax.jit(k90.worklist_pieces_reference, static_argnums=(1, 2))
+    for b, t in ((1, 1), (5, 3), (33, 2), (300, 1)):
+        for _ in range(6):
+            tile_len = jnp.asarray(_worklist_lengths(rng, b * t).reshape(b, t))
+            got = k90.worklist_pieces(tile_len, num_sms, k90._WORKLIST_MIN_PAGES, interpret=True)
+            want = _worklist_want(ref_fn, tile_len, num_sms)
+            for g, w in zip(got, want, strict=True):
+                assert g.dtype == w.dtype == jnp.int32
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_worklist_kernel_lowers_to_triton(monkeypatch):
+    """Triton IR generation on CPU with an H200 stand-in for the device query: one kernel, one
+    program, at decode size (128 requests x 2 head tiles, 132 SMs) and at one tile."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    monkeypatch.setattr(
+        pallas_call_registration.gpu_info_lib,
+        "get_gpu_info",
+        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
+    )
+    for b, t in ((128, 2), (1, 1)):
+        f = jax.jit(lambda x: k90.worklist_pieces(x, 132, k90._WORKLIST_MIN_PAGES))
+        text = f.trace(jax.ShapeDtypeStruct((b, t), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        assert "grid_x = 1 : i32, grid_y = 1 : i32, grid_z = 1 : i32" in text
+
+
+@pytest.mark.gpu
+def test_gpu_worklist_kernel_matches_reference():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(7)
+    ref_fn = jax.jit(k90.worklist_pieces_reference, static_argnums=(1, 2))
+    for b, t in ((1, 1), (7, 2), (128, 2), (256, 1), (512, 2)):
+        for num_sms in (4, 132):
+            for _ in range(8):
+                tile_len = jnp.asarray(_worklist_lengths(rng, b * t).reshape(b, t))
+                got = k90.worklist_pieces(tile_len, num_sms, k90._WORKLIST_MIN_PAGES)
+                want = _worklist_want(ref_fn, tile_len, num_sms)
+                for g, w in zip(got, want, strict=True):
+                    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_batch_invariant_bitwise():
@@ -171,19 +274,28 @@ def _lower_for_sm90(cache_dtype, n=16, **kw):
 def test_lowers_for_sm90(cache_dtype, kw, monkeypatch):
     """The GPU code path (which differs from the interpreted one in `_accumulate`) passes Mosaic
     GPU's Python lowering for sm_90: layouts, wgmma and TMA shapes, 227 KB of shared memory.
-    The split merges are Triton kernels, which cannot lower without a GPU: their jnp references stand
-    in here (the kernel has its own interpreter and GPU tests in test_mla_decode.py)."""
+    The split merges are Triton kernels, which need a GPU to lower: their jnp references stand in
+    here (the kernel has its own interpreter and GPU tests in test_mla_decode.py)."""
 
     def merge_ref(o_part, lse_part, *, out_dtype, interpret):
         out, lse = mla_decode.merge_splits_reference(o_part, lse_part)
         return out.astype(out_dtype), lse
 
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    monkeypatch.setattr(
+        pallas_call_registration.gpu_info_lib,
+        "get_gpu_info",
+        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
+    )
     monkeypatch.setattr(k90, "merge_splits", merge_ref)
     monkeypatch.setattr(
         k90, "merge_segments", lambda *a, max_segment, interpret: mla_decode.merge_segments_reference(*a)
     )
     text = _lower_for_sm90(cache_dtype, **kw)
     assert "mosaic_gpu" in text
+    # The work list's metadata step is one Triton kernel (with an H200 stand-in for the device query).
+    assert text.count("__gpu$xla.gpu.triton") == (kw.get("schedule") == "worklist")
 
 
 def test_shared_memory_budget_error():
