@@ -10,7 +10,8 @@ and sums the squares; pass 2 recomputes the sum from the inputs (re-read from L2
 would need a barrier between the threads) and writes the normalized chunks. Chunks are the largest power of two
 dividing D, up to 2048 (Triton's loads are powers of two): 7168 = 7 x 1024, 2048 = 1 x 2048.
 
-`add_rms_norm_reference` (plain jnp) is the reference and the path on CPU and for widths without such a chunk.
+`add_rms_norm_reference` (plain jnp) is the reference, the path on CPU and for widths without such a chunk, and the
+kernel's backward (a custom VJP), so a differentiated norm works.
 """
 
 from __future__ import annotations
@@ -116,4 +117,23 @@ def add_rms_norm(
         raise ValueError(f"weight must be [D] = [{x.shape[1]}], got shape {weight.shape}")
     if chunk_width(x.shape[1]) is None or x.shape[0] == 0:
         return add_rms_norm_reference(x, residual, weight, eps=eps)
-    return _impl(x, residual, weight, eps=float(eps), interpret=bool(interpret), num_warps=int(num_warps))
+    return _differentiable(x, residual, weight, float(eps), bool(interpret), int(num_warps))
+
+
+# The kernel forward, the reference's backward (recomputed): the kernel has no derivative of its own, and a norm
+# on a differentiated path (training through `model.forward`) must not fail.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _differentiable(x, residual, weight, eps, interpret, num_warps):
+    return _impl(x, residual, weight, eps=eps, interpret=interpret, num_warps=num_warps)
+
+
+def _differentiable_fwd(x, residual, weight, eps, interpret, num_warps):
+    return _impl(x, residual, weight, eps=eps, interpret=interpret, num_warps=num_warps), (x, residual, weight)
+
+
+def _differentiable_bwd(eps, interpret, num_warps, saved, g):
+    _, vjp = jax.vjp(lambda x, r, w: add_rms_norm_reference(x, r, w, eps=eps), *saved)
+    return vjp(g)
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)

@@ -50,6 +50,24 @@ def test_chunks_and_declined_widths():
     np.testing.assert_array_equal(np.asarray(h), np.asarray(ref_h))
 
 
+@pytest.mark.parametrize("residual", [True, False])
+def test_gradients_are_the_references(residual):
+    """Differentiable (the reference's backward): training through a kernel norm gets the reference's grads."""
+    x, r, w = _inputs(3, 64, jnp.float32, residual)
+
+    def loss(fn):
+        def f(x, r, w):
+            out, h = fn(x, r, w)
+            return jnp.sum(out * jnp.cos(out)) + jnp.sum(h * h)
+
+        return jax.grad(f, argnums=(0, 2) if r is None else (0, 1, 2))(x, r, w)
+
+    got = loss(lambda x, r, w: add_rms_norm(x, r, w, eps=1e-6, interpret=True))
+    want = loss(lambda x, r, w: add_rms_norm_reference(x, r, w, eps=1e-6))
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-6)
+
+
 def test_bad_inputs():
     x, r, w = _inputs(2, 64, jnp.float32)
     with pytest.raises(ValueError, match="x must be"):
