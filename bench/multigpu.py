@@ -50,7 +50,7 @@ from mla_jax import model, parallel  # noqa: E402
 from mla_jax.bench.common import (  # noqa: E402
     add_common_args,
     bench_ceilings,
-    bench_token_ids,
+    decode_requests,
     int_list,
     resolve_impls,
     results_header,
@@ -61,7 +61,7 @@ from mla_jax.bench.common import (  # noqa: E402
 from mla_jax.bench.e2e import weight_bytes  # noqa: E402
 from mla_jax.cache import KVCache  # noqa: E402
 from mla_jax.config import DeepseekConfig  # noqa: E402
-from mla_jax.metadata import BatchShape, ScheduledRequest, build_metadata  # noqa: E402
+from mla_jax.metadata import BatchShape, build_metadata  # noqa: E402
 from mla_jax.parallel import stack_metadata  # noqa: E402
 from mla_jax.sampling import SamplingArrays  # noqa: E402
 from mla_jax.step import engine_step, step_batch  # noqa: E402
@@ -119,11 +119,7 @@ def run_row(*, params, cfg, plan, batch, ctx, page, backend, gmm, steps, reps, c
         cache = random_cache(shape, None, jnp.bfloat16)
     else:
         cache = random_cache(shape, NamedSharding(plan.mesh, plan.cache_specs(False).kv_c_and_k_pe_cache), jnp.bfloat16)
-    ids = bench_token_ids(local, cfg.vocab_size)  # distinct: alike tokens route alike
-    reqs = [
-        ScheduledRequest([int(ids[b])], ctx - 1, list(range(1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)))
-        for b in range(local)
-    ]
+    reqs = decode_requests(local, ctx, pages_per_req, cfg.vocab_size)
     md, _ = build_metadata(
         reqs,
         page_size=gv,

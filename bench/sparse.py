@@ -295,8 +295,7 @@ def bench_e2e(args, backend_name, res):
     B, ctx, G = args.batch, args.e2e_ctx, args.page
     params = model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
     ppr = ctx // G
-    ids = common.bench_token_ids(B, cfg.vocab_size)  # distinct: alike tokens route alike
-    reqs = [ScheduledRequest([int(ids[b])], ctx - 1, list(range(1 + b * ppr, 1 + (b + 1) * ppr))) for b in range(B)]
+    reqs = common.decode_requests(B, ctx, ppr, cfg.vocab_size)
     num_pages = B * ppr + 1
     md = build_metadata(reqs, page_size=G, num_pages=num_pages)[0].to_device()
     for mode, c in (("sparse", cfg), ("dense", dataclasses.replace(cfg, index_topk=None))):

@@ -38,7 +38,7 @@ from mla_jax import model
 from mla_jax.bench.common import (
     add_common_args,
     bench_ceilings,
-    bench_token_ids,
+    decode_requests,
     int_list,
     profile_steps,
     res_meta,
@@ -52,7 +52,7 @@ from mla_jax.bench.e2e import weight_bytes
 from mla_jax.cache import KVCache, init_kv_cache
 from mla_jax.compile_cache import enable_compile_cache
 from mla_jax.engine import Engine, EngineConfig, default_page_size
-from mla_jax.metadata import ScheduledRequest, build_metadata
+from mla_jax.metadata import build_metadata
 from mla_jax.packed import Packed
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.spec_decode import SpecArrays, spec_step
@@ -108,12 +108,7 @@ class VerifyBench:
         res["model"] = f"DeepSeek-V2-Lite shape, random bf16 weights + 1 MTP layer, {args.layers} layers"
 
     def _md(self, B: int, ctx: int, q: int):
-        P = self.pages_per_req
-        ids = bench_token_ids(B * q, self.cfg.vocab_size).tolist()  # distinct: alike tokens route alike
-        reqs = [
-            ScheduledRequest(ids[b * q : (b + 1) * q], ctx - 1, list(range(1 + b * P, 1 + (b + 1) * P)))
-            for b in range(B)
-        ]
+        reqs = decode_requests(B, ctx, self.pages_per_req, self.cfg.vocab_size, q=q)
         md, _ = build_metadata(reqs, page_size=self.G, num_pages=self.num_pages, reorder_batch_threshold=q)
         return md
 

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_jax import layers, model
-from mla_jax.bench.common import BENCH_MODELS, bench_token_ids
+from mla_jax.bench.common import BENCH_MODELS, decode_requests
 from mla_jax.cache import KVCache, init_kv_cache_for
-from mla_jax.metadata import ScheduledRequest, build_metadata
+from mla_jax.metadata import build_metadata
 from mla_jax.step import jit_step
 
 
@@ -65,13 +65,8 @@ def main(argv=None):
     params = model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
     B, Q, ctx, G = args.batch, args.q, args.ctx, args.page
     ppr = -(-(ctx + Q) // G)
-    ids = bench_token_ids(B * Q, cfg.vocab_size) if args.tokens == "distinct" else np.full(B * Q, 7)
-    reqs = [
-        ScheduledRequest(
-            [int(t) for t in ids[b * Q : (b + 1) * Q]], ctx - 1, list(range(1 + b * ppr, 1 + (b + 1) * ppr))
-        )
-        for b in range(B)
-    ]
+    same = [7] * (B * Q) if args.tokens == "same" else None  # what the benchmarks fed before bench_token_ids
+    reqs = decode_requests(B, ctx, ppr, cfg.vocab_size, q=Q, ids=same)
     num_pages = B * ppr + 1
     md = build_metadata(reqs, page_size=G, num_pages=num_pages, reorder_batch_threshold=Q)[0]
     cache = init_kv_cache_for(cfg, num_pages, G, dtype=jnp.bfloat16)

@@ -137,6 +137,21 @@ def bench_token_ids(n: int, vocab_size: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(1, vocab_size, n).astype(np.int32)
 
 
+def decode_requests(
+    batch: int, ctx: int, pages_per_req: int, vocab_size: int, *, q: int = 1, ids: Sequence[int] | None = None
+):
+    """The benchmarks' decode step: `batch` requests with ctx - 1 cached tokens and q new tokens each (`ids`,
+    default `bench_token_ids`), request b on its own pages [1 + b * pages_per_req, 1 + (b + 1) * pages_per_req)."""
+    from mla_jax.metadata import ScheduledRequest
+
+    ids = [int(t) for t in (bench_token_ids(batch * q, vocab_size) if ids is None else ids)]
+    P = pages_per_req
+    return [
+        ScheduledRequest(ids[b * q : (b + 1) * q], ctx - 1, list(range(1 + b * P, 1 + (b + 1) * P)))
+        for b in range(batch)
+    ]
+
+
 def bench_ceilings(smoke: bool) -> dict[str, Any]:
     """`measure_ceilings` for a real run; a marked placeholder in --smoke (a CPU's figures mean nothing)."""
     if smoke:  # the real ceilings' 2 GiB copies and 8192^3 matmuls take minutes on a CPU

@@ -25,7 +25,7 @@ import numpy as np
 from mla_jax import attention, model
 from mla_jax.bench.common import (
     BENCH_MODELS,
-    bench_token_ids,
+    decode_requests,
     measure_ceilings,
     profile_steps,
     res_meta,
@@ -197,8 +197,7 @@ def _step_fn(eng, cfg, args, batch):
 def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, params):
     """One decode step at batch B, every request at context ctx on its own pages: timed, optionally traced."""
     ppr = cdiv(ctx, G)
-    ids = bench_token_ids(B, cfg.vocab_size)  # distinct: alike tokens route alike (bench_token_ids)
-    reqs = [ScheduledRequest([int(ids[b])], ctx - 1, list(range(1 + b * ppr, 1 + (b + 1) * ppr))) for b in range(B)]
+    reqs = decode_requests(B, ctx, ppr, cfg.vocab_size)
     md, _ = build_metadata(reqs, page_size=G, num_pages=eng.config.num_pages, shape=eng.batch_shape(B, 0))
     batch = jax.device_put(step_batch(md, SamplingArrays.build([], [], md.shape.num_logits)))
     step = _step_fn(eng, cfg, args, batch)
