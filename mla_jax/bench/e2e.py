@@ -44,14 +44,19 @@ from pallas_kernels.util import cdiv
 
 
 def weight_bytes(params, cfg: DeepseekConfig, tokens: int) -> float:
-    """Bytes of weights a step over `tokens` tokens must read: everything except routed experts, plus the
-    expected number of distinct experts the tokens hit (E * (1 - (1 - k/E)^tokens)) per MoE layer."""
-    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    ex = params["model"]["moe_layers"]["mlp"]["experts"]
-    expert_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(ex))
+    """Bytes of weights a step over `tokens` tokens must read: everything except routed experts and the
+    embedding table, plus the expected number of distinct experts the tokens hit (E * (1 - (1 - k/E)^tokens))
+    per MoE layer and one embedding row per token (the whole table when it is also the lm_head)."""
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    total = nbytes(params)
+    expert_bytes = nbytes(params["model"]["moe_layers"]["mlp"]["experts"])
+    embed = params["model"]["embed_tokens"]["weight"]  # [vocab, D]
+    embed_bytes = nbytes(embed)
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     hit = E * (1 - (1 - k / E) ** tokens)
-    return total - expert_bytes + expert_bytes * hit / E
+    tied = "lm_head" not in params
+    rows = embed_bytes if tied else min(tokens, embed.shape[0]) * embed_bytes / embed.shape[0]
+    return total - expert_bytes - embed_bytes + expert_bytes * hit / E + rows
 
 
 def main(argv: list[str] | None = None) -> None:

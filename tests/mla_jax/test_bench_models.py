@@ -2,6 +2,7 @@
 and its smoke dims run one decode row of the e2e benchmark on CPU."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 
 from mla_jax import model
@@ -30,3 +31,23 @@ def test_v3_slice_smoke_runs_the_e2e_benchmark(tmp_path):
     args = ["--smoke", "--model", "v3-slice", "--no-prefill", "--batches", "1", "--ctxs", "32"]
     e2e_main(args + ["--out", str(tmp_path)])
     assert (tmp_path / "e2e-v3-slice-h200.json").exists() and not (tmp_path / "e2e-h200.json").exists()
+
+
+def test_roofline_bytes_count_the_embedding_rows_read_not_the_table():
+    """`weight_bytes`: all weights but the routed experts and the embedding table, plus the expected experts hit and
+    one embedding row per token (the whole table if tied to the lm_head)."""
+    from mla_jax.bench.e2e import weight_bytes
+
+    cfg = v3_slice_config(2, smoke=True)
+    params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16))
+    size = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
+    embed = params["model"]["embed_tokens"]["weight"]
+    row = embed.shape[1] * embed.dtype.itemsize
+    experts = size(params["model"]["moe_layers"]["mlp"]["experts"])
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    rest = size(params) - experts - size(embed)
+    for t in (1, 3):
+        assert weight_bytes(params, cfg, t) == pytest.approx(rest + experts * (1 - (1 - k / E) ** t) + t * row, rel=1e-12)
+    tied = {**params}
+    del tied["lm_head"]
+    assert weight_bytes(tied, cfg, 1) == pytest.approx(rest - size(params["lm_head"]) + experts * k / E + size(embed), rel=1e-12)
