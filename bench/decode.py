@@ -191,10 +191,13 @@ def timed(fn, arg_sets, iters, reps):
     return common.time_fn(fn, arg_sets, iters=iters, reps=reps, warmup=2)
 
 
-def arg_sets_for(b, n, ctx, dtype, seed=0):
+def arg_sets_for(b, n, ctx, dtype, seed=0, pool_gb=0.0):
+    """Input sets whose caches together exceed 3x L2; with pool_gb, one set whose page pool holds at least that
+    many GB (a server's pool: the used pages spread over it in random order)."""
     nbytes = b * ctx * ROW_BYTES[dtype]
-    n_sets = int(min(6, max(1, math.ceil(3 * L2_BYTES / nbytes))))
-    return [make_inputs(jax.random.key(seed + j), b, 1, n, ctx, dtype) for j in range(n_sets)]
+    n_sets = 1 if pool_gb else int(min(6, max(1, math.ceil(3 * L2_BYTES / nbytes))))
+    extra = max(3, math.ceil(pool_gb * 1e9 / (PAGE * ROW_BYTES[dtype])) - b * (ctx // PAGE))
+    return [make_inputs(jax.random.key(seed + j), b, 1, n, ctx, dtype, extra_pages=extra) for j in range(n_sets)]
 
 
 def kernel_fn(**tuning):
@@ -315,6 +318,8 @@ def sweep_variants(n, dtype, num_splits_default):
     for s in (s0 * 2, max(1, s0 // 2), s0 * 4, s0 * 8):  # x4, x8: few-request shapes
         if s != s0 and s <= 2 * 132:
             variants.append({"num_kv_splits": s})
+    if s0 >= 8:  # few requests: splits finer than the default 128-token blocks allow, so that more SMs read
+        variants += [{"block_kv": 64, "num_kv_splits": s0 * 2}, {"block_kv": 64, "num_kv_splits": s0 * 4}]
     if n <= 16:
         cand = {"block_kv": [32, 64, 128] if dtype == "fp8" else [64, 128], "num_stages": [2, 3], "num_warps": [4, 8]}
     else:
@@ -395,6 +400,12 @@ def main():
         help="skip the ragged-batch rows (128 requests, lengths log-uniform in [256, 32k], vs uniform)",
     )
     ap.add_argument(
+        "--pool-gb",
+        default="",
+        help="page pool sizes in GB, e.g. 1,16: each shape's rows again over a pool of at least that size (rows "
+        "gain pool_gb; default: a pool of just the used pages)",
+    )
+    ap.add_argument(
         "--kernels",
         default="pallas,pallas_sm90",
         help="Pallas kernels to time: pallas (Triton) and/or pallas_sm90 (Hopper only)",
@@ -434,8 +445,18 @@ def main():
         shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
     dtypes = args.dtypes.split(",")
 
+    pools = [float(x) for x in args.pool_gb.split(",") if x]
     for b, n, ctx in shapes:
         for dtype in dtypes:
+            for pool in pools:  # the same kernels over a large page pool (64-bit offsets above 4 GB in Triton)
+                psets = arg_sets_for(b, n, ctx, dtype, pool_gb=pool)
+                gb = round(psets[0][1].size * psets[0][1].dtype.itemsize / 1e9, 2)
+                for name, fn, extra in kernels_to_time(b, n, ctx, dtype, run_triton, run_sm90):
+                    row = kernel_row(
+                        name, fn, psets, b, n, ctx, dtype, ceil, {**extra, "pool_gb": gb}, args.device_time
+                    )
+                    results["rows"].append(row)
+                del psets
             sets = arg_sets_for(b, n, ctx, dtype)
             splits = md.choose_num_kv_splits(b, n, ctx, num_sms())
             timed_kernels = kernels_to_time(b, n, ctx, dtype, run_triton, run_sm90)

@@ -5,6 +5,8 @@ Weights keep the HF (torch Linear) layout [out, in]; stacked experts are [E, out
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -17,6 +19,19 @@ from pallas_kernels import rms_norm as rms_norm_kernel
 GMM_IMPLS = ("ragged_dot", "pallas")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    """Row `index` of a weight stacked over a scan's layers, [Lyr, ...]: what the layer loop puts in a layer's
+    params in place of the weights a kernel reads in place (a slice that feeds a custom call is a device copy)."""
+
+    stacked: jax.Array  # [Lyr, ...]
+    index: jax.Array  # i32[]
+
+    def get(self) -> jax.Array:
+        return self.stacked[self.index]
+
+
 def rms_norm(p: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:
     """HF DeepseekRMSNorm: normalise in float32, cast back, then scale by the weight."""
     return add_rms_norm(p, x, None, eps)[0]
@@ -24,10 +39,14 @@ def rms_norm(p: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:
 
 def add_rms_norm(p: dict, x: jnp.ndarray, residual: jnp.ndarray | None, eps: float):
     """(normed, h): h = x + residual (the residual stream's add; x when None), normed = rms_norm(h). On a GPU one
-    Pallas kernel for [T, D] rows (`pallas_kernels.rms_norm`: XLA runs three), elsewhere plain jnp."""
+    Pallas kernel for [T, D] rows (`pallas_kernels.rms_norm`: XLA runs three), elsewhere plain jnp. The weight
+    may be a `LayerRow` (read in place by the kernel)."""
+    w = p["weight"]
     if jax.default_backend() == "gpu" and x.ndim == 2:
-        return rms_norm_kernel.add_rms_norm(x, residual, p["weight"], eps=eps)
-    return rms_norm_kernel.add_rms_norm_reference(x, residual, p["weight"], eps=eps)
+        if isinstance(w, LayerRow):
+            return rms_norm_kernel.add_rms_norm(x, residual, w.stacked, eps=eps, weight_index=w.index)
+        return rms_norm_kernel.add_rms_norm(x, residual, w, eps=eps)
+    return rms_norm_kernel.add_rms_norm_reference(x, residual, w.get() if isinstance(w, LayerRow) else w, eps=eps)
 
 
 def is_fp8(p: dict) -> bool:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import ConfigError, DeepseekConfig
 from mla_jax.indexer import causal_topk
-from mla_jax.layers import add_rms_norm, linear, mlp, moe, rms_norm
+from mla_jax.layers import LayerRow, add_rms_norm, linear, mlp, moe, rms_norm
 from mla_jax.mla import mla_forward_full, split_kv_b_proj
 
 Params = dict[str, Any]
@@ -199,6 +199,50 @@ def split_experts(group: Params, is_moe: bool, gmm_impl: str) -> tuple[Params, P
     return {**group, "mlp": mlp_p}, experts
 
 
+# The norms of a layer, read in place by the norm kernel (`layers.LayerRow`) for the same reason as the experts.
+LAYER_NORMS = (
+    ("input_layernorm",),
+    ("post_attention_layernorm",),
+    ("self_attn", "kv_a_layernorm"),
+    ("self_attn", "q_a_layernorm"),
+)
+
+
+def split_norms(group: Params) -> tuple[Params, dict]:
+    """A layer group's stacked params -> (the rest, {LAYER_NORMS path: stacked weight [Lyr, width]}); `with_norm_rows`
+    puts them back into one layer's params as `LayerRow`s."""
+    rest, norms = group, {}
+    for path in LAYER_NORMS:
+        node = group
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is None:
+            continue
+        norms[path] = node["weight"]
+        rest = _replace_path(rest, path, None)
+    return rest, norms
+
+
+def with_norm_rows(p: Params, norms: dict, index: jax.Array) -> Params:
+    """One layer's params with its norms as `LayerRow`s of the stacked weights (`split_norms`)."""
+    for path, stacked in norms.items():
+        p = _replace_path(p, path, {"weight": LayerRow(stacked, index)})
+    return p
+
+
+def _replace_path(tree: Params, path: tuple[str, ...], value) -> Params:
+    """A copy of nested dicts `tree` with tree[path] set to value (removed when value is None)."""
+    head, *rest = path
+    out = dict(tree)
+    if rest:
+        out[head] = _replace_path(tree[head], tuple(rest), value)
+    elif value is None:
+        del out[head]
+    else:
+        out[head] = value
+    return out
+
+
 # The attention of one layer inside the layer loop: (the layer's self_attn params, the normed hidden state
 # [T, D], the loop state (e.g. the paged cache), the layer index i32[]) -> ([T, D] output, new loop state).
 AttentionFn = Callable[[Params, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
@@ -226,11 +270,13 @@ def decoder_layers(
     for name, start, _ in layer_groups(cfg):
         is_moe = name == "moe_layers"
         scanned, experts = split_experts(model[name], is_moe, gmm_impl)
+        scanned, norms = split_norms(scanned)
 
-        def body(carry, p, is_moe=is_moe, start=start, experts=experts):
+        def body(carry, p, is_moe=is_moe, start=start, experts=experts, norms=norms):
             # h: the residual stream without the previous layer's MLP/MoE output f, which is added here, in one
             # kernel with the norm (add_rms_norm); layer: the model's layer index (the cache's)
             h, f, state, layer = carry
+            p = with_norm_rows(p, norms, layer - start)
             with jax.named_scope("norm"):
                 hn, h = add_rms_norm(p["input_layernorm"], h, f, eps)
             a, state = attention(p["self_attn"], hn, state, layer)

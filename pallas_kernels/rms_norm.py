@@ -1,6 +1,7 @@
 """Residual add + RMSNorm in one kernel (vLLM's `fused_add_rms_norm`), Triton-lowered.
 
     add_rms_norm(x [T, D], residual [T, D] | None, weight [D], *, eps) -> (normed [T, D], h [T, D])
+    add_rms_norm(x, residual, weight [Lyr, D], eps=eps, weight_index=i)     # row i of stacked layers' weights
 
 h = x + residual (in x's dtype, as the model adds its residual stream; h = x without a residual) and
 normed = weight * (h32 * rsqrt(mean(h32^2) + eps)).astype(x.dtype) with h32 = h in float32: HF's
@@ -9,6 +10,11 @@ DeepseekRMSNorm on h. XLA runs the add, the sum of squares and the scaling as th
 and sums the squares; pass 2 recomputes the sum from the inputs (re-read from L2; reading back its own stores
 would need a barrier between the threads) and writes the normalized chunks. Chunks are the largest power of two
 dividing D, up to 2048 (Triton's loads are powers of two): 7168 = 7 x 1024, 2048 = 1 x 2048.
+
+A model that scans over its layers hands the kernel the stacked norm weights and the layer index (`weight_index`,
+may be traced): the kernel reads row i in place, where a weight sliced out by the scan would be materialized (a
+slice feeding a custom call is a new buffer: a device copy per norm per layer, as long as the norm itself at batch
+1).
 
 `add_rms_norm_reference` (plain jnp) is the reference, the path on CPU and for widths without such a chunk, and the
 kernel's backward (a custom VJP), so a differentiated norm works.
@@ -38,8 +44,11 @@ def chunk_width(d: int) -> int | None:
     return c if c >= 16 else None
 
 
-def add_rms_norm_reference(x, residual, weight, *, eps: float):
-    """(normed, h): h = x + residual in x's dtype, normed = HF DeepseekRMSNorm(h)."""
+def add_rms_norm_reference(x, residual, weight, *, eps: float, weight_index=None):
+    """(normed, h): h = x + residual in x's dtype, normed = HF DeepseekRMSNorm(h) (weight[weight_index] when
+    stacked)."""
+    if weight_index is not None:
+        weight = weight[weight_index]
     h = x if residual is None else x + residual
     hf = h.astype(jnp.float32)
     hf = hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps)
@@ -48,10 +57,11 @@ def add_rms_norm_reference(x, residual, weight, *, eps: float):
 
 def _kernel(*refs, eps: float, d: int, chunk: int, has_residual: bool):
     if has_residual:
-        x_ref, r_ref, w_ref, out_ref, h_ref = refs
+        x_ref, r_ref, w_ref, idx_ref, out_ref, h_ref = refs
     else:
-        x_ref, w_ref, out_ref = refs
+        x_ref, w_ref, idx_ref, out_ref = refs
     n = d // chunk
+    layer = idx_ref[0]  # the weight's row (0 for an unstacked [1, D] weight)
 
     def h_chunk(c):  # [chunk] in x's dtype
         cols = pl.ds(c * chunk, chunk)
@@ -68,16 +78,20 @@ def _kernel(*refs, eps: float, d: int, chunk: int, has_residual: bool):
     for c in range(n):
         cols = pl.ds(c * chunk, chunk)
         hf = h_chunk(c).astype(jnp.float32)
-        out_ref[cols] = w_ref[cols] * (hf * inv).astype(x_ref.dtype)
+        out_ref[cols] = w_ref[layer, cols] * (hf * inv).astype(x_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
-def _impl(x, residual, weight, *, eps: float, interpret: bool, num_warps: int):
+def _impl(x, residual, weight, weight_index, *, eps: float, interpret: bool, num_warps: int):
     t, d = x.shape
     chunk = chunk_width(d)
     has_residual = residual is not None
+    if weight.ndim == 1:
+        weight, weight_index = weight[None], jnp.zeros((), jnp.int32)
+    idx = jnp.clip(weight_index.astype(jnp.int32), 0, weight.shape[0] - 1).reshape(1)  # [1]
     row = pl.BlockSpec((None, d), lambda i: (i, 0))
-    in_specs = [row] + ([row] if has_residual else []) + [pl.BlockSpec((d,), lambda i: (0,))]
+    whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
+    in_specs = [row] + ([row] if has_residual else []) + [whole(weight.shape), whole((1,))]
     out_shape = [jax.ShapeDtypeStruct((t, d), jnp.result_type(weight.dtype, x.dtype))]
     out_specs = [row]
     if has_residual:
@@ -92,48 +106,62 @@ def _impl(x, residual, weight, *, eps: float, interpret: bool, num_warps: int):
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name=f"add_rms_norm_d{d}" if has_residual else f"rms_norm_d{d}",
-    )(*([x, residual, weight] if has_residual else [x, weight]))
+    )(*([x, residual, weight, idx] if has_residual else [x, weight, idx]))
     return (outs[0], outs[1]) if has_residual else (outs[0], x)
 
 
 def add_rms_norm(
     x,  # [T, D] bf16/f16/f32
     residual,  # [T, D] like x, or None
-    weight,  # [D]
+    weight,  # [D], or [Lyr, D] with weight_index
     *,
     eps: float,
+    weight_index=None,  # i32 scalar (may be traced): the row of a stacked weight
     interpret: bool = False,
     num_warps: int = 4,
 ):
     """(normed [T, D], h [T, D]); see the module docstring. Widths without a power-of-two chunk >= 16 run the
-    reference."""
+    reference. A static weight_index outside [0, Lyr) is an error; a traced one is clamped."""
     if x.ndim != 2:
         raise ValueError(f"x must be [T, D], got shape {x.shape}")
     if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
         raise ValueError(f"x dtype must be bfloat16, float16 or float32, got {x.dtype}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual must match x ({x.shape} {x.dtype}), got {residual.shape} {residual.dtype}")
-    if weight.shape != x.shape[1:]:
+    if weight_index is None and weight.shape != x.shape[1:]:
         raise ValueError(f"weight must be [D] = [{x.shape[1]}], got shape {weight.shape}")
+    if weight_index is not None:
+        if weight.ndim != 2 or weight.shape[1] != x.shape[1]:
+            raise ValueError(f"a stacked weight must be [Lyr, D={x.shape[1]}], got shape {weight.shape}")
+        if jnp.ndim(weight_index) != 0 or not jnp.issubdtype(jnp.result_type(weight_index), jnp.integer):
+            raise ValueError(f"weight_index must be an integer scalar, got {weight_index!r}")
+        if not isinstance(weight_index, jax.core.Tracer) and not 0 <= int(weight_index) < weight.shape[0]:
+            raise ValueError(f"weight_index={int(weight_index)} is out of range for {weight.shape[0]} stacked weights")
     if chunk_width(x.shape[1]) is None or x.shape[0] == 0:
-        return add_rms_norm_reference(x, residual, weight, eps=eps)
-    return _differentiable(x, residual, weight, float(eps), bool(interpret), int(num_warps))
+        return add_rms_norm_reference(x, residual, weight, eps=eps, weight_index=weight_index)
+    index = jnp.zeros((), jnp.int32) if weight_index is None else jnp.asarray(weight_index, jnp.int32)
+    return _differentiable(x, residual, weight, index, float(eps), bool(interpret), int(num_warps))
 
 
 # The kernel forward, the reference's backward (recomputed): the kernel has no derivative of its own, and a norm
 # on a differentiated path (training through `model.forward`) must not fail.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _differentiable(x, residual, weight, eps, interpret, num_warps):
-    return _impl(x, residual, weight, eps=eps, interpret=interpret, num_warps=num_warps)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _differentiable(x, residual, weight, index, eps, interpret, num_warps):
+    return _impl(x, residual, weight, index, eps=eps, interpret=interpret, num_warps=num_warps)
 
 
-def _differentiable_fwd(x, residual, weight, eps, interpret, num_warps):
-    return _impl(x, residual, weight, eps=eps, interpret=interpret, num_warps=num_warps), (x, residual, weight)
+def _differentiable_fwd(x, residual, weight, index, eps, interpret, num_warps):
+    out = _impl(x, residual, weight, index, eps=eps, interpret=interpret, num_warps=num_warps)
+    return out, (x, residual, weight, index)
 
 
 def _differentiable_bwd(eps, interpret, num_warps, saved, g):
-    _, vjp = jax.vjp(lambda x, r, w: add_rms_norm_reference(x, r, w, eps=eps), *saved)
-    return vjp(g)
+    x, residual, weight, index = saved
+    stacked = index if weight.ndim == 2 else None
+    _, vjp = jax.vjp(
+        lambda x, r, w: add_rms_norm_reference(x, r, w, eps=eps, weight_index=stacked), x, residual, weight
+    )
+    return (*vjp(g), None)
 
 
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)

@@ -2,8 +2,8 @@
 and its smoke dims run one decode row of the e2e benchmark on CPU."""
 
 import jax
-import pytest
 import jax.numpy as jnp
+import pytest
 
 from mla_jax import model
 from mla_jax.bench.common import BENCH_MODELS, v3_slice_config
@@ -47,7 +47,11 @@ def test_roofline_bytes_count_the_embedding_rows_read_not_the_table():
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     rest = size(params) - experts - size(embed)
     for t in (1, 3):
-        assert weight_bytes(params, cfg, t) == pytest.approx(rest + experts * (1 - (1 - k / E) ** t) + t * row, rel=1e-12)
+        assert weight_bytes(params, cfg, t) == pytest.approx(
+            rest + experts * (1 - (1 - k / E) ** t) + t * row, rel=1e-12
+        )
     tied = {**params}
     del tied["lm_head"]
-    assert weight_bytes(tied, cfg, 1) == pytest.approx(rest - size(params["lm_head"]) + experts * k / E + size(embed), rel=1e-12)
+    assert weight_bytes(tied, cfg, 1) == pytest.approx(
+        rest - size(params["lm_head"]) + experts * k / E + size(embed), rel=1e-12
+    )

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mla_jax import model
-from mla_jax.layers import moe, route
+from mla_jax.layers import LayerRow, moe, route
 from tests.mla_jax.helpers import tiny_config
 from tests.mla_jax.multihost_worker import random_params
 
@@ -136,3 +136,22 @@ def test_stacked_experts_at_layer(gmm_impl):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     kept, none = model.split_experts(group, True, "ragged_dot")
     assert kept is group and none is None  # the ragged_dot path scans them as before
+
+
+def test_norms_leave_the_scan_and_come_back_as_layer_rows():
+    """`model.split_norms` takes every layer norm out of a group's scanned params; `with_norm_rows` puts them back as
+    `LayerRow`s whose rows are the layer's own weights (what the norm kernel reads in place)."""
+    cfg = tiny_config(num_hidden_layers=4, q_lora_rank=16)
+    group = random_params(cfg, 13, std=0.3)["model"]["moe_layers"]
+    rest, norms = model.split_norms(group)
+    assert set(norms) == set(model.LAYER_NORMS)
+    assert "input_layernorm" not in rest and "kv_a_layernorm" not in rest["self_attn"]
+    assert "q_a_proj" in rest["self_attn"] and "input_layernorm" in group  # the group itself is untouched
+    layer = jax.tree.map(lambda a: a[2], rest)
+    back = model.with_norm_rows(layer, norms, jnp.int32(2))
+    for path in model.LAYER_NORMS:
+        node, want = back, group
+        for key in path:
+            node, want = node[key], want[key]
+        assert isinstance(node["weight"], LayerRow)
+        np.testing.assert_array_equal(np.asarray(node["weight"].get()), np.asarray(want["weight"][2]))

@@ -41,6 +41,46 @@ def test_matches_reference(d, dtype, residual):
     _check(out, h, *add_rms_norm_reference(x, r, w, eps=1e-6), dtype)
 
 
+def _stacked(seed, layers, d, dtype):
+    """Weights of `layers` layers, each row far from the others (a read of the wrong row shows)."""
+    w = 1.0 + 0.1 * jax.random.normal(jax.random.key(seed), (layers, d), jnp.float32)
+    return (w * (1.0 + jnp.arange(layers, dtype=jnp.float32))[:, None]).astype(dtype)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_stacked_weight_row_in_a_scan(residual):
+    """Row i of stacked [Lyr, D] weights, the index traced (a layer scan's counter): the reference on row i."""
+    x, r, _ = _inputs(4, 2048, jnp.bfloat16, residual)
+    ws = _stacked(5, 4, 2048, jnp.bfloat16)
+
+    def scan(fn):
+        def body(i, _):
+            return i + 1, fn(i)
+
+        return jax.lax.scan(body, jnp.int32(0), None, length=4)[1]
+
+    got = jax.jit(lambda: scan(lambda i: add_rms_norm(x, r, ws, eps=1e-6, weight_index=i, interpret=True)))()
+    for i in range(4):
+        ref = add_rms_norm_reference(x, r, ws[i], eps=1e-6)
+        _check(got[0][i], got[1][i], *ref, jnp.bfloat16)
+    out, h = add_rms_norm(x, r, ws, eps=1e-6, weight_index=3, interpret=True)  # a static index
+    _check(out, h, *add_rms_norm_reference(x, r, ws[3], eps=1e-6), jnp.bfloat16)
+
+
+def test_stacked_weight_gradient_reaches_its_row():
+    x, r, _ = _inputs(6, 64, jnp.float32)
+    ws = _stacked(7, 3, 64, jnp.float32)
+
+    def grads(fn):
+        return jax.grad(lambda x, r, w: jnp.sum(jnp.sin(fn(x, r, w)[0])), argnums=(0, 1, 2))(x, r, ws)
+
+    got = grads(lambda x, r, w: add_rms_norm(x, r, w, eps=1e-6, weight_index=jnp.int32(1), interpret=True))
+    want = grads(lambda x, r, w: add_rms_norm_reference(x, r, w[1], eps=1e-6))
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-6)
+    assert not np.any(np.asarray(got[2])[[0, 2]])  # only row 1 was read
+
+
 def test_chunks_and_declined_widths():
     assert [chunk_width(d) for d in (7168, 5120, 2048, 4096, 96, 40, 24)] == [1024, 1024, 2048, 2048, 32, None, None]
     x, r, w = _inputs(1, 40, jnp.float32)  # no chunk: the reference, same results
@@ -78,6 +118,13 @@ def test_bad_inputs():
         add_rms_norm(x, r, w[:32], eps=1e-6)
     with pytest.raises(ValueError, match="x dtype"):
         add_rms_norm(x.astype(jnp.int32), None, w, eps=1e-6)
+    ws = _stacked(8, 3, 64, jnp.float32)
+    with pytest.raises(ValueError, match="weight_index=3 is out of range for 3"):
+        add_rms_norm(x, r, ws, eps=1e-6, weight_index=3)
+    with pytest.raises(ValueError, match="stacked weight must be"):
+        add_rms_norm(x, r, ws[:, :32], eps=1e-6, weight_index=0)
+    with pytest.raises(ValueError, match="weight_index must be an integer scalar"):
+        add_rms_norm(x, r, ws, eps=1e-6, weight_index=jnp.zeros(2, jnp.int32))
 
 
 def test_lowers_to_triton(monkeypatch):
@@ -96,6 +143,12 @@ def test_lowers_to_triton(monkeypatch):
     text = f.trace(a, a, wt).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "grid_x = 5 : i32, grid_y = 1 : i32, grid_z = 1 : i32" in text
+    # stacked weights, the row picked by a traced index: the whole [Lyr, D] array goes in (no slice of it)
+    ws = jax.ShapeDtypeStruct((61, 7168), jnp.bfloat16)
+    f = jax.jit(lambda x, r, w, i: add_rms_norm(x, r, w, eps=1e-6, weight_index=i))
+    text = f.trace(a, a, ws, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "tensor<61x7168xbf16>" in text
+    assert "dynamic_slice" not in text
 
 
 @pytest.mark.gpu
@@ -106,3 +159,6 @@ def test_gpu_matches_reference(d, dtype, residual):
     x, r, w = _inputs(d + 1, d, dtype, residual)
     out, h = add_rms_norm(x, r, w, eps=1e-6)
     _check(out, h, *add_rms_norm_reference(x, r, w, eps=1e-6), dtype)
+    ws = _stacked(d, 5, d, dtype)
+    out, h = jax.jit(lambda i: add_rms_norm(x, r, ws, eps=1e-6, weight_index=i))(jnp.int32(3))
+    _check(out, h, *add_rms_norm_reference(x, r, ws[3], eps=1e-6), dtype)
