@@ -73,16 +73,23 @@ def _decode_sm90_fp8qk(q, cache, block_table, seq_lens, **kw):
 
 
 # Fewest query rows (query tokens x heads, which share the Hopper kernel's 64-row wgmma tile) it takes; fewer go to
-# the Triton kernel. Measured on the H200 (bench/results/decode-h200.json): at 16 rows (16 heads, one token) Triton
-# is faster; at 48 (16 heads x 3 speculative tokens) the Hopper kernel is, 1.03-1.58x (B 8/32, ctx 1k/4k); 32 rows
-# are not measured.
+# the Triton kernel, over a page pool of less than 4 GB. Measured on the H200 (bench/results/decode-h200.json): at
+# 16 rows (16 heads, one token) Triton is faster there (1.04-1.19x); at 48 (16 heads x 3 speculative tokens) the
+# Hopper kernel is, 1.03-1.58x (B 8/32, ctx 1k/4k); 32 rows are not measured.
 SM90_MIN_ROWS = 48
+# From 2^32 bytes of pool on, the Triton lowering indexes the pool with 64-bit offsets, computed per element of each
+# tile: at (128, 16, 4096) its kernel took 304 us over a 4.6 or 16 GB pool against 182 us over 4.0 GB, where the
+# Hopper kernel (TMA) took 194 us at every size. So over such a pool (any server's) the Hopper kernel takes all rows.
+TRITON_64BIT_POOL_BYTES = 2**32
 
 
 def _sm90_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512, **_) -> str | None:
     rows = q.shape[1] * q.shape[2]
-    if rows < SM90_MIN_ROWS:
-        return f"{q.shape[2]} heads x {q.shape[1]} query tokens = {rows} rows (< {SM90_MIN_ROWS}: Triton is faster)"
+    if rows < SM90_MIN_ROWS and cache.size * jnp.dtype(cache.dtype).itemsize <= TRITON_64BIT_POOL_BYTES:
+        return (
+            f"{q.shape[2]} heads x {q.shape[1]} query tokens = {rows} rows over a pool below 4 GB "
+            f"(< {SM90_MIN_ROWS}: Triton is faster)"
+        )
     return md90.unsupported_reason(q, cache, kv_lora_rank)
 
 

@@ -52,14 +52,15 @@ def choose_num_kv_splits(batch: int, rows_per_request: int, max_seq_len: int, nu
       split.
     - more rows (N=128): compute-bound with two head blocks re-reading K from L2; ~2 waves suffice,
       and more splits (or < 512 tokens per split, vLLM's floor) only add merge traffic.
-    - one memory-bound request: down to 128 tokens per split while the splits fit one per SM (judged
-      by GPU time per call, which launch overhead hides in wall time at batch 1).
+    - one memory-bound request: down to 64 tokens per split (64-token blocks, `_mla_decode_impl`) while the
+      splits fit one per SM: 9.8 / 8.8 us a call at (1, 16, 4096 / 1024) against 11.1 / 10.2 with 128-token
+      splits (device time, which launch overhead hides in wall time at batch 1; decode-sweep-h200.json).
     """
     head_blocks = max(1, cdiv(rows_per_request, 64))
     programs = max(1, batch) * head_blocks
     memory_bound = rows_per_request <= 32
     waves = 4 if memory_bound else 2
-    floor = 512 if not memory_bound else 128 if programs == 1 else 256
+    floor = 512 if not memory_bound else 64 if programs == 1 else 256
     ideal = next_pow2(max(1, max_seq_len // floor))
     if memory_bound and programs == 1:
         ideal = min(ideal, max(1, next_pow2(num_sms + 1) // 2))  # one split per SM at most
@@ -466,6 +467,8 @@ def _mla_decode_impl(
     m_rows = nq * n
     is_fp8 = jnp.dtype(cache.dtype) == FP8
     compute_dtype = q.dtype if is_fp8 else jnp.promote_types(q.dtype, cache.dtype)
+    if block_kv is None and b == 1 and m_rows <= 32 and not is_fp8:
+        block_kv = 64  # one memory-bound request: 64-token splits, one per SM (choose_num_kv_splits)
     block_h, block_kv, num_warps, num_stages, fp8_mode = _default_tuning(
         m_rows, l, r, cache.dtype, compute_dtype, block_h, block_kv, num_warps, num_stages, fp8_mode
     )

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's measurements (docs/perf-notes.md, "Next GPU session"), one part per 10-minute device call:
-#     scripts/gpu_session.sh PART OUT        (on the H200 machine, from the repository root)
+#     MLA_JAX_COMMIT=<local HEAD> scripts/gpu_session.sh PART OUT     (on the H200 machine, from the repository root)
+# The machine's copy of the tree may carry a stale .git: pass the commit, or the results name the wrong one.
 # Each command has its own time limit inside the call's; logs and results go to OUT/PART (one folder, tar it if the
 # files are many). Issue the next part at once: the machine is released after 30 s idle.
 set -uo pipefail
@@ -8,6 +9,7 @@ part=${1:?part 1}
 out=${2:?output directory}/p$part
 mkdir -p "$out"
 export JAX_PLATFORMS=cuda,cpu PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
+export MLA_JAX_COMMIT=${MLA_JAX_COMMIT:?the local HEAD the tree was copied at}
 
 run() {  # run LIMIT_S NAME CMD...: the command's output in OUT/NAME.log, its status and time on stdout
   local limit=$1 name=$2

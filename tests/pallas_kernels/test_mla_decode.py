@@ -146,8 +146,10 @@ def test_choose_num_kv_splits():
         assert 1 <= s <= 264
     assert choose_num_kv_splits(1, 16, 64, 132) == 1  # short context: no split
     assert choose_num_kv_splits(1, 128, 32768, 132) > 16  # one request: split to fill SMs
-    # One memory-bound request: 128-token splits, at most one per SM (H200 device-time sweep).
-    assert choose_num_kv_splits(1, 16, 4096, 132) == 32
+    # One memory-bound request: 64-token splits, at most one per SM (H200 device-time sweep).
+    assert choose_num_kv_splits(1, 16, 4096, 132) == 64
+    assert choose_num_kv_splits(1, 16, 1024, 132) == 16
+    assert choose_num_kv_splits(1, 16, 32768, 132) == 128
     assert choose_num_kv_splits(1, 16, 32768, 132) == 128
     assert choose_num_kv_splits(512, 128, 8192, 132) == 1  # batch alone fills the SMs
     assert choose_num_kv_splits(8, 16, 8192, 132) >= choose_num_kv_splits(64, 16, 8192, 132)
