@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The next GPU session's measurements (docs/perf-notes.md, "Next GPU session"), one part per 10-minute device call:
+# A GPU session's measurements, one part per 10-minute device call (part 1: what session 11 ran; the next list is in
+# docs/perf-notes.md, "Next GPU session"):
 #     MLA_JAX_COMMIT=<local HEAD> scripts/gpu_session.sh PART OUT     (on the H200 machine, from the repository root)
 # The machine's copy of the tree may carry a stale .git: pass the commit, or the results name the wrong one.
 # Each command has its own time limit inside the call's; logs and results go to OUT/PART (one folder, tar it if the
