@@ -448,20 +448,16 @@ def main():
     pools = [float(x) for x in args.pool_gb.split(",") if x]
     for b, n, ctx in shapes:
         for dtype in dtypes:
-            for pool in pools:  # the same kernels over a large page pool (64-bit offsets above 4 GB in Triton)
-                psets = arg_sets_for(b, n, ctx, dtype, pool_gb=pool)
-                gb = round(psets[0][1].size * psets[0][1].dtype.itemsize / 1e9, 2)
+            # the kernels over each --pool-gb pool (64-bit offsets above 4 GB in Triton), then over the used pages
+            # (the last `sets`, which the XLA row and the sweep reuse)
+            for pool in [*pools, 0.0]:
+                sets = None  # the previous pool's memory back first
+                sets = arg_sets_for(b, n, ctx, dtype, pool_gb=pool)
+                tag = {"pool_gb": round(sets[0][1].size * sets[0][1].dtype.itemsize / 1e9, 2)} if pool else {}
                 for name, fn, extra in kernels_to_time(b, n, ctx, dtype, run_triton, run_sm90):
-                    row = kernel_row(
-                        name, fn, psets, b, n, ctx, dtype, ceil, {**extra, "pool_gb": gb}, args.device_time
-                    )
+                    row = kernel_row(name, fn, sets, b, n, ctx, dtype, ceil, {**extra, **tag}, args.device_time)
                     results["rows"].append(row)
-                del psets
-            sets = arg_sets_for(b, n, ctx, dtype)
             splits = md.choose_num_kv_splits(b, n, ctx, num_sms())
-            timed_kernels = kernels_to_time(b, n, ctx, dtype, run_triton, run_sm90)
-            for name, fn, extra in timed_kernels:
-                results["rows"].append(kernel_row(name, fn, sets, b, n, ctx, dtype, ceil, extra, args.device_time))
             if dtype == "bf16" and not args.quick:
                 us = timed(xla_fn(), sets, 5, 3)
                 results["rows"].append(row_for("xla", b, n, ctx, dtype, us, ceil))

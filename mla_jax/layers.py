@@ -28,9 +28,6 @@ class LayerRow:
     stacked: jax.Array  # [Lyr, ...]
     index: jax.Array  # i32[]
 
-    def get(self) -> jax.Array:
-        return self.stacked[self.index]
-
 
 def rms_norm(p: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:
     """HF DeepseekRMSNorm: normalise in float32, cast back, then scale by the weight."""
@@ -41,12 +38,10 @@ def add_rms_norm(p: dict, x: jnp.ndarray, residual: jnp.ndarray | None, eps: flo
     """(normed, h): h = x + residual (the residual stream's add; x when None), normed = rms_norm(h). On a GPU one
     Pallas kernel for [T, D] rows (`pallas_kernels.rms_norm`: XLA runs three), elsewhere plain jnp. The weight
     may be a `LayerRow` (read in place by the kernel)."""
-    w = p["weight"]
+    w, i = (p["weight"].stacked, p["weight"].index) if isinstance(p["weight"], LayerRow) else (p["weight"], None)
     if jax.default_backend() == "gpu" and x.ndim == 2:
-        if isinstance(w, LayerRow):
-            return rms_norm_kernel.add_rms_norm(x, residual, w.stacked, eps=eps, weight_index=w.index)
-        return rms_norm_kernel.add_rms_norm(x, residual, w, eps=eps)
-    return rms_norm_kernel.add_rms_norm_reference(x, residual, w.get() if isinstance(w, LayerRow) else w, eps=eps)
+        return rms_norm_kernel.add_rms_norm(x, residual, w, eps=eps, weight_index=i)
+    return rms_norm_kernel.add_rms_norm_reference(x, residual, w, eps=eps, weight_index=i)
 
 
 def is_fp8(p: dict) -> bool:

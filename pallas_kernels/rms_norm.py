@@ -86,9 +86,9 @@ def _impl(x, residual, weight, weight_index, *, eps: float, interpret: bool, num
     t, d = x.shape
     chunk = chunk_width(d)
     has_residual = residual is not None
-    if weight.ndim == 1:
-        weight, weight_index = weight[None], jnp.zeros((), jnp.int32)
-    idx = jnp.clip(weight_index.astype(jnp.int32), 0, weight.shape[0] - 1).reshape(1)  # [1]
+    if weight.ndim == 1:  # one weight: row 0 of [1, D] (the wrapper's weight_index is 0)
+        weight = weight[None]
+    idx = jnp.clip(weight_index, 0, weight.shape[0] - 1).reshape(1)  # i32[1]
     row = pl.BlockSpec((None, d), lambda i: (i, 0))
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
     in_specs = [row] + ([row] if has_residual else []) + [whole(weight.shape), whole((1,))]
