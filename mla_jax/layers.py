@@ -23,10 +23,15 @@ GMM_IMPLS = ("ragged_dot", "pallas")
 @dataclasses.dataclass(frozen=True)
 class LayerRow:
     """Row `index` of a weight stacked over a scan's layers, [Lyr, ...]: what the layer loop puts in a layer's
-    params in place of the weights a kernel reads in place (a slice that feeds a custom call is a device copy)."""
+    params in place of the weights a kernel reads in place (a slice that feeds a custom call is a device copy):
+    the norms' (`add_rms_norm`) and the fp8 linears' (`linear`)."""
 
     stacked: jax.Array  # [Lyr, ...]
     index: jax.Array  # i32[]
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # the row's
+        return self.stacked.shape[1:]
 
 
 def rms_norm(p: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -38,7 +43,8 @@ def add_rms_norm(p: dict, x: jnp.ndarray, residual: jnp.ndarray | None, eps: flo
     """(normed, h): h = x + residual (the residual stream's add; x when None), normed = rms_norm(h). On a GPU one
     Pallas kernel for [T, D] rows (`pallas_kernels.rms_norm`: XLA runs three), elsewhere plain jnp. The weight
     may be a `LayerRow` (read in place by the kernel)."""
-    w, i = (p["weight"].stacked, p["weight"].index) if isinstance(p["weight"], LayerRow) else (p["weight"], None)
+    w = p["weight"]
+    w, i = (w.stacked, w.index) if isinstance(w, LayerRow) else (w, None)
     if jax.default_backend() == "gpu" and x.ndim == 2:
         return rms_norm_kernel.add_rms_norm(x, residual, w, eps=eps, weight_index=i)
     return rms_norm_kernel.add_rms_norm_reference(x, residual, w, eps=eps, weight_index=i)
@@ -62,14 +68,17 @@ def _fp8_kernel_ok(n: int, k: int) -> bool:
 def linear(p: dict, x: jnp.ndarray) -> jnp.ndarray:
     """x [..., in] @ weight[out, in]^T. An fp8 weight (`is_fp8`) runs the W8A8 Mosaic GPU GEMM on a GPU
     (`pallas_kernels.fp8_matmul`); elsewhere, or for shapes it does not take, XLA's dequantize + dot."""
+    w = p["weight"]
     if not is_fp8(p):
-        return jnp.einsum("...i,oi->...o", x, p["weight"])
-    w, s = p["weight"], p["weight_scale_inv"]
+        return jnp.einsum("...i,oi->...o", x, w)
+    s = p["weight_scale_inv"]
+    # a LayerRow (the layer loop's stacked weights): the kernel reads its row in place
+    wq, ws, i = (w.stacked, s.stacked, w.index) if isinstance(w, LayerRow) else (w, s, None)
     x2 = x.reshape(-1, x.shape[-1])
     if _fp8_kernel_ok(*w.shape) and x2.shape[0] > 0:
-        y = fp8.fp8_matmul(x2, w, s, out_dtype=x.dtype)
+        y = fp8.fp8_matmul(x2, wq, ws, rhs_index=i, out_dtype=x.dtype)
     else:
-        y = fp8.fp8_matmul_xla(x2, w, s)
+        y = fp8.fp8_matmul_xla(x2, wq, ws, rhs_index=i)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 

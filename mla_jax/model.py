@@ -199,7 +199,8 @@ def split_experts(group: Params, is_moe: bool, gmm_impl: str) -> tuple[Params, P
     return {**group, "mlp": mlp_p}, experts
 
 
-# The norms of a layer, read in place by the norm kernel (`layers.LayerRow`) for the same reason as the experts.
+# What a layer's kernels read in place from the stacked weights (`layers.LayerRow`), for the same reason as the
+# experts: the norms (the norm kernel) and, found by `split_in_place`, the fp8 linears (the fp8 GEMM).
 LAYER_NORMS = (
     ("input_layernorm",),
     ("post_attention_layernorm",),
@@ -208,26 +209,42 @@ LAYER_NORMS = (
 )
 
 
-def split_norms(group: Params) -> tuple[Params, dict]:
-    """A layer group's stacked params -> (the rest, {LAYER_NORMS path: stacked weight [Lyr, width]}); `with_norm_rows`
-    puts them back into one layer's params as `LayerRow`s."""
-    rest, norms = group, {}
-    for path in LAYER_NORMS:
-        node = group
-        for key in path:
-            node = node.get(key) if isinstance(node, dict) else None
-        if node is None:
+def _fp8_linear_paths(tree: Params, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Paths of the stacked fp8 linears {"weight": e4m3 [Lyr, N, K], "weight_scale_inv"} in a group (routed experts,
+    [Lyr, E, N, K], are not among them: `split_experts`)."""
+    paths = []
+    for key, node in tree.items():
+        if not isinstance(node, dict):
             continue
-        norms[path] = node["weight"]
+        if "weight_scale_inv" in node and node["weight"].ndim == 3:
+            paths.append((*prefix, key))
+        else:
+            paths += _fp8_linear_paths(node, (*prefix, key))
+    return paths
+
+
+def split_in_place(group: Params) -> tuple[Params, dict]:
+    """A layer group's stacked params -> (the rest, {path: {name: stacked [Lyr, ...]}}) for its norms (LAYER_NORMS)
+    and fp8 linears; `with_layer_rows` puts them back into one layer's params as `LayerRow`s."""
+    paths = [path for path in LAYER_NORMS if _at(group, path) is not None] + _fp8_linear_paths(group)
+    rows, rest = {path: _at(group, path) for path in paths}, group
+    for path in paths:
         rest = _replace_path(rest, path, None)
-    return rest, norms
+    return rest, rows
 
 
-def with_norm_rows(p: Params, norms: dict, index: jax.Array) -> Params:
-    """One layer's params with its norms as `LayerRow`s of the stacked weights (`split_norms`)."""
-    for path, stacked in norms.items():
-        p = _replace_path(p, path, {"weight": LayerRow(stacked, index)})
+def with_layer_rows(p: Params, rows: dict, index: jax.Array) -> Params:
+    """One layer's params with the `split_in_place` weights as `LayerRow`s of row `index`."""
+    for path, node in rows.items():
+        p = _replace_path(p, path, {name: LayerRow(stacked, index) for name, stacked in node.items()})
     return p
+
+
+def _at(tree: Params, path: tuple[str, ...]):
+    """tree[path] of nested dicts, None where the path is missing."""
+    for key in path:
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
 
 
 def _replace_path(tree: Params, path: tuple[str, ...], value) -> Params:
@@ -270,13 +287,13 @@ def decoder_layers(
     for name, start, _ in layer_groups(cfg):
         is_moe = name == "moe_layers"
         scanned, experts = split_experts(model[name], is_moe, gmm_impl)
-        scanned, norms = split_norms(scanned)
+        scanned, rows = split_in_place(scanned)
 
-        def body(carry, p, is_moe=is_moe, start=start, experts=experts, norms=norms):
+        def body(carry, p, is_moe=is_moe, start=start, experts=experts, rows=rows):
             # h: the residual stream without the previous layer's MLP/MoE output f, which is added here, in one
             # kernel with the norm (add_rms_norm); layer: the model's layer index (the cache's)
             h, f, state, layer = carry
-            p = with_norm_rows(p, norms, layer - start)
+            p = with_layer_rows(p, rows, layer - start)
             with jax.named_scope("norm"):
                 hn, h = add_rms_norm(p["input_layernorm"], h, f, eps)
             a, state = attention(p["self_attn"], hn, state, layer)

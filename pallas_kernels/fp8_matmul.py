@@ -344,21 +344,32 @@ def _run(x, w4, s4, group_sizes, layer, interpret, out_dtype, k_splits, stages):
     )
 
 
-def fp8_matmul(x, w, w_scale_inv, *, interpret=False, out_dtype=BF16, k_splits=None, stages=None):
+def fp8_matmul(x, w, w_scale_inv, *, rhs_index=None, interpret=False, out_dtype=BF16, k_splits=None, stages=None):
     """x [M, K] (bf16/f32) @ dequant(w)[N, K]^T -> out_dtype [M, N], W8A8 with x quantized per token per
-    128 channels (see the module docstring). w e4m3 [N, K], w_scale_inv f32 [cdiv(N,128), cdiv(K,128)].
+    128 channels (see the module docstring). w e4m3 [N, K], w_scale_inv f32 [cdiv(N,128), cdiv(K,128)], or
+    stacked over layers [Lyr, N, K] / [Lyr, Nb, Kb] with `rhs_index` (static or traced int scalar, clamped)
+    picking the layer, read in place (a layer scan's slice feeding the kernel would be a copy of the weight).
     Shapes the kernel does not take (`unsupported_reason`) raise; `fp8_matmul_xla` takes any.
     interpret: the Mosaic GPU interpreter (CPU tests): True or a `plgpu.InterpretGPUParams`.
     k_splits: K split into float32 partials (a divisor of K/128; None: `default_k_splits`); stages: TMA ring
     depth (None: `default_stages`)."""
+    stacked = rhs_index is not None
+    if not hasattr(w, "ndim") or w.ndim != 2 + stacked:
+        want = "[Lyr, N, K] with rhs_index" if stacked else "[N, K] (a stacked w needs rhs_index)"
+        raise ValueError(f"w must be {want}, got shape {getattr(w, 'shape', None)}")
     _check_weight(w, w_scale_inv)
-    n, k = w.shape
+    n, k = w.shape[-2:]
     _check_x(x, k)
     if (why := unsupported_reason(n, k)) is not None:
         raise ValueError(f"fp8_matmul: {why}; use fp8_matmul_xla")
     sizes = jnp.full((1,), x.shape[0], jnp.int32)
-    layer = jnp.zeros((1,), jnp.int32)
-    return _run(x, w[None, None], w_scale_inv[None, None], sizes, layer, interpret, out_dtype, k_splits, stages)
+    if stacked:  # [Lyr, 1 group, N, K]: the grouped kernel's layer axis
+        layer = jnp.clip(jnp.asarray(rhs_index, jnp.int32), 0, w.shape[0] - 1).reshape(1)
+        w, w_scale_inv = w[:, None], w_scale_inv[:, None]
+    else:
+        layer = jnp.zeros((1,), jnp.int32)
+        w, w_scale_inv = w[None, None], w_scale_inv[None, None]
+    return _run(x, w, w_scale_inv, sizes, layer, interpret, out_dtype, k_splits, stages)
 
 
 def fp8_grouped_matmul(
@@ -405,9 +416,13 @@ def dequantize_act(xq, xs, block: int = BLOCK):
     return _f32(xq) * jnp.repeat(xs, block, axis=1)[:, : xq.shape[1]]
 
 
-def fp8_matmul_xla(x, w, w_scale_inv, *, out_dtype=None):
+def fp8_matmul_xla(x, w, w_scale_inv, *, rhs_index=None, out_dtype=None):
     """The portable path (CPU, shapes the kernel does not take) with the kernel's numerics: x quantized per
-    token per 128 channels as the kernel does, both operands dequantized to float32, one XLA dot."""
+    token per 128 channels as the kernel does, both operands dequantized to float32, one XLA dot. With
+    rhs_index, w / w_scale_inv are stacked over layers as in `fp8_matmul`."""
+    if rhs_index is not None:
+        w = lax.dynamic_index_in_dim(w, rhs_index, keepdims=False)
+        w_scale_inv = lax.dynamic_index_in_dim(w_scale_inv, rhs_index, keepdims=False)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     xd = dequantize_act(*quantize_act(x))
     wd = dequantize_weight_blocks(w, w_scale_inv)

@@ -138,21 +138,30 @@ def test_stacked_experts_at_layer(gmm_impl):
     assert kept is group and none is None  # the ragged_dot path scans them as before
 
 
-def test_norms_leave_the_scan_and_come_back_as_layer_rows():
-    """`model.split_norms` takes every layer norm out of a group's scanned params; `with_norm_rows` puts them back as
-    `LayerRow`s whose rows are the layer's own weights (what the norm kernel reads in place)."""
+def test_norms_and_fp8_linears_leave_the_scan_and_come_back_as_layer_rows():
+    """`model.split_in_place` takes every layer norm and every stacked fp8 linear (not the routed experts) out of a
+    group's scanned params; `with_layer_rows` puts them back as `LayerRow`s whose rows are the layer's own weights
+    (what the norm kernel and the fp8 GEMM read in place)."""
+    from mla_jax.checkpoint.fp8 import quantize_params
+
     cfg = tiny_config(num_hidden_layers=4, q_lora_rank=16)
-    group = random_params(cfg, 13, std=0.3)["model"]["moe_layers"]
-    rest, norms = model.split_norms(group)
-    assert set(norms) == set(model.LAYER_NORMS)
-    assert "input_layernorm" not in rest and "kv_a_layernorm" not in rest["self_attn"]
-    assert "q_a_proj" in rest["self_attn"] and "input_layernorm" in group  # the group itself is untouched
-    layer = jax.tree.map(lambda a: a[2], rest)
-    back = model.with_norm_rows(layer, norms, jnp.int32(2))
-    for path in model.LAYER_NORMS:
-        node, want = back, group
-        for key in path:
-            node, want = node[key], want[key]
-        row = node["weight"]
-        assert isinstance(row, LayerRow)
-        np.testing.assert_array_equal(np.asarray(row.stacked[row.index]), np.asarray(want["weight"][2]))
+    params = random_params(cfg, 13, std=0.3)
+    for fp8 in (False, True):
+        group = (quantize_params(params)[0] if fp8 else params)["model"]["moe_layers"]
+        rest, rows = model.split_in_place(group)
+        linears = [("self_attn", n) for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")]
+        linears += [("mlp", "shared_experts", n) for n in ("gate_proj", "up_proj", "down_proj")]
+        assert set(rows) == set(model.LAYER_NORMS) | (set(linears) if fp8 else set())
+        assert "input_layernorm" not in rest and "kv_a_layernorm" not in rest["self_attn"]
+        assert ("o_proj" in rest["self_attn"]) != fp8 and "input_layernorm" in group  # the group is untouched
+        assert "experts" in rest["mlp"]  # routed experts stay (split_experts takes them for the Pallas GEMM)
+        layer = jax.tree.map(lambda a: a[2], rest)
+        back = model.with_layer_rows(layer, rows, jnp.int32(2))
+        for path, node in rows.items():
+            got, want = back, group
+            for key in path:
+                got, want = got[key], want[key]
+            assert set(got) == set(want) == set(node)
+            for name, row in got.items():
+                assert isinstance(row, LayerRow) and row.shape == want[name].shape[1:]
+                np.testing.assert_array_equal(np.asarray(row.stacked[row.index]), np.asarray(want[name][2]))

@@ -120,6 +120,25 @@ def test_dense_interpret(m, n, k, out_dtype, k_splits, stages):
     _close(out, x.astype(np.float64) @ wd.T, 1e-5 if out_dtype == jnp.float32 else 2.0**-8)
 
 
+def test_dense_interpret_stacked_in_place():
+    """A dense linear's weights stacked over layers [Lyr, N, K] (what the model's layer scan hands the kernel), read
+    in place at a traced layer: the other layers' weights and scales are NaN; the XLA path agrees."""
+    rng = np.random.default_rng(5)
+    m, n, k = 3, 192, 256
+    x, _, wq, ws, wd = fp8_lossless_operands(rng, m, n, k, lead=(3,))
+    wq = _poison_fp8(_poison_fp8(wq, (0,)), (2,))
+    ws[0], ws[2] = np.nan, np.nan
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(wq), jnp.asarray(ws))
+    out = run_interpreted(F.fp8_matmul, *args, rhs_index=jnp.int32(1), out_dtype=jnp.float32)
+    ref = x.astype(np.float64) @ wd[1].T
+    _close(out, ref, 1e-5)
+    _close(F.fp8_matmul_xla(*args, rhs_index=jnp.int32(1), out_dtype=jnp.float32), ref, 1e-5)
+    with pytest.raises(ValueError, match="a stacked w needs rhs_index"):
+        F.fp8_matmul(*args)
+    with pytest.raises(ValueError, match=r"\[Lyr, N, K\] with rhs_index"):
+        F.fp8_matmul(args[0], args[1][0], args[2][0], rhs_index=0)
+
+
 def test_grouped_interpret_stacked_in_place():
     """Stacked [Lyr, G, N, K] experts read in place at a traced layer: the other layer and the experts
     no row reaches are NaN (weights and scales), rows past sum(group_sizes) NaN and come out exactly 0;
@@ -182,6 +201,16 @@ def test_dense_lowers_for_sm90(m, n, k, stages):
     s = jax.ShapeDtypeStruct((F.cdiv(n, 128), k // 128), jnp.float32)
     f = jax.jit(lambda x, w, s: F.fp8_matmul(x, w, s, stages=stages))
     assert "mosaic_gpu" in f.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_dense_stacked_lowers_for_sm90():
+    x = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((26, 3072, 2048), jnp.float8_e4m3fn)
+    s = jax.ShapeDtypeStruct((26, 24, 16), jnp.float32)
+    f = jax.jit(lambda x, w, s, i: F.fp8_matmul(x, w, s, rhs_index=i))
+    lowered = f.trace(x, w, s, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "mosaic_gpu" in text and "dynamic_slice" not in text  # the whole stack goes in: no slice of it
 
 
 def test_grouped_lowers_for_sm90():
@@ -266,6 +295,20 @@ def test_gpu_dense_exact_scales(m, n, k, k_splits, stages):
         stages=stages,
     )
     _close(out, x.astype(np.float64) @ wd.T, FP8_GEMM_GPU_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1, 3072, 2048), (128, 2816, 2048)])
+def test_gpu_dense_stacked_in_place(m, n, k):
+    """Layer 1 of weights stacked over 3 layers, read in place at a traced index, equals the kernel on that layer's
+    own weights (the other layers NaN)."""
+    x, _, wq, ws, _ = fp8_lossless_operands(np.random.default_rng(m + n), m, n, k, lead=(3,))
+    own = F.fp8_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(wq[1]), jnp.asarray(ws[1]), out_dtype=jnp.float32)
+    wq = _poison_fp8(_poison_fp8(wq, (0,)), (2,))
+    ws[0], ws[2] = np.nan, np.nan
+    f = jax.jit(lambda x, w, s, i: F.fp8_matmul(x, w, s, rhs_index=i, out_dtype=jnp.float32))
+    out = f(jnp.asarray(x, jnp.bfloat16), jnp.asarray(wq), jnp.asarray(ws), jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(own))
 
 
 @pytest.mark.gpu
