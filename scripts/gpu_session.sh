@@ -40,5 +40,13 @@ case $part in
     rm -rf "$out/dsf/prof"
     run 70 decode-b1-sweep python3 bench/decode.py --out "$out" --no-check --no-ragged --device-time --dtypes bf16 \
         --shapes 1x16x4096,1x16x1024 --kernels pallas --sweep --sweep-budget-s 50 ;;
-*)  echo "part must be 1" >&2; exit 2 ;;
+2)  # session 12, first call: the gpu tests of the model (the fp8 linears read in place, the Hopper decode at 16
+    # rows over a pool above 4 GB, the batch-1 Triton splits), then batch 32 / 128 e2e with both weight formats
+    run 220 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 6 -m gpu -p no:cacheprovider -rfE \
+        tests/mla_jax tests/pallas_kernels/test_mla_decode.py tests/pallas_kernels/test_fp8_matmul.py
+    run 330 e2e-b32-128 python3 -m mla_jax.bench.e2e --out "$out" --weights bf16,fp8 --batches 32,128 \
+        --ctxs 1024,4096 --no-prefill --profile "$out/prof"
+    rm -rf "$out/prof"
+    tar czf "$out.tgz" -C "$out" . && rm -rf "$out" ;;
+*)  echo "part must be 1 or 2" >&2; exit 2 ;;
 esac
