@@ -137,10 +137,11 @@ def _mask_groups(scores: jnp.ndarray, group_scores: jnp.ndarray, cfg: DeepseekCo
 def expert_gmm(
     lhs: jnp.ndarray,
     w: jnp.ndarray,
-    group_sizes: jnp.ndarray,
+    group_sizes: jnp.ndarray | None,
     impl: str = "ragged_dot",
     layer: jnp.ndarray | int | None = None,
     scale_inv: jnp.ndarray | None = None,
+    row_groups: jnp.ndarray | None = None,
 ) -> jnp.ndarray:
     """Grouped matmul of expert-sorted rows: lhs [M, in] x w [E, out, in] (HF layout) -> [M, out].
 
@@ -151,16 +152,30 @@ def expert_gmm(
     the Pallas kernel reads it in place (no per-layer copy of the experts), ragged_dot slices it out.
     `scale_inv` (fp8 experts: w e4m3 with block scales [(layers,) E, cdiv(out,128), cdiv(in,128)]): the W8A8
     grouped GEMM on a GPU for either impl (`fp8_grouped_matmul`, in place), else dequantize + ragged_dot.
+    `row_groups` (instead of group_sizes, rows unsorted, each row's expert; `by_row_ok` says where it is taken):
+    the kernels' one-item-per-row work list.
     """
     if impl not in GMM_IMPLS:
         raise ValueError(f"gmm_impl must be one of {GMM_IMPLS}, got {impl!r}")
+    if row_groups is not None and not by_row_ok(impl, w, scale_inv):
+        raise ValueError(
+            f"row_groups needs the grouped Pallas kernel (gmm_impl='pallas', or fp8 on a GPU), not {impl!r}"
+        )
     if scale_inv is not None:
         if _fp8_kernel_ok(*w.shape[-2:]):
-            return fp8.fp8_grouped_matmul(lhs, w, scale_inv, group_sizes, rhs_index=layer, out_dtype=lhs.dtype)
+            return fp8.fp8_grouped_matmul(
+                lhs, w, scale_inv, group_sizes, row_groups=row_groups, rhs_index=layer, out_dtype=lhs.dtype
+            )
         return fp8.fp8_grouped_matmul_xla(lhs, w, scale_inv, group_sizes, rhs_index=layer)
     if impl == "pallas":
         return gmm_kernel.grouped_matmul(
-            lhs, w, group_sizes, transpose_rhs=True, rhs_index=layer, interpret=jax.default_backend() == "cpu"
+            lhs,
+            w,
+            group_sizes,
+            row_groups=row_groups,
+            transpose_rhs=True,
+            rhs_index=layer,
+            interpret=jax.default_backend() == "cpu",
         )
     if layer is not None:
         w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
@@ -169,6 +184,18 @@ def expert_gmm(
         dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
     )
     return jax.lax.ragged_dot_general(lhs, w, group_sizes, dn)
+
+
+# At most this many token copies (T x top-k) skip the sort by expert: each copy is its own work item of the
+# grouped kernel (`row_groups`). Sorting costs ~8 small XLA kernels a layer (argsort, group sizes, their cumsum,
+# the work list, the inverse permutation); unsorted, a copy re-reads an expert that another copy also hit, which
+# one token's distinct top-k never do. 16 copies: one row tile of the kernel (batch 1-2 at V2's top-6).
+BY_ROW_MAX_COPIES = 16
+
+
+def by_row_ok(impl: str, w: jnp.ndarray, scale_inv: jnp.ndarray | None) -> bool:
+    """Whether `expert_gmm` takes unsorted rows (`row_groups`) for these experts: the Pallas kernels only."""
+    return _fp8_kernel_ok(*w.shape[-2:]) if scale_inv is not None else impl == "pallas"
 
 
 def moe(
@@ -233,21 +260,30 @@ def _routed_experts(p, cfg, x, weights, ids, gmm_impl, experts, layer, comm) -> 
         key = jnp.where(mine, local, e_loc)  # other devices' copies sort last, past every group
     else:
         mine, key = None, flat
-    order = jnp.argsort(key, stable=True)
-    token = order // K  # source token of each sorted copy
-    # [E_loc] (key == e_loc is dropped): compare-and-count, one fusion where bincount is a scatter kernel
-    group_sizes = jnp.sum(key[None, :] == jnp.arange(e_loc, dtype=key.dtype)[:, None], axis=1, dtype=jnp.int32)
+    gate_w = ex["gate_proj"]
+    if T * K <= BY_ROW_MAX_COPIES and by_row_ok(gmm_impl, gate_w["weight"], gate_w.get("weight_scale_inv")):
+        order = None  # copies stay in token order; key == e_loc (another device's) comes out 0
+        row_groups, group_sizes = key.astype(jnp.int32), None
+        token = jnp.arange(T * K, dtype=jnp.int32) // K
+    else:
+        row_groups = None
+        order = jnp.argsort(key, stable=True)
+        token = order // K  # source token of each sorted copy
+        # [E_loc] (key == e_loc is dropped): compare-and-count, one fusion where bincount is a scatter kernel
+        group_sizes = jnp.sum(key[None, :] == jnp.arange(e_loc, dtype=key.dtype)[:, None], axis=1, dtype=jnp.int32)
     xs = x[token]  # [T*K, D]
 
     def gmm(lhs, w):
-        return expert_gmm(lhs, w["weight"], group_sizes, gmm_impl, layer, w.get("weight_scale_inv"))
+        return expert_gmm(lhs, w["weight"], group_sizes, gmm_impl, layer, w.get("weight_scale_inv"), row_groups)
 
     h = jax.nn.silu(gmm(xs, ex["gate_proj"])) * gmm(xs, ex["up_proj"])  # [T*K, I_loc]
-    y = gmm(h, ex["down_proj"])  # [T*K, D], sorted by expert
+    y = gmm(h, ex["down_proj"])  # [T*K, D], sorted by expert (or in token order, by row)
     # Combine: each token gathers its K copies back through the inverse permutation and sums them, weighted (a
     # gather-reduce fusion). A scatter-add of the sorted copies into [T, D] took 5.3 us a layer at T = 1 on the
     # H200 (all K copies add into one row: atomics on the same addresses).
-    inv = jnp.zeros_like(order).at[order].set(jnp.arange(T * K, dtype=order.dtype))  # [T*K]: copy -> sorted row
+    if order is not None:
+        inv = jnp.zeros_like(order).at[order].set(jnp.arange(T * K, dtype=order.dtype))  # copy -> sorted row
+        y = y[inv]
     w = weights if mine is None else jnp.where(mine.reshape(T, K), weights, 0.0)  # f32[T, K]
-    copies = y[inv].reshape(T, K, D).astype(jnp.float32)  # [T, K, D]
+    copies = y.reshape(T, K, D).astype(jnp.float32)  # [T, K, D]
     return jnp.sum(copies * w[:, :, None], axis=1).astype(y.dtype)

@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import work_items
+from pallas_kernels.grouped_matmul import _check_groups, row_items, work_items
 from pallas_kernels.mgpu import interpret_params, static_interpret, tiled
 from pallas_kernels.util import BF16, F32, FP8, cdiv, num_sms
 
@@ -259,9 +259,10 @@ def _kernel(
     del m
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "stages", "splits", "out_dtype"))
-def _impl(xq, xs, w, ws, group_sizes, layer, *, interpret, stages, splits, out_dtype):
-    """xq e4m3 [M, K], xs f32 [M, Kb], w e4m3 [Lyr, G, N, K], ws f32 [Lyr, G, Nb, Kb], layer i32[1]."""
+@functools.partial(jax.jit, static_argnames=("interpret", "stages", "splits", "out_dtype", "by_row"))
+def _impl(xq, xs, w, ws, groups, layer, *, interpret, stages, splits, out_dtype, by_row):
+    """xq e4m3 [M, K], xs f32 [M, Kb], w e4m3 [Lyr, G, N, K], ws f32 [Lyr, G, Nb, Kb], layer i32[1]; groups:
+    group_sizes i32[G], or with by_row each row's group i32[M] (`grouped_matmul.row_items`)."""
     m, k = xq.shape
     lyr, g, n, _ = w.shape
     kb, nb = k // BLOCK, cdiv(n, BLOCK)
@@ -269,7 +270,7 @@ def _impl(xq, xs, w, ws, group_sizes, layer, *, interpret, stages, splits, out_d
     mp = cdiv(m, bm) * bm
     xq = jnp.pad(xq, ((0, mp - m), (0, 0)))  # rows past M: zeros, never stored
     xs_t = jnp.pad(xs, ((0, mp - m), (0, 0))).T  # [Kb, Mp]
-    tile, lo, hi, grp = work_items(group_sizes, m, bm)
+    tile, lo, hi, grp = row_items(groups, g, bm) if by_row else work_items(groups, m, bm)
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,
@@ -319,11 +320,11 @@ def default_k_splits(m: int, n: int, k: int, g: int = 1, sms: int | None = None)
     return splits
 
 
-def _run(x, w4, s4, group_sizes, layer, interpret, out_dtype, k_splits, stages):
+def _run(x, w4, s4, groups, layer, interpret, out_dtype, k_splits, stages, by_row=False):
     m, k = x.shape
     kb = k // BLOCK
     if k_splits is None:
-        k_splits = default_k_splits(m, w4.shape[-2], k, w4.shape[1])
+        k_splits = default_k_splits(m, w4.shape[-2], k, m if by_row else w4.shape[1])
     if not (isinstance(k_splits, int) and k_splits >= 1 and kb % k_splits == 0):
         raise ValueError(f"k_splits={k_splits!r} must be a positive divisor of K/128={kb}")
     stages = default_stages(m) if stages is None else stages
@@ -335,12 +336,13 @@ def _run(x, w4, s4, group_sizes, layer, interpret, out_dtype, k_splits, stages):
         xs,
         w4,
         s4,
-        group_sizes,
+        groups,
         layer,
         interpret=static_interpret(interpret),
         stages=stages,
         splits=k_splits,
         out_dtype=jnp.dtype(out_dtype).name,
+        by_row=by_row,
     )
 
 
@@ -376,8 +378,9 @@ def fp8_grouped_matmul(
     x,
     w,
     w_scale_inv,
-    group_sizes,
+    group_sizes=None,
     *,
+    row_groups=None,
     rhs_index=None,
     interpret=False,
     out_dtype=BF16,
@@ -389,7 +392,9 @@ def fp8_grouped_matmul(
 
     w e4m3 [G, N, K] with scales f32 [G, cdiv(N,128), cdiv(K,128)], or stacked over layers [Lyr, G, N, K] /
     [Lyr, G, Nb, Kb] with `rhs_index` (static or traced int scalar, clamped) picking the layer, read in
-    place. Same work list as `grouped_matmul` (grouped_matmul.work_items)."""
+    place. Same work list as `grouped_matmul` (grouped_matmul.work_items); row_groups (instead of
+    group_sizes): i32[M], each row's group, rows in any order, a group outside [0, G) gives 0
+    (grouped_matmul.row_items)."""
     stacked = rhs_index is not None
     if not hasattr(w, "ndim") or w.ndim != 3 + stacked:
         want = "[Lyr, G, N, K] with rhs_index" if stacked else "[G, N, K] (a stacked w needs rhs_index)"
@@ -397,15 +402,16 @@ def fp8_grouped_matmul(
     _check_weight(w, w_scale_inv)
     g, n, k = w.shape[-3:]
     _check_x(x, k)
-    if not hasattr(group_sizes, "shape") or group_sizes.shape != (g,) or group_sizes.dtype != jnp.int32:
-        raise ValueError(f"group_sizes must be i32[G={g}], got {getattr(group_sizes, 'shape', None)}")
+    _check_groups(group_sizes, row_groups, g, x.shape[0])
     if (why := unsupported_reason(n, k)) is not None:
         raise ValueError(f"fp8_grouped_matmul: {why}; use fp8_grouped_matmul_xla")
     if stacked:
         layer = jnp.clip(jnp.asarray(rhs_index, jnp.int32), 0, w.shape[0] - 1).reshape(1)
     else:
         w, w_scale_inv, layer = w[None], w_scale_inv[None], jnp.zeros((1,), jnp.int32)
-    return _run(x, w, w_scale_inv, group_sizes, layer, interpret, out_dtype, k_splits, stages)
+    by_row = row_groups is not None
+    groups = row_groups if by_row else group_sizes
+    return _run(x, w, w_scale_inv, groups, layer, interpret, out_dtype, k_splits, stages, by_row)
 
 
 # ---- plain-JAX paths and references ----
@@ -463,21 +469,24 @@ def fp8_matmul_quantized_reference(x, w, w_scale_inv):
     return jnp.sum(parts * xs[:, None, :] * ws[None, :, :], axis=-1)
 
 
-def fp8_grouped_matmul_reference(x, w, w_scale_inv, group_sizes, *, rhs_index=None, quantized=True):
+def fp8_grouped_matmul_reference(
+    x, w, w_scale_inv, group_sizes=None, *, row_groups=None, rhs_index=None, quantized=True
+):
     """float32 grouped reference: per group, the dense reference on its rows (masked with `where`, so NaN
-    padding rows cannot leak); rows past sum(group_sizes) are 0. quantized: the kernel's exact math
-    (`fp8_matmul_quantized_reference`), else unquantized activations."""
+    padding rows cannot leak); rows past sum(group_sizes), or whose row_groups entry is outside [0, G), are 0.
+    quantized: the kernel's exact math (`fp8_matmul_quantized_reference`), else unquantized activations."""
     if rhs_index is not None:
         w = lax.dynamic_index_in_dim(w, jnp.clip(rhs_index, 0, w.shape[0] - 1), keepdims=False)
         w_scale_inv = lax.dynamic_index_in_dim(w_scale_inv, jnp.clip(rhs_index, 0, w.shape[0] - 1), keepdims=False)
     ref = fp8_matmul_quantized_reference if quantized else fp8_matmul_reference
     m = x.shape[0]
-    ends = jnp.cumsum(jnp.maximum(group_sizes, 0))
-    starts = ends - jnp.maximum(group_sizes, 0)
+    if row_groups is None:
+        ends = jnp.cumsum(jnp.maximum(group_sizes, 0))
+        starts = ends - jnp.maximum(group_sizes, 0)
     rows = jnp.arange(m)
     out = jnp.zeros((m, w.shape[1]), F32)
     for e in range(w.shape[0]):
-        inside = ((rows >= starts[e]) & (rows < ends[e]))[:, None]
+        inside = (row_groups == e if row_groups is not None else (rows >= starts[e]) & (rows < ends[e]))[:, None]
         xe = jnp.where(inside, x, 0)
         out = jnp.where(inside, ref(xe, w[e], w_scale_inv[e]), out)
     return out

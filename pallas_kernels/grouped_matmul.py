@@ -31,6 +31,11 @@ tile write disjoint rows and no atomics are needed. Padding items skip the K loo
 Rows of the tile outside the item's range are still multiplied (an output row depends only on its
 own lhs row, and such rows are never stored), so NaN or stale padding rows cannot leak.
 
+Unsorted rows (`row_groups`, i32[M], instead of group_sizes): one work item per row, the row alone
+with its own group (`row_items`). For one decode token's top-k copies this skips the sort, the
+group sizes and the inverse permutation (a chain of small XLA kernels, ~10 us a MoE layer at batch
+1) at no cost in weight reads, since one token's experts are distinct.
+
 Weight-bound decode (few rows per expert) wants enough programs in flight to saturate HBM: small
 row tiles (16) and narrow N blocks, and optionally `num_k_splits` > 1, which writes float32 partials
 [S, M, N] that XLA sums (cheap when M is small).
@@ -68,6 +73,7 @@ def _validate(
     num_k_splits,
     preferred_element_type,
     rhs_index=None,
+    row_groups=None,
 ):
     if not hasattr(lhs, "ndim") or lhs.ndim != 2:
         raise ValueError(f"lhs must be [M, K], got shape {getattr(lhs, 'shape', None)}")
@@ -97,10 +103,7 @@ def _validate(
         )
     if m < 1 or k < 1 or g < 1 or min(rhs.shape) < 1:
         raise ValueError(f"empty dimension: lhs {lhs.shape}, rhs {rhs.shape}")
-    if not hasattr(group_sizes, "ndim") or group_sizes.ndim != 1 or group_sizes.shape[0] != g:
-        raise ValueError(f"group_sizes must be i32[G={g}], got shape {getattr(group_sizes, 'shape', None)}")
-    if jnp.dtype(group_sizes.dtype) != jnp.int32:
-        raise ValueError(f"group_sizes dtype must be int32, got {group_sizes.dtype}")
+    _check_groups(group_sizes, row_groups, g, m)
     for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if b is not None and not (is_pow2(b) and b >= 16):
             raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot)")
@@ -114,6 +117,18 @@ def _validate(
         raise ValueError(
             f"preferred_element_type must be None, bfloat16, float16 or float32, got {preferred_element_type}"
         )
+
+
+def _check_groups(group_sizes, row_groups, g: int, m: int):
+    """Exactly one of group_sizes i32[G] (rows sorted by group) and row_groups i32[M] (each row's group)."""
+    if (group_sizes is None) == (row_groups is None):
+        raise ValueError("give exactly one of group_sizes (rows sorted by group) and row_groups (each row's group)")
+    name, arr, size = ("group_sizes", group_sizes, g) if row_groups is None else ("row_groups", row_groups, m)
+    want = f"i32[{'G' if row_groups is None else 'M'}={size}]"
+    if not hasattr(arr, "ndim") or arr.ndim != 1 or arr.shape[0] != size:
+        raise ValueError(f"{name} must be {want}, got shape {getattr(arr, 'shape', None)}")
+    if jnp.dtype(arr.dtype) != jnp.int32:
+        raise ValueError(f"{name} dtype must be int32, got {arr.dtype}")
 
 
 def _check_rhs_index(rhs_index, num_layers: int):
@@ -203,6 +218,20 @@ def work_items(group_sizes, m: int, block_m: int):
         jnp.where(valid, seg_hi[seg], zero),
         jnp.where(valid, seg, g),
     )
+
+
+def row_items(row_groups, num_groups: int, block_m: int):
+    """Work list for rows in any order, each with its own group: i32[M] arrays (tile, lo, hi, group).
+
+    Item r is row r alone: tile r // block_m, rows [r, r + 1), group row_groups[r]; a group outside
+    [0, G) makes it a padding item (the row comes out 0). Every row has its item, so nothing needs
+    sorting; but rows of one group each read that group's weights. For a few rows (one decode
+    token's top-k copies), that beats sorting them, which costs a chain of small kernels.
+    """
+    m = row_groups.shape[0]
+    r = jnp.arange(m, dtype=jnp.int32)
+    valid = (row_groups >= 0) & (row_groups < num_groups)
+    return r // block_m, r, r + 1, jnp.where(valid, row_groups, num_groups).astype(jnp.int32)
 
 
 def _load(ref, mask):
@@ -298,14 +327,16 @@ def _kernel(
         "num_stages",
         "num_k_splits",
         "out_dtype",
+        "by_row",
     ),
 )
 def _gmm_impl(
     lhs,
     rhs,
-    group_sizes,
+    groups,
     layer,
     *,
+    by_row,
     transpose_rhs,
     interpret,
     block_m,
@@ -316,7 +347,8 @@ def _gmm_impl(
     num_k_splits,
     out_dtype,
 ):
-    """layer: i32[1], the index into rhs's leading axis when rhs is stacked [Lyr, G, ...] (4-D)."""
+    """groups: group_sizes i32[G] (rows sorted by group), or with by_row the group of each row i32[M].
+    layer: i32[1], the index into rhs's leading axis when rhs is stacked [Lyr, G, ...] (4-D)."""
     stacked = rhs.ndim == 4
     lead = ((0, 0),) * (1 + stacked)  # no padding on the (layer,) group axes
     m, k = lhs.shape
@@ -338,7 +370,10 @@ def _gmm_impl(
     if interpret and n < block_n:
         rhs = jnp.pad(rhs, lead + (((0, block_n - n), (0, 0)) if transpose_rhs else ((0, 0), (0, block_n - n))))
         n = block_n
-    tile, lo, hi, grp = work_items(group_sizes, m, block_m)
+    if by_row:
+        tile, lo, hi, grp = row_items(groups, g, block_m)
+    else:
+        tile, lo, hi, grp = work_items(groups, m, block_m)
     num_items = tile.shape[0]
     steps_per_split = cdiv(cdiv(k, block_k), num_k_splits)
     splits = cdiv(cdiv(k, block_k), steps_per_split)  # no empty splits
@@ -380,8 +415,9 @@ def _gmm_impl(
 def grouped_matmul(
     lhs,
     rhs,
-    group_sizes,
+    group_sizes=None,
     *,
+    row_groups=None,
     transpose_rhs: bool = True,
     interpret: bool = False,
     block_m: int | None = None,
@@ -399,6 +435,9 @@ def grouped_matmul(
     [G, K, N]; group_sizes i32[G] with sum <= M (a larger sum is clipped at M). Returns [M, N] in
     preferred_element_type (default lhs.dtype), accumulated in float32. Same result as
     `jax.lax.ragged_dot_general` contracting lhs dim 1 with rhs dim 2 (or 1).
+
+    row_groups (instead of group_sizes): i32[M], each row's group, rows in any order; a row whose
+    group is outside [0, G) gives 0 (`row_items`: one work item per row, so for a few rows only).
 
     rhs_index: with rhs stacked over layers, [Lyr, G, N, K] (or [Lyr, G, K, N]), an integer scalar
     (static or traced) picking the layer, read in place (W = rhs[rhs_index]); a static index must be
@@ -420,11 +459,13 @@ def grouped_matmul(
         num_k_splits,
         preferred_element_type,
         rhs_index,
+        row_groups,
     )
+    by_row = row_groups is not None
     m, k = lhs.shape
     g = rhs.shape[-3]
     n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
-    d = default_tuning(m, n, k, g, lhs.dtype)
+    d = default_tuning(m, n, k, m if by_row else g, lhs.dtype)  # by row: a group per row
     bm, bn, bk, warps, stages, splits = (
         d[i] if v is None else v for i, v in enumerate((block_m, block_n, block_k, num_warps, num_stages, num_k_splits))
     )
@@ -439,8 +480,9 @@ def grouped_matmul(
     return _gmm_impl(
         lhs,
         rhs,
-        group_sizes,
+        row_groups if by_row else group_sizes,
         layer,
+        by_row=by_row,
         transpose_rhs=bool(transpose_rhs),
         interpret=bool(interpret),
         block_m=bm,
@@ -456,8 +498,9 @@ def grouped_matmul(
 def grouped_matmul_reference(
     lhs,
     rhs,
-    group_sizes,
+    group_sizes=None,
     *,
+    row_groups=None,
     transpose_rhs: bool = True,
     interpret: bool = False,
     preferred_element_type=None,
@@ -471,13 +514,17 @@ def grouped_matmul_reference(
     only.
     """
     del interpret, tuning, preferred_element_type
-    _validate(lhs, rhs, group_sizes, transpose_rhs, None, None, None, None, None, None, None, rhs_index)
+    _validate(lhs, rhs, group_sizes, transpose_rhs, None, None, None, None, None, None, None, rhs_index, row_groups)
     if rhs_index is not None:
         rhs = lax.dynamic_index_in_dim(rhs, jnp.clip(rhs_index, 0, rhs.shape[0] - 1), keepdims=False)
     m = lhs.shape[0]
     x = lhs.astype(jnp.float32)
     w = rhs.astype(jnp.float32)
     w = jnp.swapaxes(w, 1, 2) if transpose_rhs else w  # [G, K, N]
+    if row_groups is not None:  # each row with its own group's weights [M, K, N]; other groups: 0
+        valid = (row_groups >= 0) & (row_groups < w.shape[0])
+        out = jnp.einsum("mk,mkn->mn", x, w[jnp.clip(row_groups, 0, w.shape[0] - 1)], precision=lax.Precision.HIGHEST)
+        return jnp.where(valid[:, None], out, 0.0)  # where: a NaN row of another group must not leak
     ends = jnp.cumsum(jnp.maximum(group_sizes, 0))
     starts = ends - jnp.maximum(group_sizes, 0)
     rows = jnp.arange(m)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mla_jax import model
-from mla_jax.layers import LayerRow, moe, route
+from mla_jax.layers import BY_ROW_MAX_COPIES, LayerRow, moe, route
 from tests.mla_jax.helpers import tiny_config
 from tests.mla_jax.multihost_worker import random_params
 
@@ -116,6 +116,32 @@ def test_pallas_grouped_matmul_in_moe():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="gmm_impl"):
         moe(p, cfg, x, gmm_impl="dense")
+
+
+def _primitives(jaxpr):
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+@pytest.mark.parametrize("T", [1, 8, 9])
+def test_decode_copies_skip_the_sort(T):
+    """Up to BY_ROW_MAX_COPIES token copies (T x top-k) go to the grouped kernel unsorted, each with its own
+    expert (no argsort, no inverse permutation); more are sorted by expert. Both give the ragged_dot result;
+    under expert parallelism the other devices' copies come out 0 either way (`test_parallel`)."""
+    cfg = tiny_config()
+    K = cfg.num_experts_per_tok
+    params = model.init_params(cfg, jax.random.key(9), std=0.3)
+    p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
+    x = jax.random.normal(jax.random.key(T), (T, cfg.hidden_size))
+    got = moe(p, cfg, x, gmm_impl="pallas")
+    want = moe(p, cfg, x, gmm_impl="ragged_dot")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    prims = _primitives(jax.make_jaxpr(lambda v: moe(p, cfg, v, gmm_impl="pallas"))(x).jaxpr)
+    assert ("sort" in prims) == (T * K > BY_ROW_MAX_COPIES), sorted(prims)
 
 
 @pytest.mark.parametrize("gmm_impl", ["pallas", "ragged_dot"])

@@ -197,3 +197,15 @@ def test_stacked_experts_numerics(setup):
         plan = parallel.ParallelPlan(parallel.make_mesh(**mesh), moe=moe)
         got = _step_logits(params, cfg, md, "pallas", plan)
         assert np.abs(got - one).max() < ATOL, (mesh, moe)
+
+
+def test_decode_copies_unsorted_under_expert_parallelism(setup):
+    """A decode step of 2 tokens (4 copies <= layers.BY_ROW_MAX_COPIES: the grouped kernel takes them unsorted,
+    other devices' copies as padding rows) on 8 expert-parallel devices == the one-device sorted ragged_dot."""
+    cfg, params, _ = setup
+    reqs = [ScheduledRequest([5], 6, list(range(4 * i, 4 * i + 4))) for i in range(2)]
+    md, _ = build_metadata(reqs, page_size=PAGE, num_pages=NUM_PAGES)
+    want = _step_logits(params, cfg, md, "ragged_dot")
+    plan = parallel.ParallelPlan(parallel.make_mesh(ep=8), moe="ep")
+    got = _step_logits(params, cfg, md, "pallas", plan)
+    assert np.abs(got - want).max() < ATOL and np.abs(want).max() > 1

@@ -159,6 +159,30 @@ def test_grouped_interpret_stacked_in_place():
     _close(out[:total], ref, 1e-5)
 
 
+def test_grouped_interpret_row_groups():
+    """Unsorted rows, each with its own expert (row_groups, a decode token's top-k copies): a stacked layer in
+    place (the other layer NaN), rows of an expert outside [0, G) NaN and exactly 0, one expert hit twice."""
+    rng = np.random.default_rng(5)
+    groups = np.array([2, 0, 4, 2, -1, 3], np.int32)
+    m, n, k = len(groups), 128, 256
+    x, _, wq, ws, wd = fp8_lossless_operands(rng, m, n, k, lead=(2, 4))
+    bad = (groups < 0) | (groups >= 4)
+    x[bad] = np.nan
+    wq = _poison_fp8(wq, (0,))
+    ws[0] = np.nan
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(wq), jnp.asarray(ws))
+    out = run_interpreted(
+        F.fp8_grouped_matmul, *args, row_groups=jnp.asarray(groups), rhs_index=jnp.int32(1), out_dtype=jnp.float32
+    )
+    out = np.asarray(out)
+    assert np.all(out[bad] == 0)
+    ref = np.einsum("mk,mnk->mn", x[~bad].astype(np.float64), wd[1, groups[~bad]])
+    _close(out[~bad], ref, 1e-5)
+    want = F.fp8_grouped_matmul_reference(*args, row_groups=jnp.asarray(groups), rhs_index=1)
+    _close(out[~bad], np.asarray(want)[~bad], 1e-5)
+    assert np.all(np.asarray(want)[bad] == 0)
+
+
 def _converts_from_fp8(jaxpr, produced_by=None):
     """(producer primitive name or None for an input, ...) of each e4m3 -> float convert in `jaxpr` (nested)."""
     produced_by = {} if produced_by is None else produced_by
@@ -347,3 +371,28 @@ def test_gpu_grouped(m, g, n, k):
     with jax.default_matmul_precision("highest"):  # the kernel's numerics in XLA, float32 (not TF32)
         ref = F.fp8_grouped_matmul_xla(x, wq, ws, jnp.asarray(sizes), rhs_index=1, out_dtype=jnp.float32)
     _close(out[: m - 7], np.asarray(ref)[: m - 7], FP8_GEMM_GPU_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_row_groups():
+    """Unsorted rows with their own experts (a decode token's top-8 copies at V3's expert shape), one expert
+    hit twice and one row of another device's expert (NaN, exactly 0), against the sorted call's rows."""
+    rng = np.random.default_rng(21)
+    g, n, k = 32, 2048, 7168
+    groups = rng.permutation(g)[:8].astype(np.int32)
+    groups[5], groups[6] = groups[2], g  # a repeat, and an out-of-range copy
+    x = rng.standard_normal((8, k)).astype(np.float32)
+    x[6] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(3), (2, g, n, k), jnp.bfloat16) * jnp.bfloat16(k**-0.5)
+    wq, ws = jax.jit(F.quantize_weight_blocks)(w)
+    del w
+    out = np.asarray(
+        F.fp8_grouped_matmul(x, wq, ws, row_groups=jnp.asarray(groups), rhs_index=1, out_dtype=jnp.float32)
+    )
+    assert np.all(out[6] == 0)
+    keep = groups < g
+    order = np.argsort(np.where(keep, groups, g), kind="stable")
+    sizes = jnp.asarray(np.bincount(groups[keep], minlength=g).astype(np.int32))
+    want = np.asarray(F.fp8_grouped_matmul(x[order], wq, ws, sizes, rhs_index=1, out_dtype=jnp.float32))
+    np.testing.assert_array_equal(out[order][keep[order]], want[keep[order]])

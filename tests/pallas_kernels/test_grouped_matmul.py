@@ -5,7 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped_matmul import default_tuning, grouped_matmul, grouped_matmul_reference, work_items
+from pallas_kernels.grouped_matmul import (
+    default_tuning,
+    grouped_matmul,
+    grouped_matmul_reference,
+    row_items,
+    work_items,
+)
 
 # |out - ref| <= ATOL + RTOL |ref| with outputs of unit scale; bf16 rounds the output to 8 bits.
 TOL = {jnp.bfloat16: (2e-2, 2e-2), jnp.float32: (2e-5, 1e-5)}
@@ -118,6 +124,71 @@ def test_tiny_groups_straddle_tiles():
     sizes = np.random.default_rng(2).integers(0, 4, 30).astype(np.int32)
     _check(sizes, int(sizes.sum()) + 3, 16, 40, block_m=32, block_n=16, block_k=16)
     _check(sizes, int(sizes.sum()) + 3, 16, 40, dtype=jnp.bfloat16, **SMALL)
+
+
+def _row_inputs(seed, m, g, n, k, dtype, layers=None):
+    """Unsorted rows with random groups, some outside [0, G) (another device's copies): their lhs rows are
+    NaN; with `layers`, a stacked rhs whose other layers are NaN."""
+    rng = np.random.default_rng(seed)
+    groups = rng.integers(-1, g + 2, m).astype(np.int32)
+    groups[: min(m, 3)] = [0, g - 1, g][: min(m, 3)]  # an in-range edge and an out-of-range one at least
+    lhs = rng.standard_normal((m, k), np.float32)
+    lhs[(groups < 0) | (groups >= g)] = np.nan
+    rhs = rng.standard_normal((g, n, k), np.float32) / np.sqrt(k)
+    if layers is not None:
+        rhs = np.stack([rhs if i == layers[1] else np.full_like(rhs, np.nan) for i in range(layers[0])])
+    return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(groups)
+
+
+@pytest.mark.parametrize("m, dtype", [(6, jnp.float32), (21, jnp.float32), (16, jnp.bfloat16)])
+def test_row_groups_unsorted(m, dtype):
+    """row_groups: each row with its own group's weights, in any order, rows of a group outside [0, G) exactly
+    0; 21 rows span two row tiles; N = 40, K = 72 leave masked edges and a K tail step."""
+    lhs, rhs, groups = _row_inputs(m, m, 5, 40, 72, dtype)
+    out = grouped_matmul(lhs, rhs, row_groups=groups, interpret=True, **SMALL)
+    ref = grouped_matmul_reference(lhs, rhs, row_groups=groups)
+    assert out.shape == (m, 40) and out.dtype == dtype
+    out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref)
+    bad = (np.asarray(groups) < 0) | (np.asarray(groups) >= 5)
+    assert bad.any() and not bad.all()
+    assert np.all(out[bad] == 0) and np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref, *TOL[dtype][::-1])
+    # the same rows sorted by group through group_sizes give the same products
+    order = np.argsort(np.where(bad, 5, np.asarray(groups)), kind="stable")
+    sizes = np.bincount(np.asarray(groups)[~bad], minlength=5).astype(np.int32)
+    sorted_out = grouped_matmul(lhs[order], rhs, jnp.asarray(sizes), interpret=True, **SMALL)
+    np.testing.assert_allclose(np.asarray(sorted_out.astype(jnp.float32)), out[order], *TOL[dtype][::-1])
+
+
+def test_row_groups_stacked_in_place_and_items():
+    """row_groups with a stacked rhs at a traced layer (the other layer NaN), default tuning; and the work
+    list: one item per row, the row alone, out-of-range groups as the padding group G."""
+    lhs, rhs, groups = _row_inputs(4, 6, 7, 48, 64, jnp.float32, layers=(2, 1))
+    f = jax.jit(lambda i: grouped_matmul(lhs, rhs, row_groups=groups, rhs_index=i, interpret=True))
+    out = np.asarray(f(jnp.int32(1)))
+    ref = np.asarray(grouped_matmul_reference(lhs, rhs, row_groups=groups, rhs_index=1))
+    np.testing.assert_allclose(out, ref, *TOL[jnp.float32][::-1])
+    tile, lo, hi, grp = (np.asarray(a) for a in row_items(groups, 7, 16))
+    g = np.asarray(groups)
+    np.testing.assert_array_equal(lo, np.arange(6))
+    np.testing.assert_array_equal(hi, np.arange(1, 7))
+    np.testing.assert_array_equal(tile, np.zeros(6))
+    np.testing.assert_array_equal(grp, np.where((g >= 0) & (g < 7), g, 7))
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(), "exactly one"),
+        (dict(group_sizes=jnp.ones((3,), jnp.int32), row_groups=jnp.zeros((8,), jnp.int32)), "exactly one"),
+        (dict(row_groups=jnp.zeros((7,), jnp.int32)), r"row_groups must be i32\[M=8\]"),
+        (dict(row_groups=jnp.zeros((8,), jnp.float32)), "row_groups dtype"),
+    ],
+)
+def test_row_groups_validation(kw, match):
+    lhs, rhs = jnp.zeros((8, 32)), jnp.zeros((3, 16, 32))
+    with pytest.raises(ValueError, match=match):
+        grouped_matmul(lhs, rhs, interpret=True, **kw)
 
 
 @pytest.mark.parametrize("splits", [2, 3])
@@ -375,3 +446,23 @@ def test_gpu_dims_smaller_than_blocks(transpose_rhs):
         block_k=32,
     )
     _check([2, 0, 3, 1], 9, 20, 24, dtype=jnp.float32, transpose_rhs=transpose_rhs, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [6, 12, 21])
+def test_gpu_row_groups_decode_shapes(m):
+    """row_groups on the real kernel at V2-Lite's expert shapes (gate/up N 1408 K 2048, down N 2048 K 1408),
+    a stacked rhs at layer 1 (layer 0 NaN), out-of-range groups' rows NaN and exactly 0; the same rows sorted
+    through group_sizes give the same bits."""
+    for n, k in ((1408, 2048), (2048, 1408)):
+        lhs, rhs, groups = _row_inputs(m + n, m, 64, n, k, jnp.bfloat16, layers=(2, 1))
+        out = grouped_matmul(lhs, rhs, row_groups=groups, rhs_index=1)
+        ref = np.asarray(grouped_matmul_reference(lhs, rhs, row_groups=groups, rhs_index=1))
+        out = np.asarray(out.astype(jnp.float32))
+        bad = (np.asarray(groups) < 0) | (np.asarray(groups) >= 64)
+        assert np.all(out[bad] == 0) and np.all(np.isfinite(out))
+        np.testing.assert_allclose(out, ref, *TOL[jnp.bfloat16][::-1])
+        order = np.argsort(np.where(bad, 64, np.asarray(groups)), kind="stable")
+        sizes = jnp.asarray(np.bincount(np.asarray(groups)[~bad], minlength=64).astype(np.int32))
+        got = grouped_matmul(lhs[order], rhs, sizes, rhs_index=1)
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), out[order])
