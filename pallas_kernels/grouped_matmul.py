@@ -251,9 +251,8 @@ def _kernel(
     grp_ref,
     layer_ref,
     lhs_ref,
-    rhs_ref,
-    out_ref,
-    *,
+    *refs,
+    glu: bool,
     m: int,
     n: int,
     k: int,
@@ -266,6 +265,7 @@ def _kernel(
     stacked: bool,
     precision,
 ):
+    rhs_refs, out_ref = refs[:-1], refs[-1]  # (rhs,) or with glu (gate rhs, up rhs)
     j = pl.program_id(0)  # N block (fastest: programs in flight share the row tile and expert)
     i = pl.program_id(1)  # work item
     s = pl.program_id(2)  # K split
@@ -284,26 +284,29 @@ def _kernel(
     else:  # rhs tile [bk, bn]
         dims = (((1,), (0,)), ((), ()))
 
-    def step(kk, acc, k_in=None):
+    def step(kk, accs, k_in=None):
         k0 = kk * bk
         x = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], _and(row_in, None if k_in is None else k_in[None, :]))
-        if transpose_rhs:
-            w = _load(
-                rhs_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))],
-                _and(None if col_in is None else col_in[:, None], None if k_in is None else k_in[None, :]),
-            )
-        else:
-            w = _load(
-                rhs_ref.at[(*lead, pl.ds(k0, bk), pl.ds(col0, bn))],
-                _and(None if k_in is None else k_in[:, None], None if col_in is None else col_in[None, :]),
-            )
-        return acc + lax.dot_general(x, w, dims, precision=precision, preferred_element_type=jnp.float32)
+        new = []
+        for rhs_ref, acc in zip(rhs_refs, accs):
+            if transpose_rhs:
+                w = _load(
+                    rhs_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))],
+                    _and(None if col_in is None else col_in[:, None], None if k_in is None else k_in[None, :]),
+                )
+            else:
+                w = _load(
+                    rhs_ref.at[(*lead, pl.ds(k0, bk), pl.ds(col0, bn))],
+                    _and(None if k_in is None else k_in[:, None], None if col_in is None else col_in[None, :]),
+                )
+            new.append(acc + lax.dot_general(x, w, dims, precision=precision, preferred_element_type=jnp.float32))
+        return tuple(new)
 
     full_steps = k // bk
     first = s * steps_per_split
     last = jnp.minimum(first + steps_per_split, full_steps)
     n_full = jnp.where(is_gemm, jnp.maximum(last - first, 0), 0)
-    acc = jnp.zeros((bm, bn), jnp.float32)
+    acc = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in rhs_refs)
     acc = lax.fori_loop(first, first + n_full, step, acc)
     if k % bk:  # static: one masked step for the ragged end of K, run by the split that owns it
         k_in = full_steps * bk + jnp.arange(bk, dtype=jnp.int32) < k
@@ -312,7 +315,14 @@ def _kernel(
         acc = lax.fori_loop(0, owns_tail.astype(jnp.int32), lambda t, a: step(full_steps + t, a, k_in), acc)
     mine = (rows >= lo) & (rows < hi)  # hi <= M, so this also keeps the store in bounds
     mask = _and(mine[:, None], None if col_in is None else col_in[None, :])
-    pltriton.store(out_ref.at[s, pl.ds(row0, bm), pl.ds(col0, bn)], acc.astype(out_ref.dtype), mask=mask)
+    if glu and out_ref.shape[0] == 1:  # one K split: the SwiGLU epilogue here, silu(gate) * up
+        gate, up = acc
+        out = (gate * jax.nn.sigmoid(gate) * up,)
+    else:  # the partials of each (with glu: gate's then up's splits); the caller sums them
+        out = acc
+    for a, part in enumerate(out):
+        blk = out_ref.at[a * (out_ref.shape[0] // len(out)) + s, pl.ds(row0, bm), pl.ds(col0, bn)]
+        pltriton.store(blk, part.astype(out_ref.dtype), mask=mask)
 
 
 @functools.partial(
@@ -333,6 +343,7 @@ def _kernel(
 def _gmm_impl(
     lhs,
     rhs,
+    rhs_up,
     groups,
     layer,
     *,
@@ -348,7 +359,10 @@ def _gmm_impl(
     out_dtype,
 ):
     """groups: group_sizes i32[G] (rows sorted by group), or with by_row the group of each row i32[M].
-    layer: i32[1], the index into rhs's leading axis when rhs is stacked [Lyr, G, ...] (4-D)."""
+    layer: i32[1], the index into rhs's leading axis when rhs is stacked [Lyr, G, ...] (4-D).
+    rhs_up: None, or the up projection beside rhs (the gate): out = silu(lhs @ rhs) * (lhs @ rhs_up)."""
+    glu = rhs_up is not None
+    rhss = (rhs, rhs_up) if glu else (rhs,)
     stacked = rhs.ndim == 4
     lead = ((0, 0),) * (1 + stacked)  # no padding on the (layer,) group axes
     m, k = lhs.shape
@@ -365,10 +379,12 @@ def _gmm_impl(
         m = block_m
     if interpret and k < block_k:  # zeros in K add nothing
         lhs = jnp.pad(lhs, ((0, 0), (0, block_k - k)))
-        rhs = jnp.pad(rhs, lead + (((0, 0), (0, block_k - k)) if transpose_rhs else ((0, block_k - k), (0, 0))))
+        pad = ((0, 0), (0, block_k - k)) if transpose_rhs else ((0, block_k - k), (0, 0))
+        rhss = tuple(jnp.pad(r, lead + pad) for r in rhss)
         k = block_k
     if interpret and n < block_n:
-        rhs = jnp.pad(rhs, lead + (((0, block_n - n), (0, 0)) if transpose_rhs else ((0, 0), (0, block_n - n))))
+        pad = ((0, block_n - n), (0, 0)) if transpose_rhs else ((0, 0), (0, block_n - n))
+        rhss = tuple(jnp.pad(r, lead + pad) for r in rhss)
         n = block_n
     if by_row:
         tile, lo, hi, grp = row_items(groups, g, block_m)
@@ -378,9 +394,11 @@ def _gmm_impl(
     steps_per_split = cdiv(cdiv(k, block_k), num_k_splits)
     splits = cdiv(cdiv(k, block_k), steps_per_split)  # no empty splits
     part_dtype = out_dtype if splits == 1 else jnp.float32
+    parts = splits if splits == 1 or not glu else 2 * splits  # split K with glu: gate's partials, then up's
     precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None  # exact f32, not TF32
     kernel = functools.partial(
         _kernel,
+        glu=glu,
         m=m,
         n=n,
         k=k,
@@ -399,14 +417,23 @@ def _gmm_impl(
         grid=(cdiv(n, block_n), num_items, splits),
         # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
         # kernel offsets by its work item itself.
-        in_specs=[whole((num_items,))] * 4 + [whole((1,)), whole(lhs.shape), whole(rhs.shape)],
-        out_specs=whole((splits, m, n)),
-        out_shape=jax.ShapeDtypeStruct((splits, m, n), part_dtype),
+        in_specs=[whole((num_items,))] * 4 + [whole((1,)), whole(lhs.shape)] + [whole(r.shape) for r in rhss],
+        out_specs=whole((parts, m, n)),
+        out_shape=jax.ShapeDtypeStruct((parts, m, n), part_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=(f"grouped_matmul_bm{block_m}_bn{block_n}_bk{block_k}_w{num_warps}_s{num_stages}_ks{splits}"),
-    )(tile, lo, hi, grp, layer, lhs, rhs)
-    out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(out_dtype)
+        name=(
+            f"grouped_{'glu' if glu else 'matmul'}_bm{block_m}_bn{block_n}_bk{block_k}_w{num_warps}_s{num_stages}"
+            f"_ks{splits}"
+        ),
+    )(tile, lo, hi, grp, layer, lhs, *rhss)
+    if splits == 1:
+        out = out[0]
+    elif glu:
+        gate, up = jnp.sum(out[:splits], axis=0), jnp.sum(out[splits:], axis=0)
+        out = (jax.nn.silu(gate) * up).astype(out_dtype)
+    else:
+        out = jnp.sum(out, axis=0).astype(out_dtype)
     if (m_out, n_out) != (m, n):
         out = out[:m_out, :n_out]
     return out
@@ -428,6 +455,7 @@ def grouped_matmul(
     num_k_splits: int | None = None,
     preferred_element_type=None,
     rhs_index=None,
+    up_rhs=None,
 ):
     """out[r] = lhs[r] @ W[g(r)] for each row r of group g(r); rows >= sum(group_sizes) give 0.
 
@@ -438,6 +466,10 @@ def grouped_matmul(
 
     row_groups (instead of group_sizes): i32[M], each row's group, rows in any order; a row whose
     group is outside [0, G) gives 0 (`row_items`: one work item per row, so for a few rows only).
+
+    up_rhs: an MoE's up projection, the shape and dtype of rhs (then its gate projection): returns
+    silu(lhs @ W) * (lhs @ W_up) in one kernel (each program reads both weights' tiles for its rows;
+    the SwiGLU runs on the float32 accumulators), instead of two GEMMs and an elementwise kernel.
 
     rhs_index: with rhs stacked over layers, [Lyr, G, N, K] (or [Lyr, G, K, N]), an integer scalar
     (static or traced) picking the layer, read in place (W = rhs[rhs_index]); a static index must be
@@ -461,6 +493,13 @@ def grouped_matmul(
         rhs_index,
         row_groups,
     )
+    if up_rhs is not None and (
+        getattr(up_rhs, "shape", None) != rhs.shape or getattr(up_rhs, "dtype", None) != rhs.dtype
+    ):
+        raise ValueError(
+            f"up_rhs must match rhs: {getattr(up_rhs, 'shape', None)} {getattr(up_rhs, 'dtype', None)} vs "
+            f"{rhs.shape} {rhs.dtype}"
+        )
     by_row = row_groups is not None
     m, k = lhs.shape
     g = rhs.shape[-3]
@@ -480,6 +519,7 @@ def grouped_matmul(
     return _gmm_impl(
         lhs,
         rhs,
+        up_rhs,
         row_groups if by_row else group_sizes,
         layer,
         by_row=by_row,
@@ -505,15 +545,20 @@ def grouped_matmul_reference(
     interpret: bool = False,
     preferred_element_type=None,
     rhs_index=None,
+    up_rhs=None,
     **tuning,
 ):
     """Float32 plain-JAX reference (returns float32): a masked dense matmul per group, summed.
 
     With rhs_index, rhs is stacked [Lyr, ...] and the layer is sliced out first (clamped as the
     kernel does). Costs G dense [M, K] x [K, N] products: for tests and moderate benchmark checks
-    only.
+    only. With up_rhs: silu(reference(rhs)) * reference(up_rhs).
     """
     del interpret, tuning, preferred_element_type
+    if up_rhs is not None:
+        kw = dict(row_groups=row_groups, transpose_rhs=transpose_rhs, rhs_index=rhs_index)
+        gate = grouped_matmul_reference(lhs, rhs, group_sizes, **kw)
+        return jax.nn.silu(gate) * grouped_matmul_reference(lhs, up_rhs, group_sizes, **kw)
     _validate(lhs, rhs, group_sizes, transpose_rhs, None, None, None, None, None, None, None, rhs_index, row_groups)
     if rhs_index is not None:
         rhs = lax.dynamic_index_in_dim(rhs, jnp.clip(rhs_index, 0, rhs.shape[0] - 1), keepdims=False)

@@ -4,8 +4,8 @@ slice that feeds a custom call: a copy of every expert of the layer, each step).
 
 Proofs that the copy is gone, each failing on the old code (experts scanned as xs):
 - structural, read off the traced program: in every `scan` of the one-device and the 8-device step (and the
-  full forward) the scanned operands hold no array of the experts' stacked shape, and each of the three
-  grouped-matmul kernel calls reads an expert array of the full stacked shape; the same check flags the
+  full forward) the scanned operands hold no array of the experts' stacked shape, and the two grouped kernel
+  calls (gate and up fused, down) read the three expert arrays at their full stacked shape; the same check flags the
   ragged_dot path, which still scans the experts;
 - memory: the compiled step's temp bytes stay below half an expert matrix [E, I, D] (old: ~3 matrices, the
   layer's gate, up and down slices; ragged_dot still shows them); a GPU variant with V2-Lite's experts.
@@ -101,7 +101,7 @@ def _expert_operands(fn, shapes):
     for eqn in _eqns(jax.make_jaxpr(fn)().jaxpr):
         if eqn.primitive.name == "scan":
             scanned += [v.aval.shape for v in _scan_xs(eqn) if v.aval.shape in shapes]
-        elif eqn.primitive.name == "pallas_call" and "grouped_matmul" in str(eqn.params.get("name")):
+        elif eqn.primitive.name == "pallas_call" and str(eqn.params.get("name")).startswith("grouped_"):
             kernels += 1
             kernel_in += [v.aval.shape for v in eqn.invars if v.aval.shape in shapes]
     return scanned, kernel_in, kernels
@@ -117,13 +117,14 @@ def test_one_device_step_reads_stacked_experts_in_place(setup):
         )
         if gmm_impl == "pallas":
             assert scanned == []  # the scan slices no expert weights
-            assert kernels == 3 and len(kernel_in) == 3  # gate, up, down: each reads the whole stack
+            # gate + up (one fused kernel), down: the three expert stacks, each read whole
+            assert kernels == 2 and len(kernel_in) == 3
         else:  # the ragged_dot path still scans the experts: the check would catch the old pallas path
             assert len(scanned) == 3 and kernels == 0
     scanned, kernel_in, kernels = _expert_operands(
         lambda: model.forward(params, cfg, jnp.zeros((1, 5), jnp.int32), gmm_impl="pallas"), shapes
     )
-    assert scanned == [] and kernels == 3 and len(kernel_in) == 3
+    assert scanned == [] and kernels == 2 and len(kernel_in) == 3
 
 
 def test_parallel_step_reads_stacked_experts_in_place(setup):
@@ -136,7 +137,7 @@ def test_parallel_step_reads_stacked_experts_in_place(setup):
         scanned, kernel_in, kernels = _expert_operands(
             lambda: step.jit_step(sp, cfg, cache, mdr, plan=plan, gmm_impl="pallas"), shapes
         )
-        assert scanned == [] and kernels == 3 and len(kernel_in) == 3, (mesh, scanned, kernel_in)
+        assert scanned == [] and kernels == 2 and len(kernel_in) == 3, (mesh, scanned, kernel_in)
 
 
 def _step_temp_bytes(cfg, dtype, gmm_impl) -> tuple[int, int]:

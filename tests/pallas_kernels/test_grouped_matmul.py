@@ -176,6 +176,31 @@ def test_row_groups_stacked_in_place_and_items():
     np.testing.assert_array_equal(grp, np.where((g >= 0) & (g < 7), g, 7))
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("by_row", [False, True])
+def test_glu_gate_and_up_in_one_kernel(by_row, splits):
+    """up_rhs: silu(lhs @ gate) * (lhs @ up) in one kernel, sorted groups (NaN padding rows -> 0) or unsorted
+    rows; K = 88 with two K splits sums each projection's partials before the SwiGLU."""
+    rng = np.random.default_rng(11)
+    if by_row:
+        lhs, gate, groups = _row_inputs(11, 9, 4, 40, 88, jnp.float32)
+        kw = dict(row_groups=groups)
+    else:
+        lhs, gate, gs = _inputs(11, _sizes(11, 4, 30), 37, 40, 88, jnp.float32)
+        kw = dict(group_sizes=gs)
+    up = jnp.asarray(rng.standard_normal(gate.shape, np.float32) / np.sqrt(88))
+    out = grouped_matmul(lhs, gate, up_rhs=up, interpret=True, num_k_splits=splits, **kw, **SMALL)
+    ref = grouped_matmul_reference(lhs, gate, up_rhs=up, **kw)
+    out, ref = np.asarray(out), np.asarray(ref)
+    assert np.all(np.isfinite(out)) and np.abs(ref).max() > 0.1
+    np.testing.assert_allclose(out, ref, *TOL[jnp.float32][::-1])
+    two = jax.nn.silu(grouped_matmul(lhs, gate, interpret=True, **kw, **SMALL))
+    two = two * grouped_matmul(lhs, up, interpret=True, **kw, **SMALL)
+    np.testing.assert_allclose(out, np.asarray(two), *TOL[jnp.float32][::-1])
+    with pytest.raises(ValueError, match="up_rhs must match rhs"):
+        grouped_matmul(lhs, gate, up_rhs=up[:, :8], interpret=True, **kw)
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
@@ -466,3 +491,24 @@ def test_gpu_row_groups_decode_shapes(m):
         sizes = jnp.asarray(np.bincount(np.asarray(groups)[~bad], minlength=64).astype(np.int32))
         got = grouped_matmul(lhs[order], rhs, sizes, rhs_index=1)
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), out[order])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [6, 768])
+def test_gpu_glu_decode_shapes(m):
+    """The fused gate/up (SwiGLU) kernel at V2-Lite's expert shape (N 1408, K 2048), stacked at layer 1
+    (gate's layer 0 NaN): 6 unsorted copies (batch 1) and 768 sorted ones (batch 128), against the float32
+    reference."""
+    rng = np.random.default_rng(m)
+    if m == 6:
+        lhs, gate, groups = _row_inputs(m, m, 64, 1408, 2048, jnp.bfloat16, layers=(2, 1))
+        kw = dict(row_groups=groups)
+    else:
+        lhs, gate, gs, stack = _stacked(m, _sizes(m, 64, m - 5), m, 1408, 2048, 2, jnp.bfloat16, True)
+        gate, kw = stack(1), dict(group_sizes=gs)
+    up = jnp.asarray(rng.standard_normal(gate.shape, np.float32) / np.sqrt(2048), jnp.bfloat16)
+    out = grouped_matmul(lhs, gate, up_rhs=up, rhs_index=1, **kw)
+    ref = np.asarray(grouped_matmul_reference(lhs, gate, up_rhs=up, rhs_index=1, **kw))
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref, atol=2e-2, rtol=2e-2)
