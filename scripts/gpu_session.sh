@@ -48,5 +48,20 @@ case $part in
         --ctxs 1024,4096 --no-prefill --profile "$out/prof"
     rm -rf "$out/prof"
     tar czf "$out.tgz" -C "$out" . && rm -rf "$out" ;;
-*)  echo "part must be 1 or 2" >&2; exit 2 ;;
+3)  # session 12, second call: the unsorted decode copies (row_groups) and the fused gate/up kernel on the GPU,
+    # the batch-1 step with both (profile), batch 8 / 128 with the fused gate/up; the batch-1 decode over a 16 GB
+    # pool on both kernels (the Hopper one is what a large pool now gets); the fp8 step at batch 1 / 128
+    run 150 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 6 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_grouped_matmul.py tests/pallas_kernels/test_fp8_matmul.py \
+        tests/mla_jax/test_moe_stacked.py -k "row_groups or glu or stacked or temp"
+    run 200 e2e-bf16 python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --batches 1,8,128 --ctxs 1024,4096 \
+        --no-prefill --profile "$out/prof"
+    rm -rf "$out/prof"
+    run 70 decode-b1-pool python3 bench/decode.py --out "$out" --no-check --no-ragged --device-time --dtypes bf16 \
+        --shapes 1x16x4096,1x16x1024 --pool-gb 16
+    mkdir -p "$out/fp8"
+    run 130 e2e-fp8 python3 -m mla_jax.bench.e2e --out "$out/fp8" --weights fp8 --batches 1,128 --ctxs 4096 \
+        --no-prefill
+    tar czf "$out.tgz" -C "$out" . && rm -rf "$out" ;;
+*)  echo "part must be 1, 2 or 3" >&2; exit 2 ;;
 esac
