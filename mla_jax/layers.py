@@ -14,6 +14,7 @@ from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
 from pallas_kernels import fp8_matmul as fp8
 from pallas_kernels import grouped_matmul as gmm_kernel
+from pallas_kernels import moe_router
 from pallas_kernels import rms_norm as rms_norm_kernel
 
 GMM_IMPLS = ("ragged_dot", "pallas")
@@ -91,47 +92,25 @@ def mlp(p: dict, x: jnp.ndarray, *, intermediate_size: int | None = None, comm: 
 
 
 def route(p_gate: dict, cfg: DeepseekConfig, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Router: x [T, D] -> (weights f32[T, K], expert ids i32[T, K]). Scores in float32 as HF/vLLM do."""
-    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    """Router: x [T, D] -> (weights f32[T, K], expert ids i32[T, K]). Scores in float32 as HF/vLLM do. The
+    logits are one XLA GEMV; the selection (scores, group limit, top-k, weights) is `pallas_kernels.moe_router`:
+    one kernel on a GPU (XLA runs three: softmax, a sort for the top-k, its slice), its reference elsewhere."""
     logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), p_gate["weight"].astype(jnp.float32))  # [T, E]
-    T = x.shape[0]
-    if cfg.scoring_func == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-    else:
-        scores = jax.nn.sigmoid(logits)
-
+    K = cfg.num_experts_per_tok
     if cfg.topk_method == "noaux_tc":
-        # V3: the correction bias steers selection only; weights come from the unbiased sigmoid.
-        choice = scores + p_gate["e_score_correction_bias"].astype(jnp.float32)[None, :]
-        grouped = choice.reshape(T, cfg.n_group, E // cfg.n_group)
-        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, n_group]: sum of top-2
-        choice = _mask_groups(choice, group_scores, cfg, fill=-jnp.inf)
-        _, ids = jax.lax.top_k(choice, K)
-        weights = jnp.take_along_axis(scores, ids, axis=-1)
-        if cfg.norm_topk_prob:
-            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-        weights = weights * cfg.routed_scaling_factor
+        # V3: the correction bias steers selection only; weights come from the unbiased scores.
+        bias = p_gate["e_score_correction_bias"].astype(jnp.float32)
+        kw = dict(n_group=cfg.n_group, topk_group=cfg.topk_group, group_score="top2", fill=-jnp.inf)
+        kw.update(renormalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
     else:
-        choice = scores
-        if cfg.topk_method == "group_limited_greedy":
-            group_scores = jnp.max(scores.reshape(T, cfg.n_group, E // cfg.n_group), axis=-1)
-            choice = _mask_groups(scores, group_scores, cfg, fill=0.0)
-        weights, ids = jax.lax.top_k(choice, K)
         # DeepSeek-V2's gate: renormalise when asked, otherwise scale (V2 and V2-Lite ship norm_topk_prob=false).
-        if cfg.norm_topk_prob and K > 1:
-            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-        else:
-            weights = weights * cfg.routed_scaling_factor
-    return weights, ids.astype(jnp.int32)
-
-
-def _mask_groups(scores: jnp.ndarray, group_scores: jnp.ndarray, cfg: DeepseekConfig, fill: float) -> jnp.ndarray:
-    """Keep the experts of the `topk_group` best groups; the rest get `fill`."""
-    T, E = scores.shape
-    _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)  # [T, topk_group]
-    keep = jnp.zeros((T, cfg.n_group), bool).at[jnp.arange(T)[:, None], top_groups].set(True)
-    keep = jnp.repeat(keep, E // cfg.n_group, axis=1)  # [T, E]
-    return jnp.where(keep, scores, fill)
+        bias, renorm = None, bool(cfg.norm_topk_prob and K > 1)
+        limited = cfg.topk_method == "group_limited_greedy"
+        kw = dict(n_group=cfg.n_group, topk_group=cfg.topk_group) if limited else {}
+        kw.update(group_score="max", fill=0.0, renormalize=renorm, scale=1.0 if renorm else cfg.routed_scaling_factor)
+    if jax.default_backend() == "gpu" and x.shape[0] > 0:
+        return moe_router.moe_topk(logits, bias, top_k=K, scoring=cfg.scoring_func, **kw)
+    return moe_router.moe_topk_reference(logits, bias, top_k=K, scoring=cfg.scoring_func, **kw)
 
 
 def expert_gmm(
