@@ -184,6 +184,7 @@ def _kernel(
     *,
     m: int,
     num_groups: int,
+    num_layers: int,
     bm: int,
     bn: int,
     kb: int,
@@ -197,12 +198,12 @@ def _kernel(
     split = lax.axis_index("s")
     k0 = split * steps  # this split's first K block
     tile, lo, hi, grp = tile_ref[i], lo_ref[i], hi_ref[i], grp_ref[i]
-    layer = layer_ref[0]
-    g = jnp.minimum(grp, num_groups - 1)
+    layer = jnp.clip(layer_ref[0], 0, num_layers - 1)  # clamped here, not by an XLA kernel before the call
+    g = jnp.clip(grp, 0, num_groups - 1)
     row0 = tile * bm
     start = jnp.maximum(lo, row0)
     size = jnp.maximum(jnp.minimum(hi, row0 + bm) - start, 0)  # rows this item stores
-    is_gemm = (grp < num_groups) & (size > 0)
+    is_gemm = (grp >= 0) & (grp < num_groups) & (size > 0)
     s_row = (layer * num_groups + g) * nb + (j * bn) // BLOCK  # this N tile's weight-scale row
 
     def step(idx, a_smem, as_smem, b_smem, total):
@@ -276,6 +277,7 @@ def _impl(xq, xs, w, ws, groups, layer, *, interpret, stages, splits, out_dtype,
             _kernel,
             m=m,
             num_groups=g,
+            num_layers=lyr,
             bm=bm,
             bn=bn,
             kb=kb,
@@ -366,7 +368,7 @@ def fp8_matmul(x, w, w_scale_inv, *, rhs_index=None, interpret=False, out_dtype=
         raise ValueError(f"fp8_matmul: {why}; use fp8_matmul_xla")
     sizes = jnp.full((1,), x.shape[0], jnp.int32)
     if stacked:  # [Lyr, 1 group, N, K]: the grouped kernel's layer axis
-        layer = jnp.clip(jnp.asarray(rhs_index, jnp.int32), 0, w.shape[0] - 1).reshape(1)
+        layer = jnp.asarray(rhs_index, jnp.int32).reshape(1)  # clamped to [0, Lyr) in the kernel
         w, w_scale_inv = w[:, None], w_scale_inv[:, None]
     else:
         layer = jnp.zeros((1,), jnp.int32)
@@ -406,7 +408,7 @@ def fp8_grouped_matmul(
     if (why := unsupported_reason(n, k)) is not None:
         raise ValueError(f"fp8_grouped_matmul: {why}; use fp8_grouped_matmul_xla")
     if stacked:
-        layer = jnp.clip(jnp.asarray(rhs_index, jnp.int32), 0, w.shape[0] - 1).reshape(1)
+        layer = jnp.asarray(rhs_index, jnp.int32).reshape(1)  # clamped to [0, Lyr) in the kernel
     else:
         w, w_scale_inv, layer = w[None], w_scale_inv[None], jnp.zeros((1,), jnp.int32)
     by_row = row_groups is not None

@@ -53,6 +53,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -224,14 +225,13 @@ def row_items(row_groups, num_groups: int, block_m: int):
     """Work list for rows in any order, each with its own group: i32[M] arrays (tile, lo, hi, group).
 
     Item r is row r alone: tile r // block_m, rows [r, r + 1), group row_groups[r]; a group outside
-    [0, G) makes it a padding item (the row comes out 0). Every row has its item, so nothing needs
+    [0, G) makes it a padding item (the kernel stores 0 for the row). Every row has its item, so nothing needs
     sorting; but rows of one group each read that group's weights. For a few rows (one decode
     token's top-k copies), that beats sorting them, which costs a chain of small kernels.
     """
-    m = row_groups.shape[0]
-    r = jnp.arange(m, dtype=jnp.int32)
-    valid = (row_groups >= 0) & (row_groups < num_groups)
-    return r // block_m, r, r + 1, jnp.where(valid, row_groups, num_groups).astype(jnp.int32)
+    del num_groups  # the kernels treat a group outside [0, G) as padding themselves
+    r = np.arange(row_groups.shape[0], dtype=np.int32)  # constants: no XLA kernel builds them each step
+    return jnp.asarray(r // block_m), jnp.asarray(r), jnp.asarray(r + 1), row_groups.astype(jnp.int32)
 
 
 def _load(ref, mask):
@@ -257,6 +257,7 @@ def _kernel(
     n: int,
     k: int,
     num_groups: int,
+    num_layers: int,
     bm: int,
     bn: int,
     bk: int,
@@ -276,9 +277,10 @@ def _kernel(
     cols = col0 + jnp.arange(bn, dtype=jnp.int32)
     row_in = (rows < m)[:, None] if m % bm else None  # static: only a ragged last tile needs it
     col_in = cols < n if n % bn else None
-    is_gemm = grp < num_groups
-    g = jnp.minimum(grp, num_groups - 1)
-    lead = (layer_ref[0], g) if stacked else (g,)  # rhs[layer, g] of stacked layers, else rhs[g]
+    is_gemm = (grp >= 0) & (grp < num_groups)  # else a padding item (zeros)
+    g = jnp.clip(grp, 0, num_groups - 1)
+    # rhs[layer, g] of stacked layers (the index clamped here, not by an XLA kernel before the call), else rhs[g]
+    lead = (jnp.clip(layer_ref[0], 0, num_layers - 1), g) if stacked else (g,)
     if transpose_rhs:  # rhs tile [bn, bk], contract both operands' dim 1
         dims = (((1,), (1,)), ((), ()))
     else:  # rhs tile [bk, bn]
@@ -403,6 +405,7 @@ def _gmm_impl(
         n=n,
         k=k,
         num_groups=g,
+        num_layers=rhs.shape[0] if stacked else 1,
         bm=block_m,
         bn=block_n,
         bk=block_k,
@@ -514,7 +517,7 @@ def grouped_matmul(
     layer = (
         jnp.zeros((1,), jnp.int32)
         if rhs_index is None
-        else jnp.clip(jnp.asarray(rhs_index, jnp.int32), 0, rhs.shape[0] - 1).reshape(1)
+        else jnp.asarray(rhs_index, jnp.int32).reshape(1)  # clamped to [0, Lyr) in the kernel
     )
     return _gmm_impl(
         lhs,

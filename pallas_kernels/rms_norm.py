@@ -61,7 +61,8 @@ def _kernel(*refs, eps: float, d: int, chunk: int, has_residual: bool):
     else:
         x_ref, w_ref, idx_ref, out_ref = refs
     n = d // chunk
-    layer = idx_ref[0]  # the weight's row (0 for an unstacked [1, D] weight)
+    # the weight's row (0 for an unstacked [1, D] weight), clamped here, not by an XLA kernel before the call
+    layer = jnp.clip(idx_ref[0], 0, w_ref.shape[0] - 1)
 
     def h_chunk(c):  # [chunk] in x's dtype
         cols = pl.ds(c * chunk, chunk)
@@ -88,7 +89,7 @@ def _impl(x, residual, weight, weight_index, *, eps: float, interpret: bool, num
     has_residual = residual is not None
     if weight.ndim == 1:  # one weight: row 0 of [1, D] (the wrapper's weight_index is 0)
         weight = weight[None]
-    idx = jnp.clip(weight_index, 0, weight.shape[0] - 1).reshape(1)  # i32[1]
+    idx = jnp.asarray(weight_index, jnp.int32).reshape(1)  # i32[1], clamped in the kernel
     row = pl.BlockSpec((None, d), lambda i: (i, 0))
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
     in_specs = [row] + ([row] if has_residual else []) + [whole(weight.shape), whole((1,))]

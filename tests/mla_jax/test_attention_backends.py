@@ -74,7 +74,8 @@ def test_sparse_prefill_threshold_from_the_measured_table(monkeypatch):
 
 def test_hopper_decode_takes_few_rows_over_a_pool_of_64_bit_offsets():
     """Below SM90_MIN_ROWS rows the Hopper decode declines (Triton is faster) unless the page pool exceeds 4 GB,
-    where the Triton lowering's 64-bit offsets made it 1.6x slower (attention.TRITON_64BIT_POOL_BYTES)."""
+    where the Triton lowering's 64-bit offsets made it 1.6x slower (attention.TRITON_64BIT_POOL_BYTES); batch 1
+    stays on Triton over any pool (latency-bound: the offsets cost nothing there)."""
     from mla_jax import attention
 
     q = jax.ShapeDtypeStruct((128, 1, 16, 576), jnp.bfloat16)
@@ -83,5 +84,8 @@ def test_hopper_decode_takes_few_rows_over_a_pool_of_64_bit_offsets():
     large = jax.ShapeDtypeStruct((attention.TRITON_64BIT_POOL_BYTES // row + 1, 64, 576), jnp.bfloat16)
     assert "Triton is faster" in attention._sm90_declines(q, small, None, None)
     assert attention._sm90_declines(q, large, None, None) is None
+    q1 = jax.ShapeDtypeStruct((1, 1, 16, 576), jnp.bfloat16)
+    assert "batch 1" in attention._sm90_declines(q1, large, None, None)
+    assert "Triton is faster" in attention._sm90_declines(q1, small, None, None)
     q48 = jax.ShapeDtypeStruct((8, 3, 16, 576), jnp.bfloat16)
     assert attention._sm90_declines(q48, small, None, None) is None
