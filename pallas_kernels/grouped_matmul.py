@@ -230,7 +230,8 @@ def row_items(row_groups, num_groups: int, block_m: int):
     token's top-k copies), that beats sorting them, which costs a chain of small kernels.
     """
     del num_groups  # the kernels treat a group outside [0, G) as padding themselves
-    r = np.arange(row_groups.shape[0], dtype=np.int32)  # constants: no XLA kernel builds them each step
+    r = np.arange(row_groups.shape[0], dtype=np.int32)  # (XLA turns these constants into iota kernels: the
+    # Triton kernel computes them from its item index instead)
     return jnp.asarray(r // block_m), jnp.asarray(r), jnp.asarray(r + 1), row_groups.astype(jnp.int32)
 
 
@@ -245,13 +246,8 @@ def _and(a, b):
 
 
 def _kernel(
-    tile_ref,
-    lo_ref,
-    hi_ref,
-    grp_ref,
-    layer_ref,
-    lhs_ref,
     *refs,
+    by_row: bool,
     glu: bool,
     m: int,
     n: int,
@@ -266,11 +262,18 @@ def _kernel(
     stacked: bool,
     precision,
 ):
-    rhs_refs, out_ref = refs[:-1], refs[-1]  # (rhs,) or with glu (gate rhs, up rhs)
+    # the work list (tile, lo, hi, group), or by row only each row's group; the layer; lhs; (rhs,) or with glu
+    # (gate rhs, up rhs); out
+    n_items = 1 if by_row else 4
+    item_refs, (layer_ref, lhs_ref) = refs[:n_items], refs[n_items : n_items + 2]
+    rhs_refs, out_ref = refs[n_items + 2 : -1], refs[-1]
     j = pl.program_id(0)  # N block (fastest: programs in flight share the row tile and expert)
     i = pl.program_id(1)  # work item
     s = pl.program_id(2)  # K split
-    tile, lo, hi, grp = tile_ref[i], lo_ref[i], hi_ref[i], grp_ref[i]
+    if by_row:  # `row_items` from the item index itself (an XLA array of it would be an iota kernel a call)
+        tile, lo, hi, grp = i // bm, i, i + 1, item_refs[0][i]
+    else:
+        tile, lo, hi, grp = (r[i] for r in item_refs)
     row0 = tile * bm
     col0 = j * bn
     rows = row0 + jnp.arange(bm, dtype=jnp.int32)
@@ -388,11 +391,8 @@ def _gmm_impl(
         pad = ((0, block_n - n), (0, 0)) if transpose_rhs else ((0, 0), (0, block_n - n))
         rhss = tuple(jnp.pad(r, lead + pad) for r in rhss)
         n = block_n
-    if by_row:
-        tile, lo, hi, grp = row_items(groups, g, block_m)
-    else:
-        tile, lo, hi, grp = work_items(groups, m, block_m)
-    num_items = tile.shape[0]
+    items = (groups,) if by_row else work_items(groups, m, block_m)  # by row: `row_items`, in the kernel
+    num_items = items[0].shape[0]
     steps_per_split = cdiv(cdiv(k, block_k), num_k_splits)
     splits = cdiv(cdiv(k, block_k), steps_per_split)  # no empty splits
     part_dtype = out_dtype if splits == 1 else jnp.float32
@@ -400,6 +400,7 @@ def _gmm_impl(
     precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None  # exact f32, not TF32
     kernel = functools.partial(
         _kernel,
+        by_row=by_row,
         glu=glu,
         m=m,
         n=n,
@@ -420,7 +421,7 @@ def _gmm_impl(
         grid=(cdiv(n, block_n), num_items, splits),
         # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
         # kernel offsets by its work item itself.
-        in_specs=[whole((num_items,))] * 4 + [whole((1,)), whole(lhs.shape)] + [whole(r.shape) for r in rhss],
+        in_specs=[whole((num_items,))] * len(items) + [whole((1,)), whole(lhs.shape)] + [whole(r.shape) for r in rhss],
         out_specs=whole((parts, m, n)),
         out_shape=jax.ShapeDtypeStruct((parts, m, n), part_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -429,7 +430,7 @@ def _gmm_impl(
             f"grouped_{'glu' if glu else 'matmul'}_bm{block_m}_bn{block_n}_bk{block_k}_w{num_warps}_s{num_stages}"
             f"_ks{splits}"
         ),
-    )(tile, lo, hi, grp, layer, lhs, *rhss)
+    )(*items, layer, lhs, *rhss)
     if splits == 1:
         out = out[0]
     elif glu:
