@@ -195,8 +195,8 @@ def expert_glu(
 
 
 # At most this many token copies (T x top-k) skip the sort by expert: each copy is its own work item of the
-# grouped kernel (`row_groups`). Sorting costs ~8 small XLA kernels a layer (argsort, group sizes, their cumsum,
-# the work list, the inverse permutation); unsorted, a copy re-reads an expert that another copy also hit, which
+# grouped kernel (`row_groups`). Sorting costs a chain of small XLA kernels a layer (argsort, group sizes, their
+# cumsum, the work list, the inverse permutation); unsorted, a copy re-reads an expert that another copy also hit, which
 # one token's distinct top-k never do. 16 copies: one row tile of the kernel (batch 1-2 at V2's top-6).
 BY_ROW_MAX_COPIES = 16
 
@@ -218,10 +218,11 @@ def moe(
 ) -> jnp.ndarray:
     """Routed experts + shared experts. x [T, D] -> [T, D].
 
-    Token copies are sorted by expert and run through grouped matmuls (`expert_gmm` with `gmm_impl`), so
-    each expert only computes its own tokens. `experts` and `layer` (see `model.split_experts`): the routed
-    experts of every layer of the group stacked [layers, E, out, in], used at `layer`, in place of
-    p["experts"].
+    Token copies are sorted by expert and run through grouped matmuls (`expert_glu`, `expert_gmm` with
+    `gmm_impl`), so each expert only computes its own tokens; a decode step's few copies (at most
+    BY_ROW_MAX_COPIES) stay in token order, each its own work item with its own expert (`row_groups`).
+    `experts` and `layer` (see `model.split_experts`): the routed experts of every layer of the group stacked
+    [layers, E, out, in], used at `layer`, in place of p["experts"].
 
     On a mesh (`comm`) this device holds E/n whole experts (expert parallel) or every expert's I/n slice;
     x is replicated, so every device routes all T tokens and keeps the copies routed to its experts (the
