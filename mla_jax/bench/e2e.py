@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ctxs", default="1024,4096,32768", help="decode contexts")
     ap.add_argument("--cache-gb", type=float, default=24.0, help="skip shapes whose cache would need more")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill row")
+    ap.add_argument("--no-engine", action="store_true", help="skip the Engine.step() rows (batch 1 and 32)")
     ap.add_argument(
         "--profile",
         default=None,
@@ -149,7 +150,7 @@ def _run_weights(params, cfg, args, res, ceilings):
             _finish(args, res, quiet=True)  # each row on disk as soon as measured
         if first and not args.no_prefill:
             res["rows"].append(_prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params))
-        for B in [b for b in (1, 32) if b in batches] if first else []:
+        for B in [b for b in (1, 32) if b in batches] if first and not args.no_engine else []:
             for mode in (True, False):  # the same compiled steps, scheduled both ways
                 eng.async_scheduling = mode
                 res["rows"].append(_engine_row(eng, cfg, B) | {"weights": args.weights})
