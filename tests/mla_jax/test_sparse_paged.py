@@ -39,8 +39,17 @@ def setup(request):
     params = model.init_params(cfg, jax.random.key(0), std=0.2)
     rng = np.random.default_rng(1)
     seqs = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (40, 50, 24, 33)]
-    full = [np.asarray(model.forward(params, cfg, jnp.asarray([s]))[0]) for s in seqs]
-    return cfg, params, seqs, full
+    return cfg, params, seqs, full_logits(params, cfg, seqs)
+
+
+def full_logits(params, cfg, seqs):
+    """The full forward's logits [len(s), vocab] of each sequence, from one forward over them zero-padded to one
+    length (causal attention and the causal top-k ignore the padding; one compile)."""
+    ids = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+    logits = np.asarray(model.forward(params, cfg, jnp.asarray(ids)))
+    return [logits[i, : len(s)] for i, s in enumerate(seqs)]
 
 
 # Teacher-forced steps through the paged caches (NaN-poisoned): small pages, a 16-row context workspace, 3-token
@@ -183,16 +192,16 @@ def test_generate_through_the_engine():
     prompts = [[3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26]]
     rids = [eng.add_request(p, SamplingParams(max_new_tokens=6, temperature=0.0)) for p in prompts]
     final = eng.run()
-    for prompt, o in zip(prompts, (final[r] for r in rids)):
-        ids = list(prompt) + list(o.token_ids)
-        assert len(o.token_ids) == 6
-        logits = np.asarray(model.forward(params, cfg, jnp.asarray([ids]))[0])  # teacher-forced: one forward
-        assert list(o.token_ids) == [int(np.argmax(logits[t])) for t in range(len(prompt) - 1, len(ids) - 1)]
+    outs = [list(final[r].token_ids) for r in rids]
+    assert all(len(o) == 6 for o in outs)
+    full = full_logits(params, cfg, [list(p) + o for p, o in zip(prompts, outs)])  # teacher-forced: one forward
+    for prompt, o, logits in zip(prompts, outs, full):
+        assert o == [int(np.argmax(logits[t])) for t in range(len(prompt) - 1, len(prompt) + len(o) - 1)]
 
 
 def test_bad_caches_are_rejected():
     cfg = sparse_config()
-    params = model.init_params(cfg, jax.random.key(0))
+    params = model.init_params(cfg, jax.random.key(0), std=0.2)  # the std of the other tests: no new compile
     md, _ = build_metadata([ScheduledRequest([1, 2], 0, [0])], page_size=8, num_pages=4)
     dense = init_kv_cache(
         cfg.num_hidden_layers,
