@@ -14,7 +14,7 @@ from mla_jax import attention, model
 from mla_jax.cache import init_kv_cache, init_kv_cache_for
 from mla_jax.metadata import ScheduledRequest, build_metadata
 from mla_jax.step import jit_step
-from tests.mla_jax.helpers import paged_config, run_schedule
+from tests.mla_jax.helpers import full_logits, paged_config, run_schedule
 
 ATOL = 1e-4
 K = 8  # index_topk, below most sequence lengths here
@@ -40,16 +40,6 @@ def setup(request):
     rng = np.random.default_rng(1)
     seqs = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (40, 50, 24, 33)]
     return cfg, params, seqs, full_logits(params, cfg, seqs)
-
-
-def full_logits(params, cfg, seqs):
-    """The full forward's logits [len(s), vocab] of each sequence, from one forward over them zero-padded to one
-    length (causal attention and the causal top-k ignore the padding; one compile)."""
-    ids = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = s
-    logits = np.asarray(model.forward(params, cfg, jnp.asarray(ids)))
-    return [logits[i, : len(s)] for i, s in enumerate(seqs)]
 
 
 # Teacher-forced steps through the paged caches (NaN-poisoned): small pages, a 16-row context workspace, 3-token
