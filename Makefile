@@ -31,9 +31,11 @@ lint: $(STAMP)
 
 # Each test file in a fresh process, two at a time: a test module's process-wide state (XLA's CPU client, jax
 # config, signal handlers) cannot reach another module (a shared xdist worker segfaulted in a later module's
-# compile, then hung the run).
+# compile, then hung the run). Files in reverse name order: the slowest (tests/test_notebooks.py, the interpreted
+# Mosaic GPU kernels of tests/pallas_kernels) start first and the many short tests/mla_jax files fill both lanes at
+# the end (in name order the notebooks started last and ran alone for their last minute or two).
 test: $(STAMP)
-	$(VPY) -m pytest --collect-only -q -p no:cacheprovider | grep '::' | cut -d: -f1 | sort -u \
+	$(VPY) -m pytest --collect-only -q -p no:cacheprovider | grep '::' | cut -d: -f1 | sort -ru \
 		| xargs -P 2 -I{} sh -c 'log=$$(mktemp); if $(VPY) -m pytest -q -p no:cacheprovider -rfE {} > $$log 2>&1; \
 			then echo "ok     {}: $$(tail -1 $$log)"; else echo "FAILED {}"; tail -60 $$log; exit 1; fi'
 

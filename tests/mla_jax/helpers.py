@@ -47,6 +47,21 @@ def tiny_config(**overrides) -> DeepseekConfig:
     return DeepseekConfig.from_dict(d)
 
 
+def full_logits(params, cfg, seqs):
+    """The full forward's logits f32[len(s), vocab] of each sequence, from one forward over them zero-padded to one
+    length (causal attention, the causal top-k and per-token routing ignore the padding: one compile)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mla_jax import model
+
+    ids = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+    logits = np.asarray(model.forward(params, cfg, jnp.asarray(ids)))
+    return [logits[i, : len(s)] for i, s in enumerate(seqs)]
+
+
 def paged_config(**overrides) -> DeepseekConfig:
     """Tiny config whose head dims the Pallas kernels accept (powers of two >= 16)."""
     return tiny_config(**{"qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, **overrides})

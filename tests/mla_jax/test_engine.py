@@ -13,16 +13,21 @@ from mla_jax.sampling import SamplingParams
 from tests.mla_jax.helpers import paged_config
 
 # fp32 cache: exact comparisons with the full forward (a bf16 cache moves logits by ~1e-2, enough to flip
-# MoE routing of random weights).
+# MoE routing of random weights). One decode and one prefill bucket: every test on this config runs the same
+# three step shapes (decode, prefill, mixed), compiled once for the module by the warm-up test (the first test);
+# the step shapes' compiles are most of this file's time. Several buckets: test_no_recompiles_after_warmup here,
+# test_soak's batch-invariant solo runs (outputs across buckets).
 SMALL = dict(
     max_model_len=64,
     max_num_seqs=8,
     page_size=16,
     token_budget=64,
     max_prefills=2,
-    prefill_buckets=(16, 32, 64),
+    decode_buckets=(8,),
+    prefill_buckets=(64,),
     cache_dtype="fp32",
 )
+TIGHT_PAGES = 7  # 6 usable pages of 16 tokens: preemptions (the tests with a tight pool share its compiles)
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +37,50 @@ def tiny():
     return cfg, params
 
 
-FORWARD = jax.jit(model.forward, static_argnums=1)  # the full forward, compiled once per shape
+def full_logits(params, cfg, ids):
+    """The full-sequence forward's logits [len(ids), vocab] for one sequence, padded to max_model_len (causal:
+    the padding is ignored; one compile for every length)."""
+    padded = np.zeros((1, SMALL["max_model_len"]), np.int32)
+    padded[0, : len(ids)] = ids
+    return np.asarray(model.forward(params, cfg, jnp.asarray(padded)))[0, : len(ids)]
 
 
 def greedy_reference(params, cfg, prompt, n):
-    """Greedy decoding over the full-sequence forward, padded to one length (causal: padding is ignored)."""
-    total = len(prompt) + n
-    ids = np.zeros((1, SMALL["max_model_len"]), np.int32)
-    ids[0, : len(prompt)] = prompt
-    for t in range(len(prompt), total):
-        ids[0, t] = int(jnp.argmax(FORWARD(params, cfg, jnp.asarray(ids))[0, t - 1]))
-    return ids[0, len(prompt) : total].tolist()
+    """Greedy decoding over the full-sequence forward."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(np.argmax(full_logits(params, cfg, ids)[-1])))
+    return ids[len(prompt) :]
+
+
+def test_full_warmup_leaves_nothing_to_compile(tiny):
+    """warmup(all_shapes=True) compiles every step a greedy and plain-sampling workload can need (mixed prefill +
+    decode steps included); with top_logprobs=True, filtered=True also the variants of top-k / top-p sampling
+    (which sorts the vocabulary) and top logprobs, so that a workload using them compiles nothing either.
+
+    First in the module, on a cleared compilation cache: the warm-ups compile every step shape of SMALL, which
+    the later tests then reuse."""
+    cfg, params = tiny
+    jax.clear_caches()  # nothing compiled by an earlier test: each warm-up here compiles its steps itself
+    rng = np.random.default_rng(3)
+    sps = [
+        SamplingParams(max_new_tokens=5),
+        SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(max_new_tokens=4, temperature=1.0, top_k=5, seed=2, top_logprobs=2),
+        SamplingParams(max_new_tokens=7, temperature=0.5, seed=3),
+    ]
+    for variants, workload in ((False, [sps[0], sps[3]]), (True, sps)):
+        eng = Engine(params, cfg, EngineConfig(**SMALL))
+        start = eng.counter.count
+        eng.warmup(all_shapes=True, top_logprobs=variants, filtered=variants)
+        before = eng.counter.count
+        assert before - start >= (9 if variants else 3)  # the 3 step shapes (x 4 variants, 3 x 1 compiled before)
+        for i, sp in enumerate(workload * 2):
+            eng.add_request(rng.integers(0, cfg.vocab_size, int(rng.integers(1, 30))).tolist(), sp)
+            if i % 3 == 0:
+                eng.step()  # requests join while others decode: mixed steps
+        eng.run()
+        assert eng.counter.count == before, f"{eng.counter.count - before} steps compiled after the warm-up {variants=}"
 
 
 def test_generate_greedy_equals_full_forward(tiny):
@@ -60,7 +98,7 @@ def test_no_recompiles_after_warmup(tiny):
     """After warm-up of every decode bucket, 1,000 decode steps whose batch size changes every step compile
     nothing new."""
     cfg, params = tiny
-    eng = Engine(params, cfg, EngineConfig(**SMALL))
+    eng = Engine(params, cfg, EngineConfig(**{**SMALL, "decode_buckets": (1, 2, 4, 8)}))
     seconds = eng.warmup(prefill=False)
     print(f"warm-up compile of {len(eng.config.decode_buckets)} decode buckets: {seconds:.1f} s")
     before = eng.counter.count
@@ -94,16 +132,14 @@ def test_sampling_controls(tiny):
     assert a.token_ids == b.token_ids != c.token_ids  # per-request seeds
     assert a.token_ids != greedy.token_ids
     # logprobs are those of the raw model distribution at each sampled token
-    ids = np.asarray([prompt + a.token_ids], np.int32)
-    lp = jax.nn.log_softmax(model.forward(params, cfg, jnp.asarray(ids))[0], axis=-1)
+    lp = jax.nn.log_softmax(full_logits(params, cfg, prompt + a.token_ids), axis=-1)
     want = [float(lp[len(prompt) - 1 + t, tok]) for t, tok in enumerate(a.token_ids)]
     np.testing.assert_allclose(a.logprobs, want, atol=1e-4)
     # top-k restricts samples to the k most likely tokens
     k3 = generate(
         params, cfg, [prompt], SamplingParams(temperature=5.0, top_k=3, max_new_tokens=8, seed=9), EngineConfig(**SMALL)
     )[0]
-    ids = np.asarray([prompt + k3.token_ids], np.int32)
-    logits = np.asarray(model.forward(params, cfg, jnp.asarray(ids))[0])
+    logits = np.asarray(full_logits(params, cfg, prompt + k3.token_ids))
     for t, tok in enumerate(k3.token_ids):
         assert tok in np.argsort(-logits[len(prompt) - 1 + t])[:3]
 
@@ -126,7 +162,7 @@ def test_preemption_keeps_outputs(tiny):
     prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(10, 30, 6)]
     sps = [SamplingParams(max_new_tokens=12, temperature=t, seed=i) for i, t in enumerate([0, 1, 0, 1, 0, 1])]
     roomy = generate(params, cfg, prompts, sps, EngineConfig(**SMALL))
-    eng = Engine(params, cfg, EngineConfig(**{**SMALL, "num_pages": 6}))  # 5 usable pages of 16 tokens
+    eng = Engine(params, cfg, EngineConfig(**{**SMALL, "num_pages": TIGHT_PAGES}))
     ids = [eng.add_request(p, s) for p, s in zip(prompts, sps)]
     final = eng.run()
     assert eng.scheduler.num_preemptions > 0
@@ -183,8 +219,7 @@ def test_top_logprobs(tiny):
     a, b = generate(params, cfg, [prompt, [5, 6, 7]], [sp, SamplingParams(max_new_tokens=4)], EngineConfig(**SMALL))
     assert b.top_logprobs is None and b.logprobs is None
     assert b.token_ids == greedy_reference(params, cfg, [5, 6, 7], 4)
-    ids = np.asarray([prompt + a.token_ids], np.int32)
-    lp = np.asarray(jax.nn.log_softmax(model.forward(params, cfg, jnp.asarray(ids))[0], axis=-1))
+    lp = np.asarray(jax.nn.log_softmax(full_logits(params, cfg, prompt + a.token_ids), axis=-1))
     assert len(a.top_logprobs) == len(a.token_ids) == len(a.logprobs)
     for t, (tok, top) in enumerate(zip(a.token_ids, a.top_logprobs)):
         row = lp[len(prompt) - 1 + t]
@@ -216,7 +251,9 @@ def test_async_scheduling_same_outputs_and_overlapped(tiny, monkeypatch):
             + [(10, 0, 0, 1, 0), (4, 0.5, 3, 1, 0), (8, 1, 0, 0.8, 1)]
         )
     ]
-    sync_cfg = EngineConfig(**{**SMALL, "num_pages": 7, "enable_prefix_caching": True, "async_scheduling": False})
+    sync_cfg = EngineConfig(
+        **{**SMALL, "num_pages": TIGHT_PAGES, "enable_prefix_caching": True, "async_scheduling": False}
+    )
     # request 0 stops on any of a quarter of the vocabulary: it ends early, with a row in flight
     sps[0] = SamplingParams(max_new_tokens=9, stop_token_ids=tuple(range(2, cfg.vocab_size, 4)))
 
@@ -255,34 +292,6 @@ def test_async_scheduling_same_outputs_and_overlapped(tiny, monkeypatch):
     assert reads_sync == list(range(1, len(reads_sync) + 1))  # sync: step k's ids read before step k+1 launches
     # async: step k's ids are read once step k+1 is launched (except when nothing was left to launch)
     assert sum(n == k + 2 for k, n in enumerate(reads_async)) >= len(reads_async) - 3
-
-
-@pytest.mark.parametrize("variants", [True, False])
-def test_full_warmup_leaves_nothing_to_compile(tiny, variants):
-    """warmup(all_shapes=True, top_logprobs=True, filtered=True) compiles every step a workload can need: mixed
-    prefill + decode steps, top-k / top-p sampling (which sorts the vocabulary: its own variant) and top
-    logprobs; without the variants, a greedy and plain-sampling workload compiles nothing either."""
-    cfg, params = tiny
-    eng = Engine(
-        params, cfg, EngineConfig(**{**SMALL, "max_num_seqs": 4, "decode_buckets": (4,), "prefill_buckets": (64,)})
-    )
-    eng.warmup(all_shapes=True, top_logprobs=variants, filtered=variants)
-    before = eng.counter.count
-    rng = np.random.default_rng(3)
-    sps = [
-        SamplingParams(max_new_tokens=5),
-        SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=1),
-        SamplingParams(max_new_tokens=4, temperature=1.0, top_k=5, seed=2, top_logprobs=2),
-        SamplingParams(max_new_tokens=7, temperature=0.5, seed=3),
-    ]
-    if not variants:
-        sps = [sps[0], sps[3]]
-    for i, sp in enumerate(sps * 2):
-        eng.add_request(rng.integers(0, cfg.vocab_size, int(rng.integers(1, 30))).tolist(), sp)
-        if i % 3 == 0:
-            eng.step()  # requests join while others decode: mixed steps
-    eng.run()
-    assert eng.counter.count == before, f"{eng.counter.count - before} steps compiled after the full warm-up"
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import pytest
 
 from mla_jax import model
 from mla_jax.metadata import BatchShape, MetadataError, ScheduledRequest, build_metadata, validate_metadata
-from tests.mla_jax.helpers import paged_config, run_schedule
+from tests.mla_jax.helpers import full_logits, paged_config, run_schedule
 
 ATOL = 1e-4  # float32 everywhere; paged vs full differ only by summation order
 
@@ -18,8 +18,7 @@ def setup():
     params = model.init_params(cfg, jax.random.key(0), std=0.2)
     rng = np.random.default_rng(1)
     seqs = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (40, 70, 24, 33)]
-    full = [np.asarray(model.forward(params, cfg, jnp.asarray([s]))[0]) for s in seqs]
-    return cfg, params, seqs, full
+    return cfg, params, seqs, full_logits(params, cfg, seqs)
 
 
 # (request, new tokens) per step: prompts chunked over steps, decodes, multi-token decodes, late arrivals.

@@ -14,7 +14,7 @@ from mla_jax import attention, model
 from mla_jax.cache import init_kv_cache, init_kv_cache_for
 from mla_jax.metadata import ScheduledRequest, build_metadata
 from mla_jax.step import jit_step
-from tests.mla_jax.helpers import paged_config, run_schedule
+from tests.mla_jax.helpers import full_logits, paged_config, run_schedule
 
 ATOL = 1e-4
 K = 8  # index_topk, below most sequence lengths here
@@ -39,8 +39,7 @@ def setup(request):
     params = model.init_params(cfg, jax.random.key(0), std=0.2)
     rng = np.random.default_rng(1)
     seqs = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (40, 50, 24, 33)]
-    full = [np.asarray(model.forward(params, cfg, jnp.asarray([s]))[0]) for s in seqs]
-    return cfg, params, seqs, full
+    return cfg, params, seqs, full_logits(params, cfg, seqs)
 
 
 # Teacher-forced steps through the paged caches (NaN-poisoned): small pages, a 16-row context workspace, 3-token
@@ -183,16 +182,16 @@ def test_generate_through_the_engine():
     prompts = [[3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26]]
     rids = [eng.add_request(p, SamplingParams(max_new_tokens=6, temperature=0.0)) for p in prompts]
     final = eng.run()
-    for prompt, o in zip(prompts, (final[r] for r in rids)):
-        ids = list(prompt) + list(o.token_ids)
-        assert len(o.token_ids) == 6
-        logits = np.asarray(model.forward(params, cfg, jnp.asarray([ids]))[0])  # teacher-forced: one forward
-        assert list(o.token_ids) == [int(np.argmax(logits[t])) for t in range(len(prompt) - 1, len(ids) - 1)]
+    outs = [list(final[r].token_ids) for r in rids]
+    assert all(len(o) == 6 for o in outs)
+    full = full_logits(params, cfg, [list(p) + o for p, o in zip(prompts, outs)])  # teacher-forced: one forward
+    for prompt, o, logits in zip(prompts, outs, full):
+        assert o == [int(np.argmax(logits[t])) for t in range(len(prompt) - 1, len(prompt) + len(o) - 1)]
 
 
 def test_bad_caches_are_rejected():
     cfg = sparse_config()
-    params = model.init_params(cfg, jax.random.key(0))
+    params = model.init_params(cfg, jax.random.key(0), std=0.2)  # the std of the other tests: no new compile
     md, _ = build_metadata([ScheduledRequest([1, 2], 0, [0])], page_size=8, num_pages=4)
     dense = init_kv_cache(
         cfg.num_hidden_layers,
