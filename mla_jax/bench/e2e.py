@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         default="bf16",
         help="bf16, fp8 (block-FP8 linears and experts, W8A8) or both in one run (bf16,fp8): rows get `weights`",
     )
-    ap.add_argument("--batches", default="1,8,32,128", help="decode batch sizes")
-    ap.add_argument("--ctxs", default="1024,4096,32768", help="decode contexts")
+    ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,8,32,128; --smoke: 1,4)")
+    ap.add_argument("--ctxs", default=None, help="decode contexts (default 1024,4096,32768; --smoke: 32,128)")
     ap.add_argument("--cache-gb", type=float, default=24.0, help="skip shapes whose cache would need more")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill row")
     ap.add_argument("--no-engine", action="store_true", help="skip the Engine.step() rows (batch 1 and 32)")
@@ -127,10 +127,12 @@ def main(argv: list[str] | None = None) -> None:
 def _run_weights(params, cfg, args, res, ceilings):
     """The decode, prefill and engine rows of one model (`args.weights`) into res["rows"]."""
     G = GPU_PAGE_SIZE
-    batches, ctxs = tuple(map(int, args.batches.split(","))), tuple(map(int, args.ctxs.split(",")))
     S, P = 2048, 8
     if args.smoke:
-        G, batches, ctxs, S, P = 16, (1, 4), (32, 128), 64, 2
+        G, S, P = 16, 64, 2
+    default_batches, default_ctxs = ("1,4", "32,128") if args.smoke else ("1,8,32,128", "1024,4096,32768")
+    batches = tuple(map(int, (args.batches or default_batches).split(",")))
+    ctxs = tuple(map(int, (args.ctxs or default_ctxs).split(",")))
     row_bytes = 2 * cfg.cache_row_dim
     # Shapes whose cache fits next to the weights (batch 128 at 32k would need 130 GB). Contexts up to `base`
     # (4096) share one engine with max_model_len `base`, as the earlier rows did; each longer one gets its own.
