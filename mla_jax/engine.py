@@ -410,11 +410,16 @@ class Engine:
         """Host arrays on the device, or replicated over the plan's mesh."""
         return jax.device_put(tree) if self.plan is None else self.plan.replicate(tree)
 
+    def _step_input(self, tree):
+        """A step's host inputs as the jitted step takes them: on one device the numpy buffer itself (jit's C++
+        dispatch transfers it for a fraction of `jax.device_put`'s host time), over a mesh replicated."""
+        return tree if self.plan is None else self.plan.replicate(tree)
+
     def _dispatch(self, md: AttentionMetadata, sampling: SamplingArrays, prev_index: np.ndarray | None = None):
         """Launches one jitted step (asynchronously) and starts copying its sampled ids and logprobs to the host;
         returns them as device arrays. The host inputs go as one buffer (one transfer); rows with `prev_index`
         >= 0 take their input id from the previous step's ids on the device (`step.engine_step`)."""
-        batch = self._to_device(step_lib.step_batch(md, sampling, prev_index))
+        batch = self._step_input(step_lib.step_batch(md, sampling, prev_index))
         tokens, logprobs, self.cache, self.token_buffer = step_lib.engine_step(
             self.params,
             self.cfg,
@@ -439,7 +444,7 @@ class Engine:
     def _run_spec(self, md: AttentionMetadata, sampling: SamplingArrays, spec: spec_decode.SpecArrays):
         """One jitted speculative step (`spec_decode.spec_step`): (tokens [E, k+1], num_out [E], logprobs
         [E, k+1], MTP drafts [E, k]) on the host, E = decode entries then prefills."""
-        batch = self._to_device(Packed.of((md, sampling, spec)))  # one transfer
+        batch = self._step_input(Packed.of((md, sampling, spec)))  # one transfer
         *out, self.cache = spec_decode.spec_step(
             self.params,
             self.cfg,

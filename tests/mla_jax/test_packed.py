@@ -27,6 +27,7 @@ def test_round_trip_bits_inside_jit():
         s=np.int32(7) + np.zeros((), np.int32),
         b=np.array([True, False, True]),
         e=np.zeros((0, 4), np.int32),
+        t=np.arange(6, dtype=np.float32).reshape(2, 3).T,  # not contiguous
     )
     packed = Packed.of(tree)
     assert len(jax.tree.leaves(packed)) == 1 and packed.buf.dtype == np.int32
