@@ -36,6 +36,10 @@ with its own group (`row_items`). For one decode token's top-k copies this skips
 group sizes and the inverse permutation (a chain of small XLA kernels, ~10 us a MoE layer at batch
 1) at no cost in weight reads, since one token's experts are distinct.
 
+Gate and up in one pass (`up_rhs`, the experts' up projection beside rhs, their gate): each program loads both
+weights' tiles for its rows and writes silu(gate) * up from its two float32 accumulators (split K: the partials
+of each, summed and combined by XLA), one launch where two GEMMs and an elementwise kernel were.
+
 Weight-bound decode (few rows per expert) wants enough programs in flight to saturate HBM: small
 row tiles (16) and narrow N blocks, and optionally `num_k_splits` > 1, which writes float32 partials
 [S, M, N] that XLA sums (cheap when M is small).
