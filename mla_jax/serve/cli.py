@@ -164,6 +164,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
 
 
+def warmup_args(mode: str, logprobs: bool, defaults) -> dict | None:
+    """`Engine.warmup`'s keyword arguments for `--warmup MODE` (None for "none"): every decode and prefill shape;
+    the top-logprobs variants with `--warmup-logprobs`; the top-k/top-p variants when the checkpoint's sampling
+    defaults (`GenerationDefaults`) filter, as most requests then will; "full": every variant of every shape."""
+    if mode == "none":
+        return None
+    full = mode == "full"
+    filtered = full or (defaults.temperature > 0 and (defaults.top_p < 1 or defaults.top_k > 0))
+    return dict(prefill=True, top_logprobs=logprobs or full, all_shapes=full, filtered=filtered)
+
+
 def _log(msg: str) -> None:
     print(f"mla-jax serve: {msg}", file=sys.stderr, flush=True)
 
@@ -245,12 +256,8 @@ def run(args: argparse.Namespace) -> int:
         f"{'on' if c.enable_prefix_caching else 'off'}{', mesh ' + plan.describe() if plan else ''}"
     )
     defaults = GenerationDefaults.from_dir(args.model)
-    if args.warmup != "none":
-        # the top-k/top-p variants too when the checkpoint's sampling defaults filter (most requests will); every
-        # variant with "full"
-        full = args.warmup == "full"
-        filtered = full or (defaults.temperature > 0 and (defaults.top_p < 1 or defaults.top_k > 0))
-        s = engine.warmup(prefill=True, top_logprobs=args.warmup_logprobs or full, all_shapes=full, filtered=filtered)
+    if (kw := warmup_args(args.warmup, args.warmup_logprobs, defaults)) is not None:
+        s = engine.warmup(**kw)
         _log(f"compiled the step shapes ({args.warmup}) in {s:.1f} s")
 
     import uvicorn

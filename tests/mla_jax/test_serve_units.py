@@ -241,3 +241,20 @@ def test_engine_loop_streams_aborts_and_fails():
         await ae.aclose()
 
     asyncio.run(main())
+
+
+def test_warmup_modes_map_onto_engine_warmup():
+    """`serve --warmup`: "none" compiles nothing, "basic" the shapes (and the filtered variants when the
+    checkpoint's defaults filter, the logprob ones when asked), "full" every variant (`Engine.warmup`'s
+    all_shapes, tested in test_engine to leave nothing to compile)."""
+    from mla_jax.serve.cli import warmup_args
+
+    greedy, nucleus = GenerationDefaults(temperature=0.0), GenerationDefaults(temperature=0.7, top_p=0.9)
+    assert warmup_args("none", True, nucleus) is None
+    basic = dict(prefill=True, top_logprobs=False, all_shapes=False, filtered=False)
+    assert warmup_args("basic", False, greedy) == basic
+    assert warmup_args("basic", False, GenerationDefaults()) == basic  # temperature 1, no top-k/top-p: unfiltered
+    assert warmup_args("basic", True, nucleus) == basic | dict(top_logprobs=True, filtered=True)
+    assert warmup_args("basic", False, GenerationDefaults(top_k=40)) == basic | dict(filtered=True)
+    full = dict(prefill=True, top_logprobs=True, all_shapes=True, filtered=True)
+    assert warmup_args("full", False, greedy) == full
