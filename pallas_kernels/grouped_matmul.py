@@ -62,7 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.util import FLOAT_DTYPES, cdiv, is_pow2, next_pow2, num_sms
+from pallas_kernels.util import FLOAT_DTYPES, cdiv, check_stacked_index, is_pow2, next_pow2, num_sms
 
 
 def _validate(
@@ -91,7 +91,7 @@ def _validate(
         )
         raise ValueError(f"rhs must be {want}, got shape {getattr(rhs, 'shape', None)}")
     if stacked:
-        _check_rhs_index(rhs_index, rhs.shape[0])
+        check_stacked_index(rhs_index, rhs.shape[0], "rhs_index", f"rhs with {rhs.shape[0]} stacked layers")
         rhs = jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype)  # one layer, for the checks below
     if jnp.dtype(lhs.dtype) not in FLOAT_DTYPES:
         raise ValueError(f"lhs dtype must be bfloat16, float16 or float32, got {lhs.dtype}")
@@ -134,25 +134,6 @@ def _check_groups(group_sizes, row_groups, g: int, m: int):
         raise ValueError(f"{name} must be {want}, got shape {getattr(arr, 'shape', None)}")
     if jnp.dtype(arr.dtype) != jnp.int32:
         raise ValueError(f"{name} dtype must be int32, got {arr.dtype}")
-
-
-def _check_rhs_index(rhs_index, num_layers: int):
-    """rhs_index: an integer scalar; a static one must lie in [0, num_layers) (a traced one is
-    clamped there by `grouped_matmul`)."""
-    shape = getattr(rhs_index, "shape", ())
-    dtype = getattr(rhs_index, "dtype", None)
-    if (
-        isinstance(rhs_index, bool)
-        or shape != ()
-        or not (isinstance(rhs_index, int) or (dtype is not None and jnp.issubdtype(dtype, jnp.integer)))
-    ):
-        raise ValueError(f"rhs_index must be an integer scalar, got {rhs_index!r}")
-    try:
-        value = int(rhs_index)  # static: a Python or numpy int, or a concrete array
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        return
-    if not 0 <= value < num_layers:
-        raise ValueError(f"rhs_index={value} is out of range for rhs with {num_layers} stacked layers")
 
 
 def default_tuning(m: int, n: int, k: int, g: int, dtype, sms: int | None = None):

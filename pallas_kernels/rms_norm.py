@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.util import FLOAT_DTYPES
+from pallas_kernels.util import FLOAT_DTYPES, check_stacked_index
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "chunk_width"]
 
@@ -134,10 +134,7 @@ def add_rms_norm(
     if weight_index is not None:
         if weight.ndim != 2 or weight.shape[1] != x.shape[1]:
             raise ValueError(f"a stacked weight must be [Lyr, D={x.shape[1]}], got shape {weight.shape}")
-        if jnp.ndim(weight_index) != 0 or not jnp.issubdtype(jnp.result_type(weight_index), jnp.integer):
-            raise ValueError(f"weight_index must be an integer scalar, got {weight_index!r}")
-        if not isinstance(weight_index, jax.core.Tracer) and not 0 <= int(weight_index) < weight.shape[0]:
-            raise ValueError(f"weight_index={int(weight_index)} is out of range for {weight.shape[0]} stacked weights")
+        check_stacked_index(weight_index, weight.shape[0], "weight_index", f"{weight.shape[0]} stacked weights")
     if chunk_width(x.shape[1]) is None or x.shape[0] == 0:
         return add_rms_norm_reference(x, residual, weight, eps=eps, weight_index=weight_index)
     index = jnp.zeros((), jnp.int32) if weight_index is None else jnp.asarray(weight_index, jnp.int32)

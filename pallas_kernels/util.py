@@ -62,6 +62,25 @@ def cdiv(a, b):
 # Device and interpreter
 
 
+def check_stacked_index(index, num_layers: int, name: str, what: str) -> None:
+    """The layer index of weights stacked over a scan's layers: an integer scalar; a static one must lie in
+    [0, num_layers) (`what`: the stack, for the message); a traced one is clamped by the kernel that reads it."""
+    shape = getattr(index, "shape", ())
+    dtype = getattr(index, "dtype", None)
+    if (
+        isinstance(index, bool)
+        or shape != ()
+        or not (isinstance(index, int) or (dtype is not None and jnp.issubdtype(dtype, jnp.integer)))
+    ):
+        raise ValueError(f"{name} must be an integer scalar, got {index!r}")
+    try:
+        value = int(index)  # static: a Python or numpy int, or a concrete array
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return
+    if not 0 <= value < num_layers:
+        raise ValueError(f"{name}={value} is out of range for {what}")
+
+
 def num_sms() -> int:
     """SM count of the default device (132 on H200); 132 when unknown (CPU, interpret mode)."""
     try:
