@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import _check_groups, row_items, work_items
+from pallas_kernels.grouped_matmul import check_groups, row_items, work_items
 from pallas_kernels.mgpu import interpret_params, static_interpret, tiled
 from pallas_kernels.util import BF16, F32, FP8, cdiv, num_sms
 
@@ -404,7 +404,7 @@ def fp8_grouped_matmul(
     _check_weight(w, w_scale_inv)
     g, n, k = w.shape[-3:]
     _check_x(x, k)
-    _check_groups(group_sizes, row_groups, g, x.shape[0])
+    check_groups(group_sizes, row_groups, g, x.shape[0])
     if (why := unsupported_reason(n, k)) is not None:
         raise ValueError(f"fp8_grouped_matmul: {why}; use fp8_grouped_matmul_xla")
     if stacked:

@@ -108,7 +108,7 @@ def _validate(
         )
     if m < 1 or k < 1 or g < 1 or min(rhs.shape) < 1:
         raise ValueError(f"empty dimension: lhs {lhs.shape}, rhs {rhs.shape}")
-    _check_groups(group_sizes, row_groups, g, m)
+    check_groups(group_sizes, row_groups, g, m)
     for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if b is not None and not (is_pow2(b) and b >= 16):
             raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot)")
@@ -124,7 +124,7 @@ def _validate(
         )
 
 
-def _check_groups(group_sizes, row_groups, g: int, m: int):
+def check_groups(group_sizes, row_groups, g: int, m: int):
     """Exactly one of group_sizes i32[G] (rows sorted by group) and row_groups i32[M] (each row's group)."""
     if (group_sizes is None) == (row_groups is None):
         raise ValueError("give exactly one of group_sizes (rows sorted by group) and row_groups (each row's group)")
