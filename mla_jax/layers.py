@@ -121,6 +121,7 @@ def expert_gmm(
     layer: jnp.ndarray | int | None = None,
     scale_inv: jnp.ndarray | None = None,
     row_groups: jnp.ndarray | None = None,
+    shared_w: jnp.ndarray | None = None,
 ) -> jnp.ndarray:
     """Grouped matmul of expert-sorted rows: lhs [M, in] x w [E, out, in] (HF layout) -> [M, out].
 
@@ -132,7 +133,9 @@ def expert_gmm(
     `scale_inv` (fp8 experts: w e4m3 with block scales [(layers,) E, cdiv(out,128), cdiv(in,128)]): the W8A8
     grouped GEMM on a GPU for either impl (`fp8_grouped_matmul`, in place), else dequantize + ragged_dot.
     `row_groups` (instead of group_sizes, rows unsorted, each row's expert; `by_row_ok` says where it is taken):
-    the kernels' one-item-per-row work list.
+    the kernels' one-item-per-row work list; lhs may then hold one row per token (`grouped_matmul`).
+    `shared_w` (bf16 "pallas" only, `shared_fusable`): the shared experts' weight [(layers,) out, S*in] or
+    [(layers,) S*out, in], whose S expert-sized chunks are groups E..E+S-1 (`grouped_matmul(shared_rhs=)`).
     """
     if impl not in GMM_IMPLS:
         raise ValueError(f"gmm_impl must be one of {GMM_IMPLS}, got {impl!r}")
@@ -154,8 +157,11 @@ def expert_gmm(
             row_groups=row_groups,
             transpose_rhs=True,
             rhs_index=layer,
+            shared_rhs=shared_w,
             interpret=jax.default_backend() == "cpu",
         )
+    if shared_w is not None:
+        raise ValueError(f"shared_w needs the grouped Pallas kernel (gmm_impl='pallas'), not {impl!r}")
     if layer is not None:
         w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
     # rhs is [E, out, in] (HF layout): contract lhs dim 1 with rhs dim 2.
@@ -173,13 +179,16 @@ def expert_glu(
     impl: str = "ragged_dot",
     layer: jnp.ndarray | int | None = None,
     row_groups: jnp.ndarray | None = None,
+    shared: dict | None = None,
 ) -> jnp.ndarray:
     """The experts' SwiGLU input silu(lhs @ gate^T) * (lhs @ up^T) [M, I] for expert-sorted (or `row_groups`)
     rows; gate / up: the `gate_proj` / `up_proj` param dicts. bf16 experts with impl "pallas": one kernel
     (`grouped_matmul(..., up_rhs=)`: both weights' tiles per program, the SwiGLU on its float32 accumulators),
-    else two `expert_gmm`s and the elementwise product."""
+    else two `expert_gmm`s and the elementwise product. `shared`: the shared experts' params (their gate/up
+    chunks are groups E.., see `expert_gmm`)."""
     g, u = gate["weight"], up["weight"]
     if impl == "pallas" and not is_fp8(gate):
+        sg, su = (None, None) if shared is None else (shared["gate_proj"]["weight"], shared["up_proj"]["weight"])
         return gmm_kernel.grouped_matmul(
             lhs,
             g,
@@ -188,16 +197,21 @@ def expert_glu(
             up_rhs=u,
             transpose_rhs=True,
             rhs_index=layer,
+            shared_rhs=sg,
+            shared_up_rhs=su,
             interpret=jax.default_backend() == "cpu",
         )
+    if shared is not None:
+        raise ValueError("the shared experts join the routed kernel only for bf16 experts with gmm_impl='pallas'")
     h = expert_gmm(lhs, g, group_sizes, impl, layer, gate.get("weight_scale_inv"), row_groups)
     return jax.nn.silu(h) * expert_gmm(lhs, u, group_sizes, impl, layer, up.get("weight_scale_inv"), row_groups)
 
 
-# At most this many token copies (T x top-k) skip the sort by expert: each copy is its own work item of the
-# grouped kernel (`row_groups`). Sorting costs a chain of small XLA kernels a layer (argsort, group sizes, their
-# cumsum, the work list, the inverse permutation); unsorted, a copy re-reads an expert that another copy also hit, which
-# one token's distinct top-k never do. 16 copies: one row tile of the kernel (batch 1-2 at V2's top-6).
+# At most this many token copies (T x (top-k + the shared experts' chunks)) skip the sort by expert: each copy is
+# its own work item of the grouped kernel (`row_groups`). Sorting costs a chain of small XLA kernels a layer (argsort,
+# group sizes, their cumsum, the work list, the inverse permutation); unsorted, a copy re-reads an expert that another
+# copy also hit, which one token's distinct top-k never do. 16 copies: one row tile of the kernel (batch 1-2 at
+# V2's top-6 + 2 shared, batch 1 at V3's top-8 + 1).
 BY_ROW_MAX_COPIES = 16
 
 
@@ -206,13 +220,32 @@ def by_row_ok(impl: str, w: jnp.ndarray, scale_inv: jnp.ndarray | None) -> bool:
     return _fp8_kernel_ok(*w.shape[-2:]) if scale_inv is not None else impl == "pallas"
 
 
+def shared_fusable(gmm_impl: str, routed: dict, shared: dict | None, same_reduction: bool) -> int:
+    """How many expert-sized chunks the shared experts are when they run as more groups of the routed experts'
+    kernels (0: they run as their own MLP): bf16 experts of the grouped Pallas kernel, shared weights of the
+    experts' dtype, stacked alike (both read at the layer or neither), a whole number of the routed experts'
+    intermediate slices, and partial sums that go into the same reduction (`same_reduction`)."""
+    if shared is None or gmm_impl != "pallas" or not same_reduction:
+        return 0
+    rg, sg = routed["gate_proj"], shared["gate_proj"]
+    if is_fp8(rg) or is_fp8(sg) or any(is_fp8(shared[n]) for n in ("up_proj", "down_proj")):
+        return 0
+    rw, sw = rg["weight"], sg["weight"]
+    i_loc = rw.shape[-2]
+    if rw.dtype != sw.dtype or rw.ndim - sw.ndim != 1 or sw.shape[-2] % i_loc or sw.shape[-1] != rw.shape[-1]:
+        return 0
+    if rw.ndim == 4 and rw.shape[0] != sw.shape[0]:
+        return 0
+    return sw.shape[-2] // i_loc
+
+
 def moe(
     p: dict,
     cfg: DeepseekConfig,
     x: jnp.ndarray,
     *,
     gmm_impl: str = "ragged_dot",
-    experts: dict | None = None,
+    stacked: dict | None = None,
     layer: jnp.ndarray | int | None = None,
     comm: Comm = LOCAL,
 ) -> jnp.ndarray:
@@ -221,8 +254,12 @@ def moe(
     Token copies are sorted by expert and run through grouped matmuls (`expert_glu`, `expert_gmm` with
     `gmm_impl`), so each expert only computes its own tokens; a decode step's few copies (at most
     BY_ROW_MAX_COPIES) stay in token order, each its own work item with its own expert (`row_groups`).
-    `experts` and `layer` (see `model.split_experts`): the routed experts of every layer of the group stacked
-    [layers, E, out, in], used at `layer`, in place of p["experts"].
+    With the grouped Pallas kernel and bf16 weights the shared experts join those kernels (`shared_fusable`):
+    their intermediate dim cut into S routed-expert-sized chunks, each token gets S more copies of router
+    weight 1, so the step runs no separate shared MLP (three XLA GEMMs at their own lower bandwidth).
+    `stacked` and `layer` (see `model.split_experts`): {"experts": the routed experts of every layer of the
+    group [layers, E, out, in], "shared_experts" (when split out): the shared ones [layers, out, in]}, used at
+    `layer`, in place of p's.
 
     On a mesh (`comm`) this device holds E/n whole experts (expert parallel) or every expert's I/n slice;
     x is replicated, so every device routes all T tokens and keeps the copies routed to its experts (the
@@ -232,23 +269,36 @@ def moe(
     tokens are all-gathered first and the routed partial reduce-scattered back (`Comm.dispatch_tokens`,
     `Comm.combine_tokens`, which say why not an all-to-all); the shared experts run on the rank's own tokens.
     """
+    stacked = {} if stacked is None else stacked
+    ex = stacked.get("experts", p.get("experts"))
+    sh_stacked = "shared_experts" in stacked
+    sh = stacked["shared_experts"] if sh_stacked else p.get("shared_experts")
+    E = cfg.n_routed_experts
+    e_loc, i_loc = ex["gate_proj"]["weight"].shape[-3:-1]
+    routed_split = e_loc * comm.dp != E or i_loc != cfg.moe_intermediate_size
+    shared_split = sh is not None and sh["gate_proj"]["weight"].shape[-2] != cfg.moe_intermediate_size * (
+        cfg.n_shared_experts or 0
+    )
+    # fused: the same tokens (no DP gather) and the same reduction; stacked alike (layer or none)
+    same = comm.dp == 1 and routed_split == shared_split and sh_stacked == (ex["gate_proj"]["weight"].ndim == 4)
+    fused = shared_fusable(gmm_impl, ex, sh, same) if cfg.n_shared_experts else 0
     with jax.named_scope("moe_dispatch"):
         xr = comm.dispatch_tokens(x)  # DP: [dp*T, D], every DP rank's tokens
     with jax.named_scope("moe_router"):
         weights, ids = route(p["gate"], cfg, xr)  # [T, K]
     with jax.named_scope("moe_routed"):
-        routed = _routed_experts(p, cfg, xr, weights, ids, gmm_impl, experts, layer, comm)
+        exl = None if "experts" not in stacked else layer  # layer indexes stacked weights
+        routed = _routed_experts(cfg, xr, weights, ids, gmm_impl, ex, exl, comm, sh if fused else None)
     with jax.named_scope("moe_combine"):
         routed = comm.combine_tokens(routed)  # DP: this rank's [T, D], summed over the DP ranks' experts
     split, whole = [], []
-    e_loc, i_loc = (p["experts"] if experts is None else experts)["gate_proj"]["weight"].shape[-3:-1]
-    E = cfg.n_routed_experts
-    (split if (e_loc * comm.dp != E or i_loc != cfg.moe_intermediate_size) else whole).append(routed)
-    if cfg.n_shared_experts:
+    (split if routed_split else whole).append(routed)
+    if cfg.n_shared_experts and not fused:
         with jax.named_scope("moe_shared"):
-            sh = mlp(p["shared_experts"], x).astype(routed.dtype)
-        shared_inter = cfg.moe_intermediate_size * cfg.n_shared_experts
-        (split if p["shared_experts"]["gate_proj"]["weight"].shape[0] != shared_inter else whole).append(sh)
+            shp = (
+                jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), sh) if sh_stacked else sh
+            )
+            (split if shared_split else whole).append(mlp(shp, x).astype(routed.dtype))
     out = sum(whole[1:], whole[0]) if whole else None
     if split:
         part = comm.reduce_model(sum(split[1:], split[0]))
@@ -256,42 +306,52 @@ def moe(
     return out.astype(x.dtype)
 
 
-def _routed_experts(p, cfg, x, weights, ids, gmm_impl, experts, layer, comm) -> jnp.ndarray:
-    """The routed experts' weighted sum [T, D] for x [T, D], router weights f32[T, K] and ids i32[T, K]."""
+def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None) -> jnp.ndarray:
+    """The routed experts' weighted sum [T, D] for x [T, D], router weights f32[T, K] and ids i32[T, K]; with
+    `shared` (its chunks S = `shared_fusable`) plus the shared experts' output, each token's S more copies."""
     T, D = x.shape
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
-    ex, layer = (p["experts"], None) if experts is None else (experts, layer)  # layer indexes stacked ones
-    e_loc = ex["gate_proj"]["weight"].shape[-3]
-    flat = ids.reshape(-1)  # [T*K]
+    e_loc, i_loc = ex["gate_proj"]["weight"].shape[-3:-1]
+    S = 0 if shared is None else shared["gate_proj"]["weight"].shape[-2] // i_loc
+    C = K + S  # copies per token: its routed experts, then the shared chunks (groups e_loc..e_loc+S-1)
     if e_loc != E:  # expert parallel: keep the copies routed to experts [e0, e0 + e_loc)
-        local = flat - comm.expert_rank() * e_loc
-        mine = (local >= 0) & (local < e_loc)
-        key = jnp.where(mine, local, e_loc)  # other devices' copies sort last, past every group
+        local = ids - comm.expert_rank() * e_loc
+        mine = (local >= 0) & (local < e_loc)  # [T, K]
     else:
-        mine, key = None, flat
+        local, mine = ids, None
+    chunks = jnp.broadcast_to(e_loc + jnp.arange(S, dtype=jnp.int32), (T, S))
     gate_w = ex["gate_proj"]
-    if T * K <= BY_ROW_MAX_COPIES and by_row_ok(gmm_impl, gate_w["weight"], gate_w.get("weight_scale_inv")):
-        order = None  # copies stay in token order; key == e_loc (another device's) comes out 0
-        row_groups, group_sizes = key.astype(jnp.int32), None
-        token = jnp.arange(T * K, dtype=jnp.int32) // K
+    fp8_experts = is_fp8(gate_w)
+    if T * C <= BY_ROW_MAX_COPIES and by_row_ok(gmm_impl, gate_w["weight"], gate_w.get("weight_scale_inv")):
+        order = None  # copies stay in token order; another device's (-1) comes out 0
+        key = local if mine is None else jnp.where(mine, local, -1)
+        row_groups = jnp.concatenate([key.astype(jnp.int32), chunks], axis=1).reshape(-1)  # [T*C]
+        group_sizes = None
+        # the bf16 kernel reads each copy's token row itself; the fp8 one takes the copies' rows
+        xs = x[jnp.arange(T * C, dtype=jnp.int32) // C] if fp8_experts else x
     else:
         row_groups = None
+        key = local if mine is None else jnp.where(mine, local, e_loc + S)  # other devices' copies sort last
+        key = jnp.concatenate([key.astype(jnp.int32), chunks], axis=1).reshape(-1)  # [T*C]
         order = jnp.argsort(key, stable=True)
-        token = order // K  # source token of each sorted copy
-        # [E_loc] (key == e_loc is dropped): compare-and-count, one fusion where bincount is a scatter kernel
-        group_sizes = jnp.sum(key[None, :] == jnp.arange(e_loc, dtype=key.dtype)[:, None], axis=1, dtype=jnp.int32)
-    xs = x[token]  # [T*K, D]
+        # [E_loc + S] (key == e_loc + S is dropped): compare-and-count, one fusion where bincount is a scatter kernel
+        group_sizes = jnp.sum(key[None, :] == jnp.arange(e_loc + S, dtype=key.dtype)[:, None], axis=1, dtype=jnp.int32)
+        xs = x[order // C]  # [T*C, D], the source token of each sorted copy
 
-    h = expert_glu(xs, ex["gate_proj"], ex["up_proj"], group_sizes, gmm_impl, layer, row_groups)  # [T*K, I_loc]
+    h = expert_glu(xs, ex["gate_proj"], ex["up_proj"], group_sizes, gmm_impl, layer, row_groups, shared)  # [T*C, I]
     down = ex["down_proj"]
-    # [T*K, D], sorted by expert (or in token order, by row)
-    y = expert_gmm(h, down["weight"], group_sizes, gmm_impl, layer, down.get("weight_scale_inv"), row_groups)
-    # Combine: each token gathers its K copies back through the inverse permutation and sums them, weighted (a
+    shared_down = None if shared is None else shared["down_proj"]["weight"]
+    # [T*C, D], sorted by expert (or in token order, by row)
+    y = expert_gmm(
+        h, down["weight"], group_sizes, gmm_impl, layer, down.get("weight_scale_inv"), row_groups, shared_down
+    )
+    # Combine: each token gathers its C copies back through the inverse permutation and sums them, weighted (a
     # gather-reduce fusion). A scatter-add of the sorted copies into [T, D] took 5.3 us a layer at T = 1 on the
     # H200 (all K copies add into one row: atomics on the same addresses).
     if order is not None:
-        inv = jnp.zeros_like(order).at[order].set(jnp.arange(T * K, dtype=order.dtype))  # copy -> sorted row
+        inv = jnp.zeros_like(order).at[order].set(jnp.arange(T * C, dtype=order.dtype))  # copy -> sorted row
         y = y[inv]
-    w = weights if mine is None else jnp.where(mine.reshape(T, K), weights, 0.0)  # f32[T, K]
-    copies = y.reshape(T, K, D).astype(jnp.float32)  # [T, K, D]
+    w = weights if mine is None else jnp.where(mine, weights, 0.0)  # f32[T, K]
+    w = jnp.concatenate([w, jnp.ones((T, S), w.dtype)], axis=1)  # the shared chunks: weight 1
+    copies = y.reshape(T, C, D).astype(jnp.float32)  # [T, C, D]
     return jnp.sum(copies * w[:, :, None], axis=1).astype(y.dtype)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import ConfigError, DeepseekConfig
 from mla_jax.indexer import causal_topk
-from mla_jax.layers import LayerRow, add_rms_norm, linear, mlp, moe, rms_norm
+from mla_jax.layers import LayerRow, add_rms_norm, is_fp8, linear, mlp, moe, rms_norm
 from mla_jax.mla import mla_forward_full, split_kv_b_proj
 
 Params = dict[str, Any]
@@ -185,18 +185,24 @@ def lm_head_weight(params: Params) -> jnp.ndarray:
 
 
 def split_experts(group: Params, is_moe: bool, gmm_impl: str) -> tuple[Params, Params | None]:
-    """A layer group's stacked params -> (the part to scan over, the routed experts kept whole or None).
+    """A layer group's stacked params -> (the part to scan over, {"experts": the routed experts kept whole,
+    "shared_experts": the bf16 shared experts kept whole, when there are such} or None).
 
     With gmm_impl="pallas" a MoE group's experts {gate_proj, up_proj, down_proj: {"weight": [layers, E, out,
     in]}} stay out of the scan's xs: scan slices each layer out of its xs, and a slice that feeds a custom call
     (the Pallas kernel) is materialized, a copy of all of that layer's expert weights every step although only
     the experts tokens hit are read. The scan body instead closes over the stacked arrays (scan-invariant, no
-    copy) and the kernel reads layer i of them in place (`layers.moe(..., experts=, layer=i)`)."""
+    copy) and the kernel reads layer i of them in place (`layers.moe(..., stacked=, layer=i)`). The same holds
+    for bf16 shared experts, which the routed experts' kernels run as more groups (`layers.shared_fusable`;
+    fp8 ones stay in the scan and are read in place as `LayerRow`s, see `split_in_place`)."""
     if not (is_moe and gmm_impl == "pallas"):
         return group, None
     mlp_p = dict(group["mlp"])
-    experts = mlp_p.pop("experts")
-    return {**group, "mlp": mlp_p}, experts
+    stacked = {"experts": mlp_p.pop("experts")}
+    shared = mlp_p.get("shared_experts")
+    if shared is not None and not any(is_fp8(v) for v in shared.values()):
+        stacked["shared_experts"] = mlp_p.pop("shared_experts")
+    return {**group, "mlp": mlp_p}, stacked
 
 
 # What a layer's kernels read in place from the stacked weights (`layers.LayerRow`), for the same reason as the
@@ -286,10 +292,10 @@ def decoder_layers(
     f = jnp.zeros_like(x)  # the pending MLP/MoE output (none before the first layer)
     for name, start, _ in layer_groups(cfg):
         is_moe = name == "moe_layers"
-        scanned, experts = split_experts(model[name], is_moe, gmm_impl)
+        scanned, stacked = split_experts(model[name], is_moe, gmm_impl)
         scanned, rows = split_in_place(scanned)
 
-        def body(carry, p, is_moe=is_moe, start=start, experts=experts, rows=rows):
+        def body(carry, p, is_moe=is_moe, start=start, stacked=stacked, rows=rows):
             # h: the residual stream without the previous layer's MLP/MoE output f, which is added here, in one
             # kernel with the norm (add_rms_norm); layer: the model's layer index (the cache's)
             h, f, state, layer = carry
@@ -300,7 +306,7 @@ def decoder_layers(
             with jax.named_scope("norm"):
                 hn, h = add_rms_norm(p["post_attention_layernorm"], h, comm.reduce_heads(a).astype(h.dtype), eps)
             if is_moe:
-                f = moe(p["mlp"], cfg, hn, gmm_impl=gmm_impl, experts=experts, layer=layer - start, comm=comm)
+                f = moe(p["mlp"], cfg, hn, gmm_impl=gmm_impl, stacked=stacked, layer=layer - start, comm=comm)
             else:
                 with jax.named_scope("mlp"):
                     f = mlp(p["mlp"], hn, intermediate_size=cfg.intermediate_size, comm=comm)

@@ -79,6 +79,7 @@ def _validate(
     preferred_element_type,
     rhs_index=None,
     row_groups=None,
+    num_chunks=0,
 ):
     if not hasattr(lhs, "ndim") or lhs.ndim != 2:
         raise ValueError(f"lhs must be [M, K], got shape {getattr(lhs, 'shape', None)}")
@@ -108,7 +109,10 @@ def _validate(
         )
     if m < 1 or k < 1 or g < 1 or min(rhs.shape) < 1:
         raise ValueError(f"empty dimension: lhs {lhs.shape}, rhs {rhs.shape}")
-    check_groups(group_sizes, row_groups, g, m)
+    rows = getattr(row_groups, "shape", (0,))
+    if len(rows) == 1 and rows[0] > m and rows[0] % m == 0:
+        m = rows[0]  # lhs holds one row per token, row_groups one per copy (row i reads lhs row i // (M / rows))
+    check_groups(group_sizes, row_groups, g + num_chunks, m)
     for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if b is not None and not (is_pow2(b) and b >= 16):
             raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot)")
@@ -235,9 +239,12 @@ def _kernel(
     by_row: bool,
     glu: bool,
     m: int,
+    lhs_repeat: int,
     n: int,
     k: int,
     num_groups: int,
+    num_chunks: int,
+    chunk_axis: str,
     num_layers: int,
     bm: int,
     bn: int,
@@ -248,10 +255,12 @@ def _kernel(
     precision,
 ):
     # the work list (tile, lo, hi, group), or by row only each row's group; the layer; lhs; (rhs,) or with glu
-    # (gate rhs, up rhs); out
+    # (gate rhs, up rhs); then as many shared (chunked) weights; out
     n_items = 1 if by_row else 4
+    n_rhs = 2 if glu else 1
     item_refs, (layer_ref, lhs_ref) = refs[:n_items], refs[n_items : n_items + 2]
-    rhs_refs, out_ref = refs[n_items + 2 : -1], refs[-1]
+    rhs_refs = refs[n_items + 2 : n_items + 2 + n_rhs]
+    shared_refs, out_ref = refs[n_items + 2 + n_rhs : -1], refs[-1]
     j = pl.program_id(0)  # N block (fastest: programs in flight share the row tile and expert)
     i = pl.program_id(1)  # work item
     s = pl.program_id(2)  # K split
@@ -263,30 +272,41 @@ def _kernel(
     col0 = j * bn
     rows = row0 + jnp.arange(bm, dtype=jnp.int32)
     cols = col0 + jnp.arange(bn, dtype=jnp.int32)
-    row_in = (rows < m)[:, None] if m % bm else None  # static: only a ragged last tile needs it
+    row_in = (rows < m)[:, None] if m % bm and not by_row else None  # static: only a ragged last tile needs it
     col_in = cols < n if n % bn else None
-    is_gemm = (grp >= 0) & (grp < num_groups)  # else a padding item (zeros)
+    is_routed = (grp >= 0) & (grp < num_groups)
+    is_shared = (grp >= num_groups) & (grp < num_groups + num_chunks)  # else a padding item (zeros)
     g = jnp.clip(grp, 0, num_groups - 1)
-    # rhs[layer, g] of stacked layers (the index clamped here, not by an XLA kernel before the call), else rhs[g]
-    lead = (jnp.clip(layer_ref[0], 0, num_layers - 1), g) if stacked else (g,)
+    c = jnp.clip(grp - num_groups, 0, max(num_chunks - 1, 0))  # the shared weight's chunk
+    layer = jnp.clip(layer_ref[0], 0, num_layers - 1)  # clamped here, not by an XLA kernel before the call
+    # rhs[layer, g] of stacked layers, else rhs[g]; a shared weight is [layer] or plain, its chunk an offset
+    lead = (layer, g) if stacked else (g,)
+    shared_lead = (layer,) if stacked else ()
+    n_off, k_off = (c * n, 0) if chunk_axis == "n" else (0, c * k)
     if transpose_rhs:  # rhs tile [bn, bk], contract both operands' dim 1
         dims = (((1,), (1,)), ((), ()))
     else:  # rhs tile [bk, bn]
         dims = (((1,), (0,)), ((), ()))
+    kcols = jnp.arange(bk, dtype=jnp.int32)
+    src = jnp.full((bm, 1), i // lhs_repeat, jnp.int32)  # by row: every tile row is the item's own lhs row
 
-    def step(kk, accs, k_in=None):
+    def step(kk, accs, weights, wlead, w_n0, w_k0, k_in=None):
         k0 = kk * bk
-        x = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], _and(row_in, None if k_in is None else k_in[None, :]))
+        k_mask = None if k_in is None else k_in[None, :]
+        if by_row:  # (a gather of one row: its token's row when lhs holds one row per `lhs_repeat` copies)
+            x = _load(lhs_ref.at[src, (k0 + kcols)[None, :]], k_mask)
+        else:
+            x = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], _and(row_in, k_mask))
         new = []
-        for rhs_ref, acc in zip(rhs_refs, accs):
+        for rhs_ref, acc in zip(weights, accs):
             if transpose_rhs:
                 w = _load(
-                    rhs_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))],
-                    _and(None if col_in is None else col_in[:, None], None if k_in is None else k_in[None, :]),
+                    rhs_ref.at[(*wlead, pl.ds(w_n0 + col0, bn), pl.ds(w_k0 + k0, bk))],
+                    _and(None if col_in is None else col_in[:, None], k_mask),
                 )
             else:
                 w = _load(
-                    rhs_ref.at[(*lead, pl.ds(k0, bk), pl.ds(col0, bn))],
+                    rhs_ref.at[(*wlead, pl.ds(k0, bk), pl.ds(col0, bn))],
                     _and(None if k_in is None else k_in[:, None], None if col_in is None else col_in[None, :]),
                 )
             new.append(acc + lax.dot_general(x, w, dims, precision=precision, preferred_element_type=jnp.float32))
@@ -295,14 +315,22 @@ def _kernel(
     full_steps = k // bk
     first = s * steps_per_split
     last = jnp.minimum(first + steps_per_split, full_steps)
-    n_full = jnp.where(is_gemm, jnp.maximum(last - first, 0), 0)
+    owned = jnp.maximum(last - first, 0)
     acc = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in rhs_refs)
-    acc = lax.fori_loop(first, first + n_full, step, acc)
-    if k % bk:  # static: one masked step for the ragged end of K, run by the split that owns it
-        k_in = full_steps * bk + jnp.arange(bk, dtype=jnp.int32) < k
-        owns_tail = is_gemm & (full_steps >= first) & (full_steps < first + steps_per_split)
-        # (the loop index keeps the tail's K offset dynamic: a static slice past K fails to trace)
-        acc = lax.fori_loop(0, owns_tail.astype(jnp.int32), lambda t, a: step(full_steps + t, a, k_in), acc)
+    # One loop per weight source; the item's own source runs its steps, the other none.
+    sources = [(is_routed, rhs_refs, lead, 0, 0)]
+    if num_chunks:
+        sources.append((is_shared, shared_refs, shared_lead, n_off, k_off))
+    for on, weights, wlead, w_n0, w_k0 in sources:
+        body = functools.partial(step, weights=weights, wlead=wlead, w_n0=w_n0, w_k0=w_k0)
+        acc = lax.fori_loop(first, first + jnp.where(on, owned, 0), body, acc)
+        if k % bk:  # static: one masked step for the ragged end of K, run by the split that owns it
+            k_in = full_steps * bk + kcols < k
+            owns_tail = on & (full_steps >= first) & (full_steps < first + steps_per_split)
+            # (the loop index keeps the tail's K offset dynamic: a static slice past K fails to trace)
+            acc = lax.fori_loop(
+                0, owns_tail.astype(jnp.int32), lambda t, a, body=body: body(full_steps + t, a, k_in=k_in), acc
+            )
     mine = (rows >= lo) & (rows < hi)  # hi <= M, so this also keeps the store in bounds
     mask = _and(mine[:, None], None if col_in is None else col_in[None, :])
     if glu and out_ref.shape[0] == 1:  # one K split: the SwiGLU epilogue here, silu(gate) * up
@@ -313,6 +341,20 @@ def _kernel(
     for a, part in enumerate(out):
         blk = out_ref.at[a * (out_ref.shape[0] // len(out)) + s, pl.ds(row0, bm), pl.ds(col0, bn)]
         pltriton.store(blk, part.astype(out_ref.dtype), mask=mask)
+
+
+def shared_chunks(shared_shape, n: int, k: int) -> tuple[int, str]:
+    """(C, axis) of a shared weight [(Lyr,) N_s, K_s] (HF [out, in] layout) cut into C chunks that each act as one
+    more [n, k] group: along its output rows (N_s = C*n, K_s = k: an MoE's gate/up, chunk c = rows [c*n, (c+1)*n))
+    or along its input columns (N_s = n, K_s = C*k: the down projection, chunk c = columns [c*k, (c+1)*k))."""
+    ns, ks = shared_shape[-2:]
+    if ks == k and ns % n == 0:
+        return ns // n, "n"
+    if ns == n and ks % k == 0:
+        return ks // k, "k"
+    raise ValueError(
+        f"shared_rhs {tuple(shared_shape)} is not a whole number of [N={n}, K={k}] chunks along its rows or its columns"
+    )
 
 
 @functools.partial(
@@ -334,6 +376,8 @@ def _gmm_impl(
     lhs,
     rhs,
     rhs_up,
+    shared,
+    shared_up,
     groups,
     layer,
     *,
@@ -348,34 +392,40 @@ def _gmm_impl(
     num_k_splits,
     out_dtype,
 ):
-    """groups: group_sizes i32[G] (rows sorted by group), or with by_row the group of each row i32[M].
+    """groups: group_sizes i32[G (+C)] (rows sorted by group), or with by_row the group of each row i32[M].
     layer: i32[1], the index into rhs's leading axis when rhs is stacked [Lyr, G, ...] (4-D).
-    rhs_up: None, or the up projection beside rhs (the gate): out = silu(lhs @ rhs) * (lhs @ rhs_up)."""
+    rhs_up: None, or the up projection beside rhs (the gate): out = silu(lhs @ rhs) * (lhs @ rhs_up).
+    shared (and beside it shared_up with rhs_up): None, or a weight [(Lyr,) N_s, K_s] whose C chunks
+    (`shared_chunks`) are groups G..G+C-1."""
     glu = rhs_up is not None
     rhss = (rhs, rhs_up) if glu else (rhs,)
+    shareds = () if shared is None else (shared, shared_up) if glu else (shared,)
     stacked = rhs.ndim == 4
     lead = ((0, 0),) * (1 + stacked)  # no padding on the (layer,) group axes
-    m, k = lhs.shape
+    m = groups.shape[0] if by_row else lhs.shape[0]  # output rows
+    lhs_repeat = m // lhs.shape[0]  # by row: output row i reads lhs row i // lhs_repeat
+    k = lhs.shape[1]
     g = rhs.shape[-3]
     n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
+    num_chunks, chunk_axis = shared_chunks(shared.shape, n, k) if shareds else (0, "n")
     out_dtype = jnp.dtype(out_dtype)
     # Interpret mode cannot slice a block larger than the array (the GPU just masks): zero-pad a
     # dimension smaller than its block (tiny problems only: blocks are clamped to the next power of
     # two of their dimension by the caller, so the padding is under one block; a stacked rhs is
-    # padded, so copied, whole: CPU tests only).
+    # padded, so copied, whole: CPU tests only). A shared weight is padded chunk by chunk.
     m_out, n_out = m, n
     if interpret and m < block_m:
-        lhs = jnp.pad(lhs, ((0, block_m - m), (0, 0)))  # padding segment rows: output 0, sliced off
+        if not by_row:  # padding segment rows: output 0, sliced off (by row, lhs is gathered row by row)
+            lhs = jnp.pad(lhs, ((0, block_m - m), (0, 0)))
         m = block_m
-    if interpret and k < block_k:  # zeros in K add nothing
-        lhs = jnp.pad(lhs, ((0, 0), (0, block_k - k)))
-        pad = ((0, 0), (0, block_k - k)) if transpose_rhs else ((0, block_k - k), (0, 0))
+    pad_k = block_k - k if interpret and k < block_k else 0  # zeros in K add nothing
+    pad_n = block_n - n if interpret and n < block_n else 0
+    if pad_k or pad_n:
+        lhs = jnp.pad(lhs, ((0, 0), (0, pad_k)))
+        pad = ((0, pad_n), (0, pad_k)) if transpose_rhs else ((0, pad_k), (0, pad_n))
         rhss = tuple(jnp.pad(r, lead + pad) for r in rhss)
-        k = block_k
-    if interpret and n < block_n:
-        pad = ((0, block_n - n), (0, 0)) if transpose_rhs else ((0, 0), (0, block_n - n))
-        rhss = tuple(jnp.pad(r, lead + pad) for r in rhss)
-        n = block_n
+        shareds = tuple(_pad_chunks(w, num_chunks, chunk_axis, n, k, pad_n, pad_k) for w in shareds)
+        n, k = n + pad_n, k + pad_k
     items = (groups,) if by_row else work_items(groups, m, block_m)  # by row: `row_items`, in the kernel
     num_items = items[0].shape[0]
     steps_per_split = cdiv(cdiv(k, block_k), num_k_splits)
@@ -388,9 +438,12 @@ def _gmm_impl(
         by_row=by_row,
         glu=glu,
         m=m,
+        lhs_repeat=lhs_repeat,
         n=n,
         k=k,
         num_groups=g,
+        num_chunks=num_chunks,
+        chunk_axis=chunk_axis,
         num_layers=rhs.shape[0] if stacked else 1,
         bm=block_m,
         bn=block_n,
@@ -401,21 +454,24 @@ def _gmm_impl(
         precision=precision,
     )
     whole = lambda shape: pl.BlockSpec(shape, lambda j, i, s: (0,) * len(shape))  # noqa: E731
+    weights = rhss + shareds
     out = pl.pallas_call(
         kernel,
         grid=(cdiv(n, block_n), num_items, splits),
         # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
         # kernel offsets by its work item itself.
-        in_specs=[whole((num_items,))] * len(items) + [whole((1,)), whole(lhs.shape)] + [whole(r.shape) for r in rhss],
+        in_specs=[whole((num_items,))] * len(items)
+        + [whole((1,)), whole(lhs.shape)]
+        + [whole(w.shape) for w in weights],
         out_specs=whole((parts, m, n)),
         out_shape=jax.ShapeDtypeStruct((parts, m, n), part_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=(
-            f"grouped_{'glu' if glu else 'matmul'}_bm{block_m}_bn{block_n}_bk{block_k}_w{num_warps}_s{num_stages}"
-            f"_ks{splits}"
+            f"grouped_{'glu' if glu else 'matmul'}{'_shared' if shareds else ''}_bm{block_m}_bn{block_n}_bk{block_k}"
+            f"_w{num_warps}_s{num_stages}_ks{splits}"
         ),
-    )(*items, layer, lhs, *rhss)
+    )(*items, layer, lhs, *weights)
     if splits == 1:
         out = out[0]
     elif glu:
@@ -426,6 +482,19 @@ def _gmm_impl(
     if (m_out, n_out) != (m, n):
         out = out[:m_out, :n_out]
     return out
+
+
+def _pad_chunks(w, num_chunks: int, axis: str, n: int, k: int, pad_n: int, pad_k: int):
+    """Interpret mode: a shared weight [(Lyr,) N_s, K_s] with each of its chunks zero-padded to [n + pad_n, k + pad_k]
+    (so chunk c stays at offset c * the padded size)."""
+    lead = w.shape[:-2]
+    if axis == "n":
+        w = w.reshape(*lead, num_chunks, n, k)
+        w = jnp.pad(w, ((0, 0),) * (len(lead) + 1) + ((0, pad_n), (0, pad_k)))
+        return w.reshape(*lead, num_chunks * (n + pad_n), k + pad_k)
+    w = w.reshape(*lead, n, num_chunks, k)
+    w = jnp.pad(w, ((0, 0),) * len(lead) + ((0, pad_n), (0, 0), (0, pad_k)))
+    return w.reshape(*lead, n + pad_n, num_chunks * (k + pad_k))
 
 
 def grouped_matmul(
@@ -445,6 +514,8 @@ def grouped_matmul(
     preferred_element_type=None,
     rhs_index=None,
     up_rhs=None,
+    shared_rhs=None,
+    shared_up_rhs=None,
 ):
     """out[r] = lhs[r] @ W[g(r)] for each row r of group g(r); rows >= sum(group_sizes) give 0.
 
@@ -454,11 +525,20 @@ def grouped_matmul(
     `jax.lax.ragged_dot_general` contracting lhs dim 1 with rhs dim 2 (or 1).
 
     row_groups (instead of group_sizes): i32[M], each row's group, rows in any order; a row whose
-    group is outside [0, G) gives 0 (`row_items`: one work item per row, so for a few rows only).
+    group is outside the groups gives 0 (`row_items`: one work item per row, so for a few rows only).
+    With row_groups, lhs may also be [M/r, K]: row i then reads lhs row i // r (a token's r copies,
+    not gathered into r rows first).
 
     up_rhs: an MoE's up projection, the shape and dtype of rhs (then its gate projection): returns
     silu(lhs @ W) * (lhs @ W_up) in one kernel (each program reads both weights' tiles for its rows;
     the SwiGLU runs on the float32 accumulators), instead of two GEMMs and an elementwise kernel.
+
+    shared_rhs (transpose_rhs=True): one more weight [N_s, K_s] (or stacked [Lyr, N_s, K_s] like rhs) made of
+    C whole [N, K] chunks along its rows or its columns (`shared_chunks`), which are groups G..G+C-1: an MoE's
+    shared experts, their intermediate dim cut into routed-expert-sized pieces, run as C more rows per token
+    in the routed experts' kernel (each piece's output summed with weight 1 gives the shared MLP). With
+    up_rhs, shared_up_rhs (the shape of shared_rhs) is the shared up projection. group_sizes is then
+    i32[G + C].
 
     rhs_index: with rhs stacked over layers, [Lyr, G, N, K] (or [Lyr, G, K, N]), an integer scalar
     (static or traced) picking the layer, read in place (W = rhs[rhs_index]); a static index must be
@@ -467,6 +547,7 @@ def grouped_matmul(
     Tuning (None = `default_tuning`): block_m rows per tile, block_n, block_k (powers of two >= 16),
     num_warps, num_stages (Triton pipelining), num_k_splits (K split into float32 partials).
     """
+    num_chunks = _validate_shared(rhs, up_rhs, shared_rhs, shared_up_rhs, transpose_rhs, rhs_index)
     _validate(
         lhs,
         rhs,
@@ -481,6 +562,7 @@ def grouped_matmul(
         preferred_element_type,
         rhs_index,
         row_groups,
+        num_chunks,
     )
     if up_rhs is not None and (
         getattr(up_rhs, "shape", None) != rhs.shape or getattr(up_rhs, "dtype", None) != rhs.dtype
@@ -490,8 +572,9 @@ def grouped_matmul(
             f"{rhs.shape} {rhs.dtype}"
         )
     by_row = row_groups is not None
-    m, k = lhs.shape
-    g = rhs.shape[-3]
+    m = row_groups.shape[0] if by_row else lhs.shape[0]
+    k = lhs.shape[1]
+    g = rhs.shape[-3] + num_chunks
     n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
     d = default_tuning(m, n, k, m if by_row else g, lhs.dtype)  # by row: a group per row
     bm, bn, bk, warps, stages, splits = (
@@ -509,6 +592,8 @@ def grouped_matmul(
         lhs,
         rhs,
         up_rhs,
+        shared_rhs,
+        shared_up_rhs,
         row_groups if by_row else group_sizes,
         layer,
         by_row=by_row,
@@ -524,6 +609,32 @@ def grouped_matmul(
     )
 
 
+def _validate_shared(rhs, up_rhs, shared, shared_up, transpose_rhs, rhs_index) -> int:
+    """The number of chunks C of shared_rhs (0 without), after checking it and shared_up_rhs against rhs."""
+    if shared is None:
+        if shared_up is not None:
+            raise ValueError("shared_up_rhs needs shared_rhs (the shared gate projection)")
+        return 0
+    if (up_rhs is None) != (shared_up is None):
+        raise ValueError("give shared_up_rhs exactly when up_rhs is given (the shared experts' up projection)")
+    if not transpose_rhs:
+        raise ValueError("shared_rhs needs transpose_rhs=True (HF [out, in] layout)")
+    want = rhs.ndim - 1
+    for name, w in (("shared_rhs", shared), ("shared_up_rhs", shared_up)):
+        if w is None:
+            continue
+        if not hasattr(w, "ndim") or w.ndim != want:
+            layout = "[Lyr, N_s, K_s] (rhs is stacked)" if rhs_index is not None else "[N_s, K_s]"
+            raise ValueError(f"{name} must be {layout}, got shape {getattr(w, 'shape', None)}")
+        if w.dtype != rhs.dtype:
+            raise ValueError(f"{name} dtype {w.dtype} differs from rhs's {rhs.dtype}")
+        if rhs_index is not None and w.shape[0] != rhs.shape[0]:
+            raise ValueError(f"{name} has {w.shape[0]} stacked layers, rhs {rhs.shape[0]}")
+    if shared_up is not None and shared_up.shape != shared.shape:
+        raise ValueError(f"shared_up_rhs {shared_up.shape} must match shared_rhs {shared.shape}")
+    return shared_chunks(shared.shape, rhs.shape[-2], rhs.shape[-1])[0]
+
+
 def grouped_matmul_reference(
     lhs,
     rhs,
@@ -535,22 +646,41 @@ def grouped_matmul_reference(
     preferred_element_type=None,
     rhs_index=None,
     up_rhs=None,
+    shared_rhs=None,
+    shared_up_rhs=None,
     **tuning,
 ):
     """Float32 plain-JAX reference (returns float32): a masked dense matmul per group, summed.
 
     With rhs_index, rhs is stacked [Lyr, ...] and the layer is sliced out first (clamped as the
     kernel does). Costs G dense [M, K] x [K, N] products: for tests and moderate benchmark checks
-    only. With up_rhs: silu(reference(rhs)) * reference(up_rhs).
+    only. With up_rhs: silu(reference(rhs)) * reference(up_rhs). A shared_rhs's chunks are appended
+    to rhs as groups G..G+C-1; an lhs of M/r rows (row_groups) is repeated r times first.
     """
     del interpret, tuning, preferred_element_type
     if up_rhs is not None:
         kw = dict(row_groups=row_groups, transpose_rhs=transpose_rhs, rhs_index=rhs_index)
-        gate = grouped_matmul_reference(lhs, rhs, group_sizes, **kw)
-        return jax.nn.silu(gate) * grouped_matmul_reference(lhs, up_rhs, group_sizes, **kw)
-    _validate(lhs, rhs, group_sizes, transpose_rhs, None, None, None, None, None, None, None, rhs_index, row_groups)
+        gate = grouped_matmul_reference(lhs, rhs, group_sizes, shared_rhs=shared_rhs, **kw)
+        return jax.nn.silu(gate) * grouped_matmul_reference(lhs, up_rhs, group_sizes, shared_rhs=shared_up_rhs, **kw)
+    num_chunks = _validate_shared(rhs, None, shared_rhs, None, transpose_rhs, rhs_index)
+    untuned = (None,) * 7  # blocks, warps, stages, splits, output type
+    _validate(lhs, rhs, group_sizes, transpose_rhs, *untuned, rhs_index, row_groups, num_chunks)
     if rhs_index is not None:
-        rhs = lax.dynamic_index_in_dim(rhs, jnp.clip(rhs_index, 0, rhs.shape[0] - 1), keepdims=False)
+        index = jnp.clip(rhs_index, 0, rhs.shape[0] - 1)
+        rhs = lax.dynamic_index_in_dim(rhs, index, keepdims=False)
+        if shared_rhs is not None:
+            shared_rhs = lax.dynamic_index_in_dim(shared_rhs, index, keepdims=False)
+    if shared_rhs is not None:  # [C, N, K] chunks after the G groups
+        n, k = rhs.shape[-2:]
+        _, axis = shared_chunks(shared_rhs.shape, n, k)
+        chunks = (
+            shared_rhs.reshape(num_chunks, n, k)
+            if axis == "n"
+            else jnp.swapaxes(shared_rhs.reshape(n, num_chunks, k), 0, 1)
+        )
+        rhs = jnp.concatenate([rhs, chunks.astype(rhs.dtype)], axis=0)
+    if row_groups is not None and row_groups.shape[0] != lhs.shape[0]:
+        lhs = jnp.repeat(lhs, row_groups.shape[0] // lhs.shape[0], axis=0)
     m = lhs.shape[0]
     x = lhs.astype(jnp.float32)
     w = rhs.astype(jnp.float32)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mla_jax import model
+from mla_jax import layers, model
 from mla_jax.layers import BY_ROW_MAX_COPIES, LayerRow, moe, route
 from tests.mla_jax.helpers import tiny_config
 from tests.mla_jax.multihost_worker import random_params
@@ -129,9 +129,9 @@ def _primitives(jaxpr):
 
 @pytest.mark.parametrize("T", [1, 8, 9])
 def test_decode_copies_skip_the_sort(T):
-    """Up to BY_ROW_MAX_COPIES token copies (T x top-k) go to the grouped kernel unsorted, each with its own
-    expert (no argsort, no inverse permutation); more are sorted by expert. Both give the ragged_dot result;
-    under expert parallelism the other devices' copies come out 0 either way (`test_parallel`)."""
+    """Up to BY_ROW_MAX_COPIES token copies (T x (top-k + shared chunks)) go to the grouped kernel unsorted, each
+    with its own expert (no argsort, no inverse permutation); more are sorted by expert. Both give the ragged_dot
+    result; under expert parallelism the other devices' copies come out 0 either way (`test_parallel`)."""
     cfg = tiny_config()
     K = cfg.num_experts_per_tok
     params = model.init_params(cfg, jax.random.key(9), std=0.3)
@@ -141,20 +141,78 @@ def test_decode_copies_skip_the_sort(T):
     want = moe(p, cfg, x, gmm_impl="ragged_dot")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     prims = _primitives(jax.make_jaxpr(lambda v: moe(p, cfg, v, gmm_impl="pallas"))(x).jaxpr)
-    assert ("sort" in prims) == (T * K > BY_ROW_MAX_COPIES), sorted(prims)
+    copies = K + cfg.n_shared_experts  # the shared experts run as copies too (`shared_fusable`)
+    assert ("sort" in prims) == (T * copies > BY_ROW_MAX_COPIES), sorted(prims)
+
+
+@pytest.mark.parametrize("T", [1, 9])
+def test_shared_experts_run_in_the_routed_kernels(T):
+    """With the grouped Pallas kernel the shared experts are S more copies per token in the routed experts'
+    kernels (`shared_fusable`): the same MoE output as the separate shared MLP (ragged_dot), unsorted at batch
+    1-2 and sorted beyond BY_ROW_MAX_COPIES, and no dot of the shared weights outside the kernels (the only
+    dot left is the router's)."""
+    cfg = tiny_config()
+    params = model.init_params(cfg, jax.random.key(9), std=0.3)
+    p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
+    assert layers.shared_fusable("pallas", p["experts"], p["shared_experts"], True) == cfg.n_shared_experts
+    assert layers.shared_fusable("ragged_dot", p["experts"], p["shared_experts"], True) == 0
+    x = jax.random.normal(jax.random.key(20 + T), (T, cfg.hidden_size))
+    got = moe(p, cfg, x, gmm_impl="pallas")
+    want = moe(p, cfg, x, gmm_impl="ragged_dot")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    jaxpr = jax.make_jaxpr(lambda v: moe(p, cfg, v, gmm_impl="pallas"))(x).jaxpr
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 1, dots  # the router's logits
+
+
+@pytest.mark.parametrize("mode, T", [("ep", 1), ("tp", 9)])
+def test_shared_experts_in_the_routed_kernels_on_shards(mode, T):
+    """Two ranks (a vmap with an axis name stands in for the mesh): expert parallel (4 whole experts each, the
+    shared expert's intermediate halved: one chunk each) or the experts' intermediate split (each rank every
+    expert's half and the shared expert's half: two chunks). Each rank's routed + shared partial, all-reduced,
+    equals the one-device MoE; another rank's copies come out 0, unsorted (-1) and sorted alike."""
+    from mla_jax.comm import Comm
+
+    cfg = tiny_config(moe_intermediate_size=16, n_shared_experts=2)  # shared intermediate 32: 16 a rank
+    params = model.init_params(cfg, jax.random.key(9), std=0.3)
+    p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
+    x = jax.random.normal(jax.random.key(30 + T), (T, cfg.hidden_size))
+    want = moe(p, cfg, x, gmm_impl="ragged_dot")
+
+    def halves(a, axis):
+        return jnp.stack(jnp.split(a, 2, axis=axis))
+
+    ex, sh = p["experts"], p["shared_experts"]
+    cut = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}  # the intermediate axis of [out, in]
+    shards = dict(p)
+    shards["shared_experts"] = {n: {"weight": halves(sh[n]["weight"], a)} for n, a in cut.items()}
+    if mode == "ep":
+        shards["experts"] = {n: {"weight": halves(ex[n]["weight"], 0)} for n in cut}
+    else:
+        shards["experts"] = {n: {"weight": halves(ex[n]["weight"], a + 1)} for n, a in cut.items()}
+    shards["gate"] = jax.tree.map(lambda a: jnp.stack([a, a]), p["gate"])
+    comm = Comm(model_axes=("r",))
+    rank0 = jax.tree.map(lambda a: a[0], shards)
+    chunks = layers.shared_fusable("pallas", rank0["experts"], rank0["shared_experts"], True)
+    assert chunks == (1 if mode == "ep" else 2)  # the shared half over a whole expert, or over half experts
+    got = jax.vmap(lambda q: moe(q, cfg, x, gmm_impl="pallas", comm=comm), axis_name="r")(shards)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(got[1]))
 
 
 @pytest.mark.parametrize("gmm_impl", ["pallas", "ragged_dot"])
 def test_stacked_experts_at_layer(gmm_impl):
-    """`moe(..., experts=<stacked [layers, E, out, in]>, layer=i)` (what the layer scans pass with
-    `model.split_experts`) equals the MoE of layer i's own params; the layer may be traced."""
+    """`moe(..., stacked={"experts": [layers, E, out, in], "shared_experts": [layers, out, in]}, layer=i)` (what
+    the layer scans pass with `model.split_experts`) equals the MoE of layer i's own params; the layer may be
+    traced."""
     cfg = tiny_config(num_hidden_layers=4)  # 3 MoE layers of distinct weights
     params = random_params(cfg, 11, std=0.3)  # numpy-drawn: no init_params compile for this config
     group = params["model"]["moe_layers"]
-    scanned, experts = model.split_experts(group, True, "pallas")
-    assert "experts" not in scanned["mlp"] and "experts" in group["mlp"]
+    scanned, stacked = model.split_experts(group, True, "pallas")
+    assert set(stacked) == {"experts", "shared_experts"}
+    assert "experts" not in scanned["mlp"] and "shared_experts" not in scanned["mlp"] and "experts" in group["mlp"]
     x = jax.random.normal(jax.random.key(12), (9, cfg.hidden_size))
-    f = jax.jit(lambda p, i: moe(p, cfg, x, gmm_impl=gmm_impl, experts=experts, layer=i))
+    f = jax.jit(lambda p, i: moe(p, cfg, x, gmm_impl=gmm_impl, stacked=stacked, layer=i))
     g = jax.jit(lambda p: moe(p, cfg, x, gmm_impl=gmm_impl))
     for i in range(3):
         want = g(jax.tree.map(lambda a: a[i], group["mlp"]))

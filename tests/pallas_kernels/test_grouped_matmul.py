@@ -201,6 +201,89 @@ def test_glu_gate_and_up_in_one_kernel(by_row, splits):
         grouped_matmul(lhs, gate, up_rhs=up[:, :8], interpret=True, **kw)
 
 
+def _shared_direct(x, shared, c, n, k, axis):
+    """x [k] @ chunk c of a shared [N_s, K_s] weight (HF layout), in numpy float64."""
+    w = shared[c * n : (c + 1) * n, :] if axis == "n" else shared[:, c * k : (c + 1) * k]
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+
+
+def _shared_case(by_row, axis, glu, G, n, k, C, T, K, dtype, **tuning):
+    """T tokens' copies, each K routed experts (distinct; token 1's second copy another device's, -1) then the C
+    shared chunks, through grouped_matmul with a stacked rhs and shared weight at layer 1 (layer 0 NaN), checked
+    against the chunks computed directly (float64) and against the reference. By row, lhs holds one row per
+    token; sorted, the copies are ordered by group with the padding copy last as a NaN row (0 out)."""
+    rng = np.random.default_rng(G + T + C)
+    f = lambda *s: rng.standard_normal(s, np.float32)  # noqa: E731
+    shape = (C * n, k) if axis == "n" else (n, C * k)
+    w = {name: (f(G, n, k) / np.sqrt(k), f(*shape) / np.sqrt(k)) for name in ("gate", "up")}
+    stack = lambda a: jnp.asarray(np.stack([np.full_like(a, np.nan), a]), dtype)  # noqa: E731
+    x = f(T, k)
+    routed = np.stack([rng.permutation(G)[:K] for _ in range(T)]).astype(np.int32)
+    routed[min(1, T - 1), min(1, K - 1)] = -1
+    copies = np.concatenate([routed, np.tile(G + np.arange(C, dtype=np.int32), (T, 1))], axis=1)  # [T, K+C]
+    flat, rows = copies.reshape(-1), np.repeat(np.arange(T), K + C)
+    if by_row:
+        lhs, kw = jnp.asarray(x, dtype), dict(row_groups=jnp.asarray(flat))
+        groups = flat
+    else:
+        order = np.argsort(np.where(flat < 0, G + C, flat), kind="stable")
+        rows, groups = rows[order], flat[order]
+        xs = x[rows].copy()
+        xs[groups < 0] = np.nan
+        sizes = np.bincount(groups[groups >= 0], minlength=G + C).astype(np.int32)
+        lhs, kw = jnp.asarray(xs, dtype), dict(group_sizes=jnp.asarray(sizes))
+    args = dict(rhs_index=jnp.int32(1), shared_rhs=stack(w["gate"][1]), **kw, **tuning)
+    if glu:
+        args |= dict(up_rhs=stack(w["up"][0]), shared_up_rhs=stack(w["up"][1]))
+    rhs = stack(w["gate"][0])
+    out = np.asarray(jax.jit(lambda a: grouped_matmul(a, rhs, **args))(lhs).astype(jnp.float32))
+    ref = np.asarray(grouped_matmul_reference(lhs, rhs, **args))
+    rounded = {name: tuple(np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in v) for name, v in w.items()}
+    xr = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    want = np.zeros((len(groups), n))
+    for r, (t, g) in enumerate(zip(rows, groups)):
+        if g < 0:
+            continue
+        proj = {
+            name: xr[t].astype(np.float64) @ ex[g].astype(np.float64).T
+            if g < G
+            else _shared_direct(xr[t], sh, g - G, n, k, axis)
+            for name, (ex, sh) in rounded.items()
+        }
+        want[r] = proj["gate"] / (1 + np.exp(-proj["gate"])) * proj["up"] if glu else proj["gate"]
+    assert np.all(np.isfinite(out)) and np.all(out[groups < 0] == 0)
+    tol = TOL[jnp.float32 if dtype == jnp.float32 else jnp.bfloat16][::-1]
+    np.testing.assert_allclose(out, want, *tol)
+    np.testing.assert_allclose(ref, want, *TOL[jnp.float32][::-1])
+
+
+@pytest.mark.parametrize("axis, glu", [("n", False), ("k", False), ("n", True)])  # glu: gate/up, cut by rows
+@pytest.mark.parametrize("by_row", [False, True])
+def test_shared_chunks_are_groups(by_row, axis, glu):
+    """shared_rhs: a stacked [Lyr, N_s, K_s] weight whose 2 chunks, along its rows (gate/up) or its columns
+    (down), are groups G, G+1 beside the routed ones (N 40, K 72: masked edges and a K tail)."""
+    _shared_case(by_row, axis, glu, 3, 40, 72, 2, 3, 2, jnp.float32, interpret=True, **SMALL)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(shared_rhs=np.zeros((30, 72), np.float32)), "whole number of"),
+        (dict(shared_rhs=np.zeros((80, 72), np.float16)), "dtype"),
+        (dict(shared_rhs=np.zeros((2, 80, 72), np.float32)), r"\[N_s, K_s\]"),
+        (dict(shared_up_rhs=np.zeros((80, 72), np.float32)), "needs shared_rhs"),
+        (dict(shared_rhs=np.zeros((80, 72), np.float32), transpose_rhs=False), "transpose_rhs=True"),
+        (dict(shared_rhs=np.zeros((80, 72), np.float32), group_sizes=jnp.ones((3,), jnp.int32)), r"i32\[G=5\]"),
+    ],
+)
+def test_shared_validation(kw, match):
+    lhs = jnp.zeros((8, 72), jnp.float32)
+    kw = dict(group_sizes=jnp.ones((5,), jnp.int32)) | kw
+    rhs = jnp.zeros((3, 40, 72) if kw.get("transpose_rhs", True) else (3, 72, 40), jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        grouped_matmul(lhs, rhs, interpret=True, **kw)
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
@@ -512,3 +595,12 @@ def test_gpu_glu_decode_shapes(m):
     out = np.asarray(out.astype(jnp.float32))
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("by_row, T", [(True, 1), (True, 2), (False, 128)])
+def test_gpu_shared_chunks_decode_shapes(by_row, T):
+    """The shared experts as 2 more groups at V2-Lite's shapes: gate/up (glu) N 1408 K 2048 with the shared
+    [2816, 2048], down N 2048 K 1408 with the shared [2048, 2816]; batch 1-2 unsorted, 128 sorted."""
+    _shared_case(by_row, "n", True, 64, 1408, 2048, 2, T, 6, jnp.bfloat16)
+    _shared_case(by_row, "k", False, 64, 2048, 1408, 2, T, 6, jnp.bfloat16)
