@@ -81,5 +81,16 @@ case $part in
     mkdir -p "$out/fp8"
     run 190 e2e-fp8 python3 -c "$e2e" --out "$out/fp8" --weights fp8 --batches 1,128 --ctxs 4096 --no-prefill
     tar czf "$out.tgz" -C "$out" . && rm -rf "$out" ;;
-*)  echo "part must be 1, 2, 3 or 4" >&2; exit 2 ;;
+5)  # session 13, first call: the shared experts as groups of the routed kernels and the copies' rows read by the
+    # kernel (grouped gpu tests, the MoE layer against ragged_dot), then the bf16 step at batch 1 / 128, ctx 4k,
+    # with profiles and the batch-1 step's compiled HLO
+    run 170 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 6 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_grouped_matmul.py tests/mla_jax/test_moe_stacked.py \
+        -k "row_groups or glu or shared or stacked"
+    run 230 e2e-bf16 python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --batches 1,128 --ctxs 4096 \
+        --no-prefill --no-engine --profile "$out/prof"
+    tar czf "$out/hlo-b1.tgz" -C "$out/prof" $(cd "$out/prof" && ls -d b1*/step.hlo.txt)
+    rm -rf "$out/prof"
+    tar czf "$out.tgz" -C "$out" . && rm -rf "$out" ;;
+*)  echo "part must be 1 to 5" >&2; exit 2 ;;
 esac
