@@ -11,7 +11,9 @@ A backend (`BACKENDS`, by name) is an ordered list of decode kernels and one of 
 accepts it, so the fallback order is the order in the table; every list ends with the plain-JAX reference,
 which takes any shape.
 Pallas kernels run in interpret mode when the default device is a CPU. Caches arrive flattened over layers,
-[num_layers * num_pages, G, L+R], with block tables already offset to the layer, so no layer slice is copied.
+[num_layers * num_pages, G, L+R], so no layer slice is copied; block tables number pages within one layer, offset
+by the layer's first page (`KVCache.flat_layers`): the decode kernels take it as `page_offset` (the Triton kernel
+adds it in-kernel, so a layer's decode runs no XLA op on its block table), prefill adds it to its block table.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class Kernel:
 
 
 # ---- decode: (q [B, Q, N, L+R], cache [pages, G, L+R], block_table, seq_lens, *, scale, kv_scale, kv_lora_rank,
-#      batch_invariant) -> (out [B, Q, N, L], lse f32[B, Q, N])
+#      batch_invariant, page_offset) -> (out [B, Q, N, L], lse f32[B, Q, N]); request b's i-th page is pool page
+#      block_table[b, i] + page_offset (an int32 scalar, may be traced; None = 0)
 
 
 def _decode_triton(q, cache, block_table, seq_lens, **kw):
@@ -345,16 +348,18 @@ def forward_mqa(
     kv_lora_rank: int,
     batch_invariant: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """q [Bd, Q, N, L+R] -> (latent [Bd, Q, N, L], lse f32[Bd, Q, N])."""
+    """q [Bd, Q, N, L+R] -> (latent [Bd, Q, N, L], lse f32[Bd, Q, N]). kv_cache is the pool of every layer;
+    decode.block_table's pages are the layer's, numbered from its first page `block_offset` (the kernel adds it)."""
     return backend.mla_decode(
         q,
         kv_cache,
-        decode.block_table + block_offset,
+        decode.block_table,
         decode.seq_lens,
         scale=scale,
         kv_scale=kv_scale,
         kv_lora_rank=kv_lora_rank,
         batch_invariant=batch_invariant,
+        page_offset=block_offset,
     )
 
 

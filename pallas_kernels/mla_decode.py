@@ -36,7 +36,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.util import FP8, LN2, LOG2E, M_INIT, cdiv, next_pow2, num_sms, validate_decode
+from pallas_kernels.util import (
+    FP8,
+    LN2,
+    LOG2E,
+    M_INIT,
+    cdiv,
+    check_stacked_index,
+    next_pow2,
+    num_sms,
+    validate_decode,
+)
 
 
 def choose_num_kv_splits(batch: int, rows_per_request: int, max_seq_len: int, num_sms: int) -> int:
@@ -124,24 +134,35 @@ def _stage1_kernel(
     q_ref,  # [block_h, L+R]
     kv_ref,  # [num_pages*G, L+R] (whole pool; rows gathered via the block table)
     kv_scale_ref,  # [num_pages*G] f32, or None
-    bt_ref,  # i32[max_pages]: this request's block table row
-    lens_ref,  # i32[block_h]: tokens each row attends to (0 for padding rows)
+    bt_ref,  # i32[max_pages]: this request's block table row (pages numbered within the layer's range)
+    sl_ref,  # i32[Q]: this request's seq_lens, one per query token
+    off_ref,  # i32[1]: page_offset, added to every page id read from bt_ref
     o_ref,  # [block_h, L]: normalized partial output
     lse_ref,  # f32[block_h]
     *,
     l: int,
     r: int,
+    heads: int,
     page_size: int,
+    capacity: int,
     block_kv: int,
     split_tokens: int,
     sm_scale: float,
     compute_dtype,
     dequant_tile: bool,
 ):
-    split = pl.program_id(1)
+    head_block, split = pl.program_id(0), pl.program_id(1)
     page_shift = page_size.bit_length() - 1
-    lens = lens_ref[...]
-    block_h = lens.shape[0]
+    block_h = q_ref.shape[0]
+    nq = sl_ref.shape[0]
+    # Row m of the folded (Q, N) rows is query token m // N's; padding rows (m >= Q*N) attend to nothing.
+    # Done here rather than as XLA ops before the call (a repeat, pad and clamp of seq_lens: tiny kernels of
+    # their own in every layer's decode step).
+    m = head_block * block_h + jnp.arange(block_h, dtype=jnp.int32)  # [block_h]
+    m_ok = m < nq * heads
+    t = jnp.minimum(lax.div(m, jnp.int32(heads)), nq - 1)  # [block_h] (clamped: padding rows read nothing)
+    lens = jnp.minimum(pltriton.load(sl_ref.at[t], mask=m_ok, other=0), capacity)  # [block_h]
+    page_offset = off_ref[0]
     split_start = split * split_tokens
     # Steps are aligned to the split, and the split to block_kv, so only the length bounds the loop.
     end = jnp.minimum(jnp.max(lens), split_start + split_tokens)
@@ -157,7 +178,7 @@ def _stage1_kernel(
         acc, m_prev, l_prev = carry
         tok = split_start + i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [block_kv]
         tok_ok = tok < end
-        page = pltriton.load(bt_ref.at[lax.shift_right_logical(tok, page_shift)], mask=tok_ok, other=0)
+        page = pltriton.load(bt_ref.at[lax.shift_right_logical(tok, page_shift)], mask=tok_ok, other=0) + page_offset
         row = page * page_size + (tok & (page_size - 1))  # [bkv] rows of the flattened pool
         # Masked loads: rows past the block's longest length are never read (and read as 0, not NaN).
         # Columns are int-array indices too (interpret mode cannot mix gathers with slices).
@@ -445,6 +466,7 @@ def _mla_decode_impl(
     block_table,
     seq_lens,
     kv_scale,
+    page_offset=None,
     *,
     scale,
     kv_lora_rank,
@@ -458,6 +480,8 @@ def _mla_decode_impl(
     fp8_mode=None,
     return_partials=False,
 ):
+    """`mla_decode` after validation; page_offset: None (0) or an integer scalar, static or traced.
+    return_partials: stage 1's (o_part [B, S, M', L], lse_part f32[B, S, M']) over the padded rows M'."""
     b, nq, n, d = q.shape
     l = kv_lora_rank
     r = d - l
@@ -485,14 +509,15 @@ def _mla_decode_impl(
     split_tokens = max(1, round(capacity / (num_splits * align))) * align
     num_splits = cdiv(capacity, split_tokens)
 
-    # Fold (Q, N) into rows; pad rows to a multiple of block_h (padding rows get length 0).
+    # Fold (Q, N) into rows; pad rows to a multiple of block_h (the kernel gives padding rows length 0, and
+    # each row its query token's seq_len clamped to the capacity).
     m_pad = cdiv(m_rows, block_h) * block_h
     q_rows = q.reshape(b, m_rows, d)  # [B, M, L+R]
-    row_lens = jnp.repeat(seq_lens, n, axis=1)  # [B, M]: row t*N+n -> t
     if m_pad != m_rows:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, m_pad - m_rows), (0, 0)))
-        row_lens = jnp.pad(row_lens, ((0, 0), (0, m_pad - m_rows)))
-    row_lens = jnp.minimum(row_lens, capacity)
+    offset = (
+        jnp.zeros((1,), jnp.int32) if page_offset is None else jnp.asarray(page_offset, jnp.int32).reshape(1)
+    )  # i32[1]
     kv_rows = cache.reshape(num_pages * g, d)  # [num_pages*G, L+R]
     scale_rows = kv_scale.reshape(num_pages * g) if is_fp8 else None
 
@@ -504,7 +529,9 @@ def _mla_decode_impl(
         _stage1_kernel,
         l=l,
         r=r,
+        heads=n,
         page_size=g,
+        capacity=capacity,
         block_kv=block_kv,
         split_tokens=split_tokens,
         sm_scale=float(scale),
@@ -516,7 +543,8 @@ def _mla_decode_impl(
         pl.BlockSpec((num_pages * g, d), lambda h, s, i: (0, 0)),
         pl.BlockSpec((num_pages * g,), lambda h, s, i: (0,)) if is_fp8 else None,
         pl.BlockSpec((None, max_pages), lambda h, s, i: (i, 0)),
-        pl.BlockSpec((None, block_h), lambda h, s, i: (i, h)),
+        pl.BlockSpec((None, nq), lambda h, s, i: (i, 0)),
+        pl.BlockSpec((1,), lambda h, s, i: (0,)),
     ]
     out_specs = [
         pl.BlockSpec((None, None, block_h, l), lambda h, s, i: (i, s, h, 0)),
@@ -535,7 +563,7 @@ def _mla_decode_impl(
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"mla_decode_{block_h=}_{block_kv=}_{num_splits=}_{num_warps=}_{num_stages=}",
-    )(q_rows, kv_rows, scale_rows, block_table, row_lens)
+    )(q_rows, kv_rows, scale_rows, block_table, seq_lens, offset)
     if return_partials:
         return o_part, lse_part
     if final:
@@ -547,15 +575,23 @@ def _mla_decode_impl(
     return out, lse
 
 
+def check_page_offset(page_offset, num_pages: int) -> None:
+    """The decode kernels' page_offset: None, or an integer scalar; a static one in [0, num_pages) (a traced one
+    cannot be checked: like the block table's entries, it is the caller's)."""
+    if page_offset is not None:
+        check_stacked_index(page_offset, num_pages, "page_offset", f"kv_c_and_k_pe_cache of {num_pages} pages")
+
+
 def mla_decode(
     q,  # [B, Q, N, L+R] bf16/f16/f32: absorbed q_nope (L) then q_pe (R)
     kv_c_and_k_pe_cache,  # [num_pages, G, L+R] bf16/f16/f32, or float8_e4m3fn with kv_scale
-    block_table,  # i32[B, max_pages]
+    block_table,  # i32[B, max_pages]: page ids, each read as page block_table[b, i] + page_offset of the pool
     seq_lens,  # i32[B, Q]: cache tokens query row (b, t) attends to; 0 = empty row
     *,
     scale: float,
     kv_scale=None,  # f32[num_pages, G]: row value = fp8 row * kv_scale (fp8 cache only)
     kv_lora_rank: int = 512,
+    page_offset=None,  # integer scalar, static or traced (None = 0): the first page of block_table's range
     num_kv_splits: int | None = None,
     batch_invariant: bool = False,
     interpret: bool = False,
@@ -569,6 +605,11 @@ def mla_decode(
 
     lse is the natural log of sum(exp(scale * logits)) over the attended tokens; rows with seq_len 0
     give out 0 and lse -inf. Lengths beyond the block table's capacity (max_pages * G) are clamped.
+
+    page_offset: block_table's entries are pages numbered within one range of the pool (one layer's pages
+    of a cache flattened over layers, [num_layers * num_pages, G, L+R]); the kernel reads page
+    block_table[b, i] + page_offset, adding it as it loads the page id, so that a layer's decode needs no
+    XLA op on the block table. A static page_offset must lie in [0, num_pages).
 
     num_kv_splits: static stage-1 split count (None: `choose_num_kv_splits` on the static capacity).
     batch_invariant: one split, so a request's result is bitwise independent of the rest of the batch.
@@ -591,12 +632,14 @@ def mla_decode(
         num_stages,
         fp8_mode,
     )
+    check_page_offset(page_offset, kv_c_and_k_pe_cache.shape[0])
     return _mla_decode_impl(
         q,
         kv_c_and_k_pe_cache,
         block_table,
         seq_lens,
         kv_scale,
+        page_offset,
         scale=float(scale),
         kv_lora_rank=int(kv_lora_rank),
         num_kv_splits=num_kv_splits,
@@ -619,6 +662,7 @@ def mla_decode_reference(
     scale: float,
     kv_scale=None,
     kv_lora_rank: int = 512,
+    page_offset=None,
     num_kv_splits=None,
     batch_invariant=False,
     interpret=False,
@@ -645,6 +689,9 @@ def mla_decode_reference(
         None,
         for_kernel=False,
     )
+    check_page_offset(page_offset, kv_c_and_k_pe_cache.shape[0])
+    if page_offset is not None:
+        block_table = block_table + jnp.asarray(page_offset, jnp.int32)
     b, nq, n, d = q.shape
     l = kv_lora_rank
     _, g, _ = kv_c_and_k_pe_cache.shape

@@ -96,7 +96,7 @@ from pallas_kernels.mgpu import (
     wgmma_accumulate,
     write_out,
 )
-from pallas_kernels.mla_decode import merge_segments, merge_splits, mla_decode_reference
+from pallas_kernels.mla_decode import check_page_offset, merge_segments, merge_splits, mla_decode_reference
 from pallas_kernels.util import (
     BF16,
     F16,
@@ -1130,12 +1130,13 @@ def _impl(
 def mla_decode_sm90(
     q,  # [B, Q, N, L+R]: absorbed q_nope (L) then q_pe (R); computed in bf16
     kv_c_and_k_pe_cache,  # [num_pages, 64, L+R] bf16, or float8_e4m3fn with kv_scale
-    block_table,  # i32[B, max_pages]
+    block_table,  # i32[B, max_pages]: page ids, each read as page block_table[b, i] + page_offset of the pool
     seq_lens,  # i32[B, Q]: cache tokens query row (b, t) attends to; 0 = empty row
     *,
     scale: float,
     kv_scale=None,  # f32[num_pages, 64]: row value = fp8 row * kv_scale (fp8 cache only)
     kv_lora_rank: int = 512,
+    page_offset=None,  # integer scalar, static or traced (None = 0): the first page of block_table's range
     num_kv_splits: int | None = None,
     batch_invariant: bool = False,
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -1150,9 +1151,10 @@ def mla_decode_sm90(
 
     Same contract as `pallas_kernels.mla_decode.mla_decode`: lse is the natural log of
     sum(exp(scale * logits)); rows with seq_len 0 give out 0 and lse -inf; lengths beyond the block
-    table's capacity are clamped. Page size 64 only; L a multiple of 128 up to 512; R a multiple of
-    64; cache bf16 or fp8 e4m3 (cast to bf16 in shared memory, bf16 wgmma, per-token scale applied
-    to the logits and to p).
+    table's capacity are clamped; page_offset as there (added to the block table here, an XLA op before
+    the kernel, where the Triton kernel adds it as it loads a page id). Page size 64 only; L a multiple
+    of 128 up to 512; R a multiple of 64; cache bf16 or fp8 e4m3 (cast to bf16 in shared memory, bf16
+    wgmma, per-token scale applied to the logits and to p).
 
     schedule: "grid" (default): every head tile of every request cut into the same static number
     of splits, `num_kv_splits` (None: `choose_num_kv_splits_sm90` for `num_sms` SMs, default the
@@ -1188,6 +1190,9 @@ def mla_decode_sm90(
     )
     if fp8_qk and jnp.dtype(kv_c_and_k_pe_cache.dtype) != FP8:
         raise ValueError(f"fp8_qk=True needs a float8_e4m3fn kv_c_and_k_pe_cache, got {kv_c_and_k_pe_cache.dtype}")
+    check_page_offset(page_offset, kv_c_and_k_pe_cache.shape[0])
+    if page_offset is not None:
+        block_table = block_table + jnp.asarray(page_offset, jnp.int32)
     return _impl(
         q,
         kv_c_and_k_pe_cache,

@@ -66,16 +66,35 @@ def decode_gpu_tolerance(kind: str) -> tuple[float, float]:
 
 
 def decode_inputs(
-    seed, *, b, nq, n, max_pages, lens, l=512, r=64, g=64, cache_dtype="bf16", q_dtype="bf16", causal=False
+    seed,
+    *,
+    b,
+    nq,
+    n,
+    max_pages,
+    lens,
+    l=512,
+    r=64,
+    g=64,
+    cache_dtype="bf16",
+    q_dtype="bf16",
+    causal=False,
+    page_offset=0,
 ):
     """(q, cache, block_table, seq_lens, kv_scale) with NaN poison. lens[i]: cache tokens of request
     i (its last query row's length); causal rows see lens[i] - (nq - 1 - t) tokens, non-causal rows
-    all lens[i]. cache_dtype "bf16" or "fp8" (with a per-token kv_scale), q_dtype "bf16" or "f32"."""
+    all lens[i]. cache_dtype "bf16" or "fp8" (with a per-token kv_scale), q_dtype "bf16" or "f32".
+    page_offset (the kernels' keyword): the block table numbers pages from 0 but they lie at pool pages
+    page_offset + id, between page_offset NaN pages (NaN scales) before and after them, so that a kernel
+    that skips the offset or adds it twice reads only NaN (page_offset 0, or at least the P pages drawn:
+    lens' pages + 3 spares)."""
     rng = np.random.default_rng(seed)
     lens = np.asarray(lens)
     used = [cdiv(int(x), g) for x in lens]
     spare = 3
     num_pages = sum(used) + spare
+    if 0 < page_offset < num_pages:
+        raise ValueError(f"page_offset {page_offset} must be 0 or >= the {num_pages} pages drawn")
     perm = rng.permutation(num_pages)
     spare_pages = perm[num_pages - spare :]
     block_table = np.empty((b, max_pages), np.int32)
@@ -96,10 +115,16 @@ def decode_inputs(
     seq_lens = np.where(lens[:, None] > 0, np.maximum(seq_lens, 0), 0).astype(np.int32)
     q = rng.standard_normal((b, nq, n, l + r)).astype(np.float32)
     q[seq_lens == 0] = np.nan
+    scales = rng.uniform(0.25, 0.75, (num_pages, g)).astype(np.float32) if cache_dtype == "fp8" else None
+    if page_offset:
+        cache = np.pad(cache, ((page_offset, page_offset), (0, 0), (0, 0)), constant_values=np.nan)
+        scales = (
+            None if scales is None else np.pad(scales, ((page_offset, page_offset), (0, 0)), constant_values=np.nan)
+        )
     kv_scale = None
     if cache_dtype == "fp8":
         cache_j = jnp.asarray(cache * 2.0).astype(jnp.float8_e4m3fn)
-        kv_scale = jnp.asarray(rng.uniform(0.25, 0.75, (num_pages, g)).astype(np.float32))
+        kv_scale = jnp.asarray(scales)
     else:
         cache_j = jnp.asarray(cache).astype(jnp.bfloat16)
     q_j = jnp.asarray(q).astype(jnp.float32 if q_dtype == "f32" else jnp.bfloat16)
@@ -114,7 +139,9 @@ def decode_reference(q, cache, bt, sl, ks, kernel_kw, l=512, *, scale=DECODE_SCA
         cache, ks = (cache.astype(jnp.float32) * ks[..., None]).astype(jnp.bfloat16), None
     if kernel_kw.get("fp8_qk"):
         q = fp8_qk_reference_q(q)
-    return mla_decode_reference(q, cache, bt, sl, scale=scale, kv_scale=ks, kv_lora_rank=l)
+    return mla_decode_reference(
+        q, cache, bt, sl, scale=scale, kv_scale=ks, kv_lora_rank=l, page_offset=kernel_kw.get("page_offset")
+    )
 
 
 def assert_decode_close(out, lse, ref, ref_lse, kind, lse_tol=None):
@@ -134,7 +161,7 @@ def assert_decode_close(out, lse, ref, ref_lse, kind, lse_tol=None):
 class DecodeCase:
     name: str
     inputs: dict  # `decode_inputs` keywords (L, R, G default to 512, 64, 64)
-    kernel: dict = dataclasses.field(default_factory=dict)  # the kernel's keywords
+    kernel: dict = dataclasses.field(default_factory=dict)  # the kernel's keywords (page_offset also places the pages)
     kind: str = "bf16"  # DECODE_TOL key
     kernels: tuple = (MLA_DECODE, MLA_DECODE_SM90)
     seed: int | None = None  # None: crc32 of the name
@@ -145,7 +172,7 @@ class DecodeCase:
         return self.inputs.get("l", 512)
 
     def make(self):
-        return decode_inputs(_seed(self.name, self.seed), **self.inputs)
+        return decode_inputs(_seed(self.name, self.seed), page_offset=self.kernel.get("page_offset", 0), **self.inputs)
 
 
 def _dc(name, kernels, kind="bf16", kernel=None, seed=None, bench=False, **inputs):
@@ -280,11 +307,12 @@ DECODE_CASES = [
         max_pages=2,
         lens=[100, 1],
     ),
-    # Spec decode: Q=3 causal rows folded into one padded tile, 1-stage ring (reuse every page).
+    # Spec decode: Q=3 causal rows folded into one padded tile, 1-stage ring (reuse every page); the pages at
+    # page_offset 8 of a NaN pool (the layer pages of a cache flattened over layers).
     _dc(
-        "q3_causal_n16_stages1_bf16",
+        "q3_causal_n16_stages1_page_offset_bf16",
         _SM90,
-        kernel=dict(num_kv_splits=1, num_stages=1),
+        kernel=dict(num_kv_splits=1, num_stages=1, page_offset=8),
         b=2,
         nq=3,
         n=16,
@@ -396,6 +424,19 @@ DECODE_GPU_CASES = [
         cache_dtype="fp8",
     ),
     _dc("q2_causal_n128_bf16", _BOTH, seed=1002, b=3, nq=2, n=128, max_pages=24, lens=[1500, 65, 2], causal=True),
+    # A layer's pages at page_offset 32 of a NaN pool (25 pages drawn), Q=3 causal x 16 heads (Triton: 16 padding rows)
+    _dc(
+        "q3_causal_n16_page_offset",
+        _BOTH,
+        kernel=dict(page_offset=32),
+        seed=1006,
+        b=3,
+        nq=3,
+        n=16,
+        max_pages=24,
+        lens=[1200, 70, 1],
+        causal=True,
+    ),
     _dc(
         "n16_7splits_bf16",
         _BOTH,

@@ -89,3 +89,17 @@ def test_hopper_decode_takes_few_rows_over_a_pool_of_64_bit_offsets():
     assert "Triton is faster" in attention._sm90_declines(q1, small, None, None)
     q48 = jax.ShapeDtypeStruct((8, 3, 16, 576), jnp.bfloat16)
     assert attention._sm90_declines(q48, small, None, None) is None
+
+
+def test_every_decode_kernel_takes_page_offset():
+    """Every decode kernel of the table takes `page_offset` (forward_mqa passes the layer's first page) and
+    rejects a bad static one, naming it, before any work."""
+    from pallas_kernels.testing import DECODE_SCALE, decode_inputs
+
+    q, cache, bt, sl, ks = decode_inputs(3, b=1, nq=1, n=16, max_pages=2, lens=[70], cache_dtype="fp8")
+    kernels = {k.name: k for be in attention.BACKENDS.values() for k in be.decode}
+    assert set(kernels) == {"xla", "triton", "sm90", "sm90_fp8qk"}
+    for k in kernels.values():
+        for bad, match in ((-1, "page_offset=-1 is out of range"), (jnp.zeros(2, jnp.int32), "page_offset must be")):
+            with pytest.raises(ValueError, match=match):
+                k.fn(q, cache, bt, sl, scale=DECODE_SCALE, kv_scale=ks, kv_lora_rank=512, page_offset=bad)

@@ -3,7 +3,8 @@
 The cases, inputs (NaN-poisoned: a kernel that reads any row no query attends to fails) and
 tolerances are the shared decode suite's (tests/pallas_kernels/decode_suite.py,
 pallas_kernels/testing.py); this file adds the Triton kernel's own tests: the reference itself,
-split counts, batch invariance, bad inputs and the split merges.
+split counts, batch invariance, a traced page_offset with ragged per-token lengths, the lowering (one
+kernel, no XLA op on the block table or seq_lens), bad inputs and the split merges.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla_decode import (
+    _mla_decode_impl,
     choose_num_kv_splits,
     merge_segments,
     merge_segments_reference,
@@ -78,6 +80,81 @@ def test_batch_invariant_bitwise():
     np.testing.assert_array_equal(np.asarray(lse[1:2]), np.asarray(lse1))
 
 
+def _gpu_if_false(interpret):
+    if not interpret and jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_traced_page_offset_ragged_query_tokens(interpret):
+    """The kernel computes each row's length and pool page itself: Q=3 speculative tokens of unrelated
+    lengths (row m is token m // N's: 12 heads in 16-row blocks, so tokens straddle head blocks, and 12
+    padding rows), the block table's P pages at a traced page_offset of a pool whose other pages, [0, offset)
+    and [offset + P, 2 offset + P), are NaN (a skipped or doubled offset reads NaN). Against the reference
+    over the same pool and offset, the reference against itself over the un-offset pages, the kernel bitwise
+    against itself over those; stage 1's padding rows attend to nothing."""
+    _gpu_if_false(interpret)
+    off = 16
+    q, pool, bt, _, _ = decode_inputs(
+        13, b=2, nq=3, n=12, l=64, r=16, g=16, max_pages=4, lens=[50, 20], page_offset=off
+    )
+    sl = jnp.asarray([[50, 3, 17], [0, 20, 9]], jnp.int32)  # [B, Q]: per token; row (1, 0) is empty
+    q = q.at[1, 0].set(jnp.nan)  # an empty row's q is never used
+    kw = dict(scale=SCALE, kv_lora_rank=64, interpret=interpret, block_h=16, block_kv=16, num_kv_splits=2)
+    f = jax.jit(lambda q, c, bt, sl, o: mla_decode(q, c, bt, sl, page_offset=o, **kw))
+    out, lse = f(q, pool, bt, sl, jnp.int32(off))
+    ref, ref_lse = mla_decode_reference(q, pool, bt, sl, scale=SCALE, kv_lora_rank=64, page_offset=off)
+    assert_decode_close(out, lse, ref, ref_lse, "bf16")
+    assert np.all(np.asarray(lse)[1, 0] == -np.inf)
+    pages = pool[off:-off]  # the block table's pages, un-offset
+    ref0, ref0_lse = mla_decode_reference(q, pages, bt, sl, scale=SCALE, kv_lora_rank=64)
+    np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(ref0, np.float32))
+    np.testing.assert_array_equal(np.asarray(ref_lse), np.asarray(ref0_lse))
+    out0, lse0 = mla_decode(q, pages, bt, sl, **kw)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out0, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse0))
+    # Stage 1's partials over the 48 padded rows: the 12 padding rows attend to nothing (lse -inf).
+    kw.pop("interpret")
+    _, lse_part = _mla_decode_impl(
+        q,
+        pool,
+        bt,
+        sl,
+        None,
+        off,
+        interpret=interpret,
+        batch_invariant=False,
+        num_warps=None,
+        num_stages=None,
+        return_partials=True,
+        **kw,
+    )
+    assert lse_part.shape == (2, 2, 48)
+    assert np.all(np.asarray(lse_part)[..., 36:] == -np.inf) and np.all(np.isfinite(np.asarray(lse_part)[0, 0, :36]))
+
+
+def test_lowers_to_one_triton_kernel(monkeypatch):
+    """Triton IR on CPU (Pallas's lowering rules, not the Triton compiler) for an H200, batch-1 decode with a
+    traced page_offset: the block table, seq_lens and offset go straight into the one kernel (issue #22: the
+    repeat/pad/clamp of seq_lens and the block table + offset were small XLA kernels of every layer's step)."""
+    import re
+
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    monkeypatch.setattr(
+        pallas_call_registration.gpu_info_lib,
+        "get_gpu_info",
+        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
+    )
+    S = jax.ShapeDtypeStruct
+    args = (S((1, 1, 16, 576), jnp.bfloat16), S((256, 64, 576), jnp.bfloat16), S((1, 64), jnp.int32))
+    args += (S((1, 1), jnp.int32), S((), jnp.int32))
+    f = jax.jit(lambda q, c, bt, sl, o: mla_decode(q, c, bt, sl, scale=SCALE, page_offset=o, num_kv_splits=1))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert set(re.findall(r"stablehlo\.(\w+)", text)) == {"custom_call", "reshape"}  # no ops but free reshapes
+
+
 def _bad(**over):
     q, cache, bt, sl, _ = decode_inputs(3, b=2, nq=1, n=16, l=64, r=16, g=16, max_pages=2, lens=[20, 3])
     args = dict(
@@ -124,6 +201,10 @@ def _bad(**over):
         (lambda a: dict(block_h=24), "block_h"),
         (lambda a: dict(block_kv=8), "block_kv"),
         (lambda a: dict(fp8_mode="fast"), "fp8_mode"),
+        (lambda a: dict(page_offset=-1), "page_offset=-1 is out of range"),
+        (lambda a: dict(page_offset=6), "page_offset=6 is out of range for kv_c_and_k_pe_cache of 6 pages"),
+        (lambda a: dict(page_offset=jnp.zeros((1,), jnp.int32)), "page_offset must be an integer scalar"),
+        (lambda a: dict(page_offset=2.0), "page_offset must be an integer scalar"),
     ],
 )
 def test_bad_inputs_raise(over, match):
