@@ -105,7 +105,8 @@ def default_tuning(t: int, n: int, k: int, m: int, dtype, sms: int | None = None
     - rows: one tile up to 64 rows (the weight read once), 16-row tiles at least (Triton dot);
     - columns: from 128 down to 16 until (row tiles x column blocks x heads) programs fill the SMs, so that a
       decode step's weight reads are all in flight together;
-    - K: 128-deep steps (64 x 128 x 128 bf16 tiles, 48 KB a stage), as many stages as steps, up to 4.
+    - K: 128-deep steps, as many stages as steps, up to 4, within 128 KB of shared memory (the H200 has 227 KB a
+      block; decode tiles, 16 x 128 and 128 x 16-32 bf16, take 8-12 KB a stage, 64 x 128 and 128 x 128 take 48).
     float32 (tests, not a fast path): smaller tiles for registers and shared memory.
     """
     f32 = jnp.dtype(dtype) == jnp.float32
@@ -115,7 +116,8 @@ def default_tuning(t: int, n: int, k: int, m: int, dtype, sms: int | None = None
     sms = num_sms() if sms is None else sms
     while bn > 16 and cdiv(t, bt) * cdiv(m, bn) * n < sms:
         bn //= 2
-    stages = max(1, min(4, cdiv(k, bk)))
+    stage_bytes = (bt * bk + bk * bn) * jnp.dtype(dtype).itemsize
+    stages = max(1, min(4, cdiv(k, bk), (128 << 10) // stage_bytes))
     return bt, bn, bk, 4, stages
 
 
