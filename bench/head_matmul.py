@@ -110,8 +110,9 @@ def check(fn, x, w, r):
 def timed(fn, sets, smoke, device_time):
     if smoke:
         return common.time_fn(fn, sets, iters=1, reps=1, warmup=1), {}
-    us = common.time_fn(fn, sets, iters=20, reps=5, warmup=3)
-    extra = common.device_time_us(fn, sets, iters=20) if device_time else {}
+    iters = max(20, len(sets))  # each timed run goes through every set (the timers cycle through the first `iters`)
+    us = common.time_fn(fn, sets, iters=iters, reps=5, warmup=3)
+    extra = common.device_time_us(fn, sets, iters=iters) if device_time else {}
     return us, extra
 
 
