@@ -20,8 +20,10 @@ import jax.numpy as jnp
 from mla_jax import reference
 from mla_jax.config import DeepseekConfig
 from mla_jax.indexer import topk_mask
-from mla_jax.layers import act_dtype, linear, rms_norm
+from mla_jax.layers import LayerRow, act_dtype, linear, rms_norm
 from mla_jax.rope import apply_rope, rope_cos_sin
+from pallas_kernels import head_matmul as head_matmul_kernel
+from pallas_kernels.util import FLOAT_DTYPES
 
 
 def split_kv_b_proj(kv_b_weight: jnp.ndarray, cfg: DeepseekConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -64,9 +66,17 @@ def mla_project_with_q_latent(
 
 
 def absorb_q(p: dict, cfg: DeepseekConfig, q: jnp.ndarray) -> jnp.ndarray:
-    """q [T, N, P+R] -> absorbed q [T, N, L+R]: q_nope through W_UK_T (one batched matmul), then q_pe."""
+    """q [T, N, P+R] -> absorbed q [T, N, L+R]: q_nope through W_UK_T (one batched matmul), then q_pe.
+
+    On a GPU for up to HEAD_MATMUL_MAX_T tokens, one kernel (`head_matmul`) reads q in place, multiplies q_nope and
+    copies q_pe behind it (XLA: a 5.7 us concatenate fusion at T=1 on the H200, issue #22); elsewhere jnp."""
     P = cfg.qk_nope_head_dim
-    ql_nope = jnp.einsum("tnp,npl->tnl", q[..., :P], p["W_UK_T"])  # [T, N, L]
+    w, layer = _per_head(p["W_UK_T"])  # [(Lyr,) N, P, L]
+    if _head_matmul_ok(q, w) and q.shape[-1] > w.shape[-2] == P:  # q = [q_nope | q_pe], q_pe the kernel's tail
+        return head_matmul_kernel.head_matmul(q, w, tail_in_x=True, rhs_index=layer)
+    if layer is not None:
+        w = w[layer]
+    ql_nope = jnp.einsum("tnp,npl->tnl", q[..., :P], w)  # [T, N, L]
     return jnp.concatenate([ql_nope, q[..., P:].astype(ql_nope.dtype)], axis=-1)
 
 
@@ -80,9 +90,39 @@ def up_project_kv(
     return jnp.concatenate([k_nope, k_pe], axis=-1), v
 
 
+# At most this many tokens take the per-head matmul kernel (`pallas_kernels.head_matmul`) on a GPU, more take XLA's
+# batched matmul. A guess until bench/head_matmul.py's H200 numbers say where the kernel stops beating XLA: decode
+# batches are weight-bandwidth bound (the kernel's case), prefill chunks compute bound (cuBLAS's).
+HEAD_MATMUL_MAX_T = 64
+
+
+def _head_matmul_ok(x: jnp.ndarray, w: jnp.ndarray) -> bool:
+    """The per-head matmul kernel for x [T, N, K] and w's dtype: on a GPU, 1 <= T <= HEAD_MATMUL_MAX_T, one float
+    dtype (the kernel multiplies in x's; XLA's einsum promotes mixed dtypes, so those stay there)."""
+    return (
+        jax.default_backend() == "gpu"
+        and 1 <= x.shape[0] <= HEAD_MATMUL_MAX_T
+        and x.dtype == w.dtype
+        and jnp.dtype(x.dtype) in FLOAT_DTYPES
+    )
+
+
+def _per_head(w) -> tuple[jnp.ndarray, jnp.ndarray | None]:
+    """A per-head weight [N, K, M] or a `LayerRow` of one stacked [Lyr, N, K, M]: (array, layer index or None)."""
+    return (w.stacked, w.index) if isinstance(w, LayerRow) else (w, None)
+
+
 def v_up_proj(p: dict, latent: jnp.ndarray) -> jnp.ndarray:
-    """Latent attention output [T, N, L] -> [T, N, V] through W_UV."""
-    return jnp.einsum("tnl,nlv->tnv", latent.astype(p["W_UV"].dtype), p["W_UV"])
+    """Latent attention output [T, N, L] -> [T, N, V] through W_UV, in W_UV's dtype. On a GPU for up to
+    HEAD_MATMUL_MAX_T tokens the per-head matmul kernel (XLA: a multiply and a reduce fusion, 4.6 us at T=1 on the
+    H200, issue #22), elsewhere jnp."""
+    w, layer = _per_head(p["W_UV"])  # [(Lyr,) N, L, V]
+    latent = latent.astype(w.dtype)
+    if _head_matmul_ok(latent, w):
+        return head_matmul_kernel.head_matmul(latent, w, rhs_index=layer)
+    if layer is not None:
+        w = w[layer]
+    return jnp.einsum("tnl,nlv->tnv", latent, w)
 
 
 def o_proj(p: dict, attn: jnp.ndarray) -> jnp.ndarray:
