@@ -351,3 +351,40 @@ def test_gpu_no_copy_of_the_cache_in_a_layer_scan():
     mem = compiled.memory_analysis()
     if mem is not None:
         assert mem.temp_size_in_bytes < layers * pages * 64 * 576 * 2 // 4, mem
+
+
+def _jit_step_text(cache_dtype, num_pages):
+    """The lowered and compiled texts of the model's jitted paged step (a decode and a prefill) for the tiny config,
+    and the cache's HLO shape."""
+    from mla_jax import model
+    from mla_jax.allocator import PagePool
+    from mla_jax.cache import init_kv_cache_for
+    from mla_jax.metadata import build_metadata
+    from mla_jax.step import jit_step
+    from tests.mla_jax.helpers import paged_config, step_requests
+
+    cfg = paged_config()
+    params = model.init_params(cfg, jax.random.key(0), std=0.2)
+    pool = PagePool(num_pages, 16)
+    cache = init_kv_cache_for(cfg, num_pages, 16, dtype=cache_dtype, allow_any_page_size=True)
+    seqs = [list(range(1, 20)), list(range(3, 30))]
+    reqs = step_requests(pool, seqs, [0, 0], [(0, 1), (1, 9)])
+    md, _ = build_metadata(reqs, page_size=16, num_pages=num_pages)
+    lowered = jit_step.lower(params, cfg, cache, md.to_device())
+    nl, p, g, w = cache.kv_c_and_k_pe_cache.shape
+    return (
+        lowered.as_text(),
+        lowered.compile().as_text(),
+        f"{cache.dtype.name.replace('bfloat16', 'bf16')}[{nl},{p},{g},{w}]",
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_paged_step_writes_in_place():
+    """The model's jitted step on the GPU: the cache write is the Triton kernel (no scatter of the latent rows),
+    and XLA copies no cache-shaped buffer in the layer loop."""
+    _gpu()
+    lowered, text, shape = _jit_step_text("bf16", 37)
+    assert 'name = "cache_write_l32_r16"' in lowered  # the kernel, once (in the layer loop's body)
+    copies = [ln for ln in text.splitlines() if " copy(" in ln and f"= {shape}" in ln]
+    assert not copies, copies
