@@ -245,22 +245,35 @@ def test_lowers_to_triton(monkeypatch):
     assert "dynamic_slice" not in text and "dynamic_update_slice" not in text
 
 
-def test_paged_step_through_the_kernel(monkeypatch):
-    """The model's paged step (mla_paged) with the kernel (interpreted) gives the logits of the jnp path."""
-    import mla_jax.step as step
+def _paged_step(num_pages=37, cache_dtype="bf16", fill=float("nan")):
+    """The tiny config's params, a NaN-poisoned cache and the metadata of one step: a decode (one token, which reads
+    its own new row back from the cache) and a prefill."""
     from mla_jax import model
-    from tests.mla_jax.helpers import paged_config, run_schedule
+    from mla_jax.allocator import PagePool
+    from mla_jax.cache import init_kv_cache_for
+    from mla_jax.metadata import build_metadata
+    from tests.mla_jax.helpers import paged_config, step_requests
 
     cfg = paged_config()
-    assert cache_write.supported(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
     params = model.init_params(cfg, jax.random.key(0), std=0.2)
-    rng = np.random.default_rng(1)
-    seqs = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (12, 12)]
-    sched = [[(0, 7), (1, 5)], [(0, 1), (1, 4)]]  # prefills, then a decode and a prefill with context
-    run = functools.partial(
-        run_schedule, params, cfg, seqs, sched, page_size=4, num_pages=16, workspace_rows=16, cache_dtype="bf16"
-    )
-    want = run()
+    pool = PagePool(num_pages, 16)
+    cache = init_kv_cache_for(cfg, num_pages, 16, dtype=cache_dtype, allow_any_page_size=True, fill=fill)
+    seqs = [list(range(1, 20)), list(range(3, 30))]
+    reqs = step_requests(pool, seqs, [0, 0], [(0, 1), (1, 9)])
+    md, _ = build_metadata(reqs, page_size=16, num_pages=num_pages)
+    assert md.shape.num_decode_tokens == 1 and md.shape.num_prefill_tokens == 9
+    return params, cfg, cache, md.to_device()
+
+
+def test_paged_step_through_the_kernel(monkeypatch):
+    """The model's jitted paged step (mla_paged) with the kernel (interpreted) gives the logits and the cache of
+    the jnp path, bitwise."""
+    import mla_jax.step as step
+
+    params, cfg, cache, md = _paged_step()
+    assert cache_write.supported(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    cache2 = jax.tree.map(jnp.copy, cache)  # jit_step donates its cache
+    want_logits, want_cache = step.jit_step(params, cfg, cache, md)
     calls = []
     entry = step.write_latent_rows
 
@@ -269,16 +282,17 @@ def test_paged_step_through_the_kernel(monkeypatch):
         return entry(*a, **kw, interpret=True)
 
     monkeypatch.setattr(step, "write_latent_rows", through_the_kernel)
-    jax.clear_caches()  # jit_step's traces of the jnp path (and, after, of the patched one) must not be reused
+    jax.clear_caches()  # jit_step's trace of the jnp path (and, after, of the patched one) must not be reused
     try:
-        got = run()
+        got_logits, got_cache = step.jit_step(params, cfg, cache2, md)
     finally:
         jax.clear_caches()
     assert calls  # traced through the kernel
-    assert len(got) == len(want) > 0
-    for (r, pos, a), (r2, pos2, b) in zip(got, want):
-        assert (r, pos) == (r2, pos2)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"request {r} position {pos}")
+    _same(got_logits, want_logits)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        _same(a, b)
+    written = np.isfinite(np.asarray(got_cache.kv_c_and_k_pe_cache, np.float32)).all(-1)
+    assert written.sum() == cfg.num_hidden_layers * 10  # 10 tokens' rows in every layer, the rest still NaN
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -353,30 +367,14 @@ def test_gpu_no_copy_of_the_cache_in_a_layer_scan():
         assert mem.temp_size_in_bytes < layers * pages * 64 * 576 * 2 // 4, mem
 
 
-def _jit_step_text(cache_dtype, num_pages):
-    """The lowered and compiled texts of the model's jitted paged step (a decode and a prefill) for the tiny config,
-    and the cache's HLO shape."""
-    from mla_jax import model
-    from mla_jax.allocator import PagePool
-    from mla_jax.cache import init_kv_cache_for
-    from mla_jax.metadata import build_metadata
+def _jit_step_text():
+    """The lowered and compiled texts of the model's jitted paged step (`_paged_step`) and the cache's HLO shape."""
     from mla_jax.step import jit_step
-    from tests.mla_jax.helpers import paged_config, step_requests
 
-    cfg = paged_config()
-    params = model.init_params(cfg, jax.random.key(0), std=0.2)
-    pool = PagePool(num_pages, 16)
-    cache = init_kv_cache_for(cfg, num_pages, 16, dtype=cache_dtype, allow_any_page_size=True)
-    seqs = [list(range(1, 20)), list(range(3, 30))]
-    reqs = step_requests(pool, seqs, [0, 0], [(0, 1), (1, 9)])
-    md, _ = build_metadata(reqs, page_size=16, num_pages=num_pages)
-    lowered = jit_step.lower(params, cfg, cache, md.to_device())
+    params, cfg, cache, md = _paged_step(fill=0.0)
+    lowered = jit_step.lower(params, cfg, cache, md)
     nl, p, g, w = cache.kv_c_and_k_pe_cache.shape
-    return (
-        lowered.as_text(),
-        lowered.compile().as_text(),
-        f"{cache.dtype.name.replace('bfloat16', 'bf16')}[{nl},{p},{g},{w}]",
-    )
+    return lowered.as_text(), lowered.compile().as_text(), f"bf16[{nl},{p},{g},{w}]"
 
 
 @pytest.mark.gpu
@@ -384,7 +382,7 @@ def test_gpu_paged_step_writes_in_place():
     """The model's jitted step on the GPU: the cache write is the Triton kernel (no scatter of the latent rows),
     and XLA copies no cache-shaped buffer in the layer loop."""
     _gpu()
-    lowered, text, shape = _jit_step_text("bf16", 37)
+    lowered, text, shape = _jit_step_text()
     assert 'name = "cache_write_l32_r16"' in lowered  # the kernel, once (in the layer loop's body)
     copies = [ln for ln in text.splitlines() if " copy(" in ln and f"= {shape}" in ln]
     assert not copies, copies
