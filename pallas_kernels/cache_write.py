@@ -150,16 +150,9 @@ def _impl(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index, *, eps
     return pl.pallas_call(
         functools.partial(_kernel, eps=eps, lat=lat, r=w - lat),
         grid=(t,),
-        in_specs=[
-            row(w),
-            whole(weight.shape),
-            row(cos.shape[1]),
-            row(sin.shape[1]),
-            whole((t,)),
-            whole((1,)),
-            whole((1,)),
-        ]
-        + [whole(cache.shape)],
+        # kv, weight, cos, sin, slot_mapping, layer, weight_index, cache
+        in_specs=[row(w), whole(weight.shape), row(cos.shape[1]), row(sin.shape[1]), whole((t,))]
+        + [whole((1,)), whole((1,)), whole(cache.shape)],
         out_specs=[row(w), whole(cache.shape)],
         out_shape=[
             jax.ShapeDtypeStruct((t, w), jnp.result_type(weight.dtype, kv.dtype)),
