@@ -314,7 +314,7 @@ def _gpu_current_path(kv, w, cos, sin, slots, cache, layer, weight_index=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("t", [1, 7, 300])
 def test_gpu_matches_current_path_bitwise(dtype, t):
     _gpu()
