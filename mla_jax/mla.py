@@ -42,13 +42,15 @@ def mla_project(
     return mla_project_with_q_latent(p, cfg, x, positions)[:3]
 
 
-def mla_project_with_q_latent(
+def mla_project_q_kv(
     p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.ndarray
-) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray | None]:
-    """`mla_project` plus the q latent q_a_layernorm(q_a_proj(x)) [T, Q_lora] (None without q-LoRA), which the
-    sparse-attention indexer reads."""
+) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray | None]:
+    """The projections before the latent's norm and rope: q [T, N, P+R] (rope applied to q_pe), the raw
+    kv_a_proj_with_mqa output kv [T, L+R], the rope's cos, sin f32[T, R/2] and the q latent [T, Q_lora] (None
+    without q-LoRA). The paged step hands kv to `mla_jax.cache.write_latent_rows` (norm, rope and cache write in
+    one kernel on a GPU)."""
     T = x.shape[0]
-    N, P, L = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    N, P = cfg.num_attention_heads, cfg.qk_nope_head_dim
     if cfg.q_lora_rank is None:
         q_resid = None
         q = linear(p["q_proj"], x)
@@ -57,11 +59,21 @@ def mla_project_with_q_latent(
         q = linear(p["q_b_proj"], q_resid)
     q = q.reshape(T, N, cfg.qk_head_dim)  # [T, N, P+R]
     kv = linear(p["kv_a_proj_with_mqa"], x)  # [T, L+R]
-    kv_c_normed = rms_norm(p["kv_a_layernorm"], kv[:, :L], cfg.rms_norm_eps)  # norm on the latent only
     cos, sin = rope_cos_sin(cfg, positions)
     q_pe = apply_rope(q[..., P:], cos, sin)  # [T, N, R]
-    k_pe = apply_rope(kv[:, None, L:], cos, sin)  # [T, 1, R]: one head shared by all query heads
     q = jnp.concatenate([q[..., :P], q_pe], axis=-1)
+    return q, kv, cos, sin, q_resid
+
+
+def mla_project_with_q_latent(
+    p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.ndarray
+) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray | None]:
+    """`mla_project` plus the q latent q_a_layernorm(q_a_proj(x)) [T, Q_lora] (None without q-LoRA), which the
+    sparse-attention indexer reads."""
+    L = cfg.kv_lora_rank
+    q, kv, cos, sin, q_resid = mla_project_q_kv(p, cfg, x, positions)
+    kv_c_normed = rms_norm(p["kv_a_layernorm"], kv[:, :L], cfg.rms_norm_eps)  # norm on the latent only
+    k_pe = apply_rope(kv[:, None, L:], cos, sin)  # [T, 1, R]: one head shared by all query heads
     return q, kv_c_normed, k_pe, q_resid
 
 

@@ -28,11 +28,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mla_jax import attention, sparse
-from mla_jax.cache import KVCache, write_kv_layer
+from mla_jax.cache import KVCache, write_latent_rows
 from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
 from mla_jax.metadata import AttentionMetadata
-from mla_jax.mla import absorb_q, mla_project, o_proj, v_up_proj
+from mla_jax.mla import absorb_q, mla_project_q_kv, o_proj, v_up_proj
 from mla_jax.model import Params, decoder_layers, embed, lm_logits
 from mla_jax.packed import Packed
 from mla_jax.sampling import SamplingArrays, sample
@@ -59,9 +59,10 @@ def mla_paged(
     s = md.shape
     N, L, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     with jax.named_scope("mla_project"):
-        q, kv_c_normed, k_pe = mla_project(p, cfg, x, md.positions)
-    with jax.named_scope("cache_write"):
-        cache = write_kv_layer(cache, layer, kv_c_normed, k_pe, md.slot_mapping)
+        q, kv, cos, sin, _ = mla_project_q_kv(p, cfg, x, md.positions)
+    with jax.named_scope("cache_write"):  # the latent's norm and rope too: one kernel on a GPU
+        w = p["kv_a_layernorm"]["weight"]
+        kv_c_normed, k_pe, cache = write_latent_rows(cache, layer, kv, w, cos, sin, md.slot_mapping, cfg.rms_norm_eps)
     kv_flat, scale_flat, offset = cache.flat_layers(layer)
     outs = []
     Td = s.num_decode_tokens

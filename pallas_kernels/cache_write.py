@@ -1,0 +1,215 @@
+"""The new tokens' latent rows into the paged MLA cache in one kernel (RMSNorm + RoPE + scatter), Triton-lowered.
+
+    write_latent_rows(kv [T, L+R], weight [L], cos [T, R/2], sin [T, R/2], slot_mapping i32[T],
+                      cache [Lyr_c, P, G, L+R], layer, *, eps) -> (rows [T, L+R], cache)
+    write_latent_rows(..., weight [Lyr, L], ..., weight_index=i)   # row i of stacked layers' norm weights
+
+kv is the raw kv_a_proj_with_mqa output [kv_c | k_pe]. A row is normed and roped as the model does it:
+kv_c_normed = weight * (kv_c32 * rsqrt(mean(kv_c32^2) + eps)).astype(kv.dtype) (HF DeepseekRMSNorm, the weight
+multiply after the cast back, like `pallas_kernels.rms_norm`), k_pe = DeepSeek's interleaved-pair RoPE in float32
+cast back to kv's dtype; rows = [kv_c_normed | k_pe] in result_type(weight, kv) is returned (prefill reads
+kv_c_normed and k_pe) and, cast to the cache dtype, stored at cache[layer, slot // G, slot % G] for each token's
+slot in `slot_mapping`. A slot < 0 or >= P * G (padding: -1) or a layer outside [0, Lyr_c) stores nothing.
+
+Why: XLA runs the norm (a Pallas kernel), the RoPE with its slices and concatenation, and the scatter (a
+dynamic-slice and a dynamic-update-slice fusion) as four kernels a layer, each ~1-2 us at batch 1 on the H200;
+this is one. One program per token row, the row in registers: one 2^k-wide load of the latent (the sum of squares
+has the norm kernel's order, so the stored rows are bitwise the same), the rope's even and odd lanes as two strided
+loads (R/2 each: Triton's loads are powers of two, 576 is not), the row stored to the output and, under
+`pl.when(valid)`, to its cache slot.
+
+In place: the cache is input and output of the call (`input_output_aliases`), a whole-array block (under the
+Triton lowering a block only sets a base pointer; offsets switch to int64 above 4 GiB), so XLA hands the kernel the
+cache's buffer and only the T rows are written. Inside a layer scan keep the cache in the carry and pass the layer
+index (traced): the norm weight likewise is read in place from the stacked weights (`weight_index`), since a slice
+feeding a custom call would be materialized.
+
+`write_latent_rows_reference` (plain jnp) is the reference and the path for shapes the kernel does not take (L or
+R/2 not a power of two).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.rms_norm import add_rms_norm_reference
+from pallas_kernels.util import FLOAT_DTYPES, check_stacked_index, is_pow2
+
+__all__ = ["supported", "write_latent_rows", "write_latent_rows_reference"]
+
+
+def supported(kv_lora_rank: int, rope_dim: int) -> bool:
+    """Whether the kernel takes rows of L = kv_lora_rank latent and R = rope_dim rope values (L and R/2 powers of
+    two, R even)."""
+    return is_pow2(kv_lora_rank) and rope_dim % 2 == 0 and is_pow2(rope_dim // 2)
+
+
+def _check(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index):
+    if kv.ndim != 2:
+        raise ValueError(f"kv must be [T, L+R], got shape {kv.shape}")
+    if cache.ndim != 4:
+        raise ValueError(f"cache must be [num_layers, num_pages, G, L+R], got shape {cache.shape}")
+    t, w = kv.shape
+    if cache.shape[3] != w:
+        raise ValueError(f"kv rows are {w} wide, the cache's {cache.shape[3]}")
+    if weight_index is None:
+        if weight.ndim != 1:
+            raise ValueError(f"weight must be [L], got shape {weight.shape} (a stacked [Lyr, L] needs weight_index)")
+    else:
+        if weight.ndim != 2:
+            raise ValueError(f"a stacked weight must be [Lyr, L], got shape {weight.shape}")
+        check_stacked_index(weight_index, weight.shape[0], "weight_index", f"{weight.shape[0]} stacked weights")
+    lat = weight.shape[-1]
+    if not 0 < lat < w:
+        raise ValueError(f"weight width L = {lat} must lie in (0, {w}) (the kv row width L+R)")
+    r = w - lat
+    if r % 2:
+        raise ValueError(f"rope width R = {w} - {lat} = {r} must be even (interleaved pairs)")
+    for name, a in (("cos", cos), ("sin", sin)):
+        if a.shape != (t, r // 2):
+            raise ValueError(f"{name} must be [T, R/2] = {(t, r // 2)}, got shape {a.shape}")
+    if slot_mapping.shape != (t,) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise ValueError(
+            f"slot_mapping must be an integer [T] = ({t},) array, got {slot_mapping.shape} {slot_mapping.dtype}"
+        )
+    for name, a in (("kv", kv), ("weight", weight), ("cache", cache)):
+        if jnp.dtype(a.dtype) not in FLOAT_DTYPES:
+            raise ValueError(f"{name} dtype must be bfloat16, float16 or float32, got {a.dtype}")
+    check_stacked_index(layer, cache.shape[0], "layer", f"a cache of {cache.shape[0]} layers")
+    return lat, r
+
+
+def _rope(x1, x2, cos, sin):
+    """Rotated (evens, odds) of interleaved pairs, float32 (mla_jax.rope.apply_rope's arithmetic)."""
+    x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+def write_latent_rows_reference(kv, weight, cos, sin, slot_mapping, cache, layer, *, eps: float, weight_index=None):
+    """(rows [T, L+R], cache): the module docstring's contract in plain jnp (one scatter, padding dropped)."""
+    lat, r = _check(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index)
+    normed, _ = add_rms_norm_reference(kv[:, :lat], None, weight, eps=eps, weight_index=weight_index)  # [T, L]
+    pe = kv[:, lat:].reshape(-1, r // 2, 2)
+    o1, o2 = _rope(pe[..., 0], pe[..., 1], cos, sin)
+    k_pe = jnp.stack([o1, o2], -1).reshape(-1, r).astype(kv.dtype)  # [T, R]
+    rows = jnp.concatenate([normed, k_pe.astype(normed.dtype)], -1)  # [T, L+R]
+    nl, p, g, w = cache.shape
+    slots = slot_mapping.astype(jnp.int32)
+    slots = jnp.where(slots < 0, p * g, slots)  # negative indices would wrap
+    layer = jnp.asarray(layer, jnp.int32)
+    layer = jnp.where(layer < 0, nl, layer)
+    flat = cache.reshape(nl, p * g, w).at[layer, slots].set(rows.astype(cache.dtype), mode="drop")
+    return rows, flat.reshape(nl, p, g, w)
+
+
+def _kernel(
+    kv_ref, w_ref, cos_ref, sin_ref, slot_ref, layer_ref, wi_ref, cache_in_ref, rows_ref, cache_ref, *, eps, lat, r
+):
+    del cache_in_ref  # aliased to cache_ref
+    i = pl.program_id(0)
+    nl, p, g, _ = cache_ref.shape
+    half = r // 2
+    # the norm: rms_norm's kernel on one lat-wide chunk (same order of the sum of squares)
+    x = kv_ref[pl.ds(0, lat)]  # [L] kv dtype
+    xf = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.sum(xf * xf) / lat + eps)
+    wrow = jnp.clip(wi_ref[0], 0, w_ref.shape[0] - 1)
+    normed = w_ref[wrow, pl.ds(0, lat)] * (xf * inv).astype(kv_ref.dtype)  # [L] rows dtype
+    evens, odds = pl.ds(lat, half, stride=2), pl.ds(lat + 1, half, stride=2)
+    o1, o2 = _rope(kv_ref[evens], kv_ref[odds], cos_ref[...], sin_ref[...])  # [R/2] f32
+    o1, o2 = o1.astype(kv_ref.dtype).astype(rows_ref.dtype), o2.astype(kv_ref.dtype).astype(rows_ref.dtype)
+    rows_ref[pl.ds(0, lat)] = normed.astype(rows_ref.dtype)
+    rows_ref[evens] = o1
+    rows_ref[odds] = o2
+
+    slot = slot_ref[i]
+    layer = layer_ref[0]
+    valid = (slot >= 0) & (slot < p * g) & (layer >= 0) & (layer < nl)
+
+    @pl.when(valid)
+    def _():
+        page, off = slot // g, slot % g
+        cache_ref[layer, page, off, pl.ds(0, lat)] = normed.astype(rows_ref.dtype).astype(cache_ref.dtype)
+        cache_ref[layer, page, off, evens] = o1.astype(cache_ref.dtype)
+        cache_ref[layer, page, off, odds] = o2.astype(cache_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
+def _impl(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index, *, eps, interpret, num_warps):
+    t, w = kv.shape
+    lat = weight.shape[-1]
+    if weight.ndim == 1:  # one weight: row 0 of [1, L]
+        weight = weight[None]
+    row = lambda n: pl.BlockSpec((None, n), lambda i: (i, 0))  # noqa: E731
+    whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_kernel, eps=eps, lat=lat, r=w - lat),
+        grid=(t,),
+        # kv, weight, cos, sin, slot_mapping, layer, weight_index, cache
+        in_specs=[row(w), whole(weight.shape), row(cos.shape[1]), row(sin.shape[1]), whole((t,))]
+        + [whole((1,)), whole((1,)), whole(cache.shape)],
+        out_specs=[row(w), whole(cache.shape)],
+        out_shape=[
+            jax.ShapeDtypeStruct((t, w), jnp.result_type(weight.dtype, kv.dtype)),
+            jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+        ],
+        input_output_aliases={7: 1},
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"cache_write_l{lat}_r{w - lat}",
+    )(
+        kv,
+        weight,
+        cos.astype(jnp.float32),
+        sin.astype(jnp.float32),
+        slot_mapping.astype(jnp.int32),
+        layer,
+        weight_index,
+        cache,
+    )
+
+
+def write_latent_rows(
+    kv,  # [T, L+R] bf16/f16/f32: kv_a_proj_with_mqa's output
+    weight,  # [L] kv_a_layernorm, or [Lyr, L] with weight_index
+    cos,  # [T, R/2] f32 (rope_cos_sin)
+    sin,  # [T, R/2] f32
+    slot_mapping,  # i32[T]; < 0 or >= P * G: padding, stores nothing
+    cache,  # [Lyr_c, P, G, L+R] bf16/f16/f32, updated in place
+    layer,  # i32 scalar (may be traced); outside [0, Lyr_c) stores nothing
+    *,
+    eps: float,
+    weight_index=None,  # i32 scalar (may be traced): the row of a stacked weight
+    interpret: bool = False,
+    num_warps: int = 4,
+):
+    """(rows [T, L+R] = [kv_c_normed | k_pe], cache with the rows stored); see the module docstring. The cache is
+    donated to the call only in the sense of aliasing: under jit, XLA updates its buffer in place when the caller
+    does not use the old value afterwards (a copy otherwise). A static weight_index outside [0, Lyr) is an error,
+    a traced one is clamped; a static layer outside [0, Lyr_c) is an error."""
+    lat, r = _check(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index)
+    if not supported(lat, r) or kv.shape[0] == 0:
+        return write_latent_rows_reference(
+            kv, weight, cos, sin, slot_mapping, cache, layer, eps=eps, weight_index=weight_index
+        )
+    # i32[1] each (a reshape, no XLA kernel): the cache layer, the weight row (clamped in the kernel)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    wi = jnp.asarray(0 if weight_index is None else weight_index, jnp.int32).reshape(1)
+    return _impl(
+        kv,
+        weight,
+        cos,
+        sin,
+        slot_mapping,
+        cache,
+        layer,
+        wi,
+        eps=float(eps),
+        interpret=bool(interpret),
+        num_warps=int(num_warps),
+    )
