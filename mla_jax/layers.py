@@ -25,7 +25,8 @@ GMM_IMPLS = ("ragged_dot", "pallas")
 class LayerRow:
     """Row `index` of a weight stacked over a scan's layers, [Lyr, ...]: what the layer loop puts in a layer's
     params in place of the weights a kernel reads in place (a slice that feeds a custom call is a device copy):
-    the norms' (`add_rms_norm`) and the fp8 linears' (`linear`)."""
+    the norms' (`add_rms_norm`), the fp8 linears' (`linear`), W_UK_T's and W_UV's (`mla.absorb_q`,
+    `mla.v_up_proj`). XLA ops take `row()`, a slice XLA can fuse into them."""
 
     stacked: jax.Array  # [Lyr, ...]
     index: jax.Array  # i32[]
@@ -33,6 +34,18 @@ class LayerRow:
     @property
     def shape(self) -> tuple[int, ...]:  # the row's
         return self.stacked.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stacked.dtype
+
+    def row(self) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(self.stacked, self.index, keepdims=False)
+
+
+def layer_row(w) -> jax.Array:
+    """A weight as an array: a `LayerRow`'s row, anything else as it is."""
+    return w.row() if isinstance(w, LayerRow) else w
 
 
 def rms_norm(p: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:

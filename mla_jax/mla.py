@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from mla_jax import reference
 from mla_jax.config import DeepseekConfig
 from mla_jax.indexer import topk_mask
-from mla_jax.layers import LayerRow, act_dtype, linear, rms_norm
+from mla_jax.layers import LayerRow, act_dtype, layer_row, linear, rms_norm
 from mla_jax.rope import apply_rope, rope_cos_sin
 from pallas_kernels import head_matmul as head_matmul_kernel
 from pallas_kernels.util import FLOAT_DTYPES
@@ -87,7 +87,7 @@ def absorb_q(p: dict, cfg: DeepseekConfig, q: jnp.ndarray) -> jnp.ndarray:
     if _head_matmul_ok(q, w) and q.shape[-1] > w.shape[-2] == P:  # q = [q_nope | q_pe], q_pe the kernel's tail
         return head_matmul_kernel.head_matmul(q, w, tail_in_x=True, rhs_index=layer)
     if layer is not None:
-        w = w[layer]
+        w = layer_row(p["W_UK_T"])
     ql_nope = jnp.einsum("tnp,npl->tnl", q[..., :P], w)  # [T, N, L]
     return jnp.concatenate([ql_nope, q[..., P:].astype(ql_nope.dtype)], axis=-1)
 
@@ -96,8 +96,8 @@ def up_project_kv(
     p: dict, cfg: DeepseekConfig, kv_c_normed: jnp.ndarray, k_pe: jnp.ndarray
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """kv_c_normed [S, L], k_pe [S, 1, R] -> k [S, N, P+R] (k_pe broadcast to all heads), v [S, N, V]."""
-    k_nope = jnp.einsum("sl,npl->snp", kv_c_normed, p["W_UK_T"])  # [S, N, P]
-    v = jnp.einsum("sl,nlv->snv", kv_c_normed, p["W_UV"])  # [S, N, V]
+    k_nope = jnp.einsum("sl,npl->snp", kv_c_normed, layer_row(p["W_UK_T"]))  # [S, N, P]
+    v = jnp.einsum("sl,nlv->snv", kv_c_normed, layer_row(p["W_UV"]))  # [S, N, V]
     k_pe = jnp.broadcast_to(k_pe, (k_pe.shape[0], k_nope.shape[1], k_pe.shape[-1])).astype(k_nope.dtype)
     return jnp.concatenate([k_nope, k_pe], axis=-1), v
 
@@ -133,7 +133,7 @@ def v_up_proj(p: dict, latent: jnp.ndarray) -> jnp.ndarray:
     if _head_matmul_ok(latent, w):
         return head_matmul_kernel.head_matmul(latent, w, rhs_index=layer)
     if layer is not None:
-        w = w[layer]
+        w = layer_row(p["W_UV"])
     return jnp.einsum("tnl,nlv->tnv", latent, w)
 
 

@@ -206,13 +206,15 @@ def split_experts(group: Params, is_moe: bool, gmm_impl: str) -> tuple[Params, P
 
 
 # What a layer's kernels read in place from the stacked weights (`layers.LayerRow`), for the same reason as the
-# experts: the norms (the norm kernel) and, found by `split_in_place`, the fp8 linears (the fp8 GEMM).
+# experts: the norms (the norm kernel), the absorbed attention's per-head weights (`pallas_kernels.head_matmul`)
+# and, found by `split_in_place`, the fp8 linears (the fp8 GEMM).
 LAYER_NORMS = (
     ("input_layernorm",),
     ("post_attention_layernorm",),
     ("self_attn", "kv_a_layernorm"),
     ("self_attn", "q_a_layernorm"),
 )
+LAYER_ARRAYS = (("self_attn", "W_UK_T"), ("self_attn", "W_UV"))
 
 
 def _fp8_linear_paths(tree: Params, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -230,9 +232,10 @@ def _fp8_linear_paths(tree: Params, prefix: tuple[str, ...] = ()) -> list[tuple[
 
 
 def split_in_place(group: Params) -> tuple[Params, dict]:
-    """A layer group's stacked params -> (the rest, {path: {name: stacked [Lyr, ...]}}) for its norms (LAYER_NORMS)
-    and fp8 linears; `with_layer_rows` puts them back into one layer's params as `LayerRow`s."""
-    paths = [path for path in LAYER_NORMS if _at(group, path) is not None] + _fp8_linear_paths(group)
+    """A layer group's stacked params -> (the rest, {path: {name: stacked [Lyr, ...]} or stacked [Lyr, ...]}) for its
+    norms (LAYER_NORMS), per-head attention weights (LAYER_ARRAYS) and fp8 linears; `with_layer_rows` puts them
+    back into one layer's params as `LayerRow`s."""
+    paths = [path for path in LAYER_NORMS + LAYER_ARRAYS if _at(group, path) is not None] + _fp8_linear_paths(group)
     rows, rest = {path: _at(group, path) for path in paths}, group
     for path in paths:
         rest = _replace_path(rest, path, None)
@@ -242,7 +245,8 @@ def split_in_place(group: Params) -> tuple[Params, dict]:
 def with_layer_rows(p: Params, rows: dict, index: jax.Array) -> Params:
     """One layer's params with the `split_in_place` weights as `LayerRow`s of row `index`."""
     for path, node in rows.items():
-        p = _replace_path(p, path, {name: LayerRow(stacked, index) for name, stacked in node.items()})
+        row = LayerRow(node, index) if not isinstance(node, dict) else {k: LayerRow(v, index) for k, v in node.items()}
+        p = _replace_path(p, path, row)
     return p
 
 

@@ -235,7 +235,7 @@ def test_norms_and_fp8_linears_leave_the_scan_and_come_back_as_layer_rows():
         rest, rows = model.split_in_place(group)
         linears = [("self_attn", n) for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")]
         linears += [("mlp", "shared_experts", n) for n in ("gate_proj", "up_proj", "down_proj")]
-        assert set(rows) == set(model.LAYER_NORMS) | (set(linears) if fp8 else set())
+        assert set(rows) == set(model.LAYER_NORMS + model.LAYER_ARRAYS) | (set(linears) if fp8 else set())
         assert "input_layernorm" not in rest and "kv_a_layernorm" not in rest["self_attn"]
         assert ("o_proj" in rest["self_attn"]) != fp8 and "input_layernorm" in group  # the group is untouched
         assert "experts" in rest["mlp"]  # routed experts stay (split_experts takes them for the Pallas GEMM)
@@ -245,6 +245,8 @@ def test_norms_and_fp8_linears_leave_the_scan_and_come_back_as_layer_rows():
             got, want = back, group
             for key in path:
                 got, want = got[key], want[key]
+            if not isinstance(node, dict):  # a per-head array (W_UK_T, W_UV)
+                got, want, node = {"": got}, {"": want}, {"": node}
             assert set(got) == set(want) == set(node)
             for name, row in got.items():
                 assert isinstance(row, LayerRow) and row.shape == want[name].shape[1:]
