@@ -92,5 +92,19 @@ case $part in
     tar czf "$out/hlo-b1.tgz" -C "$out/prof" $(cd "$out/prof" && ls -d b1*/step.hlo.txt)
     rm -rf "$out/prof"
     tar czf "$out.tgz" -C "$out" . && rm -rf "$out" ;;
-*)  echo "part must be 1 to 5" >&2; exit 2 ;;
+6)  # session 13, second call: the merged kernels on the GPU (shared experts as groups, the per-head matmul, the
+    # fused latent cache write, the decode prologue in the Triton kernel), the model's paged step through them, then
+    # the bf16 step at batch 1 / 128, ctx 4k, with profiles and the batch-1 HLO
+    run 250 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        --durations=8 tests/pallas_kernels/test_grouped_matmul.py tests/pallas_kernels/test_head_matmul.py \
+        tests/pallas_kernels/test_cache_write.py tests/pallas_kernels/test_mla_decode.py \
+        -k "shared or head or cache or page_offset"
+    run 120 gpu-paged env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -p no:cacheprovider -rfE \
+        tests/mla_jax/test_paged.py -k "mixed_batches and 16 or decode_only or pallas_backend"
+    run 200 e2e-bf16 python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --batches 1,128 --ctxs 4096 \
+        --no-prefill --no-engine --profile "$out/prof"
+    tar czf "$out/hlo-b1.tgz" -C "$out/prof" $(cd "$out/prof" && ls -d b1*/step.hlo.txt)
+    rm -rf "$out/prof"
+    tar czf "$out.tgz" -C "$out" . && rm -rf "$out" ;;
+*)  echo "part must be 1 to 6" >&2; exit 2 ;;
 esac
