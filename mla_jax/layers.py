@@ -337,8 +337,10 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
     fp8_experts = is_fp8(gate_w)
     if T * C <= BY_ROW_MAX_COPIES and by_row_ok(gmm_impl, gate_w["weight"], gate_w.get("weight_scale_inv")):
         order = None  # copies stay in token order; another device's (-1) comes out 0
-        key = local if mine is None else jnp.where(mine, local, -1)
-        row_groups = jnp.concatenate([key.astype(jnp.int32), chunks], axis=1).reshape(-1)  # [T*C]
+        key = (local if mine is None else jnp.where(mine, local, -1)).astype(jnp.int32)
+        # [T, K]: the kernel numbers each token's copies, its K experts then the S chunks (`copy_groups`); the
+        # fp8 one (no shared chunks) takes the copies' groups [T*K]
+        row_groups = key.reshape(-1) if fp8_experts else key
         group_sizes = None
         # the bf16 kernel reads each copy's token row itself; the fp8 one takes the copies' rows
         xs = x[jnp.arange(T * C, dtype=jnp.int32) // C] if fp8_experts else x

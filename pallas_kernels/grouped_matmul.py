@@ -110,9 +110,22 @@ def _validate(
     if m < 1 or k < 1 or g < 1 or min(rhs.shape) < 1:
         raise ValueError(f"empty dimension: lhs {lhs.shape}, rhs {rhs.shape}")
     rows = getattr(row_groups, "shape", (0,))
-    if len(rows) == 1 and rows[0] > m and rows[0] % m == 0:
-        m = rows[0]  # lhs holds one row per token, row_groups one per copy (row i reads lhs row i // (M / rows))
-    check_groups(group_sizes, row_groups, g + num_chunks, m)
+    if len(rows) == 2:  # each token's top-k [T, K]: T*(K+C) copies
+        if group_sizes is not None:
+            raise ValueError("give exactly one of group_sizes (rows sorted by group) and row_groups (each row's group)")
+        t, top_k = rows
+        copies = t * (top_k + num_chunks)
+        if m not in (t, copies) or top_k < 1:
+            raise ValueError(
+                f"row_groups [T={t}, K={top_k}] (each token's top-k) needs lhs of T={t} or T*(K+C)={copies} rows "
+                f"(C={num_chunks} shared chunks), got {m}"
+            )
+        if jnp.dtype(row_groups.dtype) != jnp.int32:
+            raise ValueError(f"row_groups dtype must be int32, got {row_groups.dtype}")
+    else:
+        if len(rows) == 1 and rows[0] > m and rows[0] % m == 0:
+            m = rows[0]  # lhs holds one row per token, row_groups one per copy (row i reads lhs row i // (M / rows))
+        check_groups(group_sizes, row_groups, g + num_chunks, m)
     for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if b is not None and not (is_pow2(b) and b >= 16):
             raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot)")
@@ -224,6 +237,16 @@ def row_items(row_groups, num_groups: int, block_m: int):
     return jnp.asarray(r // block_m), jnp.asarray(r), jnp.asarray(r + 1), row_groups.astype(jnp.int32)
 
 
+def copy_groups(row_groups, num_groups: int, num_chunks: int):
+    """Each copy's group, i32[M]: row_groups itself, or for a token's top-k [T, K] the T*(K+C) copies token by
+    token, its K routed groups then the C shared chunks' groups G..G+C-1 (what the kernel derives per item)."""
+    if row_groups.ndim == 1:
+        return row_groups
+    t = row_groups.shape[0]
+    chunks = jnp.broadcast_to(num_groups + jnp.arange(num_chunks, dtype=jnp.int32), (t, num_chunks))
+    return jnp.concatenate([row_groups.astype(jnp.int32), chunks], axis=1).reshape(-1)
+
+
 def _load(ref, mask):
     return ref[...] if mask is None else pltriton.load(ref, mask=mask, other=0)
 
@@ -237,6 +260,7 @@ def _and(a, b):
 def _kernel(
     *refs,
     by_row: bool,
+    top_k: int,
     glu: bool,
     m: int,
     lhs_repeat: int,
@@ -265,7 +289,15 @@ def _kernel(
     i = pl.program_id(1)  # work item
     s = pl.program_id(2)  # K split
     if by_row:  # `row_items` from the item index itself (an XLA array of it would be an iota kernel a call)
-        tile, lo, hi, grp = i // bm, i, i + 1, item_refs[0][i]
+        tile, lo, hi = i // bm, i, i + 1
+        if top_k:  # copy j of token t: its j-th routed group, then the shared chunks (`copy_groups`)
+            per = top_k + num_chunks
+            t = i // per
+            jj = i - t * per
+            routed = item_refs[0][t * top_k + jnp.minimum(jj, top_k - 1)]
+            grp = jnp.where(jj < top_k, routed, num_groups + jj - top_k)
+        else:
+            grp = item_refs[0][i]
     else:
         tile, lo, hi, grp = (r[i] for r in item_refs)
     row0 = tile * bm
@@ -402,12 +434,17 @@ def _gmm_impl(
     shareds = () if shared is None else (shared, shared_up) if glu else (shared,)
     stacked = rhs.ndim == 4
     lead = ((0, 0),) * (1 + stacked)  # no padding on the (layer,) group axes
-    m = groups.shape[0] if by_row else lhs.shape[0]  # output rows
-    lhs_repeat = m // lhs.shape[0]  # by row: output row i reads lhs row i // lhs_repeat
     k = lhs.shape[1]
     g = rhs.shape[-3]
     n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
     num_chunks, chunk_axis = shared_chunks(shared.shape, n, k) if shareds else (0, "n")
+    top_k = groups.shape[1] if by_row and groups.ndim == 2 else 0  # a token's top-k [T, K]: the kernel adds chunks
+    if not by_row:
+        m = lhs.shape[0]  # output rows
+    else:
+        m = groups.shape[0] * (top_k + num_chunks) if top_k else groups.shape[0]
+        groups = groups.reshape(-1)
+    lhs_repeat = m // lhs.shape[0]  # by row: output row i reads lhs row i // lhs_repeat
     out_dtype = jnp.dtype(out_dtype)
     # Interpret mode cannot slice a block larger than the array (the GPU just masks): zero-pad a
     # dimension smaller than its block (tiny problems only: blocks are clamped to the next power of
@@ -427,7 +464,7 @@ def _gmm_impl(
         shareds = tuple(_pad_chunks(w, num_chunks, chunk_axis, n, k, pad_n, pad_k) for w in shareds)
         n, k = n + pad_n, k + pad_k
     items = (groups,) if by_row else work_items(groups, m, block_m)  # by row: `row_items`, in the kernel
-    num_items = items[0].shape[0]
+    num_items = m_out if by_row else items[0].shape[0]
     steps_per_split = cdiv(cdiv(k, block_k), num_k_splits)
     splits = cdiv(cdiv(k, block_k), steps_per_split)  # no empty splits
     part_dtype = out_dtype if splits == 1 else jnp.float32
@@ -436,6 +473,7 @@ def _gmm_impl(
     kernel = functools.partial(
         _kernel,
         by_row=by_row,
+        top_k=top_k,
         glu=glu,
         m=m,
         lhs_repeat=lhs_repeat,
@@ -460,7 +498,7 @@ def _gmm_impl(
         grid=(cdiv(n, block_n), num_items, splits),
         # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
         # kernel offsets by its work item itself.
-        in_specs=[whole((num_items,))] * len(items)
+        in_specs=[whole(it.shape) for it in items]
         + [whole((1,)), whole(lhs.shape)]
         + [whole(w.shape) for w in weights],
         out_specs=whole((parts, m, n)),
@@ -527,7 +565,9 @@ def grouped_matmul(
     row_groups (instead of group_sizes): i32[M], each row's group, rows in any order; a row whose
     group is outside the groups gives 0 (`row_items`: one work item per row, so for a few rows only).
     With row_groups, lhs may also be [M/r, K]: row i then reads lhs row i // r (a token's r copies,
-    not gathered into r rows first).
+    not gathered into r rows first). row_groups may also be each token's top-k, i32[T, K]: the M = T*(K+C)
+    copies token by token, its K routed groups and then its C shared chunks (`copy_groups`; C = 0 without
+    shared_rhs), numbered in the kernel (no concatenation of group ids before the call).
 
     up_rhs: an MoE's up projection, the shape and dtype of rhs (then its gate projection): returns
     silu(lhs @ W) * (lhs @ W_up) in one kernel (each program reads both weights' tiles for its rows;
@@ -572,7 +612,10 @@ def grouped_matmul(
             f"{rhs.shape} {rhs.dtype}"
         )
     by_row = row_groups is not None
-    m = row_groups.shape[0] if by_row else lhs.shape[0]
+    if not by_row:
+        m = lhs.shape[0]
+    else:
+        m = row_groups.shape[0] * (row_groups.shape[1] + num_chunks) if row_groups.ndim == 2 else row_groups.shape[0]
     k = lhs.shape[1]
     g = rhs.shape[-3] + num_chunks
     n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
@@ -679,8 +722,10 @@ def grouped_matmul_reference(
             else jnp.swapaxes(shared_rhs.reshape(n, num_chunks, k), 0, 1)
         )
         rhs = jnp.concatenate([rhs, chunks.astype(rhs.dtype)], axis=0)
-    if row_groups is not None and row_groups.shape[0] != lhs.shape[0]:
-        lhs = jnp.repeat(lhs, row_groups.shape[0] // lhs.shape[0], axis=0)
+    if row_groups is not None:
+        row_groups = copy_groups(row_groups, rhs.shape[0] - num_chunks, num_chunks)
+        if row_groups.shape[0] != lhs.shape[0]:
+            lhs = jnp.repeat(lhs, row_groups.shape[0] // lhs.shape[0], axis=0)
     m = lhs.shape[0]
     x = lhs.astype(jnp.float32)
     w = rhs.astype(jnp.float32)

@@ -222,9 +222,9 @@ def _shared_case(by_row, axis, glu, G, n, k, C, T, K, dtype, **tuning):
     routed[min(1, T - 1), min(1, K - 1)] = -1
     copies = np.concatenate([routed, np.tile(G + np.arange(C, dtype=np.int32), (T, 1))], axis=1)  # [T, K+C]
     flat, rows = copies.reshape(-1), np.repeat(np.arange(T), K + C)
-    if by_row:
-        lhs, kw = jnp.asarray(x, dtype), dict(row_groups=jnp.asarray(flat))
-        groups = flat
+    if by_row:  # "flat": each copy's group; "topk": each token's routed groups [T, K], the kernel adds the chunks
+        lhs, groups = jnp.asarray(x, dtype), flat
+        kw = dict(row_groups=jnp.asarray(flat if by_row == "flat" else routed))
     else:
         order = np.argsort(np.where(flat < 0, G + C, flat), kind="stable")
         rows, groups = rows[order], flat[order]
@@ -258,7 +258,7 @@ def _shared_case(by_row, axis, glu, G, n, k, C, T, K, dtype, **tuning):
 
 
 @pytest.mark.parametrize("axis, glu", [("n", False), ("k", False), ("n", True)])  # glu: gate/up, cut by rows
-@pytest.mark.parametrize("by_row", [False, True])
+@pytest.mark.parametrize("by_row", [False, "flat", "topk"])
 def test_shared_chunks_are_groups(by_row, axis, glu):
     """shared_rhs: a stacked [Lyr, N_s, K_s] weight whose 2 chunks, along its rows (gate/up) or its columns
     (down), are groups G, G+1 beside the routed ones (N 40, K 72: masked edges and a K tail)."""
@@ -274,6 +274,8 @@ def test_shared_chunks_are_groups(by_row, axis, glu):
         (dict(shared_up_rhs=np.zeros((80, 72), np.float32)), "needs shared_rhs"),
         (dict(shared_rhs=np.zeros((80, 72), np.float32), transpose_rhs=False), "transpose_rhs=True"),
         (dict(shared_rhs=np.zeros((80, 72), np.float32), group_sizes=jnp.ones((3,), jnp.int32)), r"i32\[G=5\]"),
+        (dict(group_sizes=None, row_groups=jnp.zeros((3, 2), jnp.int32)), r"T=3 or T\*\(K\+C\)=6 rows"),
+        (dict(group_sizes=None, row_groups=jnp.zeros((8, 1), jnp.float32)), "row_groups dtype"),
     ],
 )
 def test_shared_validation(kw, match):
@@ -598,7 +600,7 @@ def test_gpu_glu_decode_shapes(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("by_row, T", [(True, 1), (True, 2), (False, 128)])
+@pytest.mark.parametrize("by_row, T", [("topk", 1), ("flat", 2), (False, 128)])
 def test_gpu_shared_chunks_decode_shapes(by_row, T):
     """The shared experts as 2 more groups at V2-Lite's shapes: gate/up (glu) N 1408 K 2048 with the shared
     [2816, 2048], down N 2048 K 1408 with the shared [2048, 2816]; batch 1-2 unsorted, 128 sorted."""
