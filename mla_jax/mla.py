@@ -43,14 +43,21 @@ def mla_project(
 
 
 def mla_project_q_kv(
-    p: dict, cfg: DeepseekConfig, x: jnp.ndarray, positions: jnp.ndarray
+    p: dict,
+    cfg: DeepseekConfig,
+    x: jnp.ndarray,
+    positions: jnp.ndarray,
+    *,
+    rope: tuple[jnp.ndarray, jnp.ndarray] | None = None,
+    rope_q: bool = True,
 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray | None]:
-    """The projections before the latent's norm and rope: q [T, N, P+R] (rope applied to q_pe), the raw
-    kv_a_proj_with_mqa output kv [T, L+R], the rope's cos, sin f32[T, R/2] and the q latent [T, Q_lora] (None
-    without q-LoRA). The paged step hands kv to `mla_jax.cache.write_latent_rows` (norm, rope and cache write in
-    one kernel on a GPU)."""
+    """The projections before the latent's norm and rope: q [T, N, P+R] (rope applied to q_pe; with
+    rope_q=False not yet: `rope_q_pe`, or `absorb_q(..., rope=)` in its kernel), the raw kv_a_proj_with_mqa output
+    kv [T, L+R], the rope's cos, sin f32[T, R/2] (`rope`: computed once for every layer by the caller) and the
+    q latent [T, Q_lora] (None without q-LoRA). The paged step hands kv to `mla_jax.cache.write_latent_rows`
+    (norm, rope and cache write in one kernel on a GPU)."""
     T = x.shape[0]
-    N, P = cfg.num_attention_heads, cfg.qk_nope_head_dim
+    N = cfg.num_attention_heads
     if cfg.q_lora_rank is None:
         q_resid = None
         q = linear(p["q_proj"], x)
@@ -59,10 +66,16 @@ def mla_project_q_kv(
         q = linear(p["q_b_proj"], q_resid)
     q = q.reshape(T, N, cfg.qk_head_dim)  # [T, N, P+R]
     kv = linear(p["kv_a_proj_with_mqa"], x)  # [T, L+R]
-    cos, sin = rope_cos_sin(cfg, positions)
-    q_pe = apply_rope(q[..., P:], cos, sin)  # [T, N, R]
-    q = jnp.concatenate([q[..., :P], q_pe], axis=-1)
+    cos, sin = rope_cos_sin(cfg, positions) if rope is None else rope
+    if rope_q:
+        q = rope_q_pe(cfg, q, cos, sin)
     return q, kv, cos, sin, q_resid
+
+
+def rope_q_pe(cfg: DeepseekConfig, q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """q [T, N, P+R] with its q_pe rotated (cos, sin f32[T, R/2])."""
+    P = cfg.qk_nope_head_dim
+    return jnp.concatenate([q[..., :P], apply_rope(q[..., P:], cos, sin)], axis=-1)
 
 
 def mla_project_with_q_latent(
@@ -77,15 +90,21 @@ def mla_project_with_q_latent(
     return q, kv_c_normed, k_pe, q_resid
 
 
-def absorb_q(p: dict, cfg: DeepseekConfig, q: jnp.ndarray) -> jnp.ndarray:
-    """q [T, N, P+R] -> absorbed q [T, N, L+R]: q_nope through W_UK_T (one batched matmul), then q_pe.
+def absorb_q(
+    p: dict, cfg: DeepseekConfig, q: jnp.ndarray, rope: tuple[jnp.ndarray, jnp.ndarray] | None = None
+) -> jnp.ndarray:
+    """q [T, N, P+R] -> absorbed q [T, N, L+R]: q_nope through W_UK_T (one batched matmul), then q_pe (rotated
+    first by `rope` = (cos, sin) f32[T, R/2] when q comes unrotated: `mla_project_q_kv(..., rope_q=False)`).
 
     On a GPU for up to HEAD_MATMUL_MAX_T tokens, one kernel (`head_matmul`) reads q in place, multiplies q_nope and
-    copies q_pe behind it (XLA: a 5.7 us concatenate fusion at T=1 on the H200, issue #22); elsewhere jnp."""
+    writes q_pe (rotated) behind it (XLA: a 5.7 us concatenate fusion at T=1 on the H200 and, for the rope, one
+    more; issue #22); elsewhere jnp."""
     P = cfg.qk_nope_head_dim
     w, layer = _per_head(p["W_UK_T"])  # [(Lyr,) N, P, L]
     if _head_matmul_ok(q, w) and q.shape[-1] > w.shape[-2] == P:  # q = [q_nope | q_pe], q_pe the kernel's tail
-        return head_matmul_kernel.head_matmul(q, w, tail_in_x=True, rhs_index=layer)
+        return head_matmul_kernel.head_matmul(q, w, tail_in_x=True, tail_rope=rope, rhs_index=layer)
+    if rope is not None:
+        q = rope_q_pe(cfg, q, *rope)
     if layer is not None:
         w = layer_row(p["W_UK_T"])
     ql_nope = jnp.einsum("tnp,npl->tnl", q[..., :P], w)  # [T, N, L]

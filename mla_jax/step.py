@@ -32,9 +32,10 @@ from mla_jax.cache import KVCache, write_latent_rows
 from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
 from mla_jax.metadata import AttentionMetadata
-from mla_jax.mla import absorb_q, mla_project_q_kv, o_proj, v_up_proj
+from mla_jax.mla import absorb_q, mla_project_q_kv, o_proj, rope_q_pe, v_up_proj
 from mla_jax.model import Params, decoder_layers, embed, lm_logits
 from mla_jax.packed import Packed
+from mla_jax.rope import rope_cos_sin
 from mla_jax.sampling import SamplingArrays, sample
 from mla_jax.sharding import DP
 
@@ -53,13 +54,16 @@ def mla_paged(
     *,
     comm: Comm = LOCAL,
     batch_invariant: bool = False,
+    rope: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """x [T, D] -> ([T, D], cache with this step's rows of `layer` written). `cfg` has this device's heads; `md`
-    is this device's view (`Comm.local_view`): under DCP its slot_mapping writes only the rank's own tokens."""
+    is this device's view (`Comm.local_view`): under DCP its slot_mapping writes only the rank's own tokens.
+    `rope`: the rope's (cos, sin) f32[T, R/2] at md.positions, computed once for every layer (`_device_hidden`);
+    q_pe is rotated in the absorb kernel for decode rows, by XLA for prefill rows."""
     s = md.shape
     N, L, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     with jax.named_scope("mla_project"):
-        q, kv, cos, sin, _ = mla_project_q_kv(p, cfg, x, md.positions)
+        q, kv, cos, sin, _ = mla_project_q_kv(p, cfg, x, md.positions, rope=rope, rope_q=False)
     with jax.named_scope("cache_write"):  # the latent's norm and rope too: one kernel on a GPU
         w = p["kv_a_layernorm"]["weight"]
         kv_c_normed, k_pe, cache = write_latent_rows(cache, layer, kv, w, cos, sin, md.slot_mapping, cfg.rms_norm_eps)
@@ -68,7 +72,8 @@ def mla_paged(
     Td = s.num_decode_tokens
     if Td:
         with jax.named_scope("absorb_q"):
-            q_mqa = comm.gather_decode_q(absorb_q(p, cfg, q[:Td]).astype(x.dtype))  # [Td, N (dcp*N), L+R]
+            q_mqa = absorb_q(p, cfg, q[:Td], rope=(cos[:Td], sin[:Td]))
+            q_mqa = comm.gather_decode_q(q_mqa.astype(x.dtype))  # [Td, N (dcp*N), L+R]
             q_mqa = q_mqa.reshape(s.num_decodes, s.decode_query_len, -1, L + R)
         with jax.named_scope("attention"):
             latent, lse = attention.forward_mqa(
@@ -92,7 +97,7 @@ def mla_paged(
                     backend,
                     p,
                     cfg,
-                    q[Td:],
+                    rope_q_pe(cfg, q[Td:], cos[Td:], sin[Td:]),
                     kv_c_normed[Td:],
                     k_pe[Td:],
                     kv_flat,
@@ -139,8 +144,11 @@ def _device_hidden(
         x, (cache, _) = decoder_layers(params, cfg, x, sparse_attn, (cache, (none, none)), gmm_impl=gmm_impl, comm=comm)
         return x, cache
 
+    rope = rope_cos_sin(cfg, view.positions)  # once for every layer (XLA left it in the layer loop: 2 kernels a layer)
+
     def attn(p, h, cache, layer):
-        return mla_paged(p, cfg_loc, h, view, cache, layer, be, comm=comm, batch_invariant=batch_invariant)
+        kw = dict(comm=comm, batch_invariant=batch_invariant, rope=rope)
+        return mla_paged(p, cfg_loc, h, view, cache, layer, be, **kw)
 
     return decoder_layers(params, cfg, x, attn, cache, gmm_impl=gmm_impl, comm=comm)
 

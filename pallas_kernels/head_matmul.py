@@ -146,6 +146,7 @@ def _kernel(
     r: int,
     tail_off: int,
     separate_tail: bool,
+    rope: bool,
     num_layers: int,
     stacked: bool,
     bt: int,
@@ -153,10 +154,11 @@ def _kernel(
     bk: int,
     precision,
 ):
-    # refs: layer i32[1], x [T, N, Kx], w [(Lyr,) N, K, M], (tail [T, N, R],) out [T, N, M+R]
+    # refs: layer i32[1], x [T, N, Kx], w [(Lyr,) N, K, M], (tail [T, N, R],) (cos, sin f32[T, R/2],) out [T, N, M+R]
     layer_ref, x_ref, w_ref = refs[:3]
     out_ref = refs[-1]
     tail_ref = refs[3] if separate_tail else x_ref  # tail_in_x: x's columns [K, K+R)
+    cos_ref, sin_ref = refs[-3:-1] if rope else (None, None)
     i = pl.program_id(0)  # row tile (fastest: programs in flight share the weight tile)
     j = pl.program_id(1)  # output column block
     h = pl.program_id(2)  # head
@@ -187,7 +189,33 @@ def _kernel(
         acc = lax.fori_loop(full_steps, full_steps + 1, lambda kk, a: step(kk, a, k_in), acc)
     _store(out_ref.at[pl.ds(row0, bt), h, pl.ds(col0, bn)], acc.astype(out_ref.dtype), _and(row_in, col_in))
 
-    if r:
+    if r and rope:  # the tail's interleaved pairs rotated (`mla_jax.rope.apply_rope`): float32, then x's dtype
+        rp = next_pow2(r)
+        lane = jnp.arange(rp, dtype=jnp.int32)
+        even = (lane % 2 == 0)[None, :]
+        live = lane < r
+        rows2 = jnp.minimum(rows, t - 1)[:, None]  # (gathers index rows past T clamped; their stores are masked)
+
+        @pl.when(j == 0)
+        def _():
+            # out[2i] = x[2i] cos_i - x[2i+1] sin_i, out[2i+1] = x[2i+1] cos_i + x[2i] sin_i: the tail and its
+            # neighbours one column right / left (contiguous loads), cos and sin gathered per lane
+            # (+ j, which is 0 here: dynamic offsets, since a static slice past the array fails to trace)
+            x0 = _load(tail_ref.at[pl.ds(row0, bt), h, pl.ds(tail_off + j, rp)], _and(row_in, live[None, :]))
+            right = (lane + 1 < r)[None, :]
+            left = ((lane >= 1) & live)[None, :]
+            xr = _load(tail_ref.at[pl.ds(row0, bt), h, pl.ds(tail_off + 1 + j, rp)], _and(row_in, right))
+            xl = _load(tail_ref.at[pl.ds(row0, bt), h, pl.ds(tail_off - 1 + j, rp)], _and(row_in, left))
+            idx = jnp.minimum(lane // 2, r // 2 - 1)[None, :]
+            c = pltriton.load(cos_ref.at[rows2, idx], mask=_and(row_in, live[None, :]), other=0.0)
+            sn = pltriton.load(sin_ref.at[rows2, idx], mask=_and(row_in, live[None, :]), other=0.0)
+            x0, xr, xl = (v.astype(jnp.float32) for v in (x0, xr, xl))
+            rot = jnp.where(even, x0 * c - xr * sn, x0 * c + xl * sn)
+            tail_in = _and(row_in, live[None, :] if rp != r else None)
+            v = rot.astype(tail_ref.dtype).astype(out_ref.dtype)
+            _store(out_ref.at[pl.ds(row0, bt), h, pl.ds(m + j, rp)], v, tail_in)
+
+    elif r:
         rp = next_pow2(r)
         tail_in = (jnp.arange(rp, dtype=jnp.int32) < r)[None, :] if rp != r else None
 
@@ -212,8 +240,9 @@ def _pad_to(a, axis: int, size: int):
     jax.jit,
     static_argnames=("tail_in_x", "interpret", "block_t", "block_n", "block_k", "num_warps", "num_stages"),
 )
-def _impl(x, w, tail, layer, *, tail_in_x, interpret, block_t, block_n, block_k, num_warps, num_stages):
-    """layer: i32[1], the index into w's leading axis when w is stacked [Lyr, N, K, M] (4-D)."""
+def _impl(x, w, tail, layer, rope, *, tail_in_x, interpret, block_t, block_n, block_k, num_warps, num_stages):
+    """layer: i32[1], the index into w's leading axis when w is stacked [Lyr, N, K, M] (4-D); rope: None or
+    (cos, sin) f32[T, R/2] rotating the tail."""
     stacked = w.ndim == 4
     t, n, kx = x.shape
     k, m = w.shape[-2:]
@@ -224,10 +253,12 @@ def _impl(x, w, tail, layer, *, tail_in_x, interpret, block_t, block_n, block_k,
     t_out, width_out = t, width
     if interpret:  # blocks larger than their arrays: zero padding (masked out by the kernel, sliced off)
         t_pad = max(t, block_t)
-        x = _pad_to(_pad_to(x, 0, t_pad), 2, max(block_k, tail_off + rp))
+        x = _pad_to(_pad_to(x, 0, t_pad), 2, max(block_k, tail_off + rp + (rope is not None)))  # rope: +1 right
         w = _pad_to(_pad_to(w, w.ndim - 2, block_k), w.ndim - 1, block_n)
         if tail is not None:
             tail = _pad_to(_pad_to(tail, 0, t_pad), 2, rp)
+        if rope is not None:
+            rope = tuple(_pad_to(a, 0, t_pad) for a in rope)
         t_out, width_out = t_pad, max(width, block_n, m + rp)
     kernel = functools.partial(
         _kernel,
@@ -237,6 +268,7 @@ def _impl(x, w, tail, layer, *, tail_in_x, interpret, block_t, block_n, block_k,
         r=r,
         tail_off=tail_off,
         separate_tail=tail is not None,
+        rope=rope is not None,
         num_layers=w.shape[0] if stacked else 1,
         stacked=stacked,
         bt=block_t,
@@ -244,7 +276,7 @@ def _impl(x, w, tail, layer, *, tail_in_x, interpret, block_t, block_n, block_k,
         bk=block_k,
         precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None,  # exact f32, not TF32
     )
-    inputs = [layer, x, w] + ([tail] if tail is not None else [])
+    inputs = [layer, x, w] + ([tail] if tail is not None else []) + (list(rope) if rope is not None else [])
     # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the kernel offsets itself.
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, h: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
@@ -255,7 +287,9 @@ def _impl(x, w, tail, layer, *, tail_in_x, interpret, block_t, block_n, block_k,
         out_shape=jax.ShapeDtypeStruct((t_out, n, width_out), x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"head_matmul_bt{block_t}_bn{block_n}_bk{block_k}_w{num_warps}_s{num_stages}" + (f"_tail{r}" if r else ""),
+        name=f"head_matmul_bt{block_t}_bn{block_n}_bk{block_k}_w{num_warps}_s{num_stages}"
+        + (f"_tail{r}" if r else "")
+        + ("_rope" if rope is not None else ""),
     )(*inputs)
     if (t_out, width_out) != (t, width):
         out = out[:t, :, :width]
@@ -268,6 +302,7 @@ def head_matmul(
     tail=None,  # [T, N, R] or None: copied into output columns [M, M+R)
     *,
     tail_in_x: bool = False,
+    tail_rope=None,  # (cos, sin) f32[T, R/2] or None: with tail_in_x, the tail's interleaved pairs rotated
     rhs_index=None,  # i32 scalar (may be traced): the layer of a stacked w
     interpret: bool = False,
     block_t: int | None = None,
@@ -278,10 +313,13 @@ def head_matmul(
 ):
     """out[t, n, :M] = x[t, n, :K] @ w[n] (w[rhs_index, n] when stacked), accumulated in float32, in x's dtype;
     with a tail (`tail`, or x's columns [K, K+R) with tail_in_x) out[t, n, M:] = the tail cast to x's dtype.
-    Returns [T, N, M] or [T, N, M+R]. A static rhs_index must lie in [0, Lyr); a traced one is clamped.
+    Returns [T, N, M] or [T, N, M+R]. With tail_rope = (cos, sin) the tail is rotated first, pair by pair as
+    `mla_jax.rope.apply_rope` does (float32, rounded to the tail's dtype): absorb_q's q_pe rope in the same kernel.
+    A static rhs_index must lie in [0, Lyr); a traced one is clamped.
     Tuning (None = `default_tuning`): block_t rows per tile, block_n output columns, block_k K step (powers of
     two >= 16), num_warps, num_stages (Triton pipelining of the K loop)."""
     t, n, k, m, r = _validate(x, w, tail, tail_in_x, rhs_index, block_t, block_n, block_k, num_warps, num_stages)
+    rope = _check_rope(tail_rope, t, r, tail_in_x)
     if t == 0:
         return jnp.zeros((0, n, m + r), x.dtype)
     d = default_tuning(t, n, k, m, x.dtype)
@@ -292,43 +330,63 @@ def head_matmul(
     bt, bn, bk = (min(b, max(16, next_pow2(v))) for b, v in ((bt, t), (bn, m), (bk, k)))
     layer = jnp.asarray(0 if rhs_index is None else rhs_index, jnp.int32).reshape(1)  # clamped in the kernel
     static = (bool(tail_in_x), bool(interpret), bt, bn, bk, warps, stages)
-    return _differentiable(x, w, tail, layer, static)
+    return _differentiable(x, w, tail, layer, rope, static)
+
+
+def _check_rope(tail_rope, t: int, r: int, tail_in_x: bool):
+    """tail_rope as a (cos, sin) pair of f32[T, R/2], or None."""
+    if tail_rope is None:
+        return None
+    if not tail_in_x:
+        raise ValueError("tail_rope rotates a tail inside x (tail_in_x=True, absorb_q's q_pe)")
+    if r == 0 or r % 2:
+        raise ValueError(f"tail_rope needs a tail of an even width R, got R={r}")
+    if not isinstance(tail_rope, (tuple, list)) or len(tail_rope) != 2:
+        raise ValueError("tail_rope must be a (cos, sin) pair")
+    for name, a in zip(("cos", "sin"), tail_rope):
+        if getattr(a, "shape", None) != (t, r // 2):
+            raise ValueError(f"tail_rope {name} must be [T, R/2] = {(t, r // 2)}, got {getattr(a, 'shape', None)}")
+    return tuple(jnp.asarray(a, jnp.float32) for a in tail_rope)
 
 
 # The kernel forward, the reference's backward (recomputed): the kernel has no derivative of its own, and a
 # model differentiated through absorb_q / v_up_proj (training through `model.forward`) must not fail.
-def _run(x, w, tail, layer, static):
+def _run(x, w, tail, layer, rope, static):
     tail_in_x, interpret, bt, bn, bk, warps, stages = static
     kw = dict(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-    return _impl(x, w, tail, layer, tail_in_x=tail_in_x, interpret=interpret, **kw)
+    return _impl(x, w, tail, layer, rope, tail_in_x=tail_in_x, interpret=interpret, **kw)
 
 
-_differentiable = jax.custom_vjp(_run, nondiff_argnums=(4,))
+_differentiable = jax.custom_vjp(_run, nondiff_argnums=(5,))
 
 
-def _differentiable_fwd(x, w, tail, layer, static):
-    return _run(x, w, tail, layer, static), (x, w, tail, layer)
+def _differentiable_fwd(x, w, tail, layer, rope, static):
+    return _run(x, w, tail, layer, rope, static), (x, w, tail, layer, rope)
 
 
 def _differentiable_bwd(static, saved, g):
-    x, w, tail, layer = saved
+    x, w, tail, layer, rope = saved
     index = layer[0] if w.ndim == 4 else None
 
-    def f(x, w, tail):
-        return head_matmul_reference(x, w, tail, tail_in_x=static[0], rhs_index=index).astype(x.dtype)
+    def f(x, w, tail, rope):
+        ref = head_matmul_reference(x, w, tail, tail_in_x=static[0], tail_rope=rope, rhs_index=index)
+        return ref.astype(x.dtype)
 
-    _, vjp = jax.vjp(f, x, w, tail)
-    return (*vjp(g), None)
+    _, vjp = jax.vjp(f, x, w, tail, rope)
+    dx, dw, dtail, drope = vjp(g)
+    return dx, dw, dtail, None, drope
 
 
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
-def head_matmul_reference(x, w, tail=None, *, tail_in_x: bool = False, rhs_index=None, **tuning):
-    """Float32 plain-JAX reference (returns float32): one einsum at full precision, then the tail (with rhs_index,
-    the layer sliced out first, clamped as the kernel does). Tuning arguments are accepted and ignored."""
+def head_matmul_reference(x, w, tail=None, *, tail_in_x: bool = False, tail_rope=None, rhs_index=None, **tuning):
+    """Float32 plain-JAX reference (returns float32): one einsum at full precision, then the tail (rotated by
+    tail_rope; with rhs_index, the layer sliced out first, clamped as the kernel does). Tuning arguments are
+    accepted and ignored."""
     del tuning
-    _validate(x, w, tail, tail_in_x, rhs_index, None, None, None, None, None)
+    _, _, _, _, r = _validate(x, w, tail, tail_in_x, rhs_index, None, None, None, None, None)
+    rope = _check_rope(tail_rope, x.shape[0], r, tail_in_x)
     if rhs_index is not None:
         w = lax.dynamic_index_in_dim(w, jnp.clip(rhs_index, 0, w.shape[0] - 1), keepdims=False)
     k = w.shape[1]
@@ -339,5 +397,10 @@ def head_matmul_reference(x, w, tail=None, *, tail_in_x: bool = False, rhs_index
     )  # [T, N, M]
     if tail is None:
         return out
+    if rope is not None:  # `mla_jax.rope.apply_rope`'s rotation of interleaved pairs, rounded to the tail's dtype
+        pairs = tail.astype(jnp.float32).reshape(*tail.shape[:2], r // 2, 2)
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        c, sn = (a[:, None, :] for a in rope)
+        tail = jnp.stack([x1 * c - x2 * sn, x2 * c + x1 * sn], axis=-1).reshape(tail.shape).astype(tail.dtype)
     # the tail as the kernel stores it: cast to x's dtype first
     return jnp.concatenate([out, tail.astype(x.dtype).astype(jnp.float32)], axis=-1)

@@ -209,7 +209,10 @@ def test_mla_absorb_and_v_up_take_the_kernel_on_a_gpu(monkeypatch):
     p = {"W_UK_T": w_uk, "W_UV": w_uv}
     p_rows = {"W_UK_T": LayerRow(st_uk, jnp.int32(2)), "W_UV": LayerRow(st_uv, jnp.int32(2))}
     p_st = {"W_UK_T": st_uk[2], "W_UV": st_uv[2]}
+    ang = rng.random((6, 8)) * 6.0
+    rope = (jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32))
     want = [(mla.absorb_q(pp, _Cfg, q), mla.v_up_proj(pp, latent)) for pp in (p, p_st)]
+    want_rope = mla.absorb_q(p, _Cfg, q, rope=rope)  # jnp: rope_q_pe, then the product
 
     calls, kernel = [], hm.head_matmul
 
@@ -223,6 +226,9 @@ def test_mla_absorb_and_v_up_take_the_kernel_on_a_gpu(monkeypatch):
         _close(mla.absorb_q(pp, _Cfg, q), a, jnp.float32)
         _close(mla.v_up_proj(pp, latent), v, jnp.float32)
     assert calls == [True, False, True, False]
+    _close(mla.absorb_q(p, _Cfg, q, rope=rope), want_rope, jnp.float32)  # q_pe rotated in the kernel
+    assert calls[-1] is True
+    calls.pop()
     monkeypatch.setattr(mla, "HEAD_MATMUL_MAX_T", 5)  # 6 tokens: jnp
     mla.absorb_q(p, _Cfg, q)
     mla.absorb_q(p, _Cfg, q.astype(jnp.bfloat16))  # mixed dtypes: jnp (which promotes)
@@ -279,6 +285,31 @@ def test_lowers_to_triton(monkeypatch):
 
 
 # ---- GPU: the compiled Triton kernel ----
+
+
+def _rope_case(seed, t, n, k, m, r, layers=None, interpret=True, **tuning):
+    """tail_rope: q [T, N, K+R] whose q_pe (the tail) is rotated in the kernel; the tail exactly as
+    `mla_jax.rope.apply_rope` rounds it, the product against the reference (a stacked w at a traced layer)."""
+    from mla_jax.rope import apply_rope
+
+    x, w, _ = _inputs(seed, t, n, k, m, jnp.bfloat16, r=r, layers=layers)
+    ang = np.random.default_rng(seed).random((t, r // 2)) * 6.0
+    rope = (jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32))
+    kw = dict(tail_in_x=True, tail_rope=rope, rhs_index=None if layers is None else jnp.int32(layers - 1))
+    out = jax.jit(lambda a: head_matmul(a, w, interpret=interpret, **kw, **tuning))(x)
+    np.testing.assert_array_equal(np.asarray(out[..., m:]), np.asarray(apply_rope(x[..., k:], *rope)))
+    _close(out, head_matmul_reference(x, w, **kw), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("t, r", [(1, 16), (19, 12)])  # 12: a ragged, non-power-of-two rope width
+def test_tail_rope_rotates_the_tail_as_apply_rope(t, r):
+    _rope_case(t, t, 3, 48, 40, r, layers=2, **SMALL)
+    with pytest.raises(ValueError, match="tail_in_x"):
+        x, w, tail = _inputs(0, t, 3, 48, 40, jnp.bfloat16, r=r, tail_dtype=jnp.bfloat16)
+        head_matmul(x[..., :48], w, tail, tail_rope=(jnp.zeros((t, r // 2)),) * 2, interpret=True)
+    with pytest.raises(ValueError, match=r"\[T, R/2\]"):
+        x, w, _ = _inputs(0, t, 3, 48, 40, jnp.bfloat16, r=r)
+        head_matmul(x, w, tail_in_x=True, tail_rope=(jnp.zeros((t, r)),) * 2, interpret=True)
 
 
 def _gpu():
@@ -344,3 +375,12 @@ def test_gpu_mla_absorb_and_v_up_use_the_kernel():
     ql = jnp.einsum("tnp,npl->tnl", q[..., :P], w_uk, preferred_element_type=jnp.float32)
     _close(absorb(q), jnp.concatenate([ql, q[..., P:].astype(jnp.float32)], -1), jnp.bfloat16)
     _close(v_up(latent), jnp.einsum("tnl,nlv->tnv", latent, w_uv, preferred_element_type=jnp.float32), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 7, 64])
+def test_gpu_tail_rope(t):
+    """absorb_q's shape (V2-Lite: 16 heads, P 128, L 512, R 64) with q_pe rotated in the kernel, bitwise as
+    apply_rope; stacked W_UK_T at a traced layer."""
+    _gpu()
+    _rope_case(t, t, 16, 128, 512, 64, layers=3, interpret=False)
