@@ -220,11 +220,11 @@ def expert_glu(
     return jax.nn.silu(h) * expert_gmm(lhs, u, group_sizes, impl, layer, up.get("weight_scale_inv"), row_groups)
 
 
-# At most this many token copies (T x (top-k + the shared experts' chunks)) skip the sort by expert: each copy is
-# its own work item of the grouped kernel (`row_groups`). Sorting costs a chain of small XLA kernels a layer (argsort,
-# group sizes, their cumsum, the work list, the inverse permutation); unsorted, a copy re-reads an expert that another
-# copy also hit, which one token's distinct top-k never do. 16 copies: one row tile of the kernel (batch 1-2 at
-# V2's top-6 + 2 shared, batch 1 at V3's top-8 + 1).
+# At most this many routed token copies (T x top-k) skip the sort by expert: each copy is its own work item of the
+# grouped kernel (`row_groups`; the shared experts' chunks one item each for all T tokens). Sorting costs a chain of
+# small XLA kernels a layer (argsort, group sizes, their cumsum, the work list, the inverse permutation); unsorted, a
+# copy re-reads an expert that another copy also hit, which one token's distinct top-k never do. 16 copies: one row
+# tile of the kernel (batch 1-2 at V2's top-6 and V3's top-8).
 BY_ROW_MAX_COPIES = 16
 
 
@@ -335,15 +335,14 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
     chunks = jnp.broadcast_to(e_loc + jnp.arange(S, dtype=jnp.int32), (T, S))
     gate_w = ex["gate_proj"]
     fp8_experts = is_fp8(gate_w)
-    if T * C <= BY_ROW_MAX_COPIES and by_row_ok(gmm_impl, gate_w["weight"], gate_w.get("weight_scale_inv")):
+    if T * K <= BY_ROW_MAX_COPIES and by_row_ok(gmm_impl, gate_w["weight"], gate_w.get("weight_scale_inv")):
         order = None  # copies stay in token order; another device's (-1) comes out 0
         key = (local if mine is None else jnp.where(mine, local, -1)).astype(jnp.int32)
-        # [T, K]: the kernel numbers each token's copies, its K experts then the S chunks (`copy_groups`); the
-        # fp8 one (no shared chunks) takes the copies' groups [T*K]
+        # [T, K]: the kernel numbers the copies (the T*K routed ones, then the S chunks', `copy_groups`) and
+        # reads each copy's token row itself; the fp8 one (no shared chunks) takes the copies' groups and rows
         row_groups = key.reshape(-1) if fp8_experts else key
         group_sizes = None
-        # the bf16 kernel reads each copy's token row itself; the fp8 one takes the copies' rows
-        xs = x[jnp.arange(T * C, dtype=jnp.int32) // C] if fp8_experts else x
+        xs = x[jnp.arange(T * K, dtype=jnp.int32) // K] if fp8_experts else x
     else:
         row_groups = None
         key = local if mine is None else jnp.where(mine, local, e_loc + S)  # other devices' copies sort last
@@ -367,6 +366,9 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
         inv = jnp.zeros_like(order).at[order].set(jnp.arange(T * C, dtype=order.dtype))  # copy -> sorted row
         y = y[inv]
     w = weights if mine is None else jnp.where(mine, weights, 0.0)  # f32[T, K]
+    if order is None:  # the kernel's order (`grouped_matmul.copy_groups`): T*K routed copies, then S chunks' T
+        routed = jnp.sum(y[: T * K].reshape(T, K, D).astype(jnp.float32) * w[:, :, None], axis=1)
+        return (routed + jnp.sum(y[T * K :].reshape(S, T, D).astype(jnp.float32), axis=0)).astype(y.dtype)
     w = jnp.concatenate([w, jnp.ones((T, S), w.dtype)], axis=1)  # the shared chunks: weight 1
     copies = y.reshape(T, C, D).astype(jnp.float32)  # [T, C, D]
     return jnp.sum(copies * w[:, :, None], axis=1).astype(y.dtype)

@@ -32,9 +32,16 @@ Rows of the tile outside the item's range are still multiplied (an output row de
 own lhs row, and such rows are never stored), so NaN or stale padding rows cannot leak.
 
 Unsorted rows (`row_groups`, i32[M], instead of group_sizes): one work item per row, the row alone
-with its own group (`row_items`). For one decode token's top-k copies this skips the sort, the
-group sizes and the inverse permutation (a chain of small XLA kernels, ~10 us a MoE layer at batch
-1) at no cost in weight reads, since one token's experts are distinct.
+with its own group (the kernel derives the items from its index; `row_items` is the same list as
+arrays, for the fp8 kernel). For one decode token's top-k copies this skips the sort, the group
+sizes and the inverse permutation (a chain of small XLA kernels, ~10 us a MoE layer at batch 1) at
+no cost in weight reads, since one token's experts are distinct. Given each token's top-k (i32[T, K])
+the kernel also numbers the copies itself and reads each copy's token row from an lhs of one row per
+token, so nothing is concatenated or gathered before the call.
+
+Shared experts (`shared_rhs`): a dense weight cut into C expert-sized chunks along its rows or its
+columns (`shared_chunks`), groups G..G+C-1 beside the routed ones; by token top-k, one item per chunk
+covers all T tokens' rows, so the shared weights are read once, as a separate MLP would.
 
 Gate and up in one pass (`up_rhs`, the experts' up projection beside rhs, their gate): each program loads both
 weights' tiles for its rows and writes silu(gate) * up from its two float32 accumulators (split K: the partials
@@ -123,8 +130,6 @@ def _validate(
         if jnp.dtype(row_groups.dtype) != jnp.int32:
             raise ValueError(f"row_groups dtype must be int32, got {row_groups.dtype}")
     else:
-        if len(rows) == 1 and rows[0] > m and rows[0] % m == 0:
-            m = rows[0]  # lhs holds one row per token, row_groups one per copy (row i reads lhs row i // (M / rows))
         check_groups(group_sizes, row_groups, g + num_chunks, m)
     for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if b is not None and not (is_pow2(b) and b >= 16):
@@ -238,13 +243,16 @@ def row_items(row_groups, num_groups: int, block_m: int):
 
 
 def copy_groups(row_groups, num_groups: int, num_chunks: int):
-    """Each copy's group, i32[M]: row_groups itself, or for a token's top-k [T, K] the T*(K+C) copies token by
-    token, its K routed groups then the C shared chunks' groups G..G+C-1 (what the kernel derives per item)."""
+    """(each copy's group i32[M], each copy's token i32[M]) in the kernel's order: for 1-D row_groups the rows
+    themselves (copy r of token r); for a token's top-k [T, K] first the T*K routed copies token by token, then
+    the C shared chunks' T copies each, chunk by chunk (groups G..G+C-1)."""
     if row_groups.ndim == 1:
-        return row_groups
-    t = row_groups.shape[0]
-    chunks = jnp.broadcast_to(num_groups + jnp.arange(num_chunks, dtype=jnp.int32), (t, num_chunks))
-    return jnp.concatenate([row_groups.astype(jnp.int32), chunks], axis=1).reshape(-1)
+        return row_groups, jnp.arange(row_groups.shape[0], dtype=jnp.int32)
+    t, k = row_groups.shape
+    chunks = jnp.repeat(num_groups + jnp.arange(num_chunks, dtype=jnp.int32), t)
+    groups = jnp.concatenate([row_groups.astype(jnp.int32).reshape(-1), chunks])
+    tokens = jnp.concatenate([jnp.repeat(jnp.arange(t, dtype=jnp.int32), k), jnp.tile(jnp.arange(t), num_chunks)])
+    return groups, tokens.astype(jnp.int32)
 
 
 def _load(ref, mask):
@@ -261,9 +269,11 @@ def _kernel(
     *refs,
     by_row: bool,
     top_k: int,
+    tokens: int,
+    lhs_per_token: bool,
     glu: bool,
     m: int,
-    lhs_repeat: int,
+    m_real: int,
     n: int,
     k: int,
     num_groups: int,
@@ -288,19 +298,20 @@ def _kernel(
     j = pl.program_id(0)  # N block (fastest: programs in flight share the row tile and expert)
     i = pl.program_id(1)  # work item
     s = pl.program_id(2)  # K split
-    if by_row:  # `row_items` from the item index itself (an XLA array of it would be an iota kernel a call)
-        tile, lo, hi = i // bm, i, i + 1
-        if top_k:  # copy j of token t: its j-th routed group, then the shared chunks (`copy_groups`)
-            per = top_k + num_chunks
-            t = i // per
-            jj = i - t * per
-            routed = item_refs[0][t * top_k + jnp.minimum(jj, top_k - 1)]
-            grp = jnp.where(jj < top_k, routed, num_groups + jj - top_k)
+    if by_row:  # the items from the item index itself (an XLA array of them would be an iota kernel a call)
+        if top_k:  # T*K routed copies, one row each; then one item per shared chunk: its T rows (`copy_groups`)
+            n_routed = tokens * top_k
+            is_copy = i < n_routed
+            c = i - n_routed
+            lo = jnp.where(is_copy, i, n_routed + c * tokens)
+            hi = jnp.where(is_copy, i + 1, n_routed + (c + 1) * tokens)
+            grp = jnp.where(is_copy, item_refs[0][jnp.minimum(i, n_routed - 1)], num_groups + c)
         else:
-            grp = item_refs[0][i]
+            lo, hi, grp = i, i + 1, item_refs[0][i]
+        row0 = lo  # the item's rows start its tile (rows past hi are masked)
     else:
         tile, lo, hi, grp = (r[i] for r in item_refs)
-    row0 = tile * bm
+        row0 = tile * bm
     col0 = j * bn
     rows = row0 + jnp.arange(bm, dtype=jnp.int32)
     cols = col0 + jnp.arange(bn, dtype=jnp.int32)
@@ -320,12 +331,16 @@ def _kernel(
     else:  # rhs tile [bk, bn]
         dims = (((1,), (0,)), ((), ()))
     kcols = jnp.arange(bk, dtype=jnp.int32)
-    src = jnp.full((bm, 1), i // lhs_repeat, jnp.int32)  # by row: every tile row is the item's own lhs row
+    if by_row:  # the tile's lhs rows, gathered: each copy's own row, or its token's when lhs has one per token
+        r_ = jnp.minimum(rows, m_real - 1)
+        if lhs_per_token:
+            r_ = jnp.where(r_ < tokens * top_k, r_ // top_k, (r_ - tokens * top_k) % tokens)
+        src = r_[:, None]
 
     def step(kk, accs, weights, wlead, w_n0, w_k0, k_in=None):
         k0 = kk * bk
         k_mask = None if k_in is None else k_in[None, :]
-        if by_row:  # (a gather of one row: its token's row when lhs holds one row per `lhs_repeat` copies)
+        if by_row:
             x = _load(lhs_ref.at[src, (k0 + kcols)[None, :]], k_mask)
         else:
             x = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], _and(row_in, k_mask))
@@ -439,21 +454,24 @@ def _gmm_impl(
     n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
     num_chunks, chunk_axis = shared_chunks(shared.shape, n, k) if shareds else (0, "n")
     top_k = groups.shape[1] if by_row and groups.ndim == 2 else 0  # a token's top-k [T, K]: the kernel adds chunks
+    tokens = groups.shape[0] if top_k else 0
     if not by_row:
         m = lhs.shape[0]  # output rows
     else:
-        m = groups.shape[0] * (top_k + num_chunks) if top_k else groups.shape[0]
+        m = tokens * (top_k + num_chunks) if top_k else groups.shape[0]
         groups = groups.reshape(-1)
-    lhs_repeat = m // lhs.shape[0]  # by row: output row i reads lhs row i // lhs_repeat
+    lhs_per_token = bool(top_k) and lhs.shape[0] == tokens != m  # by row: row r reads its token's lhs row
+    num_row_items = tokens * top_k + num_chunks if top_k else m
     out_dtype = jnp.dtype(out_dtype)
     # Interpret mode cannot slice a block larger than the array (the GPU just masks): zero-pad a
     # dimension smaller than its block (tiny problems only: blocks are clamped to the next power of
     # two of their dimension by the caller, so the padding is under one block; a stacked rhs is
     # padded, so copied, whole: CPU tests only). A shared weight is padded chunk by chunk.
     m_out, n_out = m, n
-    if interpret and m < block_m:
-        if not by_row:  # padding segment rows: output 0, sliced off (by row, lhs is gathered row by row)
-            lhs = jnp.pad(lhs, ((0, block_m - m), (0, 0)))
+    if interpret and by_row:  # an item's tile starts at its first row: room for a whole tile past the last
+        m = m + block_m
+    elif interpret and m < block_m:  # padding segment rows: output 0, sliced off
+        lhs = jnp.pad(lhs, ((0, block_m - m), (0, 0)))
         m = block_m
     pad_k = block_k - k if interpret and k < block_k else 0  # zeros in K add nothing
     pad_n = block_n - n if interpret and n < block_n else 0
@@ -464,7 +482,7 @@ def _gmm_impl(
         shareds = tuple(_pad_chunks(w, num_chunks, chunk_axis, n, k, pad_n, pad_k) for w in shareds)
         n, k = n + pad_n, k + pad_k
     items = (groups,) if by_row else work_items(groups, m, block_m)  # by row: `row_items`, in the kernel
-    num_items = m_out if by_row else items[0].shape[0]
+    num_items = num_row_items if by_row else items[0].shape[0]
     steps_per_split = cdiv(cdiv(k, block_k), num_k_splits)
     splits = cdiv(cdiv(k, block_k), steps_per_split)  # no empty splits
     part_dtype = out_dtype if splits == 1 else jnp.float32
@@ -474,9 +492,11 @@ def _gmm_impl(
         _kernel,
         by_row=by_row,
         top_k=top_k,
+        tokens=tokens,
+        lhs_per_token=lhs_per_token,
         glu=glu,
         m=m,
-        lhs_repeat=lhs_repeat,
+        m_real=m_out,
         n=n,
         k=k,
         num_groups=g,
@@ -564,10 +584,10 @@ def grouped_matmul(
 
     row_groups (instead of group_sizes): i32[M], each row's group, rows in any order; a row whose
     group is outside the groups gives 0 (`row_items`: one work item per row, so for a few rows only).
-    With row_groups, lhs may also be [M/r, K]: row i then reads lhs row i // r (a token's r copies,
-    not gathered into r rows first). row_groups may also be each token's top-k, i32[T, K]: the M = T*(K+C)
-    copies token by token, its K routed groups and then its C shared chunks (`copy_groups`; C = 0 without
-    shared_rhs), numbered in the kernel (no concatenation of group ids before the call).
+    row_groups may also be each token's top-k, i32[T, K]: M = T*(K+C) copies, first the T*K routed
+    ones token by token (one item each), then each of the C shared chunks' T copies (one item per chunk,
+    reading its weights once for all T tokens); `copy_groups` gives the order. lhs is then [M, K] or
+    one row per token, [T, K] (each copy reads its token's row: no gather of the copies before the call).
 
     up_rhs: an MoE's up projection, the shape and dtype of rhs (then its gate projection): returns
     silu(lhs @ W) * (lhs @ W_up) in one kernel (each program reads both weights' tiles for its rows;
@@ -723,9 +743,9 @@ def grouped_matmul_reference(
         )
         rhs = jnp.concatenate([rhs, chunks.astype(rhs.dtype)], axis=0)
     if row_groups is not None:
-        row_groups = copy_groups(row_groups, rhs.shape[0] - num_chunks, num_chunks)
-        if row_groups.shape[0] != lhs.shape[0]:
-            lhs = jnp.repeat(lhs, row_groups.shape[0] // lhs.shape[0], axis=0)
+        row_groups, tokens = copy_groups(row_groups, rhs.shape[0] - num_chunks, num_chunks)
+        if row_groups.shape[0] != lhs.shape[0]:  # one lhs row per token
+            lhs = lhs[tokens]
     m = lhs.shape[0]
     x = lhs.astype(jnp.float32)
     w = rhs.astype(jnp.float32)

@@ -220,10 +220,12 @@ def _shared_case(by_row, axis, glu, G, n, k, C, T, K, dtype, **tuning):
     x = f(T, k)
     routed = np.stack([rng.permutation(G)[:K] for _ in range(T)]).astype(np.int32)
     routed[min(1, T - 1), min(1, K - 1)] = -1
-    copies = np.concatenate([routed, np.tile(G + np.arange(C, dtype=np.int32), (T, 1))], axis=1)  # [T, K+C]
-    flat, rows = copies.reshape(-1), np.repeat(np.arange(T), K + C)
-    if by_row:  # "flat": each copy's group; "topk": each token's routed groups [T, K], the kernel adds the chunks
-        lhs, groups = jnp.asarray(x, dtype), flat
+    # the kernel's order for a token's top-k (`copy_groups`): the T*K routed copies, then each chunk's T copies
+    flat = np.concatenate([routed.reshape(-1), np.repeat(G + np.arange(C, dtype=np.int32), T)])
+    rows = np.concatenate([np.repeat(np.arange(T), K), np.tile(np.arange(T), C)])
+    if by_row:  # "flat": each copy's group and row; "topk": each token's routed groups [T, K] and row
+        groups = flat
+        lhs = jnp.asarray(x[rows] if by_row == "flat" else x, dtype)
         kw = dict(row_groups=jnp.asarray(flat if by_row == "flat" else routed))
     else:
         order = np.argsort(np.where(flat < 0, G + C, flat), kind="stable")
