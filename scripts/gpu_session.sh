@@ -106,5 +106,19 @@ case $part in
     tar czf "$out/hlo-b1.tgz" -C "$out/prof" $(cd "$out/prof" && ls -d b1*/step.hlo.txt)
     rm -rf "$out/prof"
     tar czf "$out.tgz" -C "$out" . && rm -rf "$out" ;;
-*)  echo "part must be 1 to 6" >&2; exit 2 ;;
+7)  # session 13, third call: the shared chunks as one item for all tokens, the rope in the absorb kernel and once
+    # a step, the fixed cache-write test (GPU tests; the paged step through them); the decode MoE kernels' tuning
+    # sweep; the batch-1 step with its profile
+    run 200 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        --durations=5 tests/pallas_kernels/test_grouped_matmul.py tests/pallas_kernels/test_head_matmul.py \
+        tests/pallas_kernels/test_cache_write.py -k "shared or rope or bitwise or tail"
+    run 100 gpu-paged env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -p no:cacheprovider -rfE \
+        tests/mla_jax/test_paged.py -k "mixed_batches and 16 or decode_only or pallas_backend"
+    run 190 moe-decode python3 bench/moe_decode.py --out "$out" --budget-s 140
+    run 110 e2e-b1 python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --batches 1 --ctxs 4096 \
+        --no-prefill --no-engine --profile "$out/prof"
+    tar czf "$out/hlo-b1.tgz" -C "$out/prof" $(cd "$out/prof" && ls -d b1*/step.hlo.txt)
+    rm -rf "$out/prof"
+    tar czf "$out.tgz" -C "$out" . && rm -rf "$out" ;;
+*)  echo "part must be 1 to 7" >&2; exit 2 ;;
 esac
