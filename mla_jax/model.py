@@ -308,7 +308,7 @@ def decoder_layers(
     model = params["model"]
     eps = cfg.rms_norm_eps
     f = jnp.zeros_like(x)  # the pending MLP/MoE output (none before the first layer)
-    for name, start, _ in layer_groups(cfg):
+    for name, start, count in layer_groups(cfg):
         is_moe = name == "moe_layers"
         scanned, stacked = split_experts(model[name], is_moe, gmm_impl)
         scanned, rows = split_in_place(scanned)
@@ -330,7 +330,8 @@ def decoder_layers(
                     f = mlp(p["mlp"], hn, intermediate_size=cfg.intermediate_size, comm=comm)
             return (h, f.astype(h.dtype), state, layer + 1), None
 
-        (x, f, state, _), _ = jax.lax.scan(body, (x, f, state, jnp.int32(start)), scanned)
+        # length: every weight of a layer may be read in place (an fp8 model's), leaving no xs to scan over
+        (x, f, state, _), _ = jax.lax.scan(body, (x, f, state, jnp.int32(start)), scanned, length=count)
     return x + f, state
 
 
