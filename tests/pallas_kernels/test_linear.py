@@ -291,3 +291,93 @@ def test_layer_loop_lowers_with_one_kernel_for_q_and_kv(monkeypatch, h200):
             shape = "x".join(map(str, w.shape))
             assert re.search(rf"dynamic_slice[^\n]*tensor<{shape}x[bf]", text) is None, (group, w.shape)
             assert f"tensor<{shape}x" in text
+
+
+# ---- GPU: the compiled Triton kernel ----
+
+
+def _gpu():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 32, 130])
+@pytest.mark.parametrize(
+    "ns,k,w_dtype",
+    [
+        ((3072, 576), 2048, jnp.bfloat16),
+        ((2048,), 2048, jnp.bfloat16),
+        ((64,), 2048, jnp.float32),
+        ((40, 7), 100, jnp.bfloat16),
+    ],
+)
+def test_gpu_matches_reference(t, ns, k, w_dtype):
+    """V2-Lite's q_proj + kv_a_proj_with_mqa, o_proj and router (bf16 x, f32 weight and out) at decode and larger T,
+    and ragged dims."""
+    _gpu()
+    x, ws = _inputs(t + len(ns), t, ns, k, jnp.bfloat16, w_dtype)
+    out_dtype = jnp.float32 if w_dtype == jnp.float32 else None
+    _close(linear(x, ws, out_dtype=out_dtype), linear_reference(x, ws), w_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", [{}, SMALL, dict(block_t=32, block_n=64, block_k=64, num_warps=8, num_stages=2)])
+def test_gpu_tuning_and_f32(tuning):
+    _gpu()
+    for w_dtype in (jnp.bfloat16, jnp.float32):
+        x, ws = _inputs(3, 21, (40, 72), 200, w_dtype, w_dtype)
+        _close(linear(x, ws, **tuning), linear_reference(x, ws), w_dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_stacked_traced_index_poisoned_layers():
+    """V2-Lite's q_proj + kv_a_proj_with_mqa stacked over 4 layers, the wanted layer between NaN ones; the index
+    traced (and clamped)."""
+    _gpu()
+    x, ws = _inputs(9, 3, (3072, 576), 2048, jnp.bfloat16, jnp.bfloat16)
+    want = [np.asarray(o.astype(jnp.float32)) for o in linear(x, ws)]
+    f = jax.jit(lambda sts, i: linear(x, sts, rhs_index=i))
+    for index, arg in ((1, 1), (2, 2), (3, 9)):
+        sts = tuple(_poisoned_stack(w, 4, index) for w in ws)
+        for a, b in zip(f(sts, jnp.int32(arg)), want):
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), b)
+    _close(want, linear_reference(x, ws), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_router_exact_and_model_use(monkeypatch):
+    """On the GPU: the router's logits agree with a float64 product to float32 rounding (no TF32), and the model's
+    linears (q_proj + kv_a_proj_with_mqa in one call, o_proj, route) at decode sizes compile to the kernel and agree
+    with the XLA path (LINEAR_MAX_T = 0)."""
+    _gpu()
+    x, (w,) = _inputs(5, 4, (64,), 2048, jnp.bfloat16, jnp.float32)
+    (out,) = jax.jit(lambda x, w: linear(x, (w,), out_dtype=jnp.float32))(x, w)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=2e-6)
+    cfg = tiny_config(q_lora_rank=None, num_hidden_layers=2, first_k_dense_replace=1, hidden_size=256)
+    p = model.layer_params(model.init_params(cfg, jax.random.PRNGKey(2), dtype=jnp.bfloat16), cfg, 1)
+    xs = jnp.asarray(np.random.default_rng(0).standard_normal((3, cfg.hidden_size)), jnp.bfloat16)
+    attn = jnp.asarray(np.random.default_rng(1).standard_normal((3, 4, cfg.v_head_dim)), jnp.bfloat16)
+    fns = {
+        "linear2_dot": lambda p: layers.linears((p["self_attn"]["q_proj"], p["self_attn"]["kv_a_proj_with_mqa"]), xs),
+        "linear1_dot": lambda p: mla.o_proj(p["self_attn"], attn),
+        "linear1_f32": lambda p: layers.route(p["mlp"]["gate"], cfg, xs),
+    }
+    got = {}
+    for name, fn in fns.items():
+        assert name in jax.jit(fn).lower(p).as_text()
+        got[name] = jax.jit(fn)(p)
+    monkeypatch.setattr(layers, "LINEAR_MAX_T", 0)
+    for name, fn in fns.items():
+        want = jax.jit(fn)(p)
+        assert name not in jax.jit(fn).lower(p).as_text()
+        if name == "linear1_f32":
+            np.testing.assert_array_equal(np.asarray(got[name][1]), np.asarray(want[1]))
+            np.testing.assert_allclose(np.asarray(got[name][0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+        else:
+            _close(
+                jax.tree.leaves(got[name]),
+                [np.asarray(o.astype(jnp.float32)) for o in jax.tree.leaves(want)],
+                jnp.bfloat16,
+            )
