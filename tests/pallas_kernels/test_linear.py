@@ -191,6 +191,34 @@ def test_lowers_to_triton(h200):
 LINEAR_KEYS = {path[1] for path in model.LAYER_LINEARS}
 
 
+def _layer(cfg, seed, dtype=jnp.float32):
+    """One MoE layer's params that the linears read (self_attn's projections and norms, W_UV for o_proj's dtype, the
+    router), random: `model.init_params` compiles for seconds."""
+    rng = np.random.default_rng(seed)
+    N, D, Qk, L, R, V = (
+        cfg.num_attention_heads,
+        cfg.hidden_size,
+        cfg.qk_head_dim,
+        cfg.kv_lora_rank,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+    )
+
+    def w(*shape, dt=dtype):
+        return {"weight": jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-1]), dt)}
+
+    attn = {"kv_a_proj_with_mqa": w(L + R, D), "kv_a_layernorm": w(L), "o_proj": w(D, N * V)}
+    attn["W_UV"] = w(N, L, V)["weight"]
+    if cfg.q_lora_rank is None:
+        attn["q_proj"] = w(N * Qk, D)
+    else:
+        attn |= {"q_a_proj": w(cfg.q_lora_rank, D), "q_a_layernorm": w(cfg.q_lora_rank)}
+        attn["q_b_proj"] = w(N * Qk, cfg.q_lora_rank)
+    gate = w(cfg.n_routed_experts, D, dt=jnp.float32)
+    gate["e_score_correction_bias"] = jnp.asarray(0.05 * rng.standard_normal(cfg.n_routed_experts), jnp.float32)
+    return {"self_attn": attn, "mlp": {"gate": gate}}
+
+
 def _spy(monkeypatch, calls):
     kernel = lin.linear
 
@@ -210,7 +238,7 @@ def test_model_takes_the_kernel_on_a_gpu(monkeypatch):
     outs = {}
     for q_lora in (None, 24):
         cfg = tiny_config(q_lora_rank=q_lora, num_hidden_layers=2, first_k_dense_replace=1)
-        p = model.layer_params(model.init_params(cfg, jax.random.PRNGKey(1)), cfg, 1)
+        p = _layer(cfg, 1)
         x = jnp.asarray(rng.standard_normal((T, cfg.hidden_size)), jnp.float32)
         attn = jnp.asarray(rng.standard_normal((T, cfg.num_attention_heads, cfg.v_head_dim)), jnp.float32)
         pos = jnp.arange(T, dtype=jnp.int32)
@@ -233,7 +261,8 @@ def test_model_takes_the_kernel_on_a_gpu(monkeypatch):
             for k, v in p["self_attn"].items()
         }
         rows_gate = p["mlp"]["gate"] | {"weight": LayerRow(stacked["mlp"]["gate"]["weight"], one)}
-        for pa, gate in ((p["self_attn"], p["mlp"]["gate"]), (rows_attn, rows_gate)):
+        variants = [(rows_attn, rows_gate)]  # (plain weights: V2 only, to keep the test short)
+        for pa, gate in ([(p["self_attn"], p["mlp"]["gate"])] if q_lora is None else []) + variants:
             n = len(calls)
             got = mla.mla_project_q_kv(pa, cfg, x, pos)
             for a, b in zip(got[:4], proj[:4]):
@@ -357,7 +386,7 @@ def test_gpu_router_exact_and_model_use(monkeypatch):
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=2e-6)
     cfg = tiny_config(q_lora_rank=None, num_hidden_layers=2, first_k_dense_replace=1, hidden_size=256)
-    p = model.layer_params(model.init_params(cfg, jax.random.PRNGKey(2), dtype=jnp.bfloat16), cfg, 1)
+    p = _layer(cfg, 2, jnp.bfloat16)
     xs = jnp.asarray(np.random.default_rng(0).standard_normal((3, cfg.hidden_size)), jnp.bfloat16)
     attn = jnp.asarray(np.random.default_rng(1).standard_normal((3, 4, cfg.v_head_dim)), jnp.bfloat16)
     fns = {
