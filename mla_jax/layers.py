@@ -14,8 +14,10 @@ from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
 from pallas_kernels import fp8_matmul as fp8
 from pallas_kernels import grouped_matmul as gmm_kernel
+from pallas_kernels import linear as linear_kernel
 from pallas_kernels import moe_router
 from pallas_kernels import rms_norm as rms_norm_kernel
+from pallas_kernels.util import FLOAT_DTYPES
 
 GMM_IMPLS = ("ragged_dot", "pallas")
 
@@ -25,7 +27,7 @@ GMM_IMPLS = ("ragged_dot", "pallas")
 class LayerRow:
     """Row `index` of a weight stacked over a scan's layers, [Lyr, ...]: what the layer loop puts in a layer's
     params in place of the weights a kernel reads in place (a slice that feeds a custom call is a device copy):
-    the norms' (`add_rms_norm`), the fp8 linears' (`linear`), W_UK_T's and W_UV's (`mla.absorb_q`,
+    the norms' (`add_rms_norm`), the linears' (`linear` for fp8, `linears`), W_UK_T's and W_UV's (`mla.absorb_q`,
     `mla.v_up_proj`). XLA ops take `row()`, a slice XLA can fuse into them."""
 
     stacked: jax.Array  # [Lyr, ...]
@@ -80,11 +82,12 @@ def _fp8_kernel_ok(n: int, k: int) -> bool:
 
 
 def linear(p: dict, x: jnp.ndarray) -> jnp.ndarray:
-    """x [..., in] @ weight[out, in]^T. An fp8 weight (`is_fp8`) runs the W8A8 Mosaic GPU GEMM on a GPU
-    (`pallas_kernels.fp8_matmul`); elsewhere, or for shapes it does not take, XLA's dequantize + dot."""
+    """x [..., in] @ weight[out, in]^T; the weight may be a `LayerRow`. An fp8 weight (`is_fp8`) runs the W8A8
+    Mosaic GPU GEMM on a GPU (`pallas_kernels.fp8_matmul`, the row read in place); elsewhere, or for shapes it does
+    not take, XLA's dequantize + dot. Other weights: XLA's dot (of the LayerRow's `row()`)."""
     w = p["weight"]
     if not is_fp8(p):
-        return jnp.einsum("...i,oi->...o", x, w)
+        return jnp.einsum("...i,oi->...o", x, layer_row(w))
     s = p["weight_scale_inv"]
     # a LayerRow (the layer loop's stacked weights): the kernel reads its row in place
     wq, ws, i = (w.stacked, s.stacked, w.index) if isinstance(w, LayerRow) else (w, s, None)
@@ -94,6 +97,48 @@ def linear(p: dict, x: jnp.ndarray) -> jnp.ndarray:
     else:
         y = fp8.fp8_matmul_xla(x2, wq, ws, rhs_index=i)
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+# At most this many tokens take the dense linear kernel (`pallas_kernels.linear`, through `linears`) on a GPU, more
+# take XLA's dot. A guess until bench/linear.py's H200 numbers say where the kernel stops beating XLA: decode batches
+# are weight-bandwidth bound (the kernel's case), prefill chunks compute bound (cuBLAS's).
+LINEAR_MAX_T = 64
+
+
+def _linear_kernel_ok(ps: tuple[dict, ...], x: jnp.ndarray) -> bool:
+    """The dense linear kernel for these linears of x [T, in]: on a GPU, 1 <= T <= LINEAR_MAX_T, no fp8 weight,
+    float dtypes, one weight dtype, and either all plain weights or all `LayerRow`s of one layer index."""
+    ws = [p["weight"] for p in ps]
+    rows = [isinstance(w, LayerRow) for w in ws]
+    return (
+        jax.default_backend() == "gpu"
+        and x.ndim == 2
+        and 1 <= x.shape[0] <= LINEAR_MAX_T
+        and not any(is_fp8(p) for p in ps)
+        and all(jnp.dtype(w.dtype) in FLOAT_DTYPES and w.dtype == ws[0].dtype for w in ws)
+        and jnp.dtype(x.dtype) in FLOAT_DTYPES
+        and (not any(rows) or (all(rows) and all(w.index is ws[0].index for w in ws)))
+    )
+
+
+def linears(ps: tuple[dict, ...], x: jnp.ndarray, out_dtype=None) -> tuple[jnp.ndarray, ...]:
+    """Several linears of the same x [T, in]: (linear(p, x) for p in ps), each [T, out_j] (in out_dtype when given).
+
+    On a GPU for up to LINEAR_MAX_T tokens, bf16/f32 weights of one dtype (plain or `LayerRow`s of one layer, read in
+    place) are one launch of `pallas_kernels.linear` (XLA: a reduce fusion each, at about half the copy bandwidth,
+    issue #22); the product is in the promotion of x's and the weights' dtypes, float32 exactly. fp8 linears keep
+    `linear`'s fp8 path; elsewhere, or for more tokens, `linear` each."""
+    ps = tuple(ps)
+    if _linear_kernel_ok(ps, x):
+        ws = [p["weight"] for p in ps]
+        stacked = isinstance(ws[0], LayerRow)
+        arrays = tuple(w.stacked for w in ws) if stacked else tuple(ws)
+        index = ws[0].index if stacked else None
+        return linear_kernel.linear(x, arrays, rhs_index=index, out_dtype=out_dtype)
+    if len(ps) > 1 and not any(is_fp8(p) for p in ps) and all(_linear_kernel_ok((p,), x) for p in ps):
+        return tuple(linears((p,), x, out_dtype)[0] for p in ps)  # the kernel, each weight its own call
+    outs = tuple(linear(p, x) for p in ps)
+    return outs if out_dtype is None else tuple(o.astype(out_dtype) for o in outs)
 
 
 def mlp(p: dict, x: jnp.ndarray, *, intermediate_size: int | None = None, comm: Comm = LOCAL) -> jnp.ndarray:
@@ -106,9 +151,14 @@ def mlp(p: dict, x: jnp.ndarray, *, intermediate_size: int | None = None, comm: 
 
 def route(p_gate: dict, cfg: DeepseekConfig, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Router: x [T, D] -> (weights f32[T, K], expert ids i32[T, K]). Scores in float32 as HF/vLLM do. The
-    logits are one XLA GEMV; the selection (scores, group limit, top-k, weights) is `pallas_kernels.moe_router`:
+    logits are one `linears` call (on a GPU for few tokens the linear kernel, exact float32), else XLA's; the
+    selection (scores, group limit, top-k, weights) is `pallas_kernels.moe_router`:
     one kernel on a GPU (XLA runs three: softmax, a sort for the top-k, its slice), its reference elsewhere."""
-    logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), p_gate["weight"].astype(jnp.float32))  # [T, E]
+    g = {"weight": p_gate["weight"]}  # f32 [E, D] (may be a LayerRow)
+    if _linear_kernel_ok((g,), x):  # one kernel, bf16 x cast to f32 in it, exact f32 products (no TF32)
+        (logits,) = linears((g,), x, out_dtype=jnp.float32)  # [T, E]
+    else:
+        logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), layer_row(g["weight"]).astype(jnp.float32))
     K = cfg.num_experts_per_tok
     if cfg.topk_method == "noaux_tc":
         # V3: the correction bias steers selection only; weights come from the unbiased scores.

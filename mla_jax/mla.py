@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from mla_jax import reference
 from mla_jax.config import DeepseekConfig
 from mla_jax.indexer import topk_mask
-from mla_jax.layers import LayerRow, act_dtype, layer_row, linear, rms_norm
+from mla_jax.layers import LayerRow, act_dtype, layer_row, linears, rms_norm
 from mla_jax.rope import apply_rope, rope_cos_sin
 from pallas_kernels import head_matmul as head_matmul_kernel
 from pallas_kernels.util import FLOAT_DTYPES
@@ -55,17 +55,18 @@ def mla_project_q_kv(
     rope_q=False not yet: `rope_q_pe`, or `absorb_q(..., rope=)` in its kernel), the raw kv_a_proj_with_mqa output
     kv [T, L+R], the rope's cos, sin f32[T, R/2] (`rope`: computed once for every layer by the caller) and the
     q latent [T, Q_lora] (None without q-LoRA). The paged step hands kv to `mla_jax.cache.write_latent_rows`
-    (norm, rope and cache write in one kernel on a GPU)."""
+    (norm, rope and cache write in one kernel on a GPU). The linears of x (q_proj or q_a_proj, and
+    kv_a_proj_with_mqa) are one `linears` call: one kernel on a GPU for few tokens."""
     T = x.shape[0]
     N = cfg.num_attention_heads
     if cfg.q_lora_rank is None:
         q_resid = None
-        q = linear(p["q_proj"], x)
+        q, kv = linears((p["q_proj"], p["kv_a_proj_with_mqa"]), x)  # [T, N*(P+R)], [T, L+R]
     else:
-        q_resid = rms_norm(p["q_a_layernorm"], linear(p["q_a_proj"], x), cfg.rms_norm_eps)  # [T, Q_lora]
-        q = linear(p["q_b_proj"], q_resid)
+        q_a, kv = linears((p["q_a_proj"], p["kv_a_proj_with_mqa"]), x)  # [T, Q_lora], [T, L+R]
+        q_resid = rms_norm(p["q_a_layernorm"], q_a, cfg.rms_norm_eps)  # [T, Q_lora]
+        (q,) = linears((p["q_b_proj"],), q_resid)
     q = q.reshape(T, N, cfg.qk_head_dim)  # [T, N, P+R]
-    kv = linear(p["kv_a_proj_with_mqa"], x)  # [T, L+R]
     cos, sin = rope_cos_sin(cfg, positions) if rope is None else rope
     if rope_q:
         q = rope_q_pe(cfg, q, cos, sin)
@@ -157,8 +158,9 @@ def v_up_proj(p: dict, latent: jnp.ndarray) -> jnp.ndarray:
 
 
 def o_proj(p: dict, attn: jnp.ndarray) -> jnp.ndarray:
-    """attn [T, N, V] -> [T, D]."""
-    return linear(p["o_proj"], attn.reshape(attn.shape[0], -1).astype(act_dtype(p["o_proj"], p["W_UV"].dtype)))
+    """attn [T, N, V] -> [T, D] (`linears`: on a GPU for few tokens the linear kernel)."""
+    x = attn.reshape(attn.shape[0], -1).astype(act_dtype(p["o_proj"], p["W_UV"].dtype))  # [T, N*V]
+    return linears((p["o_proj"],), x)[0]
 
 
 def mla_forward_full(

@@ -206,8 +206,9 @@ def split_experts(group: Params, is_moe: bool, gmm_impl: str) -> tuple[Params, P
 
 
 # What a layer's kernels read in place from the stacked weights (`layers.LayerRow`), for the same reason as the
-# experts: the norms (the norm kernel), the absorbed attention's per-head weights (`pallas_kernels.head_matmul`)
-# and, found by `split_in_place`, the fp8 linears (the fp8 GEMM).
+# experts: the norms (the norm kernel), the absorbed attention's per-head weights (`pallas_kernels.head_matmul`),
+# the dense linears of the attention and the router's weight (`layers.linears`: `pallas_kernels.linear`) and, found
+# by `split_in_place`, the fp8 linears (the fp8 GEMM, which takes the whole {weight, weight_scale_inv} node).
 LAYER_NORMS = (
     ("input_layernorm",),
     ("post_attention_layernorm",),
@@ -215,6 +216,16 @@ LAYER_NORMS = (
     ("self_attn", "q_a_layernorm"),
 )
 LAYER_ARRAYS = (("self_attn", "W_UK_T"), ("self_attn", "W_UV"))
+# Read only through `layers.linear` / `layers.linears` (`mla.mla_project_q_kv`, `mla.o_proj`, `model.q_latent`,
+# `layers.route`), which take a LayerRow; an fp8 one of these is moved whole with its scales instead.
+LAYER_LINEARS = (
+    ("self_attn", "q_proj", "weight"),
+    ("self_attn", "q_a_proj", "weight"),
+    ("self_attn", "q_b_proj", "weight"),
+    ("self_attn", "kv_a_proj_with_mqa", "weight"),
+    ("self_attn", "o_proj", "weight"),
+    ("mlp", "gate", "weight"),
+)
 
 
 def _fp8_linear_paths(tree: Params, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -233,9 +244,12 @@ def _fp8_linear_paths(tree: Params, prefix: tuple[str, ...] = ()) -> list[tuple[
 
 def split_in_place(group: Params) -> tuple[Params, dict]:
     """A layer group's stacked params -> (the rest, {path: {name: stacked [Lyr, ...]} or stacked [Lyr, ...]}) for its
-    norms (LAYER_NORMS), per-head attention weights (LAYER_ARRAYS) and fp8 linears; `with_layer_rows` puts them
-    back into one layer's params as `LayerRow`s."""
-    paths = [path for path in LAYER_NORMS + LAYER_ARRAYS if _at(group, path) is not None] + _fp8_linear_paths(group)
+    norms (LAYER_NORMS), per-head attention weights (LAYER_ARRAYS), dense linears (LAYER_LINEARS) and fp8 linears;
+    `with_layer_rows` puts them back into one layer's params as `LayerRow`s. Only the forward's layer loop does this
+    (the checkpoint code, sharding and memory accounting see the params as stored)."""
+    fp8_paths = _fp8_linear_paths(group)
+    dense = [path for path in LAYER_LINEARS if path[:-1] not in fp8_paths]
+    paths = [path for path in LAYER_NORMS + LAYER_ARRAYS + tuple(dense) if _at(group, path) is not None] + fp8_paths
     rows, rest = {path: _at(group, path) for path in paths}, group
     for path in paths:
         rest = _replace_path(rest, path, None)
@@ -294,7 +308,7 @@ def decoder_layers(
     model = params["model"]
     eps = cfg.rms_norm_eps
     f = jnp.zeros_like(x)  # the pending MLP/MoE output (none before the first layer)
-    for name, start, _ in layer_groups(cfg):
+    for name, start, count in layer_groups(cfg):
         is_moe = name == "moe_layers"
         scanned, stacked = split_experts(model[name], is_moe, gmm_impl)
         scanned, rows = split_in_place(scanned)
@@ -316,7 +330,8 @@ def decoder_layers(
                     f = mlp(p["mlp"], hn, intermediate_size=cfg.intermediate_size, comm=comm)
             return (h, f.astype(h.dtype), state, layer + 1), None
 
-        (x, f, state, _), _ = jax.lax.scan(body, (x, f, state, jnp.int32(start)), scanned)
+        # length: every weight of a layer may be read in place (an fp8 model's), leaving no xs to scan over
+        (x, f, state, _), _ = jax.lax.scan(body, (x, f, state, jnp.int32(start)), scanned, length=count)
     return x + f, state
 
 
