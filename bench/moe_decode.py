@@ -80,19 +80,24 @@ def input_sets(shape, t, seed=0):
 
 
 def glu_fn(w, interpret, **tuning):
-    def f(x, ids, layer):
+    """The glu call as a function of (x, ids, layer); the weights are arguments of the jitted function (closed
+    over, they would be lowered as GBs of constants)."""
+
+    @jax.jit
+    def f(w, x, ids, layer):
         kw = dict(row_groups=ids, up_rhs=w["up"], shared_rhs=w["sgate"], shared_up_rhs=w["sup"], rhs_index=layer)
         return gm.grouped_matmul(x, w["gate"], interpret=interpret, **kw, **tuning)
 
-    return jax.jit(f)
+    return lambda *a: f(w, *a)
 
 
 def down_fn(w, interpret, **tuning):
-    def f(h, ids, layer):
+    @jax.jit
+    def f(w, h, ids, layer):
         kw = dict(row_groups=ids, shared_rhs=w["sdown"], rhs_index=layer)
         return gm.grouped_matmul(h, w["down"], interpret=interpret, **kw, **tuning)
 
-    return jax.jit(f)
+    return lambda *a: f(w, *a)
 
 
 def check(shape, w, smoke) -> float:
