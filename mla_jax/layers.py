@@ -55,15 +55,37 @@ def rms_norm(p: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:
     return add_rms_norm(p, x, None, eps)[0]
 
 
-def add_rms_norm(p: dict, x: jnp.ndarray, residual: jnp.ndarray | None, eps: float):
+def add_rms_norm(p: dict, x: jnp.ndarray, residual: jnp.ndarray | None, eps: float, router: dict | None = None):
     """(normed, h): h = x + residual (the residual stream's add; x when None), normed = rms_norm(h). On a GPU one
     Pallas kernel for [T, D] rows (`pallas_kernels.rms_norm`: XLA runs three), elsewhere plain jnp. The weight
-    may be a `LayerRow` (read in place by the kernel)."""
+    may be a `LayerRow` (read in place by the kernel). With `router` (an MoE gate's params, `router_fusable`):
+    (normed, h, the gate's logits f32[T, E] of normed), in the same kernel."""
     w = p["weight"]
     w, i = (w.stacked, w.index) if isinstance(w, LayerRow) else (w, None)
+    kw = dict(eps=eps, weight_index=i)
+    if router is not None:
+        g = router["weight"]
+        kw["router"] = g.stacked if isinstance(g, LayerRow) else g
     if jax.default_backend() == "gpu" and x.ndim == 2:
-        return rms_norm_kernel.add_rms_norm(x, residual, w, eps=eps, weight_index=i)
-    return rms_norm_kernel.add_rms_norm_reference(x, residual, w, eps=eps, weight_index=i)
+        return rms_norm_kernel.add_rms_norm(x, residual, w, **kw)
+    return rms_norm_kernel.add_rms_norm_reference(x, residual, w, **kw)
+
+
+def router_fusable(norm: dict, gate: dict, x: jnp.ndarray, comm: Comm = LOCAL) -> bool:
+    """Whether the MoE gate's logits come out of the layer's input norm kernel (`add_rms_norm(..., router=)`): on a
+    GPU for up to LINEAR_MAX_T tokens routed where they are normed (no DP token gather), a float32 gate stacked
+    like the norm weight (`LayerRow`s of one layer index, or both plain)."""
+    w, g = norm["weight"], gate["weight"]
+    rows = isinstance(w, LayerRow), isinstance(g, LayerRow)
+    return (
+        jax.default_backend() == "gpu"
+        and x.ndim == 2
+        and 1 <= x.shape[0] <= LINEAR_MAX_T
+        and comm.dp == 1
+        and jnp.dtype(g.dtype) == jnp.float32
+        and rows[0] == rows[1]
+        and (not rows[0] or w.index is g.index)
+    )
 
 
 def is_fp8(p: dict) -> bool:
@@ -149,13 +171,18 @@ def mlp(p: dict, x: jnp.ndarray, *, intermediate_size: int | None = None, comm: 
     return comm.reduce_model(y) if split else y
 
 
-def route(p_gate: dict, cfg: DeepseekConfig, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+def route(
+    p_gate: dict, cfg: DeepseekConfig, x: jnp.ndarray, logits: jnp.ndarray | None = None
+) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Router: x [T, D] -> (weights f32[T, K], expert ids i32[T, K]). Scores in float32 as HF/vLLM do. The
-    logits are one `linears` call (on a GPU for few tokens the linear kernel, exact float32), else XLA's; the
-    selection (scores, group limit, top-k, weights) is `pallas_kernels.moe_router`:
-    one kernel on a GPU (XLA runs three: softmax, a sort for the top-k, its slice), its reference elsewhere."""
+    logits (unless given: `add_rms_norm(..., router=)` made them) are one `linears` call (on a GPU for few tokens
+    the linear kernel, exact float32), else XLA's; the selection (scores, group limit, top-k, weights) is
+    `pallas_kernels.moe_router`: one kernel on a GPU (XLA runs three: softmax, a sort for the top-k, its slice),
+    its reference elsewhere."""
     g = {"weight": p_gate["weight"]}  # f32 [E, D] (may be a LayerRow)
-    if _linear_kernel_ok((g,), x):  # one kernel, bf16 x cast to f32 in it, exact f32 products (no TF32)
+    if logits is not None:
+        pass
+    elif _linear_kernel_ok((g,), x):  # one kernel, bf16 x cast to f32 in it, exact f32 products (no TF32)
         (logits,) = linears((g,), x, out_dtype=jnp.float32)  # [T, E]
     else:
         logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), layer_row(g["weight"]).astype(jnp.float32))
@@ -311,8 +338,10 @@ def moe(
     stacked: dict | None = None,
     layer: jnp.ndarray | int | None = None,
     comm: Comm = LOCAL,
+    logits: jnp.ndarray | None = None,
 ) -> jnp.ndarray:
-    """Routed experts + shared experts. x [T, D] -> [T, D].
+    """Routed experts + shared experts. x [T, D] -> [T, D]. `logits`: the router's f32[T, E] when the input norm
+    computed them (`router_fusable`).
 
     Token copies are sorted by expert and run through grouped matmuls (`expert_glu`, `expert_gmm` with
     `gmm_impl`), so each expert only computes its own tokens; a decode step's few copies (at most
@@ -348,7 +377,7 @@ def moe(
     with jax.named_scope("moe_dispatch"):
         xr = comm.dispatch_tokens(x)  # DP: [dp*T, D], every DP rank's tokens
     with jax.named_scope("moe_router"):
-        weights, ids = route(p["gate"], cfg, xr)  # [T, K]
+        weights, ids = route(p["gate"], cfg, xr, logits if comm.dp == 1 else None)  # [T, K]
     with jax.named_scope("moe_routed"):
         exl = None if "experts" not in stacked else layer  # layer indexes stacked weights
         routed = _routed_experts(cfg, xr, weights, ids, gmm_impl, ex, exl, comm, sh if fused else None)

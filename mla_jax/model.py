@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import ConfigError, DeepseekConfig
 from mla_jax.indexer import causal_topk
-from mla_jax.layers import LayerRow, add_rms_norm, is_fp8, linear, mlp, moe, rms_norm
+from mla_jax.layers import LayerRow, add_rms_norm, is_fp8, linear, mlp, moe, rms_norm, router_fusable
 from mla_jax.mla import mla_forward_full, split_kv_b_proj
 
 Params = dict[str, Any]
@@ -321,10 +321,15 @@ def decoder_layers(
             with jax.named_scope("norm"):
                 hn, h = add_rms_norm(p["input_layernorm"], h, f, eps)
             a, state = attention(p["self_attn"], hn, state, layer)
+            a = comm.reduce_heads(a).astype(h.dtype)
+            norm = p["post_attention_layernorm"]
+            # the MoE router's logits in the norm kernel where it takes them (one GEMV kernel less a layer)
+            gate = p["mlp"]["gate"] if is_moe and router_fusable(norm, p["mlp"]["gate"], h, comm) else None
             with jax.named_scope("norm"):
-                hn, h = add_rms_norm(p["post_attention_layernorm"], h, comm.reduce_heads(a).astype(h.dtype), eps)
+                hn, h, *logits = add_rms_norm(norm, h, a, eps, router=gate)
             if is_moe:
-                f = moe(p["mlp"], cfg, hn, gmm_impl=gmm_impl, stacked=stacked, layer=layer - start, comm=comm)
+                kw = dict(gmm_impl=gmm_impl, stacked=stacked, layer=layer - start, comm=comm)
+                f = moe(p["mlp"], cfg, hn, logits=logits[0] if logits else None, **kw)
             else:
                 with jax.named_scope("mlp"):
                     f = mlp(p["mlp"], hn, intermediate_size=cfg.intermediate_size, comm=comm)

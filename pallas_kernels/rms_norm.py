@@ -44,71 +44,122 @@ def chunk_width(d: int) -> int | None:
     return c if c >= 16 else None
 
 
-def add_rms_norm_reference(x, residual, weight, *, eps: float, weight_index=None):
+def add_rms_norm_reference(x, residual, weight, *, eps: float, weight_index=None, router=None):
     """(normed, h): h = x + residual in x's dtype, normed = HF DeepseekRMSNorm(h) (weight[weight_index] when
-    stacked)."""
+    stacked). With `router` (an MoE gate's f32 weight [(Lyr,) E, D], at weight_index when stacked) also its logits
+    f32[T, E] = normed @ router^T in float32, as `mla_jax.layers.route` computes them."""
     if weight_index is not None:
         weight = weight[weight_index]
     h = x if residual is None else x + residual
     hf = h.astype(jnp.float32)
     hf = hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps)
-    return weight * hf.astype(h.dtype), h
+    normed = weight * hf.astype(h.dtype)
+    if router is None:
+        return normed, h
+    g = router[weight_index] if router.ndim == 3 else router
+    logits = jnp.einsum("td,ed->te", normed.astype(jnp.float32), g.astype(jnp.float32), precision="highest")
+    return normed, h, logits
 
 
-def _kernel(*refs, eps: float, d: int, chunk: int, has_residual: bool):
-    if has_residual:
-        x_ref, r_ref, w_ref, idx_ref, out_ref, h_ref = refs
-    else:
-        x_ref, w_ref, idx_ref, out_ref = refs
+def _kernel(*refs, eps: float, d: int, chunk: int, has_residual: bool, router_block: int):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    r_ref = refs.pop(0) if has_residual else None
+    w_ref, idx_ref = refs.pop(0), refs.pop(0)
+    g_ref = refs.pop(0) if router_block else None  # the router's f32 weight [Lyr, E, D]
+    out_ref = refs.pop(0)
+    h_ref = refs.pop(0) if has_residual else None
+    logits_ref = refs.pop(0) if router_block else None  # f32 [E] of this row, its block of experts
     n = d // chunk
     # the weight's row (0 for an unstacked [1, D] weight), clamped here, not by an XLA kernel before the call
     layer = jnp.clip(idx_ref[0], 0, w_ref.shape[0] - 1)
+    e = pl.program_id(1) if router_block else 0  # expert block: every block's program renormalizes its row
+    first = e == 0  # the program that stores the row's h and normed
 
     def h_chunk(c):  # [chunk] in x's dtype
         cols = pl.ds(c * chunk, chunk)
         return x_ref[cols] + r_ref[cols] if has_residual else x_ref[cols]
 
+    def store(ref, cols, v):
+        if router_block:
+            pltriton.store(ref.at[cols], v, mask=jnp.full(v.shape, first))
+        else:
+            ref[cols] = v
+
     ss = jnp.float32(0.0)
     for c in range(n):
         h = h_chunk(c)
         if has_residual:
-            h_ref[pl.ds(c * chunk, chunk)] = h
+            store(h_ref, pl.ds(c * chunk, chunk), h)
         hf = h.astype(jnp.float32)
         ss = ss + jnp.sum(hf * hf)
     inv = jax.lax.rsqrt(ss / d + eps)
+    if router_block:
+        experts = pl.ds(e * router_block, router_block)
+        acc = jnp.zeros((router_block,), jnp.float32)
     for c in range(n):
         cols = pl.ds(c * chunk, chunk)
         hf = h_chunk(c).astype(jnp.float32)
-        out_ref[cols] = w_ref[layer, cols] * (hf * inv).astype(x_ref.dtype)
+        normed = w_ref[layer, cols] * (hf * inv).astype(x_ref.dtype)
+        store(out_ref, cols, normed)
+        if router_block:  # the router's logits of the normed row, exact float32 (a multiply and a sum, no TF32)
+            g = g_ref[layer, experts, cols]  # [eb, chunk]
+            acc = acc + jnp.sum(g * normed.astype(jnp.float32)[None, :], axis=1)
+    if router_block:
+        logits_ref[experts] = acc
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
-def _impl(x, residual, weight, weight_index, *, eps: float, interpret: bool, num_warps: int):
+def _impl(x, residual, weight, weight_index, router, *, eps: float, interpret: bool, num_warps: int):
     t, d = x.shape
     chunk = chunk_width(d)
     has_residual = residual is not None
     if weight.ndim == 1:  # one weight: row 0 of [1, D] (the wrapper's weight_index is 0)
         weight = weight[None]
+    if router is not None and router.ndim == 2:
+        router = router[None]
+    eb = router_block(router.shape[1], chunk) if router is not None else 0
     idx = jnp.asarray(weight_index, jnp.int32).reshape(1)  # i32[1], clamped in the kernel
-    row = pl.BlockSpec((None, d), lambda i: (i, 0))
-    whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
+    row = pl.BlockSpec((None, d), lambda i, *_: (i, 0))
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, *_: (0,) * len(shape))  # noqa: E731
     in_specs = [row] + ([row] if has_residual else []) + [whole(weight.shape), whole((1,))]
+    inputs = [x] + ([residual] if has_residual else []) + [weight, idx]
+    if eb:
+        in_specs.append(whole(router.shape))
+        inputs.append(router)
     out_shape = [jax.ShapeDtypeStruct((t, d), jnp.result_type(weight.dtype, x.dtype))]
     out_specs = [row]
     if has_residual:
         out_shape.append(jax.ShapeDtypeStruct((t, d), x.dtype))
         out_specs.append(row)
+    if eb:
+        out_shape.append(jax.ShapeDtypeStruct((t, router.shape[1]), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, router.shape[1]), lambda i, *_: (i, 0)))
+    name = f"add_rms_norm_d{d}" if has_residual else f"rms_norm_d{d}"
     outs = pl.pallas_call(
-        functools.partial(_kernel, eps=eps, d=d, chunk=chunk, has_residual=has_residual),
-        grid=(t,),
+        functools.partial(_kernel, eps=eps, d=d, chunk=chunk, has_residual=has_residual, router_block=eb),
+        grid=(t, router.shape[1] // eb) if eb else (t,),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"add_rms_norm_d{d}" if has_residual else f"rms_norm_d{d}",
-    )(*([x, residual, weight, idx] if has_residual else [x, weight, idx]))
-    return (outs[0], outs[1]) if has_residual else (outs[0], x)
+        name=name + (f"_router_e{router.shape[1]}" if eb else ""),
+    )(*inputs)
+    normed, h = outs[0], (outs[1] if has_residual else x)
+    return (normed, h, outs[-1]) if eb else (normed, h)
+
+
+ROUTER_TILE = 8192  # f32 router weights one program multiplies per chunk of the row: [experts, chunk]
+
+
+def router_block(num_experts: int, chunk: int = _MAX_CHUNK) -> int:
+    """Experts per program of the fused router: a power of two dividing E, the tile [eb, chunk] at most ROUTER_TILE
+    elements (so E/eb programs per row share the router's reads); 0 when E has no such divisor."""
+    eb = num_experts & -num_experts
+    while eb > 1 and eb * chunk > ROUTER_TILE:
+        eb //= 2
+    return eb if eb * chunk <= ROUTER_TILE else 0
 
 
 def add_rms_norm(
@@ -118,11 +169,17 @@ def add_rms_norm(
     *,
     eps: float,
     weight_index=None,  # i32 scalar (may be traced): the row of a stacked weight
+    router=None,  # f32 [E, D], or [Lyr, E, D] with weight_index: an MoE gate whose logits come out too
     interpret: bool = False,
     num_warps: int = 4,
 ):
-    """(normed [T, D], h [T, D]); see the module docstring. Widths without a power-of-two chunk >= 16 run the
-    reference. A static weight_index outside [0, Lyr) is an error; a traced one is clamped."""
+    """(normed [T, D], h [T, D]), with `router` (normed, h, logits f32[T, E]); see the module docstring. Widths
+    without a power-of-two chunk >= 16 run the reference. A static weight_index outside [0, Lyr) is an error; a
+    traced one is clamped.
+
+    The router's logits in the same kernel: a grid of E/eb programs per row (`router_block`), each renormalizing its
+    row (a few KB from L2) and multiplying it with eb of the gate's rows in float32, so a decode step runs no
+    separate router GEMV after the MoE layer's input norm."""
     if x.ndim != 2:
         raise ValueError(f"x must be [T, D], got shape {x.shape}")
     if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
@@ -135,31 +192,42 @@ def add_rms_norm(
         if weight.ndim != 2 or weight.shape[1] != x.shape[1]:
             raise ValueError(f"a stacked weight must be [Lyr, D={x.shape[1]}], got shape {weight.shape}")
         check_stacked_index(weight_index, weight.shape[0], "weight_index", f"{weight.shape[0]} stacked weights")
-    if chunk_width(x.shape[1]) is None or x.shape[0] == 0:
-        return add_rms_norm_reference(x, residual, weight, eps=eps, weight_index=weight_index)
+    if router is not None:
+        stacked = weight_index is not None
+        ok = router.ndim == 2 + stacked and router.shape[-1] == x.shape[1]
+        if not ok or (stacked and router.shape[0] != weight.shape[0]):
+            lead = f"Lyr={weight.shape[0]}, " if stacked else ""
+            raise ValueError(f"router must be [{lead}E, D={x.shape[1]}], got shape {router.shape}")
+        if jnp.dtype(router.dtype) != jnp.float32:
+            raise ValueError(f"router dtype must be float32 (the gate's scores are float32), got {router.dtype}")
+    chunk = chunk_width(x.shape[1])
+    if chunk is None or x.shape[0] == 0 or (router is not None and not router_block(router.shape[-2], chunk)):
+        return add_rms_norm_reference(x, residual, weight, eps=eps, weight_index=weight_index, router=router)
     index = jnp.zeros((), jnp.int32) if weight_index is None else jnp.asarray(weight_index, jnp.int32)
-    return _differentiable(x, residual, weight, index, float(eps), bool(interpret), int(num_warps))
+    return _differentiable(x, residual, weight, index, router, float(eps), bool(interpret), int(num_warps))
 
 
 # The kernel forward, the reference's backward (recomputed): the kernel has no derivative of its own, and a norm
 # on a differentiated path (training through `model.forward`) must not fail.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _differentiable(x, residual, weight, index, eps, interpret, num_warps):
-    return _impl(x, residual, weight, index, eps=eps, interpret=interpret, num_warps=num_warps)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _differentiable(x, residual, weight, index, router, eps, interpret, num_warps):
+    return _impl(x, residual, weight, index, router, eps=eps, interpret=interpret, num_warps=num_warps)
 
 
-def _differentiable_fwd(x, residual, weight, index, eps, interpret, num_warps):
-    out = _impl(x, residual, weight, index, eps=eps, interpret=interpret, num_warps=num_warps)
-    return out, (x, residual, weight, index)
+def _differentiable_fwd(x, residual, weight, index, router, eps, interpret, num_warps):
+    out = _impl(x, residual, weight, index, router, eps=eps, interpret=interpret, num_warps=num_warps)
+    return out, (x, residual, weight, index, router)
 
 
 def _differentiable_bwd(eps, interpret, num_warps, saved, g):
-    x, residual, weight, index = saved
+    x, residual, weight, index, router = saved
     stacked = index if weight.ndim == 2 else None
-    _, vjp = jax.vjp(
-        lambda x, r, w: add_rms_norm_reference(x, r, w, eps=eps, weight_index=stacked), x, residual, weight
-    )
-    return (*vjp(g), None)
+
+    def f(x, r, w, gate):
+        return add_rms_norm_reference(x, r, w, eps=eps, weight_index=stacked, router=gate)
+
+    dx, dr, dw, dg = jax.vjp(f, x, residual, weight, router)[1](g)
+    return dx, dr, dw, None, dg
 
 
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)

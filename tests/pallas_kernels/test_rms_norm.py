@@ -151,6 +151,46 @@ def test_lowers_to_triton(monkeypatch):
     assert "dynamic_slice" not in text
 
 
+def _router_case(d, e, layers, interpret, rtol):
+    """add_rms_norm(..., router=) with stacked norm and gate weights at a traced layer (the other layers' gates NaN):
+    normed and h as without the router (bitwise), the logits against the normed rows @ gate^T in float64. In
+    interpret mode XLA keeps the normed row's excess float32 precision in the product (the GPU kernel rounds it to
+    bf16 first, as route's input is), hence the looser rtol there."""
+    x, r, _ = _inputs(d + e, d, jnp.bfloat16)
+    ws = _stacked(d, layers, d, jnp.bfloat16)
+    rng = np.random.default_rng(e)
+    g = np.full((layers, e, d), np.nan, np.float32)
+    g[layers - 2] = rng.standard_normal((e, d)) / np.sqrt(d)
+    i = jnp.int32(layers - 2)
+    f = jax.jit(lambda i: add_rms_norm(x, r, ws, eps=1e-6, weight_index=i, router=jnp.asarray(g), interpret=interpret))
+    out, h, logits = f(i)
+    base, base_h = add_rms_norm(x, r, ws, eps=1e-6, weight_index=i, interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(base))
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(base_h))
+    want = np.asarray(out, np.float64) @ g[layers - 2].astype(np.float64).T
+    assert logits.shape == (3, e) and logits.dtype == jnp.float32
+    scale = np.abs(want).max(axis=1, keepdims=True)  # rows of very different scales (ROW_SCALES) norm alike
+    np.testing.assert_allclose(np.asarray(logits) / scale, want / scale, rtol=0, atol=rtol)
+    ref = add_rms_norm_reference(x, r, ws, eps=1e-6, weight_index=layers - 2, router=jnp.asarray(g))[2]
+    np.testing.assert_allclose(np.asarray(ref) / scale, want / scale, rtol=0, atol=2e-2)  # (excess precision too)
+
+
+@pytest.mark.parametrize("d, e", [(64, 8), (256, 64)])  # 256 x 64: several expert blocks of programs per row
+def test_router_logits_in_the_norm_kernel(d, e):
+    _router_case(d, e, 3, True, 2e-2)
+
+
+def test_router_bad_inputs():
+    x, r, w = _inputs(0, 64, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"router must be \[E, D=64\]"):
+        add_rms_norm(x, r, w, eps=1e-6, router=jnp.zeros((8, 32), jnp.float32), interpret=True)
+    with pytest.raises(ValueError, match="router dtype must be float32"):
+        add_rms_norm(x, r, w, eps=1e-6, router=jnp.zeros((8, 64), jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match=r"router must be \[Lyr=2, E, D=64\]"):
+        ws = jnp.stack([w, w])
+        add_rms_norm(x, r, ws, eps=1e-6, weight_index=0, router=jnp.zeros((3, 8, 64), jnp.float32), interpret=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,dtype,residual", [(2048, jnp.bfloat16, True), (7168, jnp.bfloat16, False)])
 def test_gpu_matches_reference(d, dtype, residual):
@@ -162,3 +202,11 @@ def test_gpu_matches_reference(d, dtype, residual):
     ws = _stacked(d, 5, d, dtype)
     out, h = jax.jit(lambda i: add_rms_norm(x, r, ws, eps=1e-6, weight_index=i))(jnp.int32(3))
     _check(out, h, *add_rms_norm_reference(x, r, ws[3], eps=1e-6), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, e", [(2048, 64), (7168, 256)])  # V2-Lite's, V3's gates
+def test_gpu_router_logits_in_the_norm_kernel(d, e):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    _router_case(d, e, 4, False, 1e-5)
