@@ -120,5 +120,23 @@ case $part in
     tar czf "$out/hlo-b1.tgz" -C "$out/prof" $(cd "$out/prof" && ls -d b1*/step.hlo.txt)
     rm -rf "$out/prof"
     tar czf "$out.tgz" -C "$out" . && rm -rf "$out" ;;
-*)  echo "part must be 1 to 7" >&2; exit 2 ;;
+8)  # session 13, last call (~240 s of device time left, so straight into OUT, most important first): the paged step
+    # through every new kernel against the full forward at a tiny shape (the dense linear kernel, the router in the
+    # norm, the rope in the absorb kernel, the shared chunks); then the bf16 step at batch 1 / 128, ctx 4k, with
+    # profiles (should the paged test fail, with the dense linear kernel and the router fusion off, said in the
+    # log); then the new kernels' own GPU tests
+    out=${2:?}
+    run 70 gpu-paged env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -p no:cacheprovider -rfE \
+        tests/mla_jax/test_paged.py -k "mixed_batches and 16 or decode_only or pallas_backend"
+    e2e="from mla_jax.bench.e2e import main; import sys; main(sys.argv[1:])"
+    if ! grep -q " passed" "$out/gpu-paged.log" || grep -q "failed" "$out/gpu-paged.log"; then
+        echo "the paged step failed on the GPU: e2e with LINEAR_MAX_T = 0" | tee "$out/FALLBACK"
+        e2e="import mla_jax.layers as L; L.LINEAR_MAX_T = 0; $e2e"
+    fi
+    run 190 e2e python3 -c "$e2e" --out "$out" --weights bf16 --batches 1,128 --ctxs 4096 --no-prefill --no-engine \
+        --profile "$out/prof"
+    rm -rf "$out/prof"
+    run 120 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_linear.py tests/pallas_kernels/test_rms_norm.py ;;
+*)  echo "part must be 1 to 8" >&2; exit 2 ;;
 esac
