@@ -11,6 +11,7 @@ import datetime
 import glob
 import json
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -397,6 +398,14 @@ def profile_steps(step: Callable, cache: Any, lower: Callable, trace_dir: str, *
     return breakdown, cache
 
 
+def kernel_part(op_part: dict[str, str], name: str, op: str) -> str:
+    """The step part of a traced kernel `name` launched by HLO op `op` (`hlo_op_parts`): a Pallas kernel launched
+    from two places is named "<name>__1" in the second (e.g. in the layer loop), a Mosaic GPU one
+    "<name>_mosaic_gpu_kernel"; either maps by its base name."""
+    base = re.sub(r"(_mosaic_gpu_kernel)?(__\d+)?$", "", name)
+    return op_part.get(name, op_part.get(base, op_part.get(op, "other")))
+
+
 def kernel_breakdown(trace_dir: str, hlo_text: str, steps: int) -> dict[str, Any]:
     """Every GPU kernel of a traced run of `steps` identical steps: kernels per step, device-busy µs per
     step, µs and kernel count per step part (`STEP_PARTS`, via the HLO op that launched each kernel) and the
@@ -430,7 +439,7 @@ def kernel_breakdown(trace_dir: str, hlo_text: str, steps: int) -> dict[str, Any
     kernels = []
     parts: dict[str, list[float]] = {}
     for (name, op), (cnt, ns) in sorted(per.items(), key=lambda kv: -kv[1][1]):
-        part = op_part.get(name, op_part.get(op, "other"))
+        part = kernel_part(op_part, name, op)
         kernels.append(
             dict(name=name, hlo_op=op, part=part, per_step=round(cnt / steps, 2), us=round(ns / steps / 1e3, 2))
         )

@@ -55,3 +55,26 @@ def test_roofline_bytes_count_the_embedding_rows_read_not_the_table():
     assert weight_bytes(tied, cfg, 1) == pytest.approx(
         rest - size(params["lm_head"]) + experts * k / E + size(embed), rel=1e-12
     )
+
+
+def test_trace_kernels_map_to_their_step_parts():
+    """A kernel of the trace finds its layer part from the optimized HLO's named scopes: a fusion by its name, a
+    Pallas call by its kernel's, also as the layer loop's second copy ("<name>__1") and a Mosaic GPU kernel
+    ("<name>_mosaic_gpu_kernel"); anything else is "other"."""
+    from mla_jax.bench.common import hlo_op_parts, kernel_part
+
+    hlo = "\n".join(
+        [
+            '  %input_reduce_fusion.2 = bf16[16]{0} fusion(%a), metadata={op_name="jit(s)/while/body/o_proj/dot"}',
+            '  %pallas_call.7 = bf16[8]{0} custom-call(%b), metadata={op_name="jit(s)/mla_project/linear2_dot/'
+            'pallas_call"}',
+            '  %pallas_call.9 = bf16[8]{0} custom-call(%c), metadata={op_name="jit(s)/attention/mla_decode_sm90_g1/'
+            'pallas_call"}',
+        ]
+    )
+    parts = hlo_op_parts(hlo)
+    assert kernel_part(parts, "input_reduce_fusion_2", "command_buffer_3") == "o_proj"
+    assert kernel_part(parts, "linear2_dot", "command_buffer_3") == "mla_project"
+    assert kernel_part(parts, "linear2_dot__1", "command_buffer_3") == "mla_project"
+    assert kernel_part(parts, "mla_decode_sm90_g1_mosaic_gpu_kernel", "x") == "attention"
+    assert kernel_part(parts, "memcpy32_post", "command_buffer_3") == "other"
