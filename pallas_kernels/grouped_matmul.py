@@ -273,7 +273,6 @@ def _kernel(
     lhs_per_token: bool,
     glu: bool,
     m: int,
-    m_real: int,
     n: int,
     k: int,
     num_groups: int,
@@ -331,8 +330,9 @@ def _kernel(
     else:  # rhs tile [bk, bn]
         dims = (((1,), (0,)), ((), ()))
     kcols = jnp.arange(bk, dtype=jnp.int32)
-    if by_row:  # the tile's lhs rows, gathered: each copy's own row, or its token's when lhs has one per token
-        r_ = jnp.minimum(rows, m_real - 1)
+    if by_row:  # the tile's lhs rows, gathered: each copy's own row, or its token's when lhs has one per token;
+        # the tile's rows past the item's repeat its first (one row's bytes for a one-row item, not the next 15 rows')
+        r_ = jnp.where(rows < hi, rows, lo)
         if lhs_per_token:
             r_ = jnp.where(r_ < tokens * top_k, r_ // top_k, (r_ - tokens * top_k) % tokens)
         src = r_[:, None]
@@ -496,7 +496,6 @@ def _gmm_impl(
         lhs_per_token=lhs_per_token,
         glu=glu,
         m=m,
-        m_real=m_out,
         n=n,
         k=k,
         num_groups=g,
