@@ -69,7 +69,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.util import FLOAT_DTYPES, cdiv, check_stacked_index, is_pow2, next_pow2, num_sms
+from pallas_kernels.util import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_stacked_index,
+    check_warps_stages,
+    is_pow2,
+    mask_and,
+    masked_load,
+    next_pow2,
+    num_sms,
+)
 
 
 def _validate(
@@ -134,10 +144,7 @@ def _validate(
     for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if b is not None and not (is_pow2(b) and b >= 16):
             raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot)")
-    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
-    if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
-        raise ValueError(f"num_stages must be a positive int, got {num_stages}")
+    check_warps_stages(num_warps, num_stages)
     if num_k_splits is not None and not (isinstance(num_k_splits, int) and num_k_splits >= 1):
         raise ValueError(f"num_k_splits must be a positive int, got {num_k_splits}")
     if preferred_element_type is not None and jnp.dtype(preferred_element_type) not in FLOAT_DTYPES:
@@ -255,16 +262,6 @@ def copy_groups(row_groups, num_groups: int, num_chunks: int):
     return groups, tokens.astype(jnp.int32)
 
 
-def _load(ref, mask):
-    return ref[...] if mask is None else pltriton.load(ref, mask=mask, other=0)
-
-
-def _and(a, b):
-    if a is None:
-        return b
-    return a if b is None else a & b
-
-
 def _kernel(
     *refs,
     by_row: bool,
@@ -341,20 +338,20 @@ def _kernel(
         k0 = kk * bk
         k_mask = None if k_in is None else k_in[None, :]
         if by_row:
-            x = _load(lhs_ref.at[src, (k0 + kcols)[None, :]], k_mask)
+            x = masked_load(lhs_ref.at[src, (k0 + kcols)[None, :]], k_mask)
         else:
-            x = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], _and(row_in, k_mask))
+            x = masked_load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask_and(row_in, k_mask))
         new = []
         for rhs_ref, acc in zip(weights, accs):
             if transpose_rhs:
-                w = _load(
+                w = masked_load(
                     rhs_ref.at[(*wlead, pl.ds(w_n0 + col0, bn), pl.ds(w_k0 + k0, bk))],
-                    _and(None if col_in is None else col_in[:, None], k_mask),
+                    mask_and(None if col_in is None else col_in[:, None], k_mask),
                 )
             else:
-                w = _load(
+                w = masked_load(
                     rhs_ref.at[(*wlead, pl.ds(k0, bk), pl.ds(col0, bn))],
-                    _and(None if k_in is None else k_in[:, None], None if col_in is None else col_in[None, :]),
+                    mask_and(None if k_in is None else k_in[:, None], None if col_in is None else col_in[None, :]),
                 )
             new.append(acc + lax.dot_general(x, w, dims, precision=precision, preferred_element_type=jnp.float32))
         return tuple(new)
@@ -379,7 +376,7 @@ def _kernel(
                 0, owns_tail.astype(jnp.int32), lambda t, a, body=body: body(full_steps + t, a, k_in=k_in), acc
             )
     mine = (rows >= lo) & (rows < hi)  # hi <= M, so this also keeps the store in bounds
-    mask = _and(mine[:, None], None if col_in is None else col_in[None, :])
+    mask = mask_and(mine[:, None], None if col_in is None else col_in[None, :])
     if glu and out_ref.shape[0] == 1:  # one K split: the SwiGLU epilogue here, silu(gate) * up
         gate, up = acc
         out = (gate * jax.nn.sigmoid(gate) * up,)

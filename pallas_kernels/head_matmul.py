@@ -47,7 +47,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.util import FLOAT_DTYPES, cdiv, check_stacked_index, is_pow2, next_pow2, num_sms
+from pallas_kernels.util import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_stacked_index,
+    check_warps_stages,
+    is_pow2,
+    mask_and,
+    masked_load,
+    masked_store,
+    next_pow2,
+    num_sms,
+)
 
 __all__ = ["default_tuning", "head_matmul", "head_matmul_reference"]
 
@@ -91,10 +102,7 @@ def _validate(x, w, tail, tail_in_x, rhs_index, block_t, block_n, block_k, num_w
     for name, b in (("block_t", block_t), ("block_n", block_n), ("block_k", block_k)):
         if b is not None and not (is_pow2(b) and b >= 16):
             raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot)")
-    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
-    if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
-        raise ValueError(f"num_stages must be a positive int, got {num_stages}")
+    check_warps_stages(num_warps, num_stages)
     return t, n, k, m, r
 
 
@@ -119,23 +127,6 @@ def default_tuning(t: int, n: int, k: int, m: int, dtype, sms: int | None = None
     stage_bytes = (bt * bk + bk * bn) * jnp.dtype(dtype).itemsize
     stages = max(1, min(4, cdiv(k, bk), (128 << 10) // stage_bytes))
     return bt, bn, bk, 4, stages
-
-
-def _and(a, b):
-    if a is None:
-        return b
-    return a if b is None else a & b
-
-
-def _load(ref, mask):
-    return ref[...] if mask is None else pltriton.load(ref, mask=mask, other=0)
-
-
-def _store(ref, val, mask):
-    if mask is None:
-        ref[...] = val
-    else:
-        pltriton.store(ref, val, mask=mask)
 
 
 def _kernel(
@@ -173,9 +164,11 @@ def _kernel(
 
     def step(kk, acc, k_in=None):
         k0 = kk * bk
-        xt = _load(x_ref.at[pl.ds(row0, bt), h, pl.ds(k0, bk)], _and(row_in, None if k_in is None else k_in[None, :]))
-        wt = _load(
-            w_ref.at[(*lead, pl.ds(k0, bk), pl.ds(col0, bn))], _and(None if k_in is None else k_in[:, None], col_in)
+        xt = masked_load(
+            x_ref.at[pl.ds(row0, bt), h, pl.ds(k0, bk)], mask_and(row_in, None if k_in is None else k_in[None, :])
+        )
+        wt = masked_load(
+            w_ref.at[(*lead, pl.ds(k0, bk), pl.ds(col0, bn))], mask_and(None if k_in is None else k_in[:, None], col_in)
         )
         return acc + lax.dot_general(
             xt, wt, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
@@ -187,7 +180,7 @@ def _kernel(
         # slice past K fails to trace)
         k_in = full_steps * bk + jnp.arange(bk, dtype=jnp.int32) < k
         acc = lax.fori_loop(full_steps, full_steps + 1, lambda kk, a: step(kk, a, k_in), acc)
-    _store(out_ref.at[pl.ds(row0, bt), h, pl.ds(col0, bn)], acc.astype(out_ref.dtype), _and(row_in, col_in))
+    masked_store(out_ref.at[pl.ds(row0, bt), h, pl.ds(col0, bn)], acc.astype(out_ref.dtype), mask_and(row_in, col_in))
 
     if r and rope:  # the tail's interleaved pairs rotated (`mla_jax.rope.apply_rope`): float32, then x's dtype
         rp = next_pow2(r)
@@ -201,19 +194,19 @@ def _kernel(
             # out[2i] = x[2i] cos_i - x[2i+1] sin_i, out[2i+1] = x[2i+1] cos_i + x[2i] sin_i: the tail and its
             # neighbours one column right / left (contiguous loads), cos and sin gathered per lane
             # (+ j, which is 0 here: dynamic offsets, since a static slice past the array fails to trace)
-            x0 = _load(tail_ref.at[pl.ds(row0, bt), h, pl.ds(tail_off + j, rp)], _and(row_in, live[None, :]))
+            x0 = masked_load(tail_ref.at[pl.ds(row0, bt), h, pl.ds(tail_off + j, rp)], mask_and(row_in, live[None, :]))
             right = (lane + 1 < r)[None, :]
             left = ((lane >= 1) & live)[None, :]
-            xr = _load(tail_ref.at[pl.ds(row0, bt), h, pl.ds(tail_off + 1 + j, rp)], _and(row_in, right))
-            xl = _load(tail_ref.at[pl.ds(row0, bt), h, pl.ds(tail_off - 1 + j, rp)], _and(row_in, left))
+            xr = masked_load(tail_ref.at[pl.ds(row0, bt), h, pl.ds(tail_off + 1 + j, rp)], mask_and(row_in, right))
+            xl = masked_load(tail_ref.at[pl.ds(row0, bt), h, pl.ds(tail_off - 1 + j, rp)], mask_and(row_in, left))
             idx = jnp.minimum(lane // 2, r // 2 - 1)[None, :]
-            c = pltriton.load(cos_ref.at[rows2, idx], mask=_and(row_in, live[None, :]), other=0.0)
-            sn = pltriton.load(sin_ref.at[rows2, idx], mask=_and(row_in, live[None, :]), other=0.0)
+            c = pltriton.load(cos_ref.at[rows2, idx], mask=mask_and(row_in, live[None, :]), other=0.0)
+            sn = pltriton.load(sin_ref.at[rows2, idx], mask=mask_and(row_in, live[None, :]), other=0.0)
             x0, xr, xl = (v.astype(jnp.float32) for v in (x0, xr, xl))
             rot = jnp.where(even, x0 * c - xr * sn, x0 * c + xl * sn)
-            tail_in = _and(row_in, live[None, :] if rp != r else None)
+            tail_in = mask_and(row_in, live[None, :] if rp != r else None)
             v = rot.astype(tail_ref.dtype).astype(out_ref.dtype)
-            _store(out_ref.at[pl.ds(row0, bt), h, pl.ds(m + j, rp)], v, tail_in)
+            masked_store(out_ref.at[pl.ds(row0, bt), h, pl.ds(m + j, rp)], v, tail_in)
 
     elif r:
         rp = next_pow2(r)
@@ -222,8 +215,10 @@ def _kernel(
         @pl.when(j == 0)
         def _():
             # (+ j, which is 0 here: a dynamic column offset, since a static slice past the array fails to trace)
-            v = _load(tail_ref.at[pl.ds(row0, bt), h, pl.ds(tail_off + j, rp)], _and(row_in, tail_in))
-            _store(out_ref.at[pl.ds(row0, bt), h, pl.ds(m + j, rp)], v.astype(out_ref.dtype), _and(row_in, tail_in))
+            v = masked_load(tail_ref.at[pl.ds(row0, bt), h, pl.ds(tail_off + j, rp)], mask_and(row_in, tail_in))
+            masked_store(
+                out_ref.at[pl.ds(row0, bt), h, pl.ds(m + j, rp)], v.astype(out_ref.dtype), mask_and(row_in, tail_in)
+            )
 
 
 def _pad_to(a, axis: int, size: int):

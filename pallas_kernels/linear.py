@@ -59,7 +59,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.util import F32, FLOAT_DTYPES, cdiv, check_stacked_index, is_pow2, next_pow2, num_sms
+from pallas_kernels.util import (
+    F32,
+    FLOAT_DTYPES,
+    cdiv,
+    check_stacked_index,
+    check_warps_stages,
+    is_pow2,
+    mask_and,
+    masked_load,
+    masked_store,
+    next_pow2,
+    num_sms,
+)
 
 __all__ = ["compute_dtype", "default_tuning", "linear", "linear_reference"]
 
@@ -109,10 +121,7 @@ def _validate(x, weights, rhs_index, out_dtype, block_t, block_n, block_k, num_w
     for name, b in (("block_t", block_t), ("block_n", block_n), ("block_k", block_k)):
         if b is not None and not (is_pow2(b) and b >= (16 if name == "block_k" else least)):
             raise ValueError(f"{name}={b} must be a power of two >= {16 if name == 'block_k' else least}")
-    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
-    if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
-        raise ValueError(f"num_stages must be a positive int, got {num_stages}")
+    check_warps_stages(num_warps, num_stages)
     return t, k, tuple(ns), stacked
 
 
@@ -144,23 +153,6 @@ def default_tuning(t: int, ns: tuple[int, ...], k: int, dtype, sms: int | None =
         stage_bytes = (bt + bn) * bk * jnp.dtype(dtype).itemsize
     stages = max(1, min(4, cdiv(k, bk), (128 << 10) // stage_bytes))
     return bt, bn, bk, 4, stages
-
-
-def _and(a, b):
-    if a is None:
-        return b
-    return a if b is None else a & b
-
-
-def _load(ref, mask):
-    return ref[...] if mask is None else pltriton.load(ref, mask=mask, other=0)
-
-
-def _store(ref, val, mask):
-    if mask is None:
-        ref[...] = val
-    else:
-        pltriton.store(ref, val, mask=mask)
 
 
 def _kernel(
@@ -203,8 +195,8 @@ def _kernel(
         def step(kk, acc, k_in=None):
             k0 = kk * bk
             k_x, k_w = (None, None) if k_in is None else (k_in[None, :], k_in[None, :])
-            xt = _load(x_ref.at[pl.ds(row0, bt), pl.ds(k0, bk)], _and(row_in, k_x)).astype(cdt)
-            wt = _load(w_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))], _and(col_in, k_w)).astype(cdt)
+            xt = masked_load(x_ref.at[pl.ds(row0, bt), pl.ds(k0, bk)], mask_and(row_in, k_x)).astype(cdt)
+            wt = masked_load(w_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))], mask_and(col_in, k_w)).astype(cdt)
             return acc + product(xt, wt)
 
         full_steps = k // bk
@@ -213,8 +205,8 @@ def _kernel(
             # slice past K fails to trace)
             k_in = full_steps * bk + jnp.arange(bk, dtype=jnp.int32) < k
             acc = lax.fori_loop(full_steps, full_steps + 1, lambda kk, a: step(kk, a, k_in), acc)
-        out_mask = _and(row_in, None if col_in is None else (cols < n)[None, :])
-        _store(out_ref.at[pl.ds(row0, bt), pl.ds(col0, bn)], acc.astype(out_ref.dtype), out_mask)
+        out_mask = mask_and(row_in, None if col_in is None else (cols < n)[None, :])
+        masked_store(out_ref.at[pl.ds(row0, bt), pl.ds(col0, bn)], acc.astype(out_ref.dtype), out_mask)
 
     for w_ref, out_ref, n, start, end in zip(w_refs, out_refs, ns, starts, starts[1:]):
         if len(ns) == 1:

@@ -12,6 +12,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import triton as pltriton
 
 H200_SMS = 132
 
@@ -259,9 +260,34 @@ def validate_decode(
         raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
     if block_kv is not None and not (is_pow2(block_kv) and block_kv >= 16):
         raise ValueError(f"block_kv must be a power of two >= 16, got {block_kv}")
+    check_warps_stages(num_warps, num_stages)
+    if fp8_mode not in (None, "scale_logits", "dequant_tile"):
+        raise ValueError(f"fp8_mode must be 'scale_logits' or 'dequant_tile', got {fp8_mode!r}")
+
+
+def check_warps_stages(num_warps, num_stages) -> None:
+    """The Triton launch's num_warps (a power of two up to 16) and num_stages (pipelining depth), None = default."""
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
     if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 1):
         raise ValueError(f"num_stages must be a positive int, got {num_stages}")
-    if fp8_mode not in (None, "scale_logits", "dequant_tile"):
-        raise ValueError(f"fp8_mode must be 'scale_logits' or 'dequant_tile', got {fp8_mode!r}")
+
+
+def mask_and(a, b):
+    """a & b of two optional masks (None: everything in bounds)."""
+    if a is None:
+        return b
+    return a if b is None else a & b
+
+
+def masked_load(ref, mask):
+    """A Triton-lowered load of a ref view, masked (0 where False) unless mask is None."""
+    return ref[...] if mask is None else pltriton.load(ref, mask=mask, other=0)
+
+
+def masked_store(ref, val, mask):
+    """A Triton-lowered store into a ref view, masked unless mask is None."""
+    if mask is None:
+        ref[...] = val
+    else:
+        pltriton.store(ref, val, mask=mask)
