@@ -58,6 +58,7 @@ from pallas_kernels.util import (
     masked_store,
     next_pow2,
     num_sms,
+    pad_to,
 )
 
 __all__ = ["default_tuning", "head_matmul", "head_matmul_reference"]
@@ -221,16 +222,6 @@ def _kernel(
             )
 
 
-def _pad_to(a, axis: int, size: int):
-    """a zero-padded at the end of `axis` to at least `size` (interpret mode only: it cannot slice a block larger
-    than the array, where the GPU masks)."""
-    if a.shape[axis] >= size:
-        return a
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (0, size - a.shape[axis])
-    return jnp.pad(a, pad)
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("tail_in_x", "interpret", "block_t", "block_n", "block_k", "num_warps", "num_stages"),
@@ -248,12 +239,12 @@ def _impl(x, w, tail, layer, rope, *, tail_in_x, interpret, block_t, block_n, bl
     t_out, width_out = t, width
     if interpret:  # blocks larger than their arrays: zero padding (masked out by the kernel, sliced off)
         t_pad = max(t, block_t)
-        x = _pad_to(_pad_to(x, 0, t_pad), 2, max(block_k, tail_off + rp + (rope is not None)))  # rope: +1 right
-        w = _pad_to(_pad_to(w, w.ndim - 2, block_k), w.ndim - 1, block_n)
+        x = pad_to(pad_to(x, 0, t_pad), 2, max(block_k, tail_off + rp + (rope is not None)))  # rope: +1 right
+        w = pad_to(pad_to(w, w.ndim - 2, block_k), w.ndim - 1, block_n)
         if tail is not None:
-            tail = _pad_to(_pad_to(tail, 0, t_pad), 2, rp)
+            tail = pad_to(pad_to(tail, 0, t_pad), 2, rp)
         if rope is not None:
-            rope = tuple(_pad_to(a, 0, t_pad) for a in rope)
+            rope = tuple(pad_to(a, 0, t_pad) for a in rope)
         t_out, width_out = t_pad, max(width, block_n, m + rp)
     kernel = functools.partial(
         _kernel,

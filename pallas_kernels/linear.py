@@ -71,6 +71,7 @@ from pallas_kernels.util import (
     masked_store,
     next_pow2,
     num_sms,
+    pad_to,
 )
 
 __all__ = ["compute_dtype", "default_tuning", "linear", "linear_reference"]
@@ -215,16 +216,6 @@ def _kernel(
             pl.when((j >= start) & (j < end))(functools.partial(block, w_ref, out_ref, n, start))
 
 
-def _pad_to(a, axis: int, size: int):
-    """a zero-padded at the end of `axis` to at least `size` (interpret mode only: it cannot slice a block larger
-    than the array, where the GPU masks)."""
-    if a.shape[axis] >= size:
-        return a
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (0, size - a.shape[axis])
-    return jnp.pad(a, pad)
-
-
 @functools.partial(
     jax.jit, static_argnames=("out_dtype", "interpret", "block_t", "block_n", "block_k", "num_warps", "num_stages")
 )
@@ -235,8 +226,8 @@ def _impl(x, weights, layer, *, out_dtype, interpret, block_t, block_n, block_k,
     ns = tuple(w.shape[-2] for w in weights)
     t_out, ns_out = t, ns
     if interpret:  # blocks larger than their arrays: zero padding (masked out by the kernel, sliced off)
-        x = _pad_to(_pad_to(x, 0, block_t), 1, block_k)
-        weights = tuple(_pad_to(_pad_to(w, w.ndim - 2, block_n), w.ndim - 1, block_k) for w in weights)
+        x = pad_to(pad_to(x, 0, block_t), 1, block_k)
+        weights = tuple(pad_to(pad_to(w, w.ndim - 2, block_n), w.ndim - 1, block_k) for w in weights)
         t_out, ns_out = max(t, block_t), tuple(max(n, block_n) for n in ns)
     blocks = [cdiv(n, block_n) for n in ns]
     starts = tuple(sum(blocks[:j]) for j in range(len(ns) + 1))

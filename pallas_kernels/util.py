@@ -291,3 +291,13 @@ def masked_store(ref, val, mask):
         ref[...] = val
     else:
         pltriton.store(ref, val, mask=mask)
+
+
+def pad_to(a, axis: int, size: int):
+    """a zero-padded at the end of `axis` to at least `size` (interpret mode only: it cannot slice a block larger
+    than the array, where the GPU masks)."""
+    if a.shape[axis] >= size:
+        return a
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, size - a.shape[axis])
+    return jnp.pad(a, pad)
