@@ -50,6 +50,12 @@ def layer_row(w) -> jax.Array:
     return w.row() if isinstance(w, LayerRow) else w
 
 
+def in_place(w) -> tuple[jax.Array, jax.Array | None]:
+    """What a kernel that reads a weight in place takes: (a `LayerRow`'s stacked array, its row index), or (w,
+    None) for a plain weight."""
+    return (w.stacked, w.index) if isinstance(w, LayerRow) else (w, None)
+
+
 def rms_norm(p: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:
     """HF DeepseekRMSNorm: normalise in float32, cast back, then scale by the weight."""
     return add_rms_norm(p, x, None, eps)[0]
@@ -60,12 +66,10 @@ def add_rms_norm(p: dict, x: jnp.ndarray, residual: jnp.ndarray | None, eps: flo
     Pallas kernel for [T, D] rows (`pallas_kernels.rms_norm`: XLA runs three), elsewhere plain jnp. The weight
     may be a `LayerRow` (read in place by the kernel). With `router` (an MoE gate's params, `router_fusable`):
     (normed, h, the gate's logits f32[T, E] of normed), in the same kernel."""
-    w = p["weight"]
-    w, i = (w.stacked, w.index) if isinstance(w, LayerRow) else (w, None)
+    w, i = in_place(p["weight"])
     kw = dict(eps=eps, weight_index=i)
-    if router is not None:
-        g = router["weight"]
-        kw["router"] = g.stacked if isinstance(g, LayerRow) else g
+    if router is not None:  # stacked like the norm weight (`router_fusable`): the same index
+        kw["router"] = in_place(router["weight"])[0]
     if jax.default_backend() == "gpu" and x.ndim == 2:
         return rms_norm_kernel.add_rms_norm(x, residual, w, **kw)
     return rms_norm_kernel.add_rms_norm_reference(x, residual, w, **kw)
@@ -117,7 +121,7 @@ def linear(p: dict, x: jnp.ndarray) -> jnp.ndarray:
         return jnp.einsum("...i,oi->...o", x, layer_row(w))
     s = p["weight_scale_inv"]
     # a LayerRow (the layer loop's stacked weights): the kernel reads its row in place
-    wq, ws, i = (w.stacked, s.stacked, w.index) if isinstance(w, LayerRow) else (w, s, None)
+    (wq, i), (ws, _) = in_place(w), in_place(s)
     x2 = x.reshape(-1, x.shape[-1])
     if _fp8_kernel_ok(*w.shape) and x2.shape[0] > 0:
         y = fp8.fp8_matmul(x2, wq, ws, rhs_index=i, out_dtype=x.dtype)
@@ -157,11 +161,8 @@ def linears(ps: tuple[dict, ...], x: jnp.ndarray, out_dtype=None) -> tuple[jnp.n
     `linear`'s fp8 path; elsewhere, or for more tokens, `linear` each."""
     ps = tuple(ps)
     if _linear_kernel_ok(ps, x):
-        ws = [p["weight"] for p in ps]
-        stacked = isinstance(ws[0], LayerRow)
-        arrays = tuple(w.stacked for w in ws) if stacked else tuple(ws)
-        index = ws[0].index if stacked else None
-        return linear_kernel.linear(x, arrays, rhs_index=index, out_dtype=out_dtype)
+        arrays, index = zip(*(in_place(p["weight"]) for p in ps))  # one index (`_linear_kernel_ok`)
+        return linear_kernel.linear(x, arrays, rhs_index=index[0], out_dtype=out_dtype)
     if len(ps) > 1 and not any(is_fp8(p) for p in ps) and all(_linear_kernel_ok((p,), x) for p in ps):
         return tuple(linears((p,), x, out_dtype)[0] for p in ps)  # the kernel, each weight its own call
     outs = tuple(linear(p, x) for p in ps)
@@ -184,13 +185,8 @@ def route(
     the linear kernel, exact float32), else XLA's; the selection (scores, group limit, top-k, weights) is
     `pallas_kernels.moe_router`: one kernel on a GPU (XLA runs three: softmax, a sort for the top-k, its slice),
     its reference elsewhere."""
-    g = {"weight": p_gate["weight"]}  # f32 [E, D] (may be a LayerRow)
-    if logits is not None:
-        pass
-    elif _linear_kernel_ok((g,), x):  # one kernel, bf16 x cast to f32 in it, exact f32 products (no TF32)
-        (logits,) = linears((g,), x, out_dtype=jnp.float32)  # [T, E]
-    else:
-        logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), layer_row(g["weight"]).astype(jnp.float32))
+    if logits is None:  # f32 [E, D] weight (may be a LayerRow): the product in float32 (x promoted to it)
+        (logits,) = linears(({"weight": p_gate["weight"]},), x, out_dtype=jnp.float32)  # [T, E]
     K = cfg.num_experts_per_tok
     if cfg.topk_method == "noaux_tc":
         # V3: the correction bias steers selection only; weights come from the unbiased scores.
@@ -376,8 +372,8 @@ def moe(
     shared_split = sh is not None and sh["gate_proj"]["weight"].shape[-2] != cfg.moe_intermediate_size * (
         cfg.n_shared_experts or 0
     )
-    # fused: the same tokens (no DP gather) and the same reduction; stacked alike (layer or none)
-    same = comm.dp == 1 and routed_split == shared_split and sh_stacked == (ex["gate_proj"]["weight"].ndim == 4)
+    # fused: the same tokens (no DP gather) and the same reduction (`shared_fusable` checks they are stacked alike)
+    same = comm.dp == 1 and routed_split == shared_split
     fused = shared_fusable(gmm_impl, ex, sh, same) if cfg.n_shared_experts else 0
     with jax.named_scope("moe_dispatch"):
         xr = comm.dispatch_tokens(x)  # DP: [dp*T, D], every DP rank's tokens
