@@ -27,8 +27,8 @@ Writes: ``write_kv`` / ``write_kv_layer`` do one scatter of the concatenated [T,
 (plus one scatter of the [T] scales for fp8). ``slot_mapping`` entries < 0 (padding, -1) write
 nowhere: they are remapped to an out-of-range index and dropped (``mode="drop"`` alone would not
 help, because jnp indexing wraps negative indices). Out-of-range slots are dropped too; validate
-slot mappings on the host with ``check_slot_mapping``. ``write_latent_rows`` takes the raw kv_a projection instead:
-the latent's RMSNorm, the rope and the write in one Pallas kernel on a GPU (`pallas_kernels.cache_write`), the
+slot mappings on the host with ``check_slot_mapping``. The paged step writes through `mla_jax.mla.write_latent_rows`,
+which takes the raw kv_a projection: the latent's RMSNorm, the rope and the write in one Pallas kernel on a GPU, the
 same rows as the norm + rope + ``write_kv_layer`` it replaces (its path for fp8 and off the GPU).
 
 The scatter stays in the cache dtype: XLA:GPU treats scatter as a data-movement op that supports
@@ -58,9 +58,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_jax.dtypes import as_dtype
-from mla_jax.rope import apply_rope
-from pallas_kernels import cache_write
-from pallas_kernels import rms_norm as rms_norm_kernel
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
@@ -464,59 +461,6 @@ def write_index_k_layer(
         flat = flat.at[layer, slots].set(index_k.astype(ik.dtype), mode="drop")
         scale = None
     return dataclasses.replace(cache, index_k_cache=flat.reshape(nl, p, g, d), index_k_scale=scale)
-
-
-def write_latent_rows(
-    cache: KVCache,
-    layer: int | jax.Array,
-    kv: jax.Array,
-    norm_weight: Any,
-    cos: jax.Array,
-    sin: jax.Array,
-    slot_mapping: jax.Array,
-    eps: float,
-    *,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array, KVCache]:
-    """The new tokens' latent rows from the raw kv_a_proj_with_mqa output kv [T, L+R]: (kv_c_normed [T, L] =
-    kv_a_layernorm(kv_c), k_pe [T, 1, R] = rope(k_pe) with cos, sin f32[T, R/2], cache with both written into
-    layer ``layer`` at ``slot_mapping`` like `write_kv_layer`).
-
-    ``norm_weight``: [L], or a `mla_jax.layers.LayerRow` of the stacked [Lyr, L] weights (read in place).
-    A non-fp8 cache on a GPU runs one Pallas kernel (`pallas_kernels.cache_write`: norm, rope and the cache write,
-    the cache aliased in place; XLA would run four kernels); an fp8 cache, other backends and shapes the kernel
-    does not take run rms_norm + apply_rope + `write_kv_layer`, with the same results (``interpret=True`` runs the
-    kernel in the Pallas interpreter, for tests).
-    """
-    w, wi = (norm_weight.stacked, norm_weight.index) if hasattr(norm_weight, "stacked") else (norm_weight, None)
-    nl = cache.num_layers
-    L = w.shape[-1]
-    if kv.ndim != 2 or kv.shape[1] != cache.width:
-        raise ValueError(f"kv must be [T, L+R] = [T, {cache.width}] (the cache's row width), got shape {kv.shape}")
-    if isinstance(layer, (int, np.integer)) and not 0 <= layer < nl:
-        raise ValueError(f"layer {layer} out of range for a cache with {nl} layers")
-    use_kernel = interpret or jax.default_backend() == "gpu"
-    if use_kernel and not cache.is_fp8 and cache_write.supported(L, cache.width - L):
-        rows, kv_cache = cache_write.write_latent_rows(
-            kv,
-            w,
-            cos,
-            sin,
-            slot_mapping,
-            cache.kv_c_and_k_pe_cache,
-            layer,
-            eps=eps,
-            weight_index=wi,
-            interpret=interpret,
-        )  # [T, L+R]
-        k_pe = rows[:, None, L:].astype(kv.dtype)  # [T, 1, R] (exact: promoted from kv's dtype)
-        return rows[:, :L], k_pe, dataclasses.replace(cache, kv_c_and_k_pe_cache=kv_cache)
-    if jax.default_backend() == "gpu":  # the norm as `mla_jax.layers.rms_norm` runs it
-        kv_c_normed = rms_norm_kernel.add_rms_norm(kv[:, :L], None, w, eps=eps, weight_index=wi)[0]
-    else:
-        kv_c_normed = rms_norm_kernel.add_rms_norm_reference(kv[:, :L], None, w, eps=eps, weight_index=wi)[0]
-    k_pe = apply_rope(kv[:, None, L:], cos, sin)  # [T, 1, R]
-    return kv_c_normed, k_pe, write_kv_layer(cache, layer, kv_c_normed, k_pe, slot_mapping)
 
 
 # Jitted step entry: the cache (arg 0) is donated so the update is in place. The caller must not use

@@ -14,14 +14,19 @@ k_pe [T, 1, R]. Then either
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mla_jax import reference
+from mla_jax.cache import KVCache, write_kv_layer
 from mla_jax.config import DeepseekConfig
 from mla_jax.indexer import topk_mask
-from mla_jax.layers import LayerRow, act_dtype, layer_row, linears, rms_norm
+from mla_jax.layers import act_dtype, in_place, layer_row, linears, rms_norm
 from mla_jax.rope import apply_rope, rope_cos_sin
+from pallas_kernels import cache_write
 from pallas_kernels import head_matmul as head_matmul_kernel
 from pallas_kernels.util import FLOAT_DTYPES
 
@@ -54,7 +59,7 @@ def mla_project_q_kv(
     """The projections before the latent's norm and rope: q [T, N, P+R] (rope applied to q_pe; with
     rope_q=False not yet: `rope_q_pe`, or `absorb_q(..., rope=)` in its kernel), the raw kv_a_proj_with_mqa output
     kv [T, L+R], the rope's cos, sin f32[T, R/2] (`rope`: computed once for every layer by the caller) and the
-    q latent [T, Q_lora] (None without q-LoRA). The paged step hands kv to `mla_jax.cache.write_latent_rows`
+    q latent [T, Q_lora] (None without q-LoRA). The paged step hands kv to `write_latent_rows`
     (norm, rope and cache write in one kernel on a GPU). The linears of x (q_proj or q_a_proj, and
     kv_a_proj_with_mqa) are one `linears` call: one kernel on a GPU for few tokens."""
     T = x.shape[0]
@@ -84,11 +89,65 @@ def mla_project_with_q_latent(
 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray | None]:
     """`mla_project` plus the q latent q_a_layernorm(q_a_proj(x)) [T, Q_lora] (None without q-LoRA), which the
     sparse-attention indexer reads."""
-    L = cfg.kv_lora_rank
     q, kv, cos, sin, q_resid = mla_project_q_kv(p, cfg, x, positions)
-    kv_c_normed = rms_norm(p["kv_a_layernorm"], kv[:, :L], cfg.rms_norm_eps)  # norm on the latent only
-    k_pe = apply_rope(kv[:, None, L:], cos, sin)  # [T, 1, R]: one head shared by all query heads
+    kv_c_normed, k_pe = latent_rows(p["kv_a_layernorm"], kv, cos, sin, cfg.rms_norm_eps)
     return q, kv_c_normed, k_pe, q_resid
+
+
+def latent_rows(norm: dict, kv: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, eps: float):
+    """The raw kv_a_proj_with_mqa output kv [T, L+R] -> (kv_c_normed [T, L], k_pe [T, 1, R]): the norm on the latent
+    only (`norm`: kv_a_layernorm's params, L its width), the rope (cos, sin f32[T, R/2]) on k_pe, one head shared by
+    all query heads."""
+    L = norm["weight"].shape[-1]
+    return rms_norm(norm, kv[:, :L], eps), apply_rope(kv[:, None, L:], cos, sin)
+
+
+def write_latent_rows(
+    cache: KVCache,
+    layer: int | jax.Array,
+    kv: jax.Array,
+    norm: dict,
+    cos: jax.Array,
+    sin: jax.Array,
+    slot_mapping: jax.Array,
+    eps: float,
+    *,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """`latent_rows` written into layer ``layer`` of the cache at ``slot_mapping`` (like `write_kv_layer`):
+    (kv_c_normed [T, L], k_pe [T, 1, R], the cache). ``norm``: kv_a_layernorm's params, the weight [L] or a
+    `LayerRow` of the stacked [Lyr, L] (read in place).
+
+    A non-fp8 cache on a GPU runs one Pallas kernel (`pallas_kernels.cache_write`: norm, rope and the cache write,
+    the cache aliased in place; XLA would run four kernels); an fp8 cache, other backends and shapes the kernel
+    does not take run `latent_rows` + `write_kv_layer`, with the same results (``interpret=True`` runs the kernel in
+    the Pallas interpreter, for tests).
+    """
+    w, wi = in_place(norm["weight"])
+    nl = cache.num_layers
+    L = w.shape[-1]
+    if kv.ndim != 2 or kv.shape[1] != cache.width:
+        raise ValueError(f"kv must be [T, L+R] = [T, {cache.width}] (the cache's row width), got shape {kv.shape}")
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < nl:
+        raise ValueError(f"layer {layer} out of range for a cache with {nl} layers")
+    use_kernel = interpret or jax.default_backend() == "gpu"
+    if use_kernel and not cache.is_fp8 and cache_write.supported(L, cache.width - L):
+        rows, kv_cache = cache_write.write_latent_rows(
+            kv,
+            w,
+            cos,
+            sin,
+            slot_mapping,
+            cache.kv_c_and_k_pe_cache,
+            layer,
+            eps=eps,
+            weight_index=wi,
+            interpret=interpret,
+        )  # [T, L+R]
+        k_pe = rows[:, None, L:].astype(kv.dtype)  # [T, 1, R] (exact: promoted from kv's dtype)
+        return rows[:, :L], k_pe, dataclasses.replace(cache, kv_c_and_k_pe_cache=kv_cache)
+    kv_c_normed, k_pe = latent_rows(norm, kv, cos, sin, eps)
+    return kv_c_normed, k_pe, write_kv_layer(cache, layer, kv_c_normed, k_pe, slot_mapping)
 
 
 def absorb_q(
@@ -101,7 +160,7 @@ def absorb_q(
     writes q_pe (rotated) behind it (XLA: a 5.7 us concatenate fusion at T=1 on the H200 and, for the rope, one
     more; issue #22); elsewhere jnp."""
     P = cfg.qk_nope_head_dim
-    w, layer = _per_head(p["W_UK_T"])  # [(Lyr,) N, P, L]
+    w, layer = in_place(p["W_UK_T"])  # [(Lyr,) N, P, L]
     if _head_matmul_ok(q, w) and q.shape[-1] > w.shape[-2] == P:  # q = [q_nope | q_pe], q_pe the kernel's tail
         return head_matmul_kernel.head_matmul(q, w, tail_in_x=True, tail_rope=rope, rhs_index=layer)
     if rope is not None:
@@ -139,16 +198,11 @@ def _head_matmul_ok(x: jnp.ndarray, w: jnp.ndarray) -> bool:
     )
 
 
-def _per_head(w) -> tuple[jnp.ndarray, jnp.ndarray | None]:
-    """A per-head weight [N, K, M] or a `LayerRow` of one stacked [Lyr, N, K, M]: (array, layer index or None)."""
-    return (w.stacked, w.index) if isinstance(w, LayerRow) else (w, None)
-
-
 def v_up_proj(p: dict, latent: jnp.ndarray) -> jnp.ndarray:
     """Latent attention output [T, N, L] -> [T, N, V] through W_UV, in W_UV's dtype. On a GPU for up to
     HEAD_MATMUL_MAX_T tokens the per-head matmul kernel (XLA: a multiply and a reduce fusion, 4.6 us at T=1 on the
     H200, issue #22), elsewhere jnp."""
-    w, layer = _per_head(p["W_UV"])  # [(Lyr,) N, L, V]
+    w, layer = in_place(p["W_UV"])  # [(Lyr,) N, L, V]
     latent = latent.astype(w.dtype)
     if _head_matmul_ok(latent, w):
         return head_matmul_kernel.head_matmul(latent, w, rhs_index=layer)

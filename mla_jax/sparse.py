@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 
 from mla_jax import attention
-from mla_jax.cache import KVCache, write_index_k_layer, write_latent_rows
+from mla_jax.cache import KVCache, write_index_k_layer
 from mla_jax.comm import LOCAL
 from mla_jax.config import DeepseekConfig
 from mla_jax.indexer import indexer_project, topk_mask
 from mla_jax.metadata import AttentionMetadata
-from mla_jax.mla import absorb_q, mla_project_q_kv, o_proj, up_project_kv, v_up_proj
+from mla_jax.mla import absorb_q, mla_project_q_kv, o_proj, up_project_kv, v_up_proj, write_latent_rows
 
 TopK = tuple[jax.Array, jax.Array]  # (topk_indices i32[T, K'] logical positions, topk_slots i32[T, K']), -1 = none
 
@@ -216,8 +216,8 @@ def mla_paged_sparse(
     N, L = cfg.num_attention_heads, cfg.kv_lora_rank
     block_table, seq_lens = rows
     q, kv, cos, sin, q_resid = mla_project_q_kv(p, cfg, x, md.positions)
-    w = p["kv_a_layernorm"]["weight"]
-    kv_c_normed, k_pe, cache = write_latent_rows(cache, layer, kv, w, cos, sin, md.slot_mapping, cfg.rms_norm_eps)
+    norm, eps = p["kv_a_layernorm"], cfg.rms_norm_eps
+    kv_c_normed, k_pe, cache = write_latent_rows(cache, layer, kv, norm, cos, sin, md.slot_mapping, eps)
     K = topk[0].shape[1]
 
     def own(cache):

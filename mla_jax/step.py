@@ -28,11 +28,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mla_jax import attention, sparse
-from mla_jax.cache import KVCache, write_latent_rows
+from mla_jax.cache import KVCache
 from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
 from mla_jax.metadata import AttentionMetadata
-from mla_jax.mla import absorb_q, mla_project_q_kv, o_proj, rope_q_pe, v_up_proj
+from mla_jax.mla import absorb_q, mla_project_q_kv, o_proj, rope_q_pe, v_up_proj, write_latent_rows
 from mla_jax.model import Params, decoder_layers, embed, lm_logits
 from mla_jax.packed import Packed
 from mla_jax.rope import rope_cos_sin
@@ -65,8 +65,8 @@ def mla_paged(
     with jax.named_scope("mla_project"):
         q, kv, cos, sin, _ = mla_project_q_kv(p, cfg, x, md.positions, rope=rope, rope_q=False)
     with jax.named_scope("cache_write"):  # the latent's norm and rope too: one kernel on a GPU
-        w = p["kv_a_layernorm"]["weight"]
-        kv_c_normed, k_pe, cache = write_latent_rows(cache, layer, kv, w, cos, sin, md.slot_mapping, cfg.rms_norm_eps)
+        norm, eps = p["kv_a_layernorm"], cfg.rms_norm_eps
+        kv_c_normed, k_pe, cache = write_latent_rows(cache, layer, kv, norm, cos, sin, md.slot_mapping, eps)
     kv_flat, scale_flat, offset = cache.flat_layers(layer)
     outs = []
     Td = s.num_decode_tokens

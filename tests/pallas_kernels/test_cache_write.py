@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mla_jax.cache import KVCache, write_kv_layer, write_latent_rows
+from mla_jax.cache import KVCache, write_kv_layer
+from mla_jax.mla import write_latent_rows
 from mla_jax.rope import apply_rope
 from pallas_kernels import cache_write
 from pallas_kernels.rms_norm import add_rms_norm_reference
@@ -115,7 +116,7 @@ def test_stacked_weight_and_traced_layer_in_a_scan():
 
 
 def test_mla_jax_entry_point():
-    """`mla_jax.cache.write_latent_rows`: the kernel (interpreted) and the jnp path give the same rows; a LayerRow
+    """`mla_jax.mla.write_latent_rows`: the kernel (interpreted) and the jnp path give the same rows; a LayerRow
     weight; an fp8 cache takes the jnp path."""
     from mla_jax.cache import init_kv_cache
     from mla_jax.layers import LayerRow
@@ -123,18 +124,18 @@ def test_mla_jax_entry_point():
     kv, ws, cos, sin = _inputs(2, layers=NL)
     cache = init_kv_cache(NL, P, G, kv_lora_rank=L, rope_dim=R, allow_any_page_size=True, fill=float("nan"))
     w = LayerRow(ws, jnp.int32(2))
-    got = write_latent_rows(cache, jnp.int32(2), kv, w, cos, sin, jnp.asarray(SLOTS), EPS, interpret=True)
-    want = write_latent_rows(cache, jnp.int32(2), kv, w, cos, sin, jnp.asarray(SLOTS), EPS)  # CPU: jnp path
+    got = write_latent_rows(cache, jnp.int32(2), kv, {"weight": w}, cos, sin, jnp.asarray(SLOTS), EPS, interpret=True)
+    want = write_latent_rows(cache, jnp.int32(2), kv, {"weight": w}, cos, sin, jnp.asarray(SLOTS), EPS)  # CPU: jnp
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         _same(a, b)
     assert got[1].shape == (len(SLOTS), 1, R)
     fp8 = init_kv_cache(NL, P, G, kv_lora_rank=L, rope_dim=R, allow_any_page_size=True, dtype="fp8")
-    *_, out = write_latent_rows(fp8, 0, kv, ws[0], cos, sin, jnp.asarray(SLOTS), EPS, interpret=True)
+    *_, out = write_latent_rows(fp8, 0, kv, {"weight": ws[0]}, cos, sin, jnp.asarray(SLOTS), EPS, interpret=True)
     assert out.kv_scale is not None and out.dtype == jnp.float8_e4m3fn
     with pytest.raises(ValueError, match="layer 3 out of range"):
-        write_latent_rows(cache, 3, kv, ws[0], cos, sin, jnp.asarray(SLOTS), EPS)
+        write_latent_rows(cache, 3, kv, {"weight": ws[0]}, cos, sin, jnp.asarray(SLOTS), EPS)
     with pytest.raises(ValueError, match="kv must be"):
-        write_latent_rows(cache, 0, kv[:, :L], ws[0], cos, sin, jnp.asarray(SLOTS), EPS)
+        write_latent_rows(cache, 0, kv[:, :L], {"weight": ws[0]}, cos, sin, jnp.asarray(SLOTS), EPS)
 
 
 def test_bad_inputs():
