@@ -139,14 +139,17 @@ case $part in
     rm -rf "$out/prof"
     run 120 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
         tests/pallas_kernels/test_linear.py tests/pallas_kernels/test_rms_norm.py ;;
-9)  # next session, first call (docs/perf-notes.md "Next GPU session" 1-2): what session 13's last call did not run,
-    # then the tuning sweeps of the dense linear kernel and the decode grouped kernels (straight into OUT)
+9)  # session 14, first call (docs/perf-notes.md "Next GPU session" 1-2): the paged step against the full forward
+    # (session 13's review moved the cache write and the gate's linear), what session 13's last call did not run,
+    # then the tuning sweeps of the decode grouped kernels and the dense linear kernel (straight into OUT)
     out=${2:?}
+    run 80 gpu-paged env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -p no:cacheprovider -rfE \
+        tests/mla_jax/test_paged.py -k "mixed_batches and 16 or decode_only or pallas_backend"
     run 120 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
         tests/pallas_kernels/test_grouped_matmul.py tests/pallas_kernels/test_linear.py -k "shared or row or router"
-    run 200 moe-decode python3 bench/moe_decode.py --out "$out" --budget-s 150
-    run 250 linear python3 bench/linear.py --out "$out" --sweep --sweep-budget-s 120 ;;
-10) # next session, second call: the e2e grid at the tuned defaults, with profiles (straight into OUT)
+    run 170 moe-decode python3 bench/moe_decode.py --out "$out" --budget-s 120
+    run 200 linear python3 bench/linear.py --out "$out" --tokens 1,8,32 --sweep --sweep-budget-s 90 ;;
+10) # session 14, second call: the e2e grid at the tuned defaults, with profiles (straight into OUT)
     out=${2:?}
     run 400 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --batches 1,8,32,128 --ctxs 1024,4096 \
         --no-prefill --no-engine --profile "$out/prof"
