@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.rms_norm import add_rms_norm, add_rms_norm_reference, chunk_width
+from pallas_kernels.rms_norm import add_rms_norm, add_rms_norm_reference, chunk_width, combine_copies_reference
 
 # rows of very different scales, so that a row mixed with another (or a sum over the wrong columns) shows
 ROW_SCALES = np.array([1.0, 300.0, 0.003])
@@ -149,6 +149,12 @@ def test_lowers_to_triton(monkeypatch):
     text = f.trace(a, a, ws, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "tensor<61x7168xbf16>" in text
     assert "dynamic_slice" not in text
+    # an MoE layer's copies as the residual (V2-Lite at batch 1: top-6 and 2 shared chunks): still one kernel
+    x1, y = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16)
+    cw, w1 = jax.ShapeDtypeStruct((1, 6), jnp.float32), jax.ShapeDtypeStruct((2048,), jnp.bfloat16)
+    f = jax.jit(lambda x, y, cw, w: add_rms_norm(x, y, w, eps=1e-6, residual_weights=cw, residual_shared=2))
+    text = f.trace(x1, y, cw, w1).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "tensor<8x2048xbf16>" in text
 
 
 def _router_case(d, e, layers, interpret, rtol):
@@ -189,6 +195,76 @@ def test_router_bad_inputs():
     with pytest.raises(ValueError, match=r"router must be \[Lyr=2, E, D=64\]"):
         ws = jnp.stack([w, w])
         add_rms_norm(x, r, ws, eps=1e-6, weight_index=0, router=jnp.zeros((3, 8, 64), jnp.float32), interpret=True)
+
+
+def _copies_case(d, top_k, shared, interpret, router=False):
+    """residual as an MoE layer's copies (token t's K routed copies, then S shared chunks' T rows, rows of the
+    tokens' own very different scales): the kernel's h and normed against the reference on the combined residual
+    (h bitwise: the same float32 combine, cast, then the same add), with stacked weights at a traced layer."""
+    x, _, _ = _inputs(d, d, jnp.bfloat16)
+    t = x.shape[0]
+    k = jax.random.split(jax.random.key(d + top_k), 2)
+    tok_scale = jnp.asarray(ROW_SCALES, jnp.float32)
+    scale = jnp.concatenate([jnp.repeat(tok_scale, top_k), jnp.tile(tok_scale, shared)])[:, None]
+    copies = (jax.random.normal(k[0], (t * (top_k + shared), d), jnp.float32) * scale).astype(jnp.bfloat16)
+    cw = jax.random.uniform(k[1], (t, top_k), jnp.float32)
+    ws = _stacked(d, 3, d, jnp.bfloat16)
+    g = jnp.asarray(np.random.default_rng(d).standard_normal((3, 8, d)) / np.sqrt(d), jnp.float32) if router else None
+    kw = dict(eps=1e-6, residual_weights=cw, residual_shared=shared, router=g)
+    f = jax.jit(lambda i: add_rms_norm(x, copies, ws, weight_index=i, interpret=interpret, **kw))
+    got = f(jnp.int32(1))
+    combined = combine_copies_reference(copies, cw, shared)
+    want = add_rms_norm_reference(x, combined, ws, eps=1e-6, weight_index=1, router=g)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    _check(got[0], got[1], want[0], want[1], jnp.bfloat16)
+    if router:  # the same logits as the norm of the combined residual's
+        np.testing.assert_array_equal(
+            np.asarray(got[2]),
+            np.asarray(
+                add_rms_norm(x, combined, ws, **{**kw, "residual_weights": None}, weight_index=1, interpret=interpret)[
+                    2
+                ]
+            ),
+        )
+    ref = add_rms_norm_reference(x, copies, ws, weight_index=1, **kw)  # the reference takes the copies too
+    np.testing.assert_array_equal(np.asarray(ref[1]), np.asarray(want[1]))
+
+
+@pytest.mark.parametrize("top_k, shared, router", [(6, 2, False), (6, 2, True), (8, 0, False), (1, 1, False)])
+def test_residual_copies_combined_in_the_kernel(top_k, shared, router):
+    _copies_case(64, top_k, shared, True, router)
+
+
+def test_combine_copies_reference_is_the_weighted_sum():
+    t, k, s, d = 2, 3, 2, 4
+    y = np.arange((t * k + s * t) * d, dtype=np.float32).reshape(-1, d)
+    w = np.array([[0.5, 1.0, 2.0], [1.0, 0.0, 0.25]], np.float32)
+    want = np.stack(
+        [sum(w[i, j] * y[i * k + j] for j in range(k)) + sum(y[t * k + c * t + i] for c in range(s)) for i in range(t)]
+    )
+    np.testing.assert_allclose(np.asarray(combine_copies_reference(jnp.asarray(y), jnp.asarray(w), s)), want)
+
+
+def test_residual_copies_bad_inputs():
+    x, _, w = _inputs(1, 64, jnp.bfloat16)
+    y = jnp.zeros((3 * 8, 64), jnp.bfloat16)
+    cw = jnp.zeros((3, 6), jnp.float32)
+    with pytest.raises(ValueError, match=r"copies must be \[T\*K \+ S\*T, D\] = \[24, 64\]"):
+        add_rms_norm(x, y[:20], w, eps=1e-6, residual_weights=cw, residual_shared=2)
+    with pytest.raises(ValueError, match=r"residual_weights must be f32\[T=3, K\]"):
+        add_rms_norm(x, y, w, eps=1e-6, residual_weights=cw.astype(jnp.bfloat16), residual_shared=2)
+    with pytest.raises(ValueError, match="residual_shared must be an int >= 0"):
+        add_rms_norm(x, y, w, eps=1e-6, residual_weights=cw, residual_shared=-1)
+    with pytest.raises(ValueError, match="residual_weights needs the residual copies"):
+        add_rms_norm(x, None, w, eps=1e-6, residual_weights=cw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("top_k, shared, router", [(6, 2, False), (6, 2, True), (8, 0, False)])
+def test_gpu_residual_copies(top_k, shared, router):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    _copies_case(2048, top_k, shared, False, router)
 
 
 @pytest.mark.gpu
