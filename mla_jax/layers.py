@@ -45,6 +45,35 @@ class LayerRow:
         return jax.lax.dynamic_index_in_dim(self.stacked, self.index, keepdims=False)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertCopies:
+    """An MoE layer's output left uncombined (`moe(..., combine=False)`): the down kernel's rows `copies`
+    [T*K + S*T, D] in the grouped kernel's order (`grouped_matmul.copy_groups`: token t's K routed copies at rows
+    t*K.., then the S shared chunks' T rows each) and the router weights f32[T, K]. The next norm combines them as
+    it adds them to the residual stream (`add_rms_norm`, one kernel on a GPU), so a decode step runs no combine
+    kernel a layer; `combine()` is the layer's output [T, D] (plain jnp)."""
+
+    copies: jax.Array  # [T*K + S*T, D]
+    weights: jax.Array  # f32[T, K]
+    shared: int = dataclasses.field(metadata=dict(static=True))  # S
+
+    def combine(self) -> jax.Array:
+        return rms_norm_kernel.combine_copies_reference(self.copies, self.weights, self.shared)
+
+    @staticmethod
+    def of(f: jax.Array, top_k: int, shared: int) -> "ExpertCopies":
+        """A combined output f [T, D] (a dense layer's) in this form: token t's first routed copy with weight 1."""
+        t, d = f.shape
+        copies = jnp.zeros((t * (top_k + shared), d), f.dtype).at[: t * top_k : top_k].set(f)
+        return ExpertCopies(copies, jnp.zeros((t, top_k), jnp.float32).at[:, 0].set(1.0), shared)
+
+
+def combined(f) -> jax.Array:
+    """An MLP/MoE output as [T, D] (`ExpertCopies` combined)."""
+    return f.combine() if isinstance(f, ExpertCopies) else f
+
+
 def layer_row(w) -> jax.Array:
     """A weight as an array: a `LayerRow`'s row, anything else as it is."""
     return w.row() if isinstance(w, LayerRow) else w
@@ -61,13 +90,19 @@ def rms_norm(p: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:
     return add_rms_norm(p, x, None, eps)[0]
 
 
-def add_rms_norm(p: dict, x: jnp.ndarray, residual: jnp.ndarray | None, eps: float, router: dict | None = None):
+def add_rms_norm(
+    p: dict, x: jnp.ndarray, residual: jnp.ndarray | ExpertCopies | None, eps: float, router: dict | None = None
+):
     """(normed, h): h = x + residual (the residual stream's add; x when None), normed = rms_norm(h). On a GPU one
     Pallas kernel for [T, D] rows (`pallas_kernels.rms_norm`: XLA runs three), elsewhere plain jnp. The weight
-    may be a `LayerRow` (read in place by the kernel). With `router` (an MoE gate's params, `router_fusable`):
-    (normed, h, the gate's logits f32[T, E] of normed), in the same kernel."""
+    may be a `LayerRow` (read in place by the kernel); the residual may be `ExpertCopies` (combined in the kernel).
+    With `router` (an MoE gate's params, `router_fusable`): (normed, h, the gate's logits f32[T, E] of normed), in
+    the same kernel."""
     w, i = in_place(p["weight"])
     kw = dict(eps=eps, weight_index=i)
+    if isinstance(residual, ExpertCopies):
+        kw.update(residual_weights=residual.weights, residual_shared=residual.shared)
+        residual = residual.copies
     if router is not None:  # stacked like the norm weight (`router_fusable`): the same index
         kw["router"] = in_place(router["weight"])[0]
     if jax.default_backend() == "gpu" and x.ndim == 2:
@@ -136,15 +171,23 @@ def linear(p: dict, x: jnp.ndarray) -> jnp.ndarray:
 LINEAR_MAX_T = 64
 
 
+# One token through one weight of at most this many inputs stays with XLA: its GEMV fuses the layer loop's slice of
+# the stacked weight and beat the kernel on the H200 (2026-12-02, bench/results/linear-h200.json: o_proj [2048, 2048]
+# 3.7 us against 5.4-6.0, the router's [64, 2048] 1.5 against 1.9-3.0); two weights are one kernel launch against two.
+XLA_GEMV_MAX_K = 2048
+
+
 def _linear_kernel_ok(ps: tuple[dict, ...], x: jnp.ndarray) -> bool:
     """The dense linear kernel for these linears of x [T, in]: on a GPU, 1 <= T <= LINEAR_MAX_T, no fp8 weight,
-    float dtypes, one weight dtype, and either all plain weights or all `LayerRow`s of one layer index."""
+    float dtypes, one weight dtype, and either all plain weights or all `LayerRow`s of one layer index; not one
+    token through a single weight of at most XLA_GEMV_MAX_K inputs."""
     ws = [p["weight"] for p in ps]
     rows = [isinstance(w, LayerRow) for w in ws]
     return (
         jax.default_backend() == "gpu"
         and x.ndim == 2
         and 1 <= x.shape[0] <= LINEAR_MAX_T
+        and not (len(ws) == 1 and x.shape[0] == 1 and ws[0].shape[-1] <= XLA_GEMV_MAX_K)
         and not any(is_fp8(p) for p in ps)
         and all(jnp.dtype(w.dtype) in FLOAT_DTYPES and w.dtype == ws[0].dtype for w in ws)
         and jnp.dtype(x.dtype) in FLOAT_DTYPES
@@ -171,8 +214,10 @@ def linears(ps: tuple[dict, ...], x: jnp.ndarray, out_dtype=None) -> tuple[jnp.n
 
 def mlp(p: dict, x: jnp.ndarray, *, intermediate_size: int | None = None, comm: Comm = LOCAL) -> jnp.ndarray:
     """SwiGLU MLP: down(silu(gate(x)) * up(x)). x [T, D]. With `comm`, a device whose gate/up rows are fewer
-    than `intermediate_size` holds a slice of the intermediate dim, and the partial outputs are all-reduced."""
-    y = linear(p["down_proj"], jax.nn.silu(linear(p["gate_proj"], x)) * linear(p["up_proj"], x))
+    than `intermediate_size` holds a slice of the intermediate dim, and the partial outputs are all-reduced. The
+    linears go through `linears` (gate and up one kernel launch at decode sizes on a GPU)."""
+    gate, up = linears((p["gate_proj"], p["up_proj"]), x)
+    (y,) = linears((p["down_proj"],), jax.nn.silu(gate) * up)
     split = intermediate_size is not None and p["gate_proj"]["weight"].shape[0] != intermediate_size
     return comm.reduce_model(y) if split else y
 
@@ -330,6 +375,50 @@ def shared_fusable(gmm_impl: str, routed: dict, shared: dict | None, same_reduct
     return sw.shape[-2] // i_loc
 
 
+def _moe_plan(p: dict, cfg: DeepseekConfig, gmm_impl: str, stacked: dict, comm: Comm):
+    """(routed experts' params, shared experts' or None, whether those are stacked, whether the routed / shared
+    outputs are partial sums to all-reduce, the shared chunks run in the routed kernels (`shared_fusable`))."""
+    ex = stacked.get("experts", p.get("experts"))
+    sh_stacked = "shared_experts" in stacked
+    sh = stacked["shared_experts"] if sh_stacked else p.get("shared_experts")
+    E = cfg.n_routed_experts
+    e_loc, i_loc = ex["gate_proj"]["weight"].shape[-3:-1]
+    routed_split = e_loc * comm.dp != E or i_loc != cfg.moe_intermediate_size
+    shared_split = sh is not None and sh["gate_proj"]["weight"].shape[-2] != cfg.moe_intermediate_size * (
+        cfg.n_shared_experts or 0
+    )
+    # fused: the same tokens (no DP gather) and the same reduction (`shared_fusable` checks they are stacked alike)
+    same = comm.dp == 1 and routed_split == shared_split
+    fused = shared_fusable(gmm_impl, ex, sh, same) if cfg.n_shared_experts else 0
+    return ex, sh, sh_stacked, routed_split, shared_split, fused
+
+
+def _by_row(tokens: int, cfg: DeepseekConfig, gmm_impl: str, gate: dict) -> bool:
+    """Whether the routed copies of `tokens` tokens skip the sort (`BY_ROW_MAX_COPIES`, `row_groups`)."""
+    return tokens * cfg.num_experts_per_tok <= BY_ROW_MAX_COPIES and by_row_ok(
+        gmm_impl, gate["weight"], gate.get("weight_scale_inv")
+    )
+
+
+def moe_copies(
+    p: dict,
+    cfg: DeepseekConfig,
+    tokens: int,
+    *,
+    gmm_impl: str = "ragged_dot",
+    stacked: dict | None = None,
+    comm: Comm = LOCAL,
+) -> int | None:
+    """The shared chunks S of the `ExpertCopies` that `moe(..., combine=False)` returns for `tokens` tokens, or None
+    where the layer combines them itself: the copies stay in token order (a decode step's few, `BY_ROW_MAX_COPIES`),
+    the shared experts run in the routed kernels (or there are none) and nothing is reduced across devices. p may
+    hold `jax.ShapeDtypeStruct`s (only shapes and dtypes are read)."""
+    ex, _, _, routed_split, _, fused = _moe_plan(p, cfg, gmm_impl, {} if stacked is None else stacked, comm)
+    if tokens < 1 or comm.dp != 1 or routed_split or (cfg.n_shared_experts and not fused):
+        return None
+    return fused if _by_row(tokens, cfg, gmm_impl, ex["gate_proj"]) else None
+
+
 def moe(
     p: dict,
     cfg: DeepseekConfig,
@@ -340,9 +429,11 @@ def moe(
     layer: jnp.ndarray | int | None = None,
     comm: Comm = LOCAL,
     logits: jnp.ndarray | None = None,
-) -> jnp.ndarray:
+    combine: bool = True,
+) -> jnp.ndarray | ExpertCopies:
     """Routed experts + shared experts. x [T, D] -> [T, D]. `logits`: the router's f32[T, E] when the input norm
-    computed them (`router_fusable`).
+    computed them (`router_fusable`). `combine=False` (where `moe_copies` allows it): the output left as
+    `ExpertCopies`, for the next norm kernel to combine.
 
     Token copies are sorted by expert and run through grouped matmuls (`expert_glu`, `expert_gmm` with
     `gmm_impl`), so each expert only computes its own tokens; a decode step's few copies (at most
@@ -363,25 +454,18 @@ def moe(
     `Comm.combine_tokens`, which say why not an all-to-all); the shared experts run on the rank's own tokens.
     """
     stacked = {} if stacked is None else stacked
-    ex = stacked.get("experts", p.get("experts"))
-    sh_stacked = "shared_experts" in stacked
-    sh = stacked["shared_experts"] if sh_stacked else p.get("shared_experts")
-    E = cfg.n_routed_experts
-    e_loc, i_loc = ex["gate_proj"]["weight"].shape[-3:-1]
-    routed_split = e_loc * comm.dp != E or i_loc != cfg.moe_intermediate_size
-    shared_split = sh is not None and sh["gate_proj"]["weight"].shape[-2] != cfg.moe_intermediate_size * (
-        cfg.n_shared_experts or 0
-    )
-    # fused: the same tokens (no DP gather) and the same reduction (`shared_fusable` checks they are stacked alike)
-    same = comm.dp == 1 and routed_split == shared_split
-    fused = shared_fusable(gmm_impl, ex, sh, same) if cfg.n_shared_experts else 0
+    ex, sh, sh_stacked, routed_split, shared_split, fused = _moe_plan(p, cfg, gmm_impl, stacked, comm)
+    if not combine and moe_copies(p, cfg, x.shape[0], gmm_impl=gmm_impl, stacked=stacked, comm=comm) is None:
+        raise ValueError("moe(combine=False): these experts and tokens are combined in the layer (`moe_copies`)")
     with jax.named_scope("moe_dispatch"):
         xr = comm.dispatch_tokens(x)  # DP: [dp*T, D], every DP rank's tokens
     with jax.named_scope("moe_router"):
         weights, ids = route(p["gate"], cfg, xr, logits if comm.dp == 1 else None)  # [T, K]
     with jax.named_scope("moe_routed"):
         exl = None if "experts" not in stacked else layer  # layer indexes stacked weights
-        routed = _routed_experts(cfg, xr, weights, ids, gmm_impl, ex, exl, comm, sh if fused else None)
+        routed = _routed_experts(cfg, xr, weights, ids, gmm_impl, ex, exl, comm, sh if fused else None, combine)
+    if not combine:
+        return routed  # ExpertCopies (one device's tokens, no shared MLP, nothing to reduce: `moe_copies`)
     with jax.named_scope("moe_combine"):
         routed = comm.combine_tokens(routed)  # DP: this rank's [T, D], summed over the DP ranks' experts
     split, whole = [], []
@@ -399,9 +483,10 @@ def moe(
     return out.astype(x.dtype)
 
 
-def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None) -> jnp.ndarray:
+def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None, combine=True):
     """The routed experts' weighted sum [T, D] for x [T, D], router weights f32[T, K] and ids i32[T, K]; with
-    `shared` (its chunks S = `shared_fusable`) plus the shared experts' output, each token's S more copies."""
+    `shared` (its chunks S = `shared_fusable`) plus the shared experts' output, each token's S more copies. With
+    `combine=False` (copies in token order only) the `ExpertCopies`."""
     T, D = x.shape
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     e_loc, i_loc = ex["gate_proj"]["weight"].shape[-3:-1]
@@ -415,7 +500,7 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
     chunks = jnp.broadcast_to(e_loc + jnp.arange(S, dtype=jnp.int32), (T, S))
     gate_w = ex["gate_proj"]
     fp8_experts = is_fp8(gate_w)
-    if T * K <= BY_ROW_MAX_COPIES and by_row_ok(gmm_impl, gate_w["weight"], gate_w.get("weight_scale_inv")):
+    if _by_row(T, cfg, gmm_impl, gate_w):
         order = None  # copies stay in token order; another device's (-1) comes out 0
         key = (local if mine is None else jnp.where(mine, local, -1)).astype(jnp.int32)
         # [T, K]: the kernel numbers the copies (the T*K routed ones, then the S chunks', `copy_groups`) and
@@ -447,8 +532,10 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
         y = y[inv]
     w = weights if mine is None else jnp.where(mine, weights, 0.0)  # f32[T, K]
     if order is None:  # the kernel's order (`grouped_matmul.copy_groups`): T*K routed copies, then S chunks' T
-        routed = jnp.sum(y[: T * K].reshape(T, K, D).astype(jnp.float32) * w[:, :, None], axis=1)
-        return (routed + jnp.sum(y[T * K :].reshape(S, T, D).astype(jnp.float32), axis=0)).astype(y.dtype)
+        copies = ExpertCopies(y, w.astype(jnp.float32), S)
+        return copies if not combine else copies.combine()
+    if not combine:
+        raise ValueError("_routed_experts(combine=False) needs the copies in token order (by row)")
     w = jnp.concatenate([w, jnp.ones((T, S), w.dtype)], axis=1)  # the shared chunks: weight 1
     copies = y.reshape(T, C, D).astype(jnp.float32)  # [T, C, D]
     return jnp.sum(copies * w[:, :, None], axis=1).astype(y.dtype)

@@ -31,7 +31,19 @@ import jax.numpy as jnp
 from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import ConfigError, DeepseekConfig
 from mla_jax.indexer import causal_topk
-from mla_jax.layers import LayerRow, add_rms_norm, is_fp8, linear, mlp, moe, rms_norm, router_fusable
+from mla_jax.layers import (
+    ExpertCopies,
+    LayerRow,
+    add_rms_norm,
+    combined,
+    is_fp8,
+    linear,
+    mlp,
+    moe,
+    moe_copies,
+    rms_norm,
+    router_fusable,
+)
 from mla_jax.mla import mla_forward_full, split_kv_b_proj
 
 Params = dict[str, Any]
@@ -304,7 +316,9 @@ def decoder_layers(
     The one layer loop of the model: the full forward (`forward`), the paged step and the multi-device step
     (`mla_jax.step`) differ only in `attention` and `comm` (identity on one device; on a mesh the all-reduces
     after attention and after a split MLP/MoE). Each group of layers (dense, then MoE) is one `lax.scan`, so
-    compile time does not grow with depth; `state` rides in the scan carry (the cache is updated in place)."""
+    compile time does not grow with depth; `state` rides in the scan carry (the cache is updated in place). A MoE
+    group whose experts' copies stay in token order (a decode step's: `layers.moe_copies`) carries its output
+    uncombined (`ExpertCopies`), combined by the next layer's input norm kernel."""
     model = params["model"]
     eps = cfg.rms_norm_eps
     f = jnp.zeros_like(x)  # the pending MLP/MoE output (none before the first layer)
@@ -312,6 +326,12 @@ def decoder_layers(
         is_moe = name == "moe_layers"
         scanned, stacked = split_experts(model[name], is_moe, gmm_impl)
         scanned, rows = split_in_place(scanned)
+        copies = None  # the shared chunks of this group's ExpertCopies, None: its MLP/MoE outputs are combined
+        if is_moe:  # decided on one layer's shapes, as the body sees them
+            view = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), scanned)
+            view = with_layer_rows(view, rows, jnp.int32(0))
+            copies = moe_copies(view["mlp"], cfg, x.shape[0], gmm_impl=gmm_impl, stacked=stacked, comm=comm)
+        f = combined(f) if copies is None else ExpertCopies.of(combined(f), cfg.num_experts_per_tok, copies)
 
         def body(carry, p, is_moe=is_moe, start=start, stacked=stacked, rows=rows):
             # h: the residual stream without the previous layer's MLP/MoE output f, which is added here, in one
@@ -328,16 +348,16 @@ def decoder_layers(
             with jax.named_scope("norm"):
                 hn, h, *logits = add_rms_norm(norm, h, a, eps, router=gate)
             if is_moe:
-                kw = dict(gmm_impl=gmm_impl, stacked=stacked, layer=layer - start, comm=comm)
+                kw = dict(gmm_impl=gmm_impl, stacked=stacked, layer=layer - start, comm=comm, combine=copies is None)
                 f = moe(p["mlp"], cfg, hn, logits=logits[0] if logits else None, **kw)
             else:
                 with jax.named_scope("mlp"):
                     f = mlp(p["mlp"], hn, intermediate_size=cfg.intermediate_size, comm=comm)
-            return (h, f.astype(h.dtype), state, layer + 1), None
+            return (h, f if copies is not None else f.astype(h.dtype), state, layer + 1), None
 
         # length: every weight of a layer may be read in place (an fp8 model's), leaving no xs to scan over
         (x, f, state, _), _ = jax.lax.scan(body, (x, f, state, jnp.int32(start)), scanned, length=count)
-    return x + f, state
+    return x + combined(f), state
 
 
 def embed(params: Params, cfg: DeepseekConfig, input_ids: jax.Array, comm: Comm = LOCAL) -> jax.Array:

@@ -164,6 +164,47 @@ def test_shared_experts_run_in_the_routed_kernels(T):
     assert len(dots) == 1, dots  # the router's logits
 
 
+@pytest.mark.parametrize("T", [1, 2])
+def test_decode_output_left_as_copies_for_the_next_norm(T):
+    """A decode step's MoE output may stay uncombined (`moe(combine=False)`: the down kernel's copies in token order
+    and the router weights, `ExpertCopies`): combined, it is moe()'s output bitwise. `moe_copies` says where: the
+    Pallas kernel, copies in token order, nothing to reduce across devices; elsewhere moe(combine=False) refuses."""
+    cfg = tiny_config()
+    K, S = cfg.num_experts_per_tok, cfg.n_shared_experts
+    params = model.init_params(cfg, jax.random.key(9), std=0.3)
+    p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
+    x = jax.random.normal(jax.random.key(40 + T), (T, cfg.hidden_size))
+    assert layers.moe_copies(p, cfg, T, gmm_impl="pallas") == S
+    got = moe(p, cfg, x, gmm_impl="pallas", combine=False)
+    assert isinstance(got, layers.ExpertCopies) and got.shared == S
+    assert got.copies.shape == (T * (K + S), cfg.hidden_size) and got.weights.shape == (T, K)
+    np.testing.assert_array_equal(np.asarray(got.combine()), np.asarray(moe(p, cfg, x, gmm_impl="pallas")))
+    big = BY_ROW_MAX_COPIES // K + 1  # sorted copies
+    assert layers.moe_copies(p, cfg, big, gmm_impl="pallas") is None
+    assert layers.moe_copies(p, cfg, T, gmm_impl="ragged_dot") is None
+    with pytest.raises(ValueError, match="combined in the layer"):
+        moe(p, cfg, x, gmm_impl="ragged_dot", combine=False)
+    # a dense layer's output in this form combines to itself
+    f = jax.random.normal(jax.random.key(3), (T, cfg.hidden_size))
+    np.testing.assert_array_equal(np.asarray(layers.ExpertCopies.of(f, K, S).combine()), np.asarray(f))
+
+
+def test_forward_with_copies_carried_between_layers(monkeypatch):
+    """One token a sequence (a decode-sized T): the layer loop carries the MoE output as `ExpertCopies` into the
+    next layer's norm (the Pallas experts; the dense layer's output converted once at the MoE group's entry) and
+    gives the logits of the combined path (ragged_dot)."""
+    cfg = tiny_config(num_hidden_layers=4)
+    params = random_params(cfg, 5, std=0.3)
+    ids = jnp.asarray([[3]], jnp.int32)
+    want = model.forward(params, cfg, ids, gmm_impl="ragged_dot")
+    entries = []
+    of = layers.ExpertCopies.of
+    monkeypatch.setattr(layers.ExpertCopies, "of", staticmethod(lambda *a: entries.append(a[1:]) or of(*a)))
+    got = model.forward(params, cfg, ids, gmm_impl="pallas")
+    assert entries == [(cfg.num_experts_per_tok, cfg.n_shared_experts)]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("mode, T", [("ep", 1), ("tp", 9)])
 def test_shared_experts_in_the_routed_kernels_on_shards(mode, T):
     """Two ranks (a vmap with an axis name stands in for the mesh): expert parallel (4 whole experts each, the
@@ -193,7 +234,10 @@ def test_shared_experts_in_the_routed_kernels_on_shards(mode, T):
     comm = Comm(model_axes=("r",))
     rank0 = jax.tree.map(lambda a: a[0], shards)
     chunks = layers.shared_fusable("pallas", rank0["experts"], rank0["shared_experts"], True)
-    assert chunks == (1 if mode == "ep" else 2)  # the shared half over a whole expert, or over half experts
+    assert chunks == (1 if mode == "ep" else 2)
+    assert (
+        layers.moe_copies(rank0, cfg, T, gmm_impl="pallas", comm=comm) is None
+    )  # partial sums: all-reduced  # the shared half over a whole expert, or over half experts
     got = jax.vmap(lambda q: moe(q, cfg, x, gmm_impl="pallas", comm=comm), axis_name="r")(shards)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(got[1]))
