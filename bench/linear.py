@@ -4,8 +4,9 @@ mla.mla_project_q_kv / mla.o_proj / layers.route ran before it (issue #22).
     JAX_PLATFORMS=cuda,cpu PYTHONPATH=. python3 bench/linear.py --out DIR [--sweep] [--v3] [--smoke]
 
 Shapes (HF [out, in] weights; x bf16 [T, K]): DeepSeek-V2-Lite's q_proj + kv_a_proj_with_mqa ([3072 | 576, 2048],
-one kernel call; XLA: two einsums), o_proj [2048, 2048], and the router's logits (f32 weight [64, 2048], x cast to
-f32, f32 out); with --v3 DeepSeek-V3's bf16 q_a_proj + kv_a_proj_with_mqa [1536 | 576, 7168], q_b_proj
+one kernel call; XLA: two einsums), o_proj [2048, 2048], the dense first layer's MLP (gate_proj + up_proj
+[10944 | 10944, 2048], down_proj [2048, 10944]) and the router's logits (f32 weight [64, 2048], x cast to f32, f32
+out); with --v3 DeepSeek-V3's bf16 q_a_proj + kv_a_proj_with_mqa [1536 | 576, 7168], q_b_proj
 [24576, 1536], o_proj [7168, 16384] and router [256, 7168]. T = 1, 8, 32, 64, 128 (--tokens). Each shape twice:
 `stacked` False (plain weights) and True (weights stacked over `LAYERS` layers, the layer a traced index, as the
 layer loop hands them: the kernel reads the layer in place, XLA slices it, `layers.layer_row`, which it may
@@ -55,6 +56,8 @@ SHAPES = [  # (model, name, Ns, K, weight dtype)
     ("v2-lite", "q_kv_a", (3072, 576), 2048, BF16),
     ("v2-lite", "o_proj", (2048,), 2048, BF16),
     ("v2-lite", "router", (64,), 2048, F32),
+    ("v2-lite", "mlp_gate_up", (10944, 10944), 2048, BF16),  # the dense first layer's MLP
+    ("v2-lite", "mlp_down", (2048,), 10944, BF16),
 ]
 V3_SHAPES = [
     ("v3", "q_a_kv_a", (1536, 576), 7168, BF16),
@@ -267,18 +270,25 @@ def main():
     ap.add_argument("--v3", action="store_true", help="also DeepSeek-V3's bf16 shapes")
     ap.add_argument("--sweep", action="store_true", help="also time tuning variants at T = 1 and 32")
     ap.add_argument("--sweep-budget-s", type=float, default=150.0)
+    ap.add_argument("--names", default=None, help="only these shapes (comma-separated names, e.g. mlp_gate_up)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     ceil = common.measure_ceilings(small=args.smoke)
     log(f"{jax.devices()[0].device_kind}: ceilings {ceil}")
     results = common.results_header(ceil)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES + (V3_SHAPES if args.v3 else [])
+    if args.names:
+        names = set(args.names.split(","))
+        unknown = names - {s[1] for s in shapes}
+        if unknown:
+            ap.error(f"--names: no shape named {sorted(unknown)} (shapes: {[s[1] for s in shapes]})")
+        shapes = [s for s in shapes if s[1] in names]
     tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
     ok = bench_shapes(shapes, tokens, ceil, results["rows"], args.smoke)
     if args.sweep:
         sweep_rows = []
         sweep(
-            SMOKE_SHAPES if args.smoke else SHAPES,
+            [s for s in shapes if s in SHAPES or args.smoke],
             ceil,
             sweep_rows,
             args.smoke,

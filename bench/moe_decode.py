@@ -152,7 +152,7 @@ def main(argv=None):
         ):
             m = t * (K + S)
             n, k = (I, D) if kernel == "glu" else (D, I)
-            default = gm.default_tuning(m, n, k, m, jnp.bfloat16)
+            default = gm.default_tuning(m, n, k, m, jnp.bfloat16, by_row=True, glu=kernel == "glu")
             mb = (distinct + S) * per_expert / 1e6
             t_end = time.perf_counter() + share
             for i, tun in enumerate(variants(default)):

@@ -165,8 +165,16 @@ def check_groups(group_sizes, row_groups, g: int, m: int):
         raise ValueError(f"{name} dtype must be int32, got {arr.dtype}")
 
 
-def default_tuning(m: int, n: int, k: int, g: int, dtype, sms: int | None = None):
+def default_tuning(
+    m: int, n: int, k: int, g: int, dtype, sms: int | None = None, *, by_row: bool = False, glu: bool = False
+):
     """(block_m, block_n, block_k, num_warps, num_stages, num_k_splits) from static shapes.
+
+    By row (`row_groups`: a decode step's copies, each its own item) from bench/moe_decode.py on the H200
+    (2026-12-02, V2-Lite's experts with the shared chunks, bench/results/moe-decode-h200.json): 3 stages, no K split,
+    128-wide N blocks but for the GLU kernel past 8 copies (glu at T = 1, 8 copies: 29.2 us -> 25.8; down at T = 1 /
+    2: 14.1 -> 13.5 / 25.6 -> 22.0; glu at T = 2, 16 copies: 44.4 -> 43.7 with 64-wide blocks, 45.6 with 128).
+    Otherwise:
 
     Untuned guesses (no GPU measurement yet; bench/moe.py --sweep times alternatives):
     - row tile from the mean rows per group M/G (an upper bound on the real mean under expert
@@ -177,6 +185,9 @@ def default_tuning(m: int, n: int, k: int, g: int, dtype, sms: int | None = None
     float32 (tests, not a fast path) uses smaller tiles for registers and shared memory.
     """
     bm = min(128, max(16, next_pow2(cdiv(m, g))))
+    if by_row and jnp.dtype(dtype) != jnp.float32:
+        bn = 64 if glu and m > 8 else 128
+        return 16, max(16, min(bn, next_pow2(n))), max(16, min(128, next_pow2(k))), 4, 3, 1
     if jnp.dtype(dtype) == jnp.float32:
         bm, bn, bk, warps, stages = min(bm, 64), 64, 32, 4, 2
     elif bm <= 32:
@@ -635,7 +646,9 @@ def grouped_matmul(
     k = lhs.shape[1]
     g = rhs.shape[-3] + num_chunks
     n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
-    d = default_tuning(m, n, k, m if by_row else g, lhs.dtype)  # by row: a group per row
+    d = default_tuning(
+        m, n, k, m if by_row else g, lhs.dtype, by_row=by_row, glu=up_rhs is not None
+    )  # by row: a group per row
     bm, bn, bk, warps, stages, splits = (
         d[i] if v is None else v for i, v in enumerate((block_m, block_n, block_k, num_warps, num_stages, num_k_splits))
     )

@@ -129,18 +129,21 @@ def _validate(x, weights, rhs_index, out_dtype, block_t, block_n, block_k, num_w
 def default_tuning(t: int, ns: tuple[int, ...], k: int, dtype, sms: int | None = None):
     """(block_t, block_n, block_k, num_warps, num_stages) from static shapes; `dtype` the compute dtype.
 
-    Guesses until bench/linear.py has H200 numbers (its --sweep times alternatives):
+    From bench/linear.py's --sweep on the H200 (2026-12-02, one move at a time from the earlier guesses, the weights
+    stacked over layers as the layer loop reads them; bench/results/linear-h200.json):
     - bf16 / f16 (dot): one row tile up to 64 rows (16 at least); 256-deep K steps; block_n from 64 down to 16
       until the programs fill the SMs (q_proj + kv_a_proj of V2-Lite at T = 1: 228 programs of 16 x 2048 weight
-      rows, 64 KB each); 4 stages in flight within 128 KB of shared memory.
+      rows, 64 KB each); 4 stages in flight within 128 KB of shared memory; 1 warp for a 16-row tile, 2 above (4
+      warps: V2-Lite's q_proj + kv_a_proj at T = 1 7.99 us -> 6.37 with 1 warp; at T = 32 8.49 -> 7.04 with 2).
     - float32 (multiply and reduce): row tiles of up to 8 rows, a product tile of at most 8192 elements (64 float32
       registers a thread at 4 warps), block_n down to 1 until the programs fill the SMs (the router's 64 rows at
-      T = 1: 64 programs of one weight row each, K in 512-wide steps).
+      T = 1: 64 programs of one weight row each), K in steps of up to 1024 (the router at T = 1: 3.0 us with
+      512-wide steps, 1.9 with 1024).
     """
     sms = num_sms() if sms is None else sms
     if jnp.dtype(dtype) == F32:
         bt = min(8, next_pow2(t))
-        bk = max(16, min(512, next_pow2(k)))
+        bk = max(16, min(1024, next_pow2(k)))
         bn = max(1, min(16, next_pow2(max(ns)), 8192 // (bt * bk)))
         while bn > 1 and cdiv(t, bt) * sum(cdiv(n, bn) for n in ns) < sms:
             bn //= 2
@@ -153,7 +156,8 @@ def default_tuning(t: int, ns: tuple[int, ...], k: int, dtype, sms: int | None =
             bn //= 2
         stage_bytes = (bt + bn) * bk * jnp.dtype(dtype).itemsize
     stages = max(1, min(4, cdiv(k, bk), (128 << 10) // stage_bytes))
-    return bt, bn, bk, 4, stages
+    warps = 4 if jnp.dtype(dtype) == F32 else 1 if bt <= 16 else 2
+    return bt, bn, bk, warps, stages
 
 
 def _kernel(

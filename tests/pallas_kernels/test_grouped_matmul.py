@@ -324,6 +324,10 @@ def test_default_tuning_table():
     assert default_tuning(5, 20, 20, 2, jnp.bfloat16, sms=132)[1:3] == (32, 32)
     assert default_tuning(8, 2048, 7168, 1, jnp.bfloat16, sms=132)[5] > 1
     assert default_tuning(768, 1408, 2048, 64, jnp.bfloat16, sms=132)[5] == 1
+    # by row (decode copies; bench/moe_decode.py's H200 sweep): 128-wide N blocks but for the GLU past 8 copies
+    assert default_tuning(8, 1408, 2048, 8, jnp.bfloat16, sms=132, by_row=True, glu=True) == (16, 128, 128, 4, 3, 1)
+    assert default_tuning(16, 1408, 2048, 16, jnp.bfloat16, sms=132, by_row=True, glu=True)[1] == 64
+    assert default_tuning(16, 2048, 1408, 16, jnp.bfloat16, sms=132, by_row=True) == (16, 128, 128, 4, 3, 1)
 
 
 def test_moe_pipeline_matches_dense_per_token_reference():

@@ -133,10 +133,11 @@ def test_bad_inputs(args, kw, match):
 def test_empty_t_and_default_tuning():
     outs = linear(jnp.zeros((0, 8), jnp.bfloat16), (jnp.zeros((5, 8), jnp.bfloat16),))
     assert outs[0].shape == (0, 5)
-    bt, bn, bk, _, stages = default_tuning(1, (3072, 576), 2048, jnp.bfloat16, sms=132)
-    assert (bt, bn, bk, stages) == (16, 16, 256, 4) and 3072 // bn + 576 // bn >= 132  # programs fill the SMs
+    bt, bn, bk, warps, stages = default_tuning(1, (3072, 576), 2048, jnp.bfloat16, sms=132)
+    assert (bt, bn, bk, warps, stages) == (16, 16, 256, 1, 4) and 3072 // bn + 576 // bn >= 132  # fill the SMs
+    assert default_tuning(32, (3072, 576), 2048, jnp.bfloat16, sms=132)[3] == 2
     bt, bn, bk, _, _ = default_tuning(1, (64,), 2048, jnp.float32, sms=132)
-    assert bt == 1 and 64 // bn >= 32  # the router: enough programs for the SMs
+    assert bt == 1 and 64 // bn >= 32 and bk == 1024  # the router: enough programs for the SMs
 
 
 # ---- Triton lowering for an H200, on CPU (Pallas's lowering, not the Triton compiler) ----
@@ -293,11 +294,14 @@ def test_model_takes_the_kernel_on_a_gpu(monkeypatch):
     assert len(calls) == n
 
 
-def test_layer_loop_lowers_with_one_kernel_for_q_and_kv(monkeypatch, h200):
-    """A decode step's layer loop (dense + MoE groups, T = 1) lowered for CUDA with the GPU dispatch: per scanned
-    group one linear kernel for q_proj + kv_a_proj_with_mqa and one for o_proj; the MoE router's logits come out of
-    the post-attention norm kernel (`layers.router_fusable`); each takes the whole stacked weights (read in place:
-    no slice of them in the program)."""
+@pytest.mark.parametrize("T", [1, 2])
+def test_layer_loop_lowers_with_one_kernel_for_q_and_kv(monkeypatch, h200, T):
+    """A decode step's layer loop (dense + MoE groups) lowered for CUDA with the GPU dispatch: per scanned group one
+    linear kernel for q_proj + kv_a_proj_with_mqa, one for the dense layer's gate_proj + up_proj, and for T > 1 one
+    for o_proj and the dense down_proj (one token through one weight of <= XLA_GEMV_MAX_K inputs stays with XLA's
+    GEMV, which slices the stacked weight itself); the MoE router's logits come out of the post-attention norm
+    kernel (`layers.router_fusable`); the kernels take the whole stacked weights (read in place: no slice of them in
+    the program)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     cfg = tiny_config(
         q_lora_rank=None, num_hidden_layers=3, first_k_dense_replace=1, hidden_size=64, intermediate_size=80
@@ -310,19 +314,21 @@ def test_layer_loop_lowers_with_one_kernel_for_q_and_kv(monkeypatch, h200):
         return mla.o_proj(p, attn), state
 
     f = jax.jit(lambda p, x: model.decoder_layers(p, cfg, x, attention, None, gmm_impl="pallas")[0])
-    x = jax.ShapeDtypeStruct((1, cfg.hidden_size), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((T, cfg.hidden_size), jnp.bfloat16)
     text = f.trace(params, x).lower(lowering_platforms=("cuda",)).as_text()
     names = re.findall(r'name = "(linear\d_\w+?)_bt', text)
-    assert sorted(names) == sorted(["linear2_dot"] * 2 + ["linear1_dot"] * 2), names
+    singles = [] if T == 1 else ["linear1_dot"] * 3  # o_proj of both groups, the dense down_proj
+    assert sorted(names) == sorted(["linear2_dot"] * 3 + singles), names
     assert len(re.findall(r'name = "add_rms_norm_d64_router_e8"', text)) == 1  # the MoE group's norm and router
     for group in ("dense_layers", "moe_layers"):
         g = params["model"][group]
-        for w in [g["self_attn"][name]["weight"] for name in ("q_proj", "kv_a_proj_with_mqa", "o_proj")] + (
-            [g["mlp"]["gate"]["weight"]] if group == "moe_layers" else []
-        ):
-            shape = "x".join(map(str, w.shape))
-            assert re.search(rf"dynamic_slice[^\n]*tensor<{shape}x[bf]", text) is None, (group, w.shape)
+        for name in ("q_proj", "kv_a_proj_with_mqa", "o_proj"):
+            shape = "x".join(map(str, g["self_attn"][name]["weight"].shape))
+            sliced = re.search(rf"dynamic_slice[^\n]*tensor<{shape}x[bf]", text) is not None
+            assert sliced == (T == 1 and name == "o_proj"), (group, name)
             assert f"tensor<{shape}x" in text
+    gate = "x".join(map(str, params["model"]["moe_layers"]["mlp"]["gate"]["weight"].shape))
+    assert re.search(rf"dynamic_slice[^\n]*tensor<{gate}xf32", text) is None and f"tensor<{gate}xf32" in text
 
 
 # ---- GPU: the compiled Triton kernel ----
