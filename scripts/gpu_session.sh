@@ -156,5 +156,23 @@ case $part in
     rm -rf "$out/prof"
     run 180 e2e-fp8 python3 -m mla_jax.bench.e2e --out "$out/fp8" --weights fp8 --batches 1,32,128 --ctxs 4096 \
         --no-prefill --no-engine ;;
-*)  echo "part must be 1 to 10" >&2; exit 2 ;;
+11) # session 14, second call (straight into OUT, most important first): the GPU tests of the norm kernel's copies
+    # combine, the retuned linear / grouped kernels and the paged step through them; the bf16 step at batch 1 / 128,
+    # ctx 4k, with profiles and batch 1's compiled HLO; the linear kernel on the dense MLP's shapes (sweep); the logs
+    # in one tar (OUT brings back at most 8 files)
+    out=${2:?}
+    run 150 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_rms_norm.py tests/pallas_kernels/test_linear.py \
+        tests/pallas_kernels/test_grouped_matmul.py -k "not sorted"
+    run 80 gpu-paged env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -p no:cacheprovider -rfE \
+        tests/mla_jax/test_paged.py -k "mixed_batches and 16 or decode_only or pallas_backend"
+    run 200 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --batches 1,128 --ctxs 4096 --no-prefill \
+        --no-engine --profile "$out/prof"
+    tar czf "$out/hlo-b1.tgz" -C "$out/prof" b1-ctx4096/step.hlo.txt 2>/dev/null
+    rm -rf "$out/prof"
+    mkdir -p "$out/lin"
+    run 110 linear python3 bench/linear.py --out "$out/lin" --names mlp_gate_up,mlp_down --tokens 1,8,32 --sweep \
+        --sweep-budget-s 60
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 11" >&2; exit 2 ;;
 esac
