@@ -8,8 +8,9 @@ h = x + residual (in x's dtype, as the model adds its residual stream; h = x wit
 normed = weight * (h32 * rsqrt(mean(h32^2) + eps)).astype(x.dtype) with h32 = h in float32: HF's
 DeepseekRMSNorm on h. XLA runs the add, the sum of squares and the scaling as three kernels (a decode step at batch
 1 on the H200: ~1.3 us each, two norms a layer); this is one, a program per row: pass 1 adds the chunks, writes h
-and sums the squares; pass 2 recomputes the sum from the inputs (re-read from L2; reading back its own stores
-would need a barrier between the threads) and writes the normalized chunks. Chunks are the largest power of two
+and sums the squares; pass 2 normalizes h, kept in registers for rows up to KEEP_ROW wide (wider ones recompute it
+from the inputs, re-read from L2: reading back its own stores would need a barrier between the threads), and writes
+the normalized chunks. Chunks are the largest power of two
 dividing D, up to 2048 (Triton's loads are powers of two): 7168 = 7 x 1024, 2048 = 1 x 2048.
 
 The residual may come as an MoE layer's uncombined expert outputs (`residual_weights`): the grouped down kernel's
@@ -40,6 +41,7 @@ from pallas_kernels.util import FLOAT_DTYPES, check_stacked_index
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "chunk_width", "combine_copies_reference"]
 
 _MAX_CHUNK = 2048
+KEEP_ROW = 8192  # rows up to this wide keep h in registers between the passes; wider ones recompute it
 
 
 def chunk_width(d: int) -> int | None:
@@ -142,9 +144,12 @@ def _kernel(
         else:
             ref[cols] = v
 
+    kept = []  # the row's h chunks, held in registers for pass 2 (up to KEEP_ROW values: 56 a thread at 4 warps)
     ss = jnp.float32(0.0)
     for c in range(n):
         h = h_chunk(c)
+        if d <= KEEP_ROW:
+            kept.append(h)
         if has_residual:
             store(h_ref, pl.ds(c * chunk, chunk), h)
         hf = h.astype(jnp.float32)
@@ -155,7 +160,7 @@ def _kernel(
         acc = jnp.zeros((router_block,), jnp.float32)
     for c in range(n):
         cols = pl.ds(c * chunk, chunk)
-        hf = h_chunk(c).astype(jnp.float32)
+        hf = (kept[c] if kept else h_chunk(c)).astype(jnp.float32)
         normed = w_ref[layer, cols] * (hf * inv).astype(x_ref.dtype)
         store(out_ref, cols, normed)
         if router_block:  # the router's logits of the normed row, exact float32 (a multiply and a sum, no TF32)

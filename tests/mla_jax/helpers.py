@@ -82,9 +82,11 @@ def run_schedule(
     causal=True,
     fill=float("nan"),
     index_dtype=None,
+    gmm_impl="ragged_dot",
 ):
     """Teacher-forced run through the paged cache (and, for a sparse config, the index-key cache in
-    `index_dtype`): `schedule` is a list of steps, each a list of (request index, number of new tokens). Returns
+    `index_dtype`), the MoE experts through `gmm_impl`: `schedule` is a list of steps, each a list of (request
+    index, number of new tokens). Returns
     [(request, position, logits f32[vocab])] for every logit row the steps produce, to compare with the full
     forward at that position."""
     from mla_jax.allocator import PagePool
@@ -105,11 +107,23 @@ def run_schedule(
         workspace_rows=workspace_rows,
         reorder_batch_threshold=reorder_batch_threshold,
         causal=causal,
+        gmm_impl=gmm_impl,
     )
 
 
 def run_steps(
-    params, cfg, cache, pool, seqs, schedule, *, backend="xla", workspace_rows=0, reorder_batch_threshold=1, causal=True
+    params,
+    cfg,
+    cache,
+    pool,
+    seqs,
+    schedule,
+    *,
+    backend="xla",
+    workspace_rows=0,
+    reorder_batch_threshold=1,
+    causal=True,
+    gmm_impl="ragged_dot",
 ):
     """`run_schedule`'s steps over a given cache and its page pool."""
     import numpy as np
@@ -141,7 +155,7 @@ def run_steps(
     out = []
     for step, reqs, own in steps:
         md, order = build_metadata(reqs, shape=shape, **kw)
-        logits, cache = jit_step(params, cfg, cache, md.to_device(), backend=backend)
+        logits, cache = jit_step(params, cfg, cache, md.to_device(), backend=backend, gmm_impl=gmm_impl)
         out += step_logits(np.asarray(logits), md.shape, own.num_decodes, step, order, done)
     return out
 

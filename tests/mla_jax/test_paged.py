@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mla_jax import model
+from mla_jax import layers, model
 from mla_jax.metadata import BatchShape, MetadataError, ScheduledRequest, build_metadata, validate_metadata
 from tests.mla_jax.helpers import full_logits, paged_config, run_schedule
 
@@ -64,6 +64,16 @@ def test_decode_only_steps(setup):
     cfg, params, seqs, full = setup
     sched = [[(0, 10), (2, 9)]] + [[(0, 1), (2, 1)]] * 6
     _check(run_schedule(params, cfg, seqs, sched, page_size=16, workspace_rows=32), full)
+
+
+def test_token_by_token_with_pallas_experts(setup):
+    """Two requests fed one token a step through the grouped Pallas expert kernels (interpret mode on CPU, `-k
+    decode_only or token_by_token` on the GPU): 2 tokens a step, so the MoE output rides the layer loop as
+    `ExpertCopies` into the next layer's norm (`layers.moe_copies`), and every position matches the full forward."""
+    cfg, params, seqs, full = setup
+    assert layers.moe_copies(params["model"]["moe_layers"]["mlp"], cfg, 2, gmm_impl="pallas") is not None
+    sched = [[(0, 1), (2, 1)]] * 6
+    _check(run_schedule(params, cfg, seqs, sched, page_size=16, num_pages=16, gmm_impl="pallas"), full)
 
 
 def test_pallas_backend(setup):

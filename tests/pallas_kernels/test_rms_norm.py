@@ -33,7 +33,13 @@ def _check(out, h, ref, ref_h, dtype):
 
 @pytest.mark.parametrize(
     "d,dtype,residual",
-    [(2048, jnp.bfloat16, True), (7168, jnp.bfloat16, True), (96, jnp.float32, False), (48, jnp.float32, True)],
+    [
+        (2048, jnp.bfloat16, True),
+        (7168, jnp.bfloat16, True),
+        (16384, jnp.bfloat16, True),
+        (96, jnp.float32, False),
+        (48, jnp.float32, True),
+    ],
 )
 def test_matches_reference(d, dtype, residual):
     x, r, w = _inputs(d, d, dtype, residual)
