@@ -413,7 +413,13 @@ def moe_copies(
     where the layer combines them itself: the copies stay in token order (a decode step's few, `BY_ROW_MAX_COPIES`),
     the shared experts run in the routed kernels (or there are none) and nothing is reduced across devices. p may
     hold `jax.ShapeDtypeStruct`s (only shapes and dtypes are read)."""
-    ex, _, _, routed_split, _, fused = _moe_plan(p, cfg, gmm_impl, {} if stacked is None else stacked, comm)
+    plan = _moe_plan(p, cfg, gmm_impl, {} if stacked is None else stacked, comm)
+    return _copies_chunks(plan, cfg, tokens, gmm_impl, comm)
+
+
+def _copies_chunks(plan: tuple, cfg: DeepseekConfig, tokens: int, gmm_impl: str, comm: Comm) -> int | None:
+    """`moe_copies` from the layer's `_moe_plan`."""
+    ex, _, _, routed_split, _, fused = plan
     if tokens < 1 or comm.dp != 1 or routed_split or (cfg.n_shared_experts and not fused):
         return None
     return fused if _by_row(tokens, cfg, gmm_impl, ex["gate_proj"]) else None
@@ -454,8 +460,9 @@ def moe(
     `Comm.combine_tokens`, which say why not an all-to-all); the shared experts run on the rank's own tokens.
     """
     stacked = {} if stacked is None else stacked
-    ex, sh, sh_stacked, routed_split, shared_split, fused = _moe_plan(p, cfg, gmm_impl, stacked, comm)
-    if not combine and moe_copies(p, cfg, x.shape[0], gmm_impl=gmm_impl, stacked=stacked, comm=comm) is None:
+    plan = _moe_plan(p, cfg, gmm_impl, stacked, comm)
+    ex, sh, sh_stacked, routed_split, shared_split, fused = plan
+    if not combine and _copies_chunks(plan, cfg, x.shape[0], gmm_impl, comm) is None:
         raise ValueError("moe(combine=False): these experts and tokens are combined in the layer (`moe_copies`)")
     with jax.named_scope("moe_dispatch"):
         xr = comm.dispatch_tokens(x)  # DP: [dp*T, D], every DP rank's tokens
@@ -486,7 +493,7 @@ def moe(
 def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None, combine=True):
     """The routed experts' weighted sum [T, D] for x [T, D], router weights f32[T, K] and ids i32[T, K]; with
     `shared` (its chunks S = `shared_fusable`) plus the shared experts' output, each token's S more copies. With
-    `combine=False` (copies in token order only) the `ExpertCopies`."""
+    `combine=False` (copies in token order only: `moe` checks `moe_copies`) the `ExpertCopies`."""
     T, D = x.shape
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     e_loc, i_loc = ex["gate_proj"]["weight"].shape[-3:-1]
@@ -534,8 +541,6 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
     if order is None:  # the kernel's order (`grouped_matmul.copy_groups`): T*K routed copies, then S chunks' T
         copies = ExpertCopies(y, w.astype(jnp.float32), S)
         return copies if not combine else copies.combine()
-    if not combine:
-        raise ValueError("_routed_experts(combine=False) needs the copies in token order (by row)")
     w = jnp.concatenate([w, jnp.ones((T, S), w.dtype)], axis=1)  # the shared chunks: weight 1
     copies = y.reshape(T, C, D).astype(jnp.float32)  # [T, C, D]
     return jnp.sum(copies * w[:, :, None], axis=1).astype(y.dtype)

@@ -184,10 +184,10 @@ def default_tuning(
     - prefill: 128 x 128 x 64 tiles, 8 warps, 3 stages (32 KB of bf16 operands per stage).
     float32 (tests, not a fast path) uses smaller tiles for registers and shared memory.
     """
-    bm = min(128, max(16, next_pow2(cdiv(m, g))))
     if by_row and jnp.dtype(dtype) != jnp.float32:
         bn = 64 if glu and m > 8 else 128
         return 16, max(16, min(bn, next_pow2(n))), max(16, min(128, next_pow2(k))), 4, 3, 1
+    bm = min(128, max(16, next_pow2(cdiv(m, g))))
     if jnp.dtype(dtype) == jnp.float32:
         bm, bn, bk, warps, stages = min(bm, 64), 64, 32, 4, 2
     elif bm <= 32:
