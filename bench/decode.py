@@ -37,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 from mla_jax.bench import common  # noqa: E402
 from pallas_kernels import mla_decode as md  # noqa: E402
 from pallas_kernels import mla_decode_sm90 as k90  # noqa: E402
+from pallas_kernels import mla_decode_sm90_narrow as k90_narrow  # noqa: E402
 from pallas_kernels import testing  # noqa: E402
 from pallas_kernels.util import cdiv, num_sms  # noqa: E402
 
@@ -207,11 +208,26 @@ def kernel_fn(**tuning):
     return jax.jit(f)
 
 
-def sm90_fn(**tuning):
+def sm90_fn(rows64=False, **tuning):
+    """The Hopper decode; rows64: the 64-row-tile kernel even where the narrow one would run (the A/B
+    rows of few-row shapes: the narrow kernel's limit is lowered while the call is traced)."""
+
     def f(q, cache, bt, sl, ks):
-        return k90.mla_decode_sm90(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **tuning)
+        if not rows64:
+            return k90.mla_decode_sm90(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **tuning)
+        limit = k90_narrow.NARROW_MAX_ROWS
+        k90_narrow.NARROW_MAX_ROWS = 0
+        try:
+            return k90.mla_decode_sm90(q, cache, bt, sl, scale=SCALE, kv_scale=ks, **tuning)
+        finally:
+            k90_narrow.NARROW_MAX_ROWS = limit
 
     return jax.jit(f)
+
+
+def sm90_tile(b, rows, dtype):
+    """Which Hopper kernel runs: "narrow" (tokens on M) or "rows64"."""
+    return "narrow" if dtype == "bf16" and k90_narrow.narrow_rows(rows) is not None else "rows64"
 
 
 def sm90_splits(b, n, ctx):
@@ -362,7 +378,18 @@ def kernels_to_time(b, n, ctx, dtype, run_triton, run_sm90) -> list[tuple]:
     if run_triton:
         out.append(("pallas", kernel_fn(), {"num_kv_splits": md.choose_num_kv_splits(b, n, ctx, num_sms())}))
     if run_sm90:  # both schedules of the sm90 kernel (static splits; on-device work list)
-        out.append(("pallas_sm90", sm90_fn(), {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx)}))
+        tile = sm90_tile(b, n, dtype)
+        out.append(
+            ("pallas_sm90", sm90_fn(), {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx), "tile": tile})
+        )
+        if tile == "narrow":  # the 64-row kernel on the same inputs
+            out.append(
+                (
+                    "pallas_sm90",
+                    sm90_fn(rows64=True),
+                    {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx), "tile": "rows64"},
+                )
+            )
         out.append(("pallas_sm90", sm90_fn(schedule="worklist"), {"schedule": "worklist"}))
         if dtype == "fp8":  # QK^T as an fp8 wgmma (q quantized per row): its own rows
             out.append(

@@ -260,17 +260,75 @@ def _merge_splits_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, s
     )
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def merge_splits(o_part, lse_part, *, out_dtype=jnp.float32, interpret=False):
+def _merge_splits_t_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, cols: int):
+    """Program (b, j) of grid (B, L / block_l): request b's partials o_ref [B*S*L, M] (each split's
+    [L, M] slab: transposed) over column block j, all M rows at once; writes out [M, block_l]."""
+    block_l, m = out_ref.shape[-1], out_ref.shape[-2]
+    b, j = pl.program_id(0), pl.program_id(1)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    c = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
+
+    def lse_of(k):
+        return pltriton.load(lse_ref.at[b * splits + k, rows])  # [M]
+
+    lse_max = lax.fori_loop(0, splits, lambda k, mx: jnp.maximum(mx, lse_of(k)), jnp.full((m,), -jnp.inf, jnp.float32))
+    safe = jnp.where(lse_max > -jnp.inf, lse_max, 0.0)
+
+    def add(k, carry):
+        acc, denom = carry
+        lse = lse_of(k)
+        alive = lse > -jnp.inf
+        w = jnp.where(alive, jnp.exp(lse - safe), 0.0)  # [M]
+        row = (b * splits + k) * cols + c  # [block_l] rows of the [B*S*L, M] partials
+        # Dead splits are never read: their slots may be unwritten.
+        o = pltriton.load(o_ref.at[row[:, None], rows[None, :]], mask=alive[None, :], other=0.0)  # [block_l, M]
+        return acc + o * w[None, :], denom + w
+
+    acc, denom = lax.fori_loop(0, splits, add, (jnp.zeros((block_l, m), jnp.float32), jnp.zeros((m,), jnp.float32)))
+    has = denom > 0
+    inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)
+    out_ref[...] = (acc * inv[None, :]).T.astype(out_ref.dtype)
+    lse_out_ref[...] = jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "transposed", "interpret"))
+def merge_splits(o_part, lse_part, *, out_dtype=jnp.float32, transposed=False, interpret=False):
     """`merge_splits_reference` as one Pallas kernel: (out [B, M, L] out_dtype, lse f32[B, M]) from
-    o_part f32[B, S, M, L], lse_part f32[B, S, M]. One launch and one pass over the partials, where
+    o_part f32[B, S, M, L] (transposed=True: f32[B, S, L, M], as the narrow Hopper decode writes
+    them), lse_part f32[B, S, M]. One launch and one pass over the partials, where
     XLA's version takes 5-7 kernels, a third of a short many-split decode such as (1, 128, 32k) on
     the H200 (docs/perf-notes.md)."""
-    b, splits, m, l = o_part.shape
+    if transposed:
+        b, splits, l, m = o_part.shape
+    else:
+        b, splits, m, l = o_part.shape
     s_pad = next_pow2(splits)
-    if l & (l - 1):  # Triton tiles are powers of two
-        out, lse = merge_splits_reference(o_part, lse_part)
+    if l & (l - 1) or (transposed and m & (m - 1)):  # Triton tiles are powers of two
+        o = jnp.swapaxes(o_part, -1, -2) if transposed else o_part
+        out, lse = merge_splits_reference(o, lse_part)
         return out.astype(out_dtype), lse
+    if transposed:
+        block_l = min(l, max(16, _MERGE_TILE // m))
+        out, lse = pl.pallas_call(
+            functools.partial(_merge_splits_t_kernel, splits=splits, cols=l),
+            grid=(b, l // block_l),
+            in_specs=[
+                pl.BlockSpec((b * splits * l, m), lambda i, j: (0, 0)),
+                pl.BlockSpec((b * splits, m), lambda i, j: (0, 0)),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, m, block_l), lambda i, j: (i, 0, j)),
+                pl.BlockSpec((None, None, m), lambda i, j: (i, j, 0)),
+            ],
+            out_shape=[
+                jax.ShapeDtypeStruct((b, m, l), out_dtype),
+                jax.ShapeDtypeStruct((b, l // block_l, m), jnp.float32),
+            ],
+            interpret=interpret,
+            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+            name=f"mla_decode_merge_t_s{splits}",
+        )(o_part.reshape(b * splits * l, m), lse_part.reshape(b * splits, m))
+        return out, lse[:, 0]
     block_l = min(l, max(16, _MERGE_TILE // s_pad))
     n_lb = l // block_l
     out, lse = pl.pallas_call(

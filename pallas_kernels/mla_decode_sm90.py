@@ -97,6 +97,7 @@ from pallas_kernels.mgpu import (
     write_out,
 )
 from pallas_kernels.mla_decode import check_page_offset, merge_segments, merge_splits, mla_decode_reference
+from pallas_kernels.mla_decode_sm90_narrow import narrow_decode, narrow_rows, smem_plan_bytes
 from pallas_kernels.util import (
     BF16,
     F16,
@@ -992,6 +993,7 @@ def fp8_qk_reference_q(q):
         "fp8_qk",
         "sms",
         "schedule",
+        "narrow",
     ),
 )
 def _impl(
@@ -1012,16 +1014,21 @@ def _impl(
     fp8_qk,
     sms,
     schedule,
+    narrow,
 ):
     b, nq, n, d = q.shape
     l = kv_lora_rank
     _, g, _ = cache.shape
     max_pages = block_table.shape[1]
     m_rows = nq * n
+    is_fp8 = jnp.dtype(cache.dtype) == FP8
+    if narrow:
+        return _narrow(
+            q, cache, block_table, seq_lens, scale, l, num_kv_splits, batch_invariant, interpret, num_stages, sms
+        )
     head_tiles = cdiv(m_rows, TILE_M)
     m_pad = head_tiles * TILE_M
     tail = cdiv(m_rows - (head_tiles - 1) * TILE_M, 8) * 8  # real rows of the last tile, to 8
-    is_fp8 = jnp.dtype(cache.dtype) == FP8
     cdt = F16 if is_fp8 and fp8_compute == "float16" else BF16
     qk8 = bool(fp8_qk) and is_fp8
     if num_stages is None:
@@ -1127,6 +1134,48 @@ def _impl(
     return out, lse
 
 
+def _narrow(q, cache, block_table, seq_lens, scale, l, num_kv_splits, batch_invariant, interpret, num_stages, sms):
+    """Few query rows (bf16 cache, grid schedule): the tokens-on-M kernel of mla_decode_sm90_narrow,
+    one piece per (request, split); split partials come back transposed and merge as such."""
+    b, nq, n, d = q.shape
+    max_pages = block_table.shape[1]
+    m_rows = nq * n
+    rows = narrow_rows(m_rows)
+    stages = num_stages or 2
+    smem = smem_plan_bytes(rows, l, d, stages)
+    if smem > SMEM_BYTES:
+        raise ValueError(f"num_stages={stages} needs {smem} B of shared memory per CTA; {SMEM_BYTES} B are available")
+    q_rows = jnp.pad(q.reshape(b, m_rows, d).astype(BF16), ((0, 0), (0, rows - m_rows), (0, 0)))
+    row_lens = jnp.minimum(jnp.repeat(seq_lens, n, axis=1), max_pages * PAGE_SIZE)  # [B, M]
+    row_lens = jnp.pad(row_lens, ((0, 0), (0, rows - m_rows)))
+    tile_len = jnp.max(row_lens, axis=1, keepdims=True)  # [B, 1]
+    splits = 1 if batch_invariant else num_kv_splits or choose_num_kv_splits_sm90(b, 1, max_pages, sms)
+    meta, splits = _grid_pieces(tile_len, max_pages, splits)
+    out, lse, o_part, lse_part = narrow_decode(
+        q_rows,
+        cache,
+        block_table,
+        row_lens.astype(jnp.float32),
+        meta,
+        rows=rows,
+        l=l,
+        scale=scale,
+        stages=stages,
+        n_slots=meta.shape[0] if splits > 1 else 1,
+        interpret=interpret,
+    )
+    if splits > 1:
+        out, lse = merge_splits(
+            o_part.reshape(b, splits, l, rows),
+            lse_part.reshape(b, splits, rows),
+            out_dtype=q.dtype,
+            transposed=True,
+            interpret=bool(interpret),
+        )
+    out = out[:, :m_rows].reshape(b, nq, n, l).astype(q.dtype)
+    return out, lse[:, :m_rows].reshape(b, nq, n)
+
+
 def mla_decode_sm90(
     q,  # [B, Q, N, L+R]: absorbed q_nope (L) then q_pe (R); computed in bf16
     kv_c_and_k_pe_cache,  # [num_pages, 64, L+R] bf16, or float8_e4m3fn with kv_scale
@@ -1210,4 +1259,10 @@ def mla_decode_sm90(
         fp8_qk=bool(fp8_qk),
         sms=int(num_sms) if num_sms is not None else _device_num_sms(),
         schedule=schedule,
+        # Few query rows on a bf16 cache: the tokens-on-M kernel (mla_decode_sm90_narrow).
+        narrow=(
+            jnp.dtype(kv_c_and_k_pe_cache.dtype) == BF16
+            and schedule == "grid"
+            and narrow_rows(q.shape[1] * q.shape[2]) is not None
+        ),
     )

@@ -195,5 +195,17 @@ case $part in
     run 150 e2e-fp8 python3 -c "$e2e" --out "$out/fp8" --weights fp8 --batches 1,32,128 --ctxs 4096 --no-prefill \
         --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 12" >&2; exit 2 ;;
+13) # session 15, first call (straight into OUT, most important first): the narrow Hopper decode (tokens on M, rows
+    # <= 32) in the Hopper decode's GPU tests and the transposed split merge; the decode benchmark at 16 heads, bf16,
+    # Triton / narrow / 64-row kernel, over the used pages and over a 16 GB pool, device time; the bf16 e2e step at
+    # batch 8 / 32 / 128, ctx 4k (16 heads over a 16 GB pool: the Hopper decode); the logs in one tar
+    out=${2:?}
+    run 150 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_mla_decode_sm90.py tests/pallas_kernels/test_mla_decode.py
+    run 170 decode python3 bench/decode.py --out "$out" --no-ragged --device-time --dtypes bf16 \
+        --shapes 64x16x4096,128x16x8192,32x16x1024,8x16x4096,1x16x4096 --pool-gb 16
+    run 200 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --batches 8,32,128 --ctxs 4096 --no-prefill \
+        --no-engine
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 13" >&2; exit 2 ;;
 esac

@@ -237,11 +237,23 @@ def test_choose_num_kv_splits():
 
 
 @pytest.mark.parametrize(
-    "b,splits,m,l", [(2, 5, 24, 64), (1, 64, 16, 512), (3, 2, 8, 32), (1, 1, 16, 64), (2, 3, 8, 48)]
+    "b,splits,m,l,transposed",
+    [
+        (2, 5, 24, 64, False),
+        (1, 64, 16, 512, False),
+        (3, 2, 8, 32, False),
+        (1, 1, 16, 64, False),
+        (2, 3, 8, 48, False),
+        (2, 3, 16, 512, True),  # the narrow Hopper decode's [L, M] partials
+        (3, 1, 8, 64, True),
+        (1, 7, 32, 128, True),
+        (2, 2, 24, 64, True),  # M not a power of two: the reference path
+    ],
 )
-def test_merge_splits_kernel(b, splits, m, l):
+def test_merge_splits_kernel(b, splits, m, l, transposed):
     """The stage-2 merge kernel against its jnp reference: dead splits (lse -inf) hold NaN partials
-    that must never be read, one row has no live split at all (out 0, lse -inf)."""
+    that must never be read, one row has no live split at all (out 0, lse -inf). transposed: the
+    partials arrive as [B, S, L, M]."""
     rng = np.random.default_rng(splits * 100 + l)
     o_part = rng.standard_normal((b, splits, m, l)).astype(np.float32)
     lse_part = rng.uniform(-3.0, 8.0, (b, splits, m)).astype(np.float32)
@@ -249,7 +261,9 @@ def test_merge_splits_kernel(b, splits, m, l):
     dead[0, :, 1] = True
     lse_part[dead] = -np.inf
     o_part[dead] = np.nan
-    out, lse = merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part), out_dtype=jnp.float32, interpret=True)
+    given = np.swapaxes(o_part, -1, -2).copy() if transposed else o_part
+    kw = dict(transposed=True) if transposed else {}
+    out, lse = merge_splits(jnp.asarray(given), jnp.asarray(lse_part), out_dtype=jnp.float32, interpret=True, **kw)
     ref, ref_lse = merge_splits_reference(jnp.asarray(o_part), jnp.asarray(lse_part))
     assert out.shape == (b, m, l) and lse.shape == (b, m)
     assert np.all(np.isfinite(np.asarray(out)))
@@ -264,7 +278,7 @@ def test_merge_splits_kernel(b, splits, m, l):
     np.testing.assert_allclose(
         np.asarray(ref)[live], (expect / np.where(live, denom, 1)[..., None])[live], rtol=1e-5, atol=1e-6
     )
-    bf, _ = merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part), out_dtype=jnp.bfloat16, interpret=True)
+    bf, _ = merge_splits(jnp.asarray(given), jnp.asarray(lse_part), out_dtype=jnp.bfloat16, interpret=True, **kw)
     assert bf.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(bf, np.float32), np.asarray(ref), rtol=1e-2, atol=1e-2)
 
@@ -281,6 +295,12 @@ def test_gpu_merge_splits():
     lse_part[dead], o_part[dead] = -np.inf, np.nan
     out, lse = merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part))
     ref, ref_lse = merge_splits_reference(jnp.asarray(o_part), jnp.asarray(lse_part))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-5)
+    # The narrow Hopper decode's transposed partials: [B, S, L, M], M = 16.
+    o_t, lse_t = o_part[:, :, :16], lse_part[:, :, :16]
+    out, lse = merge_splits(jnp.asarray(np.swapaxes(o_t, -1, -2).copy()), jnp.asarray(lse_t), transposed=True)
+    ref, ref_lse = merge_splits_reference(jnp.asarray(o_t), jnp.asarray(lse_t))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-5)
 

@@ -277,8 +277,8 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch):
     The split merges are Triton kernels, which need a GPU to lower: their jnp references stand in
     here (the kernel has its own interpreter and GPU tests in test_mla_decode.py)."""
 
-    def merge_ref(o_part, lse_part, *, out_dtype, interpret):
-        out, lse = mla_decode.merge_splits_reference(o_part, lse_part)
+    def merge_ref(o_part, lse_part, *, out_dtype, interpret, transposed=False):
+        out, lse = mla_decode.merge_splits_reference(jnp.swapaxes(o_part, -1, -2) if transposed else o_part, lse_part)
         return out.astype(out_dtype), lse
 
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
