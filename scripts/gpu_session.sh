@@ -207,5 +207,15 @@ case $part in
     run 200 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --batches 8,32,128 --ctxs 4096 --no-prefill \
         --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 13" >&2; exit 2 ;;
+14) # session 15, second call (straight into OUT): the rest of part 13's decode shapes at 16 heads (its decode run
+    # was cut after the first shape: the correctness checks took 136 s; they passed, and the gpu tests too), device
+    # time, used pages and a 16 GB pool; the fp8 cast probe; the bf16 e2e step at batch 8 / 32 / 128, ctx 1k
+    out=${2:?}
+    run 160 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time --dtypes bf16 \
+        --shapes 128x16x8192,32x16x1024,8x16x4096,1x16x4096,8x16x1024 --pool-gb 16
+    run 80 fp8-cast python3 bench/fp8_cast.py --out "$out"
+    run 150 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --batches 8,32,128 --ctxs 1024 --no-prefill \
+        --no-engine
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 14" >&2; exit 2 ;;
 esac
