@@ -36,6 +36,7 @@ from pallas_kernels import lightning_indexer as li
 from pallas_kernels import merge_attn_states as ms
 from pallas_kernels import mla_decode as md
 from pallas_kernels import mla_decode_sm90 as md90
+from pallas_kernels import mla_decode_sm90_narrow as md90n
 from pallas_kernels import sparse_mla_decode as smd
 from pallas_kernels import sparse_mla_decode_sm90 as smd90
 
@@ -75,29 +76,33 @@ def _decode_sm90_fp8qk(q, cache, block_table, seq_lens, **kw):
     return md90.mla_decode_sm90(q, cache, block_table, seq_lens, interpret=_interpret(), fp8_qk=True, **kw)
 
 
-# Fewest query rows (query tokens x heads, which share the Hopper kernel's 64-row wgmma tile) it takes; fewer go to
-# the Triton kernel, over a page pool of less than 4 GB. Measured on the H200 (bench/results/decode-h200.json): at
-# 16 rows (16 heads, one token) Triton is faster there (1.04-1.19x); at 48 (16 heads x 3 speculative tokens) the
-# Hopper kernel is, 1.03-1.58x (B 8/32, ctx 1k/4k); 32 rows are not measured.
+# Fewest query rows (query tokens x heads, which share the 64-row Hopper kernel's wgmma tile) it takes on an fp8 cache;
+# fewer go to the Triton kernel, over a page pool of less than 4 GB. Measured on the H200 (decode-h200.json):
+# at 16 rows (16 heads, one token) Triton is faster there (1.04-1.19x); at 48 (16 heads x 3 speculative tokens) the
+# Hopper kernel is, 1.03-1.58x (B 8/32, ctx 1k/4k). A bf16 cache with up to 32 rows goes to the narrow Hopper kernel
+# (tokens on the wgmma M axis, `mla_decode_sm90_narrow`), faster than Triton at every pool size from batch 2: 80.6 vs
+# 102.8 us at (64, 16, 4096), 277 vs 325 us at (128, 16, 8192) (device time, 2026-12-02).
 SM90_MIN_ROWS = 48
 # From 2^32 bytes of pool on, the Triton lowering indexes the pool with 64-bit offsets, computed per element of each
 # tile: at (128, 16, 4096) its kernel took 304 us over a 4.6 or 16 GB pool against 182 us over 4.0 GB, where the
 # Hopper kernel (TMA) took 194 us at every size. So over such a pool (any server's) the Hopper kernel takes all rows
 # but one request's: at batch 1 (latency-bound) the offsets cost nothing measurable, Triton 9.5 / 8.8 us against the
-# Hopper kernel's 13.5 / 13.1 (device time, 16 heads, ctx 4k / 1k, 16 GB pool).
+# Hopper kernel's 13.5 / 13.1 (device time, 16 heads, ctx 4k / 1k, 16 GB pool); the narrow kernel's 4.9 us at
+# (1, 16, 4096) needs 64 one-page splits and their merge.
 TRITON_64BIT_POOL_BYTES = 2**32
 
 
 def _sm90_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512, **_) -> str | None:
     rows = q.shape[1] * q.shape[2]
     if rows < SM90_MIN_ROWS:
-        if cache.size * jnp.dtype(cache.dtype).itemsize <= TRITON_64BIT_POOL_BYTES:
-            return (
-                f"{q.shape[2]} heads x {q.shape[1]} query tokens = {rows} rows over a pool below 4 GB "
-                f"(< {SM90_MIN_ROWS}: Triton is faster)"
-            )
         if q.shape[0] == 1:
             return f"{rows} rows of one request (< {SM90_MIN_ROWS}: Triton is faster at batch 1 over any pool)"
+        narrow = jnp.dtype(cache.dtype) == jnp.bfloat16 and md90n.narrow_rows(rows) is not None
+        if not narrow and cache.size * jnp.dtype(cache.dtype).itemsize <= TRITON_64BIT_POOL_BYTES:
+            return (
+                f"{q.shape[2]} heads x {q.shape[1]} query tokens = {rows} rows of a {cache.dtype} cache over a pool "
+                f"below 4 GB (< {SM90_MIN_ROWS}: Triton is faster)"
+            )
     return md90.unsupported_reason(q, cache, kv_lora_rank)
 
 

@@ -260,31 +260,29 @@ def _merge_splits_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, s
     )
 
 
-def _merge_splits_t_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, cols: int):
+def _merge_splits_t_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, s_pad: int, cols: int):
     """Program (b, j) of grid (B, L / block_l): request b's partials o_ref [B*S*L, M] (each split's
-    [L, M] slab: transposed) over column block j, all M rows at once; writes out [M, block_l]."""
+    [L, M] slab: transposed) over column block j, every split and all M rows in one gather
+    [S', block_l, M]; writes out [M, block_l]."""
     block_l, m = out_ref.shape[-1], out_ref.shape[-2]
     b, j = pl.program_id(0), pl.program_id(1)
+    s = jnp.arange(s_pad, dtype=jnp.int32)
+    s_ok = s < splits
     rows = jnp.arange(m, dtype=jnp.int32)
-    c = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
-
-    def lse_of(k):
-        return pltriton.load(lse_ref.at[b * splits + k, rows])  # [M]
-
-    lse_max = lax.fori_loop(0, splits, lambda k, mx: jnp.maximum(mx, lse_of(k)), jnp.full((m,), -jnp.inf, jnp.float32))
+    part = b * splits + jnp.minimum(s, splits - 1)  # [S']
+    lse = pltriton.load(lse_ref.at[part[:, None], rows[None, :]], mask=s_ok[:, None], other=-jnp.inf)  # [S', M]
+    alive = lse > -jnp.inf
+    lse_max = jnp.max(lse, axis=0)  # [M]
     safe = jnp.where(lse_max > -jnp.inf, lse_max, 0.0)
-
-    def add(k, carry):
-        acc, denom = carry
-        lse = lse_of(k)
-        alive = lse > -jnp.inf
-        w = jnp.where(alive, jnp.exp(lse - safe), 0.0)  # [M]
-        row = (b * splits + k) * cols + c  # [block_l] rows of the [B*S*L, M] partials
-        # Dead splits are never read: their slots may be unwritten.
-        o = pltriton.load(o_ref.at[row[:, None], rows[None, :]], mask=alive[None, :], other=0.0)  # [block_l, M]
-        return acc + o * w[None, :], denom + w
-
-    acc, denom = lax.fori_loop(0, splits, add, (jnp.zeros((block_l, m), jnp.float32), jnp.zeros((m,), jnp.float32)))
+    w = jnp.where(alive, jnp.exp(lse - safe[None, :]), 0.0)  # [S', M]
+    denom = jnp.sum(w, axis=0)
+    c = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
+    row = part[:, None] * cols + c[None, :]  # [S', block_l] rows of the [B*S*L, M] partials
+    # Dead splits are never read: their slots may be unwritten.
+    o = pltriton.load(
+        o_ref.at[row[:, :, None], rows[None, None, :]], mask=alive[:, None, :], other=0.0
+    )  # [S', block_l, M]
+    acc = jnp.sum(o * w[:, None, :], axis=0)  # [block_l, M]
     has = denom > 0
     inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)
     out_ref[...] = (acc * inv[None, :]).T.astype(out_ref.dtype)
@@ -308,9 +306,11 @@ def merge_splits(o_part, lse_part, *, out_dtype=jnp.float32, transposed=False, i
         out, lse = merge_splits_reference(o, lse_part)
         return out.astype(out_dtype), lse
     if transposed:
-        block_l = min(l, max(16, _MERGE_TILE // m))
+        # All splits in one gather: [S', block_l, M] <= _MERGE_TILE elements, and at least 16 column
+        # blocks per request so that a few requests still spread over the SMs.
+        block_l = min(l, max(16, _MERGE_TILE // (s_pad * m)), max(16, l // 16))
         out, lse = pl.pallas_call(
-            functools.partial(_merge_splits_t_kernel, splits=splits, cols=l),
+            functools.partial(_merge_splits_t_kernel, splits=splits, s_pad=s_pad, cols=l),
             grid=(b, l // block_l),
             in_specs=[
                 pl.BlockSpec((b * splits * l, m), lambda i, j: (0, 0)),

@@ -993,7 +993,6 @@ def fp8_qk_reference_q(q):
         "fp8_qk",
         "sms",
         "schedule",
-        "narrow",
     ),
 )
 def _impl(
@@ -1014,7 +1013,6 @@ def _impl(
     fp8_qk,
     sms,
     schedule,
-    narrow,
 ):
     b, nq, n, d = q.shape
     l = kv_lora_rank
@@ -1022,10 +1020,6 @@ def _impl(
     max_pages = block_table.shape[1]
     m_rows = nq * n
     is_fp8 = jnp.dtype(cache.dtype) == FP8
-    if narrow:
-        return _narrow(
-            q, cache, block_table, seq_lens, scale, l, num_kv_splits, batch_invariant, interpret, num_stages, sms
-        )
     head_tiles = cdiv(m_rows, TILE_M)
     m_pad = head_tiles * TILE_M
     tail = cdiv(m_rows - (head_tiles - 1) * TILE_M, 8) * 8  # real rows of the last tile, to 8
@@ -1134,46 +1128,60 @@ def _impl(
     return out, lse
 
 
-def _narrow(q, cache, block_table, seq_lens, scale, l, num_kv_splits, batch_invariant, interpret, num_stages, sms):
+@functools.partial(
+    jax.jit, static_argnames=("scale", "l", "num_kv_splits", "batch_invariant", "interpret", "num_stages", "sms")
+)
+def _narrow(
+    q,
+    cache,
+    block_table,
+    seq_lens,
+    page_offset,
+    *,
+    scale,
+    l,
+    num_kv_splits,
+    batch_invariant,
+    interpret,
+    num_stages,
+    sms,
+):
     """Few query rows (bf16 cache, grid schedule): the tokens-on-M kernel of mla_decode_sm90_narrow,
-    one piece per (request, split); split partials come back transposed and merge as such."""
+    B * splits pieces; split partials come back transposed and merge as such. With one split the call is
+    one kernel (page offset, row lengths and piece bounds are derived inside it)."""
     b, nq, n, d = q.shape
-    max_pages = block_table.shape[1]
     m_rows = nq * n
     rows = narrow_rows(m_rows)
     stages = num_stages or 2
     smem = smem_plan_bytes(rows, l, d, stages)
     if smem > SMEM_BYTES:
         raise ValueError(f"num_stages={stages} needs {smem} B of shared memory per CTA; {SMEM_BYTES} B are available")
-    q_rows = jnp.pad(q.reshape(b, m_rows, d).astype(BF16), ((0, 0), (0, rows - m_rows), (0, 0)))
-    row_lens = jnp.minimum(jnp.repeat(seq_lens, n, axis=1), max_pages * PAGE_SIZE)  # [B, M]
-    row_lens = jnp.pad(row_lens, ((0, 0), (0, rows - m_rows)))
-    tile_len = jnp.max(row_lens, axis=1, keepdims=True)  # [B, 1]
+    max_pages = block_table.shape[1]
     splits = 1 if batch_invariant else num_kv_splits or choose_num_kv_splits_sm90(b, 1, max_pages, sms)
-    meta, splits = _grid_pieces(tile_len, max_pages, splits)
-    out, lse, o_part, lse_part = narrow_decode(
-        q_rows,
+    splits = cdiv(max_pages, cdiv(max_pages, min(splits, max_pages)))  # as the kernel cuts the pages
+    out, lse = narrow_decode(
+        q,
         cache,
         block_table,
-        row_lens.astype(jnp.float32),
-        meta,
-        rows=rows,
-        l=l,
+        seq_lens,
+        page_offset,
         scale=scale,
+        l=l,
+        splits=splits,
         stages=stages,
-        n_slots=meta.shape[0] if splits > 1 else 1,
         interpret=interpret,
     )
     if splits > 1:
         out, lse = merge_splits(
-            o_part.reshape(b, splits, l, rows),
-            lse_part.reshape(b, splits, rows),
+            out.reshape(b, splits, l, rows),
+            lse.reshape(b, splits, rows),
             out_dtype=q.dtype,
             transposed=True,
             interpret=bool(interpret),
         )
-    out = out[:, :m_rows].reshape(b, nq, n, l).astype(q.dtype)
-    return out, lse[:, :m_rows].reshape(b, nq, n)
+    if rows != m_rows:
+        out, lse = out[:, :m_rows], lse[:, :m_rows]
+    return out.reshape(b, nq, n, l).astype(q.dtype), lse.reshape(b, nq, n)
 
 
 def mla_decode_sm90(
@@ -1240,6 +1248,27 @@ def mla_decode_sm90(
     if fp8_qk and jnp.dtype(kv_c_and_k_pe_cache.dtype) != FP8:
         raise ValueError(f"fp8_qk=True needs a float8_e4m3fn kv_c_and_k_pe_cache, got {kv_c_and_k_pe_cache.dtype}")
     check_page_offset(page_offset, kv_c_and_k_pe_cache.shape[0])
+    sms = int(num_sms) if num_sms is not None else _device_num_sms()
+    if (
+        jnp.dtype(kv_c_and_k_pe_cache.dtype) == BF16
+        and schedule == "grid"
+        and narrow_rows(q.shape[1] * q.shape[2]) is not None
+    ):  # few query rows on a bf16 cache: the tokens-on-M kernel (mla_decode_sm90_narrow)
+        offset = jnp.zeros((1,), jnp.int32) if page_offset is None else jnp.asarray(page_offset, jnp.int32).reshape(1)
+        return _narrow(
+            q,
+            kv_c_and_k_pe_cache,
+            block_table,
+            seq_lens,
+            offset,
+            scale=float(scale),
+            l=int(kv_lora_rank),
+            num_kv_splits=num_kv_splits,
+            batch_invariant=bool(batch_invariant),
+            interpret=static_interpret(interpret),
+            num_stages=num_stages,
+            sms=sms,
+        )
     if page_offset is not None:
         block_table = block_table + jnp.asarray(page_offset, jnp.int32)
     return _impl(
@@ -1257,12 +1286,6 @@ def mla_decode_sm90(
         fp8_stages=fp8_stages,
         fp8_compute=fp8_compute,
         fp8_qk=bool(fp8_qk),
-        sms=int(num_sms) if num_sms is not None else _device_num_sms(),
+        sms=sms,
         schedule=schedule,
-        # Few query rows on a bf16 cache: the tokens-on-M kernel (mla_decode_sm90_narrow).
-        narrow=(
-            jnp.dtype(kv_c_and_k_pe_cache.dtype) == BF16
-            and schedule == "grid"
-            and narrow_rows(q.shape[1] * q.shape[2]) is not None
-        ),
     )

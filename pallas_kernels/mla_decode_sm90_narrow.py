@@ -49,7 +49,6 @@ __all__ = ["NARROW_MAX_ROWS", "narrow_rows", "narrow_decode"]
 
 NARROW_MAX_ROWS = 32  # O^T [512, M] f32 is 4M registers a thread: 128 at M = 32
 PAGE_SIZE = 64
-_META = 6  # piece metadata columns, as mla_decode_sm90: (b, head tile, first page, pages, slot, tile length)
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a [G, M] / [L, M] accumulator (a query row)
 _TOK = plgpu.Layout.WGMMA.reduce(1)  # one value per row (a token of the page)
 
@@ -64,9 +63,13 @@ def narrow_rows(m_rows: int) -> int | None:
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
     rows: int  # the wgmma N: M rounded up to a power of two >= 8
+    nq: int  # query tokens per request (row r belongs to token r // heads)
+    heads: int
     l: int
     d: int
     stages: int
+    splits: int  # pieces per request (static): piece p = (request p // splits, split p % splits)
+    pps: int  # pages per split
     sm_scale: float
     interpret: bool
 
@@ -78,7 +81,6 @@ def _smem(cfg):
         plgpu.SMEM((cfg.rows, cfg.d), BF16, transforms=tiled(BF16)),  # Q
         plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.d), BF16, transforms=tiled(BF16)),  # ring
         plgpu.SMEM((cfg.rows, PAGE_SIZE), BF16, transforms=tiled(BF16)),  # P (B = P^T, K-major)
-        plgpu.SMEM((cfg.rows,), f32),  # row lengths (f32, exact below 2^24)
     ]
     final = [plgpu.SMEM((cfg.rows, cfg.l), BF16, transforms=tiled(BF16)), plgpu.SMEM((cfg.rows,), f32)]
     part = [plgpu.SMEM((cfg.l, cfg.rows), f32), plgpu.SMEM((cfg.rows,), f32)]
@@ -86,26 +88,39 @@ def _smem(cfg):
     return groups, max(map(smem_bytes, groups))
 
 
-def _kernel(q_gmem, kv_gmem, bt_gmem, lens_gmem, meta_gmem, out_gmem, lse_gmem, opart_gmem, lsepart_gmem, *, cfg):
+def _kernel(q_gmem, kv_gmem, bt_gmem, sl_gmem, off_gmem, out_gmem, lse_gmem, opart_gmem, lsepart_gmem, *, cfg):
+    """Piece p: request b = p // splits, pages [s * pps, s * pps + n) of its block table, s = p % splits.
+    Everything the piece needs is derived here from seq_lens and page_offset (no metadata step before the
+    launch: at one decode call per layer, each small XLA op before it is a kernel per layer)."""
     groups, _ = _smem(cfg)
+    g, l, stages = PAGE_SIZE, cfg.l, cfg.stages
+    capacity = bt_gmem.shape[1] * g
 
     def scoped(union, q_bar, kv_ready, kv_consumed, raw_bar):
-        (q_smem, ring, p_smem, lens_smem), (fin_o, fin_lse), (part_o, part_lse) = union
+        (q_smem, ring, p_smem), (fin_o, fin_lse), (part_o, part_lse) = union
         piece = lax.axis_index("piece")
-        b, first, n, slot, tile_len = (meta_gmem[piece, k] for k in (0, 2, 3, 4, 5))
-        last_rows = jnp.minimum(tile_len - (first + n - 1) * PAGE_SIZE, PAGE_SIZE)
+        b = lax.div(piece, jnp.int32(cfg.splits))
+        first = lax.rem(piece, jnp.int32(cfg.splits)) * cfg.pps
+        sl = [jnp.minimum(sl_gmem[b, t], capacity) for t in range(cfg.nq)]  # each query token's length
+        tile_len = functools.reduce(jnp.maximum, sl)
+        n = jnp.clip(lax.div(tile_len + g - 1, g) - first, 0, cfg.pps)
+        last_rows = jnp.minimum(tile_len - (first + n - 1) * g, g)
         wg = lax.axis_index("wg")
-        g, l, stages = PAGE_SIZE, cfg.l, cfg.stages
 
         @pl.when(wg == 0)
         def _consumer():
+            m_q = q_gmem.shape[1]  # real rows (multiple of 8); the rest of the tile has length 0
+
             @pl.when(n > 0)
             def _():
-                plgpu.copy_gmem_to_smem(q_gmem.at[b], q_smem, q_bar)
-                plgpu.copy_gmem_to_smem(lens_gmem.at[b], lens_smem, q_bar)
+                plgpu.copy_gmem_to_smem(q_gmem.at[b], q_smem.at[pl.ds(0, m_q)], q_bar)
                 plgpu.barrier_wait(q_bar)
 
-            lens = plgpu.load(lens_smem, (), layout=_COL).astype(jnp.int32)  # [M]
+            # Row r is query token r // heads's: its length; padding rows 0.
+            r = plgpu.broadcasted_iota(jnp.int32, (cfg.rows,), 0, layout=_COL)
+            lens = jnp.zeros((cfg.rows,), jnp.int32)
+            for t in range(cfg.nq):
+                lens = jnp.where((r >= t * cfg.heads) & (r < (t + 1) * cfg.heads), sl[t], lens)
             c = cfg.sm_scale * LOG2E
 
             def step(i, carry):
@@ -143,34 +158,33 @@ def _kernel(q_gmem, kv_gmem, bt_gmem, lens_gmem, meta_gmem, out_gmem, lse_gmem, 
             safe_l = jnp.where(has, l_i, 1.0)
             inv = jnp.where(has, 1.0 / safe_l, 0.0)
             lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * LN2, -jnp.inf)
-            # The staging aliases the ring: the producer's last TMA has landed (waited on above), and
-            # the loop's wgmmas are done.
+            # The staging aliases the ring: every TMA into it has landed (waited on above) and the
+            # loop's wgmmas are done.
             o = o * lax.broadcast_in_dim(inv, o.shape, [1])
 
-            @pl.when(slot == -1)
-            def _final():
+            if cfg.splits == 1:
                 fin_o.T[...] = o.astype(BF16)
                 fin_lse[...] = lse
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(fin_o, out_gmem.at[b])
                 plgpu.copy_smem_to_gmem(fin_lse, lse_gmem.at[b])
-                plgpu.wait_smem_to_gmem(0)
+            else:
 
-            @pl.when(slot >= 0)
-            def _partial():
-                @pl.when(n > 0)
+                @pl.when(n > 0)  # an empty split writes its lse (-inf) only; the merge never reads its output
                 def _():
                     part_o[...] = o
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(part_o, opart_gmem.at[slot])
+                    plgpu.copy_smem_to_gmem(part_o, opart_gmem.at[piece])
 
                 part_lse[...] = lse
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(part_lse, lsepart_gmem.at[slot])
-                plgpu.wait_smem_to_gmem(0)
+                plgpu.copy_smem_to_gmem(part_lse, lsepart_gmem.at[piece])
+            plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 1)
         def _producer():
+            page_offset = off_gmem[0]
+
             def step(i, _):
                 si = lax.rem(i, jnp.int32(stages))
 
@@ -179,7 +193,7 @@ def _kernel(q_gmem, kv_gmem, bt_gmem, lens_gmem, meta_gmem, out_gmem, lse_gmem, 
                     plgpu.barrier_wait(kv_consumed.at[si])
 
                 copy_zeroing_rows(
-                    kv_gmem.at[bt_gmem[b, first + i]],
+                    kv_gmem.at[bt_gmem[b, first + i] + page_offset],
                     ring.at[si],
                     kv_ready.at[si],
                     raw_bar,
@@ -200,7 +214,7 @@ def _kernel(q_gmem, kv_gmem, bt_gmem, lens_gmem, meta_gmem, out_gmem, lse_gmem, 
     pl.run_scoped(
         scoped,
         plgpu.RefUnion(*(tuple(gr) for gr in groups)),
-        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(),
         plgpu.Barrier(num_barriers=cfg.stages),
         plgpu.Barrier(num_barriers=cfg.stages),
         plgpu.Barrier(),
@@ -208,25 +222,46 @@ def _kernel(q_gmem, kv_gmem, bt_gmem, lens_gmem, meta_gmem, out_gmem, lse_gmem, 
     )
 
 
-def narrow_decode(q_rows, cache, block_table, row_lens, meta, *, rows, l, scale, stages, n_slots, interpret):
-    """One launch over the pieces in `meta` [P, 6] (mla_decode_sm90's grid or work list).
+def narrow_decode(q, cache, block_table, seq_lens, page_offset, *, scale, l, splits, stages, interpret):
+    """The kernel over B * splits pieces (request b's pages cut into `splits` equal static ranges).
 
-    q_rows bf16 [B, rows, L+R] (rows: `narrow_rows`, zero-padded), cache bf16 [pages, 64, L+R],
-    block_table i32 [B, max_pages] (page offset already added), row_lens f32 [B, rows].
-    Returns (out bf16 [B, rows, L], lse f32 [B, rows], o_part f32 [n_slots, L, rows] (transposed),
-    lse_part f32 [n_slots, rows]): pieces with slot -1 write out/lse, the others their slot."""
-    b, _, d = q_rows.shape
-    cfg = _Cfg(rows=rows, l=l, d=d, stages=stages, sm_scale=float(scale), interpret=bool(interpret))
-    out_type = (
-        jax.ShapeDtypeStruct((b, rows, l), BF16),
-        jax.ShapeDtypeStruct((b, rows), jnp.float32),
-        jax.ShapeDtypeStruct((n_slots, l, rows), jnp.float32),
-        jax.ShapeDtypeStruct((n_slots, rows), jnp.float32),
+    q [B, Q, N, L+R] (rows Q*N <= NARROW_MAX_ROWS), cache bf16 [pages, 64, L+R], block_table i32
+    [B, max_pages], seq_lens i32 [B, Q], page_offset i32 [1]. Returns, with R' = `narrow_rows(Q*N)`:
+    splits == 1: (out bf16 [B, R', L], lse f32 [B, R']); else the partials (o_part f32 [B * splits, L, R']
+    (transposed), lse_part f32 [B * splits, R'])."""
+    b, nq, n, d = q.shape
+    m_rows = nq * n
+    rows = narrow_rows(m_rows)
+    m_q = -(-m_rows // 8) * 8  # rows TMA'd: whole 8-row tiles of the shared-memory layout
+    q_rows = q.reshape(b, m_rows, d).astype(BF16)
+    if m_q != m_rows:
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, m_q - m_rows), (0, 0)))
+    max_pages = block_table.shape[1]
+    pps = -(-max_pages // splits)
+    splits = -(-max_pages // pps)
+    cfg = _Cfg(
+        rows=rows,
+        nq=nq,
+        heads=n,
+        l=l,
+        d=d,
+        stages=stages,
+        splits=splits,
+        pps=pps,
+        sm_scale=float(scale),
+        interpret=bool(interpret),
     )
+    f32 = jnp.float32
+    if splits == 1:
+        out_type = (jax.ShapeDtypeStruct((b, rows, l), BF16), jax.ShapeDtypeStruct((b, rows), f32))
+        unused = (jax.ShapeDtypeStruct((1, l, rows), f32), jax.ShapeDtypeStruct((1, rows), f32))
+    else:
+        out_type = (jax.ShapeDtypeStruct((1, rows, l), BF16), jax.ShapeDtypeStruct((1, rows), f32))
+        unused = (jax.ShapeDtypeStruct((b * splits, l, rows), f32), jax.ShapeDtypeStruct((b * splits, rows), f32))
     kernel = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg),
-        out_type=out_type,
-        grid=(meta.shape[0],),
+        out_type=out_type + unused,
+        grid=(b * splits,),
         grid_names=("piece",),
         num_threads=2,
         thread_name="wg",
@@ -234,11 +269,13 @@ def narrow_decode(q_rows, cache, block_table, row_lens, meta, *, rows, l, scale,
         # reduction scratch is not shared).
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=2048),
         interpret=interpret_params(interpret),
-        kernel_name=f"mla_decode_sm90_narrow_m{rows}_stages{stages}",
+        kernel_name=f"mla_decode_sm90_narrow_m{rows}_s{splits}_stages{stages}",
     )
-    return kernel(q_rows, cache, block_table, row_lens, meta)
+    out, lse, o_part, lse_part = kernel(q_rows, cache, block_table, seq_lens.astype(jnp.int32), page_offset)
+    return (out, lse) if splits == 1 else (o_part, lse_part)
 
 
 def smem_plan_bytes(rows: int, l: int, d: int, stages: int) -> int:
     """Shared memory a CTA of this kernel takes (the caller checks it against the budget)."""
-    return _smem(_Cfg(rows=rows, l=l, d=d, stages=stages, sm_scale=1.0, interpret=False))[1]
+    cfg = _Cfg(rows=rows, nq=1, heads=rows, l=l, d=d, stages=stages, splits=1, pps=1, sm_scale=1.0, interpret=False)
+    return _smem(cfg)[1]

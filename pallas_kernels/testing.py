@@ -295,6 +295,30 @@ DECODE_CASES = [
         max_pages=3,
         lens=[150, 0, 64],
     ),
+    # The narrow (tokens-on-M) kernel: Q=2 causal x 16 heads = 32 rows at page_offset 13 of a NaN pool,
+    # 3 splits (transposed f32 partials, one split empty for the short requests), an empty request.
+    _dc(
+        "narrow_q2_causal_n16_3splits_page_offset_bf16",
+        _SM90,
+        kernel=dict(num_kv_splits=3, page_offset=13),
+        b=3,
+        nq=2,
+        n=16,
+        max_pages=3,
+        lens=[190, 0, 65],
+        causal=True,
+    ),
+    # The narrow kernel with 12 heads: 16 rows TMA'd, 4 of them padding (length 0); one split, 1-stage ring.
+    _dc(
+        "narrow_n12_padded_1split_stages1_bf16",
+        _SM90,
+        kernel=dict(num_kv_splits=1, num_stages=1),
+        b=2,
+        nq=1,
+        n=12,
+        max_pages=3,
+        lens=[129, 1],
+    ),
     # Two head tiles, the second with 16 real rows (only those move), one split (final bf16
     # output staged directly), a 1-token request.
     _dc(
@@ -449,6 +473,30 @@ DECODE_GPU_CASES = [
         lens=[4000, 200],
     ),
     _dc("n128_bf16", _BOTH, bench=True, b=3, nq=1, n=128, max_pages=20, lens=[1200, 64, 999]),
+    # The narrow Hopper kernel: 8 heads, Q=2 causal (16 rows), 5 splits, a page offset; 32 rows, one split.
+    _dc(
+        "narrow_q2_causal_n8_5splits_page_offset",
+        _BOTH,
+        kernel=dict(num_kv_splits=5, page_offset=40),
+        seed=1010,
+        b=3,
+        nq=2,
+        n=8,
+        max_pages=32,
+        lens=[2000, 3, 0],
+        causal=True,
+    ),
+    _dc(
+        "narrow_n32_1split",
+        _BOTH,
+        kernel=dict(num_kv_splits=1),
+        seed=1011,
+        b=2,
+        nq=1,
+        n=32,
+        max_pages=40,
+        lens=[2500, 64],
+    ),
     _dc(
         "q4_causal_n32_batch_invariant",
         _BOTH,

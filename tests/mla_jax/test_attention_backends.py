@@ -73,22 +73,29 @@ def test_sparse_prefill_threshold_from_the_measured_table(monkeypatch):
 
 
 def test_hopper_decode_takes_few_rows_over_a_pool_of_64_bit_offsets():
-    """Below SM90_MIN_ROWS rows the Hopper decode declines (Triton is faster) unless the page pool exceeds 4 GB,
-    where the Triton lowering's 64-bit offsets made it 1.6x slower (attention.TRITON_64BIT_POOL_BYTES); batch 1
-    stays on Triton over any pool (latency-bound: the offsets cost nothing there)."""
+    """Below SM90_MIN_ROWS rows the Hopper decode takes a bf16 cache of <= 32 rows from batch 2 on (its narrow,
+    tokens-on-M kernel beat Triton at every pool size); an fp8 cache only over a pool above 4 GB, where the Triton
+    lowering's 64-bit offsets made it 1.6x slower (attention.TRITON_64BIT_POOL_BYTES); batch 1 stays on Triton
+    over any pool (latency-bound)."""
     from mla_jax import attention
 
+    def pool(dtype, over):
+        row = 64 * 576 * jnp.dtype(dtype).itemsize  # a page's bytes
+        return jax.ShapeDtypeStruct((attention.TRITON_64BIT_POOL_BYTES // row + over, 64, 576), dtype)
+
+    fp8 = jnp.float8_e4m3fn
     q = jax.ShapeDtypeStruct((128, 1, 16, 576), jnp.bfloat16)
-    row = 64 * 576 * 2  # a page's bytes
-    small = jax.ShapeDtypeStruct((attention.TRITON_64BIT_POOL_BYTES // row, 64, 576), jnp.bfloat16)
-    large = jax.ShapeDtypeStruct((attention.TRITON_64BIT_POOL_BYTES // row + 1, 64, 576), jnp.bfloat16)
-    assert "Triton is faster" in attention._sm90_declines(q, small, None, None)
-    assert attention._sm90_declines(q, large, None, None) is None
+    assert attention._sm90_declines(q, pool(jnp.bfloat16, 0), None, None) is None  # narrow kernel
+    assert attention._sm90_declines(q, pool(jnp.bfloat16, 1), None, None) is None
+    assert "Triton is faster" in attention._sm90_declines(q, pool(fp8, 0), None, None)
+    assert attention._sm90_declines(q, pool(fp8, 1), None, None) is None
+    q40 = jax.ShapeDtypeStruct((8, 1, 40, 576), jnp.bfloat16)  # past the narrow kernel's 32 rows
+    assert "Triton is faster" in attention._sm90_declines(q40, pool(jnp.bfloat16, 0), None, None)
     q1 = jax.ShapeDtypeStruct((1, 1, 16, 576), jnp.bfloat16)
-    assert "batch 1" in attention._sm90_declines(q1, large, None, None)
-    assert "Triton is faster" in attention._sm90_declines(q1, small, None, None)
+    for over in (0, 1):
+        assert "batch 1" in attention._sm90_declines(q1, pool(jnp.bfloat16, over), None, None)
     q48 = jax.ShapeDtypeStruct((8, 3, 16, 576), jnp.bfloat16)
-    assert attention._sm90_declines(q48, small, None, None) is None
+    assert attention._sm90_declines(q48, pool(jnp.bfloat16, 0), None, None) is None
 
 
 def test_every_decode_kernel_takes_page_offset():

@@ -440,3 +440,22 @@ def test_gpu_merge_segments():
     np.testing.assert_array_equal(np.asarray(got_lse)[~split], lse[~split])
     np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(np.asarray(got_lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("b,splits,m", [(1, 64, 16), (8, 16, 16), (128, 2, 32), (4, 5, 8)])
+def test_merge_splits_transposed_lowers_to_triton(monkeypatch, b, splits, m):
+    """The transposed merge's Triton IR generation on CPU (its [S', block_l, M] gather and the [block_l, M]
+    transpose), with an H200 stand-in for the device query: one kernel of >= 16 column blocks a request."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    monkeypatch.setattr(
+        pallas_call_registration.gpu_info_lib,
+        "get_gpu_info",
+        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
+    )
+    l = 512
+    f = jax.jit(lambda o, s: merge_splits(o, s, out_dtype=jnp.bfloat16, transposed=True))
+    args = (jax.ShapeDtypeStruct((b, splits, l, m), jnp.float32), jax.ShapeDtypeStruct((b, splits, m), jnp.float32))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert f"grid_x = {b} : i32, grid_y = 32 : i32" in text or f"grid_x = {b} : i32, grid_y = 16 : i32" in text
