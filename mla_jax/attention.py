@@ -36,7 +36,6 @@ from pallas_kernels import lightning_indexer as li
 from pallas_kernels import merge_attn_states as ms
 from pallas_kernels import mla_decode as md
 from pallas_kernels import mla_decode_sm90 as md90
-from pallas_kernels import mla_decode_sm90_narrow as md90n
 from pallas_kernels import sparse_mla_decode as smd
 from pallas_kernels import sparse_mla_decode_sm90 as smd90
 
@@ -79,9 +78,9 @@ def _decode_sm90_fp8qk(q, cache, block_table, seq_lens, **kw):
 # Fewest query rows (query tokens x heads, which share the 64-row Hopper kernel's wgmma tile) it takes on an fp8 cache;
 # fewer go to the Triton kernel, over a page pool of less than 4 GB. Measured on the H200 (decode-h200.json):
 # at 16 rows (16 heads, one token) Triton is faster there (1.04-1.19x); at 48 (16 heads x 3 speculative tokens) the
-# Hopper kernel is, 1.03-1.58x (B 8/32, ctx 1k/4k). A bf16 cache with up to 32 rows goes to the narrow Hopper kernel
-# (tokens on the wgmma M axis, `mla_decode_sm90_narrow`), faster than Triton at every pool size from batch 2: 80.6 vs
-# 102.8 us at (64, 16, 4096), 277 vs 325 us at (128, 16, 8192) (device time, 2026-12-02).
+# Hopper kernel is, 1.03-1.58x (B 8/32, ctx 1k/4k). Up to 32 rows of a bf16 cache (16 of an fp8 one) go to the narrow
+# Hopper kernel (tokens on the wgmma M axis, `mla_decode_sm90_narrow`), faster than Triton at every pool size from batch
+# 2: 80.6 vs 102.8 us at (64, 16, 4096), 277 vs 325 us at (128, 16, 8192) (bf16, device time, 2026-12-02).
 SM90_MIN_ROWS = 48
 # From 2^32 bytes of pool on, the Triton lowering indexes the pool with 64-bit offsets, computed per element of each
 # tile: at (128, 16, 4096) its kernel took 304 us over a 4.6 or 16 GB pool against 182 us over 4.0 GB, where the
@@ -92,12 +91,12 @@ SM90_MIN_ROWS = 48
 TRITON_64BIT_POOL_BYTES = 2**32
 
 
-def _sm90_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512, **_) -> str | None:
+def _sm90_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512, fp8_qk=False, **_) -> str | None:
     rows = q.shape[1] * q.shape[2]
     if rows < SM90_MIN_ROWS:
         if q.shape[0] == 1:
             return f"{rows} rows of one request (< {SM90_MIN_ROWS}: Triton is faster at batch 1 over any pool)"
-        narrow = jnp.dtype(cache.dtype) == jnp.bfloat16 and md90n.narrow_rows(rows) is not None
+        narrow = md90.uses_narrow(rows, cache.dtype, fp8_qk=fp8_qk)
         if not narrow and cache.size * jnp.dtype(cache.dtype).itemsize <= TRITON_64BIT_POOL_BYTES:
             return (
                 f"{q.shape[2]} heads x {q.shape[1]} query tokens = {rows} rows of a {cache.dtype} cache over a pool "
@@ -109,7 +108,7 @@ def _sm90_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512, **_) ->
 def _sm90_fp8qk_declines(q, cache, *args, **kw) -> str | None:
     if jnp.dtype(cache.dtype) != jnp.float8_e4m3fn:
         return f"the cache is {cache.dtype}, not float8_e4m3fn"
-    return _sm90_declines(q, cache, *args, **kw)
+    return _sm90_declines(q, cache, *args, fp8_qk=True, **kw)
 
 
 def _pow2_at_least_16(x: int) -> bool:

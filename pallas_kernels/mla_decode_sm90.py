@@ -1137,6 +1137,7 @@ def _narrow(
     block_table,
     seq_lens,
     page_offset,
+    kv_scale,
     *,
     scale,
     l,
@@ -1146,14 +1147,15 @@ def _narrow(
     num_stages,
     sms,
 ):
-    """Few query rows (bf16 cache, grid schedule): the tokens-on-M kernel of mla_decode_sm90_narrow,
-    B * splits pieces; split partials come back transposed and merge as such. With one split the call is
-    one kernel (page offset, row lengths and piece bounds are derived inside it)."""
+    """Few query rows (grid schedule): the tokens-on-M kernel of mla_decode_sm90_narrow, B * splits pieces;
+    split partials come back transposed and merge as such. With one split the call is one kernel (page
+    offset, row lengths and piece bounds are derived inside it; an fp8 cache adds q's hi/lo split)."""
     b, nq, n, d = q.shape
     m_rows = nq * n
-    rows = narrow_rows(m_rows)
+    fp8 = jnp.dtype(cache.dtype) == FP8
+    rows = narrow_rows(m_rows, fp8)
     stages = num_stages or 2
-    smem = smem_plan_bytes(rows, l, d, stages)
+    smem = smem_plan_bytes(rows, l, d, stages, fp8)
     if smem > SMEM_BYTES:
         raise ValueError(f"num_stages={stages} needs {smem} B of shared memory per CTA; {SMEM_BYTES} B are available")
     max_pages = block_table.shape[1]
@@ -1165,6 +1167,7 @@ def _narrow(
         block_table,
         seq_lens,
         page_offset,
+        kv_scale=kv_scale,
         scale=scale,
         l=l,
         splits=splits,
@@ -1182,6 +1185,14 @@ def _narrow(
     if rows != m_rows:
         out, lse = out[:, :m_rows], lse[:, :m_rows]
     return out.reshape(b, nq, n, l).astype(q.dtype), lse.reshape(b, nq, n)
+
+
+def uses_narrow(m_rows: int, cache_dtype, *, schedule: str = "grid", fp8_qk: bool = False) -> bool:
+    """Whether `mla_decode_sm90` runs the narrow (tokens-on-M) kernel for `m_rows` query rows a request: up to
+    `mla_decode_sm90_narrow.NARROW_MAX_ROWS` on a bf16 cache, `NARROW_FP8_MAX_ROWS` on an fp8 one (exact; the
+    opt-in lossy fp8_qk mode keeps the 64-row kernel), with the static split grid."""
+    fp8 = jnp.dtype(cache_dtype) == FP8
+    return schedule == "grid" and not (fp8 and fp8_qk) and narrow_rows(m_rows, fp8) is not None
 
 
 def mla_decode_sm90(
@@ -1249,11 +1260,7 @@ def mla_decode_sm90(
         raise ValueError(f"fp8_qk=True needs a float8_e4m3fn kv_c_and_k_pe_cache, got {kv_c_and_k_pe_cache.dtype}")
     check_page_offset(page_offset, kv_c_and_k_pe_cache.shape[0])
     sms = int(num_sms) if num_sms is not None else _device_num_sms()
-    if (
-        jnp.dtype(kv_c_and_k_pe_cache.dtype) == BF16
-        and schedule == "grid"
-        and narrow_rows(q.shape[1] * q.shape[2]) is not None
-    ):  # few query rows on a bf16 cache: the tokens-on-M kernel (mla_decode_sm90_narrow)
+    if uses_narrow(q.shape[1] * q.shape[2], kv_c_and_k_pe_cache.dtype, schedule=schedule, fp8_qk=fp8_qk):
         offset = jnp.zeros((1,), jnp.int32) if page_offset is None else jnp.asarray(page_offset, jnp.int32).reshape(1)
         return _narrow(
             q,
@@ -1261,6 +1268,7 @@ def mla_decode_sm90(
             block_table,
             seq_lens,
             offset,
+            kv_scale,
             scale=float(scale),
             l=int(kv_lora_rank),
             num_kv_splits=num_kv_splits,

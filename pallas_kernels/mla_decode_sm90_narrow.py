@@ -1,8 +1,9 @@
 """Hopper paged latent-MQA decode for few query rows (M = Q*N <= 32): tokens on the wgmma M axis.
 
 `mla_decode_sm90` runs this kernel when a request has at most `NARROW_MAX_ROWS` query rows (N=16
-heads: DeepSeek-V3 under TP 8, V2-Lite; N=16 with one speculative token), the rest as 64-row tiles
-(`mla_decode_sm90._kernel`). Its float32 reference is `mla_decode_reference`.
+heads: DeepSeek-V3 under TP 8, V2-Lite; N=16 with one speculative token; an fp8 cache: up to
+`NARROW_FP8_MAX_ROWS`), the rest as 64-row tiles (`mla_decode_sm90._kernel`). Its float32 reference is
+`mla_decode_reference`.
 
 Why: a wgmma's M is 64. With rows on M, 16 rows fill a quarter of the tile, and both products run at
 4x their useful FLOPs; at N=16 the padded 64-row kernel is bound by that padding, not by the cache
@@ -17,19 +18,24 @@ The online softmax runs over the columns of S^T (one per query row): each page's
 cross-warp reduction (the 64 tokens span the warpgroup's 4 warps); the column sums are kept
 elementwise in a [G, M] accumulator and reduced once at the end. O^T is [L, M] f32: 4M registers
 a thread (128 at M = 32), so one consumer warpgroup holds all L columns, and a producer warpgroup
-keeps the next page in flight (one TMA per page, the `stages`-deep ring of mla_decode_sm90, zeroing
-the rows past the length on a partial last page). Per 64-token page the consumer's wgmmas take
-~0.7 us at N=16 while a bf16 page (72 KB) takes ~2.2 us to arrive at the SM's share of HBM
-bandwidth: the kernel is bound by the cache bytes, as decode at few rows should be.
+keeps the next page in flight (one TMA per page, a `stages`-deep ring, zeroing the rows past the
+length on a partial last page). The kernel is bound by the cache bytes, as decode at few rows
+should be: 277 us at (128, 16, 8192), 4.4 TB/s of cache reads (bench/results/decode-h200.json).
+
+fp8 cache (e4m3 rows, a float32 scale per token), exact up to float32 and the fp8 wgmma's
+accumulation: Hopper's fp8 wgmma reads B only K-major, so of the two products only QK^T can run on the
+fp8 page as it lands. Q is split per row into two e4m3 terms, q ~= q_hi s_hi + q_lo s_lo
+(`quantize_q_hilo`: the bf16 q's 8 significant bits as 4 + 4, exact but for underflow), and S^T is
+the sum of the two fp8 products, the hi product accumulated in float32 every `_QK_CHUNK` columns
+(the fp8 wgmma accumulates at reduced precision: DeepSeek-V3 report 3.3.2), times the tokens' scales.
+V's L columns are cast to bf16 (exact) by the producer and a third warpgroup, half each, into a
+2-deep bf16 ring while the consumer runs QK^T on the fp8 slot; P is multiplied by the tokens'
+scales before P.V. Shared memory: fp8 ring 2 x 36 KB, V ring 2 x 64 KB, Q 2 x 9 KB: rows <= 16.
 
 Outputs: the final output [rows, L] through a transposed store of O^T into a [rows, L] staging tile
 (the bf16 tile takes a transposed register store; an f32 one does not lower), then TMA; split
-partials stay transposed, [L, rows] f32 per slot, merged by `mla_decode.merge_splits(...,
-transposed=True)`.
-
-bf16 caches only (fp8 caches take the 64-row kernel). Pieces, metadata and splits are those of
-`mla_decode_sm90` (its `_grid_pieces`, passed in as `meta`).
-"""
+partials stay transposed, [L, rows] f32 per piece, merged by `mla_decode.merge_splits(...,
+transposed=True)`. Pieces are static: request b's pages cut into `splits` equal ranges."""
 
 from __future__ import annotations
 
@@ -43,21 +49,51 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mgpu import copy_zeroing_rows, interpret_params, smem_bytes, tiled, wgmma_accumulate
-from pallas_kernels.util import BF16, LN2, LOG2E, M_INIT, next_pow2
+from pallas_kernels.util import BF16, FP8, LN2, LOG2E, M_INIT, next_pow2
 
-__all__ = ["NARROW_MAX_ROWS", "narrow_rows", "narrow_decode"]
+__all__ = ["NARROW_MAX_ROWS", "NARROW_FP8_MAX_ROWS", "narrow_rows", "narrow_decode", "quantize_q_hilo"]
 
 NARROW_MAX_ROWS = 32  # O^T [512, M] f32 is 4M registers a thread: 128 at M = 32
+NARROW_FP8_MAX_ROWS = 16  # fp8: shared memory (two rings) and the QK^T chunk accumulators
 PAGE_SIZE = 64
+_QK_CHUNK = 128  # fp8 QK^T: columns per float32 promotion of the hi product (DeepGEMM's recipe)
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a [G, M] / [L, M] accumulator (a query row)
 _TOK = plgpu.Layout.WGMMA.reduce(1)  # one value per row (a token of the page)
 
 
-def narrow_rows(m_rows: int) -> int | None:
+def narrow_rows(m_rows: int, fp8: bool = False) -> int | None:
     """The wgmma N this kernel uses for `m_rows` query rows (the next power of two >= 8: the split
-    merge's Triton tiles are powers of two), or None past its limit."""
+    merge's Triton tiles are powers of two), or None past its limit (`NARROW_MAX_ROWS`, fp8 cache
+    `NARROW_FP8_MAX_ROWS`)."""
     rows = max(8, next_pow2(m_rows))
-    return rows if 0 < m_rows and rows <= NARROW_MAX_ROWS else None
+    return rows if 0 < m_rows and rows <= min(NARROW_MAX_ROWS, NARROW_FP8_MAX_ROWS if fp8 else 1 << 30) else None
+
+
+def quantize_q_hilo(q):
+    """q [..., D] -> (q_hi, s_hi, q_lo, s_lo): e4m3 [..., D] and float32 [...] per row, q ~= q_hi s_hi + q_lo s_lo.
+
+    The scales are powers of two (amax / 448 rounded up), so q_hi s_hi lies on q's binary grid: a bf16 q has 8
+    significant bits, its residual after q_hi's 4 at most 4 more, which q_lo (at its own power-of-two scale)
+    holds exactly unless it underflows e4m3 (below 2^-6 of the row's largest residual, 2^-9 subnormal).
+    All-zero rows (or residuals) get scale 1."""
+    q = q.astype(jnp.float32)
+
+    def split(x):
+        amax = jnp.max(jnp.abs(x), axis=-1)
+        sc = jnp.where(amax > 0, jnp.exp2(jnp.ceil(jnp.log2(jnp.where(amax > 0, amax, 1.0) / 448.0))), 1.0)
+        sc = jnp.where(amax > 448.0 * sc, 2.0 * sc, sc)  # an inexact log2 just below a power of two
+        x8 = (x / sc[..., None]).astype(FP8)
+        return x8, sc, x - _f32(x8) * sc[..., None]
+
+    q_hi, s_hi, r = split(q)
+    q_lo, s_lo, _ = split(r)
+    return q_hi, s_hi, q_lo, s_lo
+
+
+def _f32(x8):
+    # e4m3 -> float32 that XLA cannot fold into the convert that made it (fp8_matmul._f32: on the GPU,
+    # SimplifyFPConversions would otherwise drop the rounding of a quantize -> dequantize in one jit).
+    return lax.optimization_barrier(x8).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,37 +103,73 @@ class _Cfg:
     heads: int
     l: int
     d: int
-    stages: int
+    stages: int  # page ring depth (bf16 cache), or V ring depth (fp8)
     splits: int  # pieces per request (static): piece p = (request p // splits, split p % splits)
     pps: int  # pages per split
     sm_scale: float
     interpret: bool
+    fp8: bool = False
+    fp8_stages: int = 2  # fp8 page ring depth
 
 
 def _smem(cfg):
     """Aliased groups: the loop's buffers | final output staging | f32 partial staging."""
     f32 = jnp.float32
-    loop = [
-        plgpu.SMEM((cfg.rows, cfg.d), BF16, transforms=tiled(BF16)),  # Q
-        plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.d), BF16, transforms=tiled(BF16)),  # ring
-        plgpu.SMEM((cfg.rows, PAGE_SIZE), BF16, transforms=tiled(BF16)),  # P (B = P^T, K-major)
-    ]
+    if cfg.fp8:
+        loop = [
+            plgpu.SMEM((2, cfg.rows, cfg.d), FP8, transforms=tiled(FP8, 64)),  # Q: hi, lo
+            plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), FP8, transforms=tiled(FP8, 64)),  # fp8 pages
+            plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l), BF16, transforms=tiled(BF16)),  # V, cast
+            plgpu.SMEM((cfg.rows, PAGE_SIZE), BF16, transforms=tiled(BF16)),  # P
+            plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE), f32),  # the pages' token scales
+            plgpu.SMEM((2, cfg.rows), f32),  # Q's row scales: hi, lo
+        ]
+    else:
+        loop = [
+            plgpu.SMEM((cfg.rows, cfg.d), BF16, transforms=tiled(BF16)),  # Q
+            plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.d), BF16, transforms=tiled(BF16)),  # pages
+            plgpu.SMEM((cfg.rows, PAGE_SIZE), BF16, transforms=tiled(BF16)),  # P (B = P^T, K-major)
+        ]
     final = [plgpu.SMEM((cfg.rows, cfg.l), BF16, transforms=tiled(BF16)), plgpu.SMEM((cfg.rows,), f32)]
     part = [plgpu.SMEM((cfg.l, cfg.rows), f32), plgpu.SMEM((cfg.rows,), f32)]
     groups = [loop, final, part]
     return groups, max(map(smem_bytes, groups))
 
 
-def _kernel(q_gmem, kv_gmem, bt_gmem, sl_gmem, off_gmem, out_gmem, lse_gmem, opart_gmem, lsepart_gmem, *, cfg):
+def _barriers(cfg):
+    if not cfg.fp8:
+        return dict(
+            q_bar=plgpu.Barrier(),  # Q landed
+            kv_ready=plgpu.Barrier(num_barriers=cfg.stages),  # page landed (TMA, or producer after zeroing)
+            kv_consumed=plgpu.Barrier(num_barriers=cfg.stages),  # consumer done with the slot
+            raw_bar=plgpu.Barrier(),  # a partial last page's TMA, before its zeroing
+        )
+    return dict(
+        q_bar=plgpu.Barrier(num_arrivals=3),  # Q hi, lo and their scales
+        f_ready=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.fp8_stages),  # fp8 page and its scales
+        # QK^T and the scales read (consumer), both halves of V cast (producer, caster)
+        f_free=plgpu.Barrier(num_arrivals=3, num_barriers=cfg.fp8_stages),
+        v_ready=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),  # both halves of V cast
+        v_free=plgpu.Barrier(num_barriers=cfg.stages),  # consumer's P.V done
+    )
+
+
+def _kernel(*refs, cfg):
     """Piece p: request b = p // splits, pages [s * pps, s * pps + n) of its block table, s = p % splits.
     Everything the piece needs is derived here from seq_lens and page_offset (no metadata step before the
     launch: at one decode call per layer, each small XLA op before it is a kernel per layer)."""
+    if cfg.fp8:
+        q_gmem, qs_gmem, kv_gmem, ks_gmem, bt_gmem, sl_gmem, off_gmem, *outs = refs
+    else:
+        q_gmem, kv_gmem, bt_gmem, sl_gmem, off_gmem, *outs = refs
+        qs_gmem = ks_gmem = None
+    out_gmem, lse_gmem, opart_gmem, lsepart_gmem = outs
     groups, _ = _smem(cfg)
-    g, l, stages = PAGE_SIZE, cfg.l, cfg.stages
+    g, l = PAGE_SIZE, cfg.l
     capacity = bt_gmem.shape[1] * g
 
-    def scoped(union, q_bar, kv_ready, kv_consumed, raw_bar):
-        (q_smem, ring, p_smem), (fin_o, fin_lse), (part_o, part_lse) = union
+    def scoped(union, **bars):
+        loop, (fin_o, fin_lse), (part_o, part_lse) = union
         piece = lax.axis_index("piece")
         b = lax.div(piece, jnp.int32(cfg.splits))
         first = lax.rem(piece, jnp.int32(cfg.splits)) * cfg.pps
@@ -105,63 +177,21 @@ def _kernel(q_gmem, kv_gmem, bt_gmem, sl_gmem, off_gmem, out_gmem, lse_gmem, opa
         tile_len = functools.reduce(jnp.maximum, sl)
         n = jnp.clip(lax.div(tile_len + g - 1, g) - first, 0, cfg.pps)
         last_rows = jnp.minimum(tile_len - (first + n - 1) * g, g)
-        wg = lax.axis_index("wg")
 
-        @pl.when(wg == 0)
-        def _consumer():
-            m_q = q_gmem.shape[1]  # real rows (multiple of 8); the rest of the tile has length 0
+        def page_rows(i):  # rows of page i inside the length (< G only on the request's partial last page)
+            return jnp.where(i == n - 1, last_rows, g)
 
-            @pl.when(n > 0)
-            def _():
-                plgpu.copy_gmem_to_smem(q_gmem.at[b], q_smem.at[pl.ds(0, m_q)], q_bar)
-                plgpu.barrier_wait(q_bar)
+        def page_id(i):
+            return bt_gmem[b, first + i] + off_gmem[0]
 
-            # Row r is query token r // heads's: its length; padding rows 0.
-            r = plgpu.broadcasted_iota(jnp.int32, (cfg.rows,), 0, layout=_COL)
-            lens = jnp.zeros((cfg.rows,), jnp.int32)
-            for t in range(cfg.nq):
-                lens = jnp.where((r >= t * cfg.heads) & (r < (t + 1) * cfg.heads), sl[t], lens)
-            c = cfg.sm_scale * LOG2E
-
-            def step(i, carry):
-                o, m_i, l_acc = carry
-                si = lax.rem(i, jnp.int32(stages))
-                plgpu.barrier_wait(kv_ready.at[si])
-
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, ring.at[si], q_smem.T)
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((g, cfg.rows), jnp.float32))  # [G, M]
-                tok = (first + i) * g + plgpu.broadcasted_iota(jnp.int32, (g, cfg.rows), 0, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(tok < lax.broadcast_in_dim(lens, s.shape, [1]), s * c, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=0))  # [M]: across the 4 warps
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-                l_acc = l_acc * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
-                p_smem.T[...] = p.astype(BF16)
-                plgpu.commit_smem()
-                o = o * lax.broadcast_in_dim(alpha, o.shape, [1])
-                o = wgmma_accumulate(o, ring.at[si, :, pl.ds(0, l)].T, p_smem.T, interpret=cfg.interpret)
-                plgpu.barrier_arrive(kv_consumed.at[si])
-                return o, m_new, l_acc
-
-            f32 = jnp.float32
-            init = (
-                plgpu.layout_cast(jnp.zeros((l, cfg.rows), f32), plgpu.Layout.WGMMA),
-                plgpu.layout_cast(jnp.full((cfg.rows,), M_INIT, f32), _COL),
-                plgpu.layout_cast(jnp.zeros((g, cfg.rows), f32), plgpu.Layout.WGMMA),
-            )
-            o, m_i, l_acc = lax.fori_loop(0, n, step, init)
+        def epilogue(o, m_i, l_acc):
             l_i = l_acc.sum(axis=0)  # [M]
             has = l_i > 0
             safe_l = jnp.where(has, l_i, 1.0)
             inv = jnp.where(has, 1.0 / safe_l, 0.0)
             lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * LN2, -jnp.inf)
-            # The staging aliases the ring: every TMA into it has landed (waited on above) and the
-            # loop's wgmmas are done.
+            # The staging aliases the rings: every TMA into them has landed and every wgmma is done.
             o = o * lax.broadcast_in_dim(inv, o.shape, [1])
-
             if cfg.splits == 1:
                 fin_o.T[...] = o.astype(BF16)
                 fin_lse[...] = lse
@@ -181,22 +211,106 @@ def _kernel(q_gmem, kv_gmem, bt_gmem, sl_gmem, off_gmem, out_gmem, lse_gmem, opa
                 plgpu.copy_smem_to_gmem(part_lse, lsepart_gmem.at[piece])
             plgpu.wait_smem_to_gmem(0)
 
+        def online_softmax(s, lens, i, carry, p_smem, v_t, p_scale):
+            """One page: s [G, M] f32 logits (log2 units, unmasked) -> updated (O^T, m, l_acc); v_t: the
+            page's V^T [L, G] in shared memory; p_scale [G] (fp8: the tokens' scales) or None."""
+            o, m_i, l_acc = carry
+            tok = (first + i) * g + plgpu.broadcasted_iota(jnp.int32, (g, cfg.rows), 0, layout=plgpu.Layout.WGMMA)
+            s = jnp.where(tok < lax.broadcast_in_dim(lens, s.shape, [1]), s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=0))  # [M]: across the 4 warps
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+            l_acc = l_acc * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
+            if p_scale is not None:  # V = fp8 row * scale: the scale goes into p
+                p = p * lax.broadcast_in_dim(p_scale, p.shape, [0])
+            p_smem.T[...] = p.astype(BF16)
+            plgpu.commit_smem()
+            o = o * lax.broadcast_in_dim(alpha, o.shape, [1])
+            return o, m_new, l_acc, v_t
+
+        def init():
+            f32 = jnp.float32
+            return (
+                plgpu.layout_cast(jnp.zeros((l, cfg.rows), f32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((cfg.rows,), M_INIT, f32), _COL),
+                plgpu.layout_cast(jnp.zeros((g, cfg.rows), f32), plgpu.Layout.WGMMA),
+            )
+
+        def row_lens():
+            # Row r is query token r // heads's: its length; padding rows 0.
+            r = plgpu.broadcasted_iota(jnp.int32, (cfg.rows,), 0, layout=_COL)
+            lens = jnp.zeros((cfg.rows,), jnp.int32)
+            for t in range(cfg.nq):
+                lens = jnp.where((r >= t * cfg.heads) & (r < (t + 1) * cfg.heads), sl[t], lens)
+            return lens
+
+        wg = lax.axis_index("wg")
+        c = cfg.sm_scale * LOG2E
+        m_q = q_gmem.shape[-2]  # real rows (multiple of 8); the rest of the tile has length 0
+        if cfg.fp8:
+            _fp8_body(
+                cfg,
+                loop,
+                bars,
+                wg,
+                b,
+                n,
+                page_rows,
+                page_id,
+                c,
+                m_q,
+                row_lens,
+                init,
+                online_softmax,
+                epilogue,
+                q_gmem,
+                qs_gmem,
+                kv_gmem,
+                ks_gmem,
+            )
+            return
+        q_smem, ring, p_smem = loop
+        stages = cfg.stages
+
+        @pl.when(wg == 0)
+        def _consumer():
+            @pl.when(n > 0)
+            def _():
+                plgpu.copy_gmem_to_smem(q_gmem.at[b], q_smem.at[pl.ds(0, m_q)], bars["q_bar"])
+                plgpu.barrier_wait(bars["q_bar"])
+
+            lens = row_lens()
+
+            def step(i, carry):
+                si = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(bars["kv_ready"].at[si])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, ring.at[si], q_smem.T)
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((g, cfg.rows), jnp.float32)) * c  # [G, M]
+                o, m_new, l_acc, v_t = online_softmax(s, lens, i, carry, p_smem, ring.at[si, :, pl.ds(0, l)].T, None)
+                o = wgmma_accumulate(o, v_t, p_smem.T, interpret=cfg.interpret)
+                plgpu.barrier_arrive(bars["kv_consumed"].at[si])
+                return o, m_new, l_acc
+
+            epilogue(*lax.fori_loop(0, n, step, init()))
+
         @pl.when(wg == 1)
         def _producer():
-            page_offset = off_gmem[0]
-
             def step(i, _):
                 si = lax.rem(i, jnp.int32(stages))
 
                 @pl.when(i >= stages)
                 def _():
-                    plgpu.barrier_wait(kv_consumed.at[si])
+                    plgpu.barrier_wait(bars["kv_consumed"].at[si])
 
                 copy_zeroing_rows(
-                    kv_gmem.at[bt_gmem[b, first + i] + page_offset],
+                    kv_gmem.at[page_id(i)],
                     ring.at[si],
-                    kv_ready.at[si],
-                    raw_bar,
+                    bars["kv_ready"].at[si],
+                    bars["raw_bar"],
                     partial=(i == n - 1) & (last_rows < g),
                     lo=0,
                     hi=last_rows,
@@ -204,38 +318,162 @@ def _kernel(q_gmem, kv_gmem, bt_gmem, sl_gmem, off_gmem, out_gmem, lse_gmem, opa
                 return ()
 
             lax.fori_loop(0, n, step, ())
+            _drain(bars["kv_consumed"], n, stages)
 
-            def drain(i, _):  # each waiter observes every phase of kv_consumed
-                plgpu.barrier_wait(kv_consumed.at[lax.rem(i, jnp.int32(stages))])
-                return ()
-
-            lax.fori_loop(jnp.maximum(n - stages, 0), n, drain, ())
-
-    pl.run_scoped(
-        scoped,
-        plgpu.RefUnion(*(tuple(gr) for gr in groups)),
-        plgpu.Barrier(),
-        plgpu.Barrier(num_barriers=cfg.stages),
-        plgpu.Barrier(num_barriers=cfg.stages),
-        plgpu.Barrier(),
-        collective_axes="wg",
-    )
+    pl.run_scoped(scoped, plgpu.RefUnion(*(tuple(gr) for gr in groups)), collective_axes="wg", **_barriers(cfg))
 
 
-def narrow_decode(q, cache, block_table, seq_lens, page_offset, *, scale, l, splits, stages, interpret):
+def _drain(bar, n, depth):
+    """Wait for the last `depth` phases of a per-slot barrier: each waiter observes every phase."""
+
+    def body(i, _):
+        plgpu.barrier_wait(bar.at[lax.rem(i, jnp.int32(depth))])
+        return ()
+
+    lax.fori_loop(jnp.maximum(n - depth, 0), n, body, ())
+
+
+def _fp8_body(
+    cfg,
+    loop,
+    bars,
+    wg,
+    b,
+    n,
+    page_rows,
+    page_id,
+    c,
+    m_q,
+    row_lens,
+    init,
+    online_softmax,
+    epilogue,
+    q_gmem,
+    qs_gmem,
+    kv_gmem,
+    ks_gmem,
+):
+    """fp8 cache, 3 warpgroups: 0 consumer (fp8 QK^T on the fp8 slot, softmax, bf16 P.V on the cast V),
+    1 producer (TMA of pages and scales, then casts V's second half), 2 caster (V's first half)."""
+    q8, f_ring, v_ring, p_smem, ks_ring, q_scales = loop
+    g, l, d = PAGE_SIZE, cfg.l, cfg.d
+    fst, vst = cfg.fp8_stages, cfg.stages
+    half = l // 2
+
+    def cast(i, chunks):
+        """V columns of page i's fp8 slot -> bf16 in its V slot, exact; rows past the length zeroed (p = 0
+        there, but 0 * NaN garbage would poison P.V)."""
+        fs, vs = lax.rem(i, jnp.int32(fst)), lax.rem(i, jnp.int32(vst))
+        plgpu.barrier_wait(bars["f_ready"].at[fs])
+
+        @pl.when(i >= vst)
+        def _():
+            plgpu.barrier_wait(bars["v_free"].at[vs])
+
+        keep = plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=plgpu.Layout.WGMMA) < page_rows(i)
+        for ch in chunks:
+            x = f_ring.at[fs, :, pl.ds(64 * ch, 64)][...].astype(jnp.float32).astype(BF16)
+            v_ring.at[vs, :, pl.ds(64 * ch, 64)][...] = jnp.where(keep, x, jnp.zeros((), BF16))
+        plgpu.commit_smem()  # generic-proxy writes before the wgmma reads; reads before the next TMA
+        plgpu.barrier_arrive(bars["v_ready"].at[vs])
+        plgpu.barrier_arrive(bars["f_free"].at[fs])
+
+    @pl.when(wg == 0)
+    def _consumer():
+        @pl.when(n > 0)
+        def _():
+            for h in range(2):  # hi, lo (one TMA each: a 3-D tiled copy would need 6 dimensions)
+                plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q8.at[h, pl.ds(0, m_q)], bars["q_bar"])
+            plgpu.copy_gmem_to_smem(qs_gmem.at[b], q_scales, bars["q_bar"])
+            plgpu.barrier_wait(bars["q_bar"])
+
+        lens = row_lens()
+        s_hi = plgpu.load(q_scales.at[0], (), layout=_COL) * c
+        s_lo = plgpu.load(q_scales.at[1], (), layout=_COL) * c
+        chunks = [(k, min(_QK_CHUNK, d - k)) for k in range(0, d, _QK_CHUNK)]
+
+        def step(i, carry):
+            fs, vs = lax.rem(i, jnp.int32(fst)), lax.rem(i, jnp.int32(vst))
+            plgpu.barrier_wait(bars["f_ready"].at[fs])
+            page = f_ring.at[fs]
+
+            def qk(*accs):
+                # The hi product in float32 partial sums of _QK_CHUNK columns; the lo product (2^-4 of it) whole.
+                for (k0, w), acc in zip(chunks, accs[:-1]):
+                    plgpu.wgmma(acc, page.at[:, pl.ds(k0, w)], q8.at[0, :, pl.ds(k0, w)].T)
+                plgpu.wgmma(accs[-1], page, q8.at[1].T)
+                return [acc[...] for acc in accs]
+
+            accs = pl.run_scoped(qk, *[plgpu.ACC((g, cfg.rows), jnp.float32) for _ in range(len(chunks) + 1)])
+            hi = functools.reduce(jnp.add, accs[:-1])
+            s = hi * lax.broadcast_in_dim(s_hi, hi.shape, [1]) + accs[-1] * lax.broadcast_in_dim(s_lo, hi.shape, [1])
+            tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_TOK)
+            ks = jnp.where(tok < page_rows(i), plgpu.load(ks_ring.at[fs], (), layout=_TOK), 0.0)  # [G]
+            plgpu.commit_smem()  # the scales' generic-proxy read before the next TMA into the slot
+            plgpu.barrier_arrive(bars["f_free"].at[fs])
+            s = s * lax.broadcast_in_dim(ks, s.shape, [0])
+            o, m_new, l_acc, v_t = online_softmax(s, lens, i, carry, p_smem, v_ring.at[vs].T, ks)
+            plgpu.barrier_wait(bars["v_ready"].at[vs])
+            o = wgmma_accumulate(o, v_t, p_smem.T, interpret=cfg.interpret)
+            plgpu.barrier_arrive(bars["v_free"].at[vs])
+            return o, m_new, l_acc
+
+        epilogue(*lax.fori_loop(0, n, step, init()))
+
+    @pl.when(wg == 1)
+    def _producer():
+        def fetch(i):
+            fs = lax.rem(i, jnp.int32(fst))
+            plgpu.copy_gmem_to_smem(kv_gmem.at[page_id(i)], f_ring.at[fs], bars["f_ready"].at[fs])
+            plgpu.copy_gmem_to_smem(ks_gmem.at[page_id(i)], ks_ring.at[fs], bars["f_ready"].at[fs])
+
+        for j in range(fst):
+            pl.when(j < n)(functools.partial(fetch, jnp.int32(j)))
+
+        def step(i, _):
+            cast(i, range(half // 64, l // 64))
+            fs = lax.rem(i, jnp.int32(fst))
+            plgpu.barrier_wait(bars["f_free"].at[fs])  # QK^T, the scales and both casts are done with it
+            pl.when(i + fst < n)(lambda: fetch(i + fst))
+            return ()
+
+        lax.fori_loop(0, n, step, ())
+        _drain(bars["v_free"], n, vst)
+
+    @pl.when(wg == 2)
+    def _caster():
+        def step(i, _):
+            cast(i, range(half // 64))
+            return ()
+
+        lax.fori_loop(0, n, step, ())
+        _drain(bars["v_free"], n, vst)
+
+
+def narrow_decode(q, cache, block_table, seq_lens, page_offset, *, scale, l, splits, stages, interpret, kv_scale=None):
     """The kernel over B * splits pieces (request b's pages cut into `splits` equal static ranges).
 
-    q [B, Q, N, L+R] (rows Q*N <= NARROW_MAX_ROWS), cache bf16 [pages, 64, L+R], block_table i32
-    [B, max_pages], seq_lens i32 [B, Q], page_offset i32 [1]. Returns, with R' = `narrow_rows(Q*N)`:
-    splits == 1: (out bf16 [B, R', L], lse f32 [B, R']); else the partials (o_part f32 [B * splits, L, R']
-    (transposed), lse_part f32 [B * splits, R'])."""
+    q [B, Q, N, L+R] (rows Q*N within `narrow_rows`), cache bf16 [pages, 64, L+R] or e4m3 with kv_scale f32
+    [pages, 64], block_table i32 [B, max_pages], seq_lens i32 [B, Q], page_offset i32 [1]. Returns, with
+    R' = `narrow_rows(Q*N)`: splits == 1: (out bf16 [B, R', L], lse f32 [B, R']); else the partials
+    (o_part f32 [B * splits, L, R'] (transposed), lse_part f32 [B * splits, R'])."""
     b, nq, n, d = q.shape
     m_rows = nq * n
-    rows = narrow_rows(m_rows)
+    fp8 = jnp.dtype(cache.dtype) == FP8
+    rows = narrow_rows(m_rows, fp8)
     m_q = -(-m_rows // 8) * 8  # rows TMA'd: whole 8-row tiles of the shared-memory layout
-    q_rows = q.reshape(b, m_rows, d).astype(BF16)
+    q_rows = q.reshape(b, m_rows, d)
     if m_q != m_rows:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, m_q - m_rows), (0, 0)))
+    if fp8:
+        q_hi, s_hi, q_lo, s_lo = quantize_q_hilo(q_rows)
+        q_args = (
+            jnp.stack([q_hi, q_lo], axis=1),
+            jnp.pad(jnp.stack([s_hi, s_lo], axis=1), ((0, 0), (0, 0), (0, rows - m_q))),
+        )
+        cache_args = (cache, kv_scale)
+    else:
+        q_args, cache_args = (q_rows.astype(BF16),), (cache,)
     max_pages = block_table.shape[1]
     pps = -(-max_pages // splits)
     splits = -(-max_pages // pps)
@@ -250,6 +488,7 @@ def narrow_decode(q, cache, block_table, seq_lens, page_offset, *, scale, l, spl
         pps=pps,
         sm_scale=float(scale),
         interpret=bool(interpret),
+        fp8=fp8,
     )
     f32 = jnp.float32
     if splits == 1:
@@ -263,19 +502,21 @@ def narrow_decode(q, cache, block_table, seq_lens, page_offset, *, scale, l, spl
         out_type=out_type + unused,
         grid=(b * splits,),
         grid_names=("piece",),
-        num_threads=2,
+        num_threads=3 if fp8 else 2,
         thread_name="wg",
-        # The column max and sum reduce across the warpgroup's 4 warps (one consumer warpgroup: the
+        # The column max and sum reduce across the warpgroup's 4 warps (only the consumer reduces: the
         # reduction scratch is not shared).
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=2048),
         interpret=interpret_params(interpret),
-        kernel_name=f"mla_decode_sm90_narrow_m{rows}_s{splits}_stages{stages}",
+        kernel_name=f"mla_decode_sm90_narrow_{'fp8' if fp8 else 'bf16'}_m{rows}_s{splits}_stages{stages}",
     )
-    out, lse, o_part, lse_part = kernel(q_rows, cache, block_table, seq_lens.astype(jnp.int32), page_offset)
+    out, lse, o_part, lse_part = kernel(*q_args, *cache_args, block_table, seq_lens.astype(jnp.int32), page_offset)
     return (out, lse) if splits == 1 else (o_part, lse_part)
 
 
-def smem_plan_bytes(rows: int, l: int, d: int, stages: int) -> int:
+def smem_plan_bytes(rows: int, l: int, d: int, stages: int, fp8: bool = False) -> int:
     """Shared memory a CTA of this kernel takes (the caller checks it against the budget)."""
-    cfg = _Cfg(rows=rows, nq=1, heads=rows, l=l, d=d, stages=stages, splits=1, pps=1, sm_scale=1.0, interpret=False)
+    cfg = _Cfg(
+        rows=rows, nq=1, heads=rows, l=l, d=d, stages=stages, splits=1, pps=1, sm_scale=1.0, interpret=False, fp8=fp8
+    )
     return _smem(cfg)[1]

@@ -308,6 +308,20 @@ DECODE_CASES = [
         lens=[190, 0, 65],
         causal=True,
     ),
+    # The narrow kernel on an fp8 cache (q split hi/lo, V cast by two warpgroups): 3 splits at page_offset 12,
+    # a partial last page, an empty request, a 1-token request.
+    _dc(
+        "narrow_fp8_n16_3splits_page_offset",
+        _SM90,
+        "fp8",
+        kernel=dict(num_kv_splits=3, page_offset=12),
+        b=4,
+        nq=1,
+        n=16,
+        max_pages=4,
+        lens=[200, 0, 1, 64],
+        cache_dtype="fp8",
+    ),
     # The narrow kernel with 12 heads: 16 rows TMA'd, 4 of them padding (length 0); one split, 1-stage ring.
     _dc(
         "narrow_n12_padded_1split_stages1_bf16",

@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> None:
         default="bf16",
         help="bf16, fp8 (block-FP8 linears and experts, W8A8) or both in one run (bf16,fp8): rows get `weights`",
     )
+    ap.add_argument(
+        "--cache-dtype",
+        default="bf16",
+        help="latent cache: bf16, fp8 (e4m3 rows + a float32 scale per token) or both (bf16,fp8): rows get "
+        "`cache_dtype` and `cache_tokens_per_gb` (what fits in the same memory)",
+    )
     ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,8,32,128; --smoke: 1,4)")
     ap.add_argument("--ctxs", default=None, help="decode contexts (default 1024,4096,32768; --smoke: 32,128)")
     ap.add_argument("--cache-gb", type=float, default=24.0, help="skip shapes whose cache would need more")
@@ -100,6 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     if not weights or any(w not in WEIGHTS for w in weights) or len(set(weights)) != len(weights):
         ap.error(f"--weights {args.weights!r}: a comma-separated list of distinct {WEIGHTS}")
 
+    caches = args.cache_dtype.split(",")
+    if not caches or any(c not in ("bf16", "fp8") for c in caches) or len(set(caches)) != len(caches):
+        ap.error(f"--cache-dtype {args.cache_dtype!r}: a comma-separated list of distinct bf16, fp8")
     make_config, default_layers, shape = BENCH_MODELS[args.model]
     args.layers = args.layers or default_layers
     cfg = make_config(args.layers, smoke=args.smoke)
@@ -118,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
         if w == "fp8":
             params = quantize_params(params)[0]
         jax.block_until_ready(params)
-        _run_weights(params, cfg, args, res, ceilings)
+        for cd in args.cache_dtype.split(","):
+            args.cache = cd
+            _run_weights(params, cfg, args, res, ceilings)
         del params
         gc.collect()
     _finish(args, res)
@@ -133,7 +144,7 @@ def _run_weights(params, cfg, args, res, ceilings):
     default_batches, default_ctxs = ("1,4", "32,128") if args.smoke else ("1,8,32,128", "1024,4096,32768")
     batches = tuple(map(int, (args.batches or default_batches).split(",")))
     ctxs = tuple(map(int, (args.ctxs or default_ctxs).split(",")))
-    row_bytes = 2 * cfg.cache_row_dim
+    row_bytes = cache_row_bytes(cfg, args.cache)
     # Shapes whose cache fits next to the weights (batch 128 at 32k would need 130 GB). Contexts up to `base`
     # (4096) share one engine with max_model_len `base`, as the earlier rows did; each longer one gets its own.
     base = min(4096, max(ctxs))
@@ -178,14 +189,18 @@ def _engine(params, cfg, args, shapes, max_len, G, prefill, with_prefill):
         prefill_buckets=(S * P,),
         backend=args.backend,
         gmm_impl=args.gmm,
+        cache_dtype=args.cache,
     )
     eng = Engine(params, cfg, ec)
     t0 = time.perf_counter()
     eng.warmup(prefill=with_prefill and not args.no_prefill)
     compile_s = time.perf_counter() - t0
     print(f"max_model_len {max_len}: warm-up compile ({len(batches)} decode buckets): {compile_s:.1f} s", flush=True)
-    kv = eng.cache.kv_c_and_k_pe_cache
-    eng.cache = KVCache(jax.random.normal(jax.random.key(1), kv.shape, kv.dtype), eng.cache.kv_scale)
+    kv, ks = eng.cache.kv_c_and_k_pe_cache, eng.cache.kv_scale
+    rows = jax.random.normal(jax.random.key(1), kv.shape, jnp.float32 if ks is not None else kv.dtype).astype(kv.dtype)
+    if ks is not None:  # fp8 rows with per-token scales
+        ks = jax.random.uniform(jax.random.key(2), ks.shape, ks.dtype, 0.01, 0.05)
+    eng.cache = KVCache(rows, ks)
     return eng, compile_s
 
 
@@ -212,7 +227,7 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
     step_s, _, cache = time_step(step, eng.cache, steps=10, reps=5, warmup=2)
     breakdown = None
     if args.profile:
-        tag = "" if args.weights == "bf16" else f"-{args.weights}"
+        tag = ("" if args.weights == "bf16" else f"-{args.weights}") + ("" if args.cache == "bf16" else "-fp8cache")
         breakdown, cache = profile_steps(step, cache, step.lower, f"{args.profile}/b{B}-ctx{ctx}{tag}")
         breakdown["shape"] = dict(batch=B, ctx=ctx, backend=args.backend, gmm_impl=args.gmm, weights=args.weights)
         if args.out and B in (1, 128) and ctx == 4096:
@@ -222,11 +237,18 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
     nbytes = weight_bytes(params, cfg, B) + B * ctx * row_bytes * cfg.num_hidden_layers
     row = _row("decode", B, ctx, B, step_s, nbytes, ceilings, args, compile_s)
     row["max_model_len"] = eng.config.max_model_len
+    row["cache_dtype"] = args.cache
+    row["cache_tokens_per_gb"] = round(1e9 / (row_bytes * cfg.num_hidden_layers))
     if breakdown and "kernels_per_step" in breakdown:
         row["kernels_per_step"] = breakdown["kernels_per_step"]
         row["device_busy_ms"] = round(breakdown["busy_us_per_step"] / 1e3, 3)
     print(row, flush=True)
     return row
+
+
+def cache_row_bytes(cfg, cache_dtype: str) -> int:
+    """Bytes a token takes in one layer's latent cache: bf16 2 x (L + R); fp8 L + R e4m3 and a float32 scale."""
+    return 2 * cfg.cache_row_dim if cache_dtype == "bf16" else cfg.cache_row_dim + 4
 
 
 def _prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params):

@@ -73,10 +73,10 @@ def test_sparse_prefill_threshold_from_the_measured_table(monkeypatch):
 
 
 def test_hopper_decode_takes_few_rows_over_a_pool_of_64_bit_offsets():
-    """Below SM90_MIN_ROWS rows the Hopper decode takes a bf16 cache of <= 32 rows from batch 2 on (its narrow,
-    tokens-on-M kernel beat Triton at every pool size); an fp8 cache only over a pool above 4 GB, where the Triton
-    lowering's 64-bit offsets made it 1.6x slower (attention.TRITON_64BIT_POOL_BYTES); batch 1 stays on Triton
-    over any pool (latency-bound)."""
+    """Below SM90_MIN_ROWS rows the Hopper decode takes up to 32 rows of a bf16 cache (16 of an fp8 one) from batch
+    2 on (its narrow, tokens-on-M kernel beat Triton at every pool size); other rows only over a pool above 4 GB,
+    where the Triton lowering's 64-bit offsets made it 1.6x slower (attention.TRITON_64BIT_POOL_BYTES); batch 1
+    stays on Triton over any pool (latency-bound)."""
     from mla_jax import attention
 
     def pool(dtype, over):
@@ -87,8 +87,13 @@ def test_hopper_decode_takes_few_rows_over_a_pool_of_64_bit_offsets():
     q = jax.ShapeDtypeStruct((128, 1, 16, 576), jnp.bfloat16)
     assert attention._sm90_declines(q, pool(jnp.bfloat16, 0), None, None) is None  # narrow kernel
     assert attention._sm90_declines(q, pool(jnp.bfloat16, 1), None, None) is None
-    assert "Triton is faster" in attention._sm90_declines(q, pool(fp8, 0), None, None)
+    assert attention._sm90_declines(q, pool(fp8, 0), None, None) is None  # narrow kernel, <= 16 rows
     assert attention._sm90_declines(q, pool(fp8, 1), None, None) is None
+    q32 = jax.ShapeDtypeStruct((8, 2, 16, 576), jnp.bfloat16)  # 32 rows: narrow on bf16 only
+    assert attention._sm90_declines(q32, pool(jnp.bfloat16, 0), None, None) is None
+    assert "Triton is faster" in attention._sm90_declines(q32, pool(fp8, 0), None, None)
+    assert attention._sm90_declines(q32, pool(fp8, 1), None, None) is None
+    assert "Triton is faster" in attention._sm90_fp8qk_declines(q, pool(fp8, 0), None, None)  # lossy: 64-row
     q40 = jax.ShapeDtypeStruct((8, 1, 40, 576), jnp.bfloat16)  # past the narrow kernel's 32 rows
     assert "Triton is faster" in attention._sm90_declines(q40, pool(jnp.bfloat16, 0), None, None)
     q1 = jax.ShapeDtypeStruct((1, 1, 16, 576), jnp.bfloat16)

@@ -206,7 +206,9 @@ def test_batch_invariant_bitwise():
 
 def test_attention_backend_pallas_sm90(monkeypatch):
     """get_backend("pallas_sm90") decodes through this kernel for page 64 when heads x query tokens fill
-    its 64-row tile, through the portable kernel otherwise; CPU keeps "xla" as the default backend."""
+    its 64-row tile, or (bf16 cache) are few enough for its narrow kernel from batch 2 on; through the
+    portable kernel otherwise (another page size; one request of few rows); CPU keeps "xla" as the default
+    backend."""
     from mla_jax import attention
 
     calls = []
@@ -215,8 +217,9 @@ def test_attention_backend_pallas_sm90(monkeypatch):
     if not NPROC_IN_TIME:
         pytest.skip("NPROC was raised too late for the interpreter")
     decode = attention.get_backend("pallas_sm90").mla_decode
-    for g, nq, n_calls in ((G, 4, 1), (16, 4, 1), (G, 1, 1)):  # sm90; page 16; 16 rows < 64
-        q, cache, bt, sl, _ = decode_inputs(21, b=2, nq=nq, n=16, l=L, r=R, g=g, max_pages=128 // g, lens=[100, 7])
+    # sm90; page 16; 16 rows (narrow); 16 rows of one request
+    for g, nq, lens, n_calls in ((G, 4, [100, 7], 1), (16, 4, [100, 7], 1), (G, 1, [100, 7], 2), (G, 1, [90], 2)):
+        q, cache, bt, sl, _ = decode_inputs(21, b=len(lens), nq=nq, n=16, l=L, r=R, g=g, max_pages=128 // g, lens=lens)
         out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=None, kv_lora_rank=L)
         ref, ref_lse = k90.mla_decode_reference(q, cache, bt, sl, scale=SCALE)
         assert_decode_close(out, lse, ref, ref_lse, "bf16")
