@@ -217,5 +217,21 @@ case $part in
     run 150 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --batches 8,32,128 --ctxs 1024 --no-prefill \
         --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 14" >&2; exit 2 ;;
+15) # session 15, third call (straight into OUT): the Hopper and Triton decode GPU tests (the narrow kernel on an fp8
+    # cache, in-kernel metadata, the parallel transposed merge); the decode benchmark at 16 heads, bf16 and fp8,
+    # device time; the e2e step at batch 8 / 32 / 128, ctx 4k, bf16 and fp8 caches (bf16 only if the tests failed)
+    out=${2:?}
+    run 140 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_mla_decode_sm90.py tests/pallas_kernels/test_mla_decode.py
+    run 150 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
+        --dtypes bf16,fp8 --shapes 64x16x4096,128x16x8192,32x16x1024,8x16x4096
+    caches=bf16,fp8
+    if ! grep -q " passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
+        echo "decode GPU tests failed: e2e with the bf16 cache only" | tee "$out/FALLBACK"
+        caches=bf16
+    fi
+    run 190 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype $caches --batches 8,32,128 \
+        --ctxs 4096 --no-prefill --no-engine
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 15" >&2; exit 2 ;;
 esac
