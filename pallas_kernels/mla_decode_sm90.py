@@ -1219,10 +1219,15 @@ def mla_decode_sm90(
 
     Same contract as `pallas_kernels.mla_decode.mla_decode`: lse is the natural log of
     sum(exp(scale * logits)); rows with seq_len 0 give out 0 and lse -inf; lengths beyond the block
-    table's capacity are clamped; page_offset as there (added to the block table here, an XLA op before
-    the kernel, where the Triton kernel adds it as it loads a page id). Page size 64 only; L a multiple
-    of 128 up to 512; R a multiple of 64; cache bf16 or fp8 e4m3 (cast to bf16 in shared memory, bf16
-    wgmma, per-token scale applied to the logits and to p).
+    table's capacity are clamped; page_offset as there. Page size 64 only; L a multiple of 128 up to 512;
+    R a multiple of 64; cache bf16 or fp8 e4m3 (cast to bf16 in shared memory, bf16 wgmma, per-token scale
+    applied to the logits and to p).
+
+    Few query rows a request (`uses_narrow`: Q*N <= 32 on a bf16 cache, <= 16 on an fp8 one, grid schedule,
+    not fp8_qk) run the narrow kernel (`mla_decode_sm90_narrow`: tokens on the wgmma M axis, nothing padded;
+    an fp8 cache's QK^T as fp8 wgmmas on a hi/lo split of q); num_kv_splits, batch_invariant and num_stages
+    (its ring depth; on an fp8 cache the bf16 V ring's) apply to it, fp8_stages and fp8_compute do not. The
+    64-row kernel adds page_offset to the block table (an XLA op before it); the narrow one in the kernel.
 
     schedule: "grid" (default): every head tile of every request cut into the same static number
     of splits, `num_kv_splits` (None: `choose_num_kv_splits_sm90` for `num_sms` SMs, default the
