@@ -227,7 +227,7 @@ def sm90_fn(rows64=False, **tuning):
 
 def sm90_tile(b, rows, dtype):
     """Which Hopper kernel runs: "narrow" (tokens on M) or "rows64"."""
-    return "narrow" if dtype == "bf16" and k90_narrow.narrow_rows(rows) is not None else "rows64"
+    return "narrow" if k90.uses_narrow(rows, jnp.float8_e4m3fn if dtype == "fp8" else jnp.bfloat16) else "rows64"
 
 
 def sm90_splits(b, n, ctx):
