@@ -24,13 +24,14 @@ should be: 277 us at (128, 16, 8192), 4.4 TB/s of cache reads (bench/results/dec
 
 fp8 cache (e4m3 rows, a float32 scale per token), exact up to float32 and the fp8 wgmma's
 accumulation: Hopper's fp8 wgmma reads B only K-major, so of the two products only QK^T can run on the
-fp8 page as it lands. Q is split per row into two e4m3 terms, q ~= q_hi s_hi + q_lo s_lo
+fp8 page as it lands. Q is split per row into two e4m3 terms, q ~= (q_hi + q_lo / 16) s_hi
 (`quantize_q_hilo`: the bf16 q's 8 significant bits as 4 + 4, exact but for underflow), and S^T is
-the sum of the two fp8 products, the hi product accumulated in float32 every `_QK_CHUNK` columns
-(the fp8 wgmma accumulates at reduced precision: DeepSeek-V3 report 3.3.2), times the tokens' scales.
-V's L columns are cast to bf16 (exact) by the producer and a third warpgroup, half each, into a
-2-deep bf16 ring while the consumer runs QK^T on the fp8 slot; P is multiplied by the tokens'
-scales before P.V. Shared memory: fp8 ring 2 x 36 KB, V ring 2 x 64 KB, Q 2 x 9 KB: rows <= 16.
+the sum of the two fp8 products, each accumulated in float32 every `_QK_CHUNK` columns (the fp8 wgmma
+accumulates at reduced precision: DeepSeek-V3 report 3.3.2), times the tokens' scales. V's L columns
+are cast to bf16 (exact) by the producer and a third warpgroup, half each, into a bf16 V slot
+(`stages` deep, default 1) while the consumer runs QK^T on the fp8 slot (a 2-deep ring); P is
+multiplied by the tokens' scales before P.V. Shared memory: fp8 ring 2 x 36 KB, V 64 KB a slot,
+Q 2 x 9 KB: rows <= 16.
 
 Outputs: the final output [rows, L] through a transposed store of O^T into a [rows, L] staging tile
 (the bf16 tile takes a transposed register store; an f32 one does not lower), then TMA; split
@@ -56,7 +57,10 @@ __all__ = ["NARROW_MAX_ROWS", "NARROW_FP8_MAX_ROWS", "narrow_rows", "narrow_deco
 NARROW_MAX_ROWS = 32  # O^T [512, M] f32 is 4M registers a thread: 128 at M = 32
 NARROW_FP8_MAX_ROWS = 16  # fp8: shared memory (two rings) and the QK^T chunk accumulators
 PAGE_SIZE = 64
-_QK_CHUNK = 128  # fp8 QK^T: columns per float32 promotion of the hi product (DeepGEMM's recipe)
+# QK^T's columns per accumulator: a wgmma chain into one accumulator runs its instructions back to back
+# (each waits for the last's sum), separate accumulators overlap. One 36-deep chain of the fp8 lo product
+# cost 0.75 us a page (session 16 trace). fp8: also the hi product's float32 promotion (DeepGEMM's recipe).
+_QK_CHUNK = 128
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a [G, M] / [L, M] accumulator (a query row)
 _TOK = plgpu.Layout.WGMMA.reduce(1)  # one value per row (a token of the page)
 
@@ -70,24 +74,24 @@ def narrow_rows(m_rows: int, fp8: bool = False) -> int | None:
 
 
 def quantize_q_hilo(q):
-    """q [..., D] -> (q_hi, s_hi, q_lo, s_lo): e4m3 [..., D] and float32 [...] per row, q ~= q_hi s_hi + q_lo s_lo.
+    """q [..., D] -> (q_hi, q_lo, s_hi): e4m3 [..., D] twice and float32 [...] per row, with
+    q ~= (q_hi + q_lo / 16) s_hi.
 
-    The scales are powers of two (amax / 448 rounded up), so q_hi s_hi lies on q's binary grid: a bf16 q has 8
-    significant bits, its residual after q_hi's 4 at most 4 more, which q_lo (at its own power-of-two scale)
-    holds exactly unless it underflows e4m3 (below 2^-6 of the row's largest residual, 2^-9 subnormal).
-    All-zero rows (or residuals) get scale 1."""
+    s_hi is a power of two (amax / 448 rounded up), so q_hi s_hi lies on q's binary grid. q_hi keeps 4
+    significant bits of each element; the residual is at most half of q_hi's last place, <= 16 s_hi, so at
+    the scale s_hi / 16 it fits e4m3 (<= 256 < 448) and its (at most 4, for a bf16 q) bits are exact unless
+    they fall below e4m3's smallest subnormal: elements below ~2^-14 of the row's largest. One reduction
+    (the row's amax); all-zero rows get scale 1."""
     q = q.astype(jnp.float32)
-
-    def split(x):
-        amax = jnp.max(jnp.abs(x), axis=-1)
-        sc = jnp.where(amax > 0, jnp.exp2(jnp.ceil(jnp.log2(jnp.where(amax > 0, amax, 1.0) / 448.0))), 1.0)
-        sc = jnp.where(amax > 448.0 * sc, 2.0 * sc, sc)  # an inexact log2 just below a power of two
-        x8 = (x / sc[..., None]).astype(FP8)
-        return x8, sc, x - _f32(x8) * sc[..., None]
-
-    q_hi, s_hi, r = split(q)
-    q_lo, s_lo, _ = split(r)
-    return q_hi, s_hi, q_lo, s_lo
+    amax = jnp.max(jnp.abs(q), axis=-1)
+    # The power of two at or above amax / 448, exactly (exp2 and log2 are approximate on some backends).
+    m, e = jnp.frexp(jnp.where(amax > 0, amax, 448.0) / 448.0)  # m in [0.5, 1)
+    sc = jnp.ldexp(jnp.float32(1), jnp.where(m == 0.5, e - 1, e))
+    sc = jnp.where(amax > 448.0 * sc, 2.0 * sc, sc)  # amax / 448 rounded down onto a power of two
+    x = q / sc[..., None]
+    q_hi = x.astype(FP8)
+    q_lo = ((x - _f32(q_hi)) * 16.0).astype(FP8)
+    return q_hi, q_lo, sc
 
 
 def _f32(x8):
@@ -122,7 +126,7 @@ def _smem(cfg):
             plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l), BF16, transforms=tiled(BF16)),  # V, cast
             plgpu.SMEM((cfg.rows, PAGE_SIZE), BF16, transforms=tiled(BF16)),  # P
             plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE), f32),  # the pages' token scales
-            plgpu.SMEM((2, cfg.rows), f32),  # Q's row scales: hi, lo
+            plgpu.SMEM((cfg.rows,), f32),  # Q's row scales (hi; lo = hi / 16)
         ]
     else:
         loop = [
@@ -145,7 +149,7 @@ def _barriers(cfg):
             raw_bar=plgpu.Barrier(),  # a partial last page's TMA, before its zeroing
         )
     return dict(
-        q_bar=plgpu.Barrier(num_arrivals=3),  # Q hi, lo and their scales
+        q_bar=plgpu.Barrier(num_arrivals=3),  # Q hi, lo and the row scales
         f_ready=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.fp8_stages),  # fp8 page and its scales
         # QK^T and the scales read (consumer), both halves of V cast (producer, caster)
         f_free=plgpu.Barrier(num_arrivals=3, num_barriers=cfg.fp8_stages),
@@ -159,7 +163,8 @@ def _kernel(*refs, cfg):
     Everything the piece needs is derived here from seq_lens and page_offset (no metadata step before the
     launch: at one decode call per layer, each small XLA op before it is a kernel per layer)."""
     if cfg.fp8:
-        q_gmem, qs_gmem, kv_gmem, ks_gmem, bt_gmem, sl_gmem, off_gmem, *outs = refs
+        q_gmem, qlo_gmem, qs_gmem, kv_gmem, ks_gmem, bt_gmem, sl_gmem, off_gmem, *outs = refs
+        q_gmem = (q_gmem, qlo_gmem)
     else:
         q_gmem, kv_gmem, bt_gmem, sl_gmem, off_gmem, *outs = refs
         qs_gmem = ks_gmem = None
@@ -246,7 +251,9 @@ def _kernel(*refs, cfg):
 
         wg = lax.axis_index("wg")
         c = cfg.sm_scale * LOG2E
-        m_q = q_gmem.shape[-2]  # real rows (multiple of 8); the rest of the tile has length 0
+        m_q = (q_gmem[0] if cfg.fp8 else q_gmem).shape[
+            -2
+        ]  # real rows (multiple of 8); the rest of the tile has length 0
         if cfg.fp8:
             _fp8_body(
                 cfg,
@@ -280,16 +287,18 @@ def _kernel(*refs, cfg):
                 plgpu.barrier_wait(bars["q_bar"])
 
             lens = row_lens()
+            chunks = _qk_chunks(cfg.d, cfg.rows)
 
             def step(i, carry):
                 si = lax.rem(i, jnp.int32(stages))
                 plgpu.barrier_wait(bars["kv_ready"].at[si])
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, ring.at[si], q_smem.T)
-                    return acc_ref[...]
+                def qk(*accs):
+                    for (k0, w), acc in zip(chunks, accs):
+                        plgpu.wgmma(acc, ring.at[si, :, pl.ds(k0, w)], q_smem.at[:, pl.ds(k0, w)].T)
+                    return functools.reduce(jnp.add, [acc[...] for acc in accs])
 
-                s = pl.run_scoped(qk, plgpu.ACC((g, cfg.rows), jnp.float32)) * c  # [G, M]
+                s = pl.run_scoped(qk, *[plgpu.ACC((g, cfg.rows), jnp.float32) for _ in chunks]) * c  # [G, M]
                 o, m_new, l_acc, v_t = online_softmax(s, lens, i, carry, p_smem, ring.at[si, :, pl.ds(0, l)].T, None)
                 o = wgmma_accumulate(o, v_t, p_smem.T, interpret=cfg.interpret)
                 plgpu.barrier_arrive(bars["kv_consumed"].at[si])
@@ -321,6 +330,12 @@ def _kernel(*refs, cfg):
             _drain(bars["kv_consumed"], n, stages)
 
     pl.run_scoped(scoped, plgpu.RefUnion(*(tuple(gr) for gr in groups)), collective_axes="wg", **_barriers(cfg))
+
+
+def _qk_chunks(d, rows):
+    # An accumulator is rows / 16 registers a thread per 16 query rows (8 at 16): wider chunks past 16 rows.
+    w = _QK_CHUNK * max(1, rows // 16)
+    return [(k, min(w, d - k)) for k in range(0, d, w)]
 
 
 def _drain(bar, n, depth):
@@ -382,15 +397,15 @@ def _fp8_body(
     def _consumer():
         @pl.when(n > 0)
         def _():
-            for h in range(2):  # hi, lo (one TMA each: a 3-D tiled copy would need 6 dimensions)
-                plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q8.at[h, pl.ds(0, m_q)], bars["q_bar"])
+            for h in range(2):  # hi, lo
+                plgpu.copy_gmem_to_smem(q_gmem[h].at[b], q8.at[h, pl.ds(0, m_q)], bars["q_bar"])
             plgpu.copy_gmem_to_smem(qs_gmem.at[b], q_scales, bars["q_bar"])
             plgpu.barrier_wait(bars["q_bar"])
 
         lens = row_lens()
-        s_hi = plgpu.load(q_scales.at[0], (), layout=_COL) * c
-        s_lo = plgpu.load(q_scales.at[1], (), layout=_COL) * c
-        chunks = [(k, min(_QK_CHUNK, d - k)) for k in range(0, d, _QK_CHUNK)]
+        s_hi = plgpu.load(q_scales, (), layout=_COL) * c
+        s_lo = s_hi * (1 / 16)
+        chunks = _qk_chunks(d, cfg.rows)
 
         def step(i, carry):
             fs, vs = lax.rem(i, jnp.int32(fst)), lax.rem(i, jnp.int32(vst))
@@ -398,15 +413,16 @@ def _fp8_body(
             page = f_ring.at[fs]
 
             def qk(*accs):
-                # The hi product in float32 partial sums of _QK_CHUNK columns; the lo product (2^-4 of it) whole.
-                for (k0, w), acc in zip(chunks, accs[:-1]):
-                    plgpu.wgmma(acc, page.at[:, pl.ds(k0, w)], q8.at[0, :, pl.ds(k0, w)].T)
-                plgpu.wgmma(accs[-1], page, q8.at[1].T)
+                # Both products in float32 partial sums of _QK_CHUNK columns, the hi one's first.
+                for h in range(2):
+                    for (k0, w), acc in zip(chunks, accs[h * len(chunks) :]):
+                        plgpu.wgmma(acc, page.at[:, pl.ds(k0, w)], q8.at[h, :, pl.ds(k0, w)].T)
                 return [acc[...] for acc in accs]
 
-            accs = pl.run_scoped(qk, *[plgpu.ACC((g, cfg.rows), jnp.float32) for _ in range(len(chunks) + 1)])
-            hi = functools.reduce(jnp.add, accs[:-1])
-            s = hi * lax.broadcast_in_dim(s_hi, hi.shape, [1]) + accs[-1] * lax.broadcast_in_dim(s_lo, hi.shape, [1])
+            accs = pl.run_scoped(qk, *[plgpu.ACC((g, cfg.rows), jnp.float32) for _ in range(2 * len(chunks))])
+            hi = functools.reduce(jnp.add, accs[: len(chunks)])
+            lo = functools.reduce(jnp.add, accs[len(chunks) :])
+            s = hi * lax.broadcast_in_dim(s_hi, hi.shape, [1]) + lo * lax.broadcast_in_dim(s_lo, hi.shape, [1])
             tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_TOK)
             ks = jnp.where(tok < page_rows(i), plgpu.load(ks_ring.at[fs], (), layout=_TOK), 0.0)  # [G]
             plgpu.commit_smem()  # the scales' generic-proxy read before the next TMA into the slot
@@ -466,11 +482,8 @@ def narrow_decode(q, cache, block_table, seq_lens, page_offset, *, scale, l, spl
     if m_q != m_rows:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, m_q - m_rows), (0, 0)))
     if fp8:
-        q_hi, s_hi, q_lo, s_lo = quantize_q_hilo(q_rows)
-        q_args = (
-            jnp.stack([q_hi, q_lo], axis=1),
-            jnp.pad(jnp.stack([s_hi, s_lo], axis=1), ((0, 0), (0, 0), (0, rows - m_q))),
-        )
+        q_hi, q_lo, s_hi = quantize_q_hilo(q_rows)
+        q_args = (q_hi, q_lo, jnp.pad(s_hi, ((0, 0), (0, rows - m_q))))
         cache_args = (cache, kv_scale)
     else:
         q_args, cache_args = (q_rows.astype(BF16),), (cache,)

@@ -233,5 +233,23 @@ case $part in
     run 190 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype $caches --batches 8,32,128 \
         --ctxs 4096 --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 15" >&2; exit 2 ;;
+16) # session 16 (straight into OUT): the narrow decode with QK^T in independent 128-column accumulators (bf16 and
+    # fp8) and one-reduction q hi/lo split: the Hopper decode GPU tests; the A/B probe (fp8 V slots 1 vs 2; bf16
+    # chunked vs one accumulator); the decode benchmark at 16 heads, bf16 and fp8; the e2e step at batch 8 / 32 /
+    # 128, ctx 4k, bf16 and fp8 caches
+    out=${2:?}
+    run 110 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_mla_decode_sm90.py
+    run 90 probe python3 bench/narrow_probe.py "$out"
+    run 130 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
+        --dtypes bf16,fp8 --shapes 64x16x4096,128x16x8192,32x16x1024,8x16x4096
+    caches=bf16,fp8
+    if ! grep -q " passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
+        echo "decode GPU tests failed: e2e with the bf16 cache only" | tee "$out/FALLBACK"
+        caches=bf16
+    fi
+    run 180 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype $caches --batches 8,32,128 \
+        --ctxs 4096 --no-prefill --no-engine
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 16" >&2; exit 2 ;;
 esac

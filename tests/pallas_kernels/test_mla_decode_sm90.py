@@ -401,3 +401,27 @@ def test_trace_summary():
     assert span == 9.0
     assert scopes[0]["qk"] == (2, 2.0, 2.0) and scopes[0]["pv"] == (2, 4.0, 4.0)
     assert scopes[0]["wait"] == (2, 1.0, 1.0) and scopes[1]["pv"] == (2, 8.0, 8.0)
+
+
+def test_quantize_q_hilo_reproduces_bf16_q():
+    """q_hi + q_lo / 16 at the row's power-of-two scale is a bf16 q exactly (but for elements below ~2^-14 of
+    the row's largest, where q_lo underflows: their error stays below e4m3's smallest step at that scale);
+    no element saturates to NaN, whatever the row's magnitude; an all-zero row gets scale 1."""
+    from pallas_kernels.mla_decode_sm90_narrow import quantize_q_hilo
+
+    k = jax.random.split(jax.random.key(3), 3)
+    mag = jnp.exp2(jax.random.randint(k[0], (6, 1), -20, 20).astype(jnp.float32))  # rows from 2^-20 to 2^19
+    q = jax.random.normal(k[1], (6, 576)) * mag * jnp.exp2(jax.random.uniform(k[2], (6, 576), minval=-18, maxval=2))
+    q = jnp.concatenate([q, jnp.zeros((1, 576)), jnp.full((1, 576), 448.0 * 2.0**-7)]).astype(jnp.bfloat16)
+    q_hi, q_lo, s_hi = quantize_q_hilo(q)
+    assert q_hi.dtype == q_lo.dtype == jnp.float8_e4m3fn and s_hi.shape == (8,)
+    hi, lo = np.asarray(q_hi, np.float64), np.asarray(q_lo, np.float64)
+    assert np.isfinite(hi).all() and np.isfinite(lo).all()
+    s = np.asarray(s_hi, np.float64)
+    assert np.all(np.log2(s) == np.round(np.log2(s))) and s[6] == 1.0
+    back = (hi + lo / 16) * s[:, None]
+    want = np.asarray(q, np.float64)
+    big = np.abs(want) >= np.abs(want).max(axis=1, keepdims=True) * 2.0**-14
+    np.testing.assert_array_equal(back[big], want[big])
+    assert np.all(np.abs(back - want) <= s[:, None] * 2.0**-13)  # e4m3's subnormal step 2^-9, at scale s / 16
+    assert big[:, :].sum() > 0.5 * big.size  # the exact part is most of q, not a vacuous check
