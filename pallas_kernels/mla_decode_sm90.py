@@ -40,7 +40,8 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   page), and the cast is split: the producer casts columns [0, L/2) for WG0, WG1 casts [L/2, L)
   for itself while WG0 runs QK^T and the softmax. Faster than the dequantizing path on the H200
   (docs/perf-notes.md); the logits are those of the quantized q, accumulated at the fp8 wgmma's
-  reduced precision.
+  reduced precision. At <= 16 rows a request the narrow kernel runs this mode instead (one fp8
+  product, no lo term).
 
 Shared memory at L+R = 576 (227 KB available): bf16, 2 stages: Q 72 KB + ring 2 x 72 KB + P 8 KB
 + row vectors = 225 KB, the output staging (64 KB bf16 / 128 KB f32) reusing it; fp8: Q 72 KB +
@@ -97,7 +98,7 @@ from pallas_kernels.mgpu import (
     write_out,
 )
 from pallas_kernels.mla_decode import check_page_offset, merge_segments, merge_splits, mla_decode_reference
-from pallas_kernels.mla_decode_sm90_narrow import narrow_decode, narrow_rows, smem_plan_bytes
+from pallas_kernels.mla_decode_sm90_narrow import narrow_decode, narrow_rows, quantize_q_fp8, smem_plan_bytes
 from pallas_kernels.util import (
     BF16,
     F16,
@@ -962,16 +963,6 @@ _WORKLIST_MIN_PAGES = 4  # no piece shorter than this unless its tile is (FlashM
 _FP8_QK_STAGES = 3  # fp8 ring depth with fp8 QK^T: Q (fp8) and a V-only bf16 slot leave room
 
 
-def quantize_q_fp8(q):
-    """q [..., D] -> (float8_e4m3fn q / scale, f32 scale [...]): one scale per row (head, token),
-    amax / 448, e4m3's largest finite value; all-zero rows get scale 1. What `fp8_qk=True` feeds
-    the QK^T wgmma: its logits are those of q8 * scale, the reference's input for that mode."""
-    q = q.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(q), axis=-1)
-    scale = jnp.where(amax > 0, amax / 448.0, 1.0)
-    return (q / scale[..., None]).astype(FP8), scale
-
-
 def fp8_qk_reference_q(q):
     """The f32 q whose exact logits `fp8_qk=True` computes: `quantize_q_fp8`'s q8 * scale (the
     reference's input for that mode)."""
@@ -1129,7 +1120,8 @@ def _impl(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "l", "num_kv_splits", "batch_invariant", "interpret", "num_stages", "sms")
+    jax.jit,
+    static_argnames=("scale", "l", "num_kv_splits", "batch_invariant", "interpret", "num_stages", "sms", "fp8_qk"),
 )
 def _narrow(
     q,
@@ -1146,6 +1138,7 @@ def _narrow(
     interpret,
     num_stages,
     sms,
+    fp8_qk,
 ):
     """Few query rows (grid schedule): the tokens-on-M kernel of mla_decode_sm90_narrow, B * splits pieces;
     split partials come back transposed and merge as such. With one split the call is one kernel (page
@@ -1173,6 +1166,7 @@ def _narrow(
         splits=splits,
         stages=stages,
         interpret=interpret,
+        fp8_qk=fp8_qk,
     )
     if splits > 1:
         out, lse = merge_splits(
@@ -1189,10 +1183,10 @@ def _narrow(
 
 def uses_narrow(m_rows: int, cache_dtype, *, schedule: str = "grid", fp8_qk: bool = False) -> bool:
     """Whether `mla_decode_sm90` runs the narrow (tokens-on-M) kernel for `m_rows` query rows a request: up to
-    `mla_decode_sm90_narrow.NARROW_MAX_ROWS` on a bf16 cache, `NARROW_FP8_MAX_ROWS` on an fp8 one (exact; the
-    opt-in lossy fp8_qk mode keeps the 64-row kernel), with the static split grid."""
+    `mla_decode_sm90_narrow.NARROW_MAX_ROWS` on a bf16 cache, `NARROW_FP8_MAX_ROWS` on an fp8 one (exact, or with
+    fp8_qk lossy), with the static split grid."""
     fp8 = jnp.dtype(cache_dtype) == FP8
-    return schedule == "grid" and not (fp8 and fp8_qk) and narrow_rows(m_rows, fp8) is not None
+    return schedule == "grid" and narrow_rows(m_rows, fp8) is not None
 
 
 def mla_decode_sm90(
@@ -1223,11 +1217,12 @@ def mla_decode_sm90(
     R a multiple of 64; cache bf16 or fp8 e4m3 (cast to bf16 in shared memory, bf16 wgmma, per-token scale
     applied to the logits and to p).
 
-    Few query rows a request (`uses_narrow`: Q*N <= 32 on a bf16 cache, <= 16 on an fp8 one, grid schedule,
-    not fp8_qk) run the narrow kernel (`mla_decode_sm90_narrow`: tokens on the wgmma M axis, nothing padded;
-    an fp8 cache's QK^T as fp8 wgmmas on a hi/lo split of q); num_kv_splits, batch_invariant and num_stages
-    (its ring depth; on an fp8 cache the bf16 V ring's) apply to it, fp8_stages and fp8_compute do not. The
-    64-row kernel adds page_offset to the block table (an XLA op before it); the narrow one in the kernel.
+    Few query rows a request (`uses_narrow`: Q*N <= 32 on a bf16 cache, <= 16 on an fp8 one, grid schedule)
+    run the narrow kernel (`mla_decode_sm90_narrow`: tokens on the wgmma M axis, nothing padded; an fp8
+    cache's QK^T as fp8 wgmmas on a hi/lo split of q, or with fp8_qk as one on `quantize_q_fp8`'s q);
+    num_kv_splits, batch_invariant and num_stages (its ring depth; on an fp8 cache the bf16 V slots') apply
+    to it, fp8_stages and fp8_compute do not. The 64-row kernel adds page_offset to the block table (an XLA
+    op before it); the narrow one in the kernel.
 
     schedule: "grid" (default): every head tile of every request cut into the same static number
     of splits, `num_kv_splits` (None: `choose_num_kv_splits_sm90` for `num_sms` SMs, default the
@@ -1281,6 +1276,7 @@ def mla_decode_sm90(
             interpret=static_interpret(interpret),
             num_stages=num_stages,
             sms=sms,
+            fp8_qk=bool(fp8_qk),
         )
     if page_offset is not None:
         block_table = block_table + jnp.asarray(page_offset, jnp.int32)

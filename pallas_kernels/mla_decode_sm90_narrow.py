@@ -31,7 +31,9 @@ fp8 wgmma accumulates at reduced precision: DeepSeek-V3 report 3.3.2), times the
 are cast to bf16 (exact) by the producer and a third warpgroup, half each, into a bf16 V slot
 (`stages` deep, default 1) while the consumer runs QK^T on the fp8 slot (a 2-deep ring); P is
 multiplied by the tokens' scales before P.V. Shared memory: fp8 ring 2 x 36 KB, V 64 KB a slot,
-Q 2 x 9 KB: rows <= 16.
+Q 2 x 9 KB: rows <= 16. fp8_qk (opt-in, lossy, as the 64-row kernel's mode): q as one e4m3 term per row
+(`quantize_q_fp8`), one fp8 product; the logits are those of that q. Without the lo product this kernel
+ran 276 us at 128x16x8192 (session 16's probe, two V slots), the 64-row fp8_qk kernel 380.
 
 Outputs: the final output [rows, L] through a transposed store of O^T into a [rows, L] staging tile
 (the bf16 tile takes a transposed register store; an f32 one does not lower), then TMA; split
@@ -52,7 +54,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.mgpu import copy_zeroing_rows, interpret_params, smem_bytes, tiled, wgmma_accumulate
 from pallas_kernels.util import BF16, FP8, LN2, LOG2E, M_INIT, next_pow2
 
-__all__ = ["NARROW_MAX_ROWS", "NARROW_FP8_MAX_ROWS", "narrow_rows", "narrow_decode", "quantize_q_hilo"]
+__all__ = [
+    "NARROW_MAX_ROWS",
+    "NARROW_FP8_MAX_ROWS",
+    "narrow_rows",
+    "narrow_decode",
+    "quantize_q_fp8",
+    "quantize_q_hilo",
+]
 
 NARROW_MAX_ROWS = 32  # O^T [512, M] f32 is 4M registers a thread: 128 at M = 32
 NARROW_FP8_MAX_ROWS = 16  # fp8: shared memory (two rings) and the QK^T chunk accumulators
@@ -91,6 +100,16 @@ def quantize_q_hilo(q):
     return q_hi, q_lo, sc
 
 
+def quantize_q_fp8(q):
+    """q [..., D] -> (float8_e4m3fn q / scale, f32 scale [...]): one scale per row (head, token),
+    amax / 448, e4m3's largest finite value; all-zero rows get scale 1. What `fp8_qk=True` feeds
+    the QK^T wgmma (lossy): its logits are those of q8 * scale, the reference's input for that mode."""
+    q = q.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(q), axis=-1)
+    scale = jnp.where(amax > 0, amax / 448.0, 1.0)
+    return (q / scale[..., None]).astype(FP8), scale
+
+
 def _f32(x8):
     # e4m3 -> float32 that XLA cannot fold into the convert that made it (fp8_matmul._f32: on the GPU,
     # SimplifyFPConversions would otherwise drop the rounding of a quantize -> dequantize in one jit).
@@ -111,6 +130,7 @@ class _Cfg:
     interpret: bool
     fp8: bool = False
     fp8_stages: int = 2  # fp8 page ring depth
+    qk8: bool = False  # fp8_qk (lossy): q as one e4m3 term, no lo product
 
 
 def _smem(cfg):
@@ -118,7 +138,7 @@ def _smem(cfg):
     f32 = jnp.float32
     if cfg.fp8:
         loop = [
-            plgpu.SMEM((2, cfg.rows, cfg.d), FP8, transforms=tiled(FP8, 64)),  # Q: hi, lo
+            plgpu.SMEM((1 if cfg.qk8 else 2, cfg.rows, cfg.d), FP8, transforms=tiled(FP8, 64)),  # Q: hi, lo
             plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), FP8, transforms=tiled(FP8, 64)),  # fp8 pages
             plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l), BF16, transforms=tiled(BF16)),  # V, cast
             plgpu.SMEM((cfg.rows, PAGE_SIZE), BF16, transforms=tiled(BF16)),  # P
@@ -146,7 +166,7 @@ def _barriers(cfg):
             raw_bar=plgpu.Barrier(),  # a partial last page's TMA, before its zeroing
         )
     return dict(
-        q_bar=plgpu.Barrier(num_arrivals=3),  # Q hi, lo and the row scales
+        q_bar=plgpu.Barrier(num_arrivals=2 if cfg.qk8 else 3),  # Q hi, lo and the row scales
         f_ready=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.fp8_stages),  # fp8 page and its scales
         # QK^T and the scales read (consumer), both halves of V cast (producer, caster)
         f_free=plgpu.Barrier(num_arrivals=3, num_barriers=cfg.fp8_stages),
@@ -160,8 +180,8 @@ def _kernel(*refs, cfg):
     Everything the piece needs is derived here from seq_lens and page_offset (no metadata step before the
     launch: at one decode call per layer, each small XLA op before it is a kernel per layer)."""
     if cfg.fp8:
-        q_gmem, qlo_gmem, qs_gmem, kv_gmem, ks_gmem, bt_gmem, sl_gmem, off_gmem, *outs = refs
-        q_gmem = (q_gmem, qlo_gmem)
+        nq8 = 1 if cfg.qk8 else 2  # q's e4m3 terms
+        q_gmem, (qs_gmem, kv_gmem, ks_gmem, bt_gmem, sl_gmem, off_gmem, *outs) = refs[:nq8], refs[nq8:]
     else:
         q_gmem, kv_gmem, bt_gmem, sl_gmem, off_gmem, *outs = refs
         qs_gmem = ks_gmem = None
@@ -385,7 +405,7 @@ def _fp8_body(
     def _consumer():
         @pl.when(n > 0)
         def _():
-            for h in range(2):  # hi, lo
+            for h in range(len(q_gmem)):  # hi, lo
                 plgpu.copy_gmem_to_smem(q_gmem[h].at[b], q8.at[h, pl.ds(0, m_q)], bars["q_bar"])
             plgpu.copy_gmem_to_smem(qs_gmem.at[b], q_scales, bars["q_bar"])
             plgpu.barrier_wait(bars["q_bar"])
@@ -403,14 +423,18 @@ def _fp8_body(
             def qk(*accs):
                 # The hi product in float32 partial sums of _QK_CHUNK columns; the lo product (2^-4 of it) whole:
                 # in 5 more accumulators it ran 469 us at 128x16x8192 against 330 (session 16).
-                for (k0, w), acc in zip(chunks, accs[:-1]):
+                for (k0, w), acc in zip(chunks, accs):
                     plgpu.wgmma(acc, page.at[:, pl.ds(k0, w)], q8.at[0, :, pl.ds(k0, w)].T)
-                plgpu.wgmma(accs[-1], page, q8.at[1].T)
+                if not cfg.qk8:
+                    plgpu.wgmma(accs[-1], page, q8.at[1].T)
                 return [acc[...] for acc in accs]
 
-            accs = pl.run_scoped(qk, *[plgpu.ACC((g, cfg.rows), jnp.float32) for _ in range(len(chunks) + 1)])
-            hi = functools.reduce(jnp.add, accs[:-1])
-            s = hi * lax.broadcast_in_dim(s_hi, hi.shape, [1]) + accs[-1] * lax.broadcast_in_dim(s_lo, hi.shape, [1])
+            n_acc = len(chunks) + (0 if cfg.qk8 else 1)
+            accs = pl.run_scoped(qk, *[plgpu.ACC((g, cfg.rows), jnp.float32) for _ in range(n_acc)])
+            hi = functools.reduce(jnp.add, accs[: len(chunks)])
+            s = hi * lax.broadcast_in_dim(s_hi, hi.shape, [1])
+            if not cfg.qk8:
+                s = s + accs[-1] * lax.broadcast_in_dim(s_lo, hi.shape, [1])
             tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_TOK)
             ks = jnp.where(tok < page_rows(i), plgpu.load(ks_ring.at[fs], (), layout=_TOK), 0.0)  # [G]
             plgpu.commit_smem()  # the scales' generic-proxy read before the next TMA into the slot
@@ -454,13 +478,16 @@ def _fp8_body(
         _drain(bars["v_free"], n, vst)
 
 
-def narrow_decode(q, cache, block_table, seq_lens, page_offset, *, scale, l, splits, stages, interpret, kv_scale=None):
+def narrow_decode(
+    q, cache, block_table, seq_lens, page_offset, *, scale, l, splits, stages, interpret, kv_scale=None, fp8_qk=False
+):
     """The kernel over B * splits pieces (request b's pages cut into `splits` equal static ranges).
 
     q [B, Q, N, L+R] (rows Q*N within `narrow_rows`), cache bf16 [pages, 64, L+R] or e4m3 with kv_scale f32
     [pages, 64], block_table i32 [B, max_pages], seq_lens i32 [B, Q], page_offset i32 [1]. Returns, with
     R' = `narrow_rows(Q*N)`: splits == 1: (out bf16 [B, R', L], lse f32 [B, R']); else the partials
-    (o_part f32 [B * splits, L, R'] (transposed), lse_part f32 [B * splits, R'])."""
+    (o_part f32 [B * splits, L, R'] (transposed), lse_part f32 [B * splits, R']). fp8_qk (fp8 cache): q as one
+    e4m3 term (`quantize_q_fp8`, lossy), one fp8 product for QK^T."""
     b, nq, n, d = q.shape
     m_rows = nq * n
     fp8 = jnp.dtype(cache.dtype) == FP8
@@ -469,7 +496,11 @@ def narrow_decode(q, cache, block_table, seq_lens, page_offset, *, scale, l, spl
     q_rows = q.reshape(b, m_rows, d)
     if m_q != m_rows:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, m_q - m_rows), (0, 0)))
-    if fp8:
+    if fp8 and fp8_qk:
+        q8, s_hi = quantize_q_fp8(q_rows)
+        q_args = (q8, jnp.pad(s_hi, ((0, 0), (0, rows - m_q))))
+        cache_args = (cache, kv_scale)
+    elif fp8:
         q_hi, q_lo, s_hi = quantize_q_hilo(q_rows)
         q_args = (q_hi, q_lo, jnp.pad(s_hi, ((0, 0), (0, rows - m_q))))
         cache_args = (cache, kv_scale)
@@ -490,6 +521,7 @@ def narrow_decode(q, cache, block_table, seq_lens, page_offset, *, scale, l, spl
         sm_scale=float(scale),
         interpret=bool(interpret),
         fp8=fp8,
+        qk8=bool(fp8 and fp8_qk),
     )
     f32 = jnp.float32
     if splits == 1:
@@ -509,7 +541,8 @@ def narrow_decode(q, cache, block_table, seq_lens, page_offset, *, scale, l, spl
         # reduction scratch is not shared).
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=2048),
         interpret=interpret_params(interpret),
-        kernel_name=f"mla_decode_sm90_narrow_{'fp8' if fp8 else 'bf16'}_m{rows}_s{splits}_stages{stages}",
+        kernel_name=f"mla_decode_sm90_narrow_{'fp8qk' if cfg.qk8 else 'fp8' if fp8 else 'bf16'}_m{rows}_s{splits}"
+        f"_stages{stages}",
     )
     out, lse, o_part, lse_part = kernel(*q_args, *cache_args, block_table, seq_lens.astype(jnp.int32), page_offset)
     return (out, lse) if splits == 1 else (o_part, lse_part)

@@ -299,6 +299,10 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch):
     assert "mosaic_gpu" in text
     # The work list's metadata step is one Triton kernel (with an H200 stand-in for the device query).
     assert text.count("__gpu$xla.gpu.triton") == (kw.get("schedule") == "worklist")
+    # Which kernel: the narrow one for <= 16 rows on the grid schedule (fp8_qk: its one-term q), else 64-row tiles.
+    narrow = kw.get("schedule", "grid") == "grid" and kw.get("n", 16) <= 16
+    kind = {"bf16": "bf16", "fp8": "fp8qk" if kw.get("fp8_qk") else "fp8"}[cache_dtype]
+    assert (f"mla_decode_sm90_narrow_{kind}_m16" in text) == narrow
 
 
 def test_shared_memory_budget_error():
