@@ -225,7 +225,8 @@ def measure_ceilings(*, small: bool = False) -> dict[str, float]:
     out["matmul_TFLOPs_xla"] = 2 * m**3 / (us * 1e-6) / 1e12
     out["copy_TBps"] = max(out.get("copy_TBps_torch", 0.0), out["copy_TBps_xla"])
     out["matmul_TFLOPs"] = max(out.get("matmul_TFLOPs_torch", 0.0), out["matmul_TFLOPs_xla"])
-    return {k: round(v, 3) for k, v in out.items()}
+    # 3 decimals, but 3 significant digits below 1: a loaded CPU's smoke copy (< 0.5 GB/s) must not round to 0
+    return {k: round(v, 3) if v >= 1 else float(f"{v:.3g}") for k, v in out.items()}
 
 
 def git_commit() -> str:
