@@ -354,6 +354,22 @@ def sweep_variants(n, dtype, num_splits_default):
     return out
 
 
+def error_vs_f32(fn, args) -> dict:
+    """The row's error on its own inputs against the float32 reference over the dequantized cache with the
+    exact q (lossy modes included: their rounding of q is part of the error, FlashMLA's footing): rel_err
+    ||out - ref|| / ||ref||, lse_err max |lse - ref_lse| (natural log) over rows with tokens."""
+    q, cache, bt, sl, ks = args
+    out, lse = fn(*args)
+    ref, ref_lse = md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    lse, ref_lse = np.asarray(lse, np.float32), np.asarray(ref_lse, np.float32)
+    fin = np.isfinite(ref_lse)
+    return {
+        "rel_err": float(f"{np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30):.3g}"),
+        "lse_err": float(f"{np.max(np.abs(lse[fin] - ref_lse[fin]), initial=0.0):.3g}"),
+    }
+
+
 def kernel_row(name, fn, sets, b, n, ctx, dtype, ceil, extra, device_time=False, nq=1) -> dict:
     """One timed row of kernel `name` (with device_time also its device time from a profiler trace), or the
     error that stopped it (recorded, not raised)."""
@@ -362,6 +378,7 @@ def kernel_row(name, fn, sets, b, n, ctx, dtype, ceil, extra, device_time=False,
         us = timed(fn, sets, 20, 7)
         if device_time:  # kernel time without host dispatch (see common.device_time_us)
             extra = {**extra, **common.device_time_us(fn, sets)}
+        extra = {**extra, **error_vs_f32(fn, sets[0])}
         row = row_for(name, b, n, ctx, dtype, us, ceil, nq=nq, **extra)
         log(f"{what}: {us:.1f} us {extra} {row['TBps']} TB/s {row['TFLOPs']} TFLOP/s")
         return row

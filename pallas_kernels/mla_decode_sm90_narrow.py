@@ -141,7 +141,7 @@ def _smem(cfg):
             plgpu.SMEM((1 if cfg.qk8 else 2, cfg.rows, cfg.d), FP8, transforms=tiled(FP8, 64)),  # Q: hi, lo
             plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), FP8, transforms=tiled(FP8, 64)),  # fp8 pages
             plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l), BF16, transforms=tiled(BF16)),  # V, cast
-            plgpu.SMEM((cfg.rows, PAGE_SIZE), BF16, transforms=tiled(BF16)),  # P
+            plgpu.SMEM((2, cfg.rows, PAGE_SIZE), BF16, transforms=tiled(BF16)),  # P: page i's, page i - 1's
             plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE), f32),  # the pages' token scales
             plgpu.SMEM((cfg.rows,), f32),  # Q's row scales (hi; lo = hi / 16)
         ]
@@ -233,10 +233,10 @@ def _kernel(*refs, cfg):
                 plgpu.copy_smem_to_gmem(part_lse, lsepart_gmem.at[piece])
             plgpu.wait_smem_to_gmem(0)
 
-        def online_softmax(s, lens, i, carry, p_smem, v_t, p_scale):
-            """One page: s [G, M] f32 logits (log2 units, unmasked) -> updated (O^T, m, l_acc); v_t: the
-            page's V^T [L, G] in shared memory; p_scale [G] (fp8: the tokens' scales) or None."""
-            o, m_i, l_acc = carry
+        def online_softmax(s, lens, i, m_i, l_acc, p_ref, p_scale):
+            """One page: s [G, M] f32 logits (log2 units, unmasked) -> (m, l_acc, alpha), P (the page's
+            probabilities, times p_scale [G] (fp8: the tokens' scales) unless None) written to p_ref [M, G];
+            the caller rescales O^T by alpha."""
             tok = (first + i) * g + plgpu.broadcasted_iota(jnp.int32, (g, cfg.rows), 0, layout=plgpu.Layout.WGMMA)
             s = jnp.where(tok < lax.broadcast_in_dim(lens, s.shape, [1]), s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=0))  # [M]: across the 4 warps
@@ -245,10 +245,12 @@ def _kernel(*refs, cfg):
             l_acc = l_acc * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
             if p_scale is not None:  # V = fp8 row * scale: the scale goes into p
                 p = p * lax.broadcast_in_dim(p_scale, p.shape, [0])
-            p_smem.T[...] = p.astype(BF16)
+            p_ref.T[...] = p.astype(BF16)
             plgpu.commit_smem()
-            o = o * lax.broadcast_in_dim(alpha, o.shape, [1])
-            return o, m_new, l_acc, v_t
+            return m_new, l_acc, alpha
+
+        def rescale(o, alpha):
+            return o * lax.broadcast_in_dim(alpha, o.shape, [1])
 
         def init():
             f32 = jnp.float32
@@ -285,6 +287,7 @@ def _kernel(*refs, cfg):
                 row_lens,
                 init,
                 online_softmax,
+                rescale,
                 epilogue,
                 q_gmem,
                 qs_gmem,
@@ -313,8 +316,10 @@ def _kernel(*refs, cfg):
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((g, cfg.rows), jnp.float32)) * c  # [G, M]
-                o, m_new, l_acc, v_t = online_softmax(s, lens, i, carry, p_smem, ring.at[si, :, pl.ds(0, l)].T, None)
-                o = wgmma_accumulate(o, v_t, p_smem.T, interpret=cfg.interpret)
+                o, m_i, l_acc = carry
+                m_new, l_acc, alpha = online_softmax(s, lens, i, m_i, l_acc, p_smem, None)
+                v_t = ring.at[si, :, pl.ds(0, l)].T
+                o = wgmma_accumulate(rescale(o, alpha), v_t, p_smem.T, interpret=cfg.interpret)
                 plgpu.barrier_arrive(bars["kv_consumed"].at[si])
                 return o, m_new, l_acc
 
@@ -370,6 +375,7 @@ def _fp8_body(
     row_lens,
     init,
     online_softmax,
+    rescale,
     epilogue,
     q_gmem,
     qs_gmem,
@@ -415,22 +421,19 @@ def _fp8_body(
         s_lo = s_hi * (1 / 16)
         chunks = [(k, min(_QK_CHUNK, d - k)) for k in range(0, d, _QK_CHUNK)]
 
-        def step(i, carry):
-            fs, vs = lax.rem(i, jnp.int32(fst)), lax.rem(i, jnp.int32(vst))
-            plgpu.barrier_wait(bars["f_ready"].at[fs])
-            page = f_ring.at[fs]
+        n_acc = len(chunks) + (0 if cfg.qk8 else 1)
 
-            def qk(*accs):
-                # The hi product in float32 partial sums of _QK_CHUNK columns; the lo product (2^-4 of it) whole:
-                # in 5 more accumulators it ran 469 us at 128x16x8192 against 330 (session 16).
-                for (k0, w), acc in zip(chunks, accs):
-                    plgpu.wgmma(acc, page.at[:, pl.ds(k0, w)], q8.at[0, :, pl.ds(k0, w)].T)
-                if not cfg.qk8:
-                    plgpu.wgmma(accs[-1], page, q8.at[1].T)
-                return [acc[...] for acc in accs]
+        def issue_qk(page, accs):
+            # The hi product in float32 partial sums of _QK_CHUNK columns; the lo product (2^-4 of it) whole:
+            # in 5 more accumulators it ran 469 us at 128x16x8192 against 330 (session 16).
+            for (k0, w), acc in zip(chunks, accs):
+                plgpu.wgmma(acc, page.at[:, pl.ds(k0, w)], q8.at[0, :, pl.ds(k0, w)].T)
+            if not cfg.qk8:
+                plgpu.wgmma(accs[-1], page, q8.at[1].T)
 
-            n_acc = len(chunks) + (0 if cfg.qk8 else 1)
-            accs = pl.run_scoped(qk, *[plgpu.ACC((g, cfg.rows), jnp.float32) for _ in range(n_acc)])
+        def logits(i, fs, accs):
+            """The QK^T partial sums -> page i's logits [G, M] (log2 units, times the tokens' scales) and the
+            scales [G] (0 past the length); frees the fp8 slot's QK^T and scale reads."""
             hi = functools.reduce(jnp.add, accs[: len(chunks)])
             s = hi * lax.broadcast_in_dim(s_hi, hi.shape, [1])
             if not cfg.qk8:
@@ -439,14 +442,54 @@ def _fp8_body(
             ks = jnp.where(tok < page_rows(i), plgpu.load(ks_ring.at[fs], (), layout=_TOK), 0.0)  # [G]
             plgpu.commit_smem()  # the scales' generic-proxy read before the next TMA into the slot
             plgpu.barrier_arrive(bars["f_free"].at[fs])
-            s = s * lax.broadcast_in_dim(ks, s.shape, [0])
-            o, m_new, l_acc, v_t = online_softmax(s, lens, i, carry, p_smem, v_ring.at[vs].T, ks)
-            plgpu.barrier_wait(bars["v_ready"].at[vs])
-            o = wgmma_accumulate(o, v_t, p_smem.T, interpret=cfg.interpret)
-            plgpu.barrier_arrive(bars["v_free"].at[vs])
-            return o, m_new, l_acc
+            return s * lax.broadcast_in_dim(ks, s.shape, [0]), ks
 
-        epilogue(*lax.fori_loop(0, n, step, init()))
+        def step(i, carry, first=False):
+            """Page i: issue QK^T(i), then P.V of page i - 1 (its P and V slots), and run the softmax of page i
+            while that P.V runs: at 16 rows each wgmma is small and costs its latency, so the two chains overlap.
+            The first page has no P.V before it."""
+            o, m_i, l_acc = carry
+            fs, pp = lax.rem(i, jnp.int32(fst)), lax.rem(i, jnp.int32(2))
+            vp = lax.rem(i + vst - 1, jnp.int32(vst))  # page i - 1's V slot
+            plgpu.barrier_wait(bars["f_ready"].at[fs])
+            if not first:
+                plgpu.barrier_wait(bars["v_ready"].at[vp])
+            overlap = not first and not cfg.interpret  # the interpreter runs P.V after the softmax instead
+
+            def body(*refs):
+                o_ref, accs = (refs[0], refs[1:]) if overlap else (None, refs)
+                if overlap:
+                    o_ref[...] = o
+                issue_qk(f_ring.at[fs], accs)
+                if overlap:
+                    plgpu.wgmma(o_ref, v_ring.at[vp].T, p_smem.at[1 - pp].T)
+                # Groups complete in order: waiting for all but the last leaves only P.V in flight.
+                vals = [plgpu.wgmma_accumulator_load(accs[0], wait_n=1 if overlap else 0)]
+                vals += [plgpu.wgmma_accumulator_load(acc, wait_n=None) for acc in accs[1:]]
+                s, ks = logits(i, fs, vals)
+                m_new, l_new, alpha = online_softmax(s, lens, i, m_i, l_acc, p_smem.at[pp], ks)
+                o_new = plgpu.wgmma_accumulator_load(o_ref, wait_n=0) if overlap else o
+                return o_new, m_new, l_new, alpha
+
+            accs = [plgpu.ACC((g, cfg.rows), jnp.float32) for _ in range(n_acc)]
+            o_acc = [plgpu.ACC((l, cfg.rows), jnp.float32)] if overlap else []
+            o, m_new, l_new, alpha = pl.run_scoped(body, *o_acc, *accs)
+            if not first:
+                if cfg.interpret:
+                    o = wgmma_accumulate(o, v_ring.at[vp].T, p_smem.at[1 - pp].T, interpret=True)
+                plgpu.barrier_arrive(bars["v_free"].at[vp])
+            return rescale(o, alpha), m_new, l_new
+
+        def last_pv(o):
+            vp, pp = lax.rem(n - 1, jnp.int32(vst)), lax.rem(n - 1, jnp.int32(2))
+            plgpu.barrier_wait(bars["v_ready"].at[vp])
+            o = wgmma_accumulate(o, v_ring.at[vp].T, p_smem.at[pp].T, interpret=cfg.interpret)
+            plgpu.barrier_arrive(bars["v_free"].at[vp])
+            return o
+
+        carry = lax.cond(n > 0, lambda c: step(jnp.int32(0), c, first=True), lambda c: c, init())
+        o, m_i, l_acc = lax.fori_loop(1, jnp.maximum(n, 1), step, carry)
+        epilogue(lax.cond(n > 0, last_pv, lambda o: o, o), m_i, l_acc)
 
     @pl.when(wg == 1)
     def _producer():

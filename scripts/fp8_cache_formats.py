@@ -1,6 +1,6 @@
 """Accuracy of the fp8 latent-cache row formats (`mla_jax.cache.FP8_ROW_FORMATS`) on the demo model's real rows.
 
-Run (CPU, ~20 s): .venv/bin/python scripts/fp8_cache_formats.py [--out results.json] [--group 16]
+Run (CPU, ~30 s): .venv/bin/python scripts/fp8_cache_formats.py [--out results.json] [--group 16] [--paged-check]
 
 What it measures, on the shipped demo model (mla_jax/data/demo: L=64, R=16, 4 layers, trained on Python code)
 over text it never saw (this repository's own sources, tokenized with the demo's tokenizer):
@@ -11,7 +11,11 @@ over text it never saw (this repository's own sources, tokenized with the demo's
 2. attention output: per layer, the absorbed MQA (`mla_jax.reference.causal_mqa`, float32) of the layer's own
    absorbed queries over the dequantized rows against the same over the float32 rows: ||out - ref|| / ||ref||
    over the latent output [S, N, L] (what the decode kernels return). Each layer on its exact inputs, so the
-   error is the format's alone.
+   error is the format's alone. Beside it, the same with the lossy decode mode ``fp8_qk``'s query: q rounded to
+   e4m3 with one f32 scale per row (token, head; `pallas_kernels.mla_decode_sm90_narrow.quantize_q_fp8`) before
+   QK^T, P and V exact; and the error of the LSE (logsumexp over the causal context of the scaled logits, natural
+   log) against the float32 rows with the exact q, max and mean |lse - lse_ref| per layer, with either q. The
+   q rounding alone (float32 rows): ``fp8_qk_f32_rows``.
 3. validation loss: mean token NLL of the full forward (absorbed attention) with every layer's rows fake-quantized
    (quantize -> dequantize) before the attention reads them, against the float32 rows. Every query then reads
    its whole causal context, itself included, from the quantized rows: what a decode step over the paged cache
@@ -39,6 +43,7 @@ from mla_jax.cache import FP8_ROW_FORMATS, dequantize_cache_rows, fp8_format_row
 from mla_jax.checkpoint import load_model
 from mla_jax.mla import absorb_q, mla_project, o_proj, v_up_proj
 from mla_jax.model import decoder_layers, embed, lm_logits
+from pallas_kernels.mla_decode_sm90_narrow import quantize_q_fp8
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEMO = ROOT / "mla_jax" / "data" / "demo"
@@ -95,6 +100,37 @@ def forward_fake_quant(params, cfg, input_ids, fmt_index: jax.Array, group: int)
     return lm_logits(params, cfg, x).reshape(B, S, -1), qs, rs
 
 
+def round_q_fp8(q: jax.Array) -> jax.Array:
+    """q [..., D] -> what the ``fp8_qk`` decode mode's QK^T multiplies: q8 * scale (`quantize_q_fp8`: e4m3, one
+    f32 scale per row)."""
+    q8, scale = quantize_q_fp8(q)
+    return q8.astype(jnp.float32) * scale[..., None]
+
+
+def causal_mqa_lse(q: jax.Array, kv: jax.Array, scale: float, kv_lora_rank: int) -> tuple[jax.Array, jax.Array]:
+    """`reference.causal_mqa` (q [S, N, L+R], rows [S, L+R] -> latent output [S, N, L]) and its LSE [S, N]: the
+    natural-log logsumexp of scale * q.k over each query's causal context (what the decode kernels return)."""
+    S = q.shape[0]
+    logits = jnp.einsum("snd,td->snt", q.astype(jnp.float32), kv.astype(jnp.float32)) * scale
+    lse = jax.nn.logsumexp(jnp.where(jnp.tril(jnp.ones((S, S), bool))[:, None], logits, -jnp.inf), axis=-1)
+    return reference.causal_mqa(q, kv, scale, kv_lora_rank), lse
+
+
+def attention_errors(mqa, qs, rs, ref_out, ref_lse, suffix: str = "") -> dict[str, list[float]]:
+    """Per layer (leading axis) errors of ``mqa(qs, rs)`` -> (out, lse) against (ref_out, ref_lse):
+    {"attn_out_err" + suffix: ||out - ref|| / ||ref||, "lse_err_max"/"lse_err_mean" + suffix: max / mean
+    |lse - lse_ref| (nats) over the layer's queries and heads}."""
+    o, lse = (np.asarray(a) for a in mqa(qs, rs))
+    d = np.abs(lse - ref_lse).reshape(len(lse), -1)
+    return {
+        "attn_out_err" + suffix: [
+            float(np.linalg.norm(o[i] - ref_out[i]) / np.linalg.norm(ref_out[i])) for i in range(len(o))
+        ],
+        "lse_err_max" + suffix: d.max(-1).tolist(),
+        "lse_err_mean" + suffix: d.mean(-1).tolist(),
+    }
+
+
 def windows(tok, files, n: int, seq_len: int) -> np.ndarray:
     """n windows of seq_len tokens, spread evenly over the concatenated token stream of ``files`` -> i32[n, S]."""
     ids = []
@@ -136,8 +172,9 @@ def measure(params, cfg, row_ids: np.ndarray, val_ids: np.ndarray, group: int) -
     L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     _, qs, rs = forward_fake_quant(params, cfg, jnp.asarray(row_ids), 0, group)
     qs, rs = np.asarray(qs), np.asarray(rs)  # [layers, B, S, N, L+R], [layers, B, S, L+R]
-    mqa = jax.jit(jax.vmap(jax.vmap(lambda q, kv: reference.causal_mqa(q, kv, cfg.softmax_scale, L))))
-    ref_out = np.asarray(mqa(qs, rs))  # [layers, B, S, N, L]
+    mqa = jax.jit(jax.vmap(jax.vmap(lambda q, kv: causal_mqa_lse(q, kv, cfg.softmax_scale, L))))
+    ref_out, ref_lse = (np.asarray(a) for a in mqa(qs, rs))  # [layers, B, S, N, L], [layers, B, S, N]
+    qs8 = np.asarray(round_q_fp8(jnp.asarray(qs)))  # the fp8_qk mode's q
     val = jnp.asarray(val_ids)
     ref_logits, _, _ = forward_fake_quant(params, cfg, val, 0, group)
     ref_nll = token_nll(ref_logits, val)  # [B, S-1]
@@ -156,13 +193,15 @@ def measure(params, cfg, row_ids: np.ndarray, val_ids: np.ndarray, group: int) -
             "rope_absmax": np.abs(rs[..., L:]).max((1, 2, 3)).tolist(),
         },
         "val_loss_f32": float(ref_nll.mean()),
+        # the q rounding alone: fp8_qk's q over the float32 rows (per layer)
+        "fp8_qk_f32_rows": attention_errors(mqa, qs8, rs, ref_out, ref_lse),
         "formats": {},
     }
     for k, fmt in enumerate(FORMATS[1:], start=1):
         deq = np.asarray(fake_quant(jnp.asarray(rs), fmt, kv_lora_rank=L, group=group))
         err = group_errors(rs, deq, L, group)
-        o = np.asarray(mqa(qs, jnp.asarray(deq)))
-        attn = [float(np.linalg.norm(o[i] - ref_out[i]) / np.linalg.norm(ref_out[i])) for i in range(len(o))]
+        exact_q = attention_errors(mqa, qs, deq, ref_out, ref_lse)
+        fp8_qk = attention_errors(mqa, qs8, deq, ref_out, ref_lse, "_fp8_qk")
         logits, _, _ = forward_fake_quant(params, cfg, val, k, group)
         delta = (token_nll(logits, val) - ref_nll).mean(-1)  # [B]: the paired loss change of each window
         out["formats"][fmt] = {
@@ -177,10 +216,15 @@ def measure(params, cfg, row_ids: np.ndarray, val_ids: np.ndarray, group: int) -
             "rope_err_max": err["rope"].max((1, 2)).tolist(),
             "latent_err": err["latent"].reshape(len(rs), -1).tolist(),  # [layers, tokens * groups]
             "rope_err": err["rope"].reshape(len(rs), -1).tolist(),  # [layers, tokens]
-            "attn_out_err": attn,  # per layer
+            "attn_out_err": exact_q["attn_out_err"],  # per layer
             "val_loss_delta": float(delta.mean()),
             "val_loss_delta_se": float(delta.std(ddof=1) / np.sqrt(len(delta))),  # standard error over windows
             "val_kl": float(token_kl(ref_logits, logits).mean()),  # mean KL(f32 || format) per token, nats
+            # per layer, against the float32 rows with the exact q: the LSE with the exact q, and the output and
+            # LSE with fp8_qk's q (rounded to e4m3 per row)
+            "lse_err_max": exact_q["lse_err_max"],
+            "lse_err_mean": exact_q["lse_err_mean"],
+            **fp8_qk,
         }
     return out
 
@@ -240,6 +284,22 @@ def summary(res: dict) -> str:
             f"{np.mean(r['rope_err_mean']):>9.2e} {attn:>35} {r['val_loss_delta']:>+10.2e} "
             f"({r['val_loss_delta_se']:.1e}) {r['val_kl']:>8.2e}"
         )
+    lines.append(
+        "fp8_qk (q in e4m3, one scale per row), per layer: attention-output error with exact q -> fp8_qk q; "
+        "LSE error max / mean (nats), exact q -> fp8_qk q"
+    )
+    rows = [("f32", None, res["fp8_qk_f32_rows"])] + [(f, r, r) for f, r in res["formats"].items()]
+    for fmt, exact, qk in rows:
+        per_layer = []
+        for i in range(len(qk["attn_out_err"])):
+            e = exact["attn_out_err"][i] if exact else 0.0
+            x = (exact["lse_err_max"][i], exact["lse_err_mean"][i]) if exact else (0.0, 0.0)
+            sfx = "" if exact is None else "_fp8_qk"
+            per_layer.append(
+                f"{e:.2e}->{qk['attn_out_err' + sfx][i]:.2e} "
+                f"[{x[0]:.1e}/{x[1]:.1e}->{qk['lse_err_max' + sfx][i]:.1e}/{qk['lse_err_mean' + sfx][i]:.1e}]"
+            )
+        lines.append(f"{fmt:<10} " + "  ".join(per_layer))
     return "\n".join(lines)
 
 

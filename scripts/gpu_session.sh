@@ -251,5 +251,14 @@ case $part in
     run 180 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype $caches --batches 8,32,128 \
         --ctxs 4096 --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 16" >&2; exit 2 ;;
+17) # session 17, first call (straight into OUT): the Hopper decode GPU tests (the narrow fp8 kernel with P.V of page
+    # i - 1 beside QK^T of page i, two V slots); the decode benchmark at 16 heads, bf16 and fp8, Hopper kernels,
+    # device time and the error against the float32 reference (rel_err, lse_err)
+    out=${2:?}
+    run 130 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_mla_decode_sm90.py
+    run 170 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
+        --kernels pallas_sm90 --dtypes bf16,fp8 --shapes 128x16x8192,64x16x4096,32x16x1024,8x16x4096
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 17" >&2; exit 2 ;;
 esac
