@@ -29,11 +29,13 @@ fp8 page as it lands. Q is split per row into two e4m3 terms, q ~= (q_hi + q_lo 
 the sum of the two fp8 products, the hi product accumulated in float32 every `_QK_CHUNK` columns (the
 fp8 wgmma accumulates at reduced precision: DeepSeek-V3 report 3.3.2), times the tokens' scales. V's L columns
 are cast to bf16 (exact) by the producer and a third warpgroup, half each, into a bf16 V slot
-(`stages` deep, default 1) while the consumer runs QK^T on the fp8 slot (a 2-deep ring); P is
-multiplied by the tokens' scales before P.V. Shared memory: fp8 ring 2 x 36 KB, V 64 KB a slot,
-Q 2 x 9 KB: rows <= 16. fp8_qk (opt-in, lossy, as the 64-row kernel's mode): q as one e4m3 term per row
-(`quantize_q_fp8`), one fp8 product; the logits are those of that q. Without the lo product this kernel
-ran 276 us at 128x16x8192 (session 16's probe, two V slots), the 64-row fp8_qk kernel 380.
+(`stages` deep, default 2) while the consumer runs QK^T on the fp8 slot (a 2-deep ring); P is
+multiplied by the tokens' scales, and page i's P.V runs after page i + 1's QK^T and softmax (two P
+buffers), so each cast has a page's time. The consumer takes 240 registers a thread, the other two
+128 / 136 (`_FP8_REGS`). Shared memory: fp8 ring 2 x 36 KB, V 64 KB a slot, Q 2 x 9 KB: rows <= 16.
+fp8_qk (opt-in, lossy, as the 64-row kernel's mode): q as one e4m3 term per row (`quantize_q_fp8`),
+one fp8 product; the logits are those of that q (~5.8% relative output error on N(0, 1) inputs,
+1.7-2.0% on the demo model's activations: docs/perf-notes.md).
 
 Outputs: the final output [rows, L] through a transposed store of O^T into a [rows, L] staging tile
 (the bf16 tile takes a transposed register store; an f32 one does not lower), then TMA; split
@@ -67,6 +69,10 @@ NARROW_MAX_ROWS = 32  # O^T [512, M] f32 is 4M registers a thread: 128 at M = 32
 NARROW_FP8_MAX_ROWS = 16  # fp8: shared memory (two rings) and the QK^T chunk accumulators
 PAGE_SIZE = 64
 _QK_CHUNK = 128  # fp8 QK^T: columns per float32 promotion of the hi product (DeepGEMM's recipe)
+# fp8: (consumer, producer, caster) registers a thread; the CTA launches with 384 x 168 = 64512. At the even split
+# ptxas spilled 264 B a thread of the consumer (O^T and the QK^T partial sums); with these none (329 -> 297 us at
+# 128x16x8192, with P.V moved after the next page's softmax, session 17).
+_FP8_REGS = (240, 128, 136)
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a [G, M] / [L, M] accumulator (a query row)
 _TOK = plgpu.Layout.WGMMA.reduce(1)  # one value per row (a token of the page)
 
@@ -409,6 +415,8 @@ def _fp8_body(
 
     @pl.when(wg == 0)
     def _consumer():
+        plgpu.set_max_registers(_FP8_REGS[0], action="increase")
+
         @pl.when(n > 0)
         def _():
             for h in range(len(q_gmem)):  # hi, lo
@@ -444,55 +452,40 @@ def _fp8_body(
             plgpu.barrier_arrive(bars["f_free"].at[fs])
             return s * lax.broadcast_in_dim(ks, s.shape, [0]), ks
 
-        def step(i, carry, first=False):
-            """Page i: issue QK^T(i), then P.V of page i - 1 (its P and V slots), and run the softmax of page i
-            while that P.V runs: at 16 rows each wgmma is small and costs its latency, so the two chains overlap.
-            The first page has no P.V before it."""
-            o, m_i, l_acc = carry
-            fs, pp = lax.rem(i, jnp.int32(fst)), lax.rem(i, jnp.int32(2))
-            vp = lax.rem(i + vst - 1, jnp.int32(vst))  # page i - 1's V slot
-            plgpu.barrier_wait(bars["f_ready"].at[fs])
-            if not first:
-                plgpu.barrier_wait(bars["v_ready"].at[vp])
-            overlap = not first and not cfg.interpret  # the interpreter runs P.V after the softmax instead
-
-            def body(*refs):
-                o_ref, accs = (refs[0], refs[1:]) if overlap else (None, refs)
-                if overlap:
-                    o_ref[...] = o
-                issue_qk(f_ring.at[fs], accs)
-                if overlap:
-                    plgpu.wgmma(o_ref, v_ring.at[vp].T, p_smem.at[1 - pp].T)
-                # Groups complete in order: waiting for all but the last leaves only P.V in flight.
-                vals = [plgpu.wgmma_accumulator_load(accs[0], wait_n=1 if overlap else 0)]
-                vals += [plgpu.wgmma_accumulator_load(acc, wait_n=None) for acc in accs[1:]]
-                s, ks = logits(i, fs, vals)
-                m_new, l_new, alpha = online_softmax(s, lens, i, m_i, l_acc, p_smem.at[pp], ks)
-                o_new = plgpu.wgmma_accumulator_load(o_ref, wait_n=0) if overlap else o
-                return o_new, m_new, l_new, alpha
-
-            accs = [plgpu.ACC((g, cfg.rows), jnp.float32) for _ in range(n_acc)]
-            o_acc = [plgpu.ACC((l, cfg.rows), jnp.float32)] if overlap else []
-            o, m_new, l_new, alpha = pl.run_scoped(body, *o_acc, *accs)
-            if not first:
-                if cfg.interpret:
-                    o = wgmma_accumulate(o, v_ring.at[vp].T, p_smem.at[1 - pp].T, interpret=True)
-                plgpu.barrier_arrive(bars["v_free"].at[vp])
-            return rescale(o, alpha), m_new, l_new
-
-        def last_pv(o):
-            vp, pp = lax.rem(n - 1, jnp.int32(vst)), lax.rem(n - 1, jnp.int32(2))
-            plgpu.barrier_wait(bars["v_ready"].at[vp])
-            o = wgmma_accumulate(o, v_ring.at[vp].T, p_smem.at[pp].T, interpret=cfg.interpret)
-            plgpu.barrier_arrive(bars["v_free"].at[vp])
+        def pv(o, j):
+            """O^T += V^T P^T of page j (its V slot and P buffer)."""
+            vs, pj = lax.rem(j, jnp.int32(vst)), lax.rem(j, jnp.int32(2))
+            plgpu.barrier_wait(bars["v_ready"].at[vs])
+            o = wgmma_accumulate(o, v_ring.at[vs].T, p_smem.at[pj].T, interpret=cfg.interpret)
+            plgpu.barrier_arrive(bars["v_free"].at[vs])
             return o
+
+        def step(i, carry, first=False):
+            """Page i: QK^T and the softmax, then P.V of page i - 1: a page's V cast has the next page's QK^T
+            and softmax to land in. (P.V in flight during QK^T and the softmax, the FA3 order, measured slower:
+            307 against 297 us at 128x16x8192, session 17.) The first page has no P.V before it."""
+            o, m_i, l_acc = carry
+            fs = lax.rem(i, jnp.int32(fst))
+            plgpu.barrier_wait(bars["f_ready"].at[fs])
+
+            def qk(*accs):
+                issue_qk(f_ring.at[fs], accs)
+                return [acc[...] for acc in accs]
+
+            s, ks = logits(i, fs, pl.run_scoped(qk, *[plgpu.ACC((g, cfg.rows), jnp.float32) for _ in range(n_acc)]))
+            m_new, l_new, alpha = online_softmax(s, lens, i, m_i, l_acc, p_smem.at[lax.rem(i, jnp.int32(2))], ks)
+            if not first:
+                o = pv(o, i - 1)
+            return rescale(o, alpha), m_new, l_new
 
         carry = lax.cond(n > 0, lambda c: step(jnp.int32(0), c, first=True), lambda c: c, init())
         o, m_i, l_acc = lax.fori_loop(1, jnp.maximum(n, 1), step, carry)
-        epilogue(lax.cond(n > 0, last_pv, lambda o: o, o), m_i, l_acc)
+        epilogue(lax.cond(n > 0, lambda o: pv(o, n - 1), lambda o: o, o), m_i, l_acc)
 
     @pl.when(wg == 1)
     def _producer():
+        plgpu.set_max_registers(_FP8_REGS[1], action="decrease")
+
         def fetch(i):
             fs = lax.rem(i, jnp.int32(fst))
             plgpu.copy_gmem_to_smem(kv_gmem.at[page_id(i)], f_ring.at[fs], bars["f_ready"].at[fs])
@@ -513,6 +506,8 @@ def _fp8_body(
 
     @pl.when(wg == 2)
     def _caster():
+        plgpu.set_max_registers(_FP8_REGS[2], action="decrease")
+
         def step(i, _):
             cast(i, range(half // 64))
             return ()
