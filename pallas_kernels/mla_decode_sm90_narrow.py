@@ -25,12 +25,14 @@ should be: 277 us at (128, 16, 8192), 4.4 TB/s of cache reads (bench/results/dec
 fp8 cache (e4m3 rows, a float32 scale per token), exact up to float32 and the fp8 wgmma's
 accumulation: Hopper's fp8 wgmma reads B only K-major, so of the two products only QK^T can run on the
 fp8 page as it lands. Q is split per row into two e4m3 terms, q ~= (q_hi + q_lo / 16) s_hi
-(`quantize_q_hilo`: the bf16 q's 8 significant bits as 4 + 4, exact but for underflow), and S^T is
-the sum of the two fp8 products, the hi product accumulated in float32 every `_QK_CHUNK` columns (the
-fp8 wgmma accumulates at reduced precision: DeepSeek-V3 report 3.3.2), times the tokens' scales. V's L columns
-are cast to bf16 (exact) by the producer and a third warpgroup, half each, into a bf16 V slot
-(`stages` deep, default 2) while the consumer runs QK^T on the fp8 slot (a 2-deep ring); P is
-multiplied by the tokens' scales, and page i's P.V runs after page i + 1's QK^T and softmax (two P
+(`quantize_q_hilo`: the bf16 q's 8 significant bits as 4 + 4, exact but for underflow). Q's shared
+memory holds q_hi's rows, then q_lo's, so one fp8 wgmma chain with N = 2M computes both products
+(18 k32 instructions a page where two N = M chains took 36: at N = 16 an instruction costs its latency,
+not its width); S^T = hi columns * s_hi + lo columns * s_hi / 16, accumulated in float32 every
+`_QK_CHUNK` columns (the fp8 wgmma accumulates at reduced precision: DeepSeek-V3 report 3.3.2), times
+the tokens' scales. V's L columns are cast to bf16 (exact) by the producer and a third warpgroup,
+half each, into a bf16 V slot (`stages` deep, default 2) while the consumer runs QK^T on the fp8 slot
+(a 2-deep ring); P is multiplied by the tokens' scales, and page i's P.V runs after page i + 1's QK^T and softmax (two P
 buffers), so each cast has a page's time. The consumer takes 240 registers a thread, the other two
 128 / 136 (`_FP8_REGS`). Shared memory: fp8 ring 2 x 36 KB, V 64 KB a slot, Q 2 x 9 KB: rows <= 16.
 fp8_qk (opt-in, lossy, as the 64-row kernel's mode): q as one e4m3 term per row (`quantize_q_fp8`),
@@ -68,7 +70,7 @@ __all__ = [
 NARROW_MAX_ROWS = 32  # O^T [512, M] f32 is 4M registers a thread: 128 at M = 32
 NARROW_FP8_MAX_ROWS = 16  # fp8: shared memory (two rings) and the QK^T chunk accumulators
 PAGE_SIZE = 64
-_QK_CHUNK = 128  # fp8 QK^T: columns per float32 promotion of the hi product (DeepGEMM's recipe)
+_QK_CHUNK = 192  # fp8 QK^T: columns per float32 promotion (DeepGEMM's recipe promotes every 128)
 # fp8: (consumer, producer, caster) registers a thread; the CTA launches with 384 x 168 = 64512. At the even split
 # ptxas spilled 264 B a thread of the consumer (O^T and the QK^T partial sums); with these none (329 -> 297 us at
 # 128x16x8192, with P.V moved after the next page's softmax, session 17).
@@ -144,7 +146,7 @@ def _smem(cfg):
     f32 = jnp.float32
     if cfg.fp8:
         loop = [
-            plgpu.SMEM((1 if cfg.qk8 else 2, cfg.rows, cfg.d), FP8, transforms=tiled(FP8, 64)),  # Q: hi, lo
+            plgpu.SMEM(((1 if cfg.qk8 else 2) * cfg.rows, cfg.d), FP8, transforms=tiled(FP8, 64)),  # Q: hi, lo rows
             plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), FP8, transforms=tiled(FP8, 64)),  # fp8 pages
             plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l), BF16, transforms=tiled(BF16)),  # V, cast
             plgpu.SMEM((2, cfg.rows, PAGE_SIZE), BF16, transforms=tiled(BF16)),  # P: page i's, page i - 1's
@@ -419,8 +421,8 @@ def _fp8_body(
 
         @pl.when(n > 0)
         def _():
-            for h in range(len(q_gmem)):  # hi, lo
-                plgpu.copy_gmem_to_smem(q_gmem[h].at[b], q8.at[h, pl.ds(0, m_q)], bars["q_bar"])
+            for h in range(len(q_gmem)):  # hi, lo: rows [0, m_q), [rows, rows + m_q)
+                plgpu.copy_gmem_to_smem(q_gmem[h].at[b], q8.at[pl.ds(h * cfg.rows, m_q)], bars["q_bar"])
             plgpu.copy_gmem_to_smem(qs_gmem.at[b], q_scales, bars["q_bar"])
             plgpu.barrier_wait(bars["q_bar"])
 
@@ -429,23 +431,22 @@ def _fp8_body(
         s_lo = s_hi * (1 / 16)
         chunks = [(k, min(_QK_CHUNK, d - k)) for k in range(0, d, _QK_CHUNK)]
 
-        n_acc = len(chunks) + (0 if cfg.qk8 else 1)
+        n_acc = len(chunks)
+        n_col = q8.shape[0]  # the QK^T wgmma's N: q_hi's rows, then q_lo's (one instruction does both products)
 
         def issue_qk(page, accs):
-            # The hi product in float32 partial sums of _QK_CHUNK columns; the lo product (2^-4 of it) whole:
-            # in 5 more accumulators it ran 469 us at 128x16x8192 against 330 (session 16).
+            # float32 partial sums of _QK_CHUNK columns (the fp8 wgmma accumulates at reduced precision)
             for (k0, w), acc in zip(chunks, accs):
-                plgpu.wgmma(acc, page.at[:, pl.ds(k0, w)], q8.at[0, :, pl.ds(k0, w)].T)
-            if not cfg.qk8:
-                plgpu.wgmma(accs[-1], page, q8.at[1].T)
+                plgpu.wgmma(acc, page.at[:, pl.ds(k0, w)], q8.at[:, pl.ds(k0, w)].T)
 
         def logits(i, fs, accs):
             """The QK^T partial sums -> page i's logits [G, M] (log2 units, times the tokens' scales) and the
             scales [G] (0 past the length); frees the fp8 slot's QK^T and scale reads."""
-            hi = functools.reduce(jnp.add, accs[: len(chunks)])
+            acc = functools.reduce(jnp.add, accs)  # [G, n_col]
+            hi = acc[:, : cfg.rows]
             s = hi * lax.broadcast_in_dim(s_hi, hi.shape, [1])
             if not cfg.qk8:
-                s = s + accs[-1] * lax.broadcast_in_dim(s_lo, hi.shape, [1])
+                s = s + acc[:, cfg.rows :] * lax.broadcast_in_dim(s_lo, hi.shape, [1])
             tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_TOK)
             ks = jnp.where(tok < page_rows(i), plgpu.load(ks_ring.at[fs], (), layout=_TOK), 0.0)  # [G]
             plgpu.commit_smem()  # the scales' generic-proxy read before the next TMA into the slot
@@ -472,7 +473,7 @@ def _fp8_body(
                 issue_qk(f_ring.at[fs], accs)
                 return [acc[...] for acc in accs]
 
-            s, ks = logits(i, fs, pl.run_scoped(qk, *[plgpu.ACC((g, cfg.rows), jnp.float32) for _ in range(n_acc)]))
+            s, ks = logits(i, fs, pl.run_scoped(qk, *[plgpu.ACC((g, n_col), jnp.float32) for _ in range(n_acc)]))
             m_new, l_new, alpha = online_softmax(s, lens, i, m_i, l_acc, p_smem.at[lax.rem(i, jnp.int32(2))], ks)
             if not first:
                 o = pv(o, i - 1)
