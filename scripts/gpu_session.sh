@@ -284,9 +284,9 @@ case $part in
     out=${2:?}
     run 70 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
         tests/pallas_kernels/test_mla_decode_sm90.py -k "fp8 or narrow or n16"
+    [ -f out/probe/t8.py ] && run 40 t8 python3 out/probe/t8.py
     run 120 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
         --kernels pallas_sm90 --dtypes bf16,fp8 --shapes 128x16x8192,64x16x4096,32x16x1024
-    [ -f out/probe/t8.py ] && run 40 t8 python3 out/probe/t8.py
     [ -f out/probe/ptxas.py ] && run 60 ptxas env MOSAIC_GPU_DUMP_PTXAS=1 python3 out/probe/ptxas.py
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 19" >&2; exit 2 ;;
