@@ -457,6 +457,9 @@ class Engine:
             num_speculative_tokens=self.spec_k,
             method=self.drafter.method,
         )
+        for x in out:  # the four copies in flight together, not one after another
+            if x.is_fully_addressable:
+                x.copy_to_host_async()
         return tuple(to_host(x) for x in out)
 
     def warmup(
