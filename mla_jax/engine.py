@@ -206,6 +206,13 @@ def compile_counter() -> CompileCounter:
     return _COUNTER
 
 
+def _start_host_copies(*xs: jax.Array) -> None:
+    """Starts the device-to-host copy of each array this process holds whole (`to_host` then waits on them)."""
+    for x in xs:
+        if x.is_fully_addressable:
+            x.copy_to_host_async()
+
+
 def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, cfg: DeepseekConfig) -> list[int]:
     """A prompt (token ids: ints in [0, vocab)) and its SamplingParams checked against the model alone, before
     any engine exists; the prompt as a list of ints, or ValueError saying what is wrong. Float ids, strings and
@@ -431,9 +438,7 @@ class Engine:
             batch_invariant=self.config.batch_invariant,
             gmm_impl=self.config.gmm_impl,
         )
-        for x in (tokens, logprobs):
-            if x.is_fully_addressable:
-                x.copy_to_host_async()
+        _start_host_copies(tokens, logprobs)
         return tokens, logprobs
 
     def _run(self, md: AttentionMetadata, sampling: SamplingArrays) -> tuple[np.ndarray, np.ndarray]:
@@ -457,9 +462,7 @@ class Engine:
             num_speculative_tokens=self.spec_k,
             method=self.drafter.method,
         )
-        for x in out:  # the four copies in flight together, not one after another
-            if x.is_fully_addressable:
-                x.copy_to_host_async()
+        _start_host_copies(*out)  # the four copies in flight together, not one after another
         return tuple(to_host(x) for x in out)
 
     def warmup(
