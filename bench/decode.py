@@ -136,6 +136,14 @@ def ragged_rows(timed_kernels, n, dtype, ceil) -> list[dict]:
     return rows
 
 
+def rel_and_lse_err(out, lse, ref, ref_lse) -> tuple[float, float]:
+    """||out - ref|| / ||ref||, and max |lse - ref_lse| over the rows whose reference lse is finite (rows with
+    tokens); numpy inputs."""
+    fin = np.isfinite(ref_lse)
+    rel = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+    return float(rel), float(np.max(np.abs(np.where(fin, lse, 0.0) - np.where(fin, ref_lse, 0.0))))
+
+
 def check_correctness(decode, kernel) -> bool:
     """Kernel vs float32 reference on the GPU: the `bench` cases of `kernel` in
     pallas_kernels/testing.py (bf16 and fp8, splits, causal Q>1, ragged, empty), at the GPU tests'
@@ -162,9 +170,8 @@ def check_correctness(decode, kernel) -> bool:
             lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
             # bf16 output rounding: elementwise |err| <= 2e-2 + 2e-2 |ref|, and 1e-2 relative in norm.
             err = float(np.max(np.abs(out - ref) - tol * np.abs(ref)))
-            rel = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+            rel, lse_err = rel_and_lse_err(out, lse, ref, ref_lse)
             lse_fin = np.isfinite(ref_lse)
-            lse_err = float(np.max(np.abs(np.where(lse_fin, lse, 0.0) - np.where(lse_fin, ref_lse, 0.0))))
             good = (
                 np.all(np.isfinite(out))
                 and err < tol
@@ -356,18 +363,14 @@ def sweep_variants(n, dtype, num_splits_default):
 
 def error_vs_f32(fn, args) -> dict:
     """The row's error on its own inputs against the float32 reference over the dequantized cache with the
-    exact q (lossy modes included: their rounding of q is part of the error, FlashMLA's footing): rel_err
-    ||out - ref|| / ||ref||, lse_err max |lse - ref_lse| (natural log) over rows with tokens."""
+    exact q (lossy modes included: their rounding of q is part of the error, FlashMLA's footing): rel_err and
+    lse_err (natural log) as `rel_and_lse_err`."""
     q, cache, bt, sl, ks = args
     out, lse = fn(*args)
     ref, ref_lse = md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    lse, ref_lse = np.asarray(lse, np.float32), np.asarray(ref_lse, np.float32)
-    fin = np.isfinite(ref_lse)
-    return {
-        "rel_err": float(f"{np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30):.3g}"),
-        "lse_err": float(f"{np.max(np.abs(lse[fin] - ref_lse[fin]), initial=0.0):.3g}"),
-    }
+    rel, lse_err = rel_and_lse_err(out, np.asarray(lse, np.float32), ref, np.asarray(ref_lse, np.float32))
+    return {"rel_err": float(f"{rel:.3g}"), "lse_err": float(f"{lse_err:.3g}")}
 
 
 def kernel_row(name, fn, sets, b, n, ctx, dtype, ceil, extra, device_time=False, nq=1) -> dict:
