@@ -32,9 +32,10 @@ not its width); S^T = hi columns * s_hi + lo columns * s_hi / 16, accumulated in
 `_QK_CHUNK` columns (the fp8 wgmma accumulates at reduced precision: DeepSeek-V3 report 3.3.2), times
 the tokens' scales. V's L columns are cast to bf16 (exact) by the producer and a third warpgroup,
 half each, into a bf16 V slot (`stages` deep, default 2) while the consumer runs QK^T on the fp8 slot
-(a 2-deep ring); P is multiplied by the tokens' scales, and page i's P.V runs after page i + 1's QK^T and softmax (two P
-buffers), so each cast has a page's time. The consumer takes 240 registers a thread, the other two
-128 / 136 (`_FP8_REGS`). Shared memory: fp8 ring 2 x 36 KB, V 64 KB a slot, Q 2 x 9 KB: rows <= 16.
+(a 2-deep ring); P is multiplied by the tokens' scales, and page i's P.V runs after page i + 1's
+QK^T and softmax (two P buffers), so each cast has a page's time. The consumer takes 240 registers a
+thread, the other two 128 / 136 (`_FP8_REGS`). Shared memory: fp8 ring 2 x 36 KB, V 64 KB a slot,
+Q 2 x 9 KB: rows <= 16.
 fp8_qk (opt-in, lossy, as the 64-row kernel's mode): q as one e4m3 term per row (`quantize_q_fp8`),
 one fp8 product; the logits are those of that q (~5.8% relative output error on N(0, 1) inputs,
 1.7-2.0% on the demo model's activations: docs/perf-notes.md).
@@ -428,7 +429,6 @@ def _fp8_body(
 
         lens = row_lens()
         s_hi = plgpu.load(q_scales, (), layout=_COL) * c
-        s_lo = s_hi * (1 / 16)
         chunks = [(k, min(_QK_CHUNK, d - k)) for k in range(0, d, _QK_CHUNK)]
 
         n_acc = len(chunks)
@@ -446,7 +446,7 @@ def _fp8_body(
             hi = acc[:, : cfg.rows]
             s = hi * lax.broadcast_in_dim(s_hi, hi.shape, [1])
             if not cfg.qk8:
-                s = s + acc[:, cfg.rows :] * lax.broadcast_in_dim(s_lo, hi.shape, [1])
+                s = s + acc[:, cfg.rows :] * lax.broadcast_in_dim(s_hi * (1 / 16), hi.shape, [1])  # q_lo's scale
             tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=_TOK)
             ks = jnp.where(tok < page_rows(i), plgpu.load(ks_ring.at[fs], (), layout=_TOK), 0.0)  # [G]
             plgpu.commit_smem()  # the scales' generic-proxy read before the next TMA into the slot
