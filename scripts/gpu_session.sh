@@ -21,6 +21,15 @@ run() {  # run LIMIT_S NAME CMD...: the command's output in OUT/NAME.log, its st
   grep -v Warning "$out/$name.log" | tail -4 | cut -c1-300
 }
 
+caches_after_tests() {  # the e2e cache dtypes: bf16,fp8, or bf16 alone (noted in OUT/FALLBACK) if the GPU tests failed
+    if ! grep -q " passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
+        echo "decode GPU tests failed: e2e with the bf16 cache only" | tee "$out/FALLBACK" >&2
+        echo bf16
+    else
+        echo bf16,fp8
+    fi
+}
+
 case $part in
 1)  # the norms read in place (LayerRow) on the GPU; the batch-1/128 step's copies (their compiled HLO); does a page
     # pool over 4 GB (64-bit offsets in the Triton lowering) slow the Triton decode (e2e's batch-128 attention ran at
@@ -225,11 +234,7 @@ case $part in
         tests/pallas_kernels/test_mla_decode_sm90.py tests/pallas_kernels/test_mla_decode.py
     run 150 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
         --dtypes bf16,fp8 --shapes 64x16x4096,128x16x8192,32x16x1024,8x16x4096
-    caches=bf16,fp8
-    if ! grep -q " passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
-        echo "decode GPU tests failed: e2e with the bf16 cache only" | tee "$out/FALLBACK"
-        caches=bf16
-    fi
+    caches=$(caches_after_tests)
     run 190 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype $caches --batches 8,32,128 \
         --ctxs 4096 --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
@@ -243,11 +248,7 @@ case $part in
     run 90 probe python3 bench/narrow_probe.py "$out"
     run 130 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
         --dtypes bf16,fp8 --shapes 64x16x4096,128x16x8192,32x16x1024,8x16x4096
-    caches=bf16,fp8
-    if ! grep -q " passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
-        echo "decode GPU tests failed: e2e with the bf16 cache only" | tee "$out/FALLBACK"
-        caches=bf16
-    fi
+    caches=$(caches_after_tests)
     run 180 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype $caches --batches 8,32,128 \
         --ctxs 4096 --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
@@ -268,11 +269,7 @@ case $part in
         tests/pallas_kernels/test_mla_decode_sm90.py
     run 170 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
         --kernels pallas_sm90 --dtypes bf16,fp8 --shapes 128x16x8192,64x16x4096,32x16x1024,8x16x4096
-    caches=bf16,fp8
-    if ! grep -q " passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
-        echo "decode GPU tests failed: e2e with the bf16 cache only" | tee "$out/FALLBACK"
-        caches=bf16
-    fi
+    caches=$(caches_after_tests)
     run 190 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype $caches --batches 8,32,128 \
         --ctxs 4096 --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
