@@ -286,5 +286,18 @@ case $part in
         --kernels pallas_sm90 --dtypes bf16,fp8 --shapes 128x16x8192,64x16x4096,32x16x1024
     [ -f out/probe/ptxas.py ] && run 60 ptxas env MOSAIC_GPU_DUMP_PTXAS=1 python3 out/probe/ptxas.py
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 19" >&2; exit 2 ;;
+20) # session 18, first call (straight into OUT): which steps of the fp8 P.V route lower (out/probe/t8b.py: V through
+    # a bf16 transposed staging store into a K-major e4m3 V^T, P likewise, one fp8 wgmma); the 16-head decode rows
+    # that session 17's budget cut (32x16x1024, 8x16x4096) at the current kernel; ptxas's registers of the narrow
+    # and 64-row kernels (out/probe/ptxas.py); the e2e step at batch 8 / 32 / 128, ctx 4k, both caches, profiled
+    out=${2:?}
+    [ -f out/probe/t8b.py ] && run 60 t8b python3 out/probe/t8b.py
+    run 110 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
+        --kernels pallas_sm90 --dtypes bf16,fp8 --shapes 32x16x1024,8x16x4096
+    [ -f out/probe/ptxas.py ] && run 70 ptxas env MOSAIC_GPU_DUMP_PTXAS=1 python3 out/probe/ptxas.py
+    run 240 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype bf16,fp8 --batches 8,32,128 \
+        --ctxs 4096 --no-prefill --no-engine --profile "$out/trace"
+    rm -rf "$out/trace"
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 20" >&2; exit 2 ;;
 esac
