@@ -299,5 +299,13 @@ case $part in
         --ctxs 4096 --no-prefill --no-engine --profile "$out/trace"
     rm -rf "$out/trace"
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 20" >&2; exit 2 ;;
+21) # session 18, second call (straight into OUT; probes in out/probe, carried): what bounds the narrow fp8 decode
+    # (device time with each part of the per-page work dropped: out/probe/ablate.py) and the 64-row kernel's
+    # register splits (ptxas's spills and device time at 128 heads: out/probe/regs64.py)
+    out=${2:?}
+    run 170 ablate python3 out/probe/ablate.py "$out"
+    run 300 regs64 env MOSAIC_GPU_DUMP_PTXAS=1 python3 out/probe/regs64.py "$out"
+    grep -E "^===|spill stores|^\{" "$out/regs64.log" > "$out/regs64-summary.txt"
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 21" >&2; exit 2 ;;
 esac
