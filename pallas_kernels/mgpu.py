@@ -92,6 +92,32 @@ def copy_zeroing_rows(src, dst, ready, raw_bar, *, partial, lo, hi):
         plgpu.barrier_arrive(ready)
 
 
+def cast_fp8_columns(src, dst, valid_rows, chunks):
+    """dst[:, 64c : 64c + 64] = src's e4m3 columns there, cast to dst's 16-bit dtype (exact), for each chunk c
+    in `chunks`; rows >= valid_rows (a partial last page's) zeroed: p is 0 there, but 0 * NaN garbage would
+    poison P.V. src and dst are [G, *] shared-memory tiles with 64-column (8, 64) tiling.
+
+    The copy layout (`SMEM_GMEM_COPY`) moves 8 B of e4m3 and 16 B of the 16-bit type a thread per access,
+    where the WGMMA layout moves 2 and 4: the cast was 40% of the narrow fp8 decode's time, and this layout
+    with the mask on partial pages only took it from 278 to 222 us at (128, 16, 8192) (docs/perf-notes.md,
+    session 18). The row mask costs as much again, so full pages skip it."""
+    g, dtype = dst.shape[0], dst.dtype
+    layout = plgpu.Layout.SMEM_GMEM_COPY((g, 64), dtype, 128)
+
+    def cast(masked):
+        keep = plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=layout) < valid_rows if masked else None
+        for c in chunks:
+            x = plgpu.load(src.at[:, pl.ds(64 * c, 64)], layout=layout)
+            # sm_90 converts e4m3 to f16 natively; to bf16 only through f32 (both exact).
+            x = x.astype(dtype) if dtype == jnp.float16 else x.astype(jnp.float32).astype(dtype)
+            if masked:
+                x = jnp.where(keep, x, jnp.zeros((), dtype))
+            dst.at[:, pl.ds(64 * c, 64)][...] = x
+
+    pl.when(valid_rows < g)(lambda: cast(True))
+    pl.when(valid_rows >= g)(lambda: cast(False))
+
+
 def softmax_state(rows: int, cols: int):
     """The online softmax's initial (acc f32[rows, cols] zeros in the wgmma layout, m = M_INIT, l = 0 per row)."""
     f32 = jnp.float32

@@ -56,7 +56,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu import copy_zeroing_rows, interpret_params, smem_bytes, tiled, wgmma_accumulate
+from pallas_kernels.mgpu import (
+    cast_fp8_columns,
+    copy_zeroing_rows,
+    interpret_params,
+    smem_bytes,
+    tiled,
+    wgmma_accumulate,
+)
 from pallas_kernels.util import BF16, FP8, LN2, LOG2E, M_INIT, next_pow2
 
 __all__ = [
@@ -408,10 +415,7 @@ def _fp8_body(
         def _():
             plgpu.barrier_wait(bars["v_free"].at[vs])
 
-        keep = plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=plgpu.Layout.WGMMA) < page_rows(i)
-        for ch in chunks:
-            x = f_ring.at[fs, :, pl.ds(64 * ch, 64)][...].astype(jnp.float32).astype(BF16)
-            v_ring.at[vs, :, pl.ds(64 * ch, 64)][...] = jnp.where(keep, x, jnp.zeros((), BF16))
+        cast_fp8_columns(f_ring.at[fs], v_ring.at[vs], page_rows(i), chunks)
         plgpu.commit_smem()  # generic-proxy writes before the wgmma reads; reads before the next TMA
         plgpu.barrier_arrive(bars["v_ready"].at[vs])
         plgpu.barrier_arrive(bars["f_free"].at[fs])
