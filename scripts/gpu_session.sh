@@ -315,5 +315,23 @@ case $part in
     run 150 regs64 env MOSAIC_GPU_DUMP_PTXAS=1 python3 out/probe/regs64.py "$out"
     grep -E "^===|spill stores|^\{" "$out/regs64.log" > "$out/regs64-summary.txt"
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 22" >&2; exit 2 ;;
+23) # session 18, last call (straight into OUT): the Hopper decode GPU tests with the fp8 casts' wide accesses (both
+    # kernels) and the 64-row bf16 split (232, 40); the decode benchmark, bf16 and fp8, 16 and 128 heads (two runs,
+    # most important shapes first: OUT/a, OUT/b); the e2e step with the fp8 cache at batch 8 / 32 / 128, ctx 4k
+    # (only if the tests pass); ptxas's registers (out/probe/ptxas.py, carried)
+    out=${2:?}
+    mkdir -p "$out/a" "$out/b"
+    run 110 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_mla_decode_sm90.py
+    run 160 decode python3 bench/decode.py --out "$out/a" --quick --no-check --no-ragged --device-time \
+        --kernels pallas_sm90 --dtypes bf16,fp8 --shapes 128x16x8192,64x16x4096,64x128x4096
+    if [ "$(caches_after_tests)" = bf16,fp8 ]; then
+        run 110 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype fp8 --batches 8,32,128 \
+            --ctxs 4096 --no-prefill --no-engine
+    fi
+    run 130 decode-b python3 bench/decode.py --out "$out/b" --quick --no-check --no-ragged --device-time \
+        --kernels pallas_sm90 --dtypes bf16,fp8 --shapes 128x128x8192,32x16x1024,1x128x32768
+    [ -f out/probe/ptxas.py ] && run 40 ptxas env MOSAIC_GPU_DUMP_PTXAS=1 python3 out/probe/ptxas.py
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 23" >&2; exit 2 ;;
 esac
