@@ -58,8 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_jax.dtypes import as_dtype
+from pallas_kernels.util import FP8_MAX, quantize_rows  # noqa: F401 (re-exported: the cache's row format)
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 DEFAULT_PAGE_SIZE = 64
 
@@ -214,15 +214,6 @@ def init_kv_cache_for(cfg: Any, num_pages: int, page_size: int = DEFAULT_PAGE_SI
 
 # ----------------------------------------------------------------------------------------------------
 # Quantisation
-
-
-def quantize_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """f32-ish rows [T, W] -> (float8_e4m3fn [T, W], f32 scale [T]) with per-row amax scaling."""
-    rows = rows.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(rows), axis=-1)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
-    q = jnp.clip(rows / scale[:, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return q, scale
 
 
 def dequantize_rows(q: jax.Array, scale: jax.Array | None, dtype: Any = jnp.float32) -> jax.Array:

@@ -118,10 +118,10 @@ def write_latent_rows(
     (kv_c_normed [T, L], k_pe [T, 1, R], the cache). ``norm``: kv_a_layernorm's params, the weight [L] or a
     `LayerRow` of the stacked [Lyr, L] (read in place).
 
-    A non-fp8 cache on a GPU runs one Pallas kernel (`pallas_kernels.cache_write`: norm, rope and the cache write,
-    the cache aliased in place; XLA would run four kernels); an fp8 cache, other backends and shapes the kernel
-    does not take run `latent_rows` + `write_kv_layer`, with the same results (``interpret=True`` runs the kernel in
-    the Pallas interpreter, for tests).
+    On a GPU one Pallas kernel (`pallas_kernels.cache_write`: norm, rope and the cache write, an fp8 cache's
+    quantization and scale too, the cache aliased in place; XLA would run four to six kernels); other backends and
+    shapes the kernel does not take run `latent_rows` + `write_kv_layer`, with the same results (``interpret=True``
+    runs the kernel in the Pallas interpreter, for tests).
     """
     w, wi = in_place(norm["weight"])
     nl = cache.num_layers
@@ -131,8 +131,8 @@ def write_latent_rows(
     if isinstance(layer, (int, np.integer)) and not 0 <= layer < nl:
         raise ValueError(f"layer {layer} out of range for a cache with {nl} layers")
     use_kernel = interpret or jax.default_backend() == "gpu"
-    if use_kernel and not cache.is_fp8 and cache_write.supported(L, cache.width - L):
-        rows, kv_cache = cache_write.write_latent_rows(
+    if use_kernel and cache_write.supported(L, cache.width - L):
+        rows, kv_cache, *kv_scale = cache_write.write_latent_rows(
             kv,
             w,
             cos,
@@ -142,10 +142,12 @@ def write_latent_rows(
             layer,
             eps=eps,
             weight_index=wi,
+            kv_scale=cache.kv_scale,
             interpret=interpret,
         )  # [T, L+R]
         k_pe = rows[:, None, L:].astype(kv.dtype)  # [T, 1, R] (exact: promoted from kv's dtype)
-        return rows[:, :L], k_pe, dataclasses.replace(cache, kv_c_and_k_pe_cache=kv_cache)
+        new = dict(kv_c_and_k_pe_cache=kv_cache) | (dict(kv_scale=kv_scale[0]) if kv_scale else {})
+        return rows[:, :L], k_pe, dataclasses.replace(cache, **new)
     kv_c_normed, k_pe = latent_rows(norm, kv, cos, sin, eps)
     return kv_c_normed, k_pe, write_kv_layer(cache, layer, kv_c_normed, k_pe, slot_mapping)
 

@@ -3,20 +3,25 @@
     write_latent_rows(kv [T, L+R], weight [L], cos [T, R/2], sin [T, R/2], slot_mapping i32[T],
                       cache [Lyr_c, P, G, L+R], layer, *, eps) -> (rows [T, L+R], cache)
     write_latent_rows(..., weight [Lyr, L], ..., weight_index=i)   # row i of stacked layers' norm weights
+    write_latent_rows(..., cache e4m3 [Lyr_c, P, G, L+R], ..., kv_scale=f32 [Lyr_c, P, G])
+        -> (rows, cache, kv_scale)                                    # the fp8 cache: row and its scale
 
 kv is the raw kv_a_proj_with_mqa output [kv_c | k_pe]. A row is normed and roped as the model does it:
 kv_c_normed = weight * (kv_c32 * rsqrt(mean(kv_c32^2) + eps)).astype(kv.dtype) (HF DeepseekRMSNorm, the weight
 multiply after the cast back, like `pallas_kernels.rms_norm`), k_pe = DeepSeek's interleaved-pair RoPE in float32
 cast back to kv's dtype; rows = [kv_c_normed | k_pe] in result_type(weight, kv) is returned (prefill reads
 kv_c_normed and k_pe) and, cast to the cache dtype, stored at cache[layer, slot // G, slot % G] for each token's
-slot in `slot_mapping`. A slot < 0 or >= P * G (padding: -1) or a layer outside [0, Lyr_c) stores nothing.
+slot in `slot_mapping`. A slot < 0 or >= P * G (padding: -1) or a layer outside [0, Lyr_c) stores nothing. An fp8
+cache (float8_e4m3fn, with `kv_scale`) stores the row in the cache's per-token format (`util.quantize_rows`:
+scale = max|row| / 448, the row / scale in e4m3) and the scale at kv_scale[layer, slot // G, slot % G].
 
 Why: XLA runs the norm (a Pallas kernel), the RoPE with its slices and concatenation, and the scatter (a
-dynamic-slice and a dynamic-update-slice fusion) as four kernels a layer, each ~1-2 us at batch 1 on the H200;
-this is one. One program per token row, the row in registers: one 2^k-wide load of the latent (the sum of squares
-has the norm kernel's order, so the stored rows are bitwise the same), the rope's even and odd lanes as two strided
-loads (R/2 each: Triton's loads are powers of two, 576 is not), the row stored to the output and, under
-`pl.when(valid)`, to its cache slot.
+dynamic-slice and a dynamic-update-slice fusion) as four kernels a layer, each ~1-2 us at batch 1 on the H200 (an fp8
+cache: the quantization's amax and the scales' scatter too); this is one. One program per token row, the row in
+registers: one 2^k-wide load of the latent (the sum of squares has the norm kernel's order, so the stored rows are
+bitwise the same), the rope's even and odd lanes as two strided loads (R/2 each: Triton's loads are powers of two,
+576 is not), the row stored to the output and, under `pl.when(valid)`, to its cache slot (fp8: the row quantized
+in registers, its scale beside it).
 
 In place: the cache is input and output of the call (`input_output_aliases`), a whole-array block (under the
 Triton lowering a block only sets a base pointer; offsets switch to int64 above 4 GiB), so XLA hands the kernel the
@@ -38,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.rms_norm import add_rms_norm_reference
-from pallas_kernels.util import FLOAT_DTYPES, check_stacked_index, is_pow2
+from pallas_kernels.util import FLOAT_DTYPES, FP8, FP8_MAX, check_stacked_index, is_pow2, quantize_rows
 
 __all__ = ["supported", "write_latent_rows", "write_latent_rows_reference"]
 
@@ -49,7 +54,7 @@ def supported(kv_lora_rank: int, rope_dim: int) -> bool:
     return is_pow2(kv_lora_rank) and rope_dim % 2 == 0 and is_pow2(rope_dim // 2)
 
 
-def _check(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index):
+def _check(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index, kv_scale=None):
     if kv.ndim != 2:
         raise ValueError(f"kv must be [T, L+R], got shape {kv.shape}")
     if cache.ndim != 4:
@@ -77,9 +82,18 @@ def _check(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index):
         raise ValueError(
             f"slot_mapping must be an integer [T] = ({t},) array, got {slot_mapping.shape} {slot_mapping.dtype}"
         )
-    for name, a in (("kv", kv), ("weight", weight), ("cache", cache)):
+    for name, a in (("kv", kv), ("weight", weight)) + ((("cache", cache),) if cache.dtype != FP8 else ()):
         if jnp.dtype(a.dtype) not in FLOAT_DTYPES:
             raise ValueError(f"{name} dtype must be bfloat16, float16 or float32, got {a.dtype}")
+    if (cache.dtype == FP8) != (kv_scale is not None):
+        raise ValueError(
+            "an fp8 (float8_e4m3fn) cache needs kv_scale, and only an fp8 cache takes one: "
+            f"cache {cache.dtype}, kv_scale {None if kv_scale is None else kv_scale.dtype}"
+        )
+    if kv_scale is not None and (kv_scale.shape != cache.shape[:3] or kv_scale.dtype != jnp.float32):
+        raise ValueError(
+            f"kv_scale must be f32 {cache.shape[:3]} (the cache's [Lyr, P, G]), got {kv_scale.dtype} {kv_scale.shape}"
+        )
     check_stacked_index(layer, cache.shape[0], "layer", f"a cache of {cache.shape[0]} layers")
     return lat, r
 
@@ -90,9 +104,12 @@ def _rope(x1, x2, cos, sin):
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
-def write_latent_rows_reference(kv, weight, cos, sin, slot_mapping, cache, layer, *, eps: float, weight_index=None):
-    """(rows [T, L+R], cache): the module docstring's contract in plain jnp (one scatter, padding dropped)."""
-    lat, r = _check(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index)
+def write_latent_rows_reference(
+    kv, weight, cos, sin, slot_mapping, cache, layer, *, eps: float, weight_index=None, kv_scale=None
+):
+    """(rows [T, L+R], cache), and the scales with `kv_scale`: the module docstring's contract in plain jnp (one
+    scatter, padding dropped)."""
+    lat, r = _check(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index, kv_scale)
     normed, _ = add_rms_norm_reference(kv[:, :lat], None, weight, eps=eps, weight_index=weight_index)  # [T, L]
     pe = kv[:, lat:].reshape(-1, r // 2, 2)
     o1, o2 = _rope(pe[..., 0], pe[..., 1], cos, sin)
@@ -103,14 +120,28 @@ def write_latent_rows_reference(kv, weight, cos, sin, slot_mapping, cache, layer
     slots = jnp.where(slots < 0, p * g, slots)  # negative indices would wrap
     layer = jnp.asarray(layer, jnp.int32)
     layer = jnp.where(layer < 0, nl, layer)
-    flat = cache.reshape(nl, p * g, w).at[layer, slots].set(rows.astype(cache.dtype), mode="drop")
-    return rows, flat.reshape(nl, p, g, w)
+    if kv_scale is None:
+        flat = cache.reshape(nl, p * g, w).at[layer, slots].set(rows.astype(cache.dtype), mode="drop")
+        return rows, flat.reshape(nl, p, g, w)
+    q, s = quantize_rows(rows)
+    flat = cache.reshape(nl, p * g, w).at[layer, slots].set(q, mode="drop")
+    scale = kv_scale.reshape(nl, p * g).at[layer, slots].set(s, mode="drop")
+    return rows, flat.reshape(nl, p, g, w), scale.reshape(nl, p, g)
 
 
-def _kernel(
-    kv_ref, w_ref, cos_ref, sin_ref, slot_ref, layer_ref, wi_ref, cache_in_ref, rows_ref, cache_ref, *, eps, lat, r
-):
-    del cache_in_ref  # aliased to cache_ref
+def _stored_f32(x):
+    """x's values as stored in its dtype, in float32. For bf16 through the bits: XLA (the Pallas interpreter runs the
+    kernel as HLO) folds a rounding to bf16 followed by an upcast into nothing, and the fp8 row would then quantize
+    the unrounded row (a scale up to 0.4% off the stored row's)."""
+    if x.dtype != jnp.bfloat16:
+        return x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _kernel(kv_ref, w_ref, cos_ref, sin_ref, slot_ref, layer_ref, wi_ref, *refs, eps, lat, r, fp8):
+    # the cache (and the fp8 scales) in, aliased to the same outputs
+    rows_ref, cache_ref, scale_ref = refs[2:] if fp8 else (refs[1], refs[2], None)
     i = pl.program_id(0)
     nl, p, g, _ = cache_ref.shape
     half = r // 2
@@ -131,37 +162,48 @@ def _kernel(
     layer = layer_ref[0]
     valid = (slot >= 0) & (slot < p * g) & (layer >= 0) & (layer < nl)
 
+    parts = (normed.astype(rows_ref.dtype), o1, o2)  # the row's [L], evens, odds
+    if fp8:  # util.quantize_rows on the row
+        parts = tuple(map(_stored_f32, parts))
+        amax = jnp.maximum(
+            jnp.maximum(jnp.max(jnp.abs(parts[0])), jnp.max(jnp.abs(parts[1]))), jnp.max(jnp.abs(parts[2]))
+        )
+        scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+        parts = tuple(jnp.clip(x / scale, -FP8_MAX, FP8_MAX) for x in parts)
+
     @pl.when(valid)
     def _():
         page, off = slot // g, slot % g
-        cache_ref[layer, page, off, pl.ds(0, lat)] = normed.astype(rows_ref.dtype).astype(cache_ref.dtype)
-        cache_ref[layer, page, off, evens] = o1.astype(cache_ref.dtype)
-        cache_ref[layer, page, off, odds] = o2.astype(cache_ref.dtype)
+        for x, cols in zip(parts, (pl.ds(0, lat), evens, odds)):
+            cache_ref[layer, page, off, cols] = x.astype(cache_ref.dtype)
+        if fp8:
+            scale_ref[layer, page, off] = scale
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
-def _impl(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index, *, eps, interpret, num_warps):
+def _impl(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index, kv_scale, *, eps, interpret, num_warps):
     t, w = kv.shape
     lat = weight.shape[-1]
     if weight.ndim == 1:  # one weight: row 0 of [1, L]
         weight = weight[None]
     row = lambda n: pl.BlockSpec((None, n), lambda i: (i, 0))  # noqa: E731
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
+    fp8 = kv_scale is not None
+    scales = [kv_scale] if fp8 else []
     return pl.pallas_call(
-        functools.partial(_kernel, eps=eps, lat=lat, r=w - lat),
+        functools.partial(_kernel, eps=eps, lat=lat, r=w - lat, fp8=fp8),
         grid=(t,),
-        # kv, weight, cos, sin, slot_mapping, layer, weight_index, cache
+        # kv, weight, cos, sin, slot_mapping, layer, weight_index, cache (, kv_scale)
         in_specs=[row(w), whole(weight.shape), row(cos.shape[1]), row(sin.shape[1]), whole((t,))]
-        + [whole((1,)), whole((1,)), whole(cache.shape)],
-        out_specs=[row(w), whole(cache.shape)],
-        out_shape=[
-            jax.ShapeDtypeStruct((t, w), jnp.result_type(weight.dtype, kv.dtype)),
-            jax.ShapeDtypeStruct(cache.shape, cache.dtype),
-        ],
-        input_output_aliases={7: 1},
+        + [whole((1,)), whole((1,))]
+        + [whole(a.shape) for a in [cache, *scales]],
+        out_specs=[row(w)] + [whole(a.shape) for a in [cache, *scales]],
+        out_shape=[jax.ShapeDtypeStruct((t, w), jnp.result_type(weight.dtype, kv.dtype))]
+        + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in [cache, *scales]],
+        input_output_aliases={7: 1, 8: 2} if fp8 else {7: 1},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"cache_write_l{lat}_r{w - lat}",
+        name=f"cache_write_l{lat}_r{w - lat}" + ("_fp8" if fp8 else ""),
     )(
         kv,
         weight,
@@ -171,6 +213,7 @@ def _impl(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index, *, eps
         layer,
         weight_index,
         cache,
+        *scales,
     )
 
 
@@ -180,22 +223,24 @@ def write_latent_rows(
     cos,  # [T, R/2] f32 (rope_cos_sin)
     sin,  # [T, R/2] f32
     slot_mapping,  # i32[T]; < 0 or >= P * G: padding, stores nothing
-    cache,  # [Lyr_c, P, G, L+R] bf16/f16/f32, updated in place
+    cache,  # [Lyr_c, P, G, L+R] bf16/f16/f32, or float8_e4m3fn with kv_scale; updated in place
     layer,  # i32 scalar (may be traced); outside [0, Lyr_c) stores nothing
     *,
     eps: float,
     weight_index=None,  # i32 scalar (may be traced): the row of a stacked weight
+    kv_scale=None,  # f32 [Lyr_c, P, G]: an fp8 cache's per-token scales, updated in place
     interpret: bool = False,
     num_warps: int = 4,
 ):
-    """(rows [T, L+R] = [kv_c_normed | k_pe], cache with the rows stored); see the module docstring. The cache is
+    """(rows [T, L+R] = [kv_c_normed | k_pe], cache with the rows stored), and kv_scale with theirs when given; see
+    the module docstring. The cache is
     donated to the call only in the sense of aliasing: under jit, XLA updates its buffer in place when the caller
     does not use the old value afterwards (a copy otherwise). A static weight_index outside [0, Lyr) is an error,
     a traced one is clamped; a static layer outside [0, Lyr_c) is an error."""
-    lat, r = _check(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index)
+    lat, r = _check(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index, kv_scale)
     if not supported(lat, r) or kv.shape[0] == 0:
         return write_latent_rows_reference(
-            kv, weight, cos, sin, slot_mapping, cache, layer, eps=eps, weight_index=weight_index
+            kv, weight, cos, sin, slot_mapping, cache, layer, eps=eps, weight_index=weight_index, kv_scale=kv_scale
         )
     # i32[1] each (a reshape, no XLA kernel): the cache layer, the weight row (clamped in the kernel)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -209,6 +254,7 @@ def write_latent_rows(
         cache,
         layer,
         wi,
+        kv_scale,
         eps=float(eps),
         interpret=bool(interpret),
         num_warps=int(num_warps),

@@ -23,6 +23,7 @@ BF16 = jnp.dtype(jnp.bfloat16)
 F16 = jnp.dtype(jnp.float16)
 F32 = jnp.dtype(jnp.float32)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FLOAT_DTYPES = (BF16, F16, F32)  # what the Triton-lowered kernels compute in
 HALF_DTYPES = (BF16, F16)  # wgmma operands of the Hopper kernels
 CACHE_DTYPES = FLOAT_DTYPES + (FP8,)  # paged KV caches (fp8 with a per-token scale)
@@ -44,6 +45,15 @@ BIG = 1 << 30  # "no window" sentinel for row bounds (fits int32 arithmetic with
 
 # ---------------------------------------------------------------------------------------------
 # Sizes
+
+
+def quantize_rows(rows) -> tuple[jax.Array, jax.Array]:
+    """Rows [..., W] -> (float8_e4m3fn [..., W], f32 scale [...]): the fp8 latent cache's per-token format, scale =
+    max|row| / 448 (an all-zero row: 1), stored value row / scale clipped to +-448."""
+    rows = rows.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(rows), axis=-1)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    return jnp.clip(rows / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
 def is_pow2(x) -> bool:

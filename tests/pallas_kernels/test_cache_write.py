@@ -53,6 +53,20 @@ def _same(a, b):  # bitwise, NaN where NaN
     np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
+def _same_fp8(got, got_scale, want, want_scale, max_frac=0.01):
+    """fp8 payloads and scales from two implementations of `util.quantize_rows`: the same NaN (unwritten) pattern,
+    scales within one f32 ulp and payloads within one e4m3 step, rarely apart (XLA's vectorized f32 division and
+    a scalar one, or Triton's, may round the last bit differently, and a row / scale on an e4m3 tie then rounds
+    the other way)."""
+    gs, ws = np.asarray(got_scale), np.asarray(want_scale)
+    assert got.dtype == want.dtype == jnp.float8_e4m3fn and gs.dtype == ws.dtype == np.float32
+    assert (np.isnan(gs) == np.isnan(ws)).all()
+    np.testing.assert_allclose(gs[~np.isnan(gs)], ws[~np.isnan(ws)], rtol=2.5e-7)
+    gv, wv = np.asarray(got).view(np.uint8).astype(int), np.asarray(want).view(np.uint8).astype(int)
+    assert (np.abs(gv - wv) <= 1).all()  # same sign, at most one e4m3 step apart
+    assert (gv != wv).mean() <= max_frac
+
+
 def _written_only(cache, layer, slots):
     """Every row of the NaN-poisoned cache is NaN except the valid slots of `layer`, which are finite."""
     c = np.asarray(cache, np.float32).reshape(cache.shape[0], -1, cache.shape[-1])
@@ -86,6 +100,47 @@ def test_matches_current_path_bitwise(kv_dtype, cache_dtype):
     _same(ref_rows, rows)
 
 
+def _fp8_current_path(kv, w, cos, sin, slots, cache, scale, layer, rms_norm=add_rms_norm_reference):
+    """What the step ran for an fp8 cache before the kernel took it: the norm, the rope, write_kv_layer's
+    quantization and two scatters."""
+    lat = w.shape[-1]
+    kv_c_normed, _ = rms_norm(kv[:, :lat], None, w, eps=EPS)
+    k_pe = apply_rope(kv[:, None, lat:], cos, sin)
+    out = write_kv_layer(KVCache(cache, scale), layer, kv_c_normed, k_pe, jnp.asarray(slots))
+    return out.kv_c_and_k_pe_cache, out.kv_scale
+
+
+def test_fp8_cache_matches_current_path_bitwise():
+    """An fp8 cache: the row quantized per token (e4m3 payload, f32 scale) as write_kv_layer does (`_same_fp8`); the
+    NaN-poisoned payload and scales are written at the valid slots of the layer only (an all-zero row: scale 1)."""
+    kv, w, cos, sin = _inputs(5)
+    kv = kv.at[4].set(0.0)  # slot 0: a zero row
+    cache = _poisoned(jnp.bfloat16).astype(jnp.float8_e4m3fn)
+    scale = jnp.full(cache.shape[:3], jnp.nan, jnp.float32)
+    rows, got, got_s = jax.jit(
+        lambda c, s, i: cache_write.write_latent_rows(
+            kv, w, cos, sin, jnp.asarray(SLOTS), c, i, eps=EPS, kv_scale=s, interpret=True
+        )
+    )(cache, scale, jnp.int32(2))
+    want, want_s = _fp8_current_path(kv, w, cos, sin, SLOTS, cache, scale, 2)
+    _same_fp8(got, got_s, want, want_s)
+    _written_only(got, 2, SLOTS)
+    s = np.asarray(got_s).reshape(NL, -1)
+    assert s[2, 0] == 1.0 and np.isfinite(s[2, [5, 13, 23]]).all() and np.isnan(np.delete(s[2], [0, 5, 13, 23])).all()
+    assert np.isnan(s[[0, 1]]).all()
+    ref = cache_write.write_latent_rows_reference(
+        kv, w, cos, sin, jnp.asarray(SLOTS), cache, 2, eps=EPS, kv_scale=scale
+    )  # the file's reference is the same contract
+    _same(ref[0], rows)
+    _same_fp8(got, got_s, ref[1], ref[2])
+    with pytest.raises(ValueError, match="kv_scale must be f32"):
+        cache_write.write_latent_rows(kv, w, cos, sin, jnp.asarray(SLOTS), cache, 0, eps=EPS, kv_scale=scale[:, 1:])
+    with pytest.raises(ValueError, match="only an fp8 cache takes one"):
+        cache_write.write_latent_rows(
+            kv, w, cos, sin, jnp.asarray(SLOTS), cache.astype(jnp.bfloat16), 0, eps=EPS, kv_scale=scale
+        )
+
+
 def test_stacked_weight_and_traced_layer_in_a_scan():
     """A layer scan with the cache in the carry: layer i of the cache, row i of the stacked weights; traced layers
     3 and -1 (out of range) write nothing."""
@@ -116,8 +171,8 @@ def test_stacked_weight_and_traced_layer_in_a_scan():
 
 
 def test_mla_jax_entry_point():
-    """`mla_jax.mla.write_latent_rows`: the kernel (interpreted) and the jnp path give the same rows; a LayerRow
-    weight; an fp8 cache takes the jnp path."""
+    """`mla_jax.mla.write_latent_rows`: the kernel (interpreted) and the jnp path give the same rows and cache, bf16
+    and fp8 (payload and scales); a LayerRow weight."""
     from mla_jax.cache import init_kv_cache
     from mla_jax.layers import LayerRow
 
@@ -129,9 +184,13 @@ def test_mla_jax_entry_point():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         _same(a, b)
     assert got[1].shape == (len(SLOTS), 1, R)
-    fp8 = init_kv_cache(NL, P, G, kv_lora_rank=L, rope_dim=R, allow_any_page_size=True, dtype="fp8")
-    *_, out = write_latent_rows(fp8, 0, kv, {"weight": ws[0]}, cos, sin, jnp.asarray(SLOTS), EPS, interpret=True)
-    assert out.kv_scale is not None and out.dtype == jnp.float8_e4m3fn
+    fp8 = init_kv_cache(NL, P, G, kv_lora_rank=L, rope_dim=R, allow_any_page_size=True, dtype="fp8", fill=float("nan"))
+    got = write_latent_rows(fp8, jnp.int32(1), kv, {"weight": w}, cos, sin, jnp.asarray(SLOTS), EPS, interpret=True)
+    want = write_latent_rows(fp8, jnp.int32(1), kv, {"weight": w}, cos, sin, jnp.asarray(SLOTS), EPS)  # CPU: jnp
+    assert got[2].kv_scale is not None and got[2].dtype == jnp.float8_e4m3fn
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+    _same_fp8(got[2].kv_c_and_k_pe_cache, got[2].kv_scale, want[2].kv_c_and_k_pe_cache, want[2].kv_scale)
     with pytest.raises(ValueError, match="layer 3 out of range"):
         write_latent_rows(cache, 3, kv, {"weight": ws[0]}, cos, sin, jnp.asarray(SLOTS), EPS)
     with pytest.raises(ValueError, match="kv must be"):
@@ -158,8 +217,10 @@ def test_bad_inputs():
         f(kv, w, cos, sin, slots, cache, 3)
     with pytest.raises(ValueError, match="layer must be an integer scalar"):
         f(kv, w, cos, sin, slots, cache, jnp.zeros(2, jnp.int32))
-    with pytest.raises(ValueError, match="cache dtype must be"):
+    with pytest.raises(ValueError, match="an fp8 .* cache needs kv_scale"):
         f(kv, w, cos, sin, slots, cache.astype(jnp.float8_e4m3fn), 0)
+    with pytest.raises(ValueError, match="cache dtype must be"):
+        f(kv, w, cos, sin, slots, cache.astype(jnp.int8), 0)
     with pytest.raises(ValueError, match="needs weight_index"):
         f(kv, jnp.stack([w, w]), cos, sin, slots, cache, 0)
     with pytest.raises(ValueError, match="weight_index=2 is out of range for 2 stacked"):
@@ -246,6 +307,36 @@ def test_lowers_to_triton(monkeypatch):
     assert "dynamic_slice" not in text and "dynamic_update_slice" not in text
 
 
+def test_fp8_lowers_to_triton(monkeypatch):
+    """The fp8 cache's kernel in Triton IR for an H200 (e4m3 casts need sm_89+): one kernel, the payload and the
+    scales aliased to its outputs."""
+    _h200(monkeypatch)
+    sd = jax.ShapeDtypeStruct
+    t = 3
+    args = (
+        sd((t, 576), jnp.bfloat16),
+        sd((61, 512), jnp.bfloat16),
+        sd((t, 32), jnp.float32),
+        sd((t, 32), jnp.float32),
+        sd((t,), jnp.int32),
+        sd((61, 1024, 64, 576), jnp.float8_e4m3fn),
+        sd((61, 1024, 64), jnp.float32),
+        sd((), jnp.int32),
+    )
+    f = jax.jit(
+        lambda kv, w, c, s, sl, cache, scale, i: cache_write.write_latent_rows(
+            kv, w, c, s, sl, cache, i, eps=EPS, weight_index=i, kv_scale=scale
+        ),
+        donate_argnums=(5, 6),
+    )
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert 'name = "cache_write_l512_r64_fp8"' in text
+    assert "output_operand_alias<output_tuple_indices = [1], operand_index = 7" in text
+    assert "output_operand_alias<output_tuple_indices = [2], operand_index = 8" in text
+    assert "dynamic_update_slice" not in text and "scatter" not in text
+
+
 def _paged_step(num_pages=37, cache_dtype="bf16", fill=float("nan")):
     """The tiny config's params, a NaN-poisoned cache and the metadata of one step: a decode (one token, which reads
     its own new row back from the cache) and a prefill."""
@@ -296,6 +387,28 @@ def test_paged_step_through_the_kernel(monkeypatch):
     assert written.sum() == cfg.num_hidden_layers * 10  # 10 tokens' rows in every layer, the rest still NaN
 
 
+def test_fp8_paged_step_through_the_kernel(monkeypatch):
+    """The jitted paged step with an fp8 cache through the kernel (interpreted): the payload and scales of the jnp
+    path (`_same_fp8`), and its logits up to what one e4m3 step in a few stored values moves them."""
+    import mla_jax.step as step
+
+    params, cfg, cache, md = _paged_step(cache_dtype="fp8")
+    assert cache.is_fp8
+    cache2 = jax.tree.map(jnp.copy, cache)
+    want_logits, want_cache = step.jit_step(params, cfg, cache, md)
+    entry = step.write_latent_rows
+    monkeypatch.setattr(step, "write_latent_rows", lambda *a, **kw: entry(*a, **kw, interpret=True))
+    jax.clear_caches()
+    try:
+        got_logits, got_cache = step.jit_step(params, cfg, cache2, md)
+    finally:
+        jax.clear_caches()
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), rtol=2e-2, atol=2e-2)
+    _same_fp8(got_cache.kv_c_and_k_pe_cache, got_cache.kv_scale, want_cache.kv_c_and_k_pe_cache, want_cache.kv_scale)
+    written = np.isfinite(np.asarray(got_cache.kv_c_and_k_pe_cache, np.float32)).all(-1)
+    assert written.sum() == cfg.num_hidden_layers * 10  # 10 tokens' rows in every layer, the rest still NaN
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: the Triton kernel against the path it replaces there (the rms_norm kernel, XLA's rope and scatter).
 
@@ -333,6 +446,28 @@ def test_gpu_matches_current_path_bitwise(dtype, t):
         )
         g = jax.jit(lambda c, i: _gpu_current_path(kv, ws, cos, sin, slots, c, i, weight_index=1))
         _same(f(cache, jnp.int32(li)), g(cache, jnp.int32(li)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 300])
+def test_gpu_fp8_matches_current_path(t):
+    """The fp8 cache on the GPU against XLA's quantization and scatters (`_same_fp8`), at the valid slots only."""
+    from pallas_kernels.rms_norm import add_rms_norm
+
+    _gpu()
+    lat, r, pages = 512, 64, 96
+    kv, w, cos, sin = _inputs(t, jnp.bfloat16, t=t, lat=lat, r=r)
+    rng = np.random.default_rng(t)
+    slots = rng.permutation(pages * G)[:t].astype(np.int32)
+    slots[::5] = -1
+    slots = jnp.asarray(slots)
+    cache = _poisoned(jnp.bfloat16, lat=lat, r=r, layers=2, pages=pages).astype(jnp.float8_e4m3fn)
+    scale = jnp.full(cache.shape[:3], jnp.nan, jnp.float32)
+    f = jax.jit(lambda c, s: cache_write.write_latent_rows(kv, w, cos, sin, slots, c, 1, eps=EPS, kv_scale=s)[1:])
+    g = jax.jit(lambda c, s: _fp8_current_path(kv, w, cos, sin, slots, c, s, 1, rms_norm=add_rms_norm))
+    (got, got_s), (want, want_s) = f(cache, scale), g(cache, scale)
+    _same_fp8(got, got_s, want, want_s)
+    _written_only(got, 1, np.asarray(slots))
 
 
 @pytest.mark.gpu
