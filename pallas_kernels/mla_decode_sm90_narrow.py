@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.mgpu import (
     cast_fp8_columns,
@@ -64,7 +65,7 @@ from pallas_kernels.mgpu import (
     tiled,
     wgmma_accumulate,
 )
-from pallas_kernels.util import BF16, FP8, LN2, LOG2E, M_INIT, next_pow2
+from pallas_kernels.util import BF16, FP8, LN2, LOG2E, M_INIT, is_pow2, next_pow2
 
 __all__ = [
     "NARROW_MAX_ROWS",
@@ -73,6 +74,7 @@ __all__ = [
     "narrow_decode",
     "quantize_q_fp8",
     "quantize_q_hilo",
+    "split_q_hilo",
 ]
 
 NARROW_MAX_ROWS = 32  # O^T [512, M] f32 is 4M registers a thread: 128 at M = 32
@@ -114,6 +116,62 @@ def quantize_q_hilo(q):
     q_hi = x.astype(FP8)
     q_lo = ((x - _f32(q_hi)) * 16.0).astype(FP8)
     return q_hi, q_lo, sc
+
+
+def _pow2_above(v):
+    """(2^ceil(log2 v), its exponent field) for normal f32 v > 0, from the bits (exact on every backend)."""
+    bits = lax.bitcast_convert_type(v, jnp.uint32)
+    e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).astype(jnp.uint32)
+    return lax.bitcast_convert_type(e << 23, jnp.float32), e
+
+
+def _e4m3_f32(x8):
+    """e4m3fn -> float32 from the bits: XLA (the Pallas interpreter runs kernels as HLO) would fold a cast after
+    the quantizing cast into nothing, and q_lo would be 0."""
+    b = lax.bitcast_convert_type(x8, jnp.uint8).astype(jnp.int32)
+    e, m = (b >> 3) & 15, (b & 7).astype(jnp.float32)
+    mag = jnp.where(e == 0, m * 2.0**-9, (m + 8.0) * lax.bitcast_convert_type((e + 117) << 23, jnp.float32))
+    return jnp.where(b >= 128, -mag, mag)
+
+
+def _hilo_kernel(q_ref, hi_ref, lo_ref, s_ref, *, l, r):
+    """One request's rows [M, L+R]: `quantize_q_hilo`'s split, the row's amax over the L and the R columns (Triton's
+    blocks are powers of two)."""
+    cols = (pl.ds(0, l), pl.ds(l, r))
+    xs = [q_ref[:, c].astype(jnp.float32) for c in cols]  # [M, L], [M, R]
+    amax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1))  # [M]
+    sc, _ = _pow2_above(jnp.where(amax > 0, amax, 448.0) / 448.0)
+    sc, e = _pow2_above(jnp.where(amax > 448.0 * sc, 2.0 * sc, sc))  # the division's rounding
+    inv = lax.bitcast_convert_type((254 - e) << 23, jnp.float32)[:, None]  # 1 / sc, exact
+    for x, c in zip(xs, cols):
+        x = x * inv
+        hi = x.astype(FP8)
+        hi_ref[:, c] = hi
+        lo_ref[:, c] = ((x - _e4m3_f32(hi)) * 16.0).astype(FP8)
+    s_ref[...] = sc
+
+
+def split_q_hilo(q, l: int, *, interpret: bool = False):
+    """`quantize_q_hilo` of q [B, M, L+R] as one Triton-lowered kernel (a program per request; `interpret`: the
+    Pallas interpreter), bitwise the same; M, L or R not powers of two run the jnp function. XLA runs the jnp split
+    as four kernels (the amax, then two casts around the optimization barrier that keeps q_lo from folding to 0,
+    and a select: ~10 us before each fp8 decode call on the H200); this is one."""
+    b, m, d = q.shape
+    r = d - l
+    if not (is_pow2(m) and is_pow2(l) and is_pow2(r)):
+        return quantize_q_hilo(q)
+    f8 = jax.ShapeDtypeStruct((b, m, d), FP8)
+    row = pl.BlockSpec((None, m, d), lambda i: (i, 0, 0))
+    return pl.pallas_call(
+        functools.partial(_hilo_kernel, l=l, r=r),
+        grid=(b,),
+        in_specs=[row],
+        out_specs=[row, row, pl.BlockSpec((None, m), lambda i: (i, 0))],
+        out_shape=[f8, f8, jax.ShapeDtypeStruct((b, m), jnp.float32)],
+        interpret=bool(interpret),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name=f"split_q_hilo_m{m}",
+    )(q)
 
 
 def quantize_q_fp8(q):
@@ -544,7 +602,7 @@ def narrow_decode(
         q_args = (q8, jnp.pad(s_hi, ((0, 0), (0, rows - m_q))))
         cache_args = (cache, kv_scale)
     elif fp8:
-        q_hi, q_lo, s_hi = quantize_q_hilo(q_rows)
+        q_hi, q_lo, s_hi = split_q_hilo(q_rows, l, interpret=bool(interpret))
         q_args = (q_hi, q_lo, jnp.pad(s_hi, ((0, 0), (0, rows - m_q))))
         cache_args = (cache, kv_scale)
     else:

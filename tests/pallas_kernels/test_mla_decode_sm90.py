@@ -297,12 +297,15 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch):
     )
     text = _lower_for_sm90(cache_dtype, **kw)
     assert "mosaic_gpu" in text
-    # The work list's metadata step is one Triton kernel (with an H200 stand-in for the device query).
-    assert text.count("__gpu$xla.gpu.triton") == (kw.get("schedule") == "worklist")
     # Which kernel: the narrow one for <= 16 rows on the grid schedule (fp8_qk: its one-term q), else 64-row tiles.
     narrow = kw.get("schedule", "grid") == "grid" and kw.get("n", 16) <= 16
     kind = {"bf16": "bf16", "fp8": "fp8qk" if kw.get("fp8_qk") else "fp8"}[cache_dtype]
     assert (f"mla_decode_sm90_narrow_{kind}_m16" in text) == narrow
+    # Triton kernels (with an H200 stand-in for the device query): the work list's metadata step; the narrow
+    # kernel's exact fp8 q split.
+    q_split = narrow and kind == "fp8"
+    assert text.count("__gpu$xla.gpu.triton") == (kw.get("schedule") == "worklist") + q_split
+    assert ('name = "split_q_hilo_m16"' in text) == q_split
 
 
 def test_shared_memory_budget_error():
@@ -405,6 +408,74 @@ def test_trace_summary():
     assert span == 9.0
     assert scopes[0]["qk"] == (2, 2.0, 2.0) and scopes[0]["pv"] == (2, 4.0, 4.0)
     assert scopes[0]["wait"] == (2, 1.0, 1.0) and scopes[1]["pv"] == (2, 8.0, 8.0)
+
+
+def _hilo_inputs(b=3, m=16, seed=3):
+    """bf16 q [B, M, 576]: rows from 2^-20 to 2^19, elements over 20 binades within a row, an all-zero row and one
+    at exactly 448 * 2^-7 (amax / 448 a power of two)."""
+    k = jax.random.split(jax.random.key(seed), 3)
+    mag = jnp.exp2(jax.random.randint(k[0], (b, m, 1), -20, 20).astype(jnp.float32))
+    q = (
+        jax.random.normal(k[1], (b, m, 576))
+        * mag
+        * jnp.exp2(jax.random.uniform(k[2], (b, m, 576), minval=-18, maxval=2))
+    )
+    return q.at[1, 3].set(0.0).at[0, 5].set(448.0 * 2.0**-7).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("m", [8, 16])
+def test_split_q_hilo_kernel_matches_quantize_q_hilo(m):
+    """The one-kernel q split (Triton-lowered, interpreted) gives `quantize_q_hilo`'s terms and scales bitwise; a
+    width it does not take (M = 24) runs the jnp function."""
+    from pallas_kernels.mla_decode_sm90_narrow import quantize_q_hilo, split_q_hilo
+
+    q = _hilo_inputs(m=m)
+    got, want = split_q_hilo(q, 512, interpret=True), quantize_q_hilo(q)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    q24 = _hilo_inputs(m=24)
+    for a, b in zip(split_q_hilo(q24, 512, interpret=True), quantize_q_hilo(q24)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_split_q_hilo_lowers_to_triton(monkeypatch):
+    """Triton IR for an H200 on CPU (Pallas's lowering; e4m3 casts need sm_89+): one kernel, a program per
+    request."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    from pallas_kernels.mla_decode_sm90_narrow import split_q_hilo
+
+    monkeypatch.setattr(
+        pallas_call_registration.gpu_info_lib,
+        "get_gpu_info",
+        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
+    )
+    q = jax.ShapeDtypeStruct((128, 16, 576), jnp.bfloat16)
+    text = jax.jit(lambda q: split_q_hilo(q, 512, interpret=False)).trace(q).lower(lowering_platforms=("cuda",))
+    text = text.as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "split_q_hilo_m16"' in text
+    assert "grid_x = 128 : i32" in text
+
+
+@pytest.mark.gpu
+def test_gpu_split_q_hilo_is_exact():
+    """On the GPU the kernel's split reproduces the bf16 q as `quantize_q_hilo`'s does (its scales may pick the
+    other power of two where amax / 448 is within an ulp of one: Triton's division may round differently)."""
+    from pallas_kernels.mla_decode_sm90_narrow import quantize_q_hilo, split_q_hilo
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q = _hilo_inputs(b=64)
+    q_hi, q_lo, s_hi = jax.jit(lambda q: split_q_hilo(q, 512))(q)
+    hi, lo, s = np.asarray(q_hi, np.float64), np.asarray(q_lo, np.float64), np.asarray(s_hi, np.float64)
+    assert np.isfinite(hi).all() and np.isfinite(lo).all() and np.all(np.log2(s) == np.round(np.log2(s)))
+    want = np.asarray(q, np.float64)
+    back = (hi + lo / 16) * s[..., None]
+    big = np.abs(want) >= np.abs(want).max(axis=-1, keepdims=True) * 2.0**-14
+    np.testing.assert_array_equal(back[big], want[big])
+    ref = np.asarray(quantize_q_hilo(q)[2])
+    assert (s == ref).mean() > 0.99
 
 
 def test_quantize_q_hilo_reproduces_bf16_q():
