@@ -25,8 +25,9 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   ring of [G, L+R] tiles. On the request's partial last page the rows past its length are zeroed in
   shared memory (P = 0 there, but 0 * NaN garbage would poison P.V). fp8 cache: the producer TMAs
   fp8 pages and their per-token scales into their own ring, casts each tile to bf16 (exact) into
-  the ring and passes the scales on; WG0 multiplies the logits and p by the per-token scale (the
-  Triton kernel's fp8_mode="scale_logits"), so the wgmmas are the bf16 code.
+  the ring, but for V's second half, which WG1 casts (the columns only its P.V reads; the cast
+  bounds the fp8 page time), and passes the scales on; WG0 multiplies the logits and p by the
+  per-token scale (the Triton kernel's fp8_mode="scale_logits"), so the wgmmas are the bf16 code.
 - Warpgroup 0 ("softmax"): S = Q K^T as one wgmma over K = L+R (9 x 64 for 576), online softmax in
   registers (f32, exp2), P (bf16) and the per-row rescale alpha to shared memory, then P V for
   output columns [0, L/2).
@@ -60,7 +61,8 @@ behind -- the parity discipline the interpreter checks):
   fin_bar          1/l of every row in shared memory                         WG1 waits
   raw_bar / fp8_ready[st] / scale_ready[st]  TMA landed for the producer's own processing
                    (fp8_qk: fp8_ready also for WG0 and WG1, scale_ready for WG0)
-  fp8_consumed[f]  fp8_qk: QK^T and both casts done with fp8 slot f (3)      producer waits
+  fp8_consumed[f]  both casts (fp8_qk: and QK^T) done with fp8 slot f (2, 3)  producer waits
+  kv_ready takes 2 arrivals with an exact fp8 cache: the producer's columns and WG1's V half.
 
 Testing: the CPU tests run it under the Mosaic GPU interpreter (race detector on) and lower it for
 sm_90 (Mosaic GPU's Python passes: layout inference, wgmma/TMA checks, the shared-memory budget);
@@ -216,7 +218,8 @@ def _barriers(cfg):
     """The pipeline's mbarriers, by name (see the module docstring)."""
     bars = dict(
         q_bar=plgpu.Barrier(num_arrivals=3 if cfg.qk8 else 2),  # Q, row lengths (, Q's scales)
-        kv_ready=plgpu.Barrier(num_barriers=cfg.stages),
+        # exact fp8: the producer's columns and WG1's V half
+        kv_ready=plgpu.Barrier(num_arrivals=2 if cfg.fp8_stages and not cfg.qk8 else 1, num_barriers=cfg.stages),
         # With fp8 QK^T each consumer casts the V half it reads: only WG0 releases the
         # producer's half.
         kv_consumed=plgpu.Barrier(num_arrivals=1 if cfg.qk8 else 2, num_barriers=cfg.stages),
@@ -230,8 +233,8 @@ def _barriers(cfg):
         bars.update(
             fp8_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages), scale_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages)
         )
-    if cfg.qk8:  # WG0's QK^T and both casts (producer, WG1) read the fp8 slot
-        bars.update(fp8_consumed=plgpu.Barrier(num_arrivals=3, num_barriers=cfg.fp8_stages))
+    if cfg.fp8_stages:  # both casts (producer, WG1) and, with fp8 QK^T, WG0's QK^T read the fp8 slot
+        bars.update(fp8_consumed=plgpu.Barrier(num_arrivals=3 if cfg.qk8 else 2, num_barriers=cfg.fp8_stages))
     return bars
 
 
@@ -517,13 +520,16 @@ def _body(cfg, r, pc):
 
         def step(i, acc):
             slot_i = slot_of(i, stages)
-            if cfg.qk8:
-                # WG1 casts its own V half (columns [L/2, L)) while WG0 runs QK^T and the softmax:
-                # the cast, not the wgmmas, bounds the fp8 page time, and only WG1 touches this half.
+            if is_fp8:
+                # WG1 casts its own V half (columns [L/2, L)), the producer the rest: the cast, not the
+                # wgmmas, bounds the fp8 page time, and only WG1's P.V reads this half (with fp8 QK^T
+                # WG0 runs QK^T and the softmax meanwhile; exact, its QK^T waits for both casts).
                 fslot = slot_of(i, fst)
                 with jax.named_scope("wait_fp8"):
                     plgpu.barrier_wait(r["fp8_ready"].at[fslot])
                 cast_fp8(fslot, slot_i, page_rows(i), range(half // 64, cfg.l // 64))
+                if not cfg.qk8:
+                    plgpu.barrier_arrive(kv_ready.at[slot_i])
                 plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
                 with jax.named_scope("wait_p"):
                     plgpu.barrier_wait(p_ready)
@@ -605,14 +611,15 @@ def _body(cfg, r, pc):
                     scale = plgpu.load(scale_ring.at[fslot], layout=ROW_LAYOUT)  # [G] f32
                     tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=ROW_LAYOUT)
                     loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
-                # All 576 columns (K and V) or, with fp8 QK^T, V's first half (WG1 casts the second).
-                cast_fp8(fslot, slot_i, valid_rows, range(half // 64 if cfg.qk8 else cfg.d // 64))
+                # K's columns but V's second half (WG1 casts it) or, with fp8 QK^T, V's first half.
+                mine = range(half // 64) if cfg.qk8 else [c for c in range(cfg.d // 64) if not half <= 64 * c < cfg.l]
+                cast_fp8(fslot, slot_i, valid_rows, mine)
                 plgpu.barrier_arrive(kv_ready.at[slot_i])
-                if cfg.qk8:  # WG0's QK^T and WG1's cast must be done with the slot too (waited on
-                    # every page: each waiter observes every phase)
-                    plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
-                    with jax.named_scope("wait_qk"):
-                        plgpu.barrier_wait(r["fp8_consumed"].at[fslot])
+                # WG1's cast (and WG0's fp8 QK^T) must be done with the fp8 slot too (waited on every page:
+                # each waiter observes every phase)
+                plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
+                with jax.named_scope("wait_qk"):
+                    plgpu.barrier_wait(r["fp8_consumed"].at[fslot])
                 pl.when(i + fst < n)(lambda: fetch(i + fst))
                 return ()
 

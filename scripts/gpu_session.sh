@@ -334,14 +334,15 @@ case $part in
     [ -f out/probe/ptxas.py ] && run 40 ptxas env MOSAIC_GPU_DUMP_PTXAS=1 python3 out/probe/ptxas.py
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 24) # next session, first call (straight into OUT): the GPU tests of what session 18 built without a GPU (the fp8
-    # cache write kernel, the one-kernel q split of the narrow fp8 decode) and of the Hopper decode in full; the
-    # 16-head decode benchmark, bf16 and fp8; the e2e step with both caches at batch 1 / 8 / 32 / 128, ctx 4k,
+    # cache write kernel, the one-kernel q split of the narrow fp8 decode, the 64-row exact fp8 kernel's cast split
+    # between the producer and WG1) and of the Hopper decode in full; the decode benchmark (16 heads, and
+    # 64x128x4096 for the cast split), bf16 and fp8; the e2e step with both caches at batch 1 / 8 / 32 / 128, ctx 4k,
     # profiled (only if the tests pass)
     out=${2:?}
     run 140 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
         tests/pallas_kernels/test_mla_decode_sm90.py tests/pallas_kernels/test_cache_write.py
-    run 150 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
-        --kernels pallas_sm90 --dtypes bf16,fp8 --shapes 128x16x8192,64x16x4096,32x16x1024,8x16x4096
+    run 200 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
+        --kernels pallas_sm90 --dtypes bf16,fp8 --shapes 128x16x8192,64x16x4096,32x16x1024,64x128x4096,8x16x4096
     caches=$(caches_after_tests)
     run 240 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype $caches --batches 1,8,32,128 \
         --ctxs 4096 --no-prefill --no-engine --profile "$out/trace"
