@@ -14,5 +14,19 @@ os.environ.setdefault("NPROC", "8")
 os.environ["MLA_JAX_COMPILE_CACHE"] = "off"
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """Pallas's Triton lowering on CPU as for an H200: its device query (compute capability, SM count) answered, so a
+    test can lower a Triton kernel for the GPU (`.lower(lowering_platforms=("cuda",))`) and check its IR."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    monkeypatch.setattr(
+        pallas_call_registration.gpu_info_lib,
+        "get_gpu_info",
+        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
+    )

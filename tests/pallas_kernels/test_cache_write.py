@@ -268,20 +268,9 @@ def test_no_copy_of_the_cache_in_a_layer_scan():
     assert not copies, copies
 
 
-def _h200(monkeypatch):
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
-    monkeypatch.setattr(
-        pallas_call_registration.gpu_info_lib,
-        "get_gpu_info",
-        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
-    )
-
-
-def test_lowers_to_triton(monkeypatch):
+def test_lowers_to_triton(h200):
     """Triton IR on CPU (Pallas's lowering, not the Triton compiler) at V3's sizes and an 18 GB cache: one kernel,
     a program per row, the cache aliased to the output (no slice of the stacked weights or of the cache)."""
-    _h200(monkeypatch)
     sd = jax.ShapeDtypeStruct
     t = 3
     args = (
@@ -307,10 +296,9 @@ def test_lowers_to_triton(monkeypatch):
     assert "dynamic_slice" not in text and "dynamic_update_slice" not in text
 
 
-def test_fp8_lowers_to_triton(monkeypatch):
+def test_fp8_lowers_to_triton(h200):
     """The fp8 cache's kernel in Triton IR for an H200 (e4m3 casts need sm_89+): one kernel, the payload and the
     scales aliased to its outputs."""
-    _h200(monkeypatch)
     sd = jax.ShapeDtypeStruct
     t = 3
     args = (

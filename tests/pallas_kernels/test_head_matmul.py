@@ -239,16 +239,9 @@ def test_mla_absorb_and_v_up_take_the_kernel_on_a_gpu(monkeypatch):
 # ---- Triton lowering for an H200, on CPU (Pallas's lowering, not the Triton compiler) ----
 
 
-def test_lowers_to_triton(monkeypatch):
+def test_lowers_to_triton(h200):
     """DeepSeek-V2-Lite's decode shapes: one Triton kernel each, q read whole (no slice or concatenate around the
     call), a stacked weight passed whole (no slice of it), the grid (row tiles, column blocks, heads)."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
-    monkeypatch.setattr(
-        pallas_call_registration.gpu_info_lib,
-        "get_gpu_info",
-        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
-    )
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     cases = [  # (fn, args, grid, the weight as the call takes it)

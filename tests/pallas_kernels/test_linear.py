@@ -143,17 +143,6 @@ def test_empty_t_and_default_tuning():
 # ---- Triton lowering for an H200, on CPU (Pallas's lowering, not the Triton compiler) ----
 
 
-@pytest.fixture
-def h200(monkeypatch):
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
-    monkeypatch.setattr(
-        pallas_call_registration.gpu_info_lib,
-        "get_gpu_info",
-        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
-    )
-
-
 def test_lowers_to_triton(h200):
     """DeepSeek-V2-Lite's decode shapes: one Triton kernel each, the grid (row tiles, N blocks of all weights), the
     stacked weights passed whole (no slice of them)."""

@@ -133,19 +133,12 @@ def test_traced_page_offset_ragged_query_tokens(interpret):
     assert np.all(np.asarray(lse_part)[..., 36:] == -np.inf) and np.all(np.isfinite(np.asarray(lse_part)[0, 0, :36]))
 
 
-def test_lowers_to_one_triton_kernel(monkeypatch):
+def test_lowers_to_one_triton_kernel(h200):
     """Triton IR on CPU (Pallas's lowering rules, not the Triton compiler) for an H200, batch-1 decode with a
     traced page_offset: the block table, seq_lens and offset go straight into the one kernel (issue #22: the
     repeat/pad/clamp of seq_lens and the block table + offset were small XLA kernels of every layer's step)."""
     import re
 
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
-    monkeypatch.setattr(
-        pallas_call_registration.gpu_info_lib,
-        "get_gpu_info",
-        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
-    )
     S = jax.ShapeDtypeStruct
     args = (S((1, 1, 16, 576), jnp.bfloat16), S((256, 64, 576), jnp.bfloat16), S((1, 64), jnp.int32))
     args += (S((1, 1), jnp.int32), S((), jnp.int32))
@@ -397,17 +390,10 @@ def test_merge_segments_kernel(m, l, counts, max_segment, out_dtype):
     np.testing.assert_allclose(ref_lse, exp_lse, rtol=1e-6, atol=1e-5)
 
 
-def test_merge_segments_lowers_to_triton(monkeypatch):
+def test_merge_segments_lowers_to_triton(h200):
     """Triton IR generation on CPU (Pallas's lowering rules, not the Triton compiler) at work-list
     size (200 tiles, 177 slots on an H200), with an H200 stand-in for the device query: one kernel,
     grid (88 split tiles at most, 64 rows, 1 column block), out/lse aliased to its inputs."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
-    monkeypatch.setattr(
-        pallas_call_registration.gpu_info_lib,
-        "get_gpu_info",
-        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
-    )
     u, m, l, p = 200, 64, 512, 177
     shapes = [
         ((u, m, l), jnp.bfloat16),
@@ -443,16 +429,9 @@ def test_gpu_merge_segments():
 
 
 @pytest.mark.parametrize("b,splits,m", [(1, 64, 16), (8, 16, 16), (128, 2, 32), (4, 5, 8)])
-def test_merge_splits_transposed_lowers_to_triton(monkeypatch, b, splits, m):
+def test_merge_splits_transposed_lowers_to_triton(h200, b, splits, m):
     """The transposed merge's Triton IR generation on CPU (its [S', block_l, M] gather and the [block_l, M]
     transpose), with an H200 stand-in for the device query: one kernel of >= 16 column blocks a request."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
-    monkeypatch.setattr(
-        pallas_call_registration.gpu_info_lib,
-        "get_gpu_info",
-        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
-    )
     l = 512
     f = jax.jit(lambda o, s: merge_splits(o, s, out_dtype=jnp.bfloat16, transposed=True))
     args = (jax.ShapeDtypeStruct((b, splits, l, m), jnp.float32), jax.ShapeDtypeStruct((b, splits, m), jnp.float32))

@@ -162,16 +162,9 @@ def test_worklist_kernel_matches_reference(num_sms):
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-def test_worklist_kernel_lowers_to_triton(monkeypatch):
+def test_worklist_kernel_lowers_to_triton(h200):
     """Triton IR generation on CPU with an H200 stand-in for the device query: one kernel, one
     program, at decode size (128 requests x 2 head tiles, 132 SMs) and at one tile."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
-    monkeypatch.setattr(
-        pallas_call_registration.gpu_info_lib,
-        "get_gpu_info",
-        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
-    )
     for b, t in ((128, 2), (1, 1)):
         f = jax.jit(lambda x: k90.worklist_pieces(x, 132, k90._WORKLIST_MIN_PAGES))
         text = f.trace(jax.ShapeDtypeStruct((b, t), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
@@ -274,7 +267,7 @@ def _lower_for_sm90(cache_dtype, n=16, **kw):
         ("fp8", dict(n=128, schedule="worklist", fp8_qk=True, fp8_compute="float16", num_sms=132)),
     ],
 )
-def test_lowers_for_sm90(cache_dtype, kw, monkeypatch):
+def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
     """The GPU code path (which differs from the interpreted one in `_accumulate`) passes Mosaic
     GPU's Python lowering for sm_90: layouts, wgmma and TMA shapes, 227 KB of shared memory.
     The split merges are Triton kernels, which need a GPU to lower: their jnp references stand in
@@ -284,13 +277,6 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch):
         out, lse = mla_decode.merge_splits_reference(jnp.swapaxes(o_part, -1, -2) if transposed else o_part, lse_part)
         return out.astype(out_dtype), lse
 
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
-    monkeypatch.setattr(
-        pallas_call_registration.gpu_info_lib,
-        "get_gpu_info",
-        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
-    )
     monkeypatch.setattr(k90, "merge_splits", merge_ref)
     monkeypatch.setattr(
         k90, "merge_segments", lambda *a, max_segment, interpret: mla_decode.merge_segments_reference(*a)
@@ -439,18 +425,11 @@ def test_split_q_hilo_kernel_matches_quantize_q_hilo(m):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
-def test_split_q_hilo_lowers_to_triton(monkeypatch):
+def test_split_q_hilo_lowers_to_triton(h200):
     """Triton IR for an H200 on CPU (Pallas's lowering; e4m3 casts need sm_89+): one kernel, a program per
     request."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
     from pallas_kernels.mla_decode_sm90_narrow import split_q_hilo
 
-    monkeypatch.setattr(
-        pallas_call_registration.gpu_info_lib,
-        "get_gpu_info",
-        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
-    )
     q = jax.ShapeDtypeStruct((128, 16, 576), jnp.bfloat16)
     text = jax.jit(lambda q: split_q_hilo(q, 512, interpret=False)).trace(q).lower(lowering_platforms=("cuda",))
     text = text.as_text()

@@ -133,16 +133,9 @@ def test_bad_inputs():
         add_rms_norm(x, r, ws, eps=1e-6, weight_index=jnp.zeros(2, jnp.int32))
 
 
-def test_lowers_to_triton(monkeypatch):
+def test_lowers_to_triton(h200):
     """Triton IR on CPU (Pallas's lowering, not the Triton compiler) for an H200 at V3's width: one kernel, a
     program per row."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
-    monkeypatch.setattr(
-        pallas_call_registration.gpu_info_lib,
-        "get_gpu_info",
-        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200),
-    )
     a = jax.ShapeDtypeStruct((5, 7168), jnp.bfloat16)
     wt = jax.ShapeDtypeStruct((7168,), jnp.bfloat16)
     f = jax.jit(lambda x, r, w: add_rms_norm(x, r, w, eps=1e-6))
