@@ -268,61 +268,31 @@ def test_no_copy_of_the_cache_in_a_layer_scan():
     assert not copies, copies
 
 
-def test_lowers_to_triton(h200):
-    """Triton IR on CPU (Pallas's lowering, not the Triton compiler) at V3's sizes and an 18 GB cache: one kernel,
-    a program per row, the cache aliased to the output (no slice of the stacked weights or of the cache)."""
+@pytest.mark.parametrize("fp8", [False, True])
+def test_lowers_to_triton(h200, fp8):
+    """Triton IR on CPU (Pallas's lowering, not the Triton compiler) at V3's sizes and an 18 GB cache (fp8: 9 GB
+    and its scales; e4m3 casts need sm_89+): one kernel, a program per row, the cache (and the scales) aliased to
+    the outputs (no slice of the stacked weights or of the cache)."""
     sd = jax.ShapeDtypeStruct
     t = 3
-    args = (
-        sd((t, 576), jnp.bfloat16),
-        sd((61, 512), jnp.bfloat16),
-        sd((t, 32), jnp.float32),
-        sd((t, 32), jnp.float32),
-        sd((t,), jnp.int32),
-        sd((61, 4096, 64, 576), jnp.bfloat16),
-        sd((), jnp.int32),
-    )
-    f = jax.jit(
-        lambda kv, w, c, s, sl, cache, i: cache_write.write_latent_rows(
-            kv, w, c, s, sl, cache, i, eps=EPS, weight_index=i
-        ),
-        donate_argnums=5,
-    )
-    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1
-    assert "grid_x = 3 : i32, grid_y = 1 : i32, grid_z = 1 : i32" in text
-    assert "output_operand_alias<output_tuple_indices = [1], operand_index = 7" in text
-    assert "tf.aliasing_output = 1" in text  # the donated cache is the call's output buffer
-    assert "dynamic_slice" not in text and "dynamic_update_slice" not in text
-
-
-def test_fp8_lowers_to_triton(h200):
-    """The fp8 cache's kernel in Triton IR for an H200 (e4m3 casts need sm_89+): one kernel, the payload and the
-    scales aliased to its outputs."""
-    sd = jax.ShapeDtypeStruct
-    t = 3
-    args = (
-        sd((t, 576), jnp.bfloat16),
-        sd((61, 512), jnp.bfloat16),
-        sd((t, 32), jnp.float32),
-        sd((t, 32), jnp.float32),
-        sd((t,), jnp.int32),
-        sd((61, 1024, 64, 576), jnp.float8_e4m3fn),
-        sd((61, 1024, 64), jnp.float32),
-        sd((), jnp.int32),
-    )
+    cache = sd((61, 4096, 64, 576), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
+    scale = sd((61, 4096, 64), jnp.float32) if fp8 else None
+    args = (sd((t, 576), jnp.bfloat16), sd((61, 512), jnp.bfloat16), sd((t, 32), jnp.float32), sd((t, 32), jnp.float32))
     f = jax.jit(
         lambda kv, w, c, s, sl, cache, scale, i: cache_write.write_latent_rows(
             kv, w, c, s, sl, cache, i, eps=EPS, weight_index=i, kv_scale=scale
         ),
         donate_argnums=(5, 6),
     )
-    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = f.trace(*args, sd((t,), jnp.int32), cache, scale, sd((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    text = text.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
-    assert 'name = "cache_write_l512_r64_fp8"' in text
+    assert 'name = "cache_write_l512_r64' + ('_fp8"' if fp8 else '"') in text
+    assert "grid_x = 3 : i32, grid_y = 1 : i32, grid_z = 1 : i32" in text
     assert "output_operand_alias<output_tuple_indices = [1], operand_index = 7" in text
-    assert "output_operand_alias<output_tuple_indices = [2], operand_index = 8" in text
-    assert "dynamic_update_slice" not in text and "scatter" not in text
+    assert ("output_operand_alias<output_tuple_indices = [2], operand_index = 8" in text) == fp8
+    assert "tf.aliasing_output = 1" in text  # the donated cache is the call's output buffer
+    assert "dynamic_slice" not in text and "dynamic_update_slice" not in text and "scatter" not in text
 
 
 def _paged_step(num_pages=37, cache_dtype="bf16", fill=float("nan")):
