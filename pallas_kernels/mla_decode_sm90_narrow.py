@@ -65,7 +65,7 @@ from pallas_kernels.mgpu import (
     tiled,
     wgmma_accumulate,
 )
-from pallas_kernels.util import BF16, FP8, LN2, LOG2E, M_INIT, is_pow2, next_pow2
+from pallas_kernels.util import BF16, FP8, LN2, LOG2E, M_INIT, is_pow2, next_pow2, quantize_rows, round_e4m3
 
 __all__ = [
     "NARROW_MAX_ROWS",
@@ -113,9 +113,8 @@ def quantize_q_hilo(q):
     sc = jnp.ldexp(jnp.float32(1), jnp.where(m == 0.5, e - 1, e))
     sc = jnp.where(amax > 448.0 * sc, 2.0 * sc, sc)  # amax / 448 rounded down onto a power of two
     x = q / sc[..., None]
-    q_hi = x.astype(FP8)
-    q_lo = ((x - _f32(q_hi)) * 16.0).astype(FP8)
-    return q_hi, q_lo, sc
+    hi = round_e4m3(x)
+    return hi.astype(FP8), round_e4m3((x - hi) * 16.0).astype(FP8), sc
 
 
 def _pow2_above(v):
@@ -123,15 +122,6 @@ def _pow2_above(v):
     bits = lax.bitcast_convert_type(v, jnp.uint32)
     e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).astype(jnp.uint32)
     return lax.bitcast_convert_type(e << 23, jnp.float32), e
-
-
-def _e4m3_f32(x8):
-    """e4m3fn -> float32 from the bits: XLA (the Pallas interpreter runs kernels as HLO) would fold a cast after
-    the quantizing cast into nothing, and q_lo would be 0."""
-    b = lax.bitcast_convert_type(x8, jnp.uint8).astype(jnp.int32)
-    e, m = (b >> 3) & 15, (b & 7).astype(jnp.float32)
-    mag = jnp.where(e == 0, m * 2.0**-9, (m + 8.0) * lax.bitcast_convert_type((e + 117) << 23, jnp.float32))
-    return jnp.where(b >= 128, -mag, mag)
 
 
 def _hilo_kernel(q_ref, hi_ref, lo_ref, s_ref, *, l, r):
@@ -145,9 +135,9 @@ def _hilo_kernel(q_ref, hi_ref, lo_ref, s_ref, *, l, r):
     inv = lax.bitcast_convert_type((254 - e) << 23, jnp.float32)[:, None]  # 1 / sc, exact
     for x, c in zip(xs, cols):
         x = x * inv
-        hi = x.astype(FP8)
-        hi_ref[:, c] = hi
-        lo_ref[:, c] = ((x - _e4m3_f32(hi)) * 16.0).astype(FP8)
+        hi = round_e4m3(x)
+        hi_ref[:, c] = hi.astype(FP8)
+        lo_ref[:, c] = round_e4m3((x - hi) * 16.0).astype(FP8)
     s_ref[...] = sc
 
 
@@ -175,19 +165,10 @@ def split_q_hilo(q, l: int, *, interpret: bool = False):
 
 
 def quantize_q_fp8(q):
-    """q [..., D] -> (float8_e4m3fn q / scale, f32 scale [...]): one scale per row (head, token),
-    amax / 448, e4m3's largest finite value; all-zero rows get scale 1. What `fp8_qk=True` feeds
-    the QK^T wgmma (lossy): its logits are those of q8 * scale, the reference's input for that mode."""
-    q = q.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(q), axis=-1)
-    scale = jnp.where(amax > 0, amax / 448.0, 1.0)
-    return (q / scale[..., None]).astype(FP8), scale
-
-
-def _f32(x8):
-    # e4m3 -> float32 that XLA cannot fold into the convert that made it (fp8_matmul._f32: on the GPU,
-    # SimplifyFPConversions would otherwise drop the rounding of a quantize -> dequantize in one jit).
-    return lax.optimization_barrier(x8).astype(jnp.float32)
+    """q [..., D] -> (float8_e4m3fn q / scale, f32 scale [...]): the cache's per-token format (`quantize_rows`) per
+    row (head, token). What `fp8_qk=True` feeds the QK^T wgmma (lossy): its logits are those of q8 * scale, the
+    reference's input for that mode."""
+    return quantize_rows(q)
 
 
 @dataclasses.dataclass(frozen=True)
