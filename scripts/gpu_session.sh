@@ -348,5 +348,23 @@ case $part in
         --ctxs 4096 --no-prefill --no-engine --profile "$out/trace"
     rm -rf "$out/trace"
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+25) # session 19, second call: the GPU tests of util.round_e4m3 (Triton's own f32 -> e4m3 cast rounds twice: part 24's
+    # q split test failed) in the q split, the fp8 cache write and the narrow fp8 decode; the q split's rows per
+    # program and warps (out/probe/hilo.py, carried); the fp8 16-head decode rows; the e2e step with the fp8 cache at
+    # batch 1 / 8 / 32 / 128, ctx 4k, profiled (only if the tests pass)
+    out=${2:?}
+    run 130 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_util.py tests/pallas_kernels/test_cache_write.py \
+        tests/pallas_kernels/test_mla_decode_sm90.py -k "util or cache_write or hilo or fp8"
+    run 90 hilo env OUT="$out" python3 out/probe/hilo.py
+    caches=$(caches_after_tests)
+    if [ "$caches" = bf16,fp8 ]; then
+        run 160 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype fp8 --batches 1,8,32,128 \
+            --ctxs 4096 --no-prefill --no-engine --profile "$out/trace"
+        rm -rf "$out/trace"
+    fi
+    run 120 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
+        --kernels pallas_sm90 --dtypes fp8 --shapes 128x16x8192,64x16x4096,32x16x1024,8x16x4096
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 24" >&2; exit 2 ;;
 esac
