@@ -366,5 +366,22 @@ case $part in
     run 120 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
         --kernels pallas_sm90 --dtypes fp8 --shapes 128x16x8192,64x16x4096,32x16x1024,8x16x4096
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+26) # session 19, third call: part 25's GPU tests again (their exactness threshold was wrong: q_hi + q_lo / 16 is exact
+    # from s_hi 2^-6 up, not from 2^-14 of the row's largest; the kernels were right) with the q split at a program
+    # per row; the fp8 e2e rows; the fp8 16-head decode rows; the 64-row fp8 kernel's register split (regs64.py)
+    out=${2:?}
+    run 130 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_util.py tests/pallas_kernels/test_cache_write.py \
+        tests/pallas_kernels/test_mla_decode_sm90.py -k "util or cache_write or hilo or fp8"
+    caches=$(caches_after_tests)
+    if [ "$caches" = bf16,fp8 ]; then
+        run 170 e2e python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype fp8 --batches 1,8,32,128 \
+            --ctxs 4096 --no-prefill --no-engine --profile "$out/trace"
+        rm -rf "$out/trace"
+    fi
+    run 150 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
+        --kernels pallas_sm90 --dtypes fp8 --shapes 32x16x1024,8x16x4096,64x16x4096,128x16x8192
+    run 70 regs64 python3 out/probe/regs64.py "$out"
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 24" >&2; exit 2 ;;
 esac
