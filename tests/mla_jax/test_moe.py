@@ -81,7 +81,7 @@ def _silu(v):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_moe_matches_dense_reference(case):
     cfg = tiny_config(**CASES[case])
-    params = model.init_params(cfg, jax.random.key(7), std=0.3)
+    params = random_params(cfg, 7, std=0.3)
     p = jax.tree.map(lambda a: np.asarray(a[0], np.float64), params["model"]["moe_layers"]["mlp"])
     x = np.asarray(jax.random.normal(jax.random.key(8), (37, cfg.hidden_size)), np.float32)
 
@@ -108,7 +108,7 @@ def test_moe_matches_dense_reference(case):
 def test_pallas_grouped_matmul_in_moe():
     """The Pallas grouped GEMM (interpret mode) gives the MoE layer the same result as ragged_dot."""
     cfg = tiny_config()
-    params = model.init_params(cfg, jax.random.key(9), std=0.3)
+    params = random_params(cfg, 9, std=0.3)
     p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
     x = jax.random.normal(jax.random.key(10), (21, cfg.hidden_size))
     want = moe(p, cfg, x, gmm_impl="ragged_dot")
@@ -134,7 +134,7 @@ def test_decode_copies_skip_the_sort(T):
     result; under expert parallelism the other devices' copies come out 0 either way (`test_parallel`)."""
     cfg = tiny_config()
     K = cfg.num_experts_per_tok
-    params = model.init_params(cfg, jax.random.key(9), std=0.3)
+    params = random_params(cfg, 9, std=0.3)
     p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
     x = jax.random.normal(jax.random.key(T), (T, cfg.hidden_size))
     got = moe(p, cfg, x, gmm_impl="pallas")
@@ -151,7 +151,7 @@ def test_shared_experts_run_in_the_routed_kernels(T):
     tokens' rows in each shared chunk's item), and no dot of the shared weights outside the kernels (the only dot
     left is the router's)."""
     cfg = tiny_config()
-    params = model.init_params(cfg, jax.random.key(9), std=0.3)
+    params = random_params(cfg, 9, std=0.3)
     p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
     assert layers.shared_fusable("pallas", p["experts"], p["shared_experts"], True) == cfg.n_shared_experts
     assert layers.shared_fusable("ragged_dot", p["experts"], p["shared_experts"], True) == 0
@@ -171,7 +171,7 @@ def test_decode_output_left_as_copies_for_the_next_norm(T):
     Pallas kernel, copies in token order, nothing to reduce across devices; elsewhere moe(combine=False) refuses."""
     cfg = tiny_config()
     K, S = cfg.num_experts_per_tok, cfg.n_shared_experts
-    params = model.init_params(cfg, jax.random.key(9), std=0.3)
+    params = random_params(cfg, 9, std=0.3)
     p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
     x = jax.random.normal(jax.random.key(40 + T), (T, cfg.hidden_size))
     assert layers.moe_copies(p, cfg, T, gmm_impl="pallas") == S
@@ -214,7 +214,7 @@ def test_shared_experts_in_the_routed_kernels_on_shards(mode, T):
     from mla_jax.comm import Comm
 
     cfg = tiny_config(moe_intermediate_size=16, n_shared_experts=2)  # shared intermediate 32: 16 a rank
-    params = model.init_params(cfg, jax.random.key(9), std=0.3)
+    params = random_params(cfg, 9, std=0.3)
     p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
     x = jax.random.normal(jax.random.key(30 + T), (T, cfg.hidden_size))
     want = moe(p, cfg, x, gmm_impl="ragged_dot")
