@@ -61,7 +61,7 @@ def test_num_kv_splits_agree():
         mla_decode(q, cache, bt, sl, scale=SCALE, kv_lora_rank=64, interpret=True, num_kv_splits=s, block_kv=16)
         for s in (1, 4)
     ]
-    ref, ref_lse = mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_lora_rank=64)
+    ref, ref_lse = jax.jit(lambda *a: mla_decode_reference(*a, scale=SCALE, kv_lora_rank=64))(q, cache, bt, sl)
     for out, lse in outs:
         assert_decode_close(out, lse, ref, ref_lse, "bf16")
     np.testing.assert_allclose(
@@ -103,11 +103,12 @@ def test_traced_page_offset_ragged_query_tokens(interpret):
     kw = dict(scale=SCALE, kv_lora_rank=64, interpret=interpret, block_h=16, block_kv=16, num_kv_splits=2)
     f = jax.jit(lambda q, c, bt, sl, o: mla_decode(q, c, bt, sl, page_offset=o, **kw))
     out, lse = f(q, pool, bt, sl, jnp.int32(off))
-    ref, ref_lse = mla_decode_reference(q, pool, bt, sl, scale=SCALE, kv_lora_rank=64, page_offset=off)
+    reference = lambda o: jax.jit(lambda *a: mla_decode_reference(*a, scale=SCALE, kv_lora_rank=64, page_offset=o))
+    ref, ref_lse = reference(off)(q, pool, bt, sl)
     assert_decode_close(out, lse, ref, ref_lse, "bf16")
     assert np.all(np.asarray(lse)[1, 0] == -np.inf)
     pages = pool[off:-off]  # the block table's pages, un-offset
-    ref0, ref0_lse = mla_decode_reference(q, pages, bt, sl, scale=SCALE, kv_lora_rank=64)
+    ref0, ref0_lse = reference(None)(q, pages, bt, sl)
     np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(ref0, np.float32))
     np.testing.assert_array_equal(np.asarray(ref_lse), np.asarray(ref0_lse))
     out0, lse0 = mla_decode(q, pages, bt, sl, **kw)
@@ -257,7 +258,7 @@ def test_merge_splits_kernel(b, splits, m, l, transposed):
     given = np.swapaxes(o_part, -1, -2).copy() if transposed else o_part
     kw = dict(transposed=True) if transposed else {}
     out, lse = merge_splits(jnp.asarray(given), jnp.asarray(lse_part), out_dtype=jnp.float32, interpret=True, **kw)
-    ref, ref_lse = merge_splits_reference(jnp.asarray(o_part), jnp.asarray(lse_part))
+    ref, ref_lse = jax.jit(merge_splits_reference)(jnp.asarray(o_part), jnp.asarray(lse_part))
     assert out.shape == (b, m, l) and lse.shape == (b, m)
     assert np.all(np.isfinite(np.asarray(out)))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
@@ -368,7 +369,7 @@ def test_merge_segments_kernel(m, l, counts, max_segment, out_dtype):
     np.testing.assert_array_equal(np.asarray(seg_count), count)
     args = tuple(jnp.asarray(x) for x in (out, lse, o_part, lse_part)) + (seg_first, seg_count)
     got, got_lse = merge_segments(*args, max_segment=max_segment, interpret=True)
-    ref, ref_lse = merge_segments_reference(*args)
+    ref, ref_lse = jax.jit(merge_segments_reference)(*args)
     assert got.dtype == out.dtype and got.shape == out.shape and got_lse.shape == lse.shape
     got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
     got_lse, ref_lse = np.asarray(got_lse), np.asarray(ref_lse)
