@@ -15,6 +15,7 @@ from mla_jax.cache import init_kv_cache, init_kv_cache_for
 from mla_jax.metadata import ScheduledRequest, build_metadata
 from mla_jax.step import jit_step
 from tests.mla_jax.helpers import full_logits, paged_config, run_schedule
+from tests.mla_jax.multihost_worker import random_params
 
 ATOL = 1e-4
 K = 8  # index_topk, below most sequence lengths here
@@ -36,7 +37,7 @@ def setup(request):
             index_rope_interleave=True,
         )
     )
-    params = model.init_params(cfg, jax.random.key(0), std=0.2)
+    params = random_params(cfg, 0, std=0.2)
     rng = np.random.default_rng(1)
     seqs = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (40, 50, 24, 33)]
     return cfg, params, seqs, full_logits(params, cfg, seqs)
@@ -145,7 +146,7 @@ def test_sparsity_is_active(setup):
 def test_short_sequences_equal_dense_decode():
     """Every sequence at most index_topk long: the sparse paged steps equal the dense model's paged steps."""
     cfg = sparse_config()
-    params = model.init_params(cfg, jax.random.key(3), std=0.2)
+    params = random_params(cfg, 3, std=0.2)
     dense_cfg = dataclasses.replace(cfg, index_topk=None)
     seqs = [[5, 7, 9, 11, 13, 15, 17, 19], [1, 2, 3, 4, 5, 6]]
     sched = [[(0, 4), (1, 3)], [(0, 1), (1, 1)], [(0, 2), (1, 2)], [(0, 1)]]
@@ -163,7 +164,7 @@ def test_generate_through_the_engine():
     from mla_jax.sampling import SamplingParams
 
     cfg = sparse_config()
-    params = model.init_params(cfg, jax.random.key(1), std=0.2)
+    params = random_params(cfg, 1, std=0.2)
 
     eng = Engine(
         params,
@@ -191,7 +192,7 @@ def test_generate_through_the_engine():
 
 def test_bad_caches_are_rejected():
     cfg = sparse_config()
-    params = model.init_params(cfg, jax.random.key(0), std=0.2)  # the std of the other tests: no new compile
+    params = random_params(cfg, 0, std=0.2)
     md, _ = build_metadata([ScheduledRequest([1, 2], 0, [0])], page_size=8, num_pages=4)
     dense = init_kv_cache(
         cfg.num_hidden_layers,
