@@ -11,7 +11,6 @@ from mla_jax import model
 from mla_jax.engine import Engine, EngineConfig, generate
 from mla_jax.sampling import SamplingParams
 from tests.mla_jax.helpers import paged_config
-from tests.mla_jax.multihost_worker import random_params
 
 # fp32 cache: exact comparisons with the full forward (a bf16 cache moves logits by ~1e-2, enough to flip
 # MoE routing of random weights). One decode and one prefill bucket: every test on this config runs the same
@@ -34,7 +33,7 @@ TIGHT_PAGES = 7  # 6 usable pages of 16 tokens: preemptions (the tests with a ti
 @pytest.fixture(scope="module")
 def tiny():
     cfg = paged_config(num_hidden_layers=2)
-    params = random_params(cfg, 0, std=0.3)
+    params = model.init_params(cfg, jax.random.key(0), std=0.3)
     return cfg, params
 
 
