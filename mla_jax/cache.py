@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_jax.dtypes import as_dtype
-from pallas_kernels.util import FP8_MAX, quantize_rows  # noqa: F401 (re-exported: the cache's row format)
+from pallas_kernels.util import FP8_MAX, quantize_rows, scatter_rows  # noqa: F401 (re-exported: the cache's row format)
 
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 DEFAULT_PAGE_SIZE = 64
@@ -350,11 +350,6 @@ def _rows_and_slots(kv_c_normed, k_pe, slot_mapping, width: int):
     return rows, slot_mapping.astype(jnp.int32)
 
 
-def _drop_padding(slots: jax.Array, num_slots: int) -> jax.Array:
-    # Negative slots would wrap (jnp indexing semantics) and clobber the last rows: send them out of range.
-    return jnp.where(slots < 0, jnp.int32(num_slots), slots)
-
-
 def _check_scale(cache, scale, scale_shape):
     fp8 = cache.dtype == jnp.dtype(jnp.float8_e4m3fn)
     if fp8 and scale is None:
@@ -384,16 +379,7 @@ def write_kv(
     p, g, w = kv_c_and_k_pe_cache.shape
     fp8 = _check_scale(kv_c_and_k_pe_cache, kv_scale, (p, g))
     rows, slots = _rows_and_slots(kv_c_normed, k_pe, slot_mapping, w)
-    slots = _drop_padding(slots, p * g)
-    flat = kv_c_and_k_pe_cache.reshape(p * g, w)  # [P*G, L+R]
-    if fp8:
-        q, s = quantize_rows(rows)
-        flat = flat.at[slots].set(q, mode="drop")
-        new_scale = kv_scale.reshape(p * g).at[slots].set(s, mode="drop").reshape(p, g)
-    else:
-        flat = flat.at[slots].set(rows.astype(flat.dtype), mode="drop")
-        new_scale = None
-    return flat.reshape(p, g, w), new_scale
+    return scatter_rows(kv_c_and_k_pe_cache, kv_scale if fp8 else None, rows, slots)
 
 
 def write_kv_layer(
@@ -411,18 +397,8 @@ def write_kv_layer(
     if isinstance(layer, (int, np.integer)) and not 0 <= layer < nl:
         raise ValueError(f"layer {layer} out of range for a cache with {nl} layers")
     rows, slots = _rows_and_slots(kv_c_normed, k_pe, slot_mapping, w)
-    slots = _drop_padding(slots, p * g)
-    layer = jnp.asarray(layer, jnp.int32)
-    layer = jnp.where(layer < 0, jnp.int32(nl), layer)  # no wrap-around for negative layers either
-    flat = kv.reshape(nl, p * g, w)  # [num_layers, P*G, L+R]
-    if fp8:
-        q, s = quantize_rows(rows)
-        flat = flat.at[layer, slots].set(q, mode="drop")
-        scale = cache.kv_scale.reshape(nl, p * g).at[layer, slots].set(s, mode="drop").reshape(nl, p, g)
-    else:
-        flat = flat.at[layer, slots].set(rows.astype(kv.dtype), mode="drop")
-        scale = None
-    return KVCache(flat.reshape(nl, p, g, w), scale, cache.index_k_cache, cache.index_k_scale)
+    kv, scale = scatter_rows(kv, cache.kv_scale if fp8 else None, rows, slots, layer)
+    return KVCache(kv, scale, cache.index_k_cache, cache.index_k_scale)
 
 
 def write_index_k_layer(
@@ -434,24 +410,14 @@ def write_index_k_layer(
     ik = cache.index_k_cache
     if ik is None:
         raise ValueError("the cache has no index-key cache (init_kv_cache(index_head_dim=...))")
-    nl, p, g, d = ik.shape
+    d = ik.shape[-1]
     fp8 = ik.dtype == jnp.dtype(jnp.float8_e4m3fn)
     if fp8 != (cache.index_k_scale is not None):
         raise ValueError(f"index_k_scale must be given exactly for an fp8 index-key cache (dtype {ik.dtype})")
     if index_k.shape != (slot_mapping.shape[0], d):
         raise ValueError(f"index_k must be [T, {d}] for T = {slot_mapping.shape[0]} slots, got {index_k.shape}")
-    slots = _drop_padding(slot_mapping.astype(jnp.int32), p * g)
-    layer = jnp.asarray(index_layer, jnp.int32)
-    layer = jnp.where(layer < 0, jnp.int32(nl), layer)
-    flat = ik.reshape(nl, p * g, d)
-    if fp8:
-        q, s = quantize_rows(index_k)
-        flat = flat.at[layer, slots].set(q, mode="drop")
-        scale = cache.index_k_scale.reshape(nl, p * g).at[layer, slots].set(s, mode="drop").reshape(nl, p, g)
-    else:
-        flat = flat.at[layer, slots].set(index_k.astype(ik.dtype), mode="drop")
-        scale = None
-    return dataclasses.replace(cache, index_k_cache=flat.reshape(nl, p, g, d), index_k_scale=scale)
+    ik, scale = scatter_rows(ik, cache.index_k_scale, index_k, slot_mapping, index_layer)
+    return dataclasses.replace(cache, index_k_cache=ik, index_k_scale=scale)
 
 
 # Jitted step entry: the cache (arg 0) is donated so the update is in place. The caller must not use

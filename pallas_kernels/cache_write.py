@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.rms_norm import add_rms_norm_reference
-from pallas_kernels.util import FLOAT_DTYPES, FP8, FP8_MAX, check_stacked_index, is_pow2, quantize_rows, round_e4m3
+from pallas_kernels.util import FLOAT_DTYPES, FP8, FP8_MAX, check_stacked_index, is_pow2, round_e4m3, scatter_rows
 
 __all__ = ["supported", "write_latent_rows", "write_latent_rows_reference"]
 
@@ -115,18 +115,8 @@ def write_latent_rows_reference(
     o1, o2 = _rope(pe[..., 0], pe[..., 1], cos, sin)
     k_pe = jnp.stack([o1, o2], -1).reshape(-1, r).astype(kv.dtype)  # [T, R]
     rows = jnp.concatenate([normed, k_pe.astype(normed.dtype)], -1)  # [T, L+R]
-    nl, p, g, w = cache.shape
-    slots = slot_mapping.astype(jnp.int32)
-    slots = jnp.where(slots < 0, p * g, slots)  # negative indices would wrap
-    layer = jnp.asarray(layer, jnp.int32)
-    layer = jnp.where(layer < 0, nl, layer)
-    if kv_scale is None:
-        flat = cache.reshape(nl, p * g, w).at[layer, slots].set(rows.astype(cache.dtype), mode="drop")
-        return rows, flat.reshape(nl, p, g, w)
-    q, s = quantize_rows(rows)
-    flat = cache.reshape(nl, p * g, w).at[layer, slots].set(q, mode="drop")
-    scale = kv_scale.reshape(nl, p * g).at[layer, slots].set(s, mode="drop")
-    return rows, flat.reshape(nl, p, g, w), scale.reshape(nl, p, g)
+    cache, scale = scatter_rows(cache, kv_scale, rows, slot_mapping, layer)
+    return (rows, cache) if kv_scale is None else (rows, cache, scale)
 
 
 def _stored_f32(x):

@@ -70,6 +70,26 @@ def quantize_rows(rows) -> tuple[jax.Array, jax.Array]:
     return round_e4m3(jnp.clip(rows / scale[..., None], -FP8_MAX, FP8_MAX)).astype(FP8), scale
 
 
+def scatter_rows(cache, scale, rows, slot_mapping, layer=None):
+    """rows [T, W] into a paged cache at flat slots: cache [P, G, W], or [NL, P, G, W] at `layer` (a negative or
+    out-of-range layer writes nothing); slot_mapping int [T] of P * G slots, negative = padding (dropped, never
+    wrapped). With `scale` (the cache's [(NL,) P, G] f32 scales) the rows are quantized per token (`quantize_rows`).
+    Returns (cache, scale or None), one scatter each: in place under jit. The latent and index-key cache writes of
+    `mla_jax.cache` and the cache write kernel's reference."""
+    *lead, p, g, w = cache.shape
+    slots = slot_mapping.astype(jnp.int32)
+    idx = (jnp.where(slots < 0, jnp.int32(p * g), slots),)
+    if layer is not None:
+        layer = jnp.asarray(layer, jnp.int32)
+        idx = (jnp.where(layer < 0, jnp.int32(lead[0]), layer),) + idx
+    flat = cache.reshape(*lead, p * g, w)
+    if scale is None:
+        return flat.at[idx].set(rows.astype(cache.dtype), mode="drop").reshape(cache.shape), None
+    q, s = quantize_rows(rows)
+    scale = scale.reshape(*lead, p * g).at[idx].set(s, mode="drop").reshape(scale.shape)
+    return flat.at[idx].set(q, mode="drop").reshape(cache.shape), scale
+
+
 def is_pow2(x) -> bool:
     return isinstance(x, (int, np.integer)) and x > 0 and (x & (x - 1)) == 0
 
