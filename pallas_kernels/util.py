@@ -48,11 +48,11 @@ BIG = 1 << 30  # "no window" sentinel for row bounds (fits int32 arithmetic with
 
 
 def round_e4m3(x):
-    """float32 x (|x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, as float32: a cast of the
-    result to e4m3 is exact on every backend, and its upcast needs no cast back. On the H200, Triton's f32 -> e4m3
-    cast missed the nearest value for ~0.1% of inputs (it rounds twice); the Pallas interpreter (XLA) folds a cast to
-    e4m3 and back into nothing. The add and subtract of 1.5 * 2^(e + 20), whose last place is e4m3's quantum 2^(e - 3)
-    at x's binade e (at least -6: the subnormals' 2^-9), round in float32, ties to even."""
+    """float32 x (|x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, as float32: the quantized
+    value without a cast to e4m3 and back, which XLA folds into nothing (in the Pallas interpreter, and on the GPU
+    within one jit: `fp8_matmul._f32`), and a cast of it to e4m3 is exact whatever rounding the backend's cast does.
+    The add and subtract of 1.5 * 2^(e + 20), whose last place is e4m3's quantum 2^(e - 3) at x's binade e (at least
+    -6: the subnormals' 2^-9), round in float32, ties to even."""
     x = x.astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     e = jnp.maximum((bits >> 23) & 0xFF, 121)  # x's biased exponent, at least 2^-6's

@@ -348,7 +348,7 @@ case $part in
         --ctxs 4096 --no-prefill --no-engine --profile "$out/trace"
     rm -rf "$out/trace"
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-25) # session 19, second call: the GPU tests of util.round_e4m3 (Triton's own f32 -> e4m3 cast rounds twice: part 24's
+25) # session 19, second call: the GPU tests of util.round_e4m3 (written when Triton's own f32 -> e4m3 cast was suspected of rounding twice; part 24's
     # q split test failed) in the q split, the fp8 cache write and the narrow fp8 decode; the q split's rows per
     # program and warps (out/probe/hilo.py, carried); the fp8 16-head decode rows; the e2e step with the fp8 cache at
     # batch 1 / 8 / 32 / 128, ctx 4k, profiled (only if the tests pass)

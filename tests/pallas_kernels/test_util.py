@@ -1,5 +1,5 @@
-"""`util.round_e4m3`: float32 onto the float8_e4m3fn grid, ties to even, the same on the CPU (XLA) and inside a
-Triton-lowered kernel on the GPU, whose own f32 -> e4m3 cast missed the nearest value for ~0.1% of inputs."""
+"""`util.round_e4m3`: float32 onto the float8_e4m3fn grid, ties to even, the same on the CPU (XLA), in the Pallas
+interpreter and inside a Triton-lowered kernel on the GPU."""
 
 import jax
 import jax.numpy as jnp
