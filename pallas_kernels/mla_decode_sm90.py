@@ -643,7 +643,7 @@ def _regs(is_fp8):
     [64, L/2] f32 accumulator (128) plus the [64, 64] logits and still spill (ptxas); the fp8
     producer casts V's first half, WG1 its second. Kernel time at 64x128x4096 on the H200: bf16 (224, 56)
     175 us, 180 B spilled, (232, 40) 139 us, 132 B (session 18); fp8 exact (208, 88) 344 us, (216, 72)
-    327, (200, 104) 385 (session 19, out/probe/regs64.py)."""
+    327, (200, 104) 385 (session 19; docs/perf-notes.md)."""
     return (216, 72) if is_fp8 else (232, 40)
 
 

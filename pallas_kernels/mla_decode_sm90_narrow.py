@@ -144,9 +144,9 @@ def _hilo_kernel(q_ref, hi_ref, lo_ref, s_ref, *, l, r):
 def split_q_hilo(q, l: int, *, interpret: bool = False):
     """`quantize_q_hilo` of q [B, M, L+R] as one Triton-lowered kernel (`interpret`: the Pallas interpreter), bitwise
     the same; M, L or R not powers of two run the jnp function. A program per row (head, token): on the H200 (device
-    time, 16 heads, 2026-12-03, out/probe/hilo.py) 1.3 / 1.8 / 3.2 us at B = 8 / 32 / 128, where a program per request
-    took 3.9 / 4.2 / 4.6 and XLA's three kernels 3.3 / 3.8 / 6.0; 4 warps while the programs fit one wave's slots, then
-    1 (B = 8: 1.31 against 1.58 us; B = 128: 3.15 against 4.10)."""
+    time, 16 heads, 2026-12-03; docs/perf-notes.md "Session 19") 1.3 / 1.8 / 3.2 us at B = 8 / 32 / 128, where a
+    program per request took 3.9 / 4.2 / 4.6 and XLA's three kernels 3.3 / 3.8 / 6.0; 4 warps while the programs fit
+    one wave's slots, then 1 (B = 8: 1.31 against 1.58 us; B = 128: 3.15 against 4.10)."""
     b, m, d = q.shape
     r = d - l
     if not (is_pow2(m) and is_pow2(l) and is_pow2(r)):
