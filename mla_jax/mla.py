@@ -132,7 +132,7 @@ def write_latent_rows(
         raise ValueError(f"layer {layer} out of range for a cache with {nl} layers")
     use_kernel = interpret or jax.default_backend() == "gpu"
     if use_kernel and cache_write.supported(L, cache.width - L):
-        rows, kv_cache, *kv_scale = cache_write.write_latent_rows(
+        rows, kv_cache, *scale = cache_write.write_latent_rows(
             kv,
             w,
             cos,
@@ -146,8 +146,8 @@ def write_latent_rows(
             interpret=interpret,
         )  # [T, L+R]
         k_pe = rows[:, None, L:].astype(kv.dtype)  # [T, 1, R] (exact: promoted from kv's dtype)
-        new = dict(kv_c_and_k_pe_cache=kv_cache) | (dict(kv_scale=kv_scale[0]) if kv_scale else {})
-        return rows[:, :L], k_pe, dataclasses.replace(cache, **new)
+        kv_scale = scale[0] if scale else cache.kv_scale  # (rows, cache, kv_scale) for an fp8 cache
+        return rows[:, :L], k_pe, dataclasses.replace(cache, kv_c_and_k_pe_cache=kv_cache, kv_scale=kv_scale)
     kv_c_normed, k_pe = latent_rows(norm, kv, cos, sin, eps)
     return kv_c_normed, k_pe, write_kv_layer(cache, layer, kv_c_normed, k_pe, slot_mapping)
 

@@ -43,7 +43,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.rms_norm import add_rms_norm_reference
-from pallas_kernels.util import FLOAT_DTYPES, FP8, FP8_MAX, check_stacked_index, is_pow2, round_e4m3, scatter_rows
+from pallas_kernels.util import (
+    FLOAT_DTYPES,
+    FP8,
+    check_stacked_index,
+    fp8_row_payload,
+    fp8_row_scale,
+    is_pow2,
+    scatter_rows,
+)
 
 __all__ = ["supported", "write_latent_rows", "write_latent_rows_reference"]
 
@@ -158,8 +166,8 @@ def _kernel(kv_ref, w_ref, cos_ref, sin_ref, slot_ref, layer_ref, wi_ref, *refs,
         amax = jnp.maximum(
             jnp.maximum(jnp.max(jnp.abs(parts[0])), jnp.max(jnp.abs(parts[1]))), jnp.max(jnp.abs(parts[2]))
         )
-        scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-        parts = tuple(round_e4m3(jnp.clip(x / scale, -FP8_MAX, FP8_MAX)) for x in parts)  # the cast is then exact
+        scale = fp8_row_scale(amax)
+        parts = tuple(fp8_row_payload(x, scale) for x in parts)
 
     @pl.when(valid)
     def _():

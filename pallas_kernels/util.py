@@ -61,13 +61,24 @@ def round_e4m3(x):
     return jax.lax.bitcast_convert_type(r, jnp.float32)
 
 
+def fp8_row_scale(amax):
+    """A row's scale in the fp8 latent cache's per-token format from its max |value| (f32): amax / 448, an all-zero
+    row 1."""
+    return jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+
+
+def fp8_row_payload(x, scale):
+    """A row's stored values (or a part of the row's) at its `fp8_row_scale`: x / scale clipped to +-448, rounded to
+    the nearest e4m3, still float32 (its cast to e4m3 is exact)."""
+    return round_e4m3(jnp.clip(x / scale, -FP8_MAX, FP8_MAX))
+
+
 def quantize_rows(rows) -> tuple[jax.Array, jax.Array]:
-    """Rows [..., W] -> (float8_e4m3fn [..., W], f32 scale [...]): the fp8 latent cache's per-token format, scale =
-    max|row| / 448 (an all-zero row: 1), stored value row / scale clipped to +-448, rounded to nearest."""
+    """Rows [..., W] -> (float8_e4m3fn [..., W], f32 scale [...]): the fp8 latent cache's per-token format
+    (`fp8_row_scale`, `fp8_row_payload`)."""
     rows = rows.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(rows), axis=-1)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
-    return round_e4m3(jnp.clip(rows / scale[..., None], -FP8_MAX, FP8_MAX)).astype(FP8), scale
+    scale = fp8_row_scale(jnp.max(jnp.abs(rows), axis=-1))
+    return fp8_row_payload(rows, scale[..., None]).astype(FP8), scale
 
 
 def scatter_rows(cache, scale, rows, slot_mapping, layer=None):
