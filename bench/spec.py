@@ -11,9 +11,11 @@ rows per request (`spec_decode.spec_step` with the n-gram method: target + accep
 passes); rows carry `verify_over_plain`, `roofline_ratio` (the bytes the verify step must read over the plain
 step's: the target's weights, counting the experts its tokens hit, + KV) and `mtp_draft_ms` (MTP step - verify
 step). `--profile DIR` traces the plain and the k = 2 verify step and writes OUT/spec-profile-b{B}-h200.json
-(kernels and µs per step part of each). Part 2, the shipped demo
+(kernels and µs per step part of each), and traces each demo row's generation (a third pass: kernels, device
+busy time per step). Part 2, the shipped demo
 model (mla_jax/data/demo): greedy generation of a few prompts, plain and with each drafter at k = 1..3, after
-warm-up: tokens/s, `acceptance` (mean accepted drafts / k) and `speedup`; each demo acceptance is also projected
+warm-up: tokens/s, `acceptance` (mean accepted drafts / k), `speedup`, and per step the wall time, the time
+blocked on the device and the host's rest; each demo acceptance is also projected
 onto the V2-Lite step times: (1 + acceptance k) x plain / (verify + draft). Ceilings and header as every
 benchmark (`mla_jax.bench.common`). k = 2 rows carry `meets_target` (issue #24: verify <= 1.15x plain).
 
@@ -41,6 +43,7 @@ from mla_jax.bench.common import (
     decode_requests,
     int_list,
     profile_steps,
+    profile_summary,
     res_meta,
     resolve_impls,
     results_header,
@@ -210,8 +213,8 @@ def demo_rows(args, res, done: set, more_time, save) -> None:
     if not cfg.num_mtp_layers:
         res["demo_note"] = f"{DEMO_DIR} has no MTP layer (export one with scripts/train_demo.py --mtp-only)"
     sp = SamplingParams(max_new_tokens=new, stop_token_ids=tuple(stop))
-    demo_ks = (1, 2) if args.smoke else (1, 2, 3)
-    for B in (1,) if args.smoke else (1, len(prompts)):
+    demo_ks = (1, 2) if args.smoke else int_list(args.demo_ks)
+    for B in (1,) if args.smoke else int_list(args.demo_batches.replace("all", str(len(prompts)))):
         ps = prompts[:B]
         base = None
         for method, k in [(None, 0)] + [(m, k) for m in methods for k in demo_ks]:
@@ -237,9 +240,10 @@ def demo_rows(args, res, done: set, more_time, save) -> None:
             for _ in range(2):  # the second pass is timed: the host side's first-call costs stay out
                 for p in ps:
                     eng.add_request(p, sp)
-                steps0, t0 = eng.steps, time.perf_counter()
+                steps0, wait0, t0 = eng.steps, eng.device_wait_s, time.perf_counter()
                 final = eng.run()
                 dt = time.perf_counter() - t0
+            steps, wait = eng.steps - steps0, eng.device_wait_s - wait0
             n = sum(len(o.token_ids) for o in final.values())
             tps = n / dt
             base = base or tps
@@ -252,8 +256,23 @@ def demo_rows(args, res, done: set, more_time, save) -> None:
                 tokens=n,
                 tokens_per_s=round(tps, 1),
                 speedup=round(tps / base, 3),
-                steps=eng.steps - steps0,
+                steps=steps,
+                # per step: the wall time, the part of it blocked on the device's results, and the rest (host:
+                # scheduler, metadata, drafting, outputs, dispatch); synchronous engines (speculation) wait for
+                # every step, asynchronous ones overlap the host's work with the previous step
+                ms_per_step=round(dt / steps * 1e3, 3),
+                wait_ms_per_step=round(wait / steps * 1e3, 3),
+                host_ms_per_step=round((dt - wait) / steps * 1e3, 3),
+                async_scheduling=eng.async_scheduling,
             )
+            if args.profile:  # a third, traced pass: the device's busy time and kernels per step
+                for p in ps:
+                    eng.add_request(p, sp)
+                d = f"{args.profile}/demo-b{B}-{method or 'none'}-k{k}"
+                steps0 = eng.steps
+                with jax.profiler.trace(d):
+                    eng.run()
+                row |= _trace_per_step(d, eng.steps - steps0)
             if k:
                 acc = eng.acceptance
                 row |= dict(acceptance=None if acc is None else round(acc, 4), acceptance_rate=eng.acceptance_rate)
@@ -266,6 +285,20 @@ def demo_rows(args, res, done: set, more_time, save) -> None:
             res["rows"].append(row)
             print(row, flush=True)
             save()
+
+
+def _trace_per_step(trace_dir: str, steps: int) -> dict:
+    """The busiest device line of a trace of `steps` engine steps (prefill included): its kernels, busy time and
+    span per step; busy against the step's wall time shows how much of it the GPU idles."""
+    lines = profile_summary(trace_dir, top=0).get("lines") or []
+    if not lines:
+        return {"trace_error": f"no device line under {trace_dir}"}
+    ln = max(lines, key=lambda x: x["busy_ms"])
+    return dict(
+        kernels_per_step=round(ln["events"] / steps, 1),
+        device_busy_ms_per_step=round(ln["busy_ms"] / steps, 3),
+        trace_span_ms_per_step=round(ln["span_ms"] / steps, 3),
+    )
 
 
 def _key(r: dict) -> tuple:
@@ -295,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
         "and write OUT/spec-profile-b{B}-h200.json: kernels and µs per step part of each",
     )
     ap.add_argument("--profile-batches", default="1,32")
+    ap.add_argument("--demo-ks", default="1,2,3", help="the demo part's k values")
+    ap.add_argument("--demo-batches", default="1,all", help="the demo part's batches ('all': every prompt at once)")
     args = resolve_impls(ap.parse_args(argv))
     if args.smoke:
         args.layers, args.batches, args.ctxs, args.ks, args.iters = 2, "1,2", "32,64", "1,2", 2

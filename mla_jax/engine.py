@@ -463,7 +463,10 @@ class Engine:
             method=self.drafter.method,
         )
         _start_host_copies(*out)  # the four copies in flight together, not one after another
-        return tuple(to_host(x) for x in out)
+        t0 = time.perf_counter()
+        host = tuple(to_host(x) for x in out)
+        self.device_wait_s += time.perf_counter() - t0
+        return host
 
     def warmup(
         self,
