@@ -426,7 +426,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--sweep", action="store_true", help="also time tuning variants")
-    ap.add_argument("--quick", action="store_true", help="two shapes, no sweep/xla (smoke run)")
+    ap.add_argument("--quick", action="store_true", help="two shapes, no xla row (a smoke run; --sweep still sweeps)")
     ap.add_argument("--shapes", default="", help="subset, e.g. 128x16x8192,1x128x32768")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check (tuning runs)")
@@ -509,13 +509,13 @@ def main():
                 us = timed(xla_fn(), sets, 5, 3)
                 results["rows"].append(row_for("xla", b, n, ctx, dtype, us, ceil))
                 log(f"xla    {dtype} B={b} N={n} ctx={ctx}: {us:.1f} us")
-            if args.sweep and not args.quick and run_sm90:
+            if args.sweep and run_sm90:
                 srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype, "kernel": "pallas_sm90"}
                 for v in sm90_sweep_variants(dtype, sm90_splits(b, n, ctx)):
                     sweep["rows"].append(
                         variant_row("pallas_sm90", lambda: sm90_fn(**v), v, sets, srow, ceil, args.device_time)
                     )
-            if args.sweep and not args.quick and run_triton:
+            if args.sweep and run_triton:
                 srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype}
                 try:
                     us = timed(stage1_fn(), sets, 10, 3)

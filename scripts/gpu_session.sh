@@ -399,9 +399,9 @@ case $part in
     run 150 spec-demo python3 bench/spec.py --out "$out" --no-verify --demo-ks 2 --demo-batches 1 \
         --profile "$out/trace" --budget-min 2.3
     rm -rf "$out/trace"
-    run 170 decode-b1 python3 bench/decode.py --out "$out/b1" --quick --no-check --no-ragged --device-time --sweep \
-        --kernels pallas,pallas_sm90 --dtypes bf16,fp8 --shapes 1x16x1024,1x16x4096
-    run 180 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
+    run 210 decode-b1 python3 bench/decode.py --out "$out/b1" --quick --no-check --no-ragged --device-time --sweep \
+        --kernels pallas,pallas_sm90 --dtypes bf16,fp8 --shapes 1x16x1024,1x16x4096 --sweep-budget-s 60
+    run 170 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
         --kernels pallas_sm90 --dtypes fp8 --shapes 64x128x4096,128x128x8192
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 28" >&2; exit 2 ;;
