@@ -86,17 +86,18 @@ SM90_MIN_ROWS = 48
 # tile: at (128, 16, 4096) its kernel took 304 us over a 4.6 or 16 GB pool against 182 us over 4.0 GB, where the
 # Hopper kernel (TMA) took 194 us at every size. So over such a pool (any server's) the Hopper kernel takes all rows
 # but one request's: at batch 1 (latency-bound) the offsets cost nothing measurable, Triton 9.5 / 8.8 us against the
-# Hopper kernel's 13.5 / 13.1 (device time, 16 heads, ctx 4k / 1k, 16 GB pool); the narrow kernel's 4.9 us at
-# (1, 16, 4096) needs 64 one-page splits and their merge.
+# Hopper kernel's 13.5 / 13.1 (device time, 16 heads, ctx 4k / 1k, 16 GB pool). One request's rows of a bf16 cache
+# stay on Triton (7.9 / 8.7 us at ctx 1k / 4k against the narrow kernel's 7.3 / 9.0, its 16 / 64 splits merged); of
+# an fp8 cache they go to the narrow kernel, 9.5 / 11.1 us against Triton's 13.0 / 13.7 (2026-12-03, part 28).
 TRITON_64BIT_POOL_BYTES = 2**32
 
 
 def _sm90_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512, fp8_qk=False, **_) -> str | None:
     rows = q.shape[1] * q.shape[2]
     if rows < SM90_MIN_ROWS:
-        if q.shape[0] == 1:
-            return f"{rows} rows of one request (< {SM90_MIN_ROWS}: Triton is faster at batch 1 over any pool)"
         narrow = md90.uses_narrow(rows, cache.dtype, fp8_qk=fp8_qk)
+        if q.shape[0] == 1 and not (narrow and jnp.dtype(cache.dtype) == jnp.float8_e4m3fn):
+            return f"{rows} rows of one request, {cache.dtype} cache (< {SM90_MIN_ROWS}: Triton is faster at batch 1)"
         if not narrow and cache.size * jnp.dtype(cache.dtype).itemsize <= TRITON_64BIT_POOL_BYTES:
             return (
                 f"{q.shape[2]} heads x {q.shape[1]} query tokens = {rows} rows of a {cache.dtype} cache over a pool "

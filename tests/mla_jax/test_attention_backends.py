@@ -76,7 +76,7 @@ def test_hopper_decode_takes_few_rows_over_a_pool_of_64_bit_offsets():
     """Below SM90_MIN_ROWS rows the Hopper decode takes up to 32 rows of a bf16 cache (16 of an fp8 one) from batch
     2 on (its narrow, tokens-on-M kernel beat Triton at every pool size); other rows only over a pool above 4 GB,
     where the Triton lowering's 64-bit offsets made it 1.6x slower (attention.TRITON_64BIT_POOL_BYTES); batch 1
-    stays on Triton over any pool (latency-bound)."""
+    stays on Triton over any pool, but for the narrow kernel's rows of an fp8 cache (faster there, part 28)."""
     from mla_jax import attention
 
     def pool(dtype, over):
@@ -100,6 +100,9 @@ def test_hopper_decode_takes_few_rows_over_a_pool_of_64_bit_offsets():
     q1 = jax.ShapeDtypeStruct((1, 1, 16, 576), jnp.bfloat16)
     for over in (0, 1):
         assert "batch 1" in attention._sm90_declines(q1, pool(jnp.bfloat16, over), None, None)
+        assert attention._sm90_declines(q1, pool(fp8, over), None, None) is None  # one request, fp8: narrow
+    q1x2 = jax.ShapeDtypeStruct((1, 2, 16, 576), jnp.bfloat16)  # 32 rows of one request: past narrow fp8's 16
+    assert "batch 1" in attention._sm90_declines(q1x2, pool(fp8, 0), None, None)
     q48 = jax.ShapeDtypeStruct((8, 3, 16, 576), jnp.bfloat16)
     assert attention._sm90_declines(q48, pool(jnp.bfloat16, 0), None, None) is None
 
