@@ -404,5 +404,20 @@ case $part in
     run 170 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
         --kernels pallas_sm90 --dtypes fp8 --shapes 64x128x4096,128x128x8192
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 28" >&2; exit 2 ;;
+29) # session 20, second call: the fp8-weight step (W8A8 linears and experts read in place; its rows are from 225d72a)
+    # at batch 1 / 32 / 128, ctx 4k, profiled; the fp8-cache step at batch 1 through the narrow Hopper decode (the
+    # batch-1 rule takes an fp8 cache since part 28); the fp8 GEMM, grouped and linear kernels' GPU tests (part 11
+    # cut them)
+    out=${2:?}
+    run 280 e2e-fp8w python3 -m mla_jax.bench.e2e --out "$out/fp8w" --weights fp8 --batches 1,32,128 --ctxs 4096 \
+        --no-prefill --no-engine --profile "$out/trace"
+    rm -rf "$out/trace"
+    run 100 e2e-b1 python3 -m mla_jax.bench.e2e --out "$out/b1" --weights bf16 --cache-dtype fp8 --batches 1 \
+        --ctxs 4096 --no-prefill --no-engine --profile "$out/trace1"
+    rm -rf "$out/trace1"
+    run 110 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_fp8_matmul.py tests/pallas_kernels/test_grouped_matmul.py \
+        tests/pallas_kernels/test_linear.py
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 29" >&2; exit 2 ;;
 esac
