@@ -178,19 +178,25 @@ XLA_GEMV_MAX_K = 2048
 
 
 def _linear_kernel_ok(ps: tuple[dict, ...], x: jnp.ndarray) -> bool:
-    """The dense linear kernel for these linears of x [T, in]: on a GPU, 1 <= T <= LINEAR_MAX_T, no fp8 weight,
-    float dtypes, one weight dtype, and either all plain weights or all `LayerRow`s of one layer index; not one
-    token through a single weight of at most XLA_GEMV_MAX_K inputs."""
+    """The dense linear kernel for these linears of x [T, in]: on a GPU, 1 <= T <= LINEAR_MAX_T, float dtypes, one
+    weight dtype (all block-FP8 or none), and either all plain weights or all `LayerRow`s of one layer index; not
+    one token through a single bf16/f32 weight of at most XLA_GEMV_MAX_K inputs. fp8 weights need a bf16/f16 x."""
     ws = [p["weight"] for p in ps]
     rows = [isinstance(w, LayerRow) for w in ws]
+    fp8 = [is_fp8(p) for p in ps]
+    if any(fp8):
+        dtypes_ok = all(fp8) and jnp.dtype(x.dtype) in FLOAT_DTYPES and jnp.dtype(x.dtype) != jnp.float32
+    else:
+        dtypes_ok = (
+            not (len(ws) == 1 and x.shape[0] == 1 and ws[0].shape[-1] <= XLA_GEMV_MAX_K)
+            and all(jnp.dtype(w.dtype) in FLOAT_DTYPES and w.dtype == ws[0].dtype for w in ws)
+            and jnp.dtype(x.dtype) in FLOAT_DTYPES
+        )
     return (
         jax.default_backend() == "gpu"
         and x.ndim == 2
         and 1 <= x.shape[0] <= LINEAR_MAX_T
-        and not (len(ws) == 1 and x.shape[0] == 1 and ws[0].shape[-1] <= XLA_GEMV_MAX_K)
-        and not any(is_fp8(p) for p in ps)
-        and all(jnp.dtype(w.dtype) in FLOAT_DTYPES and w.dtype == ws[0].dtype for w in ws)
-        and jnp.dtype(x.dtype) in FLOAT_DTYPES
+        and dtypes_ok
         and (not any(rows) or (all(rows) and all(w.index is ws[0].index for w in ws)))
     )
 
@@ -200,13 +206,17 @@ def linears(ps: tuple[dict, ...], x: jnp.ndarray, out_dtype=None) -> tuple[jnp.n
 
     On a GPU for up to LINEAR_MAX_T tokens, bf16/f32 weights of one dtype (plain or `LayerRow`s of one layer, read in
     place) are one launch of `pallas_kernels.linear` (XLA: a reduce fusion each, at about half the copy bandwidth,
-    issue #22); the product is in the promotion of x's and the weights' dtypes, float32 exactly. fp8 linears keep
-    `linear`'s fp8 path; elsewhere, or for more tokens, `linear` each."""
+    issue #22); the product is in the promotion of x's and the weights' dtypes, float32 exactly. Block-FP8 weights
+    likewise, as the W8A8 product `linear`'s fp8 GEMM computes (the kernel quantizes x itself: one launch where the
+    GEMM's path ran padding, quantization, the GEMM and a split-K sum per weight). Elsewhere, or for more tokens,
+    `linear` each."""
     ps = tuple(ps)
     if _linear_kernel_ok(ps, x):
         arrays, index = zip(*(in_place(p["weight"]) for p in ps))  # one index (`_linear_kernel_ok`)
-        return linear_kernel.linear(x, arrays, rhs_index=index[0], out_dtype=out_dtype)
-    if len(ps) > 1 and not any(is_fp8(p) for p in ps) and all(_linear_kernel_ok((p,), x) for p in ps):
+        scales = tuple(in_place(p["weight_scale_inv"])[0] for p in ps) if is_fp8(ps[0]) else None
+        outs = linear_kernel.linear(x, arrays, scales=scales, rhs_index=index[0], out_dtype=out_dtype)
+        return outs
+    if len(ps) > 1 and all(_linear_kernel_ok((p,), x) for p in ps):
         return tuple(linears((p,), x, out_dtype)[0] for p in ps)  # the kernel, each weight its own call
     outs = tuple(linear(p, x) for p in ps)
     return outs if out_dtype is None else tuple(o.astype(out_dtype) for o in outs)

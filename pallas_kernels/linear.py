@@ -38,8 +38,18 @@ kernel: the router's bf16 x needs no XLA convert kernel):
 Weights of one call share one dtype, so that the programs share one tile shape: mixing dtypes in one launch is not
 supported, and nothing needs it (the router's input is another hidden state than the attention's projections').
 
+Block-FP8 weights (`scales`: DeepSeek-V3's e4m3 weights with one float32 `weight_scale_inv` per 128 x 128 block,
+`fp8_matmul`'s format): the W8A8 product of `fp8_matmul` at decode sizes, where that Mosaic GPU kernel pads the
+tokens to a 64-row tile, quantizes them in XLA kernels of their own and splits K with an XLA sum after it (the
+fp8-weight step at batch 1 ran 9 of its calls a layer, ~6-8 us each, 1249 kernels a step against bf16's 400:
+bench/results/e2e-profile-b1-fp8-h200.json). Here each program quantizes its x tile per row per 128 channels itself
+(`fp8_matmul.quantize_act`'s amax / 448, rounded with `util.round_e4m3`), multiplies the e4m3 values as bf16 (exact:
+e4m3 is a subset of bf16, the products exact in float32), and adds each 128-deep K step's product times (row scale x
+block scale) to the float32 sum: `fp8_matmul_quantized_reference`'s math, float32 summation order aside. K steps
+are the 128-wide scale blocks (block_k = 128); block_n <= 128, so a program's columns share one scale row.
+
 Not here: split K (a few programs could not fill the SMs only for N far below block_n x SMs: the router's 64 rows,
-for which the float32 path shrinks block_n to 1 instead), fp8 weights (`fp8_matmul`).
+for which the float32 path shrinks block_n to 1 instead).
 
 Triton constraints: every load/store is a power of two in size, so block sizes are (T, N_j and K are arbitrary:
 edges are masked); dots need M, N, K >= 16.
@@ -59,9 +69,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.fp8_matmul import BLOCK as FP8_BLOCK
+from pallas_kernels.fp8_matmul import fp8_matmul_quantized_reference
 from pallas_kernels.util import (
     F32,
     FLOAT_DTYPES,
+    FP8,
+    FP8_MAX,
     cdiv,
     check_stacked_index,
     check_warps_stages,
@@ -72,7 +86,10 @@ from pallas_kernels.util import (
     next_pow2,
     num_sms,
     pad_to,
+    round_e4m3,
 )
+
+_AMAX_FLOOR = 1e-4  # fp8_matmul.quantize_act's: an all-zero block of x gets a tiny scale, not 0
 
 __all__ = ["compute_dtype", "default_tuning", "linear", "linear_reference"]
 
@@ -82,8 +99,10 @@ def compute_dtype(x_dtype, w_dtype):
     return jnp.promote_types(x_dtype, w_dtype)
 
 
-def _validate(x, weights, rhs_index, out_dtype, block_t, block_n, block_k, num_warps, num_stages):
+def _validate(x, weights, rhs_index, out_dtype, block_t, block_n, block_k, num_warps, num_stages, scales=None):
     """(T, K, (N_j, ...), stacked) after the contract's checks."""
+    if scales is not None:
+        _validate_fp8(x, weights, scales, block_n, block_k)
     if not hasattr(x, "ndim") or x.ndim != 2:
         raise ValueError(f"x must be [T, K], got shape {getattr(x, 'shape', None)}")
     if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
@@ -97,7 +116,7 @@ def _validate(x, weights, rhs_index, out_dtype, block_t, block_n, block_k, num_w
         if not hasattr(w, "ndim") or w.ndim != 2 + stacked:
             want = "[Lyr, N, K] with rhs_index" if stacked else "[N, K] (stacked [Lyr, N, K] weights need rhs_index)"
             raise ValueError(f"weights[{j}] must be {want}, got shape {getattr(w, 'shape', None)}")
-        if jnp.dtype(w.dtype) not in FLOAT_DTYPES:
+        if scales is None and jnp.dtype(w.dtype) not in FLOAT_DTYPES:
             raise ValueError(f"weights[{j}] dtype must be bfloat16, float16 or float32, got {w.dtype}")
         if w.dtype != weights[0].dtype:
             raise ValueError(
@@ -117,13 +136,33 @@ def _validate(x, weights, rhs_index, out_dtype, block_t, block_n, block_k, num_w
         check_stacked_index(rhs_index, n_layers, "rhs_index", f"weights with {n_layers} stacked layers")
     if out_dtype is not None and jnp.dtype(out_dtype) not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype must be None, bfloat16, float16 or float32, got {out_dtype}")
-    dot = compute_dtype(x.dtype, weights[0].dtype) != F32
+    dot = scales is not None or compute_dtype(x.dtype, weights[0].dtype) != F32
     least = 16 if dot else 1  # Triton dot: M, N, K >= 16
     for name, b in (("block_t", block_t), ("block_n", block_n), ("block_k", block_k)):
         if b is not None and not (is_pow2(b) and b >= (16 if name == "block_k" else least)):
             raise ValueError(f"{name}={b} must be a power of two >= {16 if name == 'block_k' else least}")
     check_warps_stages(num_warps, num_stages)
     return t, k, tuple(ns), stacked
+
+
+def _validate_fp8(x, weights, scales, block_n, block_k):
+    if not isinstance(scales, (tuple, list)) or not isinstance(weights, (tuple, list)) or len(scales) != len(weights):
+        raise ValueError("scales must be a tuple with one [(Lyr,) cdiv(N, 128), cdiv(K, 128)] array per weight")
+    for j, (w, sc) in enumerate(zip(weights, scales)):
+        if not hasattr(w, "dtype") or jnp.dtype(w.dtype) != FP8:
+            raise ValueError(f"weights[{j}] must be float8_e4m3fn with scales, got {getattr(w, 'dtype', type(w))}")
+        want = (*w.shape[:-2], cdiv(w.shape[-2], FP8_BLOCK), cdiv(w.shape[-1], FP8_BLOCK))
+        if not hasattr(sc, "shape") or tuple(sc.shape) != want or jnp.dtype(sc.dtype) != F32:
+            raise ValueError(
+                f"scales[{j}] must be float32 {want} (one per 128 x 128 block of weights[{j}] {w.shape}), got "
+                f"{getattr(sc, 'dtype', type(sc))} {getattr(sc, 'shape', None)}"
+            )
+    if jnp.dtype(x.dtype) == F32:
+        raise ValueError("x must be bfloat16 or float16 with fp8 weights (the product runs as a bf16 dot), got float32")
+    if block_k is not None and block_k != FP8_BLOCK:
+        raise ValueError(f"block_k={block_k}: fp8 weights step K by their {FP8_BLOCK}-wide scale blocks")
+    if block_n is not None and block_n > FP8_BLOCK:
+        raise ValueError(f"block_n={block_n}: at most {FP8_BLOCK} with fp8 weights (one scale row a program)")
 
 
 def default_tuning(t: int, ns: tuple[int, ...], k: int, dtype, sms: int | None = None):
@@ -141,6 +180,13 @@ def default_tuning(t: int, ns: tuple[int, ...], k: int, dtype, sms: int | None =
       512-wide steps, 1.9 with 1024).
     """
     sms = num_sms() if sms is None else sms
+    if jnp.dtype(dtype) == FP8:  # fp8 weights, bf16 dot: K steps of one scale block, 1-byte weight tiles
+        bt = min(64, max(16, next_pow2(t)))
+        bn = max(16, min(64, next_pow2(max(ns))))
+        while bn > 16 and cdiv(t, bt) * sum(cdiv(n, bn) for n in ns) < sms:
+            bn //= 2
+        stages = max(1, min(4, cdiv(k, FP8_BLOCK), (128 << 10) // ((2 * bt + bn) * FP8_BLOCK)))
+        return bt, bn, FP8_BLOCK, 1 if bt <= 16 else 2, stages
     if jnp.dtype(dtype) == F32:
         bt = min(8, next_pow2(t))
         bk = max(16, min(1024, next_pow2(k)))
@@ -174,9 +220,12 @@ def _kernel(
     bn: int,
     bk: int,
     cdt,
+    fp8: bool,
 ):
-    # refs: the weights [(Lyr,) N_j, K], then the outputs [T, N_j]
-    w_refs, out_refs = refs[: len(ns)], refs[len(ns) :]
+    # refs: the weights [(Lyr,) N_j, K], with fp8 weights their scales [(Lyr,) N_j / 128, K / 128], then the outputs
+    nw = len(ns)
+    w_refs, out_refs = refs[:nw], refs[nw * (1 + fp8) :]
+    s_refs = refs[nw : 2 * nw] if fp8 else (None,) * nw
     i = pl.program_id(0)  # row tile (fastest: programs in flight share the weight tile)
     j = pl.program_id(1)  # N block, flattened over the weights
     row0 = i * bt
@@ -192,7 +241,7 @@ def _kernel(
         # exact float32: multiply elementwise, sum over K (no TF32 anywhere)
         return jnp.sum(xt[:, None, :] * wt[None, :, :], axis=2)
 
-    def block(w_ref, out_ref, n, start):
+    def block(w_ref, s_ref, out_ref, n, start):
         col0 = (j - start) * bn
         cols = col0 + jnp.arange(bn, dtype=jnp.int32)
         col_in = (cols < n)[:, None] if n % bn else None  # [bn, 1], for the weight tile
@@ -200,9 +249,21 @@ def _kernel(
         def step(kk, acc, k_in=None):
             k0 = kk * bk
             k_x, k_w = (None, None) if k_in is None else (k_in[None, :], k_in[None, :])
-            xt = masked_load(x_ref.at[pl.ds(row0, bt), pl.ds(k0, bk)], mask_and(row_in, k_x)).astype(cdt)
-            wt = masked_load(w_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))], mask_and(col_in, k_w)).astype(cdt)
-            return acc + product(xt, wt)
+            xt = masked_load(x_ref.at[pl.ds(row0, bt), pl.ds(k0, bk)], mask_and(row_in, k_x))
+            w_view, w_mask = w_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))], mask_and(col_in, k_w)
+            if fp8 and w_mask is not None:  # Triton cannot fill an fp8 load's masked lanes: zero them as bf16
+                wt = jnp.where(w_mask, pltriton.load(w_view, mask=w_mask).astype(cdt), 0)
+            else:
+                wt = masked_load(w_view, w_mask)
+            if not fp8:
+                return acc + product(xt.astype(cdt), wt.astype(cdt))
+            # W8A8: x's rows quantized per 128 channels (this K step; masked columns are 0 and leave amax alone),
+            # the e4m3 values multiplied exactly as bf16, the product scaled by row scale x the block's scale
+            xf = xt.astype(jnp.float32)
+            sx = jnp.maximum(jnp.max(jnp.abs(xf), axis=1), _AMAX_FLOOR) / FP8_MAX  # [bt]
+            xq = round_e4m3(xf / sx[:, None]).astype(cdt)
+            sw = s_ref[(*lead, col0 // FP8_BLOCK, kk)]  # bn <= 128 columns: one scale block
+            return acc + product(xq, wt.astype(cdt)) * sx[:, None] * sw
 
         full_steps = k // bk
         acc = lax.fori_loop(0, full_steps, step, jnp.zeros((bt, bn), jnp.float32))
@@ -213,19 +274,21 @@ def _kernel(
         out_mask = mask_and(row_in, None if col_in is None else (cols < n)[None, :])
         masked_store(out_ref.at[pl.ds(row0, bt), pl.ds(col0, bn)], acc.astype(out_ref.dtype), out_mask)
 
-    for w_ref, out_ref, n, start, end in zip(w_refs, out_refs, ns, starts, starts[1:]):
+    for w_ref, s_ref, out_ref, n, start, end in zip(w_refs, s_refs, out_refs, ns, starts, starts[1:]):
         if len(ns) == 1:
-            block(w_ref, out_ref, n, start)
+            block(w_ref, s_ref, out_ref, n, start)
         else:  # this program's weight: blocks [start, end) of the flattened N axis
-            pl.when((j >= start) & (j < end))(functools.partial(block, w_ref, out_ref, n, start))
+            pl.when((j >= start) & (j < end))(functools.partial(block, w_ref, s_ref, out_ref, n, start))
 
 
 @functools.partial(
     jax.jit, static_argnames=("out_dtype", "interpret", "block_t", "block_n", "block_k", "num_warps", "num_stages")
 )
-def _impl(x, weights, layer, *, out_dtype, interpret, block_t, block_n, block_k, num_warps, num_stages):
-    """layer: i32[1], the index into the weights' leading axis when they are stacked [Lyr, N_j, K] (3-D)."""
+def _impl(x, weights, scales, layer, *, out_dtype, interpret, block_t, block_n, block_k, num_warps, num_stages):
+    """layer: i32[1], the index into the weights' leading axis when they are stacked [Lyr, N_j, K] (3-D); scales:
+    () or, with fp8 weights, their block scales."""
     stacked = weights[0].ndim == 3
+    fp8 = bool(scales)
     t, k = x.shape
     ns = tuple(w.shape[-2] for w in weights)
     t_out, ns_out = t, ns
@@ -235,7 +298,7 @@ def _impl(x, weights, layer, *, out_dtype, interpret, block_t, block_n, block_k,
         t_out, ns_out = max(t, block_t), tuple(max(n, block_n) for n in ns)
     blocks = [cdiv(n, block_n) for n in ns]
     starts = tuple(sum(blocks[:j]) for j in range(len(ns) + 1))
-    cdt = compute_dtype(x.dtype, weights[0].dtype)
+    cdt = x.dtype if fp8 else compute_dtype(x.dtype, weights[0].dtype)
     kernel = functools.partial(
         _kernel,
         t=t,
@@ -248,8 +311,9 @@ def _impl(x, weights, layer, *, out_dtype, interpret, block_t, block_n, block_k,
         bn=block_n,
         bk=block_k,
         cdt=cdt,
+        fp8=fp8,
     )
-    inputs = [layer, x, *weights]
+    inputs = [layer, x, *weights, *scales]
     # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the kernel offsets itself.
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
     outs = pl.pallas_call(
@@ -260,8 +324,8 @@ def _impl(x, weights, layer, *, out_dtype, interpret, block_t, block_n, block_k,
         out_shape=[jax.ShapeDtypeStruct((t_out, n), out_dtype) for n in ns_out],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"linear{len(ns)}_{'dot' if jnp.dtype(cdt) != F32 else 'f32'}_bt{block_t}_bn{block_n}_bk{block_k}"
-        f"_w{num_warps}_s{num_stages}",
+        name=f"linear{len(ns)}_{'fp8' if fp8 else 'dot' if jnp.dtype(cdt) != F32 else 'f32'}_bt{block_t}"
+        f"_bn{block_n}_bk{block_k}_w{num_warps}_s{num_stages}",
     )(*inputs)
     return tuple(o if o.shape == (t, n) else o[:t, :n] for o, n in zip(outs, ns))
 
@@ -270,8 +334,9 @@ def linear(
     x,  # [T, K] bf16/f16/f32
     weights,  # tuple of [N_j, K] (HF [out, in]), or of [Lyr, N_j, K] with rhs_index; one dtype
     *,
+    scales=None,  # with e4m3 weights: their f32 block scales [(Lyr,) cdiv(N_j, 128), cdiv(K, 128)], a tuple
     rhs_index=None,  # i32 scalar (may be traced): the layer of stacked weights
-    out_dtype=None,  # default: the promotion of x's and the weights' dtypes
+    out_dtype=None,  # default: the promotion of x's and the weights' dtypes (x's with fp8 weights)
     interpret: bool = False,
     block_t: int | None = None,
     block_n: int | None = None,
@@ -283,39 +348,49 @@ def linear(
     multiplied in the promotion of x's and the weights' dtypes (float32 exactly, as an elementwise multiply and
     reduce), accumulated in float32, stored in out_dtype. A static rhs_index must lie in [0, Lyr); a traced one is
     clamped. Tuning (None = `default_tuning`): block_t rows per tile, block_n weight rows per program, block_k K step
-    (powers of two; >= 16 for the bf16/f16 dot, block_k always), num_warps, num_stages (Triton pipelining)."""
+    (powers of two; >= 16 for the bf16/f16 dot, block_k always), num_warps, num_stages (Triton pipelining).
+    With `scales` (block-FP8 weights, bf16/f16 x): W8A8 as `fp8_matmul` computes it (the module docstring); not
+    differentiable (an inference format)."""
     weights = tuple(weights) if isinstance(weights, (tuple, list)) else weights
-    t, k, ns, stacked = _validate(x, weights, rhs_index, out_dtype, block_t, block_n, block_k, num_warps, num_stages)
-    cdt = compute_dtype(x.dtype, weights[0].dtype)
+    scales = tuple(scales) if isinstance(scales, (tuple, list)) else scales
+    tuning = (block_t, block_n, block_k, num_warps, num_stages)
+    t, k, ns, stacked = _validate(x, weights, rhs_index, out_dtype, *tuning, scales=scales)
+    fp8 = scales is not None
+    cdt = jnp.dtype(x.dtype) if fp8 else compute_dtype(x.dtype, weights[0].dtype)
     out_dtype = jnp.dtype(cdt if out_dtype is None else out_dtype)
     if t == 0:
         return tuple(jnp.zeros((0, n), out_dtype) for n in ns)
-    d = default_tuning(t, ns, k, cdt)
-    bt, bn, bk, warps, stages = (
-        d[i] if v is None else v for i, v in enumerate((block_t, block_n, block_k, num_warps, num_stages))
-    )
+    d = default_tuning(t, ns, k, FP8 if fp8 else cdt)
+    bt, bn, bk, warps, stages = (d[i] if v is None else v for i, v in enumerate(tuning))
     # No block larger than its (power-of-two rounded) dimension: it would only compute padding.
     least = 16 if jnp.dtype(cdt) != F32 else 1
     bt, bn = min(bt, max(least, next_pow2(t))), min(bn, max(least, next_pow2(max(ns))))
-    bk = min(bk, max(16, next_pow2(k)))
+    if not fp8:  # fp8: K steps are the scale blocks, whatever K is
+        bk = min(bk, max(16, next_pow2(k)))
     layer = jnp.asarray(0 if rhs_index is None else rhs_index, jnp.int32).reshape(1)  # clamped in the kernel
     static = (out_dtype.name, bool(interpret), bt, bn, bk, warps, stages)
+    if fp8:
+        return _run(x, weights, layer, static, scales)
     return _differentiable(x, weights, layer, static)
 
 
 # The kernel forward, the reference's backward (recomputed): the kernel has no derivative of its own, and a model
 # differentiated through its projections (training through `model.forward`) must not fail.
-def _run(x, weights, layer, static):
+def _run(x, weights, layer, static, scales=()):
     out_dtype, interpret, bt, bn, bk, warps, stages = static
     kw = dict(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-    return _impl(x, weights, layer, out_dtype=out_dtype, interpret=interpret, **kw)
+    return _impl(x, weights, scales, layer, out_dtype=out_dtype, interpret=interpret, **kw)
 
 
-_differentiable = jax.custom_vjp(_run, nondiff_argnums=(3,))
+def _run_dense(x, weights, layer, static):
+    return _run(x, weights, layer, static)
+
+
+_differentiable = jax.custom_vjp(_run_dense, nondiff_argnums=(3,))
 
 
 def _differentiable_fwd(x, weights, layer, static):
-    return _run(x, weights, layer, static), (x, weights, layer)
+    return _run_dense(x, weights, layer, static), (x, weights, layer)
 
 
 def _differentiable_bwd(static, saved, g):
@@ -332,20 +407,24 @@ def _differentiable_bwd(static, saved, g):
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
-def linear_reference(x, weights, *, rhs_index=None, out_dtype=None, **tuning):
+def linear_reference(x, weights, *, scales=None, rhs_index=None, out_dtype=None, **tuning):
     """Float32 plain-JAX reference (returns a tuple of float32 [T, N_j]): one einsum per weight at full precision
-    (with rhs_index, the layer sliced out first, clamped as the kernel does). out_dtype and the tuning arguments are
-    accepted (checked) and ignored."""
+    (with rhs_index, the layer sliced out first, clamped as the kernel does); with `scales`, the W8A8 product's math
+    (`fp8_matmul_quantized_reference`). out_dtype and the tuning arguments are accepted (checked) and ignored."""
     tuning.pop("interpret", None)
     weights = tuple(weights) if isinstance(weights, (tuple, list)) else weights
+    scales = tuple(scales) if isinstance(scales, (tuple, list)) else scales
     keys = ("block_t", "block_n", "block_k", "num_warps", "num_stages")
-    _validate(x, weights, rhs_index, out_dtype, *(tuning.pop(key, None) for key in keys))
+    _validate(x, weights, rhs_index, out_dtype, *(tuning.pop(key, None) for key in keys), scales=scales)
     if tuning:
         raise TypeError(f"linear_reference got unexpected arguments {sorted(tuning)}")
+
+    def layer(a):
+        return a if rhs_index is None else lax.dynamic_index_in_dim(a, jnp.clip(rhs_index, 0, a.shape[0] - 1), 0, False)
+
+    if scales is not None:
+        return tuple(fp8_matmul_quantized_reference(x, layer(w), layer(sc)) for w, sc in zip(weights, scales))
     xf = x.astype(jnp.float32)
-    outs = []
-    for w in weights:
-        if rhs_index is not None:
-            w = lax.dynamic_index_in_dim(w, jnp.clip(rhs_index, 0, w.shape[0] - 1), keepdims=False)
-        outs.append(jnp.einsum("tk,nk->tn", xf, w.astype(jnp.float32), precision=lax.Precision.HIGHEST))
-    return tuple(outs)
+    return tuple(
+        jnp.einsum("tk,nk->tn", xf, layer(w).astype(jnp.float32), precision=lax.Precision.HIGHEST) for w in weights
+    )

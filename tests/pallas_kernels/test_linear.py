@@ -140,6 +140,91 @@ def test_empty_t_and_default_tuning():
     assert bt == 1 and 64 // bn >= 32 and bk == 1024  # the router: enough programs for the SMs
 
 
+# ---- block-FP8 weights (W8A8, `scales`) ----
+
+
+def _fp8_inputs(seed, t, ns, k, layers=None, index=0):
+    """bf16 x [T, K] and block-FP8 weights (e4m3 [N_j, K] + f32 scales), each weight's rows at different scales so
+    that a wrong scale block shows; with `layers`, stacked [layers, ...] with NaN weights and scales but at `index`."""
+    from pallas_kernels.fp8_matmul import quantize_weight_blocks
+
+    x, ws = _inputs(seed, t, ns, k, jnp.bfloat16, jnp.float32)
+    qs, ss = [], []
+    for w in ws:
+        rows = jnp.exp2(jnp.arange(w.shape[0], dtype=jnp.float32) % 7 - 3)[:, None]  # 2^-3 .. 2^3 by row
+        q, sc = quantize_weight_blocks(w * rows)
+        if layers is not None:
+            q, sc = _poisoned_stack(q, layers, index), _poisoned_stack(sc, layers, index)
+        qs.append(q)
+        ss.append(sc)
+    return x, tuple(qs), tuple(ss)
+
+
+@pytest.mark.parametrize(
+    "t,ns,k,tuning",
+    [
+        (1, (200, 64), 300, {}),  # decode: ragged N and K (a partial last scale block), two weights
+        (3, (40, 24), 72, dict(block_n=16)),  # K below one block
+        (33, (96, 130), 256, dict(block_t=16, block_n=32, num_stages=2)),  # 3 row tiles, N past one scale row
+    ],
+)
+def test_fp8_matches_the_w8a8_math(t, ns, k, tuning):
+    """The fp8 path against `fp8_matmul_quantized_reference` (x quantized per row per 128 channels, per-block
+    scaled float32 sums): float32 summation order apart, the same numbers; and against the model's portable fp8
+    path (`fp8_matmul_xla`, the same quantization) within float32 rounding."""
+    from pallas_kernels.fp8_matmul import fp8_matmul_xla
+
+    x, ws, ss = _fp8_inputs(t * 7 + k, t, ns, k)
+    outs = linear(x, ws, scales=ss, interpret=True, out_dtype=jnp.float32, **tuning)
+    refs = linear_reference(x, ws, scales=ss)
+    for out, ref, w, sc in zip(outs, refs, ws, ss):
+        out, ref = np.asarray(out), np.asarray(ref)
+        assert out.shape == ref.shape == (t, w.shape[0]) and np.all(np.isfinite(out))
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        xla = np.asarray(fp8_matmul_xla(x, w, sc, out_dtype=jnp.float32))
+        np.testing.assert_allclose(out, xla, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    bf = linear(x, ws, scales=ss, interpret=True, **tuning)  # default out: x's dtype
+    assert all(o.dtype == jnp.bfloat16 for o in bf)
+
+
+def test_fp8_stacked_traced_index_poisoned_layers():
+    """fp8 weights and scales stacked over 3 layers, the others NaN: the traced index (clamped) reads only its own."""
+    x, ws, ss = _fp8_inputs(5, 4, (96, 40), 200)
+    want = linear(x, ws, scales=ss, interpret=True, out_dtype=jnp.float32)
+    f = jax.jit(lambda w, s, i: linear(x, w, scales=s, rhs_index=i, interpret=True, out_dtype=jnp.float32))
+    for index, arg in ((1, 1), (2, 7), (0, -1)):
+        _, sw, sss = _fp8_inputs(5, 4, (96, 40), 200, layers=3, index=index)
+        for a, b in zip(f(sw, sss, jnp.int32(arg)), want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        ref = linear_reference(x, sw, scales=sss, rhs_index=index)
+        for a, b in zip(want, ref):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
+
+
+def test_fp8_bad_inputs():
+    x, ws, ss = _fp8_inputs(1, 2, (64,), 128)
+    cases = [
+        (dict(weights=ws, scales=None), "dtype must be bfloat16"),  # e4m3 weights without their scales
+        (dict(weights=ws, scales=(ss[0][:, :0],)), r"scales\[0\] must be float32 \(1, 1\)"),
+        (dict(weights=ws, scales=(ss[0].astype(jnp.bfloat16),)), r"scales\[0\] must be float32"),
+        (dict(weights=ws, scales=ss + ss), "one \\[\\(Lyr,\\) cdiv"),
+        (dict(weights=(ws[0].astype(jnp.bfloat16),), scales=ss), r"weights\[0\] must be float8_e4m3fn"),
+        (dict(weights=ws, scales=ss, block_k=64), "block_k=64"),
+        (dict(weights=ws, scales=ss, block_n=256), "block_n=256"),
+        (dict(x=x.astype(jnp.float32), weights=ws, scales=ss), "x must be bfloat16 or float16"),
+    ]
+    for kw, match in cases:
+        kw = {"x": x, **kw}
+        with pytest.raises(ValueError, match=match):
+            linear(kw.pop("x"), kw.pop("weights"), interpret=True, **kw)
+
+
+def test_fp8_default_tuning():
+    bt, bn, bk, warps, stages = default_tuning(1, (3072, 576), 2048, jnp.float8_e4m3fn, sms=132)
+    assert (bt, bk, warps) == (16, 128, 1) and 3072 // bn + 576 // bn >= 132 and 1 <= stages <= 4
+    assert default_tuning(32, (2048,), 1408, jnp.float8_e4m3fn, sms=132)[1:4] == (16, 128, 2)
+
+
 # ---- Triton lowering for an H200, on CPU (Pallas's lowering, not the Triton compiler) ----
 
 
@@ -164,6 +249,17 @@ def test_lowers_to_triton(h200):
         (lambda x, a, b: linear(x, (a, b)), (sds((5, 100), bf), sds((40, 100), bf), sds((7, 100), bf)), (1, 4)),
         (lambda x, a: linear(x, (a,)), (sds((37, 100), f32), sds((9, 100), f32)), None),
     ]
+    f8 = jnp.float8_e4m3fn
+    cases += [  # fp8 weights: V2-Lite's q_proj + kv_a_proj (stacked, traced layer) and a shared expert's down_proj
+        (
+            lambda x, a, b, sa, sb, i: linear(x, (a, b), scales=(sa, sb), rhs_index=i),
+            (sds((1, 2048), bf), sds((26, 3072, 2048), f8), sds((26, 576, 2048), f8))
+            + (sds((26, 24, 16), f32), sds((26, 5, 16), f32), sds((), i32)),
+            (1, 228),
+        ),
+        (lambda x, a, sa: linear(x, (a,), scales=(sa,)), (sds((32, 2816), bf), sds((2048, 2816), f8)), None),
+    ]
+    cases[-1] = (cases[-1][0], cases[-1][1] + (sds((16, 22), f32),), None)
     for fn, args, grid in cases:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
@@ -217,6 +313,34 @@ def _spy(monkeypatch, calls):
         return kernel(x, weights, interpret=True, **kw)
 
     monkeypatch.setattr(layers.linear_kernel, "linear", spy)
+
+
+def test_fp8_linears_take_the_kernel_on_a_gpu(monkeypatch):
+    """`layers.linears` of block-FP8 weights with the backend reported as a GPU (the kernel interpreted): q + kv as
+    one call, a single weight (o_proj's case, one token too) as another, plain and `LayerRow`s, with the portable W8A8
+    path's results (`layers.linear` on the CPU: `fp8_matmul_xla`); more than LINEAR_MAX_T tokens do not take it."""
+    ws_x, ws, ss = _fp8_inputs(11, 5, (96, 40), 200)
+    _, stw, sts = _fp8_inputs(11, 5, (96, 40), 200, layers=3, index=2)
+    plain = [{"weight": w, "weight_scale_inv": sc} for w, sc in zip(ws, ss)]
+    i = jnp.int32(2)  # one index object, as the layer loop's LayerRows share theirs
+    rows = [{"weight": LayerRow(w, i), "weight_scale_inv": LayerRow(sc, i)} for w, sc in zip(stw, sts)]
+    cases = [(plain, ws_x), (plain[:1], ws_x[:1]), (rows, ws_x), (rows[1:], ws_x[:1])]
+    want = [[np.asarray(layers.linear(p, x).astype(jnp.float32)) for p in ps] for ps, x in cases]  # CPU path
+    calls = []
+    _spy(monkeypatch, calls)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for (ps, x), ref in zip(cases, want):
+        n = len(calls)
+        got = layers.linears(tuple(ps), x)
+        assert len(calls) == n + 1 and calls[-1] == tuple(layers.in_place(p["weight"])[0].shape for p in ps)
+        for g, r in zip(got, ref):
+            assert g.dtype == jnp.bfloat16
+            np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)), r, rtol=1e-2, atol=1e-2 * np.abs(r).max())
+    monkeypatch.setattr(layers, "LINEAR_MAX_T", 4)  # 5 tokens: the fp8 GEMM's path, not this kernel
+    monkeypatch.setattr(layers, "_fp8_kernel_ok", lambda n, k: False)  # (its XLA form: no GPU here)
+    n = len(calls)
+    layers.linears(tuple(plain), ws_x)
+    assert len(calls) == n
 
 
 def test_model_takes_the_kernel_on_a_gpu(monkeypatch):
@@ -320,6 +444,40 @@ def test_layer_loop_lowers_with_one_kernel_for_q_and_kv(monkeypatch, h200, T):
     assert re.search(rf"dynamic_slice[^\n]*tensor<{gate}xf32", text) is None and f"tensor<{gate}xf32" in text
 
 
+@pytest.mark.parametrize("T", [1, 2])
+def test_fp8_layer_loop_lowers_with_the_kernel(monkeypatch, h200, T):
+    """The same layer loop with block-FP8 weights (`quantize_params`): q + kv, o_proj, the dense MLP's and the shared
+    expert's linears are the fp8 linear kernel (one token included), the stacked fp8 weights and scales read in
+    place."""
+    from mla_jax.checkpoint.fp8 import quantize_params
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    cfg = tiny_config(
+        q_lora_rank=None, num_hidden_layers=3, first_k_dense_replace=1, hidden_size=64, intermediate_size=80
+    )
+    params = quantize_params(model.init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16))[0]
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+
+    def attention(p, h, state, layer):
+        q, kv, _, _, _ = mla.mla_project_q_kv(p, cfg, h, jnp.zeros((h.shape[0],), jnp.int32))
+        attn = q[..., : cfg.v_head_dim] + kv[:, None, : cfg.v_head_dim]  # [T, N, V], a stand-in for the attention
+        return mla.o_proj(p, attn), state
+
+    f = jax.jit(lambda p, x: model.decoder_layers(p, cfg, x, attention, None, gmm_impl="pallas")[0])
+    x = jax.ShapeDtypeStruct((T, cfg.hidden_size), jnp.bfloat16)
+    text = f.trace(params, x).lower(lowering_platforms=("cuda",)).as_text()
+    names = re.findall(r'name = "(linear\d_\w+?)_bt', text)
+    # per group q + kv and o_proj; the dense layer's MLP and the MoE layer's shared expert: gate + up, then down
+    assert sorted(names) == sorted(["linear2_fp8"] * 4 + ["linear1_fp8"] * 4), names
+    for group in ("dense_layers", "moe_layers"):
+        g = params["model"][group]["self_attn"]
+        for name in ("q_proj", "kv_a_proj_with_mqa", "o_proj"):
+            for leaf in ("weight", "weight_scale_inv"):
+                shape = "x".join(map(str, g[name][leaf].shape))
+                assert re.search(rf"dynamic_slice[^\n]*tensor<{shape}x", text) is None, (group, name, leaf)
+                assert f"tensor<{shape}x" in text
+
+
 # ---- GPU: the compiled Triton kernel ----
 
 
@@ -409,3 +567,21 @@ def test_gpu_router_exact_and_model_use(monkeypatch):
                 [np.asarray(o.astype(jnp.float32)) for o in jax.tree.leaves(want)],
                 jnp.bfloat16,
             )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 32, 64])
+@pytest.mark.parametrize("ns,k", [((3072, 576), 2048), ((2048,), 2048), ((2816, 2816), 2048), ((2048,), 1408)])
+def test_gpu_fp8_matches_the_w8a8_math(t, ns, k):
+    """Block-FP8 weights at V2-Lite's decode shapes (q + kv, o_proj, a shared expert's gate + up and down) against
+    `fp8_matmul_quantized_reference`, and with the layer stacked between NaN ones, the index traced."""
+    _gpu()
+    x, ws, ss = _fp8_inputs(t + k, t, ns, k)
+    got = linear(x, ws, scales=ss, out_dtype=jnp.float32)
+    for out, ref in zip(got, linear_reference(x, ws, scales=ss)):
+        ref = np.asarray(ref)
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    _, sw, sss = _fp8_inputs(t + k, t, ns, k, layers=3, index=1)
+    f = jax.jit(lambda w, s, i: linear(x, w, scales=s, rhs_index=i, out_dtype=jnp.float32))
+    for a, b in zip(f(sw, sss, jnp.int32(1)), got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
