@@ -16,7 +16,10 @@ impl per row:
 - "xla_fp8": dense only: XLA's fp8 dot (e4m3 x e4m3 -> bf16, one scale per tensor: cuBLASLt fp8 GEMM), the
   fastest fp8 XLA offers, though without DeepSeek's block scales (a speed reference, not the same numerics);
 - "fp8_xla": shapes the kernel does not take: `fp8_matmul_xla` (dequantize + dot);
-- "fp8_st{n}" (with --stages n,..): the kernel at ring depth n instead of `default_stages`.
+- "fp8_st{n}" (with --stages n,..): the kernel at ring depth n instead of `default_stages`;
+- "fp8_linear" / "bf16_linear" (dense, M <= `layers.LINEAR_MAX_T`): the Triton linear kernel
+  (`pallas_kernels.linear`) with the block-FP8 weights (W8A8, x quantized in the kernel: what the model runs at
+  decode sizes) and with the bf16 ones (the model's bf16 decode path).
 Before timing, each fp8 shape is checked (at the first and last M) against `fp8_matmul_xla` at float32
 precision (the same numerics in XLA) to `FP8_GEMM_GPU_TOL` + bf16 rounding (2^-8): exit 1 on a mismatch (rows get
 check_rel_err).
@@ -63,8 +66,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from mla_jax.bench import common  # noqa: E402
+from mla_jax.layers import LINEAR_MAX_T  # noqa: E402
 from pallas_kernels import fp8_matmul as F  # noqa: E402
 from pallas_kernels import grouped_matmul as gm  # noqa: E402
+from pallas_kernels.linear import linear  # noqa: E402
 from pallas_kernels.testing import FP8_GEMM_GPU_TOL, fp8_lossless_operands  # noqa: E402
 
 DENSE = [  # (model, name, N, K)
@@ -191,6 +196,8 @@ def bench_dense(shapes, ms, ceil, rows, smoke, deadline, stages=()):
         check_ref = jax.jit(lambda x, w, s: F.fp8_matmul_xla(x, w, s, out_dtype=jnp.float32))
         sweep = _sweep_fns(stages, lambda st: lambda x, w, s: F.fp8_matmul(x, w, s, interpret=interp, stages=st))
         bf16_fn = jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, w))
+        lin_fp8 = jax.jit(lambda x, w, s: linear(x, (w,), scales=(s,), interpret=interp)[0])
+        lin_bf16 = jax.jit(lambda x, w: linear(x, (w,), interpret=interp)[0])
         xla8 = jax.jit(
             lambda x, w: jax.lax.dot_general(
                 x.astype(jnp.float8_e4m3fn), w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16
@@ -205,6 +212,9 @@ def bench_dense(shapes, ms, ceil, rows, smoke, deadline, stages=()):
                 impls["xla_fp8"] = (xla8, [(x, w[1]) for x, w in zip(xs, ws_)])
             if kernel_ok:
                 impls |= {impl: (fn, args8) for impl, fn in sweep.items()}
+            if m <= LINEAR_MAX_T:  # decode sizes: the Triton linear kernel, fp8 (what the model runs) and bf16
+                impls["fp8_linear"] = (lin_fp8, args8)
+                impls["bf16_linear"] = (lin_bf16, [(x, w[0]) for x, w in zip(xs, ws_)])
             base = dict(model=model, name=name, kind="dense", m=m, n=n, k=k, g=0, ceil=ceil, wbytes=wbytes)
             ok &= _measure(rows, base, impls, smoke, check_ref if m in (ms[0], ms[-1]) else None)
     return ok
