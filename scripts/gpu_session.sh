@@ -430,5 +430,13 @@ case $part in
         --no-prefill --no-engine --profile "$out/trace"
     rm -rf "$out/trace"
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 30" >&2; exit 2 ;;
+31) # next session, second call: the ctx-1k step rows (from cee473d, before the narrow decode: batch 32 1.35x, 128
+    # 1.71x roofline) at batch 1 / 8 / 32 / 128, both caches, profiled; the demo's speculative rows at k = 1..3
+    out=${2:?}
+    run 330 e2e-1k python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype bf16,fp8 \
+        --batches 1,8,32,128 --ctxs 1024 --no-prefill --no-engine --profile "$out/trace"
+    rm -rf "$out/trace"
+    run 200 spec-demo python3 bench/spec.py --out "$out/spec" --no-verify --demo-batches 1,all --budget-min 3.2
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 31" >&2; exit 2 ;;
 esac
