@@ -58,10 +58,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_matmul import check_groups, row_items, work_items
 from pallas_kernels.mgpu import interpret_params, static_interpret, tiled
-from pallas_kernels.util import BF16, F32, FP8, FP8_MAX, cdiv, num_sms
+from pallas_kernels.util import BF16, F32, FP8, FP8_AMAX_FLOOR, FP8_MAX, cdiv, num_sms
 
 BLOCK = 128  # quantization block: DeepSeek-V3's weight_block_size, and the kernel's K step
-_AMAX_FLOOR = 1e-4  # DeepGEMM's clamp: an all-zero block gets a tiny scale, not 0 (0 / 0)
+_AMAX_FLOOR = FP8_AMAX_FLOOR
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 
 __all__ = [

@@ -43,10 +43,11 @@ Block-FP8 weights (`scales`: DeepSeek-V3's e4m3 weights with one float32 `weight
 tokens to a 64-row tile, quantizes them in XLA kernels of their own and splits K with an XLA sum after it (the
 fp8-weight step at batch 1 ran 9 of its calls a layer, ~6-8 us each, 1249 kernels a step against bf16's 400:
 bench/results/e2e-profile-b1-fp8-h200.json). Here each program quantizes its x tile per row per 128 channels itself
-(`fp8_matmul.quantize_act`'s amax / 448, rounded with `util.round_e4m3`), multiplies the e4m3 values as bf16 (exact:
-e4m3 is a subset of bf16, the products exact in float32), and adds each 128-deep K step's product times (row scale x
-block scale) to the float32 sum: `fp8_matmul_quantized_reference`'s math, float32 summation order aside. K steps
-are the 128-wide scale blocks (block_k = 128); block_n <= 128, so a program's columns share one scale row.
+(`util.quantize_act_tile`: `fp8_matmul.quantize_act`'s amax / 448, rounded with `util.round_e4m3`), multiplies the
+e4m3 values as bf16 (exact: e4m3 is a subset of bf16, the products exact in float32), and adds each 128-deep K step's
+product times (row scale x block scale) to the float32 sum: `fp8_matmul_quantized_reference`'s math, float32
+summation order aside. K steps are the 128-wide scale blocks (block_k = 128); block_n <= 128, so a program's columns
+share one scale row.
 
 Not here: split K (a few programs could not fill the SMs only for N far below block_n x SMs: the router's 64 rows,
 for which the float32 path shrinks block_n to 1 instead).
@@ -75,7 +76,6 @@ from pallas_kernels.util import (
     F32,
     FLOAT_DTYPES,
     FP8,
-    FP8_MAX,
     cdiv,
     check_stacked_index,
     check_warps_stages,
@@ -86,10 +86,8 @@ from pallas_kernels.util import (
     next_pow2,
     num_sms,
     pad_to,
-    round_e4m3,
+    quantize_act_tile,
 )
-
-_AMAX_FLOOR = 1e-4  # fp8_matmul.quantize_act's: an all-zero block of x gets a tiny scale, not 0
 
 __all__ = ["compute_dtype", "default_tuning", "linear", "linear_reference"]
 
@@ -259,9 +257,8 @@ def _kernel(
                 return acc + product(xt.astype(cdt), wt.astype(cdt))
             # W8A8: x's rows quantized per 128 channels (this K step; masked columns are 0 and leave amax alone),
             # the e4m3 values multiplied exactly as bf16, the product scaled by row scale x the block's scale
-            xf = xt.astype(jnp.float32)
-            sx = jnp.maximum(jnp.max(jnp.abs(xf), axis=1), _AMAX_FLOOR) / FP8_MAX  # [bt]
-            xq = round_e4m3(xf / sx[:, None]).astype(cdt)
+            xq, sx = quantize_act_tile(xt)  # [bt, bk], [bt]
+            xq = xq.astype(cdt)
             sw = s_ref[(*lead, col0 // FP8_BLOCK, kk)]  # bn <= 128 columns: one scale block
             return acc + product(xq, wt.astype(cdt)) * sx[:, None] * sw
 

@@ -61,6 +61,17 @@ def round_e4m3(x):
     return jax.lax.bitcast_convert_type(r, jnp.float32)
 
 
+FP8_AMAX_FLOOR = 1e-4  # DeepGEMM's clamp for an activation block: all zeros get a tiny scale, not 0 (0 / 0)
+
+
+def quantize_act_tile(x):
+    """A kernel's activation tile x [R, W] (W <= 128: one K block; masked columns 0) quantized per row as
+    `fp8_matmul.quantize_act` does: (the e4m3 values as float32, scale f32[R]), scale = max(amax, floor) / 448."""
+    x = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(x), axis=1), FP8_AMAX_FLOOR) / FP8_MAX
+    return round_e4m3(x / scale[:, None]), scale
+
+
 def fp8_row_scale(amax):
     """A row's scale in the fp8 latent cache's per-token format from its max |value| (f32): amax / 448, an all-zero
     row 1."""
