@@ -268,6 +268,7 @@ def expert_gmm(
     scale_inv: jnp.ndarray | None = None,
     row_groups: jnp.ndarray | None = None,
     shared_w: jnp.ndarray | None = None,
+    fp8_triton: bool = False,
 ) -> jnp.ndarray:
     """Grouped matmul of expert-sorted rows: lhs [M, in] x w [E, out, in] (HF layout) -> [M, out].
 
@@ -277,7 +278,8 @@ def expert_gmm(
     a CPU). With `layer`, w is stacked over a scan's layers, [layers, E, out, in], and layer `layer` is used:
     the Pallas kernel reads it in place (no per-layer copy of the experts), ragged_dot slices it out.
     `scale_inv` (fp8 experts: w e4m3 with block scales [(layers,) E, cdiv(out,128), cdiv(in,128)]): the W8A8
-    grouped GEMM on a GPU for either impl (`fp8_grouped_matmul`, in place), else dequantize + ragged_dot.
+    grouped GEMM on a GPU for either impl (`fp8_grouped_matmul`, in place), else dequantize + ragged_dot; with
+    `fp8_triton` (`fp8_experts_triton`: decode sizes, impl "pallas") the Triton grouped kernel's W8A8 path.
     `row_groups` (instead of group_sizes, rows unsorted, each row's expert; `by_row_ok` says where it is taken):
     the kernels' one-item-per-row work list; lhs may then hold one row per token (`grouped_matmul`).
     `shared_w` (bf16 "pallas" only, `shared_fusable`): the shared experts' weight [(layers,) out, S*in] or
@@ -285,9 +287,19 @@ def expert_gmm(
     """
     if impl not in GMM_IMPLS:
         raise ValueError(f"gmm_impl must be one of {GMM_IMPLS}, got {impl!r}")
-    if row_groups is not None and not by_row_ok(impl, w, scale_inv):
+    if row_groups is not None and not by_row_ok(impl, w, scale_inv, fp8_triton):
         raise ValueError(
             f"row_groups needs the grouped Pallas kernel (gmm_impl='pallas', or fp8 on a GPU), not {impl!r}"
+        )
+    if scale_inv is not None and fp8_triton:
+        return gmm_kernel.grouped_matmul(
+            lhs,
+            w,
+            group_sizes,
+            row_groups=row_groups,
+            rhs_scale=scale_inv,
+            rhs_index=layer,
+            interpret=jax.default_backend() == "cpu",
         )
     if scale_inv is not None:
         if _fp8_kernel_ok(*w.shape[-2:]):
@@ -326,13 +338,26 @@ def expert_glu(
     layer: jnp.ndarray | int | None = None,
     row_groups: jnp.ndarray | None = None,
     shared: dict | None = None,
+    fp8_triton: bool = False,
 ) -> jnp.ndarray:
     """The experts' SwiGLU input silu(lhs @ gate^T) * (lhs @ up^T) [M, I] for expert-sorted (or `row_groups`)
     rows; gate / up: the `gate_proj` / `up_proj` param dicts. bf16 experts with impl "pallas": one kernel
     (`grouped_matmul(..., up_rhs=)`: both weights' tiles per program, the SwiGLU on its float32 accumulators),
     else two `expert_gmm`s and the elementwise product. `shared`: the shared experts' params (their gate/up
-    chunks are groups E.., see `expert_gmm`)."""
+    chunks are groups E.., see `expert_gmm`). fp8 experts with `fp8_triton`: that kernel's W8A8 path, one pass too."""
     g, u = gate["weight"], up["weight"]
+    if is_fp8(gate) and fp8_triton:
+        return gmm_kernel.grouped_matmul(
+            lhs,
+            g,
+            group_sizes,
+            row_groups=row_groups,
+            up_rhs=u,
+            rhs_scale=gate["weight_scale_inv"],
+            up_scale=up["weight_scale_inv"],
+            rhs_index=layer,
+            interpret=jax.default_backend() == "cpu",
+        )
     if impl == "pallas" and not is_fp8(gate):
         sg, su = (None, None) if shared is None else (shared["gate_proj"]["weight"], shared["up_proj"]["weight"])
         return gmm_kernel.grouped_matmul(
@@ -361,9 +386,19 @@ def expert_glu(
 BY_ROW_MAX_COPIES = 16
 
 
-def by_row_ok(impl: str, w: jnp.ndarray, scale_inv: jnp.ndarray | None) -> bool:
-    """Whether `expert_gmm` takes unsorted rows (`row_groups`) for these experts: the Pallas kernels only."""
-    return _fp8_kernel_ok(*w.shape[-2:]) if scale_inv is not None else impl == "pallas"
+def by_row_ok(impl: str, w: jnp.ndarray, scale_inv: jnp.ndarray | None, fp8_triton: bool = False) -> bool:
+    """Whether `expert_gmm` takes unsorted rows (`row_groups`) for these experts: the Pallas kernels only (fp8
+    experts: the Triton one where `fp8_experts_triton`, else the Mosaic GPU one on a GPU)."""
+    if scale_inv is not None:
+        return fp8_triton or _fp8_kernel_ok(*w.shape[-2:])
+    return impl == "pallas"
+
+
+def fp8_experts_triton(impl: str, tokens: int) -> bool:
+    """Whether block-FP8 experts of `tokens` tokens run the Triton grouped kernel's W8A8 path (impl "pallas", at
+    most LINEAR_MAX_T tokens: decode sizes, where it quantizes the rows itself, reads each copy's token row and runs
+    gate and up in one pass) rather than the Mosaic GPU W8A8 GEMM (fp8 wgmma: prefill sizes; XLA's form off a GPU)."""
+    return impl == "pallas" and 1 <= tokens <= LINEAR_MAX_T
 
 
 def shared_fusable(gmm_impl: str, routed: dict, shared: dict | None, same_reduction: bool) -> int:
@@ -405,8 +440,9 @@ def _moe_plan(p: dict, cfg: DeepseekConfig, gmm_impl: str, stacked: dict, comm: 
 
 def _by_row(tokens: int, cfg: DeepseekConfig, gmm_impl: str, gate: dict) -> bool:
     """Whether the routed copies of `tokens` tokens skip the sort (`BY_ROW_MAX_COPIES`, `row_groups`)."""
+    fp8_triton = is_fp8(gate) and fp8_experts_triton(gmm_impl, tokens)
     return tokens * cfg.num_experts_per_tok <= BY_ROW_MAX_COPIES and by_row_ok(
-        gmm_impl, gate["weight"], gate.get("weight_scale_inv")
+        gmm_impl, gate["weight"], gate.get("weight_scale_inv"), fp8_triton
     )
 
 
@@ -516,15 +552,16 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
         local, mine = ids, None
     chunks = jnp.broadcast_to(e_loc + jnp.arange(S, dtype=jnp.int32), (T, S))
     gate_w = ex["gate_proj"]
-    fp8_experts = is_fp8(gate_w)
+    fp8_triton = is_fp8(gate_w) and fp8_experts_triton(gmm_impl, T)
+    mosaic_fp8 = is_fp8(gate_w) and not fp8_triton
     if _by_row(T, cfg, gmm_impl, gate_w):
         order = None  # copies stay in token order; another device's (-1) comes out 0
         key = (local if mine is None else jnp.where(mine, local, -1)).astype(jnp.int32)
-        # [T, K]: the kernel numbers the copies (the T*K routed ones, then the S chunks', `copy_groups`) and
-        # reads each copy's token row itself; the fp8 one (no shared chunks) takes the copies' groups and rows
-        row_groups = key.reshape(-1) if fp8_experts else key
+        # [T, K]: the Triton kernel numbers the copies (the T*K routed ones, then the S chunks', `copy_groups`) and
+        # reads each copy's token row itself; the Mosaic GPU fp8 one takes the copies' groups and rows
+        row_groups = key.reshape(-1) if mosaic_fp8 else key
         group_sizes = None
-        xs = x[jnp.arange(T * K, dtype=jnp.int32) // K] if fp8_experts else x
+        xs = x[jnp.arange(T * K, dtype=jnp.int32) // K] if mosaic_fp8 else x
     else:
         row_groups = None
         key = local if mine is None else jnp.where(mine, local, e_loc + S)  # other devices' copies sort last
@@ -534,12 +571,22 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
         group_sizes = jnp.sum(key[None, :] == jnp.arange(e_loc + S, dtype=key.dtype)[:, None], axis=1, dtype=jnp.int32)
         xs = x[order // C]  # [T*C, D], the source token of each sorted copy
 
-    h = expert_glu(xs, ex["gate_proj"], ex["up_proj"], group_sizes, gmm_impl, layer, row_groups, shared)  # [T*C, I]
+    h = expert_glu(  # [T*C, I]
+        xs, ex["gate_proj"], ex["up_proj"], group_sizes, gmm_impl, layer, row_groups, shared, fp8_triton
+    )
     down = ex["down_proj"]
     shared_down = None if shared is None else shared["down_proj"]["weight"]
     # [T*C, D], sorted by expert (or in token order, by row)
     y = expert_gmm(
-        h, down["weight"], group_sizes, gmm_impl, layer, down.get("weight_scale_inv"), row_groups, shared_down
+        h,
+        down["weight"],
+        group_sizes,
+        gmm_impl,
+        layer,
+        down.get("weight_scale_inv"),
+        row_groups,
+        shared_down,
+        fp8_triton,
     )
     # Combine: each token gathers its C copies back through the inverse permutation and sums them, weighted (a
     # gather-reduce fusion). A scatter-add of the sorted copies into [T, D] took 5.3 us a layer at T = 1 on the

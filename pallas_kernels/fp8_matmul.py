@@ -58,9 +58,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_matmul import check_groups, row_items, work_items
 from pallas_kernels.mgpu import interpret_params, static_interpret, tiled
-from pallas_kernels.util import BF16, F32, FP8, FP8_AMAX_FLOOR, FP8_MAX, cdiv, num_sms
+from pallas_kernels.util import BF16, F32, FP8, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_MAX, cdiv, num_sms
 
-BLOCK = 128  # quantization block: DeepSeek-V3's weight_block_size, and the kernel's K step
+BLOCK = FP8_BLOCK  # quantization block: DeepSeek-V3's weight_block_size, and the kernel's K step
 _AMAX_FLOOR = FP8_AMAX_FLOOR
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 

@@ -47,6 +47,14 @@ Gate and up in one pass (`up_rhs`, the experts' up projection beside rhs, their 
 weights' tiles for its rows and writes silu(gate) * up from its two float32 accumulators (split K: the partials
 of each, summed and combined by XLA), one launch where two GEMMs and an elementwise kernel were.
 
+Block-FP8 experts (`rhs_scale` / `up_scale`: e4m3 weights [(Lyr,) G, N, K] with one float32 scale per 128 x 128
+block, [(Lyr,) G, cdiv(N, 128), cdiv(K, 128)], DeepSeek-V3's format): the W8A8 product of `fp8_matmul`'s grouped GEMM,
+at the sizes this kernel serves (decode: few rows per expert, unsorted copies, gate and up in one pass), where that
+Mosaic GPU kernel needs its rows gathered, padded and quantized by XLA kernels first. Each program quantizes its lhs
+tile per row per 128 channels itself (`util.quantize_act_tile`), multiplies the e4m3 values as bf16 (exact), and
+scales each 128-deep K step's product by (row scale x the expert's block scale): K steps are the scale blocks
+(block_k = 128), block_n <= 128 (a program's columns share one scale row). HF layout only, no shared chunks.
+
 Weight-bound decode (few rows per expert) wants enough programs in flight to saturate HBM: small
 row tiles (16) and narrow N blocks, and optionally `num_k_splits` > 1, which writes float32 partials
 [S, M, N] that XLA sums (cheap when M is small).
@@ -70,7 +78,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.util import (
+    F32,
     FLOAT_DTYPES,
+    FP8,
+    FP8_BLOCK,
     cdiv,
     check_stacked_index,
     check_warps_stages,
@@ -79,6 +90,7 @@ from pallas_kernels.util import (
     masked_load,
     next_pow2,
     num_sms,
+    quantize_act_tile,
 )
 
 
@@ -97,6 +109,7 @@ def _validate(
     rhs_index=None,
     row_groups=None,
     num_chunks=0,
+    fp8=False,
 ):
     if not hasattr(lhs, "ndim") or lhs.ndim != 2:
         raise ValueError(f"lhs must be [M, K], got shape {getattr(lhs, 'shape', None)}")
@@ -113,7 +126,7 @@ def _validate(
         rhs = jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype)  # one layer, for the checks below
     if jnp.dtype(lhs.dtype) not in FLOAT_DTYPES:
         raise ValueError(f"lhs dtype must be bfloat16, float16 or float32, got {lhs.dtype}")
-    if lhs.dtype != rhs.dtype:
+    if lhs.dtype != rhs.dtype and not fp8:
         raise ValueError(f"lhs and rhs dtypes differ: {lhs.dtype} vs {rhs.dtype} (cast one first)")
     m, k = lhs.shape
     g = rhs.shape[0]
@@ -151,6 +164,36 @@ def _validate(
         raise ValueError(
             f"preferred_element_type must be None, bfloat16, float16 or float32, got {preferred_element_type}"
         )
+
+
+def _validate_fp8(lhs, rhs, up_rhs, shared_rhs, transpose_rhs, rhs_scale, up_scale, block_n, block_k):
+    """Block-FP8 experts: e4m3 rhs (and up_rhs) with their float32 block scales, or neither."""
+    e4m3 = [getattr(w, "dtype", None) is not None and jnp.dtype(w.dtype) == FP8 for w in (rhs, up_rhs) if w is not None]
+    if rhs_scale is None:
+        if up_scale is not None:
+            raise ValueError("up_scale needs rhs_scale (the gate's block scales)")
+        if any(e4m3):
+            raise ValueError("float8_e4m3fn rhs / up_rhs need their block scales: rhs_scale (and up_scale)")
+        return
+    if (up_rhs is None) != (up_scale is None):
+        raise ValueError("give up_scale exactly when up_rhs is given (the up projection's block scales)")
+    if not all(e4m3):
+        raise ValueError(f"rhs_scale is for float8_e4m3fn rhs (and up_rhs), got {rhs.dtype}")
+    if not transpose_rhs or shared_rhs is not None:
+        raise ValueError("fp8 experts need transpose_rhs=True (HF [out, in] layout) and no shared_rhs")
+    if jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"lhs must be bfloat16 or float16 with fp8 experts (a bf16 dot), got {lhs.dtype}")
+    want = (*rhs.shape[:-2], cdiv(rhs.shape[-2], FP8_BLOCK), cdiv(rhs.shape[-1], FP8_BLOCK))
+    for name, sc in (("rhs_scale", rhs_scale), ("up_scale", up_scale)):
+        if sc is not None and (tuple(getattr(sc, "shape", ())) != want or jnp.dtype(sc.dtype) != F32):
+            raise ValueError(
+                f"{name} must be float32 {want} (one per 128 x 128 block of rhs {rhs.shape}), got "
+                f"{getattr(sc, 'dtype', type(sc))} {getattr(sc, 'shape', None)}"
+            )
+    if block_k is not None and block_k != FP8_BLOCK:
+        raise ValueError(f"block_k={block_k}: fp8 experts step K by their {FP8_BLOCK}-wide scale blocks")
+    if block_n is not None and block_n > FP8_BLOCK:
+        raise ValueError(f"block_n={block_n}: at most {FP8_BLOCK} with fp8 experts (one scale row a program)")
 
 
 def check_groups(group_sizes, row_groups, g: int, m: int):
@@ -294,14 +337,17 @@ def _kernel(
     transpose_rhs: bool,
     stacked: bool,
     precision,
+    fp8: bool,
 ):
     # the work list (tile, lo, hi, group), or by row only each row's group; the layer; lhs; (rhs,) or with glu
-    # (gate rhs, up rhs); then as many shared (chunked) weights; out
+    # (gate rhs, up rhs); with fp8 experts their block scales; then as many shared (chunked) weights; out
     n_items = 1 if by_row else 4
     n_rhs = 2 if glu else 1
     item_refs, (layer_ref, lhs_ref) = refs[:n_items], refs[n_items : n_items + 2]
     rhs_refs = refs[n_items + 2 : n_items + 2 + n_rhs]
-    shared_refs, out_ref = refs[n_items + 2 + n_rhs : -1], refs[-1]
+    n_w = n_items + 2 + n_rhs * (1 + fp8)
+    scale_refs = refs[n_items + 2 + n_rhs : n_w] if fp8 else (None,) * n_rhs
+    shared_refs, out_ref = refs[n_w:-1], refs[-1]
     j = pl.program_id(0)  # N block (fastest: programs in flight share the row tile and expert)
     i = pl.program_id(1)  # work item
     s = pl.program_id(2)  # K split
@@ -345,13 +391,27 @@ def _kernel(
             r_ = jnp.where(r_ < tokens * top_k, r_ // top_k, (r_ - tokens * top_k) % tokens)
         src = r_[:, None]
 
-    def step(kk, accs, weights, wlead, w_n0, w_k0, k_in=None):
+    def step(kk, accs, weights, wlead, w_n0, w_k0, k_in=None, scales=None):
         k0 = kk * bk
         k_mask = None if k_in is None else k_in[None, :]
         if by_row:
             x = masked_load(lhs_ref.at[src, (k0 + kcols)[None, :]], k_mask)
         else:
             x = masked_load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask_and(row_in, k_mask))
+        if scales is not None:  # fp8 experts (HF layout): the rows quantized for this K block, e4m3 values as bf16
+            xq, sx = quantize_act_tile(x)
+            xq = xq.astype(x.dtype)
+            w_mask = mask_and(None if col_in is None else col_in[:, None], k_mask)
+            new = []
+            for rhs_ref, scale_ref, acc in zip(weights, scales, accs):
+                view = rhs_ref.at[(*wlead, pl.ds(col0, bn), pl.ds(k0, bk))]
+                if w_mask is None:
+                    w = view[...].astype(x.dtype)
+                else:  # Triton cannot fill an fp8 load's masked lanes: zero them in bf16
+                    w = jnp.where(w_mask, pltriton.load(view, mask=w_mask).astype(x.dtype), 0)
+                part = lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32)
+                new.append(acc + part * sx[:, None] * scale_ref[(*wlead, col0 // FP8_BLOCK, kk)])
+            return tuple(new)
         new = []
         for rhs_ref, acc in zip(weights, accs):
             if transpose_rhs:
@@ -373,11 +433,11 @@ def _kernel(
     owned = jnp.maximum(last - first, 0)
     acc = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in rhs_refs)
     # One loop per weight source; the item's own source runs its steps, the other none.
-    sources = [(is_routed, rhs_refs, lead, 0, 0)]
+    sources = [(is_routed, rhs_refs, lead, 0, 0, scale_refs if fp8 else None)]
     if num_chunks:
-        sources.append((is_shared, shared_refs, shared_lead, n_off, k_off))
-    for on, weights, wlead, w_n0, w_k0 in sources:
-        body = functools.partial(step, weights=weights, wlead=wlead, w_n0=w_n0, w_k0=w_k0)
+        sources.append((is_shared, shared_refs, shared_lead, n_off, k_off, None))
+    for on, weights, wlead, w_n0, w_k0, scales in sources:
+        body = functools.partial(step, weights=weights, wlead=wlead, w_n0=w_n0, w_k0=w_k0, scales=scales)
         acc = lax.fori_loop(first, first + jnp.where(on, owned, 0), body, acc)
         if k % bk:  # static: one masked step for the ragged end of K, run by the split that owns it
             k_in = full_steps * bk + kcols < k
@@ -435,6 +495,7 @@ def _gmm_impl(
     shared_up,
     groups,
     layer,
+    scales,
     *,
     by_row,
     transpose_rhs,
@@ -451,7 +512,7 @@ def _gmm_impl(
     layer: i32[1], the index into rhs's leading axis when rhs is stacked [Lyr, G, ...] (4-D).
     rhs_up: None, or the up projection beside rhs (the gate): out = silu(lhs @ rhs) * (lhs @ rhs_up).
     shared (and beside it shared_up with rhs_up): None, or a weight [(Lyr,) N_s, K_s] whose C chunks
-    (`shared_chunks`) are groups G..G+C-1."""
+    (`shared_chunks`) are groups G..G+C-1. scales: () or, for e4m3 rhs (and rhs_up), their block scales."""
     glu = rhs_up is not None
     rhss = (rhs, rhs_up) if glu else (rhs,)
     shareds = () if shared is None else (shared, shared_up) if glu else (shared,)
@@ -517,9 +578,10 @@ def _gmm_impl(
         transpose_rhs=transpose_rhs,
         stacked=stacked,
         precision=precision,
+        fp8=bool(scales),
     )
     whole = lambda shape: pl.BlockSpec(shape, lambda j, i, s: (0,) * len(shape))  # noqa: E731
-    weights = rhss + shareds
+    weights = rhss + tuple(scales) + shareds
     out = pl.pallas_call(
         kernel,
         grid=(cdiv(n, block_n), num_items, splits),
@@ -533,7 +595,8 @@ def _gmm_impl(
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=(
-            f"grouped_{'glu' if glu else 'matmul'}{'_shared' if shareds else ''}_bm{block_m}_bn{block_n}_bk{block_k}"
+            f"grouped_{'glu' if glu else 'matmul'}{'_shared' if shareds else ''}{'_fp8' if scales else ''}"
+            f"_bm{block_m}_bn{block_n}_bk{block_k}"
             f"_w{num_warps}_s{num_stages}_ks{splits}"
         ),
     )(*items, layer, lhs, *weights)
@@ -581,6 +644,8 @@ def grouped_matmul(
     up_rhs=None,
     shared_rhs=None,
     shared_up_rhs=None,
+    rhs_scale=None,
+    up_scale=None,
 ):
     """out[r] = lhs[r] @ W[g(r)] for each row r of group g(r); rows >= sum(group_sizes) give 0.
 
@@ -611,9 +676,15 @@ def grouped_matmul(
     (static or traced) picking the layer, read in place (W = rhs[rhs_index]); a static index must be
     in range, a traced one is clamped to [0, Lyr).
 
+    rhs_scale (and up_scale with up_rhs): block-FP8 experts, rhs e4m3 [(Lyr,) G, N, K] (transpose_rhs=True) with
+    float32 scales [(Lyr,) G, cdiv(N, 128), cdiv(K, 128)]: the W8A8 product (lhs quantized per row per 128 channels
+    in the kernel, the module docstring); lhs bf16 or f16, no shared_rhs.
+
     Tuning (None = `default_tuning`): block_m rows per tile, block_n, block_k (powers of two >= 16),
     num_warps, num_stages (Triton pipelining), num_k_splits (K split into float32 partials).
     """
+    fp8 = rhs_scale is not None
+    _validate_fp8(lhs, rhs, up_rhs, shared_rhs, transpose_rhs, rhs_scale, up_scale, block_n, block_k)
     num_chunks = _validate_shared(rhs, up_rhs, shared_rhs, shared_up_rhs, transpose_rhs, rhs_index)
     _validate(
         lhs,
@@ -630,6 +701,7 @@ def grouped_matmul(
         rhs_index,
         row_groups,
         num_chunks,
+        fp8,
     )
     if up_rhs is not None and (
         getattr(up_rhs, "shape", None) != rhs.shape or getattr(up_rhs, "dtype", None) != rhs.dtype
@@ -652,8 +724,12 @@ def grouped_matmul(
     bm, bn, bk, warps, stages, splits = (
         d[i] if v is None else v for i, v in enumerate((block_m, block_n, block_k, num_warps, num_stages, num_k_splits))
     )
-    # No block larger than its (power-of-two rounded) dimension: it would only compute padding.
-    bm, bn, bk = (min(b, max(16, next_pow2(x))) for b, x in ((bm, m), (bn, n), (bk, k)))
+    if fp8:  # K steps of one scale block; a program's columns within one scale row
+        bk, bn = FP8_BLOCK, min(bn, FP8_BLOCK)
+    # No block larger than its (power-of-two rounded) dimension: it would only compute padding (fp8: K steps stay
+    # the scale blocks).
+    bm, bn = (min(b, max(16, next_pow2(x))) for b, x in ((bm, m), (bn, n)))
+    bk = bk if fp8 else min(bk, max(16, next_pow2(k)))
     out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
     layer = (
         jnp.zeros((1,), jnp.int32)
@@ -668,6 +744,7 @@ def grouped_matmul(
         shared_up_rhs,
         row_groups if by_row else group_sizes,
         layer,
+        () if not fp8 else (rhs_scale, up_scale) if up_rhs is not None else (rhs_scale,),
         by_row=by_row,
         transpose_rhs=bool(transpose_rhs),
         interpret=bool(interpret),
@@ -720,6 +797,8 @@ def grouped_matmul_reference(
     up_rhs=None,
     shared_rhs=None,
     shared_up_rhs=None,
+    rhs_scale=None,
+    up_scale=None,
     **tuning,
 ):
     """Float32 plain-JAX reference (returns float32): a masked dense matmul per group, summed.
@@ -727,13 +806,27 @@ def grouped_matmul_reference(
     With rhs_index, rhs is stacked [Lyr, ...] and the layer is sliced out first (clamped as the
     kernel does). Costs G dense [M, K] x [K, N] products: for tests and moderate benchmark checks
     only. With up_rhs: silu(reference(rhs)) * reference(up_rhs). A shared_rhs's chunks are appended
-    to rhs as groups G..G+C-1; an lhs of M/r rows (row_groups) is repeated r times first.
+    to rhs as groups G..G+C-1; an lhs of M/r rows (row_groups) is repeated r times first. With rhs_scale (fp8
+    experts): `fp8_matmul.fp8_grouped_matmul_reference`, the W8A8 math.
     """
     del interpret, tuning, preferred_element_type
     if up_rhs is not None:
         kw = dict(row_groups=row_groups, transpose_rhs=transpose_rhs, rhs_index=rhs_index)
-        gate = grouped_matmul_reference(lhs, rhs, group_sizes, shared_rhs=shared_rhs, **kw)
-        return jax.nn.silu(gate) * grouped_matmul_reference(lhs, up_rhs, group_sizes, shared_rhs=shared_up_rhs, **kw)
+        gate = grouped_matmul_reference(lhs, rhs, group_sizes, shared_rhs=shared_rhs, rhs_scale=rhs_scale, **kw)
+        up = grouped_matmul_reference(lhs, up_rhs, group_sizes, shared_rhs=shared_up_rhs, rhs_scale=up_scale, **kw)
+        return jax.nn.silu(gate) * up
+    if rhs_scale is not None:
+        from pallas_kernels.fp8_matmul import fp8_grouped_matmul_reference  # (it imports this module)
+
+        _validate_fp8(lhs, rhs, None, shared_rhs, transpose_rhs, rhs_scale, None, None, None)
+        _validate(lhs, rhs, group_sizes, transpose_rhs, *(None,) * 7, rhs_index, row_groups, 0, True)
+        if row_groups is not None:
+            row_groups, tokens = copy_groups(row_groups, rhs.shape[-3], 0)
+            if row_groups.shape[0] != lhs.shape[0]:  # one lhs row per token
+                lhs = lhs[tokens]
+        return fp8_grouped_matmul_reference(
+            lhs, rhs, rhs_scale, group_sizes, row_groups=row_groups, rhs_index=rhs_index
+        )
     num_chunks = _validate_shared(rhs, None, shared_rhs, None, transpose_rhs, rhs_index)
     untuned = (None,) * 7  # blocks, warps, stages, splits, output type
     _validate(lhs, rhs, group_sizes, transpose_rhs, *untuned, rhs_index, row_groups, num_chunks)

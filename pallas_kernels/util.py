@@ -61,6 +61,7 @@ def round_e4m3(x):
     return jax.lax.bitcast_convert_type(r, jnp.float32)
 
 
+FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size: one float32 scale per 128 x 128 block of an e4m3 weight
 FP8_AMAX_FLOOR = 1e-4  # DeepGEMM's clamp for an activation block: all zeros get a tiny scale, not 0 (0 / 0)
 
 

@@ -194,26 +194,37 @@ def test_fp8_weights_on_mesh_match_one_device():
     assert np.mean(errs < 1e-3) >= 0.5, errs
 
 
-def test_fp8_model_lowers_with_the_kernels_for_gpu(monkeypatch):
+@pytest.mark.parametrize("tokens", [16, 80])
+def test_fp8_model_lowers_with_the_kernels_for_gpu(monkeypatch, h200, tokens):
     """With the GPU dispatch forced, the whole fp8 model (dense linears, experts read in place inside the layer
-    scan) lowers for CUDA with the Mosaic GPU kernels: shapes, dtypes and the stacked-expert indexing."""
+    scan) lowers for CUDA: at decode sizes (<= LINEAR_MAX_T tokens) the Triton linear and grouped kernels' W8A8 paths
+    (q_a + kv_a in one call, gate and up in one), above them the Mosaic GPU W8A8 GEMMs; shapes, dtypes and the
+    stacked weights' indexing."""
     from mla_jax import layers
     from mla_jax.memory import abstract_params
     from tests.mla_jax.helpers import tiny_config
 
-    monkeypatch.setattr(layers, "_fp8_kernel_ok", lambda n, k: F.unsupported_reason(n, k) is None)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     dims = dict(hidden_size=256, vocab_size=512, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=128)
     dims |= dict(qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, intermediate_size=512)
     cfg = tiny_config(moe_intermediate_size=128, **dims)
-    ids = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+    ids = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
     f = jax.jit(lambda p, i: model.forward(p, cfg, i, gmm_impl="pallas"))
     txt = f.trace(abstract_params(cfg, weights="fp8"), ids).lower(lowering_platforms=("cuda",)).as_text()
-    # 3 layers: q_a, q_b, kv_a, o_proj each; dense gate/up/down (1 layer); shared + routed gate/up/down (2 layers)
-    assert txt.count("fp8_matmul") >= 3 * 4 + 3 + 2 * 6
+    linear_fp8 = re.findall(r'name = "(linear\d)_fp8_bt', txt)
+    grouped_fp8 = re.findall(r'name = "(grouped_\w+?)_fp8_bm', txt)
+    if tokens <= layers.LINEAR_MAX_T:  # (identical kernel calls are lowered once: kinds, not counts)
+        assert set(linear_fp8) == {"linear1", "linear2"}, linear_fp8  # q_a + kv_a, gate + up in one call
+        assert set(grouped_fp8) == {"grouped_glu", "grouped_matmul"}, grouped_fp8
+        assert "fp8_matmul" not in txt
+    else:
+        assert not linear_fp8 and not grouped_fp8
+        assert txt.count("fp8_matmul") >= 3 * 4 + 3 + 2 * 6
     # the layer scan hands the kernels whole stacked weights (`layers.LayerRow`): the only fp8 weight slices left are
-    # those of the linears the kernel does not take (kv_a_proj's N = 160), which XLA's dot path reads (and fuses)
+    # those of the linears the Mosaic GPU kernel does not take (kv_a_proj's N = 160), which XLA's dot path reads
     sliced = re.findall(r"dynamic_slice [^\n]*sizes = \[1, (\d+), (\d+)\] : \(tensor<[^>]*xf8E4M3FN>", txt)
-    assert sliced and all(F.unsupported_reason(int(n), int(k)) is not None for n, k in sliced), sliced
+    assert all(F.unsupported_reason(int(n), int(k)) is not None for n, k in sliced), sliced
+    assert bool(sliced) == (tokens > layers.LINEAR_MAX_T), sliced
 
 
 TOKENIZER = '{"version": "1.0", "model": {"vocab": {"<|endoftext|>": 0}}}'

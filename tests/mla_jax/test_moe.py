@@ -144,6 +144,38 @@ def test_decode_copies_skip_the_sort(T):
     assert ("sort" in prims) == (T * K > BY_ROW_MAX_COPIES), sorted(prims)
 
 
+@pytest.mark.parametrize("T", [1, 9])
+def test_fp8_experts_at_decode_sizes_take_the_triton_kernel(T, monkeypatch):
+    """Block-FP8 experts with gmm_impl "pallas" at decode sizes (`layers.fp8_experts_triton`) run the Triton grouped
+    kernel's W8A8 path (gate and up in one call; unsorted copies at T = 1, sorted at 9), with the portable W8A8
+    path's output (`fp8_grouped_matmul_xla` through ragged_dot: the same quantization); more than LINEAR_MAX_T
+    tokens do not take it."""
+    from mla_jax.checkpoint.fp8 import quantize_params
+
+    cfg = tiny_config(hidden_size=128, moe_intermediate_size=128)
+    params = quantize_params(random_params(cfg, 5, std=0.3))[0]
+    p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
+    assert layers.is_fp8(p["experts"]["gate_proj"])
+    x = jax.random.normal(jax.random.key(T), (T, cfg.hidden_size)).astype(jnp.bfloat16)
+    want = moe(p, cfg, x, gmm_impl="ragged_dot").astype(jnp.float32)
+    calls = []
+    kernel = layers.gmm_kernel.grouped_matmul
+
+    def spy(*a, **kw):
+        calls.append((kw.get("rhs_scale") is not None, kw.get("up_rhs") is not None, kw.get("row_groups") is not None))
+        return kernel(*a, **kw)
+
+    monkeypatch.setattr(layers.gmm_kernel, "grouped_matmul", spy)
+    got = moe(p, cfg, x, gmm_impl="pallas").astype(jnp.float32)
+    by_row = T * cfg.num_experts_per_tok <= BY_ROW_MAX_COPIES
+    assert calls == [(True, True, by_row), (True, False, by_row)], calls
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2 * float(jnp.abs(want).max()))
+    monkeypatch.setattr(layers, "LINEAR_MAX_T", T - 1)
+    calls.clear()
+    moe(p, cfg, x, gmm_impl="pallas")
+    assert not calls
+
+
 @pytest.mark.parametrize("T", [2])  # (sorted, beyond BY_ROW_MAX_COPIES: test_decode_copies_skip_the_sort[9])
 def test_shared_experts_run_in_the_routed_kernels(T):
     """With the grouped Pallas kernel the shared experts are S more copies per token in the routed experts'

@@ -486,6 +486,118 @@ def test_validation(bad, match):
 # ---- GPU: the real Triton kernel (run by `make gpu`) ----
 
 
+# ---- block-FP8 experts (W8A8: rhs_scale / up_scale) ----
+
+
+def _fp8_experts(rng, lead, n, k, poison=None):
+    """e4m3 experts [*lead, N, K] + f32 block scales, rows at scales 2^-3..2^3 (a wrong scale block shows); with
+    `poison` (a layer index), every other layer's weights and scales NaN."""
+    from pallas_kernels.fp8_matmul import quantize_weight_blocks
+
+    w = rng.standard_normal((*lead, n, k), np.float32) / np.sqrt(k)
+    w = w * np.exp2(np.arange(n) % 7 - 3.0)[:, None]
+    q, sc = quantize_weight_blocks(jnp.asarray(w))
+    if poison is not None:
+        keep = (jnp.arange(lead[0]) == poison).reshape(-1, *(1,) * (q.ndim - 1))
+        q, sc = jnp.where(keep, q, jnp.asarray(jnp.nan, q.dtype)), jnp.where(keep, sc, jnp.nan)
+    return q, sc
+
+
+def _close_rel(out, ref, rtol=1e-5):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.shape == ref.shape and np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fp8_sorted_groups_nan_padding(splits):
+    """Sorted rows with an empty group and NaN padding rows (which come out 0), ragged N and K (a partial last scale
+    block), against `fp8_grouped_matmul_reference`'s W8A8 math: float32 summation order apart, the same numbers."""
+    rng = np.random.default_rng(splits)
+    g, n, k, m = 5, 200, 300, 40
+    sizes = jnp.asarray([10, 0, 17, 5, 5], jnp.int32)
+    x = rng.standard_normal((m, k), np.float32)
+    x[37:] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    w, sc = _fp8_experts(rng, (g,), n, k)
+    kw = dict(rhs_scale=sc, preferred_element_type=jnp.float32)
+    out = grouped_matmul(x, w, sizes, interpret=True, num_k_splits=splits, **kw)
+    _close_rel(out[:37], grouped_matmul_reference(x, w, sizes, rhs_scale=sc)[:37])
+    assert np.all(np.asarray(out[37:]) == 0)
+
+
+def test_fp8_decode_top_k_glu_stacked_poisoned():
+    """A decode step's shape: each token's top-k unsorted (one item per copy, the token's row read in the kernel),
+    gate and up in one pass, the layer read in place between NaN layers (traced index); against the reference and,
+    copy by copy, the Mosaic GPU kernel's portable path (`fp8_grouped_matmul_xla`: the same quantization)."""
+    from pallas_kernels.fp8_matmul import fp8_grouped_matmul_xla
+
+    rng = np.random.default_rng(7)
+    t, top_k, g, n, k = 2, 3, 6, 96, 256
+    x = jnp.asarray(rng.standard_normal((t, k), np.float32), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.permutation(g)[:top_k] for _ in range(t)]), jnp.int32)
+    ids = ids.at[1, 2].set(-1)  # another device's copy: 0
+    (gw, gs), (uw, us) = (_fp8_experts(rng, (3, g), n, k, poison=1) for _ in range(2))
+    kw = dict(row_groups=ids, up_rhs=uw, rhs_scale=gs, up_scale=us)
+    f = jax.jit(lambda i: grouped_matmul(x, gw, rhs_index=i, interpret=True, preferred_element_type=jnp.float32, **kw))
+    out = f(jnp.int32(1))
+    _close_rel(out, grouped_matmul_reference(x, gw, rhs_index=1, **kw))
+    one = jnp.ones((1,), jnp.int32)
+    for r, e in enumerate(np.asarray(ids).reshape(-1)):
+        if e < 0:
+            assert np.all(np.asarray(out[r]) == 0)
+            continue
+        xr = x[r // top_k : r // top_k + 1]
+        gate, up = (
+            fp8_grouped_matmul_xla(xr, w[1, e : e + 1], sc[1, e : e + 1], one, out_dtype=jnp.float32)[0]
+            for w, sc in ((gw, gs), (uw, us))
+        )
+        _close_rel(out[r], jax.nn.silu(gate) * up, rtol=1e-4)
+
+
+def test_fp8_validation():
+    rng = np.random.default_rng(0)
+    w, sc = _fp8_experts(rng, (2,), 64, 128)
+    x, sizes = jnp.zeros((4, 128), jnp.bfloat16), jnp.asarray([2, 2], jnp.int32)
+    cases = [
+        (dict(), "need their block scales"),
+        (dict(rhs_scale=sc[:, :, :0]), r"rhs_scale must be float32 \(2, 1, 1\)"),
+        (dict(rhs_scale=sc, block_k=64), "block_k=64"),
+        (dict(rhs_scale=sc, block_n=256), "block_n=256"),
+        (dict(rhs_scale=sc, up_rhs=w), "give up_scale exactly when up_rhs"),
+        (dict(rhs_scale=sc, transpose_rhs=False), "transpose_rhs=True"),
+        (dict(up_scale=sc), "up_scale needs rhs_scale"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            grouped_matmul(x, w, sizes, interpret=True, **kw)
+    with pytest.raises(ValueError, match="lhs must be bfloat16 or float16"):
+        grouped_matmul(x.astype(jnp.float32), w, sizes, rhs_scale=sc, interpret=True)
+    with pytest.raises(ValueError, match="is for float8_e4m3fn"):
+        grouped_matmul(x, w.astype(jnp.bfloat16), sizes, rhs_scale=sc, interpret=True)
+
+
+def test_fp8_lowers_to_triton(h200):
+    """V2-Lite's experts at a decode step (top-6 of one token, gate + up; down), stacked over 26 layers and read in
+    place: one Triton kernel each, no slice of the stacked e4m3 weights or scales."""
+    sds = jax.ShapeDtypeStruct
+    f8, bf, f32, i32 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, jnp.int32
+    ids = sds((1, 6), i32)
+    glu = jax.jit(
+        lambda x, g, u, gs, us, ids, i: grouped_matmul(
+            x, g, row_groups=ids, up_rhs=u, rhs_scale=gs, up_scale=us, rhs_index=i
+        )
+    )
+    args = (sds((1, 2048), bf), sds((26, 64, 1408, 2048), f8), sds((26, 64, 1408, 2048), f8))
+    args += (sds((26, 64, 11, 16), f32), sds((26, 64, 11, 16), f32), ids, sds((), i32))
+    down = jax.jit(lambda h, w, s, ids, i: grouped_matmul(h, w, row_groups=ids, rhs_scale=s, rhs_index=i))
+    dargs = (sds((6, 1408), bf), sds((26, 64, 2048, 1408), f8), sds((26, 64, 16, 11), f32), ids, sds((), i32))
+    for fn, a in ((glu, args), (down, dargs)):
+        text = fn.trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1 and "slice" not in text
+        assert "grouped_" in text and "_fp8_" in text
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("transpose_rhs", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -614,3 +726,32 @@ def test_gpu_shared_chunks_decode_shapes(by_row, T):
     [2816, 2048], down N 2048 K 1408 with the shared [2048, 2816]; batch 1-2 unsorted, 128 sorted."""
     _shared_case(by_row, "n", True, 16, 1408, 2048, 2, T, 6, jnp.bfloat16)  # 16 experts: the host work stays small
     _shared_case(by_row, "k", False, 16, 2048, 1408, 2, T, 6, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 2, 32])
+def test_gpu_fp8_decode_experts(t):
+    """V2-Lite's fp8 experts (64 of [1408, 2048]) at decode sizes, stacked over 3 layers between NaN ones: gate + up
+    by token top-6 (unsorted at T <= 2, sorted by expert at 32) and down, against the W8A8 reference."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(t)
+    g, top_k, n, k = 64, 6, 1408, 2048
+    x = jnp.asarray(rng.standard_normal((t, k), np.float32), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.permutation(g)[:top_k] for _ in range(t)]), jnp.int32)
+    (gw, gs), (uw, us) = (_fp8_experts(rng, (3, g), n, k, poison=2) for _ in range(2))
+    dw, ds = _fp8_experts(rng, (3, g), k, n, poison=2)
+    if t * top_k <= 16:
+        kw = dict(row_groups=ids)
+        h_in = x
+    else:  # sorted copies, group sizes
+        order = jnp.argsort(ids.reshape(-1), stable=True)
+        kw = dict(group_sizes=jnp.bincount(ids.reshape(-1), length=g).astype(jnp.int32))
+        h_in = x[order // top_k]
+    glu = dict(up_rhs=uw, rhs_scale=gs, up_scale=us, rhs_index=jnp.int32(2))
+    h = grouped_matmul(h_in, gw, preferred_element_type=jnp.float32, **kw, **glu)
+    _close_rel(h, grouped_matmul_reference(h_in, gw, **kw, **glu), rtol=1e-4)
+    hb = h.astype(jnp.bfloat16)
+    dkw = dict(kw, row_groups=ids.reshape(-1)) if "row_groups" in kw else kw
+    y = grouped_matmul(hb, dw, rhs_scale=ds, rhs_index=jnp.int32(2), preferred_element_type=jnp.float32, **dkw)
+    _close_rel(y, grouped_matmul_reference(hb, dw, rhs_scale=ds, rhs_index=2, **dkw), rtol=1e-4)
