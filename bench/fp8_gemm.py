@@ -19,7 +19,9 @@ impl per row:
 - "fp8_st{n}" (with --stages n,..): the kernel at ring depth n instead of `default_stages`;
 - "fp8_linear" / "bf16_linear" (dense, M <= `layers.LINEAR_MAX_T`): the Triton linear kernel
   (`pallas_kernels.linear`) with the block-FP8 weights (W8A8, x quantized in the kernel: what the model runs at
-  decode sizes) and with the bf16 ones (the model's bf16 decode path).
+  decode sizes) and with the bf16 ones (the model's bf16 decode path);
+- "fp8_triton" (grouped, M <= 8 x LINEAR_MAX_T): the Triton grouped kernel's W8A8 path (`grouped_matmul(...,
+  rhs_scale=)`), what the model runs for fp8 experts at decode sizes (sorted rows here).
 Before timing, each fp8 shape is checked (at the first and last M) against `fp8_matmul_xla` at float32
 precision (the same numerics in XLA) to `FP8_GEMM_GPU_TOL` + bf16 rounding (2^-8): exit 1 on a mismatch (rows get
 check_rel_err).
@@ -231,6 +233,7 @@ def bench_grouped(shapes, ms, ceil, rows, smoke, deadline, stages=()):
         fp8_fn = jax.jit(lambda x, w, s, gs: F.fp8_grouped_matmul(x, w, s, gs, interpret=interp))
         check_ref = jax.jit(lambda x, w, s, gs: F.fp8_grouped_matmul_xla(x, w, s, gs, out_dtype=jnp.float32))
         bf16_fn = jax.jit(lambda x, w, gs: gm.grouped_matmul(x, w, gs, interpret=interp))
+        fp8_tri = jax.jit(lambda x, w, s, gs: gm.grouped_matmul(x, w, gs, rhs_scale=s, interpret=interp))
         sweep = _sweep_fns(
             stages, lambda st: lambda x, w, s, gs: F.fp8_grouped_matmul(x, w, s, gs, interpret=interp, stages=st)
         )
@@ -241,6 +244,8 @@ def bench_grouped(shapes, ms, ceil, rows, smoke, deadline, stages=()):
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             impls = {"bf16": (bf16_fn, [(x, w16, gs)]), "fp8": (fp8_fn, [(x, wq, ws, gs)])}
             impls |= {impl: (fn, [(x, wq, ws, gs)]) for impl, fn in sweep.items()}
+            if m <= LINEAR_MAX_T * 8:  # decode sizes (up to 64 tokens x top-8): the Triton grouped kernel, fp8
+                impls["fp8_triton"] = (fp8_tri, [(x, wq, ws, gs)])
             base = dict(model=model, name=name, kind="grouped", m=m, n=n, k=k, g=g, ceil=ceil, wbytes=hit * n * k)
             check = check_ref if m in (ms[0], ms[-1]) else None
             ok &= _measure(rows, base, impls, smoke, check, experts_hit=hit)

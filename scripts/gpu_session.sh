@@ -419,13 +419,14 @@ case $part in
         tests/pallas_kernels/test_fp8_matmul.py tests/pallas_kernels/test_grouped_matmul.py \
         tests/pallas_kernels/test_linear.py
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-30) # next session, first call: the fp8 linear kernel (block-FP8 weights in pallas_kernels.linear at <= 64 tokens,
-    # session 20, CPU-tested only): its GPU tests, its decode-size rows against the W8A8 GEMM and bf16, then the
-    # fp8-weight step at batch 1 / 32 / 128 (part 29 at 0cf314c: 3.26 / 9.61 / 14.2 ms, 1249 kernels at batch 1)
+30) # next session, first call: the fp8 linear and grouped kernels' W8A8 paths (session 20, CPU-tested only: block-FP8
+    # weights in pallas_kernels.linear and grouped_matmul, taken at <= 64 tokens): their GPU tests, their decode-size
+    # rows against the Mosaic W8A8 GEMMs and bf16, then the fp8-weight step at batch 1 / 32 / 128 (part 29 at 0cf314c:
+    # 3.26 / 9.61 / 14.2 ms, 1249 kernels at batch 1)
     out=${2:?}
-    run 110 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
-        tests/pallas_kernels/test_linear.py
-    run 130 fp8-gemm python3 bench/fp8_gemm.py --out "$out" --ms 1,8,32,64 --budget-s 100
+    run 120 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_linear.py tests/pallas_kernels/test_grouped_matmul.py -k "fp8"
+    run 130 fp8-gemm python3 bench/fp8_gemm.py --out "$out" --ms 1,8,32,64,256 --budget-s 100
     run 280 e2e-fp8w python3 -m mla_jax.bench.e2e --out "$out/fp8w" --weights fp8 --batches 1,32,128 --ctxs 4096 \
         --no-prefill --no-engine --profile "$out/trace"
     rm -rf "$out/trace"
