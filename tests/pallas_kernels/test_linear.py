@@ -407,6 +407,19 @@ def test_model_takes_the_kernel_on_a_gpu(monkeypatch):
     assert len(calls) == n
 
 
+def _layer_loop_for_cuda(cfg, params, T: int) -> str:
+    """The decode layer loop (dense + MoE groups, a stand-in for the attention) of T tokens lowered for CUDA."""
+
+    def attention(p, h, state, layer):
+        q, kv, _, _, _ = mla.mla_project_q_kv(p, cfg, h, jnp.zeros((h.shape[0],), jnp.int32))
+        attn = q[..., : cfg.v_head_dim] + kv[:, None, : cfg.v_head_dim]  # [T, N, V], a stand-in for the attention
+        return mla.o_proj(p, attn), state
+
+    f = jax.jit(lambda p, x: model.decoder_layers(p, cfg, x, attention, None, gmm_impl="pallas")[0])
+    x = jax.ShapeDtypeStruct((T, cfg.hidden_size), jnp.bfloat16)
+    return f.trace(params, x).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("T", [1, 2])
 def test_layer_loop_lowers_with_one_kernel_for_q_and_kv(monkeypatch, h200, T):
     """A decode step's layer loop (dense + MoE groups) lowered for CUDA with the GPU dispatch: per scanned group one
@@ -421,14 +434,7 @@ def test_layer_loop_lowers_with_one_kernel_for_q_and_kv(monkeypatch, h200, T):
     )
     params = jax.eval_shape(lambda k: model.init_params(cfg, k, dtype=jnp.bfloat16), jax.random.PRNGKey(0))
 
-    def attention(p, h, state, layer):
-        q, kv, _, _, _ = mla.mla_project_q_kv(p, cfg, h, jnp.zeros((h.shape[0],), jnp.int32))
-        attn = q[..., : cfg.v_head_dim] + kv[:, None, : cfg.v_head_dim]  # [T, N, V], a stand-in for the attention
-        return mla.o_proj(p, attn), state
-
-    f = jax.jit(lambda p, x: model.decoder_layers(p, cfg, x, attention, None, gmm_impl="pallas")[0])
-    x = jax.ShapeDtypeStruct((T, cfg.hidden_size), jnp.bfloat16)
-    text = f.trace(params, x).lower(lowering_platforms=("cuda",)).as_text()
+    text = _layer_loop_for_cuda(cfg, params, T)
     names = re.findall(r'name = "(linear\d_\w+?)_bt', text)
     singles = [] if T == 1 else ["linear1_dot"] * 3  # o_proj of both groups, the dense down_proj
     assert sorted(names) == sorted(["linear2_dot"] * 3 + singles), names
@@ -458,14 +464,7 @@ def test_fp8_layer_loop_lowers_with_the_kernel(monkeypatch, h200, T):
     params = quantize_params(model.init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16))[0]
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
 
-    def attention(p, h, state, layer):
-        q, kv, _, _, _ = mla.mla_project_q_kv(p, cfg, h, jnp.zeros((h.shape[0],), jnp.int32))
-        attn = q[..., : cfg.v_head_dim] + kv[:, None, : cfg.v_head_dim]  # [T, N, V], a stand-in for the attention
-        return mla.o_proj(p, attn), state
-
-    f = jax.jit(lambda p, x: model.decoder_layers(p, cfg, x, attention, None, gmm_impl="pallas")[0])
-    x = jax.ShapeDtypeStruct((T, cfg.hidden_size), jnp.bfloat16)
-    text = f.trace(params, x).lower(lowering_platforms=("cuda",)).as_text()
+    text = _layer_loop_for_cuda(cfg, params, T)
     names = re.findall(r'name = "(linear\d_\w+?)_bt', text)
     # per group q + kv and o_proj; the dense layer's MLP and the MoE layer's shared expert: gate + up, then down
     assert sorted(names) == sorted(["linear2_fp8"] * 4 + ["linear1_fp8"] * 4), names
