@@ -214,8 +214,7 @@ def linears(ps: tuple[dict, ...], x: jnp.ndarray, out_dtype=None) -> tuple[jnp.n
     if _linear_kernel_ok(ps, x):
         arrays, index = zip(*(in_place(p["weight"]) for p in ps))  # one index (`_linear_kernel_ok`)
         scales = tuple(in_place(p["weight_scale_inv"])[0] for p in ps) if is_fp8(ps[0]) else None
-        outs = linear_kernel.linear(x, arrays, scales=scales, rhs_index=index[0], out_dtype=out_dtype)
-        return outs
+        return linear_kernel.linear(x, arrays, scales=scales, rhs_index=index[0], out_dtype=out_dtype)
     if len(ps) > 1 and all(_linear_kernel_ok((p,), x) for p in ps):
         return tuple(linears((p,), x, out_dtype)[0] for p in ps)  # the kernel, each weight its own call
     outs = tuple(linear(p, x) for p in ps)
