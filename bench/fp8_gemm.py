@@ -19,7 +19,8 @@ impl per row:
 - "fp8_st{n}" (with --stages n,..): the kernel at ring depth n instead of `default_stages`;
 - "fp8_linear" / "bf16_linear" (dense, M <= `layers.LINEAR_MAX_T`): the Triton linear kernel
   (`pallas_kernels.linear`) with the block-FP8 weights (W8A8, x quantized in the kernel: what the model runs at
-  decode sizes) and with the bf16 ones (the model's bf16 decode path);
+  decode sizes) and with the bf16 ones (the model's bf16 decode path); "fp8_linear_{s2,s8,bn32}": its tuning
+  variants (ring depth 2 / 8, 32-wide N blocks);
 - "fp8_triton" (grouped, M <= 8 x LINEAR_MAX_T): the Triton grouped kernel's W8A8 path (`grouped_matmul(...,
   rhs_scale=)`), what the model runs for fp8 experts at decode sizes (sorted rows here).
 Before timing, each fp8 shape is checked (at the first and last M) against `fp8_matmul_xla` at float32
@@ -200,6 +201,10 @@ def bench_dense(shapes, ms, ceil, rows, smoke, deadline, stages=()):
         bf16_fn = jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, w))
         lin_fp8 = jax.jit(lambda x, w, s: linear(x, (w,), scales=(s,), interpret=interp)[0])
         lin_bf16 = jax.jit(lambda x, w: linear(x, (w,), interpret=interp)[0])
+        lin_fp8_variants = {
+            f"fp8_linear_{tag}": jax.jit(lambda x, w, s, kw=kw: linear(x, (w,), scales=(s,), interpret=interp, **kw)[0])
+            for tag, kw in (("s2", dict(num_stages=2)), ("s8", dict(num_stages=8)), ("bn32", dict(block_n=32)))
+        }
         xla8 = jax.jit(
             lambda x, w: jax.lax.dot_general(
                 x.astype(jnp.float8_e4m3fn), w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16
@@ -217,6 +222,9 @@ def bench_dense(shapes, ms, ceil, rows, smoke, deadline, stages=()):
             if m <= LINEAR_MAX_T:  # decode sizes: the Triton linear kernel, fp8 (what the model runs) and bf16
                 impls["fp8_linear"] = (lin_fp8, args8)
                 impls["bf16_linear"] = (lin_bf16, [(x, w[0]) for x, w in zip(xs, ws_)])
+                # its fp8 tuning, untimed when written: 1-byte weight tiles of one 128-deep scale block a stage
+                # put a quarter of the bf16 path's bytes in flight at its default depth
+                impls |= {name: (fn, args8) for name, fn in lin_fp8_variants.items()}
             base = dict(model=model, name=name, kind="dense", m=m, n=n, k=k, g=0, ceil=ceil, wbytes=wbytes)
             ok &= _measure(rows, base, impls, smoke, check_ref if m in (ms[0], ms[-1]) else None)
     return ok
