@@ -221,6 +221,24 @@ def test_attention_backend_pallas_sm90(monkeypatch):
     assert attention.default_backend_name() == "xla"
 
 
+def test_attention_backend_pallas_sm90_one_request_of_an_fp8_cache(monkeypatch):
+    """One request's 16 rows of an fp8 cache go to the narrow Hopper kernel (faster than Triton's fp8 path at batch
+    1 on the H200, `attention._sm90_declines`), with the exact q split: against the reference, NaN past the length."""
+    from mla_jax import attention
+
+    calls = []
+    real = k90.mla_decode_sm90
+    monkeypatch.setattr(k90, "mla_decode_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    if not NPROC_IN_TIME:
+        pytest.skip("NPROC was raised too late for the interpreter")
+    decode = attention.get_backend("pallas_sm90").mla_decode
+    q, cache, bt, sl, ks = decode_inputs(25, b=1, nq=1, n=16, l=L, r=R, g=G, max_pages=3, lens=[150], cache_dtype="fp8")
+    out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L)
+    ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, {}))(q, cache, bt, sl, ks)
+    assert_decode_close(out, lse, ref, ref_lse, "fp8")
+    assert calls == [1]
+
+
 def test_attention_backend_pallas_sm90_fp8qk(monkeypatch):
     """ "pallas_sm90_fp8qk" decodes an fp8 cache with fp8_qk=True (against the reference on the quantized q)
     and a bf16 cache exactly like "pallas_sm90"."""
