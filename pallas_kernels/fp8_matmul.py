@@ -58,10 +58,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_matmul import check_groups, row_items, work_items
 from pallas_kernels.mgpu import interpret_params, static_interpret, tiled
-from pallas_kernels.util import BF16, F32, FP8, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_MAX, cdiv, num_sms
+from pallas_kernels.util import BF16, F32, FP8, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_MAX, cdiv, check_fp8_weight, num_sms
 
 BLOCK = FP8_BLOCK  # quantization block: DeepSeek-V3's weight_block_size, and the kernel's K step
-_AMAX_FLOOR = FP8_AMAX_FLOOR
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 
 __all__ = [
@@ -99,7 +98,7 @@ def quantize_act(x, block: int = BLOCK):
     kb = cdiv(k, block)
     xf = jnp.pad(x.astype(F32), ((0, 0), (0, kb * block - k))).reshape(m, kb, block)
     amax = jnp.max(jnp.abs(xf), axis=-1)  # [M, Kb]
-    scale = jnp.maximum(amax, _AMAX_FLOOR) / FP8_MAX
+    scale = jnp.maximum(amax, FP8_AMAX_FLOOR) / FP8_MAX
     q = (xf / scale[..., None]).astype(FP8).reshape(m, kb * block)[:, :k]
     return q, scale
 
@@ -113,7 +112,7 @@ def quantize_weight_blocks(w, block: tuple[int, int] = (BLOCK, BLOCK)):
     wf = jnp.pad(w.astype(F32), [(0, 0)] * len(lead) + [(0, nb * bn - n), (0, kb * bk - k)])
     wf = wf.reshape(*lead, nb, bn, kb, bk)
     amax = jnp.max(jnp.abs(wf), axis=(-3, -1))  # [..., Nb, Kb]
-    scale = jnp.maximum(amax, _AMAX_FLOOR) / FP8_MAX
+    scale = jnp.maximum(amax, FP8_AMAX_FLOOR) / FP8_MAX
     q = (wf / scale[..., :, None, :, None]).astype(FP8).reshape(*lead, nb * bn, kb * bk)[..., :n, :k]
     return q, scale
 
@@ -127,19 +126,6 @@ def dequantize_weight_blocks(w, scale_inv, block: tuple[int, int] = (BLOCK, BLOC
 
 
 # ---- validation ----
-
-
-def _check_weight(w, s, name="w"):
-    if not hasattr(w, "dtype") or jnp.dtype(w.dtype) != FP8:
-        raise ValueError(f"{name} must be float8_e4m3fn, got {getattr(w, 'dtype', type(w))}")
-    want = (*w.shape[:-2], cdiv(w.shape[-2], BLOCK), cdiv(w.shape[-1], BLOCK))
-    if not hasattr(s, "shape") or tuple(s.shape) != want:
-        raise ValueError(
-            f"{name}_scale_inv must be float32 {want} (one per {BLOCK}x{BLOCK} block of {name} {w.shape}), "
-            f"got {getattr(s, 'shape', None)}"
-        )
-    if jnp.dtype(s.dtype) != F32:
-        raise ValueError(f"{name}_scale_inv must be float32, got {s.dtype}")
 
 
 def _check_x(x, k):
@@ -360,7 +346,7 @@ def fp8_matmul(x, w, w_scale_inv, *, rhs_index=None, interpret=False, out_dtype=
     if not hasattr(w, "ndim") or w.ndim != 2 + stacked:
         want = "[Lyr, N, K] with rhs_index" if stacked else "[N, K] (a stacked w needs rhs_index)"
         raise ValueError(f"w must be {want}, got shape {getattr(w, 'shape', None)}")
-    _check_weight(w, w_scale_inv)
+    check_fp8_weight(w, w_scale_inv, "w", "w_scale_inv")
     n, k = w.shape[-2:]
     _check_x(x, k)
     if (why := unsupported_reason(n, k)) is not None:
@@ -400,7 +386,7 @@ def fp8_grouped_matmul(
     if not hasattr(w, "ndim") or w.ndim != 3 + stacked:
         want = "[Lyr, G, N, K] with rhs_index" if stacked else "[G, N, K] (a stacked w needs rhs_index)"
         raise ValueError(f"w must be {want}, got shape {getattr(w, 'shape', None)}")
-    _check_weight(w, w_scale_inv)
+    check_fp8_weight(w, w_scale_inv, "w", "w_scale_inv")
     g, n, k = w.shape[-3:]
     _check_x(x, k)
     check_groups(group_sizes, row_groups, g, x.shape[0])

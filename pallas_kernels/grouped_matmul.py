@@ -78,11 +78,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.util import (
-    F32,
     FLOAT_DTYPES,
     FP8,
     FP8_BLOCK,
     cdiv,
+    check_fp8_blocks,
+    check_fp8_weight,
     check_stacked_index,
     check_warps_stages,
     is_pow2,
@@ -183,17 +184,10 @@ def _validate_fp8(lhs, rhs, up_rhs, shared_rhs, transpose_rhs, rhs_scale, up_sca
         raise ValueError("fp8 experts need transpose_rhs=True (HF [out, in] layout) and no shared_rhs")
     if jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"lhs must be bfloat16 or float16 with fp8 experts (a bf16 dot), got {lhs.dtype}")
-    want = (*rhs.shape[:-2], cdiv(rhs.shape[-2], FP8_BLOCK), cdiv(rhs.shape[-1], FP8_BLOCK))
-    for name, sc in (("rhs_scale", rhs_scale), ("up_scale", up_scale)):
-        if sc is not None and (tuple(getattr(sc, "shape", ())) != want or jnp.dtype(sc.dtype) != F32):
-            raise ValueError(
-                f"{name} must be float32 {want} (one per 128 x 128 block of rhs {rhs.shape}), got "
-                f"{getattr(sc, 'dtype', type(sc))} {getattr(sc, 'shape', None)}"
-            )
-    if block_k is not None and block_k != FP8_BLOCK:
-        raise ValueError(f"block_k={block_k}: fp8 experts step K by their {FP8_BLOCK}-wide scale blocks")
-    if block_n is not None and block_n > FP8_BLOCK:
-        raise ValueError(f"block_n={block_n}: at most {FP8_BLOCK} with fp8 experts (one scale row a program)")
+    check_fp8_weight(rhs, rhs_scale, "rhs", "rhs_scale")
+    if up_scale is not None:
+        check_fp8_weight(up_rhs, up_scale, "up_rhs", "up_scale")
+    check_fp8_blocks(block_n, block_k, "fp8 experts")
 
 
 def check_groups(group_sizes, row_groups, g: int, m: int):

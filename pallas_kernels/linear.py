@@ -70,13 +70,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.fp8_matmul import BLOCK as FP8_BLOCK
 from pallas_kernels.fp8_matmul import fp8_matmul_quantized_reference
 from pallas_kernels.util import (
     F32,
     FLOAT_DTYPES,
     FP8,
+    FP8_BLOCK,
     cdiv,
+    check_fp8_blocks,
+    check_fp8_weight,
     check_stacked_index,
     check_warps_stages,
     is_pow2,
@@ -147,20 +149,10 @@ def _validate_fp8(x, weights, scales, block_n, block_k):
     if not isinstance(scales, (tuple, list)) or not isinstance(weights, (tuple, list)) or len(scales) != len(weights):
         raise ValueError("scales must be a tuple with one [(Lyr,) cdiv(N, 128), cdiv(K, 128)] array per weight")
     for j, (w, sc) in enumerate(zip(weights, scales)):
-        if not hasattr(w, "dtype") or jnp.dtype(w.dtype) != FP8:
-            raise ValueError(f"weights[{j}] must be float8_e4m3fn with scales, got {getattr(w, 'dtype', type(w))}")
-        want = (*w.shape[:-2], cdiv(w.shape[-2], FP8_BLOCK), cdiv(w.shape[-1], FP8_BLOCK))
-        if not hasattr(sc, "shape") or tuple(sc.shape) != want or jnp.dtype(sc.dtype) != F32:
-            raise ValueError(
-                f"scales[{j}] must be float32 {want} (one per 128 x 128 block of weights[{j}] {w.shape}), got "
-                f"{getattr(sc, 'dtype', type(sc))} {getattr(sc, 'shape', None)}"
-            )
+        check_fp8_weight(w, sc, f"weights[{j}]", f"scales[{j}]")
     if jnp.dtype(x.dtype) == F32:
         raise ValueError("x must be bfloat16 or float16 with fp8 weights (the product runs as a bf16 dot), got float32")
-    if block_k is not None and block_k != FP8_BLOCK:
-        raise ValueError(f"block_k={block_k}: fp8 weights step K by their {FP8_BLOCK}-wide scale blocks")
-    if block_n is not None and block_n > FP8_BLOCK:
-        raise ValueError(f"block_n={block_n}: at most {FP8_BLOCK} with fp8 weights (one scale row a program)")
+    check_fp8_blocks(block_n, block_k, "fp8 weights")
 
 
 def default_tuning(t: int, ns: tuple[int, ...], k: int, dtype, sms: int | None = None):

@@ -65,6 +65,28 @@ FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size: one float32 scale per 128 x 
 FP8_AMAX_FLOOR = 1e-4  # DeepGEMM's clamp for an activation block: all zeros get a tiny scale, not 0 (0 / 0)
 
 
+def check_fp8_weight(w, scale, w_name: str, scale_name: str):
+    """A block-FP8 weight's contract: w float8_e4m3fn [..., N, K] with float32 scales [..., cdiv(N, 128),
+    cdiv(K, 128)] (DeepSeek-V3's `weight_scale_inv`); a ValueError naming the argument otherwise."""
+    if not hasattr(w, "dtype") or jnp.dtype(w.dtype) != FP8:
+        raise ValueError(f"{w_name} must be float8_e4m3fn, got {getattr(w, 'dtype', type(w))}")
+    want = (*w.shape[:-2], cdiv(w.shape[-2], FP8_BLOCK), cdiv(w.shape[-1], FP8_BLOCK))
+    if not hasattr(scale, "shape") or tuple(scale.shape) != want or jnp.dtype(scale.dtype) != jnp.float32:
+        raise ValueError(
+            f"{scale_name} must be float32 {want} (one per {FP8_BLOCK}x{FP8_BLOCK} block of {w_name} {w.shape}), "
+            f"got {getattr(scale, 'dtype', type(scale))} {getattr(scale, 'shape', None)}"
+        )
+
+
+def check_fp8_blocks(block_n, block_k, what: str):
+    """A Triton kernel's tiles over block-FP8 weights: K steps of one scale block, at most one scale row of
+    columns a program."""
+    if block_k is not None and block_k != FP8_BLOCK:
+        raise ValueError(f"block_k={block_k}: {what} step K by their {FP8_BLOCK}-wide scale blocks")
+    if block_n is not None and block_n > FP8_BLOCK:
+        raise ValueError(f"block_n={block_n}: at most {FP8_BLOCK} with {what} (one scale row a program)")
+
+
 def quantize_act_tile(x):
     """A kernel's activation tile x [R, W] (W <= 128: one K block; masked columns 0) quantized per row as
     `fp8_matmul.quantize_act` does: (the e4m3 values as float32, scale f32[R]), scale = max(amax, floor) / 448."""

@@ -84,7 +84,7 @@ def quantize_fp8_blocks(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> t
     """float w [..., M, K] -> (e4m3 [..., M, K], f32 scale_inv [..., ceil(M/bm), ceil(K/bk)]): amax/448 per
     block (DeepSeek-V3's format; `dequantize_fp8_blocks` inverts it up to e4m3 rounding). numpy, the same
     math as `pallas_kernels.fp8_matmul.quantize_weight_blocks` (which runs on the device)."""
-    from pallas_kernels.fp8_matmul import _AMAX_FLOOR, FP8_MAX
+    from pallas_kernels.util import FP8_AMAX_FLOOR, FP8_MAX
 
     bm, bk = block
     w = np.asarray(w, np.float32)
@@ -93,7 +93,7 @@ def quantize_fp8_blocks(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> t
     wp = np.zeros((*lead, mb * bm, kb * bk), np.float32)
     wp[..., :m, :k] = w
     blocks = wp.reshape(*lead, mb, bm, kb, bk)
-    scale = np.maximum(np.abs(blocks).max(axis=(-3, -1)), _AMAX_FLOOR) / FP8_MAX
+    scale = np.maximum(np.abs(blocks).max(axis=(-3, -1)), FP8_AMAX_FLOOR) / FP8_MAX
     q = (blocks / scale[..., :, None, :, None]).reshape(*lead, mb * bm, kb * bk)[..., :m, :k]
     return q.astype(FP8_E4M3), scale.astype(np.float32)
 
