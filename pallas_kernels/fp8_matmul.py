@@ -58,7 +58,18 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_matmul import check_groups, row_items, work_items
 from pallas_kernels.mgpu import interpret_params, static_interpret, tiled
-from pallas_kernels.util import BF16, F32, FP8, FP8_AMAX_FLOOR, FP8_BLOCK, FP8_MAX, cdiv, check_fp8_weight, num_sms
+from pallas_kernels.util import (
+    BF16,
+    F32,
+    FP8,
+    FP8_AMAX_FLOOR,
+    FP8_BLOCK,
+    FP8_MAX,
+    cdiv,
+    check_fp8_weight,
+    num_sms,
+    quantize_act_tile,
+)
 
 BLOCK = FP8_BLOCK  # quantization block: DeepSeek-V3's weight_block_size, and the kernel's K step
 _ROW = plgpu.Layout.WGMMA.reduce(1)
@@ -96,11 +107,9 @@ def quantize_act(x, block: int = BLOCK):
     scale = amax / 448 so that x ~= x_fp8 * scale. A ragged last block is quantized over its own width."""
     m, k = x.shape
     kb = cdiv(k, block)
-    xf = jnp.pad(x.astype(F32), ((0, 0), (0, kb * block - k))).reshape(m, kb, block)
-    amax = jnp.max(jnp.abs(xf), axis=-1)  # [M, Kb]
-    scale = jnp.maximum(amax, FP8_AMAX_FLOOR) / FP8_MAX
-    q = (xf / scale[..., None]).astype(FP8).reshape(m, kb * block)[:, :k]
-    return q, scale
+    xf = jnp.pad(x.astype(F32), ((0, 0), (0, kb * block - k))).reshape(m * kb, block)
+    q, scale = quantize_act_tile(xf)  # per (row, K block); the values exact in e4m3
+    return q.astype(FP8).reshape(m, kb * block)[:, :k], scale.reshape(m, kb)
 
 
 def quantize_weight_blocks(w, block: tuple[int, int] = (BLOCK, BLOCK)):

@@ -88,8 +88,9 @@ def check_fp8_blocks(block_n, block_k, what: str):
 
 
 def quantize_act_tile(x):
-    """A kernel's activation tile x [R, W] (W <= 128: one K block; masked columns 0) quantized per row as
-    `fp8_matmul.quantize_act` does: (the e4m3 values as float32, scale f32[R]), scale = max(amax, floor) / 448."""
+    """Activation rows x [R, W] (one K block each: W <= 128; a kernel's masked columns 0) quantized per row, the W8A8
+    format of `fp8_matmul.quantize_act` (which calls this) and of the Triton kernels' tiles: (the e4m3 values as
+    float32, scale f32[R]), scale = max(amax, floor) / 448."""
     x = x.astype(jnp.float32)
     scale = jnp.maximum(jnp.max(jnp.abs(x), axis=1), FP8_AMAX_FLOOR) / FP8_MAX
     return round_e4m3(x / scale[:, None]), scale
