@@ -398,11 +398,7 @@ def _kernel(
             w_mask = mask_and(None if col_in is None else col_in[:, None], k_mask)
             new = []
             for rhs_ref, scale_ref, acc in zip(weights, scales, accs):
-                view = rhs_ref.at[(*wlead, pl.ds(col0, bn), pl.ds(k0, bk))]
-                if w_mask is None:
-                    w = view[...].astype(x.dtype)
-                else:  # Triton cannot fill an fp8 load's masked lanes: zero them in bf16
-                    w = jnp.where(w_mask, pltriton.load(view, mask=w_mask).astype(x.dtype), 0)
+                w = masked_load(rhs_ref.at[(*wlead, pl.ds(col0, bn), pl.ds(k0, bk))], w_mask, x.dtype)
                 part = lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32)
                 new.append(acc + part * sx[:, None] * scale_ref[(*wlead, col0 // FP8_BLOCK, kk)])
             return tuple(new)

@@ -240,19 +240,15 @@ def _kernel(
             k0 = kk * bk
             k_x, k_w = (None, None) if k_in is None else (k_in[None, :], k_in[None, :])
             xt = masked_load(x_ref.at[pl.ds(row0, bt), pl.ds(k0, bk)], mask_and(row_in, k_x))
-            w_view, w_mask = w_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))], mask_and(col_in, k_w)
-            if fp8 and w_mask is not None:  # Triton cannot fill an fp8 load's masked lanes: zero them as bf16
-                wt = jnp.where(w_mask, pltriton.load(w_view, mask=w_mask).astype(cdt), 0)
-            else:
-                wt = masked_load(w_view, w_mask)
+            wt = masked_load(w_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))], mask_and(col_in, k_w), cdt)
             if not fp8:
-                return acc + product(xt.astype(cdt), wt.astype(cdt))
+                return acc + product(xt.astype(cdt), wt)
             # W8A8: x's rows quantized per 128 channels (this K step; masked columns are 0 and leave amax alone),
             # the e4m3 values multiplied exactly as bf16, the product scaled by row scale x the block's scale
             xq, sx = quantize_act_tile(xt)  # [bt, bk], [bt]
             xq = xq.astype(cdt)
             sw = s_ref[(*lead, col0 // FP8_BLOCK, kk)]  # bn <= 128 columns: one scale block
-            return acc + product(xq, wt.astype(cdt)) * sx[:, None] * sw
+            return acc + product(xq, wt) * sx[:, None] * sw
 
         full_steps = k // bk
         acc = lax.fori_loop(0, full_steps, step, jnp.zeros((bt, bn), jnp.float32))

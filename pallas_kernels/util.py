@@ -370,9 +370,16 @@ def mask_and(a, b):
     return a if b is None else a & b
 
 
-def masked_load(ref, mask):
-    """A Triton-lowered load of a ref view, masked (0 where False) unless mask is None."""
-    return ref[...] if mask is None else pltriton.load(ref, mask=mask, other=0)
+def masked_load(ref, mask, dtype=None):
+    """A Triton-lowered load of a ref view, masked (0 where False) unless mask is None, cast to `dtype` if given. An
+    fp8 ref's masked lanes are zeroed after the cast (Triton cannot fill them with an fp8 constant)."""
+    if mask is None:
+        v = ref[...]
+        return v if dtype is None else v.astype(dtype)
+    if jnp.dtype(ref.dtype) == FP8:
+        return jnp.where(mask, pltriton.load(ref, mask=mask).astype(dtype or jnp.float32), 0)
+    v = pltriton.load(ref, mask=mask, other=0)
+    return v if dtype is None else v.astype(dtype)
 
 
 def masked_store(ref, val, mask):
