@@ -383,16 +383,7 @@ case $part in
         --kernels pallas_sm90 --dtypes fp8 --shapes 32x16x1024,8x16x4096,64x16x4096,128x16x8192
     run 70 regs64 python3 out/probe/regs64.py "$out"
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-27) # next session, first call: the fp8 cache at batch 1 (the step's Triton fp8 decode takes 11.9 us a layer against
-    # bf16's 6.6): Triton and the narrow Hopper kernel (its default splits and the sweep's) at 1x16x1024 / 1x16x4096,
-    # both dtypes; then the 64-row kernel's fp8 rows at its (216, 72) split (exact and fp8_qk) at 64x128x4096 and
-    # 128x128x8192
-    out=${2:?}
-    run 200 decode-b1 python3 bench/decode.py --out "$out/b1" --quick --no-check --no-ragged --device-time --sweep \
-        --kernels pallas,pallas_sm90 --dtypes bf16,fp8 --shapes 1x16x1024,1x16x4096
-    run 200 decode python3 bench/decode.py --out "$out" --quick --no-check --no-ragged --device-time \
-        --kernels pallas_sm90 --dtypes fp8 --shapes 64x128x4096,128x128x8192
-    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+27) echo "part 27 became part 28's second half (session 20)" >&2; exit 2 ;;
 28) # session 20, first call: the demo model's speculative steps (0.55-0.87x plain at 8672b25): wall, wait and host
     # time per step and a trace of each row's generation (kernels, device busy per step); then part 27's rows
     out=${2:?}
