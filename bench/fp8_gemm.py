@@ -42,9 +42,11 @@ the kernel disagree with a reference, each row an error max|out - ref| / max|ref
   default, and the grouped kernel (uneven groups, an empty one, NaN padding rows that must come out 0).
 
 Rows (DIR/fp8-gemm-h200.json; --smoke: fp8-gemm-h200-smoke.json): op "fp8_gemm", model, name, kind
-(dense/grouped), M, N, K, G (experts, grouped), impl, us (median), TFLOPs (2 M N K / time), TBps (weight
-bytes / time: the decode roofline), frac_matmul (of the bf16 matmul ceiling), frac_copy, speedup_vs_bf16
-(bf16 us / this us, same shape and M). Ceilings measured in the same run (mla_jax.bench.common).
+(dense/grouped), M, N, K, G (experts, grouped), impl, us (median wall time a call, back to back), at M <= 256 also
+device_us / span_us / kernels_per_call (a traced pass: the GPU's busy time a call; at decode sizes `us` is mostly
+the host's dispatch), TFLOPs (2 M N K / time), TBps (weight bytes / time: the decode roofline), frac_matmul (of the
+bf16 matmul ceiling), frac_copy, speedup_vs_bf16 (bf16's time / this time, same shape and M); time = device_us
+where measured, else us. Ceilings measured in the same run (mla_jax.bench.common).
 --smoke: tiny shapes on a CPU under the Mosaic GPU interpreter (checks the plumbing only).
 """
 
@@ -99,6 +101,8 @@ MS = (1, 16, 128, 512, 2048, 4096, 16384)
 SMOKE_DENSE = [("smoke", "dense", 128, 256), ("smoke", "ragged_k", 128, 200)]
 SMOKE_GROUPED = [("smoke", "grouped", 3, 128, 256)]
 SMOKE_MS = (1, 70)
+DEVICE_TIME_MAX_M = 256  # rows up to this M also get device_us (a traced pass): a decode-size call's wall time is
+# mostly the host's dispatch (part 30: 40-240 us a call at M <= 64, for GEMMs whose weight bytes need 2-6 us)
 L2_BYTES = 64 << 20  # weights smaller than this cycle through 3 sets so L2 cannot hold them
 
 
@@ -126,8 +130,9 @@ def _row(model, name, kind, m, n, k, g, impl, us, ceil, wbytes, **extra):
     if g:
         r["G"] = g
     if us is not None:
-        tf = 2 * m * n * k / (us * 1e-6) / 1e12
-        tb = wbytes / (us * 1e-6) / 1e12
+        t = extra.get("device_us") or us  # the GPU's time where it was traced
+        tf = 2 * m * n * k / (t * 1e-6) / 1e12
+        tb = wbytes / (t * 1e-6) / 1e12
         r.update(us=round(us, 2), TFLOPs=round(tf, 2), TBps=round(tb, 3))
         if ceil.get("matmul_TFLOPs"):
             r["frac_matmul"] = round(tf / ceil["matmul_TFLOPs"], 3)
@@ -166,7 +171,10 @@ def _measure(rows, base, impls, smoke, check_ref=None, **extra):
                 ok &= good
                 row_extra["check_rel_err"] = round(rel, 5)
             us = _timed(fn, args, smoke)
-            results[impl] = us
+            if not smoke and base["m"] <= DEVICE_TIME_MAX_M:  # decode sizes: the wall time is the host's dispatch
+                dev = common.device_time_us(fn, args)
+                row_extra.update({k: v for k, v in dev.items() if k != "kernels_us"})
+            results[impl] = row_extra.get("device_us") or us
             shape_rows.append(_row(impl=impl, us=us, **base, **row_extra))
         except Exception as e:  # noqa: BLE001
             log(f"{label} {impl}: ERROR {type(e).__name__}: {str(e)[:300]}")
@@ -177,7 +185,7 @@ def _measure(rows, base, impls, smoke, check_ref=None, **extra):
     if "bf16" in results:
         for r in shape_rows:
             if r.get("us"):
-                r["speedup_vs_bf16"] = round(results["bf16"] / r["us"], 3)
+                r["speedup_vs_bf16"] = round(results["bf16"] / (r.get("device_us") or r["us"]), 3)
     rows += shape_rows
     log(f"{label}: " + ", ".join(f"{i} {u:.1f} us" for i, u in results.items()))
     return ok

@@ -68,7 +68,7 @@ from pallas_kernels.util import (
     cdiv,
     check_fp8_weight,
     num_sms,
-    quantize_act_tile,
+    quantize_act,
 )
 
 BLOCK = FP8_BLOCK  # quantization block: DeepSeek-V3's weight_block_size, and the kernel's K step
@@ -100,16 +100,6 @@ def _f32(q):
     """e4m3 -> float32 that XLA cannot fold into the f32 -> e4m3 convert that made `q` (see the module
     docstring: without the barrier, XLA on GPU drops the fp8 rounding of a quantize -> dequantize in one jit)."""
     return lax.optimization_barrier(q).astype(F32)
-
-
-def quantize_act(x, block: int = BLOCK):
-    """x [M, K] -> (e4m3 [M, K], float32 scale [M, cdiv(K, block)]): per token per `block` channels,
-    scale = amax / 448 so that x ~= x_fp8 * scale. A ragged last block is quantized over its own width."""
-    m, k = x.shape
-    kb = cdiv(k, block)
-    xf = jnp.pad(x.astype(F32), ((0, 0), (0, kb * block - k))).reshape(m * kb, block)
-    q, scale = quantize_act_tile(xf)  # per (row, K block); the values exact in e4m3
-    return q.astype(FP8).reshape(m, kb * block)[:, :k], scale.reshape(m, kb)
 
 
 def quantize_weight_blocks(w, block: tuple[int, int] = (BLOCK, BLOCK)):

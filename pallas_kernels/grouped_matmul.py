@@ -50,9 +50,10 @@ of each, summed and combined by XLA), one launch where two GEMMs and an elementw
 Block-FP8 experts (`rhs_scale` / `up_scale`: e4m3 weights [(Lyr,) G, N, K] with one float32 scale per 128 x 128
 block, [(Lyr,) G, cdiv(N, 128), cdiv(K, 128)], DeepSeek-V3's format): the W8A8 product of `fp8_matmul`'s grouped GEMM,
 at the sizes this kernel serves (decode: few rows per expert, unsorted copies, gate and up in one pass), where that
-Mosaic GPU kernel needs its rows gathered, padded and quantized by XLA kernels first. Each program quantizes its lhs
-tile per row per 128 channels itself (`util.quantize_act_tile`), multiplies the e4m3 values as bf16 (exact), and
-scales each 128-deep K step's product by (row scale x the expert's block scale): K steps are the scale blocks
+Mosaic GPU kernel needs its rows gathered, padded and quantized by XLA kernels first. lhs is quantized per row per
+128 channels once before the call (`util.quantize_act`, one XLA fusion over lhs's rows, one per token for top-k
+copies; quantizing in the kernel made every program redo its tile's, part 30), the kernel multiplies the e4m3 values
+as bf16 (exact), and scales each 128-deep K step's product by (row scale x the expert's block scale): K steps are the scale blocks
 (block_k = 128), block_n <= 128 (a program's columns share one scale row). HF layout only, no shared chunks.
 
 Weight-bound decode (few rows per expert) wants enough programs in flight to saturate HBM: small
@@ -91,7 +92,7 @@ from pallas_kernels.util import (
     masked_load,
     next_pow2,
     num_sms,
-    quantize_act_tile,
+    quantize_act,
 )
 
 
@@ -339,8 +340,9 @@ def _kernel(
     n_rhs = 2 if glu else 1
     item_refs, (layer_ref, lhs_ref) = refs[:n_items], refs[n_items : n_items + 2]
     rhs_refs = refs[n_items + 2 : n_items + 2 + n_rhs]
-    n_w = n_items + 2 + n_rhs * (1 + fp8)
-    scale_refs = refs[n_items + 2 + n_rhs : n_w] if fp8 else (None,) * n_rhs
+    n_w = n_items + 2 + n_rhs * (1 + fp8) + fp8
+    scale_refs = refs[n_items + 2 + n_rhs : n_w - 1] if fp8 else (None,) * n_rhs
+    xs_ref = refs[n_w - 1] if fp8 else None  # fp8: lhs e4m3 and its row scales f32[M, K / 128] (`quantize_act`)
     shared_refs, out_ref = refs[n_w:-1], refs[-1]
     j = pl.program_id(0)  # N block (fastest: programs in flight share the row tile and expert)
     i = pl.program_id(1)  # work item
@@ -388,19 +390,23 @@ def _kernel(
     def step(kk, accs, weights, wlead, w_n0, w_k0, k_in=None, scales=None):
         k0 = kk * bk
         k_mask = None if k_in is None else k_in[None, :]
+        cast = jnp.bfloat16 if fp8 else None  # fp8: the e4m3 values as bf16 (exact)
         if by_row:
-            x = masked_load(lhs_ref.at[src, (k0 + kcols)[None, :]], k_mask)
+            x = masked_load(lhs_ref.at[src, (k0 + kcols)[None, :]], k_mask, cast)
         else:
-            x = masked_load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask_and(row_in, k_mask))
-        if scales is not None:  # fp8 experts (HF layout): the rows quantized for this K block, e4m3 values as bf16
-            xq, sx = quantize_act_tile(x)
-            xq = xq.astype(x.dtype)
+            x = masked_load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask_and(row_in, k_mask), cast)
+        if scales is not None:  # fp8 experts (HF layout): the product scaled by the rows' scales for this K block
+            # [bm, 1] and the expert's block scale
+            if by_row:
+                sx = masked_load(xs_ref.at[src, jnp.full((1, 1), kk, jnp.int32)], None)
+            else:
+                sx = masked_load(xs_ref.at[pl.ds(row0, bm), pl.ds(kk, 1)], row_in)
             w_mask = mask_and(None if col_in is None else col_in[:, None], k_mask)
             new = []
             for rhs_ref, scale_ref, acc in zip(weights, scales, accs):
-                w = masked_load(rhs_ref.at[(*wlead, pl.ds(col0, bn), pl.ds(k0, bk))], w_mask, x.dtype)
-                part = lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32)
-                new.append(acc + part * sx[:, None] * scale_ref[(*wlead, col0 // FP8_BLOCK, kk)])
+                w = masked_load(rhs_ref.at[(*wlead, pl.ds(col0, bn), pl.ds(k0, bk))], w_mask, cast)
+                part = lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+                new.append(acc + part * sx * scale_ref[(*wlead, col0 // FP8_BLOCK, kk)])
             return tuple(new)
         new = []
         for rhs_ref, acc in zip(weights, accs):
@@ -502,7 +508,8 @@ def _gmm_impl(
     layer: i32[1], the index into rhs's leading axis when rhs is stacked [Lyr, G, ...] (4-D).
     rhs_up: None, or the up projection beside rhs (the gate): out = silu(lhs @ rhs) * (lhs @ rhs_up).
     shared (and beside it shared_up with rhs_up): None, or a weight [(Lyr,) N_s, K_s] whose C chunks
-    (`shared_chunks`) are groups G..G+C-1. scales: () or, for e4m3 rhs (and rhs_up), their block scales."""
+    (`shared_chunks`) are groups G..G+C-1. scales: () or, for e4m3 rhs (and rhs_up), their block scales, then lhs's
+    row scales [M, cdiv(K, 128)] (lhs e4m3: `quantize_act`)."""
     glu = rhs_up is not None
     rhss = (rhs, rhs_up) if glu else (rhs,)
     shareds = () if shared is None else (shared, shared_up) if glu else (shared,)
@@ -531,6 +538,7 @@ def _gmm_impl(
         m = m + block_m
     elif interpret and m < block_m:  # padding segment rows: output 0, sliced off
         lhs = jnp.pad(lhs, ((0, block_m - m), (0, 0)))
+        scales = (*scales[:-1], jnp.pad(scales[-1], ((0, block_m - m), (0, 0)))) if scales else scales
         m = block_m
     pad_k = block_k - k if interpret and k < block_k else 0  # zeros in K add nothing
     pad_n = block_n - n if interpret and n < block_n else 0
@@ -668,7 +676,7 @@ def grouped_matmul(
 
     rhs_scale (and up_scale with up_rhs): block-FP8 experts, rhs e4m3 [(Lyr,) G, N, K] (transpose_rhs=True) with
     float32 scales [(Lyr,) G, cdiv(N, 128), cdiv(K, 128)]: the W8A8 product (lhs quantized per row per 128 channels
-    in the kernel, the module docstring); lhs bf16 or f16, no shared_rhs.
+    before the kernel, the module docstring); lhs bf16 or f16, no shared_rhs.
 
     Tuning (None = `default_tuning`): block_m rows per tile, block_n, block_k (powers of two >= 16),
     num_warps, num_stages (Triton pipelining), num_k_splits (K split into float32 partials).
@@ -726,6 +734,10 @@ def grouped_matmul(
         if rhs_index is None
         else jnp.asarray(rhs_index, jnp.int32).reshape(1)  # clamped to [0, Lyr) in the kernel
     )
+    scales = ()
+    if fp8:  # W8A8: lhs quantized once (one XLA fusion), not by each program; its row scales after the weights'
+        lhs, x_scale = quantize_act(lhs)
+        scales = (rhs_scale, up_scale, x_scale) if up_rhs is not None else (rhs_scale, x_scale)
     return _gmm_impl(
         lhs,
         rhs,
@@ -734,7 +746,7 @@ def grouped_matmul(
         shared_up_rhs,
         row_groups if by_row else group_sizes,
         layer,
-        () if not fp8 else (rhs_scale, up_scale) if up_rhs is not None else (rhs_scale,),
+        scales,
         by_row=by_row,
         transpose_rhs=bool(transpose_rhs),
         interpret=bool(interpret),

@@ -42,12 +42,14 @@ Block-FP8 weights (`scales`: DeepSeek-V3's e4m3 weights with one float32 `weight
 `fp8_matmul`'s format): the W8A8 product of `fp8_matmul` at decode sizes, where that Mosaic GPU kernel pads the
 tokens to a 64-row tile, quantizes them in XLA kernels of their own and splits K with an XLA sum after it (the
 fp8-weight step at batch 1 ran 9 of its calls a layer, ~6-8 us each, 1249 kernels a step against bf16's 400:
-bench/results/e2e-profile-b1-fp8-h200.json). Here each program quantizes its x tile per row per 128 channels itself
-(`util.quantize_act_tile`: `fp8_matmul.quantize_act`'s amax / 448, rounded with `util.round_e4m3`), multiplies the
-e4m3 values as bf16 (exact: e4m3 is a subset of bf16, the products exact in float32), and adds each 128-deep K step's
-product times (row scale x block scale) to the float32 sum: `fp8_matmul_quantized_reference`'s math, float32
-summation order aside. K steps are the 128-wide scale blocks (block_k = 128); block_n <= 128, so a program's columns
-share one scale row.
+bench/results/e2e-profile-b1-fp8-h200.json). Here x is quantized once before the call (`util.quantize_act`, one XLA
+fusion: per row per 128 channels, as `fp8_matmul` does; quantizing in the kernel made every program redo it for the
+whole of x: at part 30 the fp8-weight step at batch 1 took 6.79 ms with it against 3.26 through the Mosaic GEMMs), the
+kernel multiplies the e4m3 values of x and w as
+bf16 (exact: e4m3 is a subset of bf16, the products exact in float32), and adds each 128-deep K step's product times
+(row scale x block scale) to the float32 sum: `fp8_matmul_quantized_reference`'s math, float32 summation order
+aside. K steps are the 128-wide scale blocks (block_k = 128); block_n <= 128, so a program's columns share one
+scale row.
 
 Not here: split K (a few programs could not fill the SMs only for N far below block_n x SMs: the router's 64 rows,
 for which the float32 path shrinks block_n to 1 instead).
@@ -88,7 +90,7 @@ from pallas_kernels.util import (
     next_pow2,
     num_sms,
     pad_to,
-    quantize_act_tile,
+    quantize_act,
 )
 
 __all__ = ["compute_dtype", "default_tuning", "linear", "linear_reference"]
@@ -212,10 +214,12 @@ def _kernel(
     cdt,
     fp8: bool,
 ):
-    # refs: the weights [(Lyr,) N_j, K], with fp8 weights their scales [(Lyr,) N_j / 128, K / 128], then the outputs
+    # refs: the weights [(Lyr,) N_j, K], with fp8 weights their scales [(Lyr,) N_j / 128, K / 128] and x's f32[T,
+    # K / 128] (x e4m3: `quantize_act`), then the outputs
     nw = len(ns)
-    w_refs, out_refs = refs[:nw], refs[nw * (1 + fp8) :]
+    w_refs, out_refs = refs[:nw], refs[nw * (1 + fp8) + fp8 :]
     s_refs = refs[nw : 2 * nw] if fp8 else (None,) * nw
+    xs_ref = refs[2 * nw] if fp8 else None
     i = pl.program_id(0)  # row tile (fastest: programs in flight share the weight tile)
     j = pl.program_id(1)  # N block, flattened over the weights
     row0 = i * bt
@@ -239,16 +243,15 @@ def _kernel(
         def step(kk, acc, k_in=None):
             k0 = kk * bk
             k_x, k_w = (None, None) if k_in is None else (k_in[None, :], k_in[None, :])
-            xt = masked_load(x_ref.at[pl.ds(row0, bt), pl.ds(k0, bk)], mask_and(row_in, k_x))
+            xt = masked_load(x_ref.at[pl.ds(row0, bt), pl.ds(k0, bk)], mask_and(row_in, k_x), cdt)
             wt = masked_load(w_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))], mask_and(col_in, k_w), cdt)
             if not fp8:
-                return acc + product(xt.astype(cdt), wt)
-            # W8A8: x's rows quantized per 128 channels (this K step; masked columns are 0 and leave amax alone),
-            # the e4m3 values multiplied exactly as bf16, the product scaled by row scale x the block's scale
-            xq, sx = quantize_act_tile(xt)  # [bt, bk], [bt]
-            xq = xq.astype(cdt)
-            sw = s_ref[(*lead, col0 // FP8_BLOCK, kk)]  # bn <= 128 columns: one scale block
-            return acc + product(xq, wt) * sx[:, None] * sw
+                return acc + product(xt, wt)
+            # W8A8: the e4m3 values of x and w multiplied exactly as bf16, the product scaled by x's row scales for
+            # this K block [bt, 1] (masked rows 0) and the weight block's scale (bn <= 128 columns: one block)
+            sx = masked_load(xs_ref.at[pl.ds(row0, bt), pl.ds(kk, 1)], row_in)
+            sw = s_ref[(*lead, col0 // FP8_BLOCK, kk)]
+            return acc + product(xt, wt) * sx * sw
 
         full_steps = k // bk
         acc = lax.fori_loop(0, full_steps, step, jnp.zeros((bt, bn), jnp.float32))
@@ -271,7 +274,7 @@ def _kernel(
 )
 def _impl(x, weights, scales, layer, *, out_dtype, interpret, block_t, block_n, block_k, num_warps, num_stages):
     """layer: i32[1], the index into the weights' leading axis when they are stacked [Lyr, N_j, K] (3-D); scales:
-    () or, with fp8 weights, their block scales."""
+    () or, with fp8 weights, their block scales and then x's (x e4m3, `quantize_act`'s)."""
     stacked = weights[0].ndim == 3
     fp8 = bool(scales)
     t, k = x.shape
@@ -279,11 +282,12 @@ def _impl(x, weights, scales, layer, *, out_dtype, interpret, block_t, block_n, 
     t_out, ns_out = t, ns
     if interpret:  # blocks larger than their arrays: zero padding (masked out by the kernel, sliced off)
         x = pad_to(pad_to(x, 0, block_t), 1, block_k)
+        scales = (*scales[:-1], pad_to(scales[-1], 0, block_t)) if fp8 else scales
         weights = tuple(pad_to(pad_to(w, w.ndim - 2, block_n), w.ndim - 1, block_k) for w in weights)
         t_out, ns_out = max(t, block_t), tuple(max(n, block_n) for n in ns)
     blocks = [cdiv(n, block_n) for n in ns]
     starts = tuple(sum(blocks[:j]) for j in range(len(ns) + 1))
-    cdt = x.dtype if fp8 else compute_dtype(x.dtype, weights[0].dtype)
+    cdt = jnp.bfloat16 if fp8 else compute_dtype(x.dtype, weights[0].dtype)  # e4m3 values: exact in bf16
     kernel = functools.partial(
         _kernel,
         t=t,
@@ -364,6 +368,9 @@ def linear(
 def _run(x, weights, layer, static, scales=()):
     out_dtype, interpret, bt, bn, bk, warps, stages = static
     kw = dict(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+    if scales:  # W8A8: x quantized once (one XLA fusion), not by each program of the kernel
+        x, x_scale = quantize_act(x)
+        scales = (*scales, x_scale)
     return _impl(x, weights, scales, layer, out_dtype=out_dtype, interpret=interpret, **kw)
 
 

@@ -410,7 +410,7 @@ case $part in
         tests/pallas_kernels/test_fp8_matmul.py tests/pallas_kernels/test_grouped_matmul.py \
         tests/pallas_kernels/test_linear.py
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-30) # next session, first call: the fp8 linear and grouped kernels' W8A8 paths (session 20, CPU-tested only: block-FP8
+30) # session 21, first call (its results were lost with the session; part 32 re-measures): the fp8 linear and grouped kernels' W8A8 paths (session 20, CPU-tested only: block-FP8
     # weights in pallas_kernels.linear and grouped_matmul, taken at <= 64 tokens): their GPU tests, their decode-size
     # rows against the Mosaic W8A8 GEMMs and bf16, then the fp8-weight step at batch 1 / 32 / 128 (part 29 at 0cf314c:
     # 3.26 / 9.61 / 14.2 ms, 1249 kernels at batch 1)
@@ -422,7 +422,7 @@ case $part in
         --no-prefill --no-engine --profile "$out/trace"
     rm -rf "$out/trace"
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-31) # next session, second call: the ctx-1k step rows (from cee473d, before the narrow decode: batch 32 1.35x, 128
+31) # a later call (not run yet): the ctx-1k step rows (from cee473d, before the narrow decode: batch 32 1.35x, 128
     # 1.71x roofline) at batch 1 / 8 / 32 / 128, both caches, profiled; the demo's speculative rows at k = 1..3
     out=${2:?}
     run 330 e2e-1k python3 -m mla_jax.bench.e2e --out "$out" --weights bf16 --cache-dtype bf16,fp8 \
@@ -430,5 +430,23 @@ case $part in
     rm -rf "$out/trace"
     run 200 spec-demo python3 bench/spec.py --out "$out/spec" --no-verify --demo-batches 1,all --budget-min 3.2
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 31" >&2; exit 2 ;;
+32) # session 22, first call: the fp8 linear / grouped Triton kernels with x quantized once before the call (part 30
+    # at 7bb5dd3, each program quantizing its own tiles: the fp8-weight step at batch 1 6.79 ms, 32 13.8, against 3.26 /
+    # 9.61 through the Mosaic GEMMs): their GPU tests, then the fp8-weight step at batch 1 / 32, profiled
+    out=${2:?}
+    run 120 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_linear.py tests/pallas_kernels/test_grouped_matmul.py -k "fp8"
+    run 300 e2e-fp8w python3 -m mla_jax.bench.e2e --out "$out/fp8w" --weights fp8 --batches 1,32 --ctxs 4096 \
+        --no-prefill --no-engine --profile "$out/trace"
+    rm -rf "$out/trace"
+    run 150 fp8-gemm python3 bench/fp8_gemm.py --out "$out" --ms 1,8,32,64 --budget-s 110
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+33) # session 22, second call: the fp8 GEMM rows at decode sizes with device time (the wall time there is dispatch),
+    # then the bf16 and fp8-weight steps in one run at batch 1 / 32 / 128 (issue 25's batch-32 target: <= 0.65x bf16)
+    out=${2:?}
+    run 200 fp8-gemm python3 bench/fp8_gemm.py --out "$out" --ms 1,8,32,64,256 --budget-s 160
+    run 380 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16,fp8 --batches 1,32,128 --ctxs 4096 \
+        --no-prefill --no-engine
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 33" >&2; exit 2 ;;
 esac
