@@ -53,8 +53,9 @@ at the sizes this kernel serves (decode: few rows per expert, unsorted copies, g
 Mosaic GPU kernel needs its rows gathered, padded and quantized by XLA kernels first. lhs is quantized per row per
 128 channels once before the call (`util.quantize_act`, one XLA fusion over lhs's rows, one per token for top-k
 copies; quantizing in the kernel made every program redo its tile's, part 30), the kernel multiplies the e4m3 values
-as bf16 (exact), and scales each 128-deep K step's product by (row scale x the expert's block scale): K steps are the scale blocks
-(block_k = 128), block_n <= 128 (a program's columns share one scale row). HF layout only, no shared chunks.
+as bf16 (exact), and scales each 128-deep K step's product by (row scale x the expert's block scale): K steps are
+the scale blocks (block_k = 128), block_n <= 128 (a program's columns share one scale row). HF layout only, no
+shared chunks.
 
 Weight-bound decode (few rows per expert) wants enough programs in flight to saturate HBM: small
 row tiles (16) and narrow N blocks, and optionally `num_k_splits` > 1, which writes float32 partials
