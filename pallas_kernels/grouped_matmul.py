@@ -83,6 +83,8 @@ from pallas_kernels.util import (
     FLOAT_DTYPES,
     FP8,
     FP8_BLOCK,
+    block_scale,
+    block_scales,
     cdiv,
     check_fp8_blocks,
     check_fp8_weight,
@@ -93,6 +95,7 @@ from pallas_kernels.util import (
     masked_load,
     next_pow2,
     num_sms,
+    pad_to,
     quantize_act,
 )
 
@@ -396,18 +399,14 @@ def _kernel(
             x = masked_load(lhs_ref.at[src, (k0 + kcols)[None, :]], k_mask, cast)
         else:
             x = masked_load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask_and(row_in, k_mask), cast)
-        if scales is not None:  # fp8 experts (HF layout): the product scaled by the rows' scales for this K block
-            # [bm, 1] and the expert's block scale
-            if by_row:
-                sx = masked_load(xs_ref.at[src, jnp.full((1, 1), kk, jnp.int32)], None)
-            else:
-                sx = masked_load(xs_ref.at[pl.ds(row0, bm), pl.ds(kk, 1)], row_in)
+        if scales is not None:  # fp8 experts (HF layout): the product scaled by row scale x the expert's block
+            # scale for this K block (`scales`: the weights' [bm, Kp] from `block_scales`)
             w_mask = mask_and(None if col_in is None else col_in[:, None], k_mask)
             new = []
-            for rhs_ref, scale_ref, acc in zip(weights, scales, accs):
+            for rhs_ref, scale, acc in zip(weights, scales, accs):
                 w = masked_load(rhs_ref.at[(*wlead, pl.ds(col0, bn), pl.ds(k0, bk))], w_mask, cast)
                 part = lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
-                new.append(acc + part * sx * scale_ref[(*wlead, col0 // FP8_BLOCK, kk)])
+                new.append(acc + part * block_scale(scale, kk))
             return tuple(new)
         new = []
         for rhs_ref, acc in zip(weights, accs):
@@ -434,6 +433,9 @@ def _kernel(
     if num_chunks:
         sources.append((is_shared, shared_refs, shared_lead, n_off, k_off, None))
     for on, weights, wlead, w_n0, w_k0, scales in sources:
+        if scales is not None:  # the tile's scales for all K blocks, loaded before the K loop (`block_scales`)
+            rows_at = src if by_row else pl.ds(row0, bm)
+            scales = tuple(block_scales(xs_ref, rows_at, r, (*wlead, col0 // FP8_BLOCK), row_in) for r in scales)
         body = functools.partial(step, weights=weights, wlead=wlead, w_n0=w_n0, w_k0=w_k0, scales=scales)
         acc = lax.fori_loop(first, first + jnp.where(on, owned, 0), body, acc)
         if k % bk:  # static: one masked step for the ragged end of K, run by the split that owns it
@@ -541,6 +543,8 @@ def _gmm_impl(
         lhs = jnp.pad(lhs, ((0, block_m - m), (0, 0)))
         scales = (*scales[:-1], jnp.pad(scales[-1], ((0, block_m - m), (0, 0)))) if scales else scales
         m = block_m
+    if interpret:  # the scales' K blocks to a power of two (`block_scales`)
+        scales = tuple(pad_to(a, a.ndim - 1, next_pow2(a.shape[-1])) for a in scales)
     pad_k = block_k - k if interpret and k < block_k else 0  # zeros in K add nothing
     pad_n = block_n - n if interpret and n < block_n else 0
     if pad_k or pad_n:

@@ -78,6 +78,8 @@ from pallas_kernels.util import (
     FLOAT_DTYPES,
     FP8,
     FP8_BLOCK,
+    block_scale,
+    block_scales,
     cdiv,
     check_fp8_blocks,
     check_fp8_weight,
@@ -240,6 +242,9 @@ def _kernel(
         cols = col0 + jnp.arange(bn, dtype=jnp.int32)
         col_in = (cols < n)[:, None] if n % bn else None  # [bn, 1], for the weight tile
 
+        if fp8:  # the tile's scales for all K blocks, loaded before the K loop (`block_scales`)
+            scale = block_scales(xs_ref, pl.ds(row0, bt), s_ref, (*lead, col0 // FP8_BLOCK), row_in)
+
         def step(kk, acc, k_in=None):
             k0 = kk * bk
             k_x, k_w = (None, None) if k_in is None else (k_in[None, :], k_in[None, :])
@@ -247,11 +252,9 @@ def _kernel(
             wt = masked_load(w_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))], mask_and(col_in, k_w), cdt)
             if not fp8:
                 return acc + product(xt, wt)
-            # W8A8: the e4m3 values of x and w multiplied exactly as bf16, the product scaled by x's row scales for
-            # this K block [bt, 1] (masked rows 0) and the weight block's scale (bn <= 128 columns: one block)
-            sx = masked_load(xs_ref.at[pl.ds(row0, bt), pl.ds(kk, 1)], row_in)
-            sw = s_ref[(*lead, col0 // FP8_BLOCK, kk)]
-            return acc + product(xt, wt) * sx * sw
+            # W8A8: the e4m3 values of x and w multiplied exactly as bf16, the product scaled by x's row scale x the
+            # weight block's (bn <= 128 columns: one block) for this K block
+            return acc + product(xt, wt) * block_scale(scale, kk)
 
         full_steps = k // bk
         acc = lax.fori_loop(0, full_steps, step, jnp.zeros((bt, bn), jnp.float32))
@@ -282,7 +285,9 @@ def _impl(x, weights, scales, layer, *, out_dtype, interpret, block_t, block_n, 
     t_out, ns_out = t, ns
     if interpret:  # blocks larger than their arrays: zero padding (masked out by the kernel, sliced off)
         x = pad_to(pad_to(x, 0, block_t), 1, block_k)
-        scales = (*scales[:-1], pad_to(scales[-1], 0, block_t)) if fp8 else scales
+        if fp8:  # the scales' K blocks to a power of two (`block_scales`), x's rows to the row tile
+            scales = tuple(pad_to(a, a.ndim - 1, next_pow2(a.shape[-1])) for a in scales)
+            scales = (*scales[:-1], pad_to(scales[-1], 0, block_t))
         weights = tuple(pad_to(pad_to(w, w.ndim - 2, block_n), w.ndim - 1, block_k) for w in weights)
         t_out, ns_out = max(t, block_t), tuple(max(n, block_n) for n in ns)
     blocks = [cdiv(n, block_n) for n in ns]

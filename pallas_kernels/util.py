@@ -12,6 +12,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 H200_SMS = 132
@@ -106,6 +107,32 @@ def quantize_act(x, block: int = FP8_BLOCK):
     xf = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kb * block - k))).reshape(m * kb, block)
     q, scale = quantize_act_tile(xf)  # per (row, K block); the values exact in e4m3
     return q.astype(FP8).reshape(m, kb * block)[:, :k], scale.reshape(m, kb)
+
+
+def block_scales(xs_ref, rows, ws_ref, ws_lead: tuple, row_mask=None):
+    """A W8A8 tile's scales for every K block, f32[R, Kp] (Kp = next_pow2(Kb), blocks past Kb 0): its rows' x
+    scales, `xs_ref` [M, Kb] at `rows` (a `pl.ds`, or row indices [R, 1] to gather; rows masked by `row_mask` [R, 1]
+    read 0), times the weight blocks' scales `ws_ref[ws_lead]` [Kb] (the tile's row of scale blocks). Loaded once
+    before a Triton kernel's K loop, which picks its block's column with `block_scale`: a load a step for them is not
+    pipelined (Triton prefetches the loads that feed a dot) and cost its latency every 128-deep step (part 32: V3's
+    q_a_proj at one token, 42 us of device time, bf16's dot 9). Interpret mode: pad both to Kp (`pad_to`)."""
+    kb = xs_ref.shape[-1]
+    kp = next_pow2(kb)
+    kcols = jnp.arange(kp, dtype=jnp.int32)
+    k_in = (kcols < kb) if kp != kb else None
+    ws = masked_load(ws_ref.at[(*ws_lead, pl.ds(0, kp))], k_in)  # [Kp]
+    k_mask = None if k_in is None else k_in[None, :]
+    if isinstance(rows, pl.Slice):
+        xs = masked_load(xs_ref.at[rows, pl.ds(0, kp)], mask_and(row_mask, k_mask))
+    else:
+        xs = masked_load(xs_ref.at[rows, kcols[None, :]], mask_and(row_mask, k_mask))
+    return xs * ws[None, :]
+
+
+def block_scale(scales, kk):
+    """Column kk of `block_scales`' [R, Kp] as [R, 1] (a select and a sum: a Triton tensor has no dynamic index)."""
+    kcols = jnp.arange(scales.shape[1], dtype=jnp.int32)
+    return jnp.sum(jnp.where(kcols[None, :] == kk, scales, 0.0), axis=1, keepdims=True)
 
 
 def fp8_row_scale(amax):
