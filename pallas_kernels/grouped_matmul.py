@@ -52,10 +52,11 @@ block, [(Lyr,) G, cdiv(N, 128), cdiv(K, 128)], DeepSeek-V3's format): the W8A8 p
 at the sizes this kernel serves (decode: few rows per expert, unsorted copies, gate and up in one pass), where that
 Mosaic GPU kernel needs its rows gathered, padded and quantized by XLA kernels first. lhs is quantized per row per
 128 channels once before the call (`util.quantize_act`, one XLA fusion over lhs's rows, one per token for top-k
-copies; quantizing in the kernel made every program redo its tile's, part 30), the kernel multiplies the e4m3 values
-as bf16 (exact), and scales each 128-deep K step's product by (row scale x the expert's block scale): K steps are
-the scale blocks (block_k = 128), block_n <= 128 (a program's columns share one scale row). HF layout only, no
-shared chunks.
+copies; quantizing in the kernel made every program redo its tile's, part 30), the kernel multiplies the e4m3 tiles
+in a dot of fp8 operands (exact products; `linear` says why not as bf16), and scales each 128-deep K step's
+product by (row scale x the expert's block scale, all the tile's loaded before the K loop: `util.block_scales`): K
+steps are the scale blocks (block_k = 128), block_n <= 128 (a program's columns share one scale row). HF layout
+only, no shared chunks.
 
 Weight-bound decode (few rows per expert) wants enough programs in flight to saturate HBM: small
 row tiles (16) and narrow N blocks, and optionally `num_k_splits` > 1, which writes float32 partials
@@ -91,6 +92,7 @@ from pallas_kernels.util import (
     check_stacked_index,
     check_warps_stages,
     is_pow2,
+    load_e4m3,
     mask_and,
     masked_load,
     next_pow2,
@@ -391,23 +393,28 @@ def _kernel(
             r_ = jnp.where(r_ < tokens * top_k, r_ // top_k, (r_ - tokens * top_k) % tokens)
         src = r_[:, None]
 
+    col_in_w = None if col_in is None else col_in[:, None]  # [bn, 1], for an HF-layout weight tile
+
     def step(kk, accs, weights, wlead, w_n0, w_k0, k_in=None, scales=None):
         k0 = kk * bk
         k_mask = None if k_in is None else k_in[None, :]
-        cast = jnp.bfloat16 if fp8 else None  # fp8: the e4m3 values as bf16 (exact)
-        if by_row:
-            x = masked_load(lhs_ref.at[src, (k0 + kcols)[None, :]], k_mask, cast)
-        else:
-            x = masked_load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask_and(row_in, k_mask), cast)
-        if scales is not None:  # fp8 experts (HF layout): the product scaled by row scale x the expert's block
-            # scale for this K block (`scales`: the weights' [bm, Kp] from `block_scales`)
-            w_mask = mask_and(None if col_in is None else col_in[:, None], k_mask)
+        if scales is not None:  # fp8 experts (HF layout): a dot of the e4m3 tiles (exact products; a cast to bf16
+            # first kept Triton from prefetching them, `linear`), scaled by row scale x the expert's block scale for
+            # this K block (`scales`: the weights' [bm, Kp] from `block_scales`)
+            if by_row:
+                x = load_e4m3(lhs_ref.at[src, (k0 + kcols)[None, :]], None, k_in)
+            else:
+                x = load_e4m3(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], row_in, k_in)
             new = []
             for rhs_ref, scale, acc in zip(weights, scales, accs):
-                w = masked_load(rhs_ref.at[(*wlead, pl.ds(col0, bn), pl.ds(k0, bk))], w_mask, cast)
+                w = load_e4m3(rhs_ref.at[(*wlead, pl.ds(col0, bn), pl.ds(k0, bk))], col_in_w, k_in)
                 part = lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
                 new.append(acc + part * block_scale(scale, kk))
             return tuple(new)
+        if by_row:
+            x = masked_load(lhs_ref.at[src, (k0 + kcols)[None, :]], k_mask)
+        else:
+            x = masked_load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask_and(row_in, k_mask))
         new = []
         for rhs_ref, acc in zip(weights, accs):
             if transpose_rhs:

@@ -44,12 +44,12 @@ tokens to a 64-row tile, quantizes them in XLA kernels of their own and splits K
 fp8-weight step at batch 1 ran 9 of its calls a layer, ~6-8 us each, 1249 kernels a step against bf16's 400:
 bench/results/e2e-profile-b1-fp8-h200.json). Here x is quantized once before the call (`util.quantize_act`, one XLA
 fusion: per row per 128 channels, as `fp8_matmul` does; quantizing in the kernel made every program redo it for the
-whole of x: at part 30 the fp8-weight step at batch 1 took 6.79 ms with it against 3.26 through the Mosaic GEMMs), the
-kernel multiplies the e4m3 values of x and w as
-bf16 (exact: e4m3 is a subset of bf16, the products exact in float32), and adds each 128-deep K step's product times
-(row scale x block scale) to the float32 sum: `fp8_matmul_quantized_reference`'s math, float32 summation order
-aside. K steps are the 128-wide scale blocks (block_k = 128); block_n <= 128, so a program's columns share one
-scale row.
+whole of x), the kernel multiplies the e4m3 tiles in a dot of fp8 operands (exact products, float32 sums; a cast of
+the tiles to bf16 before a bf16 dot kept Triton from prefetching them: 4x slower on the H200, session 22's probe) and
+adds each 128-deep scale block's product times (row scale x block scale) to the float32 sum:
+`fp8_matmul_quantized_reference`'s math, float32 summation order aside. The scales of all the tile's K blocks are
+loaded before the K loop (`util.block_scales`); a loop step covers block_k / 128 scale blocks (unrolled); block_n <=
+128, so a program's columns share one scale row.
 
 Not here: split K (a few programs could not fill the SMs only for N far below block_n x SMs: the router's 64 rows,
 for which the float32 path shrinks block_n to 1 instead).
@@ -86,6 +86,7 @@ from pallas_kernels.util import (
     check_stacked_index,
     check_warps_stages,
     is_pow2,
+    load_e4m3,
     mask_and,
     masked_load,
     masked_store,
@@ -156,7 +157,7 @@ def _validate_fp8(x, weights, scales, block_n, block_k):
         check_fp8_weight(w, sc, f"weights[{j}]", f"scales[{j}]")
     if jnp.dtype(x.dtype) == F32:
         raise ValueError("x must be bfloat16 or float16 with fp8 weights (the product runs as a bf16 dot), got float32")
-    check_fp8_blocks(block_n, block_k, "fp8 weights")
+    check_fp8_blocks(block_n, block_k, "fp8 weights", whole_blocks=True)
 
 
 def default_tuning(t: int, ns: tuple[int, ...], k: int, dtype, sms: int | None = None):
@@ -172,15 +173,19 @@ def default_tuning(t: int, ns: tuple[int, ...], k: int, dtype, sms: int | None =
       registers a thread at 4 warps), block_n down to 1 until the programs fill the SMs (the router's 64 rows at
       T = 1: 64 programs of one weight row each), K in steps of up to 1024 (the router at T = 1: 3.0 us with
       512-wide steps, 1.9 with 1024).
+    - block-FP8 (a dot of e4m3 tiles): from a probe on the H200 (session 22, V3's q_a_proj [1536, 7168], 16 rows,
+      block_n 16): 256-deep K steps with 4 warps 10.3 us, 1 warp 11.5 (128-deep 12.5, 512 10.9, 1024 10.4; 2 stages
+      16.9 where 4 take 10.9; block_n 32 25.5).
     """
     sms = num_sms() if sms is None else sms
-    if jnp.dtype(dtype) == FP8:  # fp8 weights, bf16 dot: K steps of one scale block, 1-byte weight tiles
+    if jnp.dtype(dtype) == FP8:  # fp8 weights, fp8 dot: 1-byte tiles, K steps of 2 scale blocks, 4 warps
         bt = min(64, max(16, next_pow2(t)))
         bn = max(16, min(64, next_pow2(max(ns))))
         while bn > 16 and cdiv(t, bt) * sum(cdiv(n, bn) for n in ns) < sms:
             bn //= 2
-        stages = max(1, min(4, cdiv(k, FP8_BLOCK), (128 << 10) // ((2 * bt + bn) * FP8_BLOCK)))
-        return bt, bn, FP8_BLOCK, 1 if bt <= 16 else 2, stages
+        bk = min(2 * FP8_BLOCK, max(FP8_BLOCK, next_pow2(k)))
+        stages = max(1, min(4, cdiv(k, bk), (128 << 10) // ((bt + bn) * bk)))
+        return bt, bn, bk, 4, stages
     if jnp.dtype(dtype) == F32:
         bt = min(8, next_pow2(t))
         bk = max(16, min(1024, next_pow2(k)))
@@ -237,31 +242,51 @@ def _kernel(
         # exact float32: multiply elementwise, sum over K (no TF32 anywhere)
         return jnp.sum(xt[:, None, :] * wt[None, :, :], axis=2)
 
+    def fp8_k_loop(w_ref, s_ref, col0, col_in, acc):
+        # W8A8: a dot of the e4m3 tiles (exact products, float32 sums: a cast of the tiles to bf16 first kept Triton
+        # from prefetching them, 4x slower on the H200), scaled by x's row scale x the weight block's (bn <= 128
+        # columns: one block) for each 128-deep K block; bk // 128 blocks a loop step
+        scale = block_scales(xs_ref, pl.ds(row0, bt), s_ref, (*lead, col0 // FP8_BLOCK), row_in)
+
+        def blocks(kb0, count, acc, k_in=None):  # scale blocks kb0 .. kb0 + count - 1
+            for b in range(count):
+                k0 = (kb0 + b) * FP8_BLOCK
+                xt = load_e4m3(x_ref.at[pl.ds(row0, bt), pl.ds(k0, FP8_BLOCK)], row_in, k_in)
+                wt = load_e4m3(w_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, FP8_BLOCK))], col_in, k_in)
+                acc = acc + product(xt, wt) * block_scale(scale, kb0 + b)
+            return acc
+
+        sub, whole = bk // FP8_BLOCK, k // FP8_BLOCK
+        acc = lax.fori_loop(0, whole // sub, lambda i, a: blocks(i * sub, sub, a), acc)
+        acc = lax.fori_loop(whole // sub * sub, whole, lambda kb, a: blocks(kb, 1, a), acc)
+        if k % FP8_BLOCK:  # the ragged end of K, masked
+            k_in = whole * FP8_BLOCK + jnp.arange(FP8_BLOCK, dtype=jnp.int32) < k
+            acc = lax.fori_loop(whole, whole + 1, lambda kb, a: blocks(kb, 1, a, k_in), acc)
+        return acc
+
     def block(w_ref, s_ref, out_ref, n, start):
         col0 = (j - start) * bn
         cols = col0 + jnp.arange(bn, dtype=jnp.int32)
         col_in = (cols < n)[:, None] if n % bn else None  # [bn, 1], for the weight tile
 
-        if fp8:  # the tile's scales for all K blocks, loaded before the K loop (`block_scales`)
-            scale = block_scales(xs_ref, pl.ds(row0, bt), s_ref, (*lead, col0 // FP8_BLOCK), row_in)
+        acc = jnp.zeros((bt, bn), jnp.float32)
+        if fp8:
+            acc = fp8_k_loop(w_ref, s_ref, col0, col_in, acc)
+        else:
 
-        def step(kk, acc, k_in=None):
-            k0 = kk * bk
-            k_x, k_w = (None, None) if k_in is None else (k_in[None, :], k_in[None, :])
-            xt = masked_load(x_ref.at[pl.ds(row0, bt), pl.ds(k0, bk)], mask_and(row_in, k_x), cdt)
-            wt = masked_load(w_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))], mask_and(col_in, k_w), cdt)
-            if not fp8:
+            def step(kk, acc, k_in=None):
+                k0 = kk * bk
+                k_x, k_w = (None, None) if k_in is None else (k_in[None, :], k_in[None, :])
+                xt = masked_load(x_ref.at[pl.ds(row0, bt), pl.ds(k0, bk)], mask_and(row_in, k_x), cdt)
+                wt = masked_load(w_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))], mask_and(col_in, k_w), cdt)
                 return acc + product(xt, wt)
-            # W8A8: the e4m3 values of x and w multiplied exactly as bf16, the product scaled by x's row scale x the
-            # weight block's (bn <= 128 columns: one block) for this K block
-            return acc + product(xt, wt) * block_scale(scale, kk)
 
-        full_steps = k // bk
-        acc = lax.fori_loop(0, full_steps, step, jnp.zeros((bt, bn), jnp.float32))
-        if k % bk:  # static: one masked step for the ragged end of K (the loop keeps its K offset dynamic: a static
-            # slice past K fails to trace)
-            k_in = full_steps * bk + jnp.arange(bk, dtype=jnp.int32) < k
-            acc = lax.fori_loop(full_steps, full_steps + 1, lambda kk, a: step(kk, a, k_in), acc)
+            full_steps = k // bk
+            acc = lax.fori_loop(0, full_steps, step, acc)
+            if k % bk:  # static: one masked step for the ragged end of K (the loop keeps its K offset dynamic: a
+                # static slice past K fails to trace)
+                k_in = full_steps * bk + jnp.arange(bk, dtype=jnp.int32) < k
+                acc = lax.fori_loop(full_steps, full_steps + 1, lambda kk, a: step(kk, a, k_in), acc)
         out_mask = mask_and(row_in, None if col_in is None else (cols < n)[None, :])
         masked_store(out_ref.at[pl.ds(row0, bt), pl.ds(col0, bn)], acc.astype(out_ref.dtype), out_mask)
 
@@ -292,7 +317,7 @@ def _impl(x, weights, scales, layer, *, out_dtype, interpret, block_t, block_n, 
         t_out, ns_out = max(t, block_t), tuple(max(n, block_n) for n in ns)
     blocks = [cdiv(n, block_n) for n in ns]
     starts = tuple(sum(blocks[:j]) for j in range(len(ns) + 1))
-    cdt = jnp.bfloat16 if fp8 else compute_dtype(x.dtype, weights[0].dtype)  # e4m3 values: exact in bf16
+    cdt = jnp.bfloat16 if fp8 else compute_dtype(x.dtype, weights[0].dtype)  # fp8: a dot of e4m3 tiles (`product`)
     kernel = functools.partial(
         _kernel,
         t=t,
@@ -359,8 +384,7 @@ def linear(
     # No block larger than its (power-of-two rounded) dimension: it would only compute padding.
     least = 16 if jnp.dtype(cdt) != F32 else 1
     bt, bn = min(bt, max(least, next_pow2(t))), min(bn, max(least, next_pow2(max(ns))))
-    if not fp8:  # fp8: K steps are the scale blocks, whatever K is
-        bk = min(bk, max(16, next_pow2(k)))
+    bk = min(bk, max(FP8_BLOCK if fp8 else 16, next_pow2(k)))
     layer = jnp.asarray(0 if rhs_index is None else rhs_index, jnp.int32).reshape(1)  # clamped in the kernel
     static = (out_dtype.name, bool(interpret), bt, bn, bk, warps, stages)
     if fp8:

@@ -79,11 +79,14 @@ def check_fp8_weight(w, scale, w_name: str, scale_name: str):
         )
 
 
-def check_fp8_blocks(block_n, block_k, what: str):
-    """A Triton kernel's tiles over block-FP8 weights: K steps of one scale block, at most one scale row of
-    columns a program."""
-    if block_k is not None and block_k != FP8_BLOCK:
-        raise ValueError(f"block_k={block_k}: {what} step K by their {FP8_BLOCK}-wide scale blocks")
+def check_fp8_blocks(block_n, block_k, what: str, whole_blocks: bool = False):
+    """A Triton kernel's tiles over block-FP8 weights: K steps of one scale block (`whole_blocks`: of a power of two of
+    them), at most one scale row of columns a program."""
+    if block_k is not None:
+        ok = is_pow2(block_k) and block_k >= FP8_BLOCK if whole_blocks else block_k == FP8_BLOCK
+        if not ok:
+            per = f"a power of two of their {FP8_BLOCK}-wide" if whole_blocks else f"their {FP8_BLOCK}-wide"
+            raise ValueError(f"block_k={block_k}: {what} step K by {per} scale blocks")
     if block_n is not None and block_n > FP8_BLOCK:
         raise ValueError(f"block_n={block_n}: at most {FP8_BLOCK} with {what} (one scale row a program)")
 
@@ -419,6 +422,18 @@ def masked_load(ref, mask, dtype=None):
         return jnp.where(mask, pltriton.load(ref, mask=mask).astype(dtype or jnp.float32), 0)
     v = pltriton.load(ref, mask=mask, other=0)
     return v if dtype is None else v.astype(dtype)
+
+
+def load_e4m3(ref, mask=None, k_in=None):
+    """A Triton-lowered load of an e4m3 tile kept e4m3, for a dot of fp8 operands: lanes masked by `mask` (rows or
+    columns whose products the caller discards) are left undefined, lanes past K (`k_in` [W], over the tile's last
+    axis) are zero (Triton cannot fill a load with an fp8 constant: a select of a converted zero)."""
+    k_mask = None if k_in is None else k_in[None, :]
+    full = mask_and(mask, k_mask)
+    v = ref[...] if full is None else pltriton.load(ref, mask=full)
+    if k_mask is not None:
+        v = jnp.where(k_mask, v, jnp.zeros(v.shape, jnp.float32).astype(v.dtype))
+    return v
 
 
 def masked_store(ref, val, mask):

@@ -166,6 +166,7 @@ def _fp8_inputs(seed, t, ns, k, layers=None, index=0):
         (1, (200, 64), 300, {}),  # decode: ragged N and K (a partial last scale block), two weights
         (3, (40, 24), 72, dict(block_n=16)),  # K below one block
         (33, (96, 130), 256, dict(block_t=16, block_n=32, num_stages=2)),  # 3 row tiles, N past one scale row
+        (5, (48,), 946, dict(block_k=512)),  # K steps of 4 blocks: one step, 3 single blocks, a partial block
     ],
 )
 def test_fp8_matches_the_w8a8_math(t, ns, k, tuning):
@@ -221,8 +222,9 @@ def test_fp8_bad_inputs():
 
 def test_fp8_default_tuning():
     bt, bn, bk, warps, stages = default_tuning(1, (3072, 576), 2048, jnp.float8_e4m3fn, sms=132)
-    assert (bt, bk, warps) == (16, 128, 1) and 3072 // bn + 576 // bn >= 132 and 1 <= stages <= 4
-    assert default_tuning(32, (2048,), 1408, jnp.float8_e4m3fn, sms=132)[1:4] == (16, 128, 2)
+    assert (bt, bk, warps) == (16, 256, 4) and 3072 // bn + 576 // bn >= 132 and 1 <= stages <= 4
+    assert default_tuning(32, (2048,), 1408, jnp.float8_e4m3fn, sms=132)[1:4] == (16, 256, 4)
+    assert default_tuning(1, (64,), 100, jnp.float8_e4m3fn, sms=132)[2] == 128  # K under one step: one block
 
 
 # ---- Triton lowering for an H200, on CPU (Pallas's lowering, not the Triton compiler) ----
