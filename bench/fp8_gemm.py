@@ -43,10 +43,10 @@ the kernel disagree with a reference, each row an error max|out - ref| / max|ref
 
 Rows (DIR/fp8-gemm-h200.json; --smoke: fp8-gemm-h200-smoke.json): op "fp8_gemm", model, name, kind
 (dense/grouped), M, N, K, G (experts, grouped), impl, us (median wall time a call, back to back), at M <= 256 also
-device_us / span_us / kernels_per_call (a traced pass: the GPU's busy time a call; at decode sizes `us` is mostly
-the host's dispatch), TFLOPs (2 M N K / time), TBps (weight bytes / time: the decode roofline), frac_matmul (of the
-bf16 matmul ceiling), frac_copy, speedup_vs_bf16 (bf16's time / this time, same shape and M); time = device_us
-where measured, else us. Ceilings measured in the same run (mla_jax.bench.common).
+device_us / span_us / kernels_per_call / kernels_us (a traced pass: the GPU's busy time a call; at decode sizes `us`
+is mostly the host's dispatch), TFLOPs (2 M N K / time), TBps (weight bytes / time: the decode roofline),
+frac_matmul (of the bf16 matmul ceiling), frac_copy, speedup_vs_bf16 (bf16's time / this time, same shape and M);
+time = device_us where measured, else us. Ceilings measured in the same run (mla_jax.bench.common).
 --smoke: tiny shapes on a CPU under the Mosaic GPU interpreter (checks the plumbing only).
 """
 
@@ -173,7 +173,7 @@ def _measure(rows, base, impls, smoke, check_ref=None, **extra):
             us = _timed(fn, args, smoke)
             if not smoke and base["m"] <= DEVICE_TIME_MAX_M:  # decode sizes: the wall time is the host's dispatch
                 dev = common.device_time_us(fn, args)
-                row_extra.update({k: v for k, v in dev.items() if k != "kernels_us"})
+                row_extra.update(dev)
             results[impl] = row_extra.get("device_us") or us
             shape_rows.append(_row(impl=impl, us=us, **base, **row_extra))
         except Exception as e:  # noqa: BLE001
@@ -421,6 +421,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420.0, help="no new shape starts after this")
     ap.add_argument("--ms", type=str, default=None, help="comma-separated M values (default 1..16384)")
     ap.add_argument("--stages", type=str, default="", help="also time these ring depths, e.g. 2,3,4 (fp8_st{n})")
+    ap.add_argument("--shapes", type=str, default="", help="only shapes whose 'model name' contains one of these (,)")
     ap.add_argument("--diagnose", action="store_true", help="the correctness diagnostic instead of the timings")
     args = ap.parse_args()
     if args.smoke:
@@ -435,8 +436,10 @@ def main():
     ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else (SMOKE_MS if args.smoke else MS)
     rows = results["rows"]
     stages = tuple(int(v) for v in args.stages.split(",") if v)
-    ok = bench_grouped(SMOKE_GROUPED if args.smoke else GROUPED, ms, ceil, rows, args.smoke, deadline, stages)
-    ok &= bench_dense(SMOKE_DENSE if args.smoke else DENSE, ms, ceil, rows, args.smoke, deadline, stages)
+    picks = [p for p in args.shapes.split(",") if p]
+    pick = lambda shapes: [s for s in shapes if not picks or any(p in f"{s[0]} {s[1]}" for p in picks)]  # noqa: E731
+    ok = bench_grouped(pick(SMOKE_GROUPED if args.smoke else GROUPED), ms, ceil, rows, args.smoke, deadline, stages)
+    ok &= bench_dense(pick(SMOKE_DENSE if args.smoke else DENSE), ms, ceil, rows, args.smoke, deadline, stages)
     results["checks_passed"] = bool(ok)
     results["wall_s"] = round(time.perf_counter() - t0, 1)
     name = "fp8-gemm-h200-smoke.json" if args.smoke else "fp8-gemm-h200.json"

@@ -471,5 +471,13 @@ case $part in
         --no-prefill --no-engine --profile "$out/trace"
     rm -rf "$out/trace"
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 35" >&2; exit 2 ;;
+36) # session 22, last call (~250 s of device time): part 35's GPU tests again (its 110 s limit cut the last of 19),
+    # then the dense fp8 rows with each kernel's time (fp8_linear 21.9 us a call at one token where the probe's kernel
+    # took 10.3: what the other 3 kernels cost)
+    out=${2:?}
+    run 150 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_linear.py tests/pallas_kernels/test_grouped_matmul.py -k "fp8"
+    run 90 fp8-gemm python3 bench/fp8_gemm.py --out "$out" --ms 1,32 --budget-s 40 --shapes "v3 q_a_proj,v2-lite q_proj"
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 36" >&2; exit 2 ;;
 esac
