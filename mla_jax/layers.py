@@ -177,15 +177,27 @@ LINEAR_MAX_T = 64
 XLA_GEMV_MAX_K = 2048
 
 
+# Block-FP8 linears with more inputs than this stay with the Mosaic GPU GEMM (`linear`) where it takes the shape; the
+# Triton kernel's cost grows with K faster than the bytes (H200, session 22, part 36, device time a call with x's
+# quantization: V3's q_a_proj [1536, 7168] 22.1 us at one token against the Mosaic path's 12.5, 25.3 against 14.0 at
+# 32; V2-Lite's q_proj [3072, 2048] 9.3 against 10.3 and 10.4 against 11.4; the V2-Lite-shaped step, every fp8
+# linear of <= 64 tokens on the Triton kernel: 2.78 / 7.39 ms at batch 1 / 32 against 3.26 / 9.61, part 35). 2816:
+# V2-Lite's shared experts' down_proj, the deepest of its fp8 linears that the Mosaic kernel also takes.
+FP8_LINEAR_MAX_K = 2816
+
+
 def _linear_kernel_ok(ps: tuple[dict, ...], x: jnp.ndarray) -> bool:
     """The dense linear kernel for these linears of x [T, in]: on a GPU, 1 <= T <= LINEAR_MAX_T, float dtypes, one
     weight dtype (all block-FP8 or none), and either all plain weights or all `LayerRow`s of one layer index; not
-    one token through a single bf16/f32 weight of at most XLA_GEMV_MAX_K inputs. fp8 weights need a bf16/f16 x."""
+    one token through a single bf16/f32 weight of at most XLA_GEMV_MAX_K inputs. fp8 weights need a bf16/f16 x and at
+    most FP8_LINEAR_MAX_K inputs (or a shape the Mosaic GPU GEMM does not take)."""
     ws = [p["weight"] for p in ps]
     rows = [isinstance(w, LayerRow) for w in ws]
     fp8 = [is_fp8(p) for p in ps]
     if any(fp8):
         dtypes_ok = all(fp8) and jnp.dtype(x.dtype) in FLOAT_DTYPES and jnp.dtype(x.dtype) != jnp.float32
+        # deep weights that the Mosaic GPU GEMM takes stay with it (FP8_LINEAR_MAX_K)
+        dtypes_ok &= x.shape[-1] <= FP8_LINEAR_MAX_K or not all(_fp8_kernel_ok(*w.shape) for w in ws)
     else:
         dtypes_ok = (
             not (len(ws) == 1 and x.shape[0] == 1 and ws[0].shape[-1] <= XLA_GEMV_MAX_K)
@@ -268,6 +280,7 @@ def expert_gmm(
     row_groups: jnp.ndarray | None = None,
     shared_w: jnp.ndarray | None = None,
     fp8_triton: bool = False,
+    shared_scale: jnp.ndarray | None = None,
 ) -> jnp.ndarray:
     """Grouped matmul of expert-sorted rows: lhs [M, in] x w [E, out, in] (HF layout) -> [M, out].
 
@@ -281,8 +294,9 @@ def expert_gmm(
     `fp8_triton` (`fp8_experts_triton`: decode sizes, impl "pallas") the Triton grouped kernel's W8A8 path.
     `row_groups` (instead of group_sizes, rows unsorted, each row's expert; `by_row_ok` says where it is taken):
     the kernels' one-item-per-row work list; lhs may then hold one row per token (`grouped_matmul`).
-    `shared_w` (bf16 "pallas" only, `shared_fusable`): the shared experts' weight [(layers,) out, S*in] or
-    [(layers,) S*out, in], whose S expert-sized chunks are groups E..E+S-1 (`grouped_matmul(shared_rhs=)`).
+    `shared_w` ("pallas", `shared_fusable`): the shared experts' weight [(layers,) out, S*in] or
+    [(layers,) S*out, in], whose S expert-sized chunks are groups E..E+S-1 (`grouped_matmul(shared_rhs=)`); fp8
+    (with `fp8_triton`) with its block scales `shared_scale`.
     """
     if impl not in GMM_IMPLS:
         raise ValueError(f"gmm_impl must be one of {GMM_IMPLS}, got {impl!r}")
@@ -298,9 +312,13 @@ def expert_gmm(
             row_groups=row_groups,
             rhs_scale=scale_inv,
             rhs_index=layer,
+            shared_rhs=shared_w,
+            shared_scale=shared_scale,
             interpret=jax.default_backend() == "cpu",
         )
     if scale_inv is not None:
+        if shared_w is not None:
+            raise ValueError("fp8 shared chunks need the grouped Pallas kernel's fp8 path (fp8_triton)")
         if _fp8_kernel_ok(*w.shape[-2:]):
             return fp8.fp8_grouped_matmul(
                 lhs, w, scale_inv, group_sizes, row_groups=row_groups, rhs_index=layer, out_dtype=lhs.dtype
@@ -343,9 +361,15 @@ def expert_glu(
     rows; gate / up: the `gate_proj` / `up_proj` param dicts. bf16 experts with impl "pallas": one kernel
     (`grouped_matmul(..., up_rhs=)`: both weights' tiles per program, the SwiGLU on its float32 accumulators),
     else two `expert_gmm`s and the elementwise product. `shared`: the shared experts' params (their gate/up
-    chunks are groups E.., see `expert_gmm`). fp8 experts with `fp8_triton`: that kernel's W8A8 path, one pass too."""
+    chunks are groups E.., see `expert_gmm`). fp8 experts with `fp8_triton`: that kernel's W8A8 path, one pass too
+    (fp8 shared chunks included)."""
     g, u = gate["weight"], up["weight"]
     if is_fp8(gate) and fp8_triton:
+        kw = {}
+        if shared is not None:  # fp8 shared chunks: their weights and block scales
+            sg, su = shared["gate_proj"], shared["up_proj"]
+            kw = dict(shared_rhs=sg["weight"], shared_up_rhs=su["weight"])
+            kw.update(shared_scale=sg["weight_scale_inv"], shared_up_scale=su["weight_scale_inv"])
         return gmm_kernel.grouped_matmul(
             lhs,
             g,
@@ -356,6 +380,7 @@ def expert_glu(
             up_scale=up["weight_scale_inv"],
             rhs_index=layer,
             interpret=jax.default_backend() == "cpu",
+            **kw,
         )
     if impl == "pallas" and not is_fp8(gate):
         sg, su = (None, None) if shared is None else (shared["gate_proj"]["weight"], shared["up_proj"]["weight"])
@@ -400,28 +425,34 @@ def fp8_experts_triton(impl: str, tokens: int) -> bool:
     return impl == "pallas" and 1 <= tokens <= LINEAR_MAX_T
 
 
-def shared_fusable(gmm_impl: str, routed: dict, shared: dict | None, same_reduction: bool) -> int:
+def shared_fusable(gmm_impl: str, routed: dict, shared: dict | None, same_reduction: bool, tokens: int = 0) -> int:
     """How many expert-sized chunks the shared experts are when they run as more groups of the routed experts'
-    kernels (0: they run as their own MLP): bf16 experts of the grouped Pallas kernel, shared weights of the
-    experts' dtype, stacked alike (both read at the layer or neither), a whole number of the routed experts'
-    intermediate slices, and partial sums that go into the same reduction (`same_reduction`)."""
+    kernels (0: they run as their own MLP): experts of the grouped Pallas kernel (block-FP8 ones where `tokens`
+    tokens take its fp8 path, `fp8_experts_triton`, with the routed experts' intermediate slice whole scale
+    blocks), shared weights of the experts' dtype, stacked alike (both read at the layer or neither), a whole
+    number of the routed experts' intermediate slices, and partial sums that go into the same reduction
+    (`same_reduction`)."""
     if shared is None or gmm_impl != "pallas" or not same_reduction:
         return 0
     rg, sg = routed["gate_proj"], shared["gate_proj"]
-    if is_fp8(rg) or is_fp8(sg) or any(is_fp8(shared[n]) for n in ("up_proj", "down_proj")):
-        return 0
+    e4m3 = [is_fp8(ps[n]) for ps in (routed, shared) for n in ("gate_proj", "up_proj", "down_proj")]
     rw, sw = rg["weight"], sg["weight"]
     i_loc = rw.shape[-2]
-    if rw.dtype != sw.dtype or rw.ndim - sw.ndim != 1 or sw.shape[-2] % i_loc or sw.shape[-1] != rw.shape[-1]:
+    if any(e4m3) and not (all(e4m3) and fp8_experts_triton(gmm_impl, tokens) and i_loc % fp8.BLOCK == 0):
+        return 0
+    if isinstance(sw, LayerRow) or rw.dtype != sw.dtype or rw.ndim - sw.ndim != 1:
+        return 0
+    if sw.shape[-2] % i_loc or sw.shape[-1] != rw.shape[-1]:
         return 0
     if rw.ndim == 4 and rw.shape[0] != sw.shape[0]:
         return 0
     return sw.shape[-2] // i_loc
 
 
-def _moe_plan(p: dict, cfg: DeepseekConfig, gmm_impl: str, stacked: dict, comm: Comm):
+def _moe_plan(p: dict, cfg: DeepseekConfig, gmm_impl: str, stacked: dict, comm: Comm, tokens: int):
     """(routed experts' params, shared experts' or None, whether those are stacked, whether the routed / shared
-    outputs are partial sums to all-reduce, the shared chunks run in the routed kernels (`shared_fusable`))."""
+    outputs are partial sums to all-reduce, the shared chunks run in the routed kernels (`shared_fusable`)) for a
+    layer of `tokens` routed tokens."""
     ex = stacked.get("experts", p.get("experts"))
     sh_stacked = "shared_experts" in stacked
     sh = stacked["shared_experts"] if sh_stacked else p.get("shared_experts")
@@ -433,7 +464,7 @@ def _moe_plan(p: dict, cfg: DeepseekConfig, gmm_impl: str, stacked: dict, comm: 
     )
     # fused: the same tokens (no DP gather) and the same reduction (`shared_fusable` checks they are stacked alike)
     same = comm.dp == 1 and routed_split == shared_split
-    fused = shared_fusable(gmm_impl, ex, sh, same) if cfg.n_shared_experts else 0
+    fused = shared_fusable(gmm_impl, ex, sh, same, tokens) if cfg.n_shared_experts else 0
     return ex, sh, sh_stacked, routed_split, shared_split, fused
 
 
@@ -458,7 +489,7 @@ def moe_copies(
     where the layer combines them itself: the copies stay in token order (a decode step's few, `BY_ROW_MAX_COPIES`),
     the shared experts run in the routed kernels (or there are none) and nothing is reduced across devices. p may
     hold `jax.ShapeDtypeStruct`s (only shapes and dtypes are read)."""
-    plan = _moe_plan(p, cfg, gmm_impl, {} if stacked is None else stacked, comm)
+    plan = _moe_plan(p, cfg, gmm_impl, {} if stacked is None else stacked, comm, tokens)
     return _copies_chunks(plan, cfg, tokens, gmm_impl, comm)
 
 
@@ -489,9 +520,10 @@ def moe(
     Token copies are sorted by expert and run through grouped matmuls (`expert_glu`, `expert_gmm` with
     `gmm_impl`), so each expert only computes its own tokens; a decode step's few copies (at most
     BY_ROW_MAX_COPIES) stay in token order, each its own work item with its own expert (`row_groups`).
-    With the grouped Pallas kernel and bf16 weights the shared experts join those kernels (`shared_fusable`):
-    their intermediate dim cut into S routed-expert-sized chunks, each token gets S more copies of router
-    weight 1, so the step runs no separate shared MLP (three XLA GEMMs at their own lower bandwidth).
+    With the grouped Pallas kernel (block-FP8 weights: at decode sizes, its fp8 path) the shared experts join
+    those kernels (`shared_fusable`): their intermediate dim cut into S routed-expert-sized chunks, each token gets
+    S more copies of router weight 1, so the step runs no separate shared MLP (three GEMMs, with fp8 weights their
+    activations' quantization too).
     `stacked` and `layer` (see `model.split_experts`): {"experts": the routed experts of every layer of the
     group [layers, E, out, in], "shared_experts" (when split out): the shared ones [layers, out, in]}, used at
     `layer`, in place of p's.
@@ -505,7 +537,7 @@ def moe(
     `Comm.combine_tokens`, which say why not an all-to-all); the shared experts run on the rank's own tokens.
     """
     stacked = {} if stacked is None else stacked
-    plan = _moe_plan(p, cfg, gmm_impl, stacked, comm)
+    plan = _moe_plan(p, cfg, gmm_impl, stacked, comm, x.shape[0] * comm.dp)
     ex, sh, sh_stacked, routed_split, shared_split, fused = plan
     if not combine and _copies_chunks(plan, cfg, x.shape[0], gmm_impl, comm) is None:
         raise ValueError("moe(combine=False): these experts and tokens are combined in the layer (`moe_copies`)")
@@ -523,10 +555,11 @@ def moe(
     split, whole = [], []
     (split if routed_split else whole).append(routed)
     if cfg.n_shared_experts and not fused:
-        with jax.named_scope("moe_shared"):
-            shp = (
-                jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), sh) if sh_stacked else sh
-            )
+        with jax.named_scope("moe_shared"):  # stacked: the layer's rows (one index: `linears`), read in place
+            shp = sh
+            if sh_stacked:
+                index = jnp.asarray(layer, jnp.int32)
+                shp = jax.tree.map(lambda a: LayerRow(a, index), sh)
             (split if shared_split else whole).append(mlp(shp, x).astype(routed.dtype))
     out = sum(whole[1:], whole[0]) if whole else None
     if split:
@@ -574,7 +607,7 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
         xs, ex["gate_proj"], ex["up_proj"], group_sizes, gmm_impl, layer, row_groups, shared, fp8_triton
     )
     down = ex["down_proj"]
-    shared_down = None if shared is None else shared["down_proj"]["weight"]
+    shared_down = {} if shared is None else shared["down_proj"]
     # [T*C, D], sorted by expert (or in token order, by row)
     y = expert_gmm(
         h,
@@ -584,8 +617,9 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
         layer,
         down.get("weight_scale_inv"),
         row_groups,
-        shared_down,
+        shared_down.get("weight"),
         fp8_triton,
+        shared_down.get("weight_scale_inv"),
     )
     # Combine: each token gathers its C copies back through the inverse permutation and sums them, weighted (a
     # gather-reduce fusion). A scatter-add of the sorted copies into [T, D] took 5.3 us a layer at T = 1 on the

@@ -36,7 +36,6 @@ from mla_jax.layers import (
     LayerRow,
     add_rms_norm,
     combined,
-    is_fp8,
     linear,
     mlp,
     moe,
@@ -198,21 +197,20 @@ def lm_head_weight(params: Params) -> jnp.ndarray:
 
 def split_experts(group: Params, is_moe: bool, gmm_impl: str) -> tuple[Params, Params | None]:
     """A layer group's stacked params -> (the part to scan over, {"experts": the routed experts kept whole,
-    "shared_experts": the bf16 shared experts kept whole, when there are such} or None).
+    "shared_experts": the shared experts kept whole, when there are such} or None).
 
     With gmm_impl="pallas" a MoE group's experts {gate_proj, up_proj, down_proj: {"weight": [layers, E, out,
     in]}} stay out of the scan's xs: scan slices each layer out of its xs, and a slice that feeds a custom call
     (the Pallas kernel) is materialized, a copy of all of that layer's expert weights every step although only
     the experts tokens hit are read. The scan body instead closes over the stacked arrays (scan-invariant, no
     copy) and the kernel reads layer i of them in place (`layers.moe(..., stacked=, layer=i)`). The same holds
-    for bf16 shared experts, which the routed experts' kernels run as more groups (`layers.shared_fusable`;
-    fp8 ones stay in the scan and are read in place as `LayerRow`s, see `split_in_place`)."""
+    for the shared experts, which the routed experts' kernels run as more groups (`layers.shared_fusable`), or
+    else `layers.moe` reads as `LayerRow`s (in place where a kernel reads them)."""
     if not (is_moe and gmm_impl == "pallas"):
         return group, None
     mlp_p = dict(group["mlp"])
     stacked = {"experts": mlp_p.pop("experts")}
-    shared = mlp_p.get("shared_experts")
-    if shared is not None and not any(is_fp8(v) for v in shared.values()):
+    if "shared_experts" in mlp_p:
         stacked["shared_experts"] = mlp_p.pop("shared_experts")
     return {**group, "mlp": mlp_p}, stacked
 

@@ -174,12 +174,28 @@ def _validate(
         )
 
 
-def _validate_fp8(lhs, rhs, up_rhs, shared_rhs, transpose_rhs, rhs_scale, up_scale, block_n, block_k):
-    """Block-FP8 experts: e4m3 rhs (and up_rhs) with their float32 block scales, or neither."""
+def _validate_fp8(
+    lhs,
+    rhs,
+    up_rhs,
+    shared_rhs,
+    transpose_rhs,
+    rhs_scale,
+    up_scale,
+    block_n,
+    block_k,
+    shared_up_rhs=None,
+    shared_scale=None,
+    shared_up_scale=None,
+):
+    """Block-FP8 experts: e4m3 rhs (and up_rhs) with their float32 block scales, or neither; fp8 shared chunks with
+    theirs, each chunk whole scale blocks."""
     e4m3 = [getattr(w, "dtype", None) is not None and jnp.dtype(w.dtype) == FP8 for w in (rhs, up_rhs) if w is not None]
     if rhs_scale is None:
         if up_scale is not None:
             raise ValueError("up_scale needs rhs_scale (the gate's block scales)")
+        if shared_scale is not None or shared_up_scale is not None:
+            raise ValueError("shared_scale / shared_up_scale are for fp8 experts (give rhs_scale)")
         if any(e4m3):
             raise ValueError("float8_e4m3fn rhs / up_rhs need their block scales: rhs_scale (and up_scale)")
         return
@@ -187,13 +203,26 @@ def _validate_fp8(lhs, rhs, up_rhs, shared_rhs, transpose_rhs, rhs_scale, up_sca
         raise ValueError("give up_scale exactly when up_rhs is given (the up projection's block scales)")
     if not all(e4m3):
         raise ValueError(f"rhs_scale is for float8_e4m3fn rhs (and up_rhs), got {rhs.dtype}")
-    if not transpose_rhs or shared_rhs is not None:
-        raise ValueError("fp8 experts need transpose_rhs=True (HF [out, in] layout) and no shared_rhs")
+    if not transpose_rhs:
+        raise ValueError("fp8 experts need transpose_rhs=True (HF [out, in] layout)")
     if jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"lhs must be bfloat16 or float16 with fp8 experts (a bf16 dot), got {lhs.dtype}")
     check_fp8_weight(rhs, rhs_scale, "rhs", "rhs_scale")
     if up_scale is not None:
         check_fp8_weight(up_rhs, up_scale, "up_rhs", "up_scale")
+    if (shared_rhs is None) != (shared_scale is None) or (shared_up_rhs is None) != (shared_up_scale is None):
+        raise ValueError("fp8 shared chunks: give shared_scale with shared_rhs, shared_up_scale with shared_up_rhs")
+    if shared_rhs is not None:
+        check_fp8_weight(shared_rhs, shared_scale, "shared_rhs", "shared_scale")
+        if shared_up_rhs is not None:
+            check_fp8_weight(shared_up_rhs, shared_up_scale, "shared_up_rhs", "shared_up_scale")
+        n, k = rhs.shape[-2:]
+        _, axis = shared_chunks(shared_rhs.shape, n, k)
+        if (n if axis == "n" else k) % FP8_BLOCK:
+            raise ValueError(
+                f"fp8 shared chunks along {'N' if axis == 'n' else 'K'} must be whole {FP8_BLOCK}-wide scale blocks: "
+                f"the experts' {'N' if axis == 'n' else 'K'} is {n if axis == 'n' else k}"
+            )
     check_fp8_blocks(block_n, block_k, "fp8 experts")
 
 
@@ -349,7 +378,9 @@ def _kernel(
     n_w = n_items + 2 + n_rhs * (1 + fp8) + fp8
     scale_refs = refs[n_items + 2 + n_rhs : n_w - 1] if fp8 else (None,) * n_rhs
     xs_ref = refs[n_w - 1] if fp8 else None  # fp8: lhs e4m3 and its row scales f32[M, K / 128] (`quantize_act`)
-    shared_refs, out_ref = refs[n_w:-1], refs[-1]
+    n_sh = n_rhs if num_chunks else 0
+    shared_refs, out_ref = refs[n_w : n_w + n_sh], refs[-1]
+    shared_scale_refs = refs[n_w + n_sh : -1] if fp8 else None  # fp8 shared chunks: their weights' block scales
     j = pl.program_id(0)  # N block (fastest: programs in flight share the row tile and expert)
     i = pl.program_id(1)  # work item
     s = pl.program_id(2)  # K split
@@ -407,7 +438,7 @@ def _kernel(
                 x = load_e4m3(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], row_in, k_in)
             new = []
             for rhs_ref, scale, acc in zip(weights, scales, accs):
-                w = load_e4m3(rhs_ref.at[(*wlead, pl.ds(col0, bn), pl.ds(k0, bk))], col_in_w, k_in)
+                w = load_e4m3(rhs_ref.at[(*wlead, pl.ds(w_n0 + col0, bn), pl.ds(w_k0 + k0, bk))], col_in_w, k_in)
                 part = lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
                 new.append(acc + part * block_scale(scale, kk))
             return tuple(new)
@@ -438,11 +469,12 @@ def _kernel(
     # One loop per weight source; the item's own source runs its steps, the other none.
     sources = [(is_routed, rhs_refs, lead, 0, 0, scale_refs if fp8 else None)]
     if num_chunks:
-        sources.append((is_shared, shared_refs, shared_lead, n_off, k_off, None))
+        sources.append((is_shared, shared_refs, shared_lead, n_off, k_off, shared_scale_refs))
     for on, weights, wlead, w_n0, w_k0, scales in sources:
         if scales is not None:  # the tile's scales for all K blocks, loaded before the K loop (`block_scales`)
             rows_at = src if by_row else pl.ds(row0, bm)
-            scales = tuple(block_scales(xs_ref, rows_at, r, (*wlead, col0 // FP8_BLOCK), row_in) for r in scales)
+            nb, kb0 = (w_n0 + col0) // FP8_BLOCK, w_k0 // FP8_BLOCK  # a shared chunk: whole scale blocks in
+            scales = tuple(block_scales(xs_ref, rows_at, r, (*wlead, nb), row_in, kb0) for r in scales)
         body = functools.partial(step, weights=weights, wlead=wlead, w_n0=w_n0, w_k0=w_k0, scales=scales)
         acc = lax.fori_loop(first, first + jnp.where(on, owned, 0), body, acc)
         if k % bk:  # static: one masked step for the ragged end of K, run by the split that owns it
@@ -502,6 +534,7 @@ def _gmm_impl(
     groups,
     layer,
     scales,
+    shared_scales,
     *,
     by_row,
     transpose_rhs,
@@ -519,7 +552,7 @@ def _gmm_impl(
     rhs_up: None, or the up projection beside rhs (the gate): out = silu(lhs @ rhs) * (lhs @ rhs_up).
     shared (and beside it shared_up with rhs_up): None, or a weight [(Lyr,) N_s, K_s] whose C chunks
     (`shared_chunks`) are groups G..G+C-1. scales: () or, for e4m3 rhs (and rhs_up), their block scales, then lhs's
-    row scales [M, cdiv(K, 128)] (lhs e4m3: `quantize_act`)."""
+    row scales [M, cdiv(K, 128)] (lhs e4m3: `quantize_act`); shared_scales: () or e4m3 shared weights' scales."""
     glu = rhs_up is not None
     rhss = (rhs, rhs_up) if glu else (rhs,)
     shareds = () if shared is None else (shared, shared_up) if glu else (shared,)
@@ -550,8 +583,10 @@ def _gmm_impl(
         lhs = jnp.pad(lhs, ((0, block_m - m), (0, 0)))
         scales = (*scales[:-1], jnp.pad(scales[-1], ((0, block_m - m), (0, 0)))) if scales else scales
         m = block_m
-    if interpret:  # the scales' K blocks to a power of two (`block_scales`)
+    if interpret:  # the scales' K blocks to a power of two (`block_scales`); a shared chunk's read past its start
         scales = tuple(pad_to(a, a.ndim - 1, next_pow2(a.shape[-1])) for a in scales)
+        kp = next_pow2(scales[-1].shape[-1]) if scales else 0
+        shared_scales = tuple(pad_to(a, a.ndim - 1, a.shape[-1] + kp) for a in shared_scales)
     pad_k = block_k - k if interpret and k < block_k else 0  # zeros in K add nothing
     pad_n = block_n - n if interpret and n < block_n else 0
     if pad_k or pad_n:
@@ -591,7 +626,7 @@ def _gmm_impl(
         fp8=bool(scales),
     )
     whole = lambda shape: pl.BlockSpec(shape, lambda j, i, s: (0,) * len(shape))  # noqa: E731
-    weights = rhss + tuple(scales) + shareds
+    weights = rhss + tuple(scales) + shareds + tuple(shared_scales)
     out = pl.pallas_call(
         kernel,
         grid=(cdiv(n, block_n), num_items, splits),
@@ -656,6 +691,8 @@ def grouped_matmul(
     shared_up_rhs=None,
     rhs_scale=None,
     up_scale=None,
+    shared_scale=None,
+    shared_up_scale=None,
 ):
     """out[r] = lhs[r] @ W[g(r)] for each row r of group g(r); rows >= sum(group_sizes) give 0.
 
@@ -688,14 +725,29 @@ def grouped_matmul(
 
     rhs_scale (and up_scale with up_rhs): block-FP8 experts, rhs e4m3 [(Lyr,) G, N, K] (transpose_rhs=True) with
     float32 scales [(Lyr,) G, cdiv(N, 128), cdiv(K, 128)]: the W8A8 product (lhs quantized per row per 128 channels
-    before the kernel, the module docstring); lhs bf16 or f16, no shared_rhs.
+    before the kernel, the module docstring); lhs bf16 or f16. fp8 shared chunks: shared_rhs (and shared_up_rhs)
+    e4m3 with shared_scale (and shared_up_scale) [(Lyr,) cdiv(N_s, 128), cdiv(K_s, 128)], the chunks whole scale
+    blocks (N, or K for chunks along the columns, a multiple of 128).
 
     Tuning (None = `default_tuning`): block_m rows per tile, block_n, block_k (powers of two >= 16),
     num_warps, num_stages (Triton pipelining), num_k_splits (K split into float32 partials).
     """
     fp8 = rhs_scale is not None
-    _validate_fp8(lhs, rhs, up_rhs, shared_rhs, transpose_rhs, rhs_scale, up_scale, block_n, block_k)
     num_chunks = _validate_shared(rhs, up_rhs, shared_rhs, shared_up_rhs, transpose_rhs, rhs_index)
+    _validate_fp8(
+        lhs,
+        rhs,
+        up_rhs,
+        shared_rhs,
+        transpose_rhs,
+        rhs_scale,
+        up_scale,
+        block_n,
+        block_k,
+        shared_up_rhs,
+        shared_scale,
+        shared_up_scale,
+    )
     _validate(
         lhs,
         rhs,
@@ -750,6 +802,7 @@ def grouped_matmul(
     if fp8:  # W8A8: lhs quantized once (one XLA fusion), not by each program; its row scales after the weights'
         lhs, x_scale = quantize_act(lhs)
         scales = (rhs_scale, up_scale, x_scale) if up_rhs is not None else (rhs_scale, x_scale)
+    shared_scales = tuple(a for a in (shared_scale, shared_up_scale) if a is not None)
     return _gmm_impl(
         lhs,
         rhs,
@@ -759,6 +812,7 @@ def grouped_matmul(
         row_groups if by_row else group_sizes,
         layer,
         scales,
+        shared_scales,
         by_row=by_row,
         transpose_rhs=bool(transpose_rhs),
         interpret=bool(interpret),
@@ -813,6 +867,8 @@ def grouped_matmul_reference(
     shared_up_rhs=None,
     rhs_scale=None,
     up_scale=None,
+    shared_scale=None,
+    shared_up_scale=None,
     **tuning,
 ):
     """Float32 plain-JAX reference (returns float32): a masked dense matmul per group, summed.
@@ -821,26 +877,45 @@ def grouped_matmul_reference(
     kernel does). Costs G dense [M, K] x [K, N] products: for tests and moderate benchmark checks
     only. With up_rhs: silu(reference(rhs)) * reference(up_rhs). A shared_rhs's chunks are appended
     to rhs as groups G..G+C-1; an lhs of M/r rows (row_groups) is repeated r times first. With rhs_scale (fp8
-    experts): `fp8_matmul.fp8_grouped_matmul_reference`, the W8A8 math.
+    experts): `fp8_matmul.fp8_grouped_matmul_reference`, the W8A8 math (fp8 shared chunks appended as groups with
+    their blocks' scales).
     """
     del interpret, tuning, preferred_element_type
     if up_rhs is not None:
         kw = dict(row_groups=row_groups, transpose_rhs=transpose_rhs, rhs_index=rhs_index)
-        gate = grouped_matmul_reference(lhs, rhs, group_sizes, shared_rhs=shared_rhs, rhs_scale=rhs_scale, **kw)
-        up = grouped_matmul_reference(lhs, up_rhs, group_sizes, shared_rhs=shared_up_rhs, rhs_scale=up_scale, **kw)
+        kw_g = dict(shared_rhs=shared_rhs, rhs_scale=rhs_scale, shared_scale=shared_scale)
+        kw_u = dict(shared_rhs=shared_up_rhs, rhs_scale=up_scale, shared_scale=shared_up_scale)
+        gate = grouped_matmul_reference(lhs, rhs, group_sizes, **kw_g, **kw)
+        up = grouped_matmul_reference(lhs, up_rhs, group_sizes, **kw_u, **kw)
         return jax.nn.silu(gate) * up
     if rhs_scale is not None:
         from pallas_kernels.fp8_matmul import fp8_grouped_matmul_reference  # (it imports this module)
 
-        _validate_fp8(lhs, rhs, None, shared_rhs, transpose_rhs, rhs_scale, None, None, None)
-        _validate(lhs, rhs, group_sizes, transpose_rhs, *(None,) * 7, rhs_index, row_groups, 0, True)
+        num_chunks = _validate_shared(rhs, None, shared_rhs, None, transpose_rhs, rhs_index)
+        _validate_fp8(lhs, rhs, None, shared_rhs, transpose_rhs, rhs_scale, None, None, None, None, shared_scale)
+        _validate(lhs, rhs, group_sizes, transpose_rhs, *(None,) * 7, rhs_index, row_groups, num_chunks, True)
+        if rhs_index is not None:  # the layer (clamped), then its shared chunks as groups G..G+C-1
+            index = jnp.clip(rhs_index, 0, rhs.shape[0] - 1)
+            rhs, rhs_scale = (lax.dynamic_index_in_dim(a, index, keepdims=False) for a in (rhs, rhs_scale))
+            if shared_rhs is not None:
+                shared_rhs, shared_scale = (
+                    lax.dynamic_index_in_dim(a, index, keepdims=False) for a in (shared_rhs, shared_scale)
+                )
+        if shared_rhs is not None:
+            n, k = rhs.shape[-2:]
+            c, nb, kb = num_chunks, n // FP8_BLOCK, cdiv(k, FP8_BLOCK)
+            if shared_chunks(shared_rhs.shape, n, k)[1] == "n":  # [C, N, K], scales [C, Nb, Kb]
+                chunks, chunk_scales = shared_rhs.reshape(c, n, k), shared_scale.reshape(c, nb, kb)
+            else:  # along K (whole scale blocks: k = kb * 128)
+                chunks = jnp.swapaxes(shared_rhs.reshape(n, c, k), 0, 1)
+                chunk_scales = jnp.swapaxes(shared_scale.reshape(cdiv(n, FP8_BLOCK), c, kb), 0, 1)
+            rhs = jnp.concatenate([rhs, chunks], axis=0)
+            rhs_scale = jnp.concatenate([rhs_scale, chunk_scales], axis=0)
         if row_groups is not None:
-            row_groups, tokens = copy_groups(row_groups, rhs.shape[-3], 0)
+            row_groups, tokens = copy_groups(row_groups, rhs.shape[-3] - num_chunks, num_chunks)
             if row_groups.shape[0] != lhs.shape[0]:  # one lhs row per token
                 lhs = lhs[tokens]
-        return fp8_grouped_matmul_reference(
-            lhs, rhs, rhs_scale, group_sizes, row_groups=row_groups, rhs_index=rhs_index
-        )
+        return fp8_grouped_matmul_reference(lhs, rhs, rhs_scale, group_sizes, row_groups=row_groups)
     num_chunks = _validate_shared(rhs, None, shared_rhs, None, transpose_rhs, rhs_index)
     untuned = (None,) * 7  # blocks, warps, stages, splits, output type
     _validate(lhs, rhs, group_sizes, transpose_rhs, *untuned, rhs_index, row_groups, num_chunks)

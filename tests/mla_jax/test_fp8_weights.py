@@ -198,8 +198,8 @@ def test_fp8_weights_on_mesh_match_one_device():
 def test_fp8_model_lowers_with_the_kernels_for_gpu(monkeypatch, h200, tokens):
     """With the GPU dispatch forced, the whole fp8 model (dense linears, experts read in place inside the layer
     scan) lowers for CUDA: at decode sizes (<= LINEAR_MAX_T tokens) the Triton linear and grouped kernels' W8A8 paths
-    (q_a + kv_a in one call, gate and up in one), above them the Mosaic GPU W8A8 GEMMs; shapes, dtypes and the
-    stacked weights' indexing."""
+    (q_a + kv_a in one call, gate and up in one, the shared experts' chunks in the routed kernels), above them the
+    Mosaic GPU W8A8 GEMMs; shapes, dtypes and the stacked weights' indexing."""
     from mla_jax import layers
     from mla_jax.memory import abstract_params
     from tests.mla_jax.helpers import tiny_config
@@ -215,7 +215,8 @@ def test_fp8_model_lowers_with_the_kernels_for_gpu(monkeypatch, h200, tokens):
     grouped_fp8 = re.findall(r'name = "(grouped_\w+?)_fp8_bm', txt)
     if tokens <= layers.LINEAR_MAX_T:  # (identical kernel calls are lowered once: kinds, not counts)
         assert set(linear_fp8) == {"linear1", "linear2"}, linear_fp8  # q_a + kv_a, gate + up in one call
-        assert set(grouped_fp8) == {"grouped_glu", "grouped_matmul"}, grouped_fp8
+        # the shared experts as chunk groups of the routed kernels
+        assert set(grouped_fp8) == {"grouped_glu_shared", "grouped_matmul_shared"}, grouped_fp8
         assert "fp8_matmul" not in txt
     else:
         assert not linear_fp8 and not grouped_fp8

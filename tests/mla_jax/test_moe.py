@@ -147,9 +147,11 @@ def test_decode_copies_skip_the_sort(T):
 @pytest.mark.parametrize("T", [1, 9])
 def test_fp8_experts_at_decode_sizes_take_the_triton_kernel(T, monkeypatch):
     """Block-FP8 experts with gmm_impl "pallas" at decode sizes (`layers.fp8_experts_triton`) run the Triton grouped
-    kernel's W8A8 path (gate and up in one call; unsorted copies at T = 1, sorted at 9), with the portable W8A8
-    path's output (`fp8_grouped_matmul_xla` through ragged_dot: the same quantization); more than LINEAR_MAX_T
-    tokens do not take it."""
+    kernel's W8A8 path (gate and up in one call; unsorted copies at T = 1, sorted at 9), the fp8 shared experts as
+    chunk groups of the same two calls, with the portable W8A8 path's output (`fp8_grouped_matmul_xla` through
+    ragged_dot and a separate shared MLP: the same quantization, but gate and up rounded to bf16 before the SwiGLU,
+    so the down projection's e4m3 rounding of its input differs: 1.8-2.5% apart in norm, each 5-7% from float32 on
+    these weights); more than LINEAR_MAX_T tokens do not take it."""
     from mla_jax.checkpoint.fp8 import quantize_params
 
     cfg = tiny_config(hidden_size=128, moe_intermediate_size=128)
@@ -162,14 +164,14 @@ def test_fp8_experts_at_decode_sizes_take_the_triton_kernel(T, monkeypatch):
     kernel = layers.gmm_kernel.grouped_matmul
 
     def spy(*a, **kw):
-        calls.append((kw.get("rhs_scale") is not None, kw.get("up_rhs") is not None, kw.get("row_groups") is not None))
+        calls.append(tuple(kw.get(k) is not None for k in ("rhs_scale", "up_rhs", "row_groups", "shared_scale")))
         return kernel(*a, **kw)
 
     monkeypatch.setattr(layers.gmm_kernel, "grouped_matmul", spy)
     got = moe(p, cfg, x, gmm_impl="pallas").astype(jnp.float32)
     by_row = T * cfg.num_experts_per_tok <= BY_ROW_MAX_COPIES
-    assert calls == [(True, True, by_row), (True, False, by_row)], calls
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2 * float(jnp.abs(want).max()))
+    assert calls == [(True, True, by_row, True), (True, False, by_row, True)], calls
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.04
     monkeypatch.setattr(layers, "LINEAR_MAX_T", T - 1)
     calls.clear()
     moe(p, cfg, x, gmm_impl="pallas")

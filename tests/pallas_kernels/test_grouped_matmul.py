@@ -555,6 +555,44 @@ def test_fp8_decode_top_k_glu_stacked_poisoned():
         _close_rel(out[r], jax.nn.silu(gate) * up, rtol=1e-4)
 
 
+def test_fp8_shared_chunks_decode_stacked_poisoned():
+    """fp8 shared experts as chunk groups of a decode step's kernels (stacked, the layer read in place between NaN
+    layers): gate + up with 2 chunks along N, down with 2 along K, against the reference (the chunks appended as
+    groups with their blocks' scales) and against the shared MLP computed on its own (the W8A8 product of the whole
+    shared weights: per-chunk K blocks are the whole weight's blocks)."""
+    from pallas_kernels.fp8_matmul import fp8_matmul_quantized_reference, quantize_act
+
+    rng = np.random.default_rng(11)
+    t, top_k, g, i_sz, d, c = 2, 2, 4, 128, 200, 2  # experts [I, D]; shared [C*I, D] and [D, C*I]
+    x = jnp.asarray(rng.standard_normal((t, d), np.float32), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.permutation(g)[:top_k] for _ in range(t)]), jnp.int32)
+    (gw, gs), (uw, us) = (_fp8_experts(rng, (3, g), i_sz, d, poison=2) for _ in range(2))
+    (sgw, sgs), (suw, sus) = (_fp8_experts(rng, (3,), c * i_sz, d, poison=2) for _ in range(2))
+    dw, ds = _fp8_experts(rng, (3, g), d, i_sz, poison=2)
+    sdw, sds_ = _fp8_experts(rng, (3,), d, c * i_sz, poison=2)
+    glu_kw = dict(row_groups=ids, up_rhs=uw, rhs_scale=gs, up_scale=us, shared_rhs=sgw, shared_up_rhs=suw)
+    glu_kw.update(shared_scale=sgs, shared_up_scale=sus)
+    f = jax.jit(lambda i: grouped_matmul(x, gw, rhs_index=i, interpret=True, **glu_kw))
+    h = f(jnp.int32(2))  # [T*(K+C), I]: the T*K routed copies, then each chunk's T rows
+    assert h.shape == (t * (top_k + c), i_sz)
+    _close_rel(h.astype(jnp.float32), grouped_matmul_reference(x, gw, rhs_index=2, **glu_kw), rtol=1e-2)
+    # the chunks' rows against the shared gate / up on their own: chunk j's T rows are columns [j*I, (j+1)*I)
+    sg = fp8_matmul_quantized_reference(x, sgw[2], sgs[2])
+    su = fp8_matmul_quantized_reference(x, suw[2], sus[2])
+    want = jax.nn.silu(sg) * su  # [T, C*I]
+    got = h[t * top_k :].reshape(c, t, i_sz).transpose(1, 0, 2).reshape(t, c * i_sz)
+    _close_rel(got.astype(jnp.float32), want, rtol=1e-2)
+    down_kw = dict(row_groups=ids, rhs_scale=ds, shared_rhs=sdw, shared_scale=sds_, preferred_element_type=jnp.float32)
+    y = jax.jit(lambda hh, i: grouped_matmul(hh, dw, rhs_index=i, interpret=True, **down_kw))(h, jnp.int32(2))
+    _close_rel(y, grouped_matmul_reference(h, dw, rhs_index=2, **down_kw))
+    # the chunks' partial outputs summed: the shared down projection of the shared intermediate (quantized per 128
+    # columns, the chunks' own blocks)
+    chunk_sum = y[t * top_k :].reshape(c, t, d).sum(0)
+    hq = got.astype(jnp.bfloat16)
+    _close_rel(chunk_sum, fp8_matmul_quantized_reference(hq, sdw[2], sds_[2]), rtol=1e-4)
+    assert quantize_act(hq)[1].shape == (t, c)  # (the chunks' K blocks are the whole weight's)
+
+
 def test_fp8_validation():
     rng = np.random.default_rng(0)
     w, sc = _fp8_experts(rng, (2,), 64, 128)
@@ -567,6 +605,7 @@ def test_fp8_validation():
         (dict(rhs_scale=sc, up_rhs=w), "give up_scale exactly when up_rhs"),
         (dict(rhs_scale=sc, transpose_rhs=False), "transpose_rhs=True"),
         (dict(up_scale=sc), "up_scale needs rhs_scale"),
+        (dict(rhs_scale=sc, shared_rhs=w[0]), "give shared_scale with shared_rhs"),
     ]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -575,6 +614,20 @@ def test_fp8_validation():
         grouped_matmul(x.astype(jnp.float32), w, sizes, rhs_scale=sc, interpret=True)
     with pytest.raises(ValueError, match="is for float8_e4m3fn"):
         grouped_matmul(x, w.astype(jnp.bfloat16), sizes, rhs_scale=sc, interpret=True)
+    wb = w.astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="are for fp8 experts"):
+        grouped_matmul(x, wb, sizes, shared_rhs=wb[0], shared_scale=sc[0], interpret=True)
+    w1, sc1 = _fp8_experts(rng, (2,), 64, 192)  # a shared chunk along N of 64 rows: not whole scale blocks
+    with pytest.raises(ValueError, match="whole 128-wide scale blocks"):
+        grouped_matmul(
+            jnp.zeros((4, 192), jnp.bfloat16),
+            w1,
+            sizes,
+            rhs_scale=sc1,
+            interpret=True,
+            shared_rhs=w1[0].reshape(64, 192),
+            shared_scale=sc1[0],
+        )
 
 
 def test_fp8_lowers_to_triton(h200):
@@ -592,7 +645,30 @@ def test_fp8_lowers_to_triton(h200):
     args += (sds((26, 64, 11, 16), f32), sds((26, 64, 11, 16), f32), ids, sds((), i32))
     down = jax.jit(lambda h, w, s, ids, i: grouped_matmul(h, w, row_groups=ids, rhs_scale=s, rhs_index=i))
     dargs = (sds((6, 1408), bf), sds((26, 64, 2048, 1408), f8), sds((26, 64, 16, 11), f32), ids, sds((), i32))
-    for fn, a in ((glu, args), (down, dargs)):
+    # the shared experts' 2 chunks as more groups (their stacked weights and scales read in place too)
+    sglu = jax.jit(
+        lambda x, g, u, gs, us, ids, i, sg, su, sgs, sus: grouped_matmul(
+            x,
+            g,
+            row_groups=ids,
+            up_rhs=u,
+            rhs_scale=gs,
+            up_scale=us,
+            rhs_index=i,
+            shared_rhs=sg,
+            shared_up_rhs=su,
+            shared_scale=sgs,
+            shared_up_scale=sus,
+        )
+    )
+    sargs = args + (sds((26, 2816, 2048), f8),) * 2 + (sds((26, 22, 16), f32),) * 2
+    sdown = jax.jit(
+        lambda h, w, s, ids, i, sw, ss: grouped_matmul(
+            h, w, row_groups=ids, rhs_scale=s, rhs_index=i, shared_rhs=sw, shared_scale=ss
+        )
+    )
+    sdargs = (sds((8, 1408), bf),) + dargs[1:] + (sds((26, 2048, 2816), f8), sds((26, 16, 22), f32))
+    for fn, a in ((glu, args), (down, dargs), (sglu, sargs), (sdown, sdargs)):
         text = fn.trace(*a).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1 and "slice" not in text
         assert "grouped_" in text and "_fp8_" in text

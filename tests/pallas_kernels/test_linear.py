@@ -338,10 +338,15 @@ def test_fp8_linears_take_the_kernel_on_a_gpu(monkeypatch):
         for g, r in zip(got, ref):
             assert g.dtype == jnp.bfloat16
             np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)), r, rtol=1e-2, atol=1e-2 * np.abs(r).max())
+    # K = 200 past FP8_LINEAR_MAX_K: the Mosaic GPU GEMM's where it takes the shape, else still this kernel
+    monkeypatch.setattr(layers, "FP8_LINEAR_MAX_K", 128)
+    monkeypatch.setattr(layers, "_fp8_kernel_ok", lambda n, k: True)
+    assert not layers._linear_kernel_ok(tuple(plain), ws_x)
+    monkeypatch.setattr(layers, "_fp8_kernel_ok", lambda n, k: False)
+    assert layers._linear_kernel_ok(tuple(plain), ws_x)
     monkeypatch.setattr(layers, "LINEAR_MAX_T", 4)  # 5 tokens: the fp8 GEMM's path, not this kernel
-    monkeypatch.setattr(layers, "_fp8_kernel_ok", lambda n, k: False)  # (its XLA form: no GPU here)
     n = len(calls)
-    layers.linears(tuple(plain), ws_x)
+    layers.linears(tuple(plain), ws_x)  # (the GEMM's XLA form: no GPU here)
     assert len(calls) == n
 
 
