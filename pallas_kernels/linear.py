@@ -41,12 +41,12 @@ supported, and nothing needs it (the router's input is another hidden state than
 Block-FP8 weights (`scales`: DeepSeek-V3's e4m3 weights with one float32 `weight_scale_inv` per 128 x 128 block,
 `fp8_matmul`'s format): the W8A8 product of `fp8_matmul` at decode sizes, where that Mosaic GPU kernel pads the
 tokens to a 64-row tile, quantizes them in XLA kernels of their own and splits K with an XLA sum after it (the
-fp8-weight step at batch 1 ran 9 of its calls a layer, ~6-8 us each, 1249 kernels a step against bf16's 400:
-bench/results/e2e-profile-b1-fp8-h200.json). Here x is quantized once before the call (`util.quantize_act`, one XLA
-fusion: per row per 128 channels, as `fp8_matmul` does; quantizing in the kernel made every program redo it for the
+fp8-weight step at batch 1 ran 9 of its calls a layer, ~6-8 us each, 1249 kernels a step against bf16's 400 at
+0cf314c: docs/perf-notes.md session 20). Here x is quantized once before the call (`util.quantize_act`, 3 small XLA
+kernels: per row per 128 channels, as `fp8_matmul` does; quantizing in the kernel made every program redo it for the
 whole of x), the kernel multiplies the e4m3 tiles in a dot of fp8 operands (exact products, float32 sums; a cast of
-the tiles to bf16 before a bf16 dot kept Triton from prefetching them: 4x slower on the H200, session 22's probe) and
-adds each 128-deep scale block's product times (row scale x block scale) to the float32 sum:
+the tiles to bf16 before a bf16 dot kept Triton from prefetching them: 4x slower on the H200, docs/perf-notes.md
+session 22) and adds each 128-deep scale block's product times (row scale x block scale) to the float32 sum:
 `fp8_matmul_quantized_reference`'s math, float32 summation order aside. The scales of all the tile's K blocks are
 loaded before the K loop (`util.block_scales`); a loop step covers block_k / 128 scale blocks (unrolled); block_n <=
 128, so a program's columns share one scale row.
@@ -173,9 +173,9 @@ def default_tuning(t: int, ns: tuple[int, ...], k: int, dtype, sms: int | None =
       registers a thread at 4 warps), block_n down to 1 until the programs fill the SMs (the router's 64 rows at
       T = 1: 64 programs of one weight row each), K in steps of up to 1024 (the router at T = 1: 3.0 us with
       512-wide steps, 1.9 with 1024).
-    - block-FP8 (a dot of e4m3 tiles): from a probe on the H200 (session 22, V3's q_a_proj [1536, 7168], 16 rows,
-      block_n 16): 256-deep K steps with 4 warps 10.3 us, 1 warp 11.5 (128-deep 12.5, 512 10.9, 1024 10.4; 2 stages
-      16.9 where 4 take 10.9; block_n 32 25.5).
+    - block-FP8 (a dot of e4m3 tiles): docs/perf-notes.md session 22's probe kernel (V3's q_a_proj [1536, 7168], 16
+      rows, block_n 16): 256-deep K steps with 4 warps 10.3 us, 1 warp 11.5 (128-deep 12.5, 512 10.9, 1024 10.4;
+      2 stages 16.9 where 4 take 10.9; block_n 32 25.5).
     """
     sms = num_sms() if sms is None else sms
     if jnp.dtype(dtype) == FP8:  # fp8 weights, fp8 dot: 1-byte tiles, K steps of 2 scale blocks, 4 warps
@@ -397,7 +397,7 @@ def linear(
 def _run(x, weights, layer, static, scales=()):
     out_dtype, interpret, bt, bn, bk, warps, stages = static
     kw = dict(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-    if scales:  # W8A8: x quantized once (one XLA fusion), not by each program of the kernel
+    if scales:  # W8A8: x quantized once (XLA), not by each program of the kernel
         x, x_scale = quantize_act(x)
         scales = (*scales, x_scale)
     return _impl(x, weights, scales, layer, out_dtype=out_dtype, interpret=interpret, **kw)
