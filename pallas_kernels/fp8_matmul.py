@@ -56,6 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import fp8_quant
 from pallas_kernels.grouped_matmul import check_groups, row_items, work_items
 from pallas_kernels.mgpu import interpret_params, static_interpret, tiled
 from pallas_kernels.util import (
@@ -316,7 +317,7 @@ def _run(x, w4, s4, groups, layer, interpret, out_dtype, k_splits, stages, by_ro
     stages = default_stages(m) if stages is None else stages
     if not (isinstance(stages, int) and 1 <= stages <= 8):
         raise ValueError(f"stages={stages!r} must be an int in [1, 8]")
-    xq, xs = quantize_act(x)
+    xq, xs = fp8_quant.quantize_act(x, interpret=bool(interpret))  # one Triton kernel (XLA: three)
     return _impl(
         xq,
         xs,

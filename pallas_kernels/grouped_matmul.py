@@ -51,7 +51,7 @@ Block-FP8 experts (`rhs_scale` / `up_scale`: e4m3 weights [(Lyr,) G, N, K] with 
 block, [(Lyr,) G, cdiv(N, 128), cdiv(K, 128)], DeepSeek-V3's format): the W8A8 product of `fp8_matmul`'s grouped GEMM,
 at the sizes this kernel serves (decode: few rows per expert, unsorted copies, gate and up in one pass), where that
 Mosaic GPU kernel needs its rows gathered, padded and quantized by XLA kernels first. lhs is quantized per row per
-128 channels once before the call (`util.quantize_act`, 3 small XLA kernels over lhs's rows, one per token for top-k
+128 channels once before the call (`fp8_quant.quantize_act`, one kernel over lhs's rows, one per token for top-k
 copies; quantizing in the kernel made every program redo its tile's, part 30), the kernel multiplies the e4m3 tiles
 in a dot of fp8 operands (exact products; `linear` says why not as bf16), and scales each 128-deep K step's
 product by (row scale x the expert's block scale, all the tile's loaded before the K loop: `util.block_scales`): K
@@ -80,6 +80,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import fp8_quant
 from pallas_kernels.util import (
     FLOAT_DTYPES,
     FP8,
@@ -98,7 +99,6 @@ from pallas_kernels.util import (
     next_pow2,
     num_sms,
     pad_to,
-    quantize_act,
 )
 
 
@@ -799,8 +799,8 @@ def grouped_matmul(
         else jnp.asarray(rhs_index, jnp.int32).reshape(1)  # clamped to [0, Lyr) in the kernel
     )
     scales = ()
-    if fp8:  # W8A8: lhs quantized once (XLA), not by each program; its row scales after the weights'
-        lhs, x_scale = quantize_act(lhs)
+    if fp8:  # W8A8: lhs quantized once (one kernel), not by each program; its row scales after the weights'
+        lhs, x_scale = fp8_quant.quantize_act(lhs, interpret=bool(interpret))
         scales = (rhs_scale, up_scale, x_scale) if up_rhs is not None else (rhs_scale, x_scale)
     shared_scales = tuple(a for a in (shared_scale, shared_up_scale) if a is not None)
     return _gmm_impl(

@@ -42,8 +42,8 @@ Block-FP8 weights (`scales`: DeepSeek-V3's e4m3 weights with one float32 `weight
 `fp8_matmul`'s format): the W8A8 product of `fp8_matmul` at decode sizes, where that Mosaic GPU kernel pads the
 tokens to a 64-row tile, quantizes them in XLA kernels of their own and splits K with an XLA sum after it (the
 fp8-weight step at batch 1 ran 9 of its calls a layer, ~6-8 us each, 1249 kernels a step against bf16's 400 at
-0cf314c: docs/perf-notes.md session 20). Here x is quantized once before the call (`util.quantize_act`, 3 small XLA
-kernels: per row per 128 channels, as `fp8_matmul` does; quantizing in the kernel made every program redo it for the
+0cf314c: docs/perf-notes.md session 20). Here x is quantized once before the call (`fp8_quant.quantize_act`, one
+kernel: per row per 128 channels, as `fp8_matmul` does; quantizing in the kernel made every program redo it for the
 whole of x), the kernel multiplies the e4m3 tiles in a dot of fp8 operands (exact products, float32 sums; a cast of
 the tiles to bf16 before a bf16 dot kept Triton from prefetching them: 4x slower on the H200, docs/perf-notes.md
 session 22) and adds each 128-deep scale block's product times (row scale x block scale) to the float32 sum:
@@ -72,6 +72,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import fp8_quant
 from pallas_kernels.fp8_matmul import fp8_matmul_quantized_reference
 from pallas_kernels.util import (
     F32,
@@ -93,7 +94,6 @@ from pallas_kernels.util import (
     next_pow2,
     num_sms,
     pad_to,
-    quantize_act,
 )
 
 __all__ = ["compute_dtype", "default_tuning", "linear", "linear_reference"]
@@ -397,8 +397,8 @@ def linear(
 def _run(x, weights, layer, static, scales=()):
     out_dtype, interpret, bt, bn, bk, warps, stages = static
     kw = dict(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-    if scales:  # W8A8: x quantized once (XLA), not by each program of the kernel
-        x, x_scale = quantize_act(x)
+    if scales:  # W8A8: x quantized once (one kernel), not by each program of the kernel
+        x, x_scale = fp8_quant.quantize_act(x, interpret=interpret)
         scales = (*scales, x_scale)
     return _impl(x, weights, scales, layer, out_dtype=out_dtype, interpret=interpret, **kw)
 

@@ -102,9 +102,10 @@ def quantize_act_tile(x):
 def quantize_act(x, block: int = FP8_BLOCK):
     """x [M, K] -> (e4m3 [M, K], float32 scale [M, cdiv(K, block)]): the W8A8 activation format (DeepGEMM's), per
     token per `block` channels, scale = amax / 448 so that x ~= x_fp8 * scale. A ragged last block is quantized over
-    its own width. XLA's kernels (3 on the H200) before an fp8 GEMM (the Mosaic GPU ones and the Triton linear /
-    grouped kernels): quantizing in the kernel instead cost every program the whole x (part 30: the fp8-weight step
-    at batch 1 6.79 ms with the Triton kernels quantizing their tiles, 3.26 through the Mosaic GEMMs)."""
+    its own width. The reference of `fp8_quant.quantize_act` (one kernel where XLA runs three), which runs before
+    every fp8 GEMM: quantizing in the Triton GEMMs' programs instead cost every program the whole x (part 30: the
+    fp8-weight step at batch 1 6.79 ms with the Triton kernels quantizing their tiles, 3.26 through the Mosaic
+    GEMMs)."""
     m, k = x.shape
     kb = cdiv(k, block)
     xf = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kb * block - k))).reshape(m * kb, block)

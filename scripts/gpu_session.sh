@@ -480,12 +480,14 @@ case $part in
     run 90 fp8-gemm python3 bench/fp8_gemm.py --out "$out" --ms 1,32 --budget-s 40 --shapes "v3 q_a_proj,v2-lite q_proj"
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 37) # next session, first call: the fp8 shared experts as chunk groups of the routed Triton kernels (7928843,
-    # CPU-tested) and fp8 linears deeper than 2816 inputs back on the Mosaic GEMM: the GPU tests of both kernels' fp8
-    # paths and of the fp8 model, then the bf16 and fp8-weight steps at batch 1 / 32 in one run, profiled (part 35 at
-    # 79384f6: fp8 2.78 / 7.39 ms, bf16 2.27 / 9.58), then batch 128 with fp8 weights (0cf314c: 14.2 ms)
+    # CPU-tested), fp8 linears deeper than 2816 inputs back on the Mosaic GEMM, the activations' quantization as one
+    # Triton kernel (fp8_quant; XLA ran three): the GPU tests of the fp8 kernels and of the fp8 model, then the bf16
+    # and fp8-weight steps at batch 1 / 32 in one run, profiled (part 35 at 79384f6: fp8 2.78 / 7.39 ms, bf16 2.27 /
+    # 9.58), then batch 128 with fp8 weights (0cf314c: 14.2 ms)
     out=${2:?}
-    run 150 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider -rfE \
+    run 200 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider -rfE \
         tests/pallas_kernels/test_linear.py tests/pallas_kernels/test_grouped_matmul.py \
+        tests/pallas_kernels/test_fp8_quant.py tests/pallas_kernels/test_fp8_matmul.py \
         tests/mla_jax/test_fp8_weights.py -k "fp8"
     run 300 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16,fp8 --batches 1,32 --ctxs 4096 \
         --no-prefill --no-engine --profile "$out/trace"

@@ -219,7 +219,7 @@ def test_fp8_converts_behind_barrier():
 @pytest.mark.parametrize(
     "m, n, k, stages", [(1, 576, 7168, None), (4096, 7168, 2048, None), (100, 2048, 512, 4), (1, 1536, 7168, None)]
 )
-def test_dense_lowers_for_sm90(m, n, k, stages):
+def test_dense_lowers_for_sm90(h200, m, n, k, stages):  # (h200: the activations' Triton quantization)
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn)
     s = jax.ShapeDtypeStruct((F.cdiv(n, 128), k // 128), jnp.float32)
@@ -227,7 +227,7 @@ def test_dense_lowers_for_sm90(m, n, k, stages):
     assert "mosaic_gpu" in f.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_dense_stacked_lowers_for_sm90():
+def test_dense_stacked_lowers_for_sm90(h200):
     x = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((26, 3072, 2048), jnp.float8_e4m3fn)
     s = jax.ShapeDtypeStruct((26, 24, 16), jnp.float32)
@@ -237,7 +237,7 @@ def test_dense_stacked_lowers_for_sm90():
     assert "mosaic_gpu" in text and "dynamic_slice" not in text  # the whole stack goes in: no slice of it
 
 
-def test_grouped_lowers_for_sm90():
+def test_grouped_lowers_for_sm90(h200):
     x = jax.ShapeDtypeStruct((2048, 7168), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((3, 256, 4096, 7168), jnp.float8_e4m3fn)
     s = jax.ShapeDtypeStruct((3, 256, 32, 56), jnp.float32)
