@@ -448,21 +448,13 @@ case $part in
     run 380 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16,fp8 --batches 1,32,128 --ctxs 4096 \
         --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-34) # session 22, second call: part 32 showed the Triton fp8 kernels slow on the device too (V3 q_a_proj at one token
-    # 42 us, bf16's dot 9; the step at batch 1 4.77 ms, 32 14.0): the scales' loads a K step, which Triton does not
-    # prefetch, now one load of all the tile's scales before the loop. GPU tests, the decode-size rows, then the bf16
-    # and fp8-weight steps in one run at batch 1 / 32 (batch 128 takes neither kernel), profiled
-    out=${2:?}
-    run 110 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
-        tests/pallas_kernels/test_linear.py tests/pallas_kernels/test_grouped_matmul.py -k "fp8"
-    run 150 fp8-gemm python3 bench/fp8_gemm.py --out "$out" --ms 1,8,32,64 --budget-s 110
-    run 300 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16,fp8 --batches 1,32 --ctxs 4096 \
-        --no-prefill --no-engine --profile "$out/trace"
-    rm -rf "$out/trace"
-    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-35) # session 22, fourth call (the third ran out/probe/fp8lin.py: the e4m3 tiles cast to bf16 before the dot were
-    # not prefetched, 44-46 us for V3's q_a_proj at 16 rows where a dot of the e4m3 tiles took 10.3-12.5 and bf16's
-    # Triton dot 12.3): part 34's commands with the fp8 kernels' dots of e4m3 operands
+34|35) # session 22, second and fourth calls. 34: part 32 showed the Triton fp8 kernels slow on the device too (V3
+    # q_a_proj at one token 42 us, bf16's dot 9; the step at batch 1 4.77 ms, 32 14.0): the scales' loads a K step,
+    # which Triton does not prefetch, now one load of all the tile's scales before the loop. 35 (the third call ran
+    # out/probe/fp8lin.py: the e4m3 tiles cast to bf16 before the dot were not prefetched, 44-46 us for V3's q_a_proj
+    # at 16 rows where a dot of the e4m3 tiles took 10.3-12.5 and bf16's Triton dot 12.3): the same commands with the
+    # fp8 kernels' dots of e4m3 operands. GPU tests, the decode-size rows, then the bf16 and fp8-weight steps in one
+    # run at batch 1 / 32 (batch 128 takes neither kernel), profiled
     out=${2:?}
     run 110 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider -rfE \
         tests/pallas_kernels/test_linear.py tests/pallas_kernels/test_grouped_matmul.py -k "fp8"
