@@ -475,7 +475,7 @@ case $part in
     # CPU-tested), fp8 linears deeper than 2816 inputs back on the Mosaic GEMM, the activations' quantization as one
     # Triton kernel (fp8_quant; XLA ran three): the GPU tests of the fp8 kernels and of the fp8 model, then the bf16
     # and fp8-weight steps at batch 1 / 32 in one run, profiled (part 35 at 79384f6: fp8 2.78 / 7.39 ms, bf16 2.27 /
-    # 9.58), then batch 128 with fp8 weights (0cf314c: 14.2 ms)
+    # 9.58)
     out=${2:?}
     run 200 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider -rfE \
         tests/pallas_kernels/test_linear.py tests/pallas_kernels/test_grouped_matmul.py \
@@ -484,8 +484,15 @@ case $part in
     run 300 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16,fp8 --batches 1,32 --ctxs 4096 \
         --no-prefill --no-engine --profile "$out/trace"
     rm -rf "$out/trace"
-    run 120 e2e-b128 python3 -m mla_jax.bench.e2e --out "$out/b128" --weights fp8 --batches 128 --ctxs 4096 \
-        --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 37" >&2; exit 2 ;;
+38) # next session, second call: the fp8-weight step at batch 128 (0cf314c: 14.2 ms; the Mosaic GEMMs above 64
+    # tokens, now behind the one-kernel quantization) and the V3-shaped slice with fp8 weights at batch 1 / 32 (V3's
+    # deep linears on the Mosaic GEMM, its experts and shared expert on the Triton kernels), both weights in one run
+    out=${2:?}
+    run 150 e2e-b128 python3 -m mla_jax.bench.e2e --out "$out/b128" --weights fp8 --batches 128 --ctxs 4096 \
+        --no-prefill --no-engine
+    run 330 e2e-v3 python3 -m mla_jax.bench.e2e --out "$out/v3" --model v3-slice --weights bf16,fp8 --batches 1,32 \
+        --ctxs 4096 --no-prefill --no-engine
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 38" >&2; exit 2 ;;
 esac
