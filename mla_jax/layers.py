@@ -189,13 +189,13 @@ FP8_LINEAR_MAX_K = 2816
 def _linear_kernel_ok(ps: tuple[dict, ...], x: jnp.ndarray) -> bool:
     """The dense linear kernel for these linears of x [T, in]: on a GPU, 1 <= T <= LINEAR_MAX_T, float dtypes, one
     weight dtype (all block-FP8 or none), and either all plain weights or all `LayerRow`s of one layer index; not
-    one token through a single bf16/f32 weight of at most XLA_GEMV_MAX_K inputs. fp8 weights need a bf16/f16 x and at
-    most FP8_LINEAR_MAX_K inputs (or a shape the Mosaic GPU GEMM does not take)."""
+    one token through a single bf16/f32 weight of at most XLA_GEMV_MAX_K inputs. fp8 weights: at most
+    FP8_LINEAR_MAX_K inputs (or a shape the Mosaic GPU GEMM does not take)."""
     ws = [p["weight"] for p in ps]
     rows = [isinstance(w, LayerRow) for w in ws]
     fp8 = [is_fp8(p) for p in ps]
     if any(fp8):
-        dtypes_ok = all(fp8) and jnp.dtype(x.dtype) in FLOAT_DTYPES and jnp.dtype(x.dtype) != jnp.float32
+        dtypes_ok = all(fp8) and jnp.dtype(x.dtype) in FLOAT_DTYPES
         # deep weights that the Mosaic GPU GEMM takes stay with it (FP8_LINEAR_MAX_K)
         dtypes_ok &= x.shape[-1] <= FP8_LINEAR_MAX_K or not all(_fp8_kernel_ok(*w.shape) for w in ws)
     else:

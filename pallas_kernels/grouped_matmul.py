@@ -205,8 +205,6 @@ def _validate_fp8(
         raise ValueError(f"rhs_scale is for float8_e4m3fn rhs (and up_rhs), got {rhs.dtype}")
     if not transpose_rhs:
         raise ValueError("fp8 experts need transpose_rhs=True (HF [out, in] layout)")
-    if jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"lhs must be bfloat16 or float16 with fp8 experts (a bf16 dot), got {lhs.dtype}")
     check_fp8_weight(rhs, rhs_scale, "rhs", "rhs_scale")
     if up_scale is not None:
         check_fp8_weight(up_rhs, up_scale, "up_rhs", "up_scale")
@@ -725,9 +723,9 @@ def grouped_matmul(
 
     rhs_scale (and up_scale with up_rhs): block-FP8 experts, rhs e4m3 [(Lyr,) G, N, K] (transpose_rhs=True) with
     float32 scales [(Lyr,) G, cdiv(N, 128), cdiv(K, 128)]: the W8A8 product (lhs quantized per row per 128 channels
-    before the kernel, the module docstring); lhs bf16 or f16. fp8 shared chunks: shared_rhs (and shared_up_rhs)
-    e4m3 with shared_scale (and shared_up_scale) [(Lyr,) cdiv(N_s, 128), cdiv(K_s, 128)], the chunks whole scale
-    blocks (N, or K for chunks along the columns, a multiple of 128).
+    before the kernel, the module docstring; lhs any float dtype, the output's). fp8 shared chunks: shared_rhs (and
+    shared_up_rhs) e4m3 with shared_scale (and shared_up_scale) [(Lyr,) cdiv(N_s, 128), cdiv(K_s, 128)], the chunks
+    whole scale blocks (N, or K for chunks along the columns, a multiple of 128).
 
     Tuning (None = `default_tuning`): block_m rows per tile, block_n, block_k (powers of two >= 16),
     num_warps, num_stages (Triton pipelining), num_k_splits (K split into float32 partials).

@@ -155,8 +155,6 @@ def _validate_fp8(x, weights, scales, block_n, block_k):
         raise ValueError("scales must be a tuple with one [(Lyr,) cdiv(N, 128), cdiv(K, 128)] array per weight")
     for j, (w, sc) in enumerate(zip(weights, scales)):
         check_fp8_weight(w, sc, f"weights[{j}]", f"scales[{j}]")
-    if jnp.dtype(x.dtype) == F32:
-        raise ValueError("x must be bfloat16 or float16 with fp8 weights (the product runs as a bf16 dot), got float32")
     check_fp8_blocks(block_n, block_k, "fp8 weights", whole_blocks=True)
 
 
@@ -368,8 +366,8 @@ def linear(
     reduce), accumulated in float32, stored in out_dtype. A static rhs_index must lie in [0, Lyr); a traced one is
     clamped. Tuning (None = `default_tuning`): block_t rows per tile, block_n weight rows per program, block_k K step
     (powers of two; >= 16 for the bf16/f16 dot, block_k always), num_warps, num_stages (Triton pipelining).
-    With `scales` (block-FP8 weights, bf16/f16 x): W8A8 as `fp8_matmul` computes it (the module docstring); not
-    differentiable (an inference format)."""
+    With `scales` (block-FP8 weights; x of any float dtype, quantized first): W8A8 as `fp8_matmul` computes it (the
+    module docstring); not differentiable (an inference format)."""
     weights = tuple(weights) if isinstance(weights, (tuple, list)) else weights
     scales = tuple(scales) if isinstance(scales, (tuple, list)) else scales
     tuning = (block_t, block_n, block_k, num_warps, num_stages)

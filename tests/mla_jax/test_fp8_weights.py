@@ -292,3 +292,65 @@ def test_export_fp8_from_float_reports_error(tmp_path):
     ref = np.asarray(pf["model"]["dense_layers"]["mlp"]["gate_proj"]["weight"][0])
     wd = np.asarray(F.dequantize_weight_blocks(w["weight"][0], w["weight_scale_inv"][0]))
     assert np.abs(wd - ref).max() <= np.abs(ref).max() * 2.0**-4
+
+
+def test_fp8_decode_step_shared_chunks_match_the_unfused_step(monkeypatch):
+    """The fp8 model's decode step (3 requests, a token each, over random cached rows: the routed copies unsorted,
+    the fp8 shared experts as chunk groups of the routed Triton kernels, the copies combined by the next layer's
+    norm) against the same step with gmm_impl ragged_dot (the portable W8A8 experts, a separate shared MLP, the MoE
+    output combined in the layer). float32 activations: the same quantized operands, so the same logits up to the
+    order of float32 sums (a wrong chunk, scale block or combine moves them by the shared experts' share, ~30%)."""
+    import dataclasses
+
+    from mla_jax import layers, step
+    from mla_jax.cache import init_kv_cache
+    from mla_jax.metadata import ScheduledRequest, build_metadata
+    from tests.mla_jax.multihost_worker import parallel_config, random_params
+
+    cfg = parallel_config(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, v_head_dim=32)
+    params, _ = quantize_params(random_params(cfg, 0, std=0.2))
+    moe_p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
+    assert layers.moe_copies(moe_p, cfg, 3, gmm_impl="pallas") == cfg.n_shared_experts  # fused, left uncombined
+    page, pages = 4, 16
+    rng = np.random.default_rng(5)
+    reqs = [
+        ScheduledRequest([int(rng.integers(cfg.vocab_size))], ctx, list(range(4 * i, 4 * i + 4)))
+        for i, ctx in enumerate((5, 2, 9))
+    ]
+    md, _ = build_metadata(reqs, page_size=page, num_pages=pages, is_decode=[True] * 3)
+    cache0 = init_kv_cache(
+        cfg.num_hidden_layers,
+        pages,
+        page,
+        kv_lora_rank=cfg.kv_lora_rank,
+        rope_dim=cfg.qk_rope_head_dim,
+        dtype="fp32",
+        allow_any_page_size=True,
+    )
+    rows = rng.standard_normal(cache0.kv_c_and_k_pe_cache.shape).astype(np.float32)
+    calls = []
+    kernel = layers.gmm_kernel.grouped_matmul
+
+    def spy(*a, **kw):
+        calls.append(kw.get("shared_scale") is not None)
+        return kernel(*a, **kw)
+
+    monkeypatch.setattr(layers.gmm_kernel, "grouped_matmul", spy)
+
+    f = jax.jit(step.jit_step.__wrapped__, static_argnames=("cfg", "gmm_impl"))  # its own cache: traced here
+
+    def logits(gmm_impl, p=params):
+        cache = dataclasses.replace(cache0, kv_c_and_k_pe_cache=jnp.asarray(rows))
+        return np.asarray(f(p, cfg, cache, md, gmm_impl=gmm_impl)[0], np.float32)
+
+    fused, unfused = logits("pallas"), logits("ragged_dot")
+    assert calls and all(calls), calls  # the step traced the grouped kernels with the shared chunks
+    no_shared = logits(
+        "ragged_dot",
+        jax.tree_util.tree_map_with_path(
+            lambda path, a: jnp.zeros_like(a) if "shared_experts" in jax.tree_util.keystr(path) else a, params
+        ),
+    )
+    diff = np.linalg.norm(fused - unfused) / np.linalg.norm(unfused)
+    share = np.linalg.norm(no_shared - unfused) / np.linalg.norm(unfused)
+    assert np.isfinite(fused).all() and diff < 1e-4 and share > 0.1, (diff, share)
