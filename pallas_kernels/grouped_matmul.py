@@ -56,7 +56,8 @@ copies; quantizing in the kernel made every program redo its tile's, part 30), t
 in a dot of fp8 operands (exact products; `linear` says why not as bf16), and scales each 128-deep K step's
 product by (row scale x the expert's block scale, all the tile's loaded before the K loop: `util.block_scales`): K
 steps are the scale blocks (block_k = 128), block_n <= 128 (a program's columns share one scale row). HF layout
-only, no shared chunks.
+only; fp8 shared chunks come with their scales and must be whole scale blocks (the chunk's first block is where its
+scales start: `block_scales(k_block0=)`).
 
 Weight-bound decode (few rows per expert) wants enough programs in flight to saturate HBM: small
 row tiles (16) and narrow N blocks, and optionally `num_k_splits` > 1, which writes float32 partials
@@ -175,7 +176,6 @@ def _validate(
 
 
 def _validate_fp8(
-    lhs,
     rhs,
     up_rhs,
     shared_rhs,
@@ -733,7 +733,6 @@ def grouped_matmul(
     fp8 = rhs_scale is not None
     num_chunks = _validate_shared(rhs, up_rhs, shared_rhs, shared_up_rhs, transpose_rhs, rhs_index)
     _validate_fp8(
-        lhs,
         rhs,
         up_rhs,
         shared_rhs,
@@ -890,7 +889,7 @@ def grouped_matmul_reference(
         from pallas_kernels.fp8_matmul import fp8_grouped_matmul_reference  # (it imports this module)
 
         num_chunks = _validate_shared(rhs, None, shared_rhs, None, transpose_rhs, rhs_index)
-        _validate_fp8(lhs, rhs, None, shared_rhs, transpose_rhs, rhs_scale, None, None, None, None, shared_scale)
+        _validate_fp8(rhs, None, shared_rhs, transpose_rhs, rhs_scale, None, None, None, None, shared_scale)
         _validate(lhs, rhs, group_sizes, transpose_rhs, *(None,) * 7, rhs_index, row_groups, num_chunks, True)
         if rhs_index is not None:  # the layer (clamped), then its shared chunks as groups G..G+C-1
             index = jnp.clip(rhs_index, 0, rhs.shape[0] - 1)

@@ -107,7 +107,7 @@ def compute_dtype(x_dtype, w_dtype):
 def _validate(x, weights, rhs_index, out_dtype, block_t, block_n, block_k, num_warps, num_stages, scales=None):
     """(T, K, (N_j, ...), stacked) after the contract's checks."""
     if scales is not None:
-        _validate_fp8(x, weights, scales, block_n, block_k)
+        _validate_fp8(weights, scales, block_n, block_k)
     if not hasattr(x, "ndim") or x.ndim != 2:
         raise ValueError(f"x must be [T, K], got shape {getattr(x, 'shape', None)}")
     if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
@@ -150,7 +150,7 @@ def _validate(x, weights, rhs_index, out_dtype, block_t, block_n, block_k, num_w
     return t, k, tuple(ns), stacked
 
 
-def _validate_fp8(x, weights, scales, block_n, block_k):
+def _validate_fp8(weights, scales, block_n, block_k):
     if not isinstance(scales, (tuple, list)) or not isinstance(weights, (tuple, list)) or len(scales) != len(weights):
         raise ValueError("scales must be a tuple with one [(Lyr,) cdiv(N, 128), cdiv(K, 128)] array per weight")
     for j, (w, sc) in enumerate(zip(weights, scales)):
