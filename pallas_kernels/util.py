@@ -117,10 +117,12 @@ def block_scales(xs_ref, rows, ws_ref, ws_lead: tuple, row_mask=None, k_block0=0
     """A W8A8 tile's scales for every K block, f32[R, Kp] (Kp = next_pow2(Kb), blocks past Kb 0): its rows' x
     scales, `xs_ref` [M, Kb] at `rows` (a `pl.ds`, or row indices [R, 1] to gather; rows masked by `row_mask` [R, 1]
     read 0), times the weight blocks' scales `ws_ref[ws_lead]` [Kb] from block `k_block0` (the tile's row of scale
-    blocks; a shared chunk's start further along a weight's K). Loaded once
-    before a Triton kernel's K loop, which picks its block's column with `block_scale`: a load a step for them is not
-    pipelined (Triton prefetches the loads that feed a dot) and cost its latency every 128-deep step (part 32: V3's
-    q_a_proj at one token, 42 us of device time, bf16's dot 9). Interpret mode: pad ws to k_block0 + Kp, xs to Kp."""
+    blocks; a shared chunk's start further along a weight's K). Loaded once before a Triton kernel's K loop, which
+    picks its block's column with `block_scale`, so that no load in the loop is one Triton does not prefetch (it
+    pipelines the loads that feed a dot). Not measured against a scale load a step: part 34 replaced those with this
+    and the time did not move, both behind the bf16 cast of the tiles that bound the kernel then; the select costs
+    O(Kp) a block, O(K^2) a tile (docs/perf-notes.md session 22). Interpret mode: pad ws to k_block0 + Kp, xs to
+    Kp."""
     kb = xs_ref.shape[-1]
     kp = next_pow2(kb)
     kcols = jnp.arange(kp, dtype=jnp.int32)

@@ -303,7 +303,7 @@ def test_fp8_decode_step_shared_chunks_match_the_unfused_step(monkeypatch):
     import dataclasses
 
     from mla_jax import layers, step
-    from mla_jax.cache import init_kv_cache
+    from mla_jax.cache import init_kv_cache_for
     from mla_jax.metadata import ScheduledRequest, build_metadata
     from tests.mla_jax.multihost_worker import parallel_config, random_params
 
@@ -318,15 +318,7 @@ def test_fp8_decode_step_shared_chunks_match_the_unfused_step(monkeypatch):
         for i, ctx in enumerate((5, 2, 9))
     ]
     md, _ = build_metadata(reqs, page_size=page, num_pages=pages, is_decode=[True] * 3)
-    cache0 = init_kv_cache(
-        cfg.num_hidden_layers,
-        pages,
-        page,
-        kv_lora_rank=cfg.kv_lora_rank,
-        rope_dim=cfg.qk_rope_head_dim,
-        dtype="fp32",
-        allow_any_page_size=True,
-    )
+    cache0 = init_kv_cache_for(cfg, pages, page, dtype="fp32", allow_any_page_size=True)
     rows = rng.standard_normal(cache0.kv_c_and_k_pe_cache.shape).astype(np.float32)
     calls = []
     kernel = layers.gmm_kernel.grouped_matmul

@@ -151,7 +151,8 @@ def test_fp8_experts_at_decode_sizes_take_the_triton_kernel(T, monkeypatch):
     chunk groups of the same two calls, with the portable W8A8 path's output (`fp8_grouped_matmul_xla` through
     ragged_dot and a separate shared MLP: the same quantization, but gate and up rounded to bf16 before the SwiGLU,
     so the down projection's e4m3 rounding of its input differs: 1.8-2.5% apart in norm, each 5-7% from float32 on
-    these weights); more than LINEAR_MAX_T tokens do not take it."""
+    these weights; with float32 activations the two agree to float32 rounding); more than LINEAR_MAX_T tokens do not
+    take it."""
     from mla_jax.checkpoint.fp8 import quantize_params
 
     cfg = tiny_config(hidden_size=128, moe_intermediate_size=128)
@@ -172,6 +173,11 @@ def test_fp8_experts_at_decode_sizes_take_the_triton_kernel(T, monkeypatch):
     by_row = T * cfg.num_experts_per_tok <= BY_ROW_MAX_COPIES
     assert calls == [(True, True, by_row, True), (True, False, by_row, True)], calls
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.04
+    # float32 activations: no bf16 rounding between the GEMMs on either path, so the same quantized operands and the
+    # same output up to the order of float32 sums
+    x32 = x.astype(jnp.float32)
+    got32, want32 = moe(p, cfg, x32, gmm_impl="pallas"), moe(p, cfg, x32, gmm_impl="ragged_dot")
+    np.testing.assert_allclose(np.asarray(got32), np.asarray(want32), rtol=0, atol=1e-5 * float(jnp.abs(want32).max()))
     monkeypatch.setattr(layers, "LINEAR_MAX_T", T - 1)
     calls.clear()
     moe(p, cfg, x, gmm_impl="pallas")
