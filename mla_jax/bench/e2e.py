@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         metavar="DIR",
         help="trace 5 steps of every decode shape into DIR: rows gain kernels_per_step, and OUT gets "
-        "e2e-profile-b{B}-h200.json (kernels per step part) for batch 1 and 128 at ctx 4096",
+        "e2e-profile-b{B}-h200.json (kernels per step part) for batch 1, 32 and 128 at ctx 4096",
     )
     args = ap.parse_args(argv)
     args.backend = args.backend or attention.default_backend_name()
@@ -230,7 +230,7 @@ def _decode_row(eng, cfg, args, res, B, ctx, G, compile_s, ceilings, row_bytes, 
         tag = ("" if args.weights == "bf16" else f"-{args.weights}") + ("" if args.cache == "bf16" else "-fp8cache")
         breakdown, cache = profile_steps(step, cache, step.lower, f"{args.profile}/b{B}-ctx{ctx}{tag}")
         breakdown["shape"] = dict(batch=B, ctx=ctx, backend=args.backend, gmm_impl=args.gmm, weights=args.weights)
-        if args.out and B in (1, 128) and ctx == 4096:
+        if args.out and B in (1, 32, 128) and ctx == 4096:
             model = "" if args.model == "v2-lite" else f"-{args.model}"
             write_results(f"{args.out}/e2e-profile{model}-b{B}{tag}-h200.json", {**res_meta(res), **breakdown})
     eng.cache = cache
