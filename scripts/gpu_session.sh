@@ -498,12 +498,12 @@ case $part in
     # target is 0.65x), profiled; the ctx-1k bf16 step rows (targets.py's worst rows are still cee473d's); the fp8
     # step at batch 128 last (part 38's 150 s limit cut it before its first row)
     out=${2:?}
-    run 120 e2e-b32 python3 -m mla_jax.bench.e2e --out "$out/b32" --weights bf16,fp8 --batches 32 --ctxs 4096 \
+    run 150 e2e-b32 python3 -m mla_jax.bench.e2e --out "$out/b32" --weights bf16,fp8 --batches 32 --ctxs 4096 \
         --no-prefill --no-engine --profile "$out/trace"
     rm -rf "$out/trace"
     run 200 e2e-1k python3 -m mla_jax.bench.e2e --out "$out/1k" --weights bf16 --batches 1,8,32,128 --ctxs 1024 \
         --no-prefill --no-engine
-    run 230 e2e-b128 python3 -m mla_jax.bench.e2e --out "$out/b128" --weights fp8 --batches 128 --ctxs 4096 \
+    run 220 e2e-b128 python3 -m mla_jax.bench.e2e --out "$out/b128" --weights fp8 --batches 128 --ctxs 4096 \
         --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 39" >&2; exit 2 ;;
