@@ -1,22 +1,25 @@
-"""The MoE layer's two grouped kernels at decode on one GPU, with their tuning: what `layers.moe` runs for 1-2
-tokens (issue #22), the unsorted copies with the shared experts as more groups.
+"""The MoE layer's two grouped kernels at decode on one GPU, with their tuning: what `layers.moe` runs for a decode
+batch (issue #22), the shared experts as more groups; bf16 or block-FP8 experts (issue #25).
 
-    JAX_PLATFORMS=cuda,cpu PYTHONPATH=. python3 bench/moe_decode.py --out DIR [--budget-s 150] [--smoke]
+    JAX_PLATFORMS=cuda,cpu PYTHONPATH=. python3 bench/moe_decode.py --out DIR [--budget-s 150] [--tokens 1,2,32]
+        [--weights bf16,fp8] [--smoke]
 
 DeepSeek-V2-Lite's experts (64 of [1408, 2048], top-6, 2 shared experts: 2 chunks), stacked over 8 layers so that
 each call reads a layer its predecessor did not (a decode step streams every layer's experts: L2 holds none):
-"glu", `grouped_matmul(x [T, 2048], gate, up_rhs=up, row_groups=top-k [T, 6], shared_rhs=, shared_up_rhs=,
-rhs_index=)` -> [T*8, 1408]; "down", the [T*8, 1408] rows through down_proj with the shared down_proj's chunks ->
-[T*8, 2048]. (a) checks the default tuning against `grouped_matmul_reference` (exits 1 on a mismatch), (b) measures
-the copy/matmul ceilings, (c) times the default and, within --budget-s, tuning variants (block_n, block_k,
-num_warps, num_stages, num_k_splits), each by device time (common.device_time_us over 8 input sets: distinct
-layers and experts).
+"glu", `grouped_matmul(x, gate, up_rhs=up, shared_rhs=, shared_up_rhs=, rhs_index=)` -> [T*8, 1408]; "down", the
+[T*8, 1408] rows through down_proj with the shared down_proj's chunks -> [T*8, 2048]. Up to `BY_ROW_MAX_COPIES`
+routed copies (T <= 2) the copies stay in token order (`row_groups=` top-k [T, 6]); more are sorted by expert
+before the call, as `layers.moe` sorts them (`group_sizes=`; the sort is not timed, the work list and with fp8 the
+activations' quantization are). fp8: e4m3 experts with random 128x128 block scales (W8A8). (a) checks the default
+tuning against `grouped_matmul_reference` (exits 1 on a mismatch), (b) measures the copy/matmul ceilings, (c) times
+the default and, within --budget-s, tuning variants (block_m, block_n, block_k, num_warps, num_stages,
+num_k_splits), each by device time (common.device_time_us over 8 input sets: distinct layers and experts).
 
-Rows (DIR/moe-decode-h200.json, notes/bench-results.md's format): op "moe_decode", kernel (glu / down), T, tuning
-(block_m, block_n, block_k, num_warps, num_stages, num_k_splits), default (bool), device_us, kernels_per_call,
-weight_MB (the weights one call reads: its distinct experts and the shared chunks), TBps (weight_MB / device_us),
-frac_copy. `best` names the fastest variant per (kernel, T). --smoke: tiny shapes, interpret mode, on a CPU (the
-numbers mean nothing). Runtime on an H200: ~1 minute plus the budget.
+Rows (DIR/moe-decode-h200.json, notes/bench-results.md's format): op "moe_decode", kernel (glu / down), T, weights
+(bf16 / fp8), tuning, default (bool), device_us, kernels_per_call, weight_MB (the weights one call reads: its
+distinct experts and the shared chunks, with fp8 their scales), TBps (weight_MB / device_us), frac_copy. `best`
+names the fastest variant per (kernel, T, weights). --smoke: tiny shapes, interpret mode, on a CPU (the numbers mean
+nothing). Runtime on an H200: ~1 minute plus the budget.
 """
 
 from __future__ import annotations
@@ -40,30 +43,41 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from mla_jax.bench import common  # noqa: E402
+from mla_jax.layers import BY_ROW_MAX_COPIES  # noqa: E402
 from pallas_kernels import grouped_matmul as gm  # noqa: E402
 
 # (E experts, D hidden, I expert intermediate, K top-k, S shared chunks, layers)
 V2_LITE = (64, 2048, 1408, 6, 2, 8)
-SMOKE = (8, 64, 32, 2, 2, 2)
+SMOKE = (8, 128, 128, 2, 2, 2)  # fp8 shared chunks: whole 128-wide scale blocks
 SETS = 8  # input sets cycled through: distinct layers and top-k
 VARIANTS = dict(block_n=(16, 32, 64, 128), block_k=(64, 128, 256), num_warps=(2, 4, 8), num_stages=(2, 3, 4, 6))
 SPLITS = (1, 2, 3, 4)
 
 
-def weights(shape, smoke, key):
+def weights(shape, smoke, key, fp8=False):
     """Stacked routed and shared weights in the HF layout: gate/up [Lyr, E, I, D] and [Lyr, S*I, D], down [Lyr, E,
-    D, I] and [Lyr, D, S*I] (random: bandwidth does not depend on values)."""
+    D, I] and [Lyr, D, S*I] (random: bandwidth does not depend on values); fp8: e4m3, each with its block scales
+    f32 [..., cdiv(out, 128), cdiv(in, 128)] under the name + "_scale"."""
     E, D, I, K, S, Lyr = shape
-    ks = jax.random.split(key, 6)
-    f = lambda k, s: (jax.random.normal(k, s, jnp.float32) * 0.02).astype(jnp.bfloat16)  # noqa: E731
-    return dict(
-        gate=f(ks[0], (Lyr, E, I, D)),
-        up=f(ks[1], (Lyr, E, I, D)),
-        down=f(ks[2], (Lyr, E, D, I)),
-        sgate=f(ks[3], (Lyr, S * I, D)),
-        sup=f(ks[4], (Lyr, S * I, D)),
-        sdown=f(ks[5], (Lyr, D, S * I)),
+    ks = jax.random.split(key, 12)
+    shapes = dict(
+        gate=(Lyr, E, I, D),
+        up=(Lyr, E, I, D),
+        down=(Lyr, E, D, I),
+        sgate=(Lyr, S * I, D),
+        sup=(Lyr, S * I, D),
+        sdown=(Lyr, D, S * I),
     )
+    out = {}
+    for i, (name, sh) in enumerate(shapes.items()):
+        v = jax.random.normal(ks[i], sh, jnp.float32)
+        if not fp8:
+            out[name] = (v * 0.02).astype(jnp.bfloat16)
+            continue
+        out[name] = v.astype(jnp.float8_e4m3fn)
+        blocks = (*sh[:-2], -(-sh[-2] // gm.FP8_BLOCK), -(-sh[-1] // gm.FP8_BLOCK))
+        out[name + "_scale"] = jax.random.uniform(ks[6 + i], blocks, jnp.float32, 0.005, 0.02)
+    return out
 
 
 def input_sets(shape, t, seed=0):
@@ -79,51 +93,101 @@ def input_sets(shape, t, seed=0):
     return sets, float(np.mean(distinct))
 
 
-def glu_fn(w, interpret, **tuning):
-    """The glu call as a function of (x, ids, layer); the weights are arguments of the jitted function (closed
+def by_row(t: int, shape) -> bool:
+    """Whether `layers.moe` keeps t tokens' copies in token order (else it sorts them)."""
+    return t * shape[3] <= BY_ROW_MAX_COPIES
+
+
+def sorted_copies(shape, ids):
+    """`layers.moe`'s sort of a token's top-k [T, K] and the S shared chunks: (each sorted copy's token i32[T*C],
+    group_sizes i32[E + S])."""
+    E, _, _, K, S, _ = shape
+    t = ids.shape[0]
+    key = np.concatenate([np.asarray(ids), np.broadcast_to(E + np.arange(S), (t, S))], axis=1).reshape(-1)
+    order = np.argsort(key, kind="stable")
+    sizes = np.bincount(key, minlength=E + S).astype(np.int32)
+    return jnp.asarray(order // (K + S), jnp.int32), jnp.asarray(sizes)
+
+
+def _kw(w, names, **kw):
+    """grouped_matmul's weight keywords: the weights named (keyword -> w key), with fp8 their scales."""
+    for arg, name in names.items():
+        kw[arg] = w[name]
+        if name + "_scale" in w:
+            kw["rhs_scale" if arg == "rhs" else arg.replace("_rhs", "_scale")] = w[name + "_scale"]
+    return kw
+
+
+GLU_W = dict(rhs="gate", up_rhs="up", shared_rhs="sgate", shared_up_rhs="sup")
+DOWN_W = dict(rhs="down", shared_rhs="sdown")
+
+
+def call(w, names, lhs, routing, layer, interpret, **tuning):
+    """grouped_matmul with `names`' weights: routing is the top-k [T, K] (copies in token order) or a sort's
+    (tokens, group_sizes), lhs then gathered by the sorted copies' tokens (the glu's x) or already sorted."""
+    kw = _kw(w, names, rhs_index=layer, interpret=interpret, **tuning)
+    rhs = kw.pop("rhs")
+    if isinstance(routing, tuple):
+        tokens, sizes = routing
+        lhs = lhs[tokens] if lhs.shape[0] != tokens.shape[0] else lhs
+        return gm.grouped_matmul(lhs, rhs, sizes, **kw)
+    return gm.grouped_matmul(lhs, rhs, row_groups=routing, **kw)
+
+
+def kernel_fn(w, names, interpret, **tuning):
+    """The call as a function of (lhs, routing, layer); the weights are arguments of the jitted function (closed
     over, they would be lowered as GBs of constants)."""
-
-    @jax.jit
-    def f(w, x, ids, layer):
-        kw = dict(row_groups=ids, up_rhs=w["up"], shared_rhs=w["sgate"], shared_up_rhs=w["sup"], rhs_index=layer)
-        return gm.grouped_matmul(x, w["gate"], interpret=interpret, **kw, **tuning)
-
+    f = jax.jit(lambda w, lhs, routing, layer: call(w, names, lhs, routing, layer, interpret, **tuning))
     return lambda *a: f(w, *a)
 
 
-def down_fn(w, interpret, **tuning):
-    @jax.jit
-    def f(w, h, ids, layer):
-        kw = dict(row_groups=ids, shared_rhs=w["sdown"], rhs_index=layer)
-        return gm.grouped_matmul(h, w["down"], interpret=interpret, **kw, **tuning)
+def reference(w, names, lhs, routing, layer):
+    kw = _kw(w, names, rhs_index=layer)
+    rhs = kw.pop("rhs")
+    if isinstance(routing, tuple):
+        tokens, sizes = routing
+        lhs = lhs[tokens] if lhs.shape[0] != tokens.shape[0] else lhs
+        return gm.grouped_matmul_reference(lhs, rhs, sizes, **kw)
+    return gm.grouped_matmul_reference(lhs, rhs, row_groups=routing, **kw)
 
-    return lambda *a: f(w, *a)
 
-
-def check(shape, w, smoke) -> float:
-    """Max |kernel - reference| over both kernels at T = 2 (default tuning)."""
-    sets, _ = input_sets(shape, 2, seed=99)
+def check(shape, w, smoke, t) -> float:
+    """Max |kernel - reference| / max(1, max |reference|) over both kernels at T = t (default tuning)."""
+    sets, _ = input_sets(shape, t, seed=99)
     x, ids, layer = sets[1]
+    routing = ids if by_row(t, shape) else sorted_copies(shape, ids)
     err = 0.0
-    g = glu_fn(w, smoke)(x, ids, layer)
-    ref = gm.grouped_matmul_reference(
-        x, w["gate"], row_groups=ids, up_rhs=w["up"], shared_rhs=w["sgate"], shared_up_rhs=w["sup"], rhs_index=layer
-    )
-    err = max(err, float(jnp.max(jnp.abs(g.astype(jnp.float32) - ref))))
-    d = down_fn(w, smoke)(g, ids, layer)
-    ref = gm.grouped_matmul_reference(g, w["down"], row_groups=ids, shared_rhs=w["sdown"], rhs_index=layer)
-    return max(err, float(jnp.max(jnp.abs(d.astype(jnp.float32) - ref)) / max(1.0, float(jnp.max(jnp.abs(ref))))))
+    g = kernel_fn(w, GLU_W, smoke)(x, routing, layer)
+    for names, lhs, out in ((GLU_W, x, g), (DOWN_W, g, None)):
+        out = kernel_fn(w, DOWN_W, smoke)(g, routing, layer) if out is None else out
+        ref = reference(w, names, lhs, routing, layer)
+        e = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) / max(1.0, float(jnp.max(jnp.abs(ref))))
+        err = max(err, e if np.isfinite(e) else float("inf"))
+    return err
 
 
-def variants(default):
-    """The default, K splits with the default blocks, one-at-a-time moves of each knob, then pairs."""
+def variants(default, fp8=False, sorted_=False):
+    """The default, K splits with the default blocks, one-at-a-time moves of each knob, then pairs (fp8: K steps
+    stay one scale block, N blocks within one; sorted copies: row tiles of 16 or 32 too)."""
     names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "num_k_splits")
     base = dict(zip(names, default))
     out = [base] + [base | {"num_k_splits": s} for s in SPLITS if s != base["num_k_splits"]]
-    for name, values in VARIANTS.items():  # in the order of what sets the programs in flight most
+    knobs = dict(VARIANTS)
+    if fp8:
+        knobs["block_k"] = ()
+    if sorted_:
+        knobs = {"block_m": (16, 32), **knobs}
+    for name, values in knobs.items():  # in the order of what sets the programs in flight most
         out += [base | {name: v} for v in values if v != base[name]]
-    out += [base | {"block_n": n, "num_stages": st} for n, st in itertools.product((32, 128), (3, 6))]
-    return out
+    pairs = [base | {"block_n": n, "num_stages": st} for n, st in itertools.product((32, 128), (3, 6))]
+    if fp8:
+        pairs += [base | {"block_n": 128, "num_warps": wp, "num_stages": st} for wp, st in ((8, 3), (8, 4), (4, 2))]
+    seen, uniq = set(), []
+    for v in out + pairs:
+        if tuple(v.items()) not in seen:
+            seen.add(tuple(v.items()))
+            uniq.append(v)
+    return uniq
 
 
 def main(argv=None):
@@ -132,48 +196,62 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--tokens", type=common.int_list, default=(1, 2))
+    ap.add_argument("--weights", default="bf16", help="bf16, fp8 or both (bf16,fp8)")
     args = ap.parse_args(argv)
     shape = SMOKE if args.smoke else V2_LITE
     E, D, I, K, S, Lyr = shape
-    w = weights(shape, args.smoke, jax.random.key(0))
-    err = check(shape, w, args.smoke)
-    print(f"check: max err {err:.3g}")
+    kinds = [k.strip() for k in args.weights.split(",") if k.strip()]
+    if not kinds or set(kinds) - {"bf16", "fp8"}:
+        ap.error(f"--weights: bf16 and/or fp8, not {args.weights!r}")
+    ws = {kind: weights(shape, args.smoke, jax.random.key(0), fp8=kind == "fp8") for kind in kinds}
+    errs = {f"{kind}-T{t}": check(shape, ws[kind], args.smoke, t) for kind in kinds for t in sorted({2, *args.tokens})}
+    print(f"check: max err {errs}")
+    err = max(errs.values())
     ceilings = common.bench_ceilings(args.smoke)
     results = common.results_header(ceilings) | {"shape": dict(zip("E D I K S layers".split(), shape))}
-    results["check_err"] = err
-    share = args.budget_s / (2 * len(args.tokens))  # each (kernel, T) its share of the budget
+    results["check_err"] = errs
+    share = args.budget_s / (2 * len(args.tokens) * len(kinds))  # each (kernel, T, weights) its share of the budget
     best = {}
-    for t in args.tokens:
-        sets, distinct = input_sets(shape, t)
-        h_sets = [(jnp.zeros((t * K + S * t, I), jnp.bfloat16), ids, layer) for _, ids, layer in sets]
-        for kernel, make, arg_sets, per_expert in (
-            ("glu", glu_fn, sets, 2 * I * D * 2),
-            ("down", down_fn, h_sets, D * I * 2),
-        ):
-            m = t * (K + S)
-            n, k = (I, D) if kernel == "glu" else (D, I)
-            default = gm.default_tuning(m, n, k, m, jnp.bfloat16, by_row=True, glu=kernel == "glu")
-            mb = (distinct + S) * per_expert / 1e6
-            t_end = time.perf_counter() + share
-            for i, tun in enumerate(variants(default)):
-                if i and time.perf_counter() > t_end:
-                    break
-                try:
-                    dt = common.device_time_us(make(w, args.smoke, **tun), arg_sets, iters=2 * SETS)
-                except Exception as e:  # a variant Triton cannot compile (shared memory): recorded, skipped
-                    dt = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                row = dict(op="moe_decode", kernel=kernel, T=t, tuning=tun, default=i == 0, weight_MB=round(mb, 3))
-                if "device_us" in dt:
-                    tbps = mb / dt["device_us"]
-                    row |= dict(device_us=dt["device_us"], kernels_per_call=dt.get("kernels_per_call"))
-                    row |= dict(TBps=round(tbps, 3), frac_copy=round(tbps / ceilings["copy_TBps"], 3))
-                    key = f"{kernel}-T{t}"
-                    if key not in best or dt["device_us"] < best[key]["device_us"]:
-                        best[key] = dict(device_us=dt["device_us"], tuning=tun)
-                else:
-                    row["error"] = dt.get("error")
-                results["rows"].append(row)
-                print(row)
+    for kind in kinds:
+        w, fp8 = ws[kind], kind == "fp8"
+        wbytes = 1 + 4 / gm.FP8_BLOCK**2 if fp8 else 2  # bytes a weight element (fp8: and its share of a scale)
+        for t in args.tokens:
+            sets, distinct = input_sets(shape, t)
+            rows = by_row(t, shape)
+            if not rows:
+                sets = [(x, sorted_copies(shape, ids), layer) for x, ids, layer in sets]
+            h_sets = [(jnp.zeros((t * K + S * t, I), jnp.bfloat16), r, layer) for _, r, layer in sets]
+            for kernel, names, arg_sets, per_expert in (
+                ("glu", GLU_W, sets, 2 * I * D * wbytes),
+                ("down", DOWN_W, h_sets, D * I * wbytes),
+            ):
+                m = t * (K + S)
+                n, k = (I, D) if kernel == "glu" else (D, I)
+                g = m if rows else E + S
+                default = gm.default_tuning(m, n, k, g, jnp.bfloat16, by_row=rows, glu=kernel == "glu", fp8=fp8)
+                mb = (distinct + S) * per_expert / 1e6
+                t_end = time.perf_counter() + share
+                for i, tun in enumerate(variants(default, fp8, not rows)):
+                    if i and time.perf_counter() > t_end:
+                        break
+                    try:
+                        fn = kernel_fn(w, names, args.smoke, **tun)
+                        dt = common.device_time_us(fn, arg_sets, iters=2 * SETS)
+                    except Exception as e:  # a variant Triton cannot compile (shared memory): recorded, skipped
+                        dt = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    row = dict(op="moe_decode", kernel=kernel, T=t, weights=kind, tuning=tun, default=i == 0)
+                    row["weight_MB"] = round(mb, 3)
+                    if "device_us" in dt:
+                        tbps = mb / dt["device_us"]
+                        row |= dict(device_us=dt["device_us"], kernels_per_call=dt.get("kernels_per_call"))
+                        row |= dict(TBps=round(tbps, 3), frac_copy=round(tbps / ceilings["copy_TBps"], 3))
+                        key = f"{kernel}-T{t}-{kind}"
+                        if key not in best or dt["device_us"] < best[key]["device_us"]:
+                            best[key] = dict(device_us=dt["device_us"], tuning=tun)
+                    else:
+                        row["error"] = dt.get("error")
+                    results["rows"].append(row)
+                    print(row)
     results["best"] = best
     name = "moe-decode-h200-smoke.json" if args.smoke else "moe-decode-h200.json"
     common.write_results(os.path.join(args.out, name), results)

@@ -237,9 +237,21 @@ def check_groups(group_sizes, row_groups, g: int, m: int):
 
 
 def default_tuning(
-    m: int, n: int, k: int, g: int, dtype, sms: int | None = None, *, by_row: bool = False, glu: bool = False
+    m: int,
+    n: int,
+    k: int,
+    g: int,
+    dtype,
+    sms: int | None = None,
+    *,
+    by_row: bool = False,
+    glu: bool = False,
+    fp8: bool = False,
 ):
     """(block_m, block_n, block_k, num_warps, num_stages, num_k_splits) from static shapes.
+
+    fp8 (block-FP8 experts, W8A8): K steps of one 128-deep scale block and N blocks within one scale row, else as
+    for bf16 operands (`dtype` is lhs's before its quantization).
 
     By row (`row_groups`: a decode step's copies, each its own item) from bench/moe_decode.py on the H200
     (2026-12-02, V2-Lite's experts with the shared chunks, bench/results/moe-decode-h200.json): 3 stages, no K split,
@@ -255,6 +267,9 @@ def default_tuning(
     - prefill: 128 x 128 x 64 tiles, 8 warps, 3 stages (32 KB of bf16 operands per stage).
     float32 (tests, not a fast path) uses smaller tiles for registers and shared memory.
     """
+    if fp8:
+        bm, bn, _, warps, stages, splits = default_tuning(m, n, k, g, dtype, sms, by_row=by_row, glu=glu)
+        return bm, min(bn, FP8_BLOCK), FP8_BLOCK, warps, stages, splits
     if by_row and jnp.dtype(dtype) != jnp.float32:
         bn = 64 if glu and m > 8 else 128
         return 16, max(16, min(bn, next_pow2(n))), max(16, min(128, next_pow2(k))), 4, 3, 1
@@ -778,13 +793,11 @@ def grouped_matmul(
     g = rhs.shape[-3] + num_chunks
     n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
     d = default_tuning(
-        m, n, k, m if by_row else g, lhs.dtype, by_row=by_row, glu=up_rhs is not None
+        m, n, k, m if by_row else g, lhs.dtype, by_row=by_row, glu=up_rhs is not None, fp8=fp8
     )  # by row: a group per row
     bm, bn, bk, warps, stages, splits = (
         d[i] if v is None else v for i, v in enumerate((block_m, block_n, block_k, num_warps, num_stages, num_k_splits))
     )
-    if fp8:  # K steps of one scale block; a program's columns within one scale row
-        bk, bn = FP8_BLOCK, min(bn, FP8_BLOCK)
     # No block larger than its (power-of-two rounded) dimension: it would only compute padding (fp8: K steps stay
     # the scale blocks).
     bm, bn = (min(b, max(16, next_pow2(x))) for b, x in ((bm, m), (bn, n)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import time
 
 import jax
@@ -40,6 +41,7 @@ from mla_jax.engine import GPU_PAGE_SIZE, Engine, EngineConfig
 from mla_jax.metadata import ScheduledRequest, build_metadata
 from mla_jax.sampling import SamplingArrays, SamplingParams
 from mla_jax.step import engine_step, step_batch
+from pallas_kernels import grouped_matmul as gmm_kernel
 from pallas_kernels.util import cdiv
 
 
@@ -100,8 +102,18 @@ def main(argv: list[str] | None = None) -> None:
         help="trace 5 steps of every decode shape into DIR: rows gain kernels_per_step, and OUT gets "
         "e2e-profile-b{B}-h200.json (kernels per step part) for batch 1, 32 and 128 at ctx 4096",
     )
+    ap.add_argument(
+        "--gmm-tuning",
+        default=None,
+        metavar="JSON",
+        help='an A/B of the grouped kernels\' tuning: {"KERNEL-WEIGHTS-ROUTING": [block_m, block_n, block_k, '
+        "num_warps, num_stages, num_k_splits]} (KERNEL glu or down, WEIGHTS bf16 or fp8, ROUTING rows or sorted, as "
+        "bench/moe_decode.py names them) in place of `grouped_matmul.default_tuning`'s; rows get `variant`",
+    )
     args = ap.parse_args(argv)
     args.backend = args.backend or attention.default_backend_name()
+    if args.gmm_tuning:
+        _override_gmm_tuning(ap, args.gmm_tuning)
     weights = tuple(args.weights.split(","))
     if not weights or any(w not in WEIGHTS for w in weights) or len(set(weights)) != len(weights):
         ap.error(f"--weights {args.weights!r}: a comma-separated list of distinct {WEIGHTS}")
@@ -276,6 +288,32 @@ def _prefill_row(eng, cfg, args, S, P, G, compile_s, ceilings, params):
     return row
 
 
+def _override_gmm_tuning(ap, spec: str) -> None:
+    """--gmm-tuning: `grouped_matmul.default_tuning` answers the named calls with the given tuning (a benchmark's
+    A/B of a candidate default; the kernels are the same code)."""
+    try:
+        table = {k: tuple(int(v) for v in vs) for k, vs in json.loads(spec).items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        ap.error(f"--gmm-tuning {spec!r}: {e}")
+    for key, tun in table.items():
+        parts = key.split("-")
+        if (
+            len(tun) != 6
+            or len(parts) != 3
+            or parts[0] not in ("glu", "down")
+            or parts[1] not in WEIGHTS
+            or (parts[2] not in ("rows", "sorted"))
+        ):
+            ap.error(f"--gmm-tuning: {key!r}: {list(tun)} is not KERNEL-WEIGHTS-ROUTING: 6 ints")
+    default = gmm_kernel.default_tuning
+
+    def tuned(m, n, k, g, dtype, sms=None, *, by_row=False, glu=False, fp8=False):
+        key = f"{'glu' if glu else 'down'}-{'fp8' if fp8 else 'bf16'}-{'rows' if by_row else 'sorted'}"
+        return table.get(key) or default(m, n, k, g, dtype, sms, by_row=by_row, glu=glu, fp8=fp8)
+
+    gmm_kernel.default_tuning = tuned
+
+
 def _row(phase, batch, ctx, tokens, step_s, nbytes, ceilings, args, compile_s) -> dict:
     """A result row: the step time against its roofline (`nbytes` read at copy bandwidth)."""
     roof = nbytes / (ceilings["copy_TBps"] * 1e12)
@@ -289,7 +327,7 @@ def _row(phase, batch, ctx, tokens, step_s, nbytes, ceilings, args, compile_s) -
         roofline_ms=round(roof * 1e3, 3),
         x_roofline=round(step_s / roof, 2),
         compile_s=round(compile_s, 1),
-    )
+    ) | ({"variant": f"gmm-tuning {args.gmm_tuning}"} if args.gmm_tuning else {})
 
 
 def _engine_row(eng, cfg, B, steps: int = 40) -> dict:
