@@ -271,7 +271,7 @@ def route(
 
 
 def expert_gmm(
-    lhs: jnp.ndarray,
+    lhs: jnp.ndarray | tuple[jnp.ndarray, jnp.ndarray],
     w: jnp.ndarray,
     group_sizes: jnp.ndarray | None,
     impl: str = "ragged_dot",
@@ -281,6 +281,7 @@ def expert_gmm(
     shared_w: jnp.ndarray | None = None,
     fp8_triton: bool = False,
     shared_scale: jnp.ndarray | None = None,
+    out_dtype=None,
 ) -> jnp.ndarray:
     """Grouped matmul of expert-sorted rows: lhs [M, in] x w [E, out, in] (HF layout) -> [M, out].
 
@@ -296,7 +297,9 @@ def expert_gmm(
     the kernels' one-item-per-row work list; lhs may then hold one row per token (`grouped_matmul`).
     `shared_w` ("pallas", `shared_fusable`): the shared experts' weight [(layers,) out, S*in] or
     [(layers,) S*out, in], whose S expert-sized chunks are groups E..E+S-1 (`grouped_matmul(shared_rhs=)`); fp8
-    (with `fp8_triton`) with its block scales `shared_scale`.
+    (with `fp8_triton`) with its block scales `shared_scale`. lhs may be an (e4m3 [M, in], f32 scale [M, in/128])
+    pair, rows already in the W8A8 format (`expert_glu`'s output for fp8 experts with `fp8_triton`), then the output
+    is in `out_dtype`.
     """
     if impl not in GMM_IMPLS:
         raise ValueError(f"gmm_impl must be one of {GMM_IMPLS}, got {impl!r}")
@@ -304,12 +307,17 @@ def expert_gmm(
         raise ValueError(
             f"row_groups needs the grouped Pallas kernel (gmm_impl='pallas', or fp8 on a GPU), not {impl!r}"
         )
+    if isinstance(lhs, tuple) and not (scale_inv is not None and fp8_triton):
+        raise ValueError("quantized rows (e4m3, scale) are the fp8 experts' Triton path's input (fp8_triton)")
     if scale_inv is not None and fp8_triton:
+        lhs, lhs_scale = lhs if isinstance(lhs, tuple) else (lhs, None)
         return gmm_kernel.grouped_matmul(
             lhs,
             w,
             group_sizes,
             row_groups=row_groups,
+            lhs_scale=lhs_scale,
+            preferred_element_type=out_dtype if lhs_scale is not None else None,
             rhs_scale=scale_inv,
             rhs_index=layer,
             shared_rhs=shared_w,
@@ -356,13 +364,14 @@ def expert_glu(
     row_groups: jnp.ndarray | None = None,
     shared: dict | None = None,
     fp8_triton: bool = False,
-) -> jnp.ndarray:
+) -> jnp.ndarray | tuple[jnp.ndarray, jnp.ndarray]:
     """The experts' SwiGLU input silu(lhs @ gate^T) * (lhs @ up^T) [M, I] for expert-sorted (or `row_groups`)
     rows; gate / up: the `gate_proj` / `up_proj` param dicts. bf16 experts with impl "pallas": one kernel
     (`grouped_matmul(..., up_rhs=)`: both weights' tiles per program, the SwiGLU on its float32 accumulators),
     else two `expert_gmm`s and the elementwise product. `shared`: the shared experts' params (their gate/up
     chunks are groups E.., see `expert_gmm`). fp8 experts with `fp8_triton`: that kernel's W8A8 path, one pass too
-    (fp8 shared chunks included)."""
+    (fp8 shared chunks included), its output already in the down projection's W8A8 input format (e4m3 [M, I], f32
+    [M, I/128]: `grouped_matmul(quantize_out=True)`, no quantization kernel between the two)."""
     g, u = gate["weight"], up["weight"]
     if is_fp8(gate) and fp8_triton:
         kw = {}
@@ -380,6 +389,8 @@ def expert_glu(
             up_scale=up["weight_scale_inv"],
             rhs_index=layer,
             interpret=jax.default_backend() == "cpu",
+            preferred_element_type=lhs.dtype,
+            quantize_out=True,
             **kw,
         )
     if impl == "pallas" and not is_fp8(gate):
@@ -620,6 +631,7 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
         shared_down.get("weight"),
         fp8_triton,
         shared_down.get("weight_scale_inv"),
+        out_dtype=xs.dtype,
     )
     # Combine: each token gathers its C copies back through the inverse permutation and sums them, weighted (a
     # gather-reduce fusion). A scatter-add of the sorted copies into [T, D] took 5.3 us a layer at T = 1 on the

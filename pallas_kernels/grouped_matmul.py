@@ -100,6 +100,7 @@ from pallas_kernels.util import (
     next_pow2,
     num_sms,
     pad_to,
+    quantize_act_tile,
 )
 
 
@@ -381,6 +382,8 @@ def _kernel(
     stacked: bool,
     precision,
     fp8: bool,
+    quant_out: bool,
+    round_dtype: str,
 ):
     # the work list (tile, lo, hi, group), or by row only each row's group; the layer; lhs; (rhs,) or with glu
     # (gate rhs, up rhs); with fp8 experts their block scales; then as many shared (chunked) weights; out
@@ -392,8 +395,9 @@ def _kernel(
     scale_refs = refs[n_items + 2 + n_rhs : n_w - 1] if fp8 else (None,) * n_rhs
     xs_ref = refs[n_w - 1] if fp8 else None  # fp8: lhs e4m3 and its row scales f32[M, K / 128] (`quantize_act`)
     n_sh = n_rhs if num_chunks else 0
-    shared_refs, out_ref = refs[n_w : n_w + n_sh], refs[-1]
-    shared_scale_refs = refs[n_w + n_sh : -1] if fp8 else None  # fp8 shared chunks: their weights' block scales
+    n_out = 2 if quant_out else 1  # out, or the output's e4m3 values and row scales
+    shared_refs, out_ref = refs[n_w : n_w + n_sh], refs[-n_out]
+    shared_scale_refs = refs[n_w + n_sh : -n_out] if fp8 else None  # fp8 shared chunks: their weights' block scales
     j = pl.program_id(0)  # N block (fastest: programs in flight share the row tile and expert)
     i = pl.program_id(1)  # work item
     s = pl.program_id(2)  # K split
@@ -504,6 +508,13 @@ def _kernel(
         out = (gate * jax.nn.sigmoid(gate) * up,)
     else:  # the partials of each (with glu: gate's then up's splits); the caller sums them
         out = acc
+    if quant_out:  # one K split, the program's columns one scale block: the output in the W8A8 activation format
+        # (`quantize_act` of it rounded to round_dtype), the next fp8 GEMM's input, without a kernel between
+        v = out[0].astype(jnp.dtype(round_dtype)).astype(jnp.float32)
+        q, row_scale = quantize_act_tile(v if col_in is None else jnp.where(col_in[None, :], v, 0.0))
+        pltriton.store(out_ref.at[s, pl.ds(row0, bm), pl.ds(col0, bn)], q.astype(out_ref.dtype), mask=mask)  # s = 0
+        pltriton.store(refs[-1].at[pl.ds(row0, bm), pl.ds(j, 1)], row_scale[:, None], mask=mine[:, None])
+        return
     for a, part in enumerate(out):
         blk = out_ref.at[a * (out_ref.shape[0] // len(out)) + s, pl.ds(row0, bm), pl.ds(col0, bn)]
         pltriton.store(blk, part.astype(out_ref.dtype), mask=mask)
@@ -536,6 +547,7 @@ def shared_chunks(shared_shape, n: int, k: int) -> tuple[int, str]:
         "num_k_splits",
         "out_dtype",
         "by_row",
+        "quantize_out",
     ),
 )
 def _gmm_impl(
@@ -559,13 +571,16 @@ def _gmm_impl(
     num_stages,
     num_k_splits,
     out_dtype,
+    quantize_out=False,
 ):
     """groups: group_sizes i32[G (+C)] (rows sorted by group), or with by_row the group of each row i32[M].
     layer: i32[1], the index into rhs's leading axis when rhs is stacked [Lyr, G, ...] (4-D).
     rhs_up: None, or the up projection beside rhs (the gate): out = silu(lhs @ rhs) * (lhs @ rhs_up).
     shared (and beside it shared_up with rhs_up): None, or a weight [(Lyr,) N_s, K_s] whose C chunks
     (`shared_chunks`) are groups G..G+C-1. scales: () or, for e4m3 rhs (and rhs_up), their block scales, then lhs's
-    row scales [M, cdiv(K, 128)] (lhs e4m3: `quantize_act`); shared_scales: () or e4m3 shared weights' scales."""
+    row scales [M, cdiv(K, 128)] (lhs e4m3: `quantize_act`); shared_scales: () or e4m3 shared weights' scales.
+    quantize_out (fp8 glu): returns (e4m3 [M, N], f32 [M, cdiv(N, 128)]), `quantize_act` of the out_dtype output:
+    in the kernel's epilogue where a program's columns are one scale block and K is not split, else after it."""
     glu = rhs_up is not None
     rhss = (rhs, rhs_up) if glu else (rhs,)
     shareds = () if shared is None else (shared, shared_up) if glu else (shared,)
@@ -613,6 +628,7 @@ def _gmm_impl(
     steps_per_split = cdiv(cdiv(k, block_k), num_k_splits)
     splits = cdiv(cdiv(k, block_k), steps_per_split)  # no empty splits
     part_dtype = out_dtype if splits == 1 else jnp.float32
+    quant_out = quantize_out and splits == 1 and (block_n == FP8_BLOCK or n_out <= block_n)
     parts = splits if splits == 1 or not glu else 2 * splits  # split K with glu: gate's partials, then up's
     precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None  # exact f32, not TF32
     kernel = functools.partial(
@@ -637,8 +653,13 @@ def _gmm_impl(
         stacked=stacked,
         precision=precision,
         fp8=bool(scales),
+        quant_out=quant_out,
+        round_dtype=out_dtype.name,
     )
     whole = lambda shape: pl.BlockSpec(shape, lambda j, i, s: (0,) * len(shape))  # noqa: E731
+    out_shapes = [jax.ShapeDtypeStruct((parts, m, n), FP8 if quant_out else part_dtype)]
+    if quant_out:
+        out_shapes.append(jax.ShapeDtypeStruct((m, cdiv(n_out, FP8_BLOCK)), jnp.float32))
     weights = rhss + tuple(scales) + shareds + tuple(shared_scales)
     out = pl.pallas_call(
         kernel,
@@ -648,16 +669,19 @@ def _gmm_impl(
         in_specs=[whole(it.shape) for it in items]
         + [whole((1,)), whole(lhs.shape)]
         + [whole(w.shape) for w in weights],
-        out_specs=whole((parts, m, n)),
-        out_shape=jax.ShapeDtypeStruct((parts, m, n), part_dtype),
+        out_specs=[whole(o.shape) for o in out_shapes],
+        out_shape=out_shapes,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=(
             f"grouped_{'glu' if glu else 'matmul'}{'_shared' if shareds else ''}{'_fp8' if scales else ''}"
             f"_bm{block_m}_bn{block_n}_bk{block_k}"
-            f"_w{num_warps}_s{num_stages}_ks{splits}"
+            f"_w{num_warps}_s{num_stages}_ks{splits}{'_q' if quant_out else ''}"
         ),
     )(*items, layer, lhs, *weights)
+    if quant_out:
+        return out[0][0, :m_out, :n_out], out[1][:m_out]
+    out = out[0]
     if splits == 1:
         out = out[0]
     elif glu:
@@ -667,7 +691,7 @@ def _gmm_impl(
         out = jnp.sum(out, axis=0).astype(out_dtype)
     if (m_out, n_out) != (m, n):
         out = out[:m_out, :n_out]
-    return out
+    return fp8_quant.quantize_act(out, interpret=interpret) if quantize_out else out
 
 
 def _pad_chunks(w, num_chunks: int, axis: str, n: int, k: int, pad_n: int, pad_k: int):
@@ -706,6 +730,8 @@ def grouped_matmul(
     up_scale=None,
     shared_scale=None,
     shared_up_scale=None,
+    lhs_scale=None,
+    quantize_out: bool = False,
 ):
     """out[r] = lhs[r] @ W[g(r)] for each row r of group g(r); rows >= sum(group_sizes) give 0.
 
@@ -740,12 +766,22 @@ def grouped_matmul(
     float32 scales [(Lyr,) G, cdiv(N, 128), cdiv(K, 128)]: the W8A8 product (lhs quantized per row per 128 channels
     before the kernel, the module docstring; lhs any float dtype, the output's). fp8 shared chunks: shared_rhs (and
     shared_up_rhs) e4m3 with shared_scale (and shared_up_scale) [(Lyr,) cdiv(N_s, 128), cdiv(K_s, 128)], the chunks
-    whole scale blocks (N, or K for chunks along the columns, a multiple of 128).
+    whole scale blocks (N, or K for chunks along the columns, a multiple of 128). lhs_scale: lhs already in the W8A8
+    activation format, e4m3 [M, K] with its row scales f32 [M, cdiv(K, 128)] (`fp8_quant.quantize_act`, or a
+    quantize_out call's output); preferred_element_type then names the output's dtype. quantize_out (fp8 experts
+    with up_rhs): the SwiGLU output returned in that format, (e4m3 [M, N], f32 [M, cdiv(N, 128)]) = `quantize_act`
+    of the output in preferred_element_type: for the down projection's lhs / lhs_scale, quantized in this kernel's
+    epilogue (with 128-wide N blocks and K unsplit; else by `quantize_act` after it).
 
     Tuning (None = `default_tuning`): block_m rows per tile, block_n, block_k (powers of two >= 16),
     num_warps, num_stages (Triton pipelining), num_k_splits (K split into float32 partials).
     """
     fp8 = rhs_scale is not None
+    if lhs_scale is not None:  # lhs given quantized: checked as the float rows it stands for
+        lhs_q = _validate_lhs_scale(lhs, lhs_scale, fp8, preferred_element_type)
+        lhs = jax.ShapeDtypeStruct(lhs.shape, preferred_element_type)
+    if quantize_out and not (fp8 and up_rhs is not None):
+        raise ValueError("quantize_out is for fp8 experts with up_rhs (the SwiGLU output, the down projection's lhs)")
     num_chunks = _validate_shared(rhs, up_rhs, shared_rhs, shared_up_rhs, transpose_rhs, rhs_index)
     _validate_fp8(
         rhs,
@@ -809,8 +845,11 @@ def grouped_matmul(
         else jnp.asarray(rhs_index, jnp.int32).reshape(1)  # clamped to [0, Lyr) in the kernel
     )
     scales = ()
+    if lhs_scale is not None:
+        lhs, x_scale = lhs_q, lhs_scale
     if fp8:  # W8A8: lhs quantized once (one kernel), not by each program; its row scales after the weights'
-        lhs, x_scale = fp8_quant.quantize_act(lhs, interpret=bool(interpret))
+        if lhs_scale is None:
+            lhs, x_scale = fp8_quant.quantize_act(lhs, interpret=bool(interpret))
         scales = (rhs_scale, up_scale, x_scale) if up_rhs is not None else (rhs_scale, x_scale)
     shared_scales = tuple(a for a in (shared_scale, shared_up_scale) if a is not None)
     return _gmm_impl(
@@ -833,7 +872,26 @@ def grouped_matmul(
         num_stages=stages,
         num_k_splits=splits,
         out_dtype=out_dtype.name,
+        quantize_out=bool(quantize_out),
     )
+
+
+def _validate_lhs_scale(lhs, lhs_scale, fp8: bool, preferred_element_type):
+    """lhs in the W8A8 activation format: e4m3 [M, K] with f32 [M, cdiv(K, 128)] row scales, for fp8 experts, with
+    the output's dtype named. Returns lhs."""
+    if not fp8:
+        raise ValueError("lhs_scale (lhs already quantized) is for fp8 experts: give rhs_scale")
+    if getattr(lhs, "ndim", None) != 2 or jnp.dtype(lhs.dtype) != FP8:
+        raise ValueError(f"with lhs_scale, lhs must be float8_e4m3fn [M, K], got {getattr(lhs, 'dtype', None)}")
+    want = (lhs.shape[0], cdiv(lhs.shape[1], FP8_BLOCK))
+    if getattr(lhs_scale, "shape", None) != want or jnp.dtype(lhs_scale.dtype) != jnp.float32:
+        raise ValueError(
+            f"lhs_scale must be f32{list(want)} (lhs {list(lhs.shape)}'s row scales per {FP8_BLOCK} channels), got "
+            f"{getattr(lhs_scale, 'dtype', None)}{list(getattr(lhs_scale, 'shape', ()))}"
+        )
+    if preferred_element_type is None:
+        raise ValueError("with lhs_scale, give preferred_element_type (the output's dtype: lhs is e4m3)")
+    return lhs
 
 
 def _validate_shared(rhs, up_rhs, shared, shared_up, transpose_rhs, rhs_index) -> int:

@@ -594,6 +594,72 @@ def test_fp8_shared_chunks_decode_stacked_poisoned():
     _fp8_shared_case(t=2, top_k=2, g=4, i_sz=128, d=200, c=2, interpret=True)
 
 
+def _fp8_glu_case(by_row: bool, t: int, g: int, n: int, k: int, interpret: bool, block_n=None):
+    """fp8 gate + up of t tokens' top-2 (unsorted copies, or sorted with NaN padding rows), stacked between NaN
+    layers: (quantize_out's pair, `quantize_act` of the same call's output without it, the down projection of the
+    pair, of that output)."""
+    from pallas_kernels.fp8_quant import quantize_act_reference
+
+    rng = np.random.default_rng(t * 3 + by_row)
+    (gw, gs), (uw, us) = (_fp8_experts(rng, (3, g), n, k, poison=1) for _ in range(2))
+    dw, ds = _fp8_experts(rng, (3, g), k, n, poison=1)
+    ids = np.stack([rng.permutation(g)[:2] for _ in range(t)]).astype(np.int32)
+    if by_row:
+        x = jnp.asarray(rng.standard_normal((t, k), np.float32), jnp.bfloat16)
+        kw = dict(row_groups=jnp.asarray(ids))
+        dkw = dict(row_groups=jnp.asarray(ids.reshape(-1)))
+    else:  # sorted copies and 3 NaN padding rows
+        order = np.argsort(ids.reshape(-1), kind="stable")
+        x = rng.standard_normal((t * 2 + 3, k), np.float32)
+        x[: t * 2] = rng.standard_normal((t, k), np.float32)[order // 2]
+        x[t * 2 :] = np.nan
+        x = jnp.asarray(x, jnp.bfloat16)
+        kw = dkw = dict(group_sizes=jnp.asarray(np.bincount(ids.reshape(-1), minlength=g), jnp.int32))
+    glu = dict(kw, up_rhs=uw, rhs_scale=gs, up_scale=us, rhs_index=jnp.int32(1), block_n=block_n)
+    f = jax.jit(lambda q: grouped_matmul(x, gw, interpret=interpret, quantize_out=q, **glu), static_argnums=0)
+    pair, h = f(True), f(False)
+    want = quantize_act_reference(h)
+    down = dict(dkw, rhs_scale=ds, rhs_index=jnp.int32(1), preferred_element_type=jnp.bfloat16, interpret=interpret)
+    y_pair = grouped_matmul(pair[0], dw, lhs_scale=pair[1], **down)
+    y = grouped_matmul(h, dw, **down)
+    return pair, want, y_pair, y
+
+
+@pytest.mark.parametrize("by_row,t", [(True, 3), (False, 9)])
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_fp8_glu_output_quantized_for_the_down_projection(by_row, t, block_n):
+    """quantize_out: the SwiGLU output in the W8A8 activation format, quantized in the epilogue (128-wide N blocks:
+    a program's columns are one scale block; a ragged last one, N = 200) or after the kernel (64-wide): bit for bit
+    `quantize_act` of the output the call gives without it (padding rows too); the down projection of the pair
+    (lhs_scale=) the same as of that output, quantized by the call."""
+    pair, want, y_pair, y = _fp8_glu_case(by_row, t, g=5, n=200, k=256, interpret=True, block_n=block_n)
+    assert pair[0].dtype == jnp.float8_e4m3fn and pair[1].shape == want[1].shape == (pair[0].shape[0], 2)
+    np.testing.assert_array_equal(np.asarray(pair[0]).view(np.uint8), np.asarray(want[0]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(pair[1]), np.asarray(want[1]))
+    assert np.all(np.isfinite(np.asarray(y, np.float32)))
+    np.testing.assert_array_equal(np.asarray(y_pair, np.float32), np.asarray(y, np.float32))
+
+
+def test_fp8_quantized_lhs_validation():
+    rng = np.random.default_rng(0)
+    w, sc = _fp8_experts(rng, (2,), 64, 256)
+    sizes = jnp.asarray([2, 2], jnp.int32)
+    xq, xs = jnp.zeros((4, 256), jnp.float8_e4m3fn), jnp.ones((4, 2), jnp.float32)
+    bf = jnp.bfloat16
+    cases = [
+        (dict(lhs_scale=xs, preferred_element_type=bf), "is for fp8 experts: give rhs_scale"),
+        (dict(lhs_scale=xs, rhs_scale=sc), "give preferred_element_type"),
+        (dict(lhs_scale=xs[:, :1], rhs_scale=sc, preferred_element_type=bf), r"lhs_scale must be f32\[4, 2\]"),
+        (dict(rhs_scale=sc, quantize_out=True), "quantize_out is for fp8 experts with up_rhs"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            grouped_matmul(xq, w, sizes, interpret=True, **kw)
+    with pytest.raises(ValueError, match="lhs must be float8_e4m3fn"):
+        xb = xq.astype(jnp.bfloat16)
+        grouped_matmul(xb, w, sizes, lhs_scale=xs, rhs_scale=sc, preferred_element_type=jnp.float32)
+
+
 def test_fp8_validation():
     rng = np.random.default_rng(0)
     w, sc = _fp8_experts(rng, (2,), 64, 128)
@@ -813,6 +879,21 @@ def test_gpu_fp8_shared_chunks_decode(t):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     _fp8_shared_case(t=t, top_k=6, g=16, i_sz=1408, d=2048, c=2, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("by_row,t", [(True, 1), (True, 8), (False, 32)])
+def test_gpu_fp8_glu_output_quantized(by_row, t):
+    """On the GPU, V2-Lite's expert shape (64 of [1408, 2048]) with 128-wide N blocks: the epilogue's quantization
+    against `quantize_act` of the unquantized call's output (the same accumulators; all but a rounding tie the same
+    e4m3 values), and the down projection of the pair against that of the output."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    pair, want, y_pair, y = _fp8_glu_case(by_row, t, g=64, n=1408, k=2048, interpret=False, block_n=128)
+    same = np.asarray(pair[0]).view(np.uint8) == np.asarray(want[0]).view(np.uint8)
+    assert same.mean() > 0.999, same.mean()
+    np.testing.assert_allclose(np.asarray(pair[1]), np.asarray(want[1]), rtol=1e-6)
+    _close_rel(y_pair, y, rtol=2e-2)
 
 
 @pytest.mark.gpu
