@@ -40,6 +40,7 @@ from mla_jax.layers import (
     mlp,
     moe,
     moe_copies,
+    moe_fp8_rows,
     rms_norm,
     router_fusable,
 )
@@ -325,13 +326,15 @@ def decoder_layers(
         scanned, stacked = split_experts(model[name], is_moe, gmm_impl)
         scanned, rows = split_in_place(scanned)
         copies = None  # the shared chunks of this group's ExpertCopies, None: its MLP/MoE outputs are combined
+        fp8_rows = False  # the MoE's input quantized by its norm's kernel (fp8 experts: `moe_fp8_rows`)
         if is_moe:  # decided on one layer's shapes, as the body sees them
             view = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), scanned)
             view = with_layer_rows(view, rows, jnp.int32(0))
             copies = moe_copies(view["mlp"], cfg, x.shape[0], gmm_impl=gmm_impl, stacked=stacked, comm=comm)
+            fp8_rows = moe_fp8_rows(view["mlp"], cfg, x.shape[0], gmm_impl=gmm_impl, stacked=stacked, comm=comm)
         f = combined(f) if copies is None else ExpertCopies.of(combined(f), cfg.num_experts_per_tok, copies)
 
-        def body(carry, p, is_moe=is_moe, start=start, stacked=stacked, rows=rows):
+        def body(carry, p, is_moe=is_moe, start=start, stacked=stacked, rows=rows, fp8_rows=fp8_rows):
             # h: the residual stream without the previous layer's MLP/MoE output f, which is added here, in one
             # kernel with the norm (add_rms_norm); layer: the model's layer index (the cache's)
             h, f, state, layer = carry
@@ -344,10 +347,11 @@ def decoder_layers(
             # the MoE router's logits in the norm kernel where it takes them (one GEMV kernel less a layer)
             gate = p["mlp"]["gate"] if is_moe and router_fusable(norm, p["mlp"]["gate"], h, comm) else None
             with jax.named_scope("norm"):
-                hn, h, *logits = add_rms_norm(norm, h, a, eps, router=gate)
+                hn, h, *extra = add_rms_norm(norm, h, a, eps, router=gate, quantize=fp8_rows)
             if is_moe:
                 kw = dict(gmm_impl=gmm_impl, stacked=stacked, layer=layer - start, comm=comm, combine=copies is None)
-                f = moe(p["mlp"], cfg, hn, logits=logits[0] if logits else None, **kw)
+                logits = extra[0] if gate is not None else None
+                f = moe(p["mlp"], cfg, hn, logits=logits, x_fp8=extra[-1] if fp8_rows else None, **kw)
             else:
                 with jax.named_scope("mlp"):
                     f = mlp(p["mlp"], hn, intermediate_size=cfg.intermediate_size, comm=comm)

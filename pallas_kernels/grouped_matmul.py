@@ -251,8 +251,12 @@ def default_tuning(
 ):
     """(block_m, block_n, block_k, num_warps, num_stages, num_k_splits) from static shapes.
 
-    fp8 (block-FP8 experts, W8A8): K steps of one 128-deep scale block and N blocks within one scale row, else as
-    for bf16 operands (`dtype` is lhs's before its quantization).
+    fp8 (block-FP8 experts, W8A8): K steps of one 128-deep scale block and N blocks within one scale row; from
+    bench/moe_decode.py on the H200 (2026-12-04, V2-Lite's fp8 experts with the shared chunks, device time with the
+    work list and lhs's quantization): by row 4 stages (T = 1: glu 18.5 -> 17.6 us, down 11.9 -> 11.1); sorted, the
+    GLU's N blocks 128 wide (T = 32: 103.0 us against 102.1 with 64, within the sweep's spread; every other move was
+    slower), so that its epilogue quantizes the output for the down projection (`quantize_out`: one kernel less a
+    layer); else as for bf16 operands (`dtype` is lhs's before its quantization).
 
     By row (`row_groups`: a decode step's copies, each its own item) from bench/moe_decode.py on the H200
     (2026-12-02, V2-Lite's experts with the shared chunks, bench/results/moe-decode-h200.json): 3 stages, no K split,
@@ -270,7 +274,11 @@ def default_tuning(
     """
     if fp8:
         bm, bn, _, warps, stages, splits = default_tuning(m, n, k, g, dtype, sms, by_row=by_row, glu=glu)
-        return bm, min(bn, FP8_BLOCK), FP8_BLOCK, warps, stages, splits
+        if by_row:
+            stages = 4
+        elif glu and bm <= 32:
+            bn = FP8_BLOCK
+        return bm, max(16, min(bn, FP8_BLOCK, next_pow2(n))), FP8_BLOCK, warps, stages, splits
     if by_row and jnp.dtype(dtype) != jnp.float32:
         bn = 64 if glu and m > 8 else 128
         return 16, max(16, min(bn, next_pow2(n))), max(16, min(128, next_pow2(k))), 4, 3, 1

@@ -218,6 +218,9 @@ def test_fp8_model_lowers_with_the_kernels_for_gpu(monkeypatch, h200, tokens):
         # the shared experts as chunk groups of the routed kernels
         assert set(grouped_fp8) == {"grouped_glu_shared", "grouped_matmul_shared"}, grouped_fp8
         assert "fp8_matmul" not in txt
+        # the MoE's input quantized by its norm's kernel, the GLU's output by the GLU's epilogue (its 128-wide N
+        # blocks), not by kernels of their own
+        assert re.search(r'name = "add_rms_norm_d256\w*_q"', txt) and re.search(r'name = "grouped_glu\w*_q"', txt)
     else:
         assert not linear_fp8 and not grouped_fp8
         assert txt.count("fp8_matmul") >= 3 * 4 + 3 + 2 * 6

@@ -328,6 +328,14 @@ def test_default_tuning_table():
     assert default_tuning(8, 1408, 2048, 8, jnp.bfloat16, sms=132, by_row=True, glu=True) == (16, 128, 128, 4, 3, 1)
     assert default_tuning(16, 1408, 2048, 16, jnp.bfloat16, sms=132, by_row=True, glu=True)[1] == 64
     assert default_tuning(16, 2048, 1408, 16, jnp.bfloat16, sms=132, by_row=True) == (16, 128, 128, 4, 3, 1)
+    # fp8 experts (the H200 sweep at T = 1 / 32): 128-deep K steps; by row 4 stages; sorted, the GLU 128 wide (its
+    # epilogue quantizes the down projection's input), the down projection as bf16's
+    fp8 = dict(sms=132, fp8=True)
+    assert default_tuning(8, 1408, 2048, 8, jnp.bfloat16, by_row=True, glu=True, **fp8) == (16, 128, 128, 4, 4, 1)
+    assert default_tuning(8, 2048, 1408, 8, jnp.bfloat16, by_row=True, **fp8) == (16, 128, 128, 4, 4, 1)
+    assert default_tuning(256, 1408, 2048, 66, jnp.bfloat16, glu=True, **fp8) == (16, 128, 128, 4, 4, 1)
+    assert default_tuning(256, 2048, 1408, 66, jnp.bfloat16, **fp8) == (16, 64, 128, 4, 4, 1)
+    assert default_tuning(6, 32, 64, 4, jnp.float32, glu=True, **fp8)[1:3] == (32, 128)  # N under a block
 
 
 def test_moe_pipeline_matches_dense_per_token_reference():
