@@ -219,7 +219,16 @@ def _linear_kernel_ok(ps: tuple[dict, ...], x: jnp.ndarray) -> bool:
     )
 
 
-def linears(ps: tuple[dict, ...], x: jnp.ndarray, out_dtype=None) -> tuple[jnp.ndarray, ...]:
+def linears_fp8_rows(ps: tuple[dict, ...], x) -> bool:
+    """Whether `linears(ps, x)` takes x already quantized (`x_fp8=`): block-FP8 weights on the dense linear kernel's
+    W8A8 path (`_linear_kernel_ok`), x's width whole scale blocks. x may be a `jax.ShapeDtypeStruct`, ps's weights
+    too."""
+    return is_fp8(ps[0]) and x.shape[-1] % fp8.BLOCK == 0 and _linear_kernel_ok(tuple(ps), x)
+
+
+def linears(
+    ps: tuple[dict, ...], x: jnp.ndarray, out_dtype=None, x_fp8: tuple[jnp.ndarray, jnp.ndarray] | None = None
+) -> tuple[jnp.ndarray, ...]:
     """Several linears of the same x [T, in]: (linear(p, x) for p in ps), each [T, out_j] (in out_dtype when given).
 
     On a GPU for up to LINEAR_MAX_T tokens, bf16/f32 weights of one dtype (plain or `LayerRow`s of one layer, read in
@@ -227,11 +236,17 @@ def linears(ps: tuple[dict, ...], x: jnp.ndarray, out_dtype=None) -> tuple[jnp.n
     issue #22); the product is in the promotion of x's and the weights' dtypes, float32 exactly. Block-FP8 weights
     likewise, as the W8A8 product `linear`'s fp8 GEMM computes (the kernel quantizes x itself: one launch where the
     GEMM's path ran padding, quantization, the GEMM and a split-K sum per weight). Elsewhere, or for more tokens,
-    `linear` each."""
+    `linear` each. `x_fp8` (where `linears_fp8_rows`): x in the W8A8 activation format (e4m3 [T, in], f32
+    [T, in/128]), from the norm kernel that made x, which the kernel reads instead of quantizing x."""
     ps = tuple(ps)
+    if x_fp8 is not None and not linears_fp8_rows(ps, x):
+        raise ValueError("linears(x_fp8=): only block-FP8 weights on the dense linear kernel take quantized rows")
     if _linear_kernel_ok(ps, x):
         arrays, index = zip(*(in_place(p["weight"]) for p in ps))  # one index (`_linear_kernel_ok`)
         scales = tuple(in_place(p["weight_scale_inv"])[0] for p in ps) if is_fp8(ps[0]) else None
+        if x_fp8 is not None:
+            kw = dict(x_scale=x_fp8[1], out_dtype=x.dtype if out_dtype is None else out_dtype)
+            return linear_kernel.linear(x_fp8[0], arrays, scales=scales, rhs_index=index[0], **kw)
         return linear_kernel.linear(x, arrays, scales=scales, rhs_index=index[0], out_dtype=out_dtype)
     if len(ps) > 1 and all(_linear_kernel_ok((p,), x) for p in ps):
         return tuple(linears((p,), x, out_dtype)[0] for p in ps)  # the kernel, each weight its own call
@@ -239,11 +254,19 @@ def linears(ps: tuple[dict, ...], x: jnp.ndarray, out_dtype=None) -> tuple[jnp.n
     return outs if out_dtype is None else tuple(o.astype(out_dtype) for o in outs)
 
 
-def mlp(p: dict, x: jnp.ndarray, *, intermediate_size: int | None = None, comm: Comm = LOCAL) -> jnp.ndarray:
+def mlp(
+    p: dict,
+    x: jnp.ndarray,
+    *,
+    intermediate_size: int | None = None,
+    comm: Comm = LOCAL,
+    x_fp8: tuple[jnp.ndarray, jnp.ndarray] | None = None,
+) -> jnp.ndarray:
     """SwiGLU MLP: down(silu(gate(x)) * up(x)). x [T, D]. With `comm`, a device whose gate/up rows are fewer
     than `intermediate_size` holds a slice of the intermediate dim, and the partial outputs are all-reduced. The
-    linears go through `linears` (gate and up one kernel launch at decode sizes on a GPU)."""
-    gate, up = linears((p["gate_proj"], p["up_proj"]), x)
+    linears go through `linears` (gate and up one kernel launch at decode sizes on a GPU; `x_fp8`: x already
+    quantized, where `linears_fp8_rows` of them)."""
+    gate, up = linears((p["gate_proj"], p["up_proj"]), x, x_fp8=x_fp8)
     (y,) = linears((p["down_proj"],), jax.nn.silu(gate) * up)
     split = intermediate_size is not None and p["gate_proj"]["weight"].shape[0] != intermediate_size
     return comm.reduce_model(y) if split else y
