@@ -91,21 +91,15 @@ def rms_norm(p: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:
 
 
 def add_rms_norm(
-    p: dict,
-    x: jnp.ndarray,
-    residual: jnp.ndarray | ExpertCopies | None,
-    eps: float,
-    router: dict | None = None,
-    quantize: bool = False,
+    p: dict, x: jnp.ndarray, residual: jnp.ndarray | ExpertCopies | None, eps: float, router: dict | None = None
 ):
     """(normed, h): h = x + residual (the residual stream's add; x when None), normed = rms_norm(h). On a GPU one
     Pallas kernel for [T, D] rows (`pallas_kernels.rms_norm`: XLA runs three), elsewhere plain jnp. The weight
     may be a `LayerRow` (read in place by the kernel); the residual may be `ExpertCopies` (combined in the kernel).
     With `router` (an MoE gate's params, `router_fusable`): (normed, h, the gate's logits f32[T, E] of normed), in
-    the same kernel. With `quantize` (`moe_fp8_rows`), last also normed in the W8A8 activation format (e4m3 [T, D],
-    f32 [T, D/128]), the fp8 experts' input, from the same kernel."""
+    the same kernel."""
     w, i = in_place(p["weight"])
-    kw = dict(eps=eps, weight_index=i, quantize=quantize)
+    kw = dict(eps=eps, weight_index=i)
     if isinstance(residual, ExpertCopies):
         kw.update(residual_weights=residual.weights, residual_shared=residual.shared)
         residual = residual.copies
@@ -219,16 +213,7 @@ def _linear_kernel_ok(ps: tuple[dict, ...], x: jnp.ndarray) -> bool:
     )
 
 
-def linears_fp8_rows(ps: tuple[dict, ...], x) -> bool:
-    """Whether `linears(ps, x)` takes x already quantized (`x_fp8=`): block-FP8 weights on the dense linear kernel's
-    W8A8 path (`_linear_kernel_ok`), x's width whole scale blocks. x may be a `jax.ShapeDtypeStruct`, ps's weights
-    too."""
-    return is_fp8(ps[0]) and x.shape[-1] % fp8.BLOCK == 0 and _linear_kernel_ok(tuple(ps), x)
-
-
-def linears(
-    ps: tuple[dict, ...], x: jnp.ndarray, out_dtype=None, x_fp8: tuple[jnp.ndarray, jnp.ndarray] | None = None
-) -> tuple[jnp.ndarray, ...]:
+def linears(ps: tuple[dict, ...], x: jnp.ndarray, out_dtype=None) -> tuple[jnp.ndarray, ...]:
     """Several linears of the same x [T, in]: (linear(p, x) for p in ps), each [T, out_j] (in out_dtype when given).
 
     On a GPU for up to LINEAR_MAX_T tokens, bf16/f32 weights of one dtype (plain or `LayerRow`s of one layer, read in
@@ -236,17 +221,11 @@ def linears(
     issue #22); the product is in the promotion of x's and the weights' dtypes, float32 exactly. Block-FP8 weights
     likewise, as the W8A8 product `linear`'s fp8 GEMM computes (the kernel quantizes x itself: one launch where the
     GEMM's path ran padding, quantization, the GEMM and a split-K sum per weight). Elsewhere, or for more tokens,
-    `linear` each. `x_fp8` (where `linears_fp8_rows`): x in the W8A8 activation format (e4m3 [T, in], f32
-    [T, in/128]), from the norm kernel that made x, which the kernel reads instead of quantizing x."""
+    `linear` each."""
     ps = tuple(ps)
-    if x_fp8 is not None and not linears_fp8_rows(ps, x):
-        raise ValueError("linears(x_fp8=): only block-FP8 weights on the dense linear kernel take quantized rows")
     if _linear_kernel_ok(ps, x):
         arrays, index = zip(*(in_place(p["weight"]) for p in ps))  # one index (`_linear_kernel_ok`)
         scales = tuple(in_place(p["weight_scale_inv"])[0] for p in ps) if is_fp8(ps[0]) else None
-        if x_fp8 is not None:
-            kw = dict(x_scale=x_fp8[1], out_dtype=x.dtype if out_dtype is None else out_dtype)
-            return linear_kernel.linear(x_fp8[0], arrays, scales=scales, rhs_index=index[0], **kw)
         return linear_kernel.linear(x, arrays, scales=scales, rhs_index=index[0], out_dtype=out_dtype)
     if len(ps) > 1 and all(_linear_kernel_ok((p,), x) for p in ps):
         return tuple(linears((p,), x, out_dtype)[0] for p in ps)  # the kernel, each weight its own call
@@ -254,19 +233,11 @@ def linears(
     return outs if out_dtype is None else tuple(o.astype(out_dtype) for o in outs)
 
 
-def mlp(
-    p: dict,
-    x: jnp.ndarray,
-    *,
-    intermediate_size: int | None = None,
-    comm: Comm = LOCAL,
-    x_fp8: tuple[jnp.ndarray, jnp.ndarray] | None = None,
-) -> jnp.ndarray:
+def mlp(p: dict, x: jnp.ndarray, *, intermediate_size: int | None = None, comm: Comm = LOCAL) -> jnp.ndarray:
     """SwiGLU MLP: down(silu(gate(x)) * up(x)). x [T, D]. With `comm`, a device whose gate/up rows are fewer
     than `intermediate_size` holds a slice of the intermediate dim, and the partial outputs are all-reduced. The
-    linears go through `linears` (gate and up one kernel launch at decode sizes on a GPU; `x_fp8`: x already
-    quantized, where `linears_fp8_rows` of them)."""
-    gate, up = linears((p["gate_proj"], p["up_proj"]), x, x_fp8=x_fp8)
+    linears go through `linears` (gate and up one kernel launch at decode sizes on a GPU)."""
+    gate, up = linears((p["gate_proj"], p["up_proj"]), x)
     (y,) = linears((p["down_proj"],), jax.nn.silu(gate) * up)
     split = intermediate_size is not None and p["gate_proj"]["weight"].shape[0] != intermediate_size
     return comm.reduce_model(y) if split else y
@@ -384,7 +355,7 @@ def expert_gmm(
 
 
 def expert_glu(
-    lhs: jnp.ndarray | tuple[jnp.ndarray, jnp.ndarray],
+    lhs: jnp.ndarray,
     gate: dict,
     up: dict,
     group_sizes: jnp.ndarray | None,
@@ -393,7 +364,6 @@ def expert_glu(
     row_groups: jnp.ndarray | None = None,
     shared: dict | None = None,
     fp8_triton: bool = False,
-    out_dtype=None,
 ) -> jnp.ndarray | tuple[jnp.ndarray, jnp.ndarray]:
     """The experts' SwiGLU input silu(lhs @ gate^T) * (lhs @ up^T) [M, I] for expert-sorted (or `row_groups`)
     rows; gate / up: the `gate_proj` / `up_proj` param dicts. bf16 experts with impl "pallas": one kernel
@@ -401,13 +371,9 @@ def expert_glu(
     else two `expert_gmm`s and the elementwise product. `shared`: the shared experts' params (their gate/up
     chunks are groups E.., see `expert_gmm`). fp8 experts with `fp8_triton`: that kernel's W8A8 path, one pass too
     (fp8 shared chunks included), its output already in the down projection's W8A8 input format (e4m3 [M, I], f32
-    [M, I/128]: `grouped_matmul(quantize_out=True)`, no quantization kernel between the two); lhs may then be in
-    that format too, (e4m3 [M, in], f32 [M, in/128]), the output then in `out_dtype`."""
+    [M, I/128]: `grouped_matmul(quantize_out=True)`, no quantization kernel between the two)."""
     g, u = gate["weight"], up["weight"]
-    if isinstance(lhs, tuple) and not (is_fp8(gate) and fp8_triton):
-        raise ValueError("quantized rows (e4m3, scale) are the fp8 experts' Triton path's input (fp8_triton)")
     if is_fp8(gate) and fp8_triton:
-        lhs, lhs_scale = lhs if isinstance(lhs, tuple) else (lhs, None)
         kw = {}
         if shared is not None:  # fp8 shared chunks: their weights and block scales
             sg, su = shared["gate_proj"], shared["up_proj"]
@@ -423,8 +389,7 @@ def expert_glu(
             up_scale=up["weight_scale_inv"],
             rhs_index=layer,
             interpret=jax.default_backend() == "cpu",
-            lhs_scale=lhs_scale,
-            preferred_element_type=lhs.dtype if lhs_scale is None else out_dtype,
+            preferred_element_type=lhs.dtype,
             quantize_out=True,
             **kw,
         )
@@ -514,23 +479,6 @@ def _moe_plan(p: dict, cfg: DeepseekConfig, gmm_impl: str, stacked: dict, comm: 
     return ex, sh, sh_stacked, routed_split, shared_split, fused
 
 
-def moe_fp8_rows(
-    p: dict,
-    cfg: DeepseekConfig,
-    tokens: int,
-    *,
-    gmm_impl: str = "ragged_dot",
-    stacked: dict | None = None,
-    comm: Comm = LOCAL,
-) -> bool:
-    """Whether `moe` takes its input already quantized (`moe(..., x_fp8=)`, from the input norm's kernel:
-    `add_rms_norm(..., quantize=True)`): block-FP8 experts on the Triton grouped kernel's W8A8 path
-    (`fp8_experts_triton`) for `tokens` tokens routed where they are normed (no DP token gather), the hidden size
-    whole scale blocks. p may hold `jax.ShapeDtypeStruct`s."""
-    gate = (p if stacked is None or "experts" not in stacked else stacked)["experts"]["gate_proj"]
-    return is_fp8(gate) and fp8_experts_triton(gmm_impl, tokens) and comm.dp == 1 and cfg.hidden_size % fp8.BLOCK == 0
-
-
 def _by_row(tokens: int, cfg: DeepseekConfig, gmm_impl: str, gate: dict) -> bool:
     """Whether the routed copies of `tokens` tokens skip the sort (`BY_ROW_MAX_COPIES`, `row_groups`)."""
     fp8_triton = is_fp8(gate) and fp8_experts_triton(gmm_impl, tokens)
@@ -575,13 +523,10 @@ def moe(
     comm: Comm = LOCAL,
     logits: jnp.ndarray | None = None,
     combine: bool = True,
-    x_fp8: tuple[jnp.ndarray, jnp.ndarray] | None = None,
 ) -> jnp.ndarray | ExpertCopies:
     """Routed experts + shared experts. x [T, D] -> [T, D]. `logits`: the router's f32[T, E] when the input norm
-    computed them (`router_fusable`). `x_fp8` (where `moe_fp8_rows`): x in the W8A8 activation format (e4m3 [T, D],
-    f32 [T, D/128]) from the norm's kernel, which the fp8 experts read instead of quantizing x themselves.
-    `combine=False` (where `moe_copies` allows it): the output left as `ExpertCopies`, for the next norm kernel to
-    combine.
+    computed them (`router_fusable`). `combine=False` (where `moe_copies` allows it): the output left as
+    `ExpertCopies`, for the next norm kernel to combine.
 
     Token copies are sorted by expert and run through grouped matmuls (`expert_glu`, `expert_gmm` with
     `gmm_impl`), so each expert only computes its own tokens; a decode step's few copies (at most
@@ -607,15 +552,13 @@ def moe(
     ex, sh, sh_stacked, routed_split, shared_split, fused = plan
     if not combine and _copies_chunks(plan, cfg, x.shape[0], gmm_impl, comm) is None:
         raise ValueError("moe(combine=False): these experts and tokens are combined in the layer (`moe_copies`)")
-    if x_fp8 is not None and not moe_fp8_rows(p, cfg, x.shape[0], gmm_impl=gmm_impl, stacked=stacked, comm=comm):
-        raise ValueError("moe(x_fp8=): only fp8 experts on the Triton grouped kernel take quantized rows")
     with jax.named_scope("moe_dispatch"):
         xr = comm.dispatch_tokens(x)  # DP: [dp*T, D], every DP rank's tokens
     with jax.named_scope("moe_router"):
         weights, ids = route(p["gate"], cfg, xr, logits if comm.dp == 1 else None)  # [T, K]
     with jax.named_scope("moe_routed"):
         exl = None if "experts" not in stacked else layer  # layer indexes stacked weights
-        routed = _routed_experts(cfg, xr, weights, ids, gmm_impl, ex, exl, comm, sh if fused else None, combine, x_fp8)
+        routed = _routed_experts(cfg, xr, weights, ids, gmm_impl, ex, exl, comm, sh if fused else None, combine)
     if not combine:
         return routed  # ExpertCopies (one device's tokens, no shared MLP, nothing to reduce: `moe_copies`)
     with jax.named_scope("moe_combine"):
@@ -636,11 +579,10 @@ def moe(
     return out.astype(x.dtype)
 
 
-def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None, combine=True, x_fp8=None):
+def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None, combine=True):
     """The routed experts' weighted sum [T, D] for x [T, D], router weights f32[T, K] and ids i32[T, K]; with
     `shared` (its chunks S = `shared_fusable`) plus the shared experts' output, each token's S more copies. With
-    `combine=False` (copies in token order only: `moe` checks `moe_copies`) the `ExpertCopies`. `x_fp8`: x already
-    quantized (`moe`), what the fp8 experts read."""
+    `combine=False` (copies in token order only: `moe` checks `moe_copies`) the `ExpertCopies`."""
     T, D = x.shape
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     e_loc, i_loc = ex["gate_proj"]["weight"].shape[-3:-1]
@@ -662,7 +604,7 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
         # reads each copy's token row itself; the Mosaic GPU fp8 one takes the copies' groups and rows
         row_groups = key.reshape(-1) if mosaic_fp8 else key
         group_sizes = None
-        xs = x[jnp.arange(T * K, dtype=jnp.int32) // K] if mosaic_fp8 else x if x_fp8 is None else x_fp8
+        xs = x[jnp.arange(T * K, dtype=jnp.int32) // K] if mosaic_fp8 else x
     else:
         row_groups = None
         key = local if mine is None else jnp.where(mine, local, e_loc + S)  # other devices' copies sort last
@@ -670,11 +612,10 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
         order = jnp.argsort(key, stable=True)
         # [E_loc + S] (key == e_loc + S is dropped): compare-and-count, one fusion where bincount is a scatter kernel
         group_sizes = jnp.sum(key[None, :] == jnp.arange(e_loc + S, dtype=key.dtype)[:, None], axis=1, dtype=jnp.int32)
-        src = order // C  # the source token of each sorted copy
-        xs = x[src] if x_fp8 is None else (x_fp8[0][src], x_fp8[1][src])  # [T*C, D]
+        xs = x[order // C]  # [T*C, D], the source token of each sorted copy
 
     h = expert_glu(  # [T*C, I]
-        xs, ex["gate_proj"], ex["up_proj"], group_sizes, gmm_impl, layer, row_groups, shared, fp8_triton, x.dtype
+        xs, ex["gate_proj"], ex["up_proj"], group_sizes, gmm_impl, layer, row_groups, shared, fp8_triton
     )
     down = ex["down_proj"]
     shared_down = {} if shared is None else shared["down_proj"]
@@ -690,7 +631,7 @@ def _routed_experts(cfg, x, weights, ids, gmm_impl, ex, layer, comm, shared=None
         shared_down.get("weight"),
         fp8_triton,
         shared_down.get("weight_scale_inv"),
-        out_dtype=x.dtype,
+        out_dtype=xs.dtype,
     )
     # Combine: each token gathers its C copies back through the inverse permutation and sums them, weighted (a
     # gather-reduce fusion). A scatter-add of the sorted copies into [T, D] took 5.3 us a layer at T = 1 on the

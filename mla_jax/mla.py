@@ -47,12 +47,6 @@ def mla_project(
     return mla_project_with_q_latent(p, cfg, x, positions)[:3]
 
 
-def input_linears(p: dict, cfg: DeepseekConfig) -> tuple[dict, dict]:
-    """The attention's linears of its input x, one `linears` call: (q_proj or, with q-LoRA, q_a_proj;
-    kv_a_proj_with_mqa)."""
-    return (p["q_proj"] if cfg.q_lora_rank is None else p["q_a_proj"]), p["kv_a_proj_with_mqa"]
-
-
 def mla_project_q_kv(
     p: dict,
     cfg: DeepseekConfig,
@@ -61,22 +55,20 @@ def mla_project_q_kv(
     *,
     rope: tuple[jnp.ndarray, jnp.ndarray] | None = None,
     rope_q: bool = True,
-    x_fp8: tuple[jnp.ndarray, jnp.ndarray] | None = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray | None]:
     """The projections before the latent's norm and rope: q [T, N, P+R] (rope applied to q_pe; with
     rope_q=False not yet: `rope_q_pe`, or `absorb_q(..., rope=)` in its kernel), the raw kv_a_proj_with_mqa output
     kv [T, L+R], the rope's cos, sin f32[T, R/2] (`rope`: computed once for every layer by the caller) and the
     q latent [T, Q_lora] (None without q-LoRA). The paged step hands kv to `write_latent_rows`
     (norm, rope and cache write in one kernel on a GPU). The linears of x (q_proj or q_a_proj, and
-    kv_a_proj_with_mqa: `input_linears`) are one `linears` call: one kernel on a GPU for few tokens, which reads x
-    already quantized where `x_fp8` is given (block-FP8 weights: `linears(..., x_fp8=)`)."""
+    kv_a_proj_with_mqa) are one `linears` call: one kernel on a GPU for few tokens."""
     T = x.shape[0]
     N = cfg.num_attention_heads
     if cfg.q_lora_rank is None:
         q_resid = None
-        q, kv = linears(input_linears(p, cfg), x, x_fp8=x_fp8)  # [T, N*(P+R)], [T, L+R]
+        q, kv = linears((p["q_proj"], p["kv_a_proj_with_mqa"]), x)  # [T, N*(P+R)], [T, L+R]
     else:
-        q_a, kv = linears(input_linears(p, cfg), x, x_fp8=x_fp8)  # [T, Q_lora], [T, L+R]
+        q_a, kv = linears((p["q_a_proj"], p["kv_a_proj_with_mqa"]), x)  # [T, Q_lora], [T, L+R]
         q_resid = rms_norm(p["q_a_layernorm"], q_a, cfg.rms_norm_eps)  # [T, Q_lora]
         (q,) = linears((p["q_b_proj"],), q_resid)
     q = q.reshape(T, N, cfg.qk_head_dim)  # [T, N, P+R]

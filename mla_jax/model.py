@@ -37,15 +37,13 @@ from mla_jax.layers import (
     add_rms_norm,
     combined,
     linear,
-    linears_fp8_rows,
     mlp,
     moe,
     moe_copies,
-    moe_fp8_rows,
     rms_norm,
     router_fusable,
 )
-from mla_jax.mla import input_linears, mla_forward_full, split_kv_b_proj
+from mla_jax.mla import mla_forward_full, split_kv_b_proj
 
 Params = dict[str, Any]
 
@@ -310,7 +308,6 @@ def decoder_layers(
     *,
     gmm_impl: str = "ragged_dot",
     comm: Comm = LOCAL,
-    attention_fp8_rows: bool = False,
 ) -> tuple[jax.Array, Any]:
     """The decoder stack over x [T, D] -> (hidden state after the last layer [T, D], final loop state).
 
@@ -319,11 +316,7 @@ def decoder_layers(
     after attention and after a split MLP/MoE). Each group of layers (dense, then MoE) is one `lax.scan`, so
     compile time does not grow with depth; `state` rides in the scan carry (the cache is updated in place). A MoE
     group whose experts' copies stay in token order (a decode step's: `layers.moe_copies`) carries its output
-    uncombined (`ExpertCopies`), combined by the next layer's input norm kernel. Block-FP8 linears and experts that
-    read their input already quantized (`layers.linears_fp8_rows`, `layers.moe_fp8_rows`) get it from the norm
-    kernel before them (`add_rms_norm(..., quantize=True)`): the MLP's and MoE's always, the attention's where
-    `attention` takes it (`attention_fp8_rows`: called as attention(p, h, state, layer, x_fp8=(e4m3, scale)), the
-    paged step's)."""
+    uncombined (`ExpertCopies`), combined by the next layer's input norm kernel."""
     model = params["model"]
     eps = cfg.rms_norm_eps
     f = jnp.zeros_like(x)  # the pending MLP/MoE output (none before the first layer)
@@ -331,41 +324,33 @@ def decoder_layers(
         is_moe = name == "moe_layers"
         scanned, stacked = split_experts(model[name], is_moe, gmm_impl)
         scanned, rows = split_in_place(scanned)
-        # decided on one layer's shapes, as the body sees them
-        view = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), scanned)
-        view = with_layer_rows(view, rows, jnp.int32(0))
         copies = None  # the shared chunks of this group's ExpertCopies, None: its MLP/MoE outputs are combined
-        rows_in = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        if is_moe:  # the MoE's input quantized by its norm's kernel (fp8 experts: `moe_fp8_rows`)
+        if is_moe:  # decided on one layer's shapes, as the body sees them
+            view = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), scanned)
+            view = with_layer_rows(view, rows, jnp.int32(0))
             copies = moe_copies(view["mlp"], cfg, x.shape[0], gmm_impl=gmm_impl, stacked=stacked, comm=comm)
-            fp8_rows = moe_fp8_rows(view["mlp"], cfg, x.shape[0], gmm_impl=gmm_impl, stacked=stacked, comm=comm)
-        else:  # the dense MLP's (fp8 gate and up on the linear kernel)
-            fp8_rows = linears_fp8_rows((view["mlp"]["gate_proj"], view["mlp"]["up_proj"]), rows_in)
-        attn_fp8 = attention_fp8_rows and linears_fp8_rows(input_linears(view["self_attn"], cfg), rows_in)
         f = combined(f) if copies is None else ExpertCopies.of(combined(f), cfg.num_experts_per_tok, copies)
 
-        def body(carry, p, is_moe=is_moe, start=start, stacked=stacked, rows=rows, fp8_rows=fp8_rows, q_in=attn_fp8):
+        def body(carry, p, is_moe=is_moe, start=start, stacked=stacked, rows=rows):
             # h: the residual stream without the previous layer's MLP/MoE output f, which is added here, in one
             # kernel with the norm (add_rms_norm); layer: the model's layer index (the cache's)
             h, f, state, layer = carry
             p = with_layer_rows(p, rows, layer - start)
             with jax.named_scope("norm"):
-                hn, h, *hq = add_rms_norm(p["input_layernorm"], h, f, eps, quantize=q_in)
-            a, state = attention(p["self_attn"], hn, state, layer, **({"x_fp8": hq[0]} if q_in else {}))
+                hn, h = add_rms_norm(p["input_layernorm"], h, f, eps)
+            a, state = attention(p["self_attn"], hn, state, layer)
             a = comm.reduce_heads(a).astype(h.dtype)
             norm = p["post_attention_layernorm"]
             # the MoE router's logits in the norm kernel where it takes them (one GEMV kernel less a layer)
             gate = p["mlp"]["gate"] if is_moe and router_fusable(norm, p["mlp"]["gate"], h, comm) else None
             with jax.named_scope("norm"):
-                hn, h, *extra = add_rms_norm(norm, h, a, eps, router=gate, quantize=fp8_rows)
+                hn, h, *logits = add_rms_norm(norm, h, a, eps, router=gate)
             if is_moe:
                 kw = dict(gmm_impl=gmm_impl, stacked=stacked, layer=layer - start, comm=comm, combine=copies is None)
-                logits = extra[0] if gate is not None else None
-                f = moe(p["mlp"], cfg, hn, logits=logits, x_fp8=extra[-1] if fp8_rows else None, **kw)
+                f = moe(p["mlp"], cfg, hn, logits=logits[0] if logits else None, **kw)
             else:
                 with jax.named_scope("mlp"):
-                    kw = dict(intermediate_size=cfg.intermediate_size, comm=comm, x_fp8=extra[-1] if fp8_rows else None)
-                    f = mlp(p["mlp"], hn, **kw)
+                    f = mlp(p["mlp"], hn, intermediate_size=cfg.intermediate_size, comm=comm)
             return (h, f if copies is not None else f.astype(h.dtype), state, layer + 1), None
 
         # length: every weight of a layer may be read in place (an fp8 model's), leaving no xs to scan over

@@ -55,17 +55,15 @@ def mla_paged(
     comm: Comm = LOCAL,
     batch_invariant: bool = False,
     rope: tuple[jax.Array, jax.Array] | None = None,
-    x_fp8: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """x [T, D] -> ([T, D], cache with this step's rows of `layer` written). `cfg` has this device's heads; `md`
     is this device's view (`Comm.local_view`): under DCP its slot_mapping writes only the rank's own tokens.
     `rope`: the rope's (cos, sin) f32[T, R/2] at md.positions, computed once for every layer (`_device_hidden`);
-    q_pe is rotated in the absorb kernel for decode rows, by XLA for prefill rows. `x_fp8`: x already quantized by
-    its norm's kernel, for block-FP8 input linears (`decoder_layers(attention_fp8_rows=True)`)."""
+    q_pe is rotated in the absorb kernel for decode rows, by XLA for prefill rows."""
     s = md.shape
     N, L, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     with jax.named_scope("mla_project"):
-        q, kv, cos, sin, _ = mla_project_q_kv(p, cfg, x, md.positions, rope=rope, rope_q=False, x_fp8=x_fp8)
+        q, kv, cos, sin, _ = mla_project_q_kv(p, cfg, x, md.positions, rope=rope, rope_q=False)
     with jax.named_scope("cache_write"):  # the latent's norm and rope too: one kernel on a GPU
         norm, eps = p["kv_a_layernorm"], cfg.rms_norm_eps
         kv_c_normed, k_pe, cache = write_latent_rows(cache, layer, kv, norm, cos, sin, md.slot_mapping, eps)
@@ -148,11 +146,11 @@ def _device_hidden(
 
     rope = rope_cos_sin(cfg, view.positions)  # once for every layer (XLA left it in the layer loop: 2 kernels a layer)
 
-    def attn(p, h, cache, layer, x_fp8=None):
-        kw = dict(comm=comm, batch_invariant=batch_invariant, rope=rope, x_fp8=x_fp8)
+    def attn(p, h, cache, layer):
+        kw = dict(comm=comm, batch_invariant=batch_invariant, rope=rope)
         return mla_paged(p, cfg_loc, h, view, cache, layer, be, **kw)
 
-    return decoder_layers(params, cfg, x, attn, cache, gmm_impl=gmm_impl, comm=comm, attention_fp8_rows=True)
+    return decoder_layers(params, cfg, x, attn, cache, gmm_impl=gmm_impl, comm=comm)
 
 
 def _device_step(params: Params, cache: KVCache, md: AttentionMetadata, *, cfg: DeepseekConfig, **kw):

@@ -360,7 +360,6 @@ def linear(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    x_scale=None,  # with scales: x already in the W8A8 activation format, e4m3 [T, K] with f32 [T, cdiv(K, 128)]
 ):
     """(x @ w_0^T, x @ w_1^T, ...) as a tuple of [T, N_j], in one kernel launch (w_j[rhs_index] when stacked),
     multiplied in the promotion of x's and the weights' dtypes (float32 exactly, as an elementwise multiply and
@@ -368,16 +367,10 @@ def linear(
     clamped. Tuning (None = `default_tuning`): block_t rows per tile, block_n weight rows per program, block_k K step
     (powers of two; >= 16 for the bf16/f16 dot, block_k always), num_warps, num_stages (Triton pipelining).
     With `scales` (block-FP8 weights; x of any float dtype, quantized first): W8A8 as `fp8_matmul` computes it (the
-    module docstring); not differentiable (an inference format). `x_scale`: x is e4m3 rows already quantized
-    (`fp8_quant.quantize_act`, or a norm kernel's `quantize` output) with these row scales; out_dtype then names the
-    output's dtype."""
+    module docstring); not differentiable (an inference format)."""
     weights = tuple(weights) if isinstance(weights, (tuple, list)) else weights
     scales = tuple(scales) if isinstance(scales, (tuple, list)) else scales
     tuning = (block_t, block_n, block_k, num_warps, num_stages)
-    x_q = None
-    if x_scale is not None:  # checked as the float rows it stands for
-        x_q = _validate_x_scale(x, x_scale, scales, out_dtype)
-        x = jax.ShapeDtypeStruct(x.shape, out_dtype)
     t, k, ns, stacked = _validate(x, weights, rhs_index, out_dtype, *tuning, scales=scales)
     fp8 = scales is not None
     cdt = jnp.dtype(x.dtype) if fp8 else compute_dtype(x.dtype, weights[0].dtype)
@@ -392,30 +385,9 @@ def linear(
     bk = min(bk, max(FP8_BLOCK if fp8 else 16, next_pow2(k)))
     layer = jnp.asarray(0 if rhs_index is None else rhs_index, jnp.int32).reshape(1)  # clamped in the kernel
     static = (out_dtype.name, bool(interpret), bt, bn, bk, warps, stages)
-    if x_q is not None:
-        kw = dict(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-        return _impl(x_q, weights, (*scales, x_scale), layer, out_dtype=out_dtype.name, interpret=bool(interpret), **kw)
     if fp8:
         return _run(x, weights, layer, static, scales)
     return _differentiable(x, weights, layer, static)
-
-
-def _validate_x_scale(x, x_scale, scales, out_dtype):
-    """x in the W8A8 activation format: e4m3 [T, K] with f32 [T, cdiv(K, 128)] row scales, for block-FP8 weights,
-    with the output's dtype named. Returns x."""
-    if scales is None:
-        raise ValueError("x_scale (x already quantized) is for block-FP8 weights: give scales")
-    if getattr(x, "ndim", None) != 2 or jnp.dtype(x.dtype) != FP8:
-        raise ValueError(f"with x_scale, x must be float8_e4m3fn [T, K], got {getattr(x, 'dtype', None)}")
-    want = (x.shape[0], cdiv(x.shape[1], FP8_BLOCK))
-    if getattr(x_scale, "shape", None) != want or jnp.dtype(x_scale.dtype) != F32:
-        raise ValueError(
-            f"x_scale must be f32{list(want)} (x {list(x.shape)}'s row scales per {FP8_BLOCK} channels), got "
-            f"{getattr(x_scale, 'dtype', None)}{list(getattr(x_scale, 'shape', ()))}"
-        )
-    if out_dtype is None:
-        raise ValueError("with x_scale, give out_dtype (the output's dtype: x is e4m3)")
-    return x
 
 
 # The kernel forward, the reference's backward (recomputed): the kernel has no derivative of its own, and a model

@@ -23,11 +23,6 @@ may be traced): the kernel reads row i in place, where a weight sliced out by th
 slice feeding a custom call is a new buffer: a device copy per norm per layer, as long as the norm itself at batch
 1).
 
-With `quantize`, the normalized rows also come out in the W8A8 activation format (`util.quantize_act` of them: e4m3
-[T, D] and f32 scales [T, D/128]), the input of the fp8 GEMMs that read them (an fp8 model's MoE experts), so no
-quantization kernel runs between the norm and the GEMM; the kernel then works in 128-wide chunks, one scale block
-each.
-
 `add_rms_norm_reference` (plain jnp) is the reference, the path on CPU and for widths without such a chunk, and the
 kernel's backward (a custom VJP), so a differentiated norm works.
 """
@@ -41,15 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.util import (
-    FLOAT_DTYPES,
-    FP8,
-    FP8_BLOCK,
-    check_stacked_index,
-    next_pow2,
-    quantize_act,
-    quantize_act_tile,
-)
+from pallas_kernels.util import FLOAT_DTYPES, check_stacked_index
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "chunk_width", "combine_copies_reference"]
 
@@ -93,27 +80,12 @@ def _check_copies(x, copies, weights, shared):
 
 
 def add_rms_norm_reference(
-    x,
-    residual,
-    weight,
-    *,
-    eps: float,
-    weight_index=None,
-    router=None,
-    residual_weights=None,
-    residual_shared=0,
-    quantize: bool = False,
+    x, residual, weight, *, eps: float, weight_index=None, router=None, residual_weights=None, residual_shared=0
 ):
     """(normed, h): h = x + residual in x's dtype, normed = HF DeepseekRMSNorm(h) (weight[weight_index] when
     stacked). With `router` (an MoE gate's f32 weight [(Lyr,) E, D], at weight_index when stacked) also its logits
     f32[T, E] = normed @ router^T in float32, as `mla_jax.layers.route` computes them. With `residual_weights`,
-    residual is an MoE layer's copies, combined first (`combine_copies_reference`). With `quantize`, last also
-    `util.quantize_act(normed)`: (e4m3 [T, D], f32 [T, cdiv(D, 128)])."""
-    out = _reference(x, residual, weight, eps, weight_index, router, residual_weights, residual_shared)
-    return (*out, quantize_act(out[0])) if quantize else out
-
-
-def _reference(x, residual, weight, eps, weight_index, router, residual_weights, residual_shared):
+    residual is an MoE layer's copies, combined first (`combine_copies_reference`)."""
     if residual_weights is not None:
         _check_copies(x, residual, residual_weights, residual_shared)
         residual = combine_copies_reference(residual, residual_weights, residual_shared, x.dtype)
@@ -131,16 +103,7 @@ def _reference(x, residual, weight, eps, weight_index, router, residual_weights,
 
 
 def _kernel(
-    *refs,
-    eps: float,
-    d: int,
-    chunk: int,
-    has_residual: bool,
-    router_block: int,
-    top_k: int,
-    shared: int,
-    tokens: int,
-    quantize: bool,
+    *refs, eps: float, d: int, chunk: int, has_residual: bool, router_block: int, top_k: int, shared: int, tokens: int
 ):
     refs = list(refs)
     x_ref = refs.pop(0)
@@ -151,7 +114,6 @@ def _kernel(
     out_ref = refs.pop(0)
     h_ref = refs.pop(0) if has_residual else None
     logits_ref = refs.pop(0) if router_block else None  # f32 [E] of this row, its block of experts
-    q_ref, s_ref = (refs.pop(0), refs.pop(0)) if quantize else (None, None)  # e4m3 [D], f32 [D/128] of this row
     n = d // chunk
     # the weight's row (0 for an unstacked [1, D] weight), clamped here, not by an XLA kernel before the call
     layer = jnp.clip(idx_ref[0], 0, w_ref.shape[0] - 1)
@@ -196,48 +158,24 @@ def _kernel(
     if router_block:
         experts = pl.ds(e * router_block, router_block)
         acc = jnp.zeros((router_block,), jnp.float32)
-    if quantize:  # the row's scales, one per chunk (a scale block), stored once after the loop
-        blocks = jnp.arange(next_pow2(n), dtype=jnp.int32)
-        scales = jnp.zeros(blocks.shape, jnp.float32)
     for c in range(n):
         cols = pl.ds(c * chunk, chunk)
         hf = (kept[c] if kept else h_chunk(c)).astype(jnp.float32)
-        y = (hf * inv).astype(x_ref.dtype)
-        # the weight's product rounded once to out's dtype (exact in float32: as the reference's), explicitly, so that
-        # the quantization below sees the stored values (XLA on a CPU keeps a bf16 product's excess precision)
-        normed = (w_ref[layer, cols].astype(jnp.float32) * y.astype(jnp.float32)).astype(out_ref.dtype)
+        normed = w_ref[layer, cols] * (hf * inv).astype(x_ref.dtype)
         store(out_ref, cols, normed)
-        if quantize:  # `quantize_act` of the normed chunk as stored (in out's dtype)
-            q, scale = quantize_act_tile(normed.astype(out_ref.dtype))
-            store(q_ref, cols, q.astype(q_ref.dtype))
-            scales = jnp.where(blocks == c, scale, scales)
         if router_block:  # the router's logits of the normed row, exact float32 (a multiply and a sum, no TF32)
             g = g_ref[layer, experts, cols]  # [eb, chunk]
             acc = acc + jnp.sum(g * normed.astype(jnp.float32)[None, :], axis=1)
     if router_block:
         logits_ref[experts] = acc
-    if quantize:
-        mask = blocks < n if router_block == 0 else (blocks < n) & first
-        pltriton.store(s_ref.at[pl.ds(0, blocks.shape[0])], scales, mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("shared", "eps", "interpret", "num_warps", "quantize"))
+@functools.partial(jax.jit, static_argnames=("shared", "eps", "interpret", "num_warps"))
 def _impl(
-    x,
-    residual,
-    weight,
-    weight_index,
-    router,
-    copy_w,
-    *,
-    shared: int,
-    eps: float,
-    interpret: bool,
-    num_warps: int,
-    quantize: bool,
+    x, residual, weight, weight_index, router, copy_w, *, shared: int, eps: float, interpret: bool, num_warps: int
 ):
     t, d = x.shape
-    chunk = FP8_BLOCK if quantize else chunk_width(d)  # quantize: a chunk a scale block (d % 128 == 0)
+    chunk = chunk_width(d)
     has_residual = residual is not None
     top_k = 0 if copy_w is None else copy_w.shape[1]
     if weight.ndim == 1:  # one weight: row 0 of [1, D] (the wrapper's weight_index is 0)
@@ -266,10 +204,6 @@ def _impl(
     if eb:
         out_shape.append(jax.ShapeDtypeStruct((t, router.shape[1]), jnp.float32))
         out_specs.append(pl.BlockSpec((None, router.shape[1]), lambda i, *_: (i, 0)))
-    if quantize:  # the scales' row padded to a power of two (the kernel's store; sliced off below)
-        nbp = next_pow2(d // FP8_BLOCK)
-        out_shape += [jax.ShapeDtypeStruct((t, d), FP8), jax.ShapeDtypeStruct((t, nbp), jnp.float32)]
-        out_specs += [row, pl.BlockSpec((None, nbp), lambda i, *_: (i, 0))]
     name = f"add_rms_norm_d{d}" if has_residual else f"rms_norm_d{d}"
     kernel = functools.partial(
         _kernel,
@@ -281,7 +215,6 @@ def _impl(
         top_k=top_k,
         shared=shared,
         tokens=t,
-        quantize=quantize,
     )
     outs = pl.pallas_call(
         kernel,
@@ -291,17 +224,10 @@ def _impl(
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=name
-        + (f"_copies_k{top_k}_s{shared}" if top_k else "")
-        + (f"_router_e{router.shape[1]}" if eb else "")
-        + ("_q" if quantize else ""),
+        name=name + (f"_copies_k{top_k}_s{shared}" if top_k else "") + (f"_router_e{router.shape[1]}" if eb else ""),
     )(*inputs)
-    if quantize:
-        q, sc = outs[-2:]
-        outs = outs[:-2]
     normed, h = outs[0], (outs[1] if has_residual else x)
-    out = (normed, h, outs[-1]) if eb else (normed, h)
-    return (*out, (q, sc[:, : d // FP8_BLOCK])) if quantize else out
+    return (normed, h, outs[-1]) if eb else (normed, h)
 
 
 ROUTER_TILE = 8192  # f32 router weights one program multiplies per chunk of the row: [experts, chunk]
@@ -328,10 +254,8 @@ def add_rms_norm(
     residual_shared: int = 0,  # S: the copies' shared chunks
     interpret: bool = False,
     num_warps: int = 4,
-    quantize: bool = False,  # also the normed rows' W8A8 form (e4m3 [T, D], f32 [T, D/128]), last
 ):
-    """(normed [T, D], h [T, D]), with `router` (normed, h, logits f32[T, E]); with `quantize` last also
-    `util.quantize_act(normed)`, (e4m3 [T, D], f32 [T, cdiv(D, 128)]); see the module docstring. Widths
+    """(normed [T, D], h [T, D]), with `router` (normed, h, logits f32[T, E]); see the module docstring. Widths
     without a power-of-two chunk >= 16 run the reference. A static weight_index outside [0, Lyr) is an error; a
     traced one is clamped.
 
@@ -362,8 +286,7 @@ def add_rms_norm(
             raise ValueError(f"router must be [{lead}E, D={x.shape[1]}], got shape {router.shape}")
         if jnp.dtype(router.dtype) != jnp.float32:
             raise ValueError(f"router dtype must be float32 (the gate's scores are float32), got {router.dtype}")
-    quantize = bool(quantize)
-    chunk = FP8_BLOCK if quantize and x.shape[1] % FP8_BLOCK == 0 else None if quantize else chunk_width(x.shape[1])
+    chunk = chunk_width(x.shape[1])
     if chunk is None or x.shape[0] == 0 or (router is not None and not router_block(router.shape[-2], chunk)):
         return add_rms_norm_reference(
             x,
@@ -374,13 +297,9 @@ def add_rms_norm(
             router=router,
             residual_weights=residual_weights,
             residual_shared=residual_shared,
-            quantize=quantize,
         )
     index = jnp.zeros((), jnp.int32) if weight_index is None else jnp.asarray(weight_index, jnp.int32)
     statics = (int(residual_shared), float(eps), bool(interpret), int(num_warps))
-    if quantize:  # an inference path (the quantized rows have no derivative)
-        kw = dict(shared=statics[0], eps=statics[1], interpret=statics[2], num_warps=statics[3], quantize=True)
-        return _impl(x, residual, weight, index, router, residual_weights, **kw)
     return _differentiable(x, residual, weight, index, router, residual_weights, *statics)
 
 
@@ -388,12 +307,12 @@ def add_rms_norm(
 # on a differentiated path (training through `model.forward`) must not fail.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _differentiable(x, residual, weight, index, router, copy_w, shared, eps, interpret, num_warps):
-    kw = dict(shared=shared, eps=eps, interpret=interpret, num_warps=num_warps, quantize=False)
+    kw = dict(shared=shared, eps=eps, interpret=interpret, num_warps=num_warps)
     return _impl(x, residual, weight, index, router, copy_w, **kw)
 
 
 def _differentiable_fwd(x, residual, weight, index, router, copy_w, shared, eps, interpret, num_warps):
-    kw = dict(shared=shared, eps=eps, interpret=interpret, num_warps=num_warps, quantize=False)
+    kw = dict(shared=shared, eps=eps, interpret=interpret, num_warps=num_warps)
     out = _impl(x, residual, weight, index, router, copy_w, **kw)
     return out, (x, residual, weight, index, router, copy_w)
 

@@ -93,11 +93,10 @@ def check_fp8_blocks(block_n, block_k, what: str, whole_blocks: bool = False):
 
 def quantize_act_tile(x):
     """Activation rows x [R, W] (one K block each: W <= 128; masked columns 0) quantized per row, the W8A8 format of
-    `quantize_act`: (the e4m3 values as float32, scale f32[R]), scale = max(amax, floor) / 448. One row [W]: a
-    scalar scale."""
+    `quantize_act`: (the e4m3 values as float32, scale f32[R]), scale = max(amax, floor) / 448."""
     x = x.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), FP8_AMAX_FLOOR) / FP8_MAX
-    return round_e4m3(x / (scale[:, None] if x.ndim == 2 else scale)), scale
+    scale = jnp.maximum(jnp.max(jnp.abs(x), axis=1), FP8_AMAX_FLOOR) / FP8_MAX
+    return round_e4m3(x / scale[:, None]), scale
 
 
 def quantize_act(x, block: int = FP8_BLOCK):

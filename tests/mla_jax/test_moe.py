@@ -184,37 +184,6 @@ def test_fp8_experts_at_decode_sizes_take_the_triton_kernel(T, monkeypatch):
     assert not calls
 
 
-@pytest.mark.parametrize("T", [1, 9])
-def test_fp8_experts_take_rows_quantized_by_the_norm(T, monkeypatch):
-    """`moe(..., x_fp8=)` (the input norm's kernel quantized x, `moe_fp8_rows`): the fp8 experts read those rows
-    (no quantization of x in the layer: the GLU's lhs comes with lhs_scale) and give the same output bit for bit as
-    quantizing x themselves, copies in token order (T = 1) or sorted (9); experts that do not take such rows refuse
-    them."""
-    from mla_jax.checkpoint.fp8 import quantize_params
-    from pallas_kernels.util import quantize_act
-
-    cfg = tiny_config(hidden_size=128, moe_intermediate_size=128)
-    params = quantize_params(random_params(cfg, 3, std=0.3))[0]
-    p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
-    x = jax.random.normal(jax.random.key(T), (T, cfg.hidden_size)).astype(jnp.bfloat16)
-    assert layers.moe_fp8_rows(p, cfg, T, gmm_impl="pallas")
-    assert not layers.moe_fp8_rows(p, cfg, T, gmm_impl="ragged_dot")
-    calls = []
-    kernel = layers.gmm_kernel.grouped_matmul
-
-    def spy(*a, **kw):
-        calls.append(kw.get("lhs_scale") is not None)
-        return kernel(*a, **kw)
-
-    want = moe(p, cfg, x, gmm_impl="pallas")
-    monkeypatch.setattr(layers.gmm_kernel, "grouped_matmul", spy)
-    got = moe(p, cfg, x, gmm_impl="pallas", x_fp8=quantize_act(x))
-    assert calls == [True, True], calls  # the GLU's rows from the norm, the down projection's from the GLU
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    with pytest.raises(ValueError, match="take quantized rows"):
-        moe(p, cfg, x, gmm_impl="ragged_dot", x_fp8=quantize_act(x))
-
-
 @pytest.mark.parametrize("T", [2])  # (sorted, beyond BY_ROW_MAX_COPIES: test_decode_copies_skip_the_sort[9])
 def test_shared_experts_run_in_the_routed_kernels(T):
     """With the grouped Pallas kernel the shared experts are S more copies per token in the routed experts'

@@ -219,36 +219,6 @@ def test_fp8_bad_inputs():
             linear(kw.pop("x"), kw.pop("weights"), interpret=True, **kw)
 
 
-def _prequantized_case(t, ns, k, interpret):
-    """x_scale: x given already quantized (`util.quantize_act`, what a norm kernel's `quantize` output is) gives bit
-    for bit what the call quantizing x itself gives, with the layer read in place between NaN ones."""
-    from pallas_kernels.util import quantize_act
-
-    x, _, _ = _fp8_inputs(t + k, t, ns, k)
-    _, ws, ss = _fp8_inputs(t + k, t, ns, k, layers=3, index=1)
-    kw = dict(scales=ss, rhs_index=jnp.int32(1), interpret=interpret)
-    want = linear(x, ws, **kw)
-    q, scale = quantize_act(x)
-    got = linear(q, ws, x_scale=scale, out_dtype=x.dtype, **kw)
-    for a, b in zip(got, want):
-        assert a.dtype == b.dtype and np.all(np.isfinite(np.asarray(a, np.float32)))
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
-def test_fp8_prequantized_x():
-    _prequantized_case(3, (200, 64), 256, True)
-    x, ws, ss = _fp8_inputs(1, 2, (64,), 256)
-    q, sc = jnp.zeros((2, 256), jnp.float8_e4m3fn), jnp.ones((2, 2), jnp.float32)
-    for args, kw, match in [
-        ((q, ws), dict(x_scale=sc, out_dtype=jnp.bfloat16), "x_scale .* is for block-FP8 weights"),
-        ((q, ws), dict(scales=ss, x_scale=sc), "give out_dtype"),
-        ((q, ws), dict(scales=ss, x_scale=sc[:, :1], out_dtype=jnp.bfloat16), r"x_scale must be f32\[2, 2\]"),
-        ((x, ws), dict(scales=ss, x_scale=sc, out_dtype=jnp.bfloat16), "x must be float8_e4m3fn"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            linear(*args, interpret=True, **kw)
-
-
 def test_fp8_default_tuning():
     bt, bn, bk, warps, stages = default_tuning(1, (3072, 576), 2048, jnp.float8_e4m3fn, sms=132)
     assert (bt, bk, warps) == (16, 256, 4) and 3072 // bn + 576 // bn >= 132 and 1 <= stages <= 4
@@ -603,14 +573,6 @@ def test_gpu_router_exact_and_model_use(monkeypatch):
                 [np.asarray(o.astype(jnp.float32)) for o in jax.tree.leaves(want)],
                 jnp.bfloat16,
             )
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 32])
-def test_gpu_fp8_prequantized_x(t):
-    """V2-Lite's q_proj + kv_a_proj given x already quantized: the same output, bit for bit."""
-    _gpu()
-    _prequantized_case(t, (3072, 576), 2048, False)
 
 
 @pytest.mark.gpu

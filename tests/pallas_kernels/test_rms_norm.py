@@ -154,12 +154,6 @@ def test_lowers_to_triton(h200):
     f = jax.jit(lambda x, y, cw, w: add_rms_norm(x, y, w, eps=1e-6, residual_weights=cw, residual_shared=2))
     text = f.trace(x1, y, cw, w1).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "tensor<8x2048xbf16>" in text
-    # the same with the router's logits and the normed row quantized (an fp8 model's MoE input): one kernel
-    g = jax.ShapeDtypeStruct((64, 2048), jnp.float32)
-    kw = dict(eps=1e-6, residual_shared=2, quantize=True)
-    f = jax.jit(lambda x, y, cw, w, g: add_rms_norm(x, y, w, router=g, residual_weights=cw, **kw))
-    text = f.trace(x1, y, cw, w1, g).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1 and "_router_e64_q" in text and "xf8E4M3FN>" in text
 
 
 def _router_case(d, e, layers, interpret, rtol):
@@ -262,61 +256,6 @@ def test_residual_copies_bad_inputs():
         add_rms_norm(x, y, w, eps=1e-6, residual_weights=cw, residual_shared=-1)
     with pytest.raises(ValueError, match="residual_weights needs the residual copies"):
         add_rms_norm(x, None, w, eps=1e-6, residual_weights=cw)
-
-
-def _quantized_case(d, router, copies, interpret):
-    """quantize=True: the outputs of the same call without it (bit for bit) and, last, the normed rows in the W8A8
-    activation format, bit for bit `util.quantize_act` of the normed rows the kernel returned (stacked weights at a
-    traced layer; rows of scales 1, 300, 0.003: a scale block of the wrong row or column shows); the reference
-    returns the same format of its own normed rows."""
-    from pallas_kernels.util import quantize_act
-
-    x, r, _ = _inputs(d + 7, d, jnp.bfloat16)
-    t = x.shape[0]
-    ws = _stacked(d, 3, d, jnp.bfloat16)
-    kw = dict(eps=1e-6)
-    if router:
-        kw["router"] = jnp.asarray(np.random.default_rng(d).standard_normal((3, 8, d)) / np.sqrt(d), jnp.float32)
-    if copies:  # an MoE layer's uncombined output as the residual: 2 routed copies a token and a shared chunk
-        r = jnp.concatenate([jnp.repeat(r, 2, axis=0), r]).astype(jnp.bfloat16)
-        kw.update(residual_weights=jnp.full((t, 2), 0.5, jnp.float32), residual_shared=1)
-    f = jax.jit(
-        lambda i, q: add_rms_norm(x, r, ws, weight_index=i, interpret=interpret, quantize=q, **kw), static_argnums=1
-    )
-    got, plain = f(jnp.int32(1), True), f(jnp.int32(1), False)
-    assert len(got) == len(plain) + 1
-    for a, b in zip(got[:-1], plain):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    q, scale = got[-1]
-    want_q, want_s = quantize_act(got[0])
-    assert q.dtype == jnp.float8_e4m3fn and scale.shape == (t, d // 128)
-    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want_q).view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_s))
-    ref = add_rms_norm_reference(x, r, ws, weight_index=1, quantize=True, **kw)
-    np.testing.assert_array_equal(np.asarray(ref[-1][1]), np.asarray(quantize_act(ref[0])[1]))
-
-
-@pytest.mark.parametrize("d, router, copies", [(256, False, False), (384, True, False), (256, False, True)])
-def test_normed_rows_quantized_in_the_kernel(d, router, copies):
-    _quantized_case(d, router, copies, True)
-
-
-def test_quantize_declined_widths_run_the_reference():
-    """A width that is not whole 128-wide scale blocks: the reference's quantization (ragged last block)."""
-    x, r, w = _inputs(3, 200, jnp.float32)
-    got = add_rms_norm(x, r, w, eps=1e-6, interpret=True, quantize=True)
-    assert got[-1][1].shape == (3, 2)
-    np.testing.assert_array_equal(
-        np.asarray(got[-1][1]), np.asarray(add_rms_norm_reference(x, r, w, eps=1e-6, quantize=True)[-1][1])
-    )
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("d, router, copies", [(2048, True, False), (7168, False, True), (2048, False, False)])
-def test_gpu_normed_rows_quantized(d, router, copies):
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
-    _quantized_case(d, router, copies, False)
 
 
 @pytest.mark.gpu
