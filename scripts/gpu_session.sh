@@ -528,5 +528,17 @@ case $part in
         --no-prefill --no-engine --profile "$out/trace"
     rm -rf "$out/trace"
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 41" >&2; exit 2 ;;
+42) # next session, first call: the grouped kernel's fp8 GLU epilogue quantization (89f2473; CPU-tested bit for bit,
+    # its GPU test cut twice) and the fp8 experts' tuning from part 40 (by row 4 stages, sorted GLU 128 wide) on the
+    # GPU; then the bf16 / fp8-weight steps at batch 1 / 32, profiled, on the current code (part 39: fp8 6.87 ms at
+    # 32, 0.711x bf16; part 41's fp8 kernels: glu 454.7 / down 258.2 us a step at batch 1, the down projection's
+    # quantization kernels gone)
+    out=${2:?}
+    run 200 gpu-tests env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_grouped_matmul.py -k "gpu_fp8"
+    run 230 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16,fp8 --batches 1,32 --ctxs 4096 \
+        --no-prefill --no-engine --profile "$out/trace"
+    rm -rf "$out/trace"
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 42" >&2; exit 2 ;;
 esac
