@@ -122,33 +122,24 @@ GLU_W = dict(rhs="gate", up_rhs="up", shared_rhs="sgate", shared_up_rhs="sup")
 DOWN_W = dict(rhs="down", shared_rhs="sdown")
 
 
-def call(w, names, lhs, routing, layer, interpret, **tuning):
-    """grouped_matmul with `names`' weights: routing is the top-k [T, K] (copies in token order) or a sort's
-    (tokens, group_sizes), lhs then gathered by the sorted copies' tokens (the glu's x) or already sorted."""
-    kw = _kw(w, names, rhs_index=layer, interpret=interpret, **tuning)
+def call(w, names, lhs, routing, layer, fn=gm.grouped_matmul, **kw):
+    """`fn` (grouped_matmul, or its reference) with `names`' weights: routing is the top-k [T, K] (copies in token
+    order) or a sort's (tokens, group_sizes), lhs then gathered by the sorted copies' tokens (the glu's x) or already
+    sorted."""
+    kw = _kw(w, names, rhs_index=layer, **kw)
     rhs = kw.pop("rhs")
     if isinstance(routing, tuple):
         tokens, sizes = routing
         lhs = lhs[tokens] if lhs.shape[0] != tokens.shape[0] else lhs
-        return gm.grouped_matmul(lhs, rhs, sizes, **kw)
-    return gm.grouped_matmul(lhs, rhs, row_groups=routing, **kw)
+        return fn(lhs, rhs, sizes, **kw)
+    return fn(lhs, rhs, row_groups=routing, **kw)
 
 
 def kernel_fn(w, names, interpret, **tuning):
     """The call as a function of (lhs, routing, layer); the weights are arguments of the jitted function (closed
     over, they would be lowered as GBs of constants)."""
-    f = jax.jit(lambda w, lhs, routing, layer: call(w, names, lhs, routing, layer, interpret, **tuning))
+    f = jax.jit(lambda w, lhs, routing, layer: call(w, names, lhs, routing, layer, interpret=interpret, **tuning))
     return lambda *a: f(w, *a)
-
-
-def reference(w, names, lhs, routing, layer):
-    kw = _kw(w, names, rhs_index=layer)
-    rhs = kw.pop("rhs")
-    if isinstance(routing, tuple):
-        tokens, sizes = routing
-        lhs = lhs[tokens] if lhs.shape[0] != tokens.shape[0] else lhs
-        return gm.grouped_matmul_reference(lhs, rhs, sizes, **kw)
-    return gm.grouped_matmul_reference(lhs, rhs, row_groups=routing, **kw)
 
 
 def check(shape, w, smoke, t) -> float:
@@ -160,7 +151,7 @@ def check(shape, w, smoke, t) -> float:
     g = kernel_fn(w, GLU_W, smoke)(x, routing, layer)
     for names, lhs, out in ((GLU_W, x, g), (DOWN_W, g, None)):
         out = kernel_fn(w, DOWN_W, smoke)(g, routing, layer) if out is None else out
-        ref = reference(w, names, lhs, routing, layer)
+        ref = call(w, names, lhs, routing, layer, fn=gm.grouped_matmul_reference)
         e = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) / max(1.0, float(jnp.max(jnp.abs(ref))))
         err = max(err, e if np.isfinite(e) else float("inf"))
     return err
