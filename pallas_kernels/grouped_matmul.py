@@ -55,9 +55,11 @@ Mosaic GPU kernel needs its rows gathered, padded and quantized by XLA kernels f
 copies; quantizing in the kernel made every program redo its tile's, part 30), the kernel multiplies the e4m3 tiles
 in a dot of fp8 operands (exact products; `linear` says why not as bf16), and scales each 128-deep K step's
 product by (row scale x the expert's block scale, all the tile's loaded before the K loop: `util.block_scales`): K
-steps are the scale blocks (block_k = 128), block_n <= 128 (a program's columns share one scale row). HF layout
-only; fp8 shared chunks come with their scales and must be whole scale blocks (the chunk's first block is where its
-scales start: `block_scales(k_block0=)`).
+steps are whole scale blocks (block_k = 128 by default; 256 takes two, a dot each), block_n <= 128 (a program's
+columns share one scale row). With `quantize_out` the SwiGLU kernel hands the down projection its input already
+quantized (the epilogue's, with 128-wide N blocks), which takes it as `lhs_scale`. HF layout only; fp8 shared
+chunks come with their scales and must be whole scale blocks (the chunk's first block is where its scales start:
+`block_scales(k_block0=)`).
 
 Weight-bound decode (few rows per expert) wants enough programs in flight to saturate HBM: small
 row tiles (16) and narrow N blocks, and optionally `num_k_splits` > 1, which writes float32 partials
