@@ -107,8 +107,9 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         metavar="JSON",
         help='an A/B of the grouped kernels\' tuning: {"KERNEL-WEIGHTS-ROUTING": [block_m, block_n, block_k, '
-        "num_warps, num_stages, num_k_splits]} (KERNEL glu or down, WEIGHTS bf16 or fp8, ROUTING rows or sorted, as "
-        "bench/moe_decode.py names them) in place of `grouped_matmul.default_tuning`'s; rows get `variant`",
+        "num_warps, num_stages, num_k_splits]} (KERNEL glu or down, WEIGHTS bf16 or fp8, ROUTING rows: copies in "
+        "token order, or sorted) in place of `grouped_matmul.default_tuning`'s (a winner of bench/moe_decode.py's "
+        "sweep, in the whole step); rows get `variant`",
     )
     args = ap.parse_args(argv)
     args.backend = args.backend or attention.default_backend_name()
@@ -302,7 +303,7 @@ def _override_gmm_tuning(ap, spec: str) -> None:
             or len(parts) != 3
             or parts[0] not in ("glu", "down")
             or parts[1] not in WEIGHTS
-            or (parts[2] not in ("rows", "sorted"))
+            or parts[2] not in ("rows", "sorted")
         ):
             ap.error(f"--gmm-tuning: {key!r}: {list(tun)} is not KERNEL-WEIGHTS-ROUTING: 6 ints")
     default = gmm_kernel.default_tuning
