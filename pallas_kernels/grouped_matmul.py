@@ -793,9 +793,10 @@ def grouped_matmul(
     num_warps, num_stages (Triton pipelining), num_k_splits (K split into float32 partials).
     """
     fp8 = rhs_scale is not None
-    if lhs_scale is not None:  # lhs given quantized: checked as the float rows it stands for
-        lhs_q = _validate_lhs_scale(lhs, lhs_scale, fp8, preferred_element_type)
-        lhs = jax.ShapeDtypeStruct(lhs.shape, preferred_element_type)
+    rows = lhs  # lhs given quantized (lhs_scale): checked as the float rows it stands for
+    if lhs_scale is not None:
+        _validate_lhs_scale(lhs, lhs_scale, fp8, preferred_element_type)
+        rows = jax.ShapeDtypeStruct(lhs.shape, preferred_element_type)
     if quantize_out and not (fp8 and up_rhs is not None):
         raise ValueError("quantize_out is for fp8 experts with up_rhs (the SwiGLU output, the down projection's lhs)")
     num_chunks = _validate_shared(rhs, up_rhs, shared_rhs, shared_up_rhs, transpose_rhs, rhs_index)
@@ -813,7 +814,7 @@ def grouped_matmul(
         shared_up_scale,
     )
     _validate(
-        lhs,
+        rows,
         rhs,
         group_sizes,
         transpose_rhs,
@@ -845,7 +846,7 @@ def grouped_matmul(
     g = rhs.shape[-3] + num_chunks
     n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
     d = default_tuning(
-        m, n, k, m if by_row else g, lhs.dtype, by_row=by_row, glu=up_rhs is not None, fp8=fp8
+        m, n, k, m if by_row else g, rows.dtype, by_row=by_row, glu=up_rhs is not None, fp8=fp8
     )  # by row: a group per row
     bm, bn, bk, warps, stages, splits = (
         d[i] if v is None else v for i, v in enumerate((block_m, block_n, block_k, num_warps, num_stages, num_k_splits))
@@ -854,16 +855,15 @@ def grouped_matmul(
     # the scale blocks).
     bm, bn = (min(b, max(16, next_pow2(x))) for b, x in ((bm, m), (bn, n)))
     bk = bk if fp8 else min(bk, max(16, next_pow2(k)))
-    out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
+    out_dtype = jnp.dtype(rows.dtype if preferred_element_type is None else preferred_element_type)
     layer = (
         jnp.zeros((1,), jnp.int32)
         if rhs_index is None
         else jnp.asarray(rhs_index, jnp.int32).reshape(1)  # clamped to [0, Lyr) in the kernel
     )
     scales = ()
-    if lhs_scale is not None:
-        lhs, x_scale = lhs_q, lhs_scale
     if fp8:  # W8A8: lhs quantized once (one kernel), not by each program; its row scales after the weights'
+        x_scale = lhs_scale
         if lhs_scale is None:
             lhs, x_scale = fp8_quant.quantize_act(lhs, interpret=bool(interpret))
         scales = (rhs_scale, up_scale, x_scale) if up_rhs is not None else (rhs_scale, x_scale)
@@ -894,7 +894,7 @@ def grouped_matmul(
 
 def _validate_lhs_scale(lhs, lhs_scale, fp8: bool, preferred_element_type):
     """lhs in the W8A8 activation format: e4m3 [M, K] with f32 [M, cdiv(K, 128)] row scales, for fp8 experts, with
-    the output's dtype named. Returns lhs."""
+    the output's dtype named."""
     if not fp8:
         raise ValueError("lhs_scale (lhs already quantized) is for fp8 experts: give rhs_scale")
     if getattr(lhs, "ndim", None) != 2 or jnp.dtype(lhs.dtype) != FP8:
@@ -907,7 +907,6 @@ def _validate_lhs_scale(lhs, lhs_scale, fp8: bool, preferred_element_type):
         )
     if preferred_element_type is None:
         raise ValueError("with lhs_scale, give preferred_element_type (the output's dtype: lhs is e4m3)")
-    return lhs
 
 
 def _validate_shared(rhs, up_rhs, shared, shared_up, transpose_rhs, rhs_index) -> int:
