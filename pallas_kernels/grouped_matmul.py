@@ -55,8 +55,8 @@ Mosaic GPU kernel needs its rows gathered, padded and quantized by XLA kernels f
 copies; quantizing in the kernel made every program redo its tile's, part 30), the kernel multiplies the e4m3 tiles
 in a dot of fp8 operands (exact products; `linear` says why not as bf16), and scales each 128-deep K step's
 product by (row scale x the expert's block scale, all the tile's loaded before the K loop: `util.block_scales`): K
-steps are whole scale blocks (block_k = 128 by default; 256 takes two, a dot each), block_n <= 128 (a program's
-columns share one scale row). With `quantize_out` the SwiGLU kernel hands the down projection its input already
+steps are one scale block (block_k = 128; two a step, a dot each, ran slower on the H200: part 43), block_n <= 128
+(a program's columns share one scale row). With `quantize_out` the SwiGLU kernel hands the down projection its input already
 quantized (the epilogue's, with 128-wide N blocks), which takes it as `lhs_scale`. HF layout only; fp8 shared
 chunks come with their scales and must be whole scale blocks (the chunk's first block is where its scales start:
 `block_scales(k_block0=)`).
@@ -224,7 +224,7 @@ def _validate_fp8(
                 f"fp8 shared chunks along {'N' if axis == 'n' else 'K'} must be whole {FP8_BLOCK}-wide scale blocks: "
                 f"the experts' {'N' if axis == 'n' else 'K'} is {n if axis == 'n' else k}"
             )
-    check_fp8_blocks(block_n, block_k, "fp8 experts", whole_blocks=True)
+    check_fp8_blocks(block_n, block_k, "fp8 experts")
 
 
 def check_groups(group_sizes, row_groups, g: int, m: int):
@@ -458,22 +458,16 @@ def _kernel(
         k_mask = None if k_in is None else k_in[None, :]
         if scales is not None:  # fp8 experts (HF layout): a dot of the e4m3 tiles (exact products; a cast to bf16
             # first kept Triton from prefetching them, `linear`), scaled by row scale x the expert's block scale for
-            # each 128-deep K block (`scales`: the weights' [bm, Kp] from `block_scales`); bk // 128 blocks a step,
-            # each its own dot (several dots of a step can be in flight at once)
-            new = list(accs)
-            for b in range(bk // FP8_BLOCK):
-                kb0 = k0 + b * FP8_BLOCK
-                cols_b = kb0 + jnp.arange(FP8_BLOCK, dtype=jnp.int32)
-                kin_b = None if k_in is None else cols_b < k
-                if by_row:
-                    x = load_e4m3(lhs_ref.at[src, cols_b[None, :]], None, kin_b)
-                else:
-                    x = load_e4m3(lhs_ref.at[pl.ds(row0, bm), pl.ds(kb0, FP8_BLOCK)], row_in, kin_b)
-                for a, (rhs_ref, scale) in enumerate(zip(weights, scales)):
-                    w_at = (*wlead, pl.ds(w_n0 + col0, bn), pl.ds(w_k0 + kb0, FP8_BLOCK))
-                    w = load_e4m3(rhs_ref.at[w_at], col_in_w, kin_b)
-                    part = lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
-                    new[a] = new[a] + part * block_scale(scale, kk * (bk // FP8_BLOCK) + b)
+            # this K block (`scales`: the weights' [bm, Kp] from `block_scales`)
+            if by_row:
+                x = load_e4m3(lhs_ref.at[src, (k0 + kcols)[None, :]], None, k_in)
+            else:
+                x = load_e4m3(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], row_in, k_in)
+            new = []
+            for rhs_ref, scale, acc in zip(weights, scales, accs):
+                w = load_e4m3(rhs_ref.at[(*wlead, pl.ds(w_n0 + col0, bn), pl.ds(w_k0 + k0, bk))], col_in_w, k_in)
+                part = lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+                new.append(acc + part * block_scale(scale, kk))
             return tuple(new)
         if by_row:
             x = masked_load(lhs_ref.at[src, (k0 + kcols)[None, :]], k_mask)

@@ -547,5 +547,19 @@ case $part in
         tests/pallas_kernels/test_grouped_matmul.py -k "gpu_fp8_decode_experts"
     run 300 moe-decode python3 bench/moe_decode.py --out "$out" --weights fp8 --tokens 32,1 --budget-s 220
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 43" >&2; exit 2 ;;
+44) # session 24, after parts 42 / 43 (block_k 256 lost: removed): the fp8 GLU epilogue's GPU tests alone, verbose and
+    # interrupted (not killed) at the limit, so the log names every result (three runs were cut without names);
+    # then the baseline of issue 22's batch-32 target on the current code: the fp8-cache rows (last at 4c64bae) and
+    # the bf16 rows at ctx 1k / 4k, batch 1 / 32 / 128
+    out=${2:?}
+    t0=$SECONDS
+    timeout -s INT 240 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 3 -m gpu -p no:cacheprovider -rfE \
+        --durations=5 tests/pallas_kernels/test_grouped_matmul.py -k "gpu_fp8_glu_output or gpu_fp8_shared" \
+        >"$out/gpu-tests.log" 2>&1
+    echo "gpu-tests: rc=$? $((SECONDS - t0)) s"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests.log" | cut -c1-200 | tail -12
+    run 280 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --cache-dtype fp8,bf16 \
+        --batches 32,128,1 --ctxs 1024,4096 --no-prefill --no-engine
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 44" >&2; exit 2 ;;
 esac

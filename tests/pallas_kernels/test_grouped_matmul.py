@@ -517,11 +517,10 @@ def _close_rel(out, ref, rtol=1e-5):
     np.testing.assert_allclose(out, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("splits,block_k", [(1, None), (2, None), (1, 256), (2, 256)])
-def test_fp8_sorted_groups_nan_padding(splits, block_k):
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fp8_sorted_groups_nan_padding(splits):
     """Sorted rows with an empty group and NaN padding rows (which come out 0), ragged N and K (a partial last scale
-    block), against `fp8_grouped_matmul_reference`'s W8A8 math: float32 summation order apart, the same numbers; K
-    steps of one scale block or of two (block_k 256: a dot each, the last step's second block past K)."""
+    block), against `fp8_grouped_matmul_reference`'s W8A8 math: float32 summation order apart, the same numbers."""
     rng = np.random.default_rng(splits)
     g, n, k, m = 5, 200, 300, 40
     sizes = jnp.asarray([10, 0, 17, 5, 5], jnp.int32)
@@ -529,7 +528,7 @@ def test_fp8_sorted_groups_nan_padding(splits, block_k):
     x[37:] = np.nan
     x = jnp.asarray(x, jnp.bfloat16)
     w, sc = _fp8_experts(rng, (g,), n, k)
-    kw = dict(rhs_scale=sc, preferred_element_type=jnp.float32, block_k=block_k)
+    kw = dict(rhs_scale=sc, preferred_element_type=jnp.float32)
     out = grouped_matmul(x, w, sizes, interpret=True, num_k_splits=splits, **kw)
     _close_rel(out[:37], grouped_matmul_reference(x, w, sizes, rhs_scale=sc, preferred_element_type=jnp.float32)[:37])
     assert np.all(np.asarray(out[37:]) == 0)
@@ -564,7 +563,7 @@ def test_fp8_decode_top_k_glu_stacked_poisoned():
         _close_rel(out[r], jax.nn.silu(gate) * up, rtol=1e-4)
 
 
-def _fp8_shared_case(t, top_k, g, i_sz, d, c, interpret, block_k=None):
+def _fp8_shared_case(t, top_k, g, i_sz, d, c, interpret):
     """fp8 shared experts as C chunk groups of a decode step's kernels (t tokens' top-k unsorted; experts [I, D],
     shared [C*I, D] and [D, C*I], stacked over 3 layers, the layer read in place between NaN layers): gate + up with
     the chunks along N, down with them along K, against the reference (the chunks appended as groups with their
@@ -581,7 +580,7 @@ def _fp8_shared_case(t, top_k, g, i_sz, d, c, interpret, block_k=None):
     sdw, sds_ = _fp8_experts(rng, (3,), d, c * i_sz, poison=2)
     glu_kw = dict(row_groups=ids, up_rhs=uw, rhs_scale=gs, up_scale=us, shared_rhs=sgw, shared_up_rhs=suw)
     glu_kw.update(shared_scale=sgs, shared_up_scale=sus)
-    f = jax.jit(lambda i: grouped_matmul(x, gw, rhs_index=i, interpret=interpret, block_k=block_k, **glu_kw))
+    f = jax.jit(lambda i: grouped_matmul(x, gw, rhs_index=i, interpret=interpret, **glu_kw))
     h = f(jnp.int32(2))  # [T*(K+C), I]: the T*K routed copies, then each chunk's T rows
     assert h.shape == (t * (top_k + c), i_sz)
     _close_rel(h.astype(jnp.float32), grouped_matmul_reference(x, gw, rhs_index=2, **glu_kw), rtol=1e-2)
@@ -592,18 +591,15 @@ def _fp8_shared_case(t, top_k, g, i_sz, d, c, interpret, block_k=None):
     got = h[t * top_k :].reshape(c, t, i_sz).transpose(1, 0, 2).reshape(t, c * i_sz)
     _close_rel(got.astype(jnp.float32), want, rtol=1e-2)
     down_kw = dict(row_groups=ids, rhs_scale=ds, shared_rhs=sdw, shared_scale=sds_, preferred_element_type=jnp.float32)
-    y = jax.jit(lambda hh, i: grouped_matmul(hh, dw, rhs_index=i, interpret=interpret, block_k=block_k, **down_kw))(
-        h, jnp.int32(2)
-    )
+    y = jax.jit(lambda hh, i: grouped_matmul(hh, dw, rhs_index=i, interpret=interpret, **down_kw))(h, jnp.int32(2))
     _close_rel(y, grouped_matmul_reference(h, dw, rhs_index=2, **down_kw), rtol=1e-4)
     # the chunks' partial outputs summed: the shared down projection of the shared intermediate
     chunk_sum = y[t * top_k :].reshape(c, t, d).sum(0)
     _close_rel(chunk_sum, fp8_matmul_quantized_reference(got, sdw[2], sds_[2]), rtol=1e-4)
 
 
-@pytest.mark.parametrize("block_k", [None, 256])
-def test_fp8_shared_chunks_decode_stacked_poisoned(block_k):
-    _fp8_shared_case(t=2, top_k=2, g=4, i_sz=256, d=200, c=2, interpret=True, block_k=block_k)
+def test_fp8_shared_chunks_decode_stacked_poisoned():
+    _fp8_shared_case(t=2, top_k=2, g=4, i_sz=256, d=200, c=2, interpret=True)
 
 
 def _fp8_glu_case(by_row: bool, t: int, g: int, n: int, k: int, interpret: bool, block_n=None):
@@ -746,13 +742,7 @@ def test_fp8_lowers_to_triton(h200):
         )
     )
     sdargs = (sds((8, 1408), bf),) + dargs[1:] + (sds((26, 2048, 2816), f8), sds((26, 16, 22), f32))
-    # two scale blocks a K step (block_k 256: two fp8 dots a step)
-    glu2 = jax.jit(
-        lambda x, g, u, gs, us, ids, i: grouped_matmul(
-            x, g, row_groups=ids, up_rhs=u, rhs_scale=gs, up_scale=us, rhs_index=i, block_k=256
-        )
-    )
-    for fn, a in ((glu, args), (down, dargs), (sglu, sargs), (sdown, sdargs), (glu2, args)):
+    for fn, a in ((glu, args), (down, dargs), (sglu, sargs), (sdown, sdargs)):
         text = fn.trace(*a).lower(lowering_platforms=("cuda",)).as_text()
         # two Triton kernels: lhs's quantization (`fp8_quant`) and the grouped GEMM
         assert text.count("__gpu$xla.gpu.triton") == 2 and "quantize_act_k" in text and "slice" not in text
@@ -916,11 +906,9 @@ def test_gpu_fp8_glu_output_quantized(by_row, t):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 2, 32])
-@pytest.mark.parametrize("block_k", [None, 256])
-def test_gpu_fp8_decode_experts(t, block_k):
+def test_gpu_fp8_decode_experts(t):
     """V2-Lite's fp8 experts (64 of [1408, 2048]) at decode sizes, stacked over 3 layers between NaN ones: gate + up
-    by token top-6 (unsorted at T <= 2, sorted by expert at 32) and down, against the W8A8 reference; K steps of
-    one scale block (the default) or two."""
+    by token top-6 (unsorted at T <= 2, sorted by expert at 32) and down, against the W8A8 reference."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     rng = np.random.default_rng(t)
@@ -937,11 +925,9 @@ def test_gpu_fp8_decode_experts(t, block_k):
         kw = dict(group_sizes=jnp.bincount(ids.reshape(-1), length=g).astype(jnp.int32))
         h_in = x[order // top_k]
     glu = dict(up_rhs=uw, rhs_scale=gs, up_scale=us, rhs_index=jnp.int32(2))
-    h = grouped_matmul(h_in, gw, preferred_element_type=jnp.float32, block_k=block_k, **kw, **glu)
+    h = grouped_matmul(h_in, gw, preferred_element_type=jnp.float32, **kw, **glu)
     _close_rel(h, grouped_matmul_reference(h_in, gw, **kw, **glu), rtol=1e-4)
     hb = h.astype(jnp.bfloat16)
     dkw = dict(kw, row_groups=ids.reshape(-1)) if "row_groups" in kw else kw
-    y = grouped_matmul(
-        hb, dw, rhs_scale=ds, rhs_index=jnp.int32(2), preferred_element_type=jnp.float32, block_k=block_k, **dkw
-    )
+    y = grouped_matmul(hb, dw, rhs_scale=ds, rhs_index=jnp.int32(2), preferred_element_type=jnp.float32, **dkw)
     _close_rel(y, grouped_matmul_reference(hb, dw, rhs_scale=ds, rhs_index=2, **dkw), rtol=1e-4)
