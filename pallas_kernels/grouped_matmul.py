@@ -17,14 +17,15 @@ zero-padded per-group matrices, a dense [G, M, K] problem (every expert for ever
 the MoE sparsity and runs out of memory at prefill sizes. Here each row is multiplied by its own
 expert only.
 
-Design: a small XLA prologue turns group_sizes (traced) into a static-length list of work items
-(row tile, segment): the tiles of `block_m` rows covering [0, M), where a tile that straddles
-segment boundaries appears once per segment it touches. Segments are the G groups plus one
-padding segment [sum, M). The count is at most cdiv(M, block_m) + min(G, M) (each boundary inside a
-tile adds one item, and at most min(G, M) groups are non-empty); unused items at the end are no-ops.
-Grid (cdiv(N, block_n), items, k splits), N blocks fastest so that the programs running together
-share one row tile of lhs and one expert's rhs in L2. A program reads its item's (tile, row range,
-group) by scalar loads from ordinary inputs (the Triton lowering has no scalar prefetch), loops over
+Design: a static-length list of work items (row tile, segment) from group_sizes (traced): the tiles of
+`block_m` rows covering [0, M), where a tile that straddles segment boundaries appears once per segment
+it touches. Segments are the G groups plus one padding segment [sum, M). The count is at most
+cdiv(M, block_m) + min(G, M) (each boundary inside a tile adds one item, and at most min(G, M) groups
+are non-empty); unused items at the end are no-ops. Grid (cdiv(N, block_n), items, k splits), N
+blocks fastest so that the programs running together share one row tile of lhs and one expert's rhs
+in L2. A program derives its own item (tile, row range, group) from group_sizes (`work_item`: two
+cumsums and a search over the G + 1 segments in registers; as an XLA prologue the list was ~4 small
+kernels before each MoE layer's kernels at batch 32, docs/perf-notes.md session 23), loops over
 its K range in `block_k` steps (an unmasked loop over whole steps, then one masked tail step when
 block_k does not divide K), and stores only its own rows (a masked store), so two items sharing a
 tile write disjoint rows and no atomics are needed. Padding items skip the K loop and store zeros.
@@ -56,10 +57,10 @@ copies; quantizing in the kernel made every program redo its tile's, part 30), t
 in a dot of fp8 operands (exact products; `linear` says why not as bf16), and scales each 128-deep K step's
 product by (row scale x the expert's block scale, all the tile's loaded before the K loop: `util.block_scales`): K
 steps are one scale block (block_k = 128; two a step, a dot each, ran slower on the H200: part 43), block_n <= 128
-(a program's columns share one scale row). With `quantize_out` the SwiGLU kernel hands the down projection its input already
-quantized (the epilogue's, with 128-wide N blocks), which takes it as `lhs_scale`. HF layout only; fp8 shared
-chunks come with their scales and must be whole scale blocks (the chunk's first block is where its scales start:
-`block_scales(k_block0=)`).
+(a program's columns share one scale row). With `quantize_out` the SwiGLU kernel hands the down projection its
+input already quantized (the epilogue's, with 128-wide N blocks), which takes it as `lhs_scale`. HF layout only;
+fp8 shared chunks come with their scales and must be whole scale blocks (the chunk's first block is where its
+scales start: `block_scales(k_block0=)`).
 
 Weight-bound decode (few rows per expert) wants enough programs in flight to saturate HBM: small
 row tiles (16) and narrow N blocks, and optionally `num_k_splits` > 1, which writes float32 partials
@@ -311,36 +312,54 @@ def _cumsum(x):
     return jnp.sum(jnp.where(i[None, :] <= i[:, None], x[None, :], 0), axis=1).astype(x.dtype)
 
 
-def work_items(group_sizes, m: int, block_m: int):
-    """Static-length work list from traced group sizes: i32[W] arrays (tile, lo, hi, group).
+def work_item(sizes, num_groups: int, w, m: int, block_m: int, cumsum=jnp.cumsum):
+    """Work item w's (tile, lo, hi, group) from the group sizes `sizes` [P] (P > num_groups; entries past G =
+    num_groups are 0): scalar jnp, so the grouped kernel derives its own item (no XLA kernels before the call) and
+    `work_items` the whole list.
 
-    Item w covers rows [max(lo, tile*block_m), min(hi, (tile+1)*block_m)) of segment `group`:
-    group < G is an expert, group == G the padding segment [sum, M) (zeros). Unused items have
-    lo == hi == 0 (they store nothing) and group G. W = cdiv(M, block_m) + min(G, M).
+    Item w covers rows [max(lo, tile*block_m), min(hi, (tile+1)*block_m)) of segment `group`: group < G a group,
+    group == G the padding segment [sum, M) (zeros). Items past the list's end (w >= their count) have lo == hi
+    == 0 (they store nothing) and group G. The count is at most cdiv(M, block_m) + min(G, M).
     """
-    g = group_sizes.shape[0]
-    sizes = jnp.maximum(group_sizes, 0)
-    ends = jnp.minimum(_cumsum(sizes), m)  # sum > M is invalid input: clip, never read past M
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    seg_lo = jnp.concatenate([starts, ends[-1:]])  # [G+1]: the groups, then the padding segment
-    seg_hi = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    g = num_groups
+    idx = jnp.arange(sizes.shape[0], dtype=jnp.int32)
+    sizes = jnp.maximum(sizes, 0)
+    csum = cumsum(sizes)  # sum > M is invalid input: clip, never read past M
+    seg_lo = jnp.where(idx <= g, jnp.minimum(csum - sizes, m), 0)  # the groups, then the padding segment at G
+    seg_hi = jnp.where(idx < g, jnp.minimum(csum, m), jnp.where(idx == g, m, 0))
     first = seg_lo // block_m
-    count = jnp.where(seg_hi > seg_lo, (seg_hi - 1) // block_m - first + 1, 0)
-    cum = _cumsum(count)  # inclusive
-    num_items = cdiv(m, block_m) + min(g, m)
-    w = jnp.arange(num_items, dtype=jnp.int32)
-    # compare_all is one fusion; the default "scan" is a while loop (a host round trip per step).
-    seg = jnp.searchsorted(cum, w, side="right", method="compare_all").astype(jnp.int32)
-    valid = w < cum[-1]
-    seg = jnp.minimum(seg, g)
-    tile = first[seg] + (w - (cum[seg] - count[seg]))
-    zero = jnp.zeros_like(w)
+    count = jnp.where(seg_hi > seg_lo, (seg_hi - 1) // block_m - first + 1, 0)  # tiles a segment touches
+    cum = cumsum(count)  # inclusive
+    seg = jnp.minimum(jnp.sum((cum <= w).astype(jnp.int32)), g)  # searchsorted(cum, w, side="right")
+
+    def pick(v):  # v[seg], as a select and a sum (a register vector has no gather)
+        return jnp.sum(jnp.where(idx == seg, v, 0))
+
+    valid = w < jnp.sum(count)
+    tile = pick(first) + w - (pick(cum) - pick(count))
+    zero = jnp.zeros((), jnp.int32)
     return (
         jnp.where(valid, tile, zero),
-        jnp.where(valid, seg_lo[seg], zero),
-        jnp.where(valid, seg_hi[seg], zero),
+        jnp.where(valid, pick(seg_lo), zero),
+        jnp.where(valid, pick(seg_hi), zero),
         jnp.where(valid, seg, g),
     )
+
+
+def num_work_items(m: int, num_groups: int, block_m: int) -> int:
+    """The work list's static length: cdiv(M, block_m) tiles, plus one item for each group boundary inside one."""
+    return cdiv(m, block_m) + min(num_groups, m)
+
+
+def work_items(group_sizes, m: int, block_m: int):
+    """The whole work list from traced group sizes i32[G]: i32[W] arrays (tile, lo, hi, group), W =
+    `num_work_items` (`work_item` of each w; the Mosaic GPU fp8 grouped GEMM's list; the Triton kernel derives its
+    item itself)."""
+    g = group_sizes.shape[0]
+    sizes = jnp.pad(group_sizes.astype(jnp.int32), (0, 1))
+    w = jnp.arange(num_work_items(m, g, block_m), dtype=jnp.int32)
+    # _cumsum: one fusion each (XLA's GPU cumsum is a reduce-window kernel of its own)
+    return jax.vmap(lambda i: work_item(sizes, g, i, m, block_m, cumsum=_cumsum))(w)
 
 
 def row_items(row_groups, num_groups: int, block_m: int):
@@ -381,6 +400,7 @@ def _kernel(
     n: int,
     k: int,
     num_groups: int,
+    num_segments: int,
     num_chunks: int,
     chunk_axis: str,
     num_layers: int,
@@ -395,9 +415,9 @@ def _kernel(
     quant_out: bool,
     round_dtype: str,
 ):
-    # the work list (tile, lo, hi, group), or by row only each row's group; the layer; lhs; (rhs,) or with glu
-    # (gate rhs, up rhs); with fp8 experts their block scales; then as many shared (chunked) weights; out
-    n_items = 1 if by_row else 4
+    # the group sizes (sorted rows), or by row each row's group; the layer; lhs; (rhs,) or with glu (gate rhs, up
+    # rhs); with fp8 experts their block scales; then as many shared (chunked) weights; out
+    n_items = 1
     n_rhs = 2 if glu else 1
     item_refs, (layer_ref, lhs_ref) = refs[:n_items], refs[n_items : n_items + 2]
     rhs_refs = refs[n_items + 2 : n_items + 2 + n_rhs]
@@ -422,8 +442,11 @@ def _kernel(
         else:
             lo, hi, grp = i, i + 1, item_refs[0][i]
         row0 = lo  # the item's rows start its tile (rows past hi are masked)
-    else:
-        tile, lo, hi, grp = (r[i] for r in item_refs)
+    else:  # the item from the group sizes (`work_item`), in the kernel: no XLA kernels for the list before the call
+        p = next_pow2(num_segments + 1)
+        seg = jnp.arange(p, dtype=jnp.int32)
+        sizes = masked_load(item_refs[0].at[pl.ds(0, p)], None if p == num_segments else seg < num_segments)
+        tile, lo, hi, grp = work_item(sizes, num_segments, i, m, bm)
         row0 = tile * bm
     col0 = j * bn
     rows = row0 + jnp.arange(bm, dtype=jnp.int32)
@@ -633,8 +656,12 @@ def _gmm_impl(
         rhss = tuple(jnp.pad(r, lead + pad) for r in rhss)
         shareds = tuple(_pad_chunks(w, num_chunks, chunk_axis, n, k, pad_n, pad_k) for w in shareds)
         n, k = n + pad_n, k + pad_k
-    items = (groups,) if by_row else work_items(groups, m, block_m)  # by row: `row_items`, in the kernel
-    num_items = num_row_items if by_row else items[0].shape[0]
+    # the kernel derives its item: by row from its index (`row_items`), sorted from the group sizes (`work_item`)
+    num_items = num_row_items if by_row else num_work_items(m, groups.shape[0], block_m)
+    num_segments = groups.shape[0]
+    if interpret and not by_row:  # the kernel loads the sizes as a power-of-two vector (the GPU masks the rest)
+        groups = pad_to(groups, 0, next_pow2(num_segments + 1))
+    items = (groups.astype(jnp.int32),)
     steps_per_split = cdiv(cdiv(k, block_k), num_k_splits)
     splits = cdiv(cdiv(k, block_k), steps_per_split)  # no empty splits
     part_dtype = out_dtype if splits == 1 else jnp.float32
@@ -652,6 +679,7 @@ def _gmm_impl(
         n=n,
         k=k,
         num_groups=g,
+        num_segments=num_segments,
         num_chunks=num_chunks,
         chunk_axis=chunk_axis,
         num_layers=rhs.shape[0] if stacked else 1,

@@ -749,6 +749,30 @@ def test_fp8_lowers_to_triton(h200):
         assert "grouped_" in text and "_fp8_" in text
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sorted_lowers_to_one_triton_kernel(h200, fp8):
+    """Sorted copies (batch 32's 192 copies of V2-Lite's 64 experts), gate + up: the kernel
+    derives its work item from group_sizes itself, so the call lowers to the Triton kernel alone (fp8: after lhs's
+    quantization), no XLA ops for the work list (an iota, reduces, gathers) before it."""
+    sds = jax.ShapeDtypeStruct
+    wdt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    args = [sds((192, 2048), jnp.bfloat16), sds((26, 64, 1408, 2048), wdt), sds((26, 64, 1408, 2048), wdt)]
+    args += [sds((64,), jnp.int32), sds((), jnp.int32)]
+    kw = {}
+    if fp8:
+        args += [sds((26, 64, 11, 16), jnp.float32)] * 2
+
+    def f(x, g, u, sizes, i, *scales):
+        if scales:
+            kw.update(rhs_scale=scales[0], up_scale=scales[1])
+        return grouped_matmul(x, g, sizes, up_rhs=u, rhs_index=i, **kw)
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 + fp8 and "grouped_glu" in text
+    for op in ("stablehlo.iota", "stablehlo.reduce", "stablehlo.gather", "stablehlo.dynamic_slice"):
+        assert op not in text, op
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("transpose_rhs", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
