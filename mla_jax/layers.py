@@ -413,12 +413,17 @@ def expert_glu(
     return jax.nn.silu(h) * expert_gmm(lhs, u, group_sizes, impl, layer, up.get("weight_scale_inv"), row_groups)
 
 
-# At most this many routed token copies (T x top-k) skip the sort by expert: each copy is its own work item of the
-# grouped kernel (`row_groups`; the shared experts' chunks one item each for all T tokens). Sorting costs a chain of
-# small XLA kernels a layer (argsort, group sizes, their cumsum, the work list, the inverse permutation); unsorted, a
-# copy re-reads an expert that another copy also hit, which one token's distinct top-k never do. 16 copies: one row
-# tile of the kernel (batch 1-2 at V2's top-6 and V3's top-8).
-BY_ROW_MAX_COPIES = 16
+# At most this many routed token copies (T x top-k) skip the sort by expert on every path that takes `row_groups`
+# (the Mosaic GPU fp8 GEMM too): each copy is its own work item (the shared experts' chunks one item each for all T
+# tokens). Sorting costs a chain of small XLA kernels a layer (argsort, group sizes, the gather of the copies, the
+# inverse permutation, the combine); unsorted, a copy re-reads an expert that another copy also hit, which one
+# token's distinct top-k never do. 16 copies: one row tile of the kernel (batch 1-2 at V2's top-6 and V3's top-8).
+BY_ROW_MAX_COPIES = gmm_kernel.PER_COPY_MAX_COPIES
+# Up to this many routed copies the Triton grouped kernel (bf16 experts, or fp8 ones where `fp8_experts_triton`)
+# takes each token's top-k unsorted past BY_ROW_MAX_COPIES too: an item per (expert, row tile) that finds its copies
+# itself (`grouped_matmul`'s items by group), so no sort kernels and, the copies in token order, no combine kernel
+# (the next norm combines them: `ExpertCopies`). Its programs search all the copies: a decode batch's, not a prefill's.
+BY_GROUP_MAX_COPIES = 1024
 
 
 def by_row_ok(impl: str, w: jnp.ndarray, scale_inv: jnp.ndarray | None, fp8_triton: bool = False) -> bool:
@@ -480,11 +485,14 @@ def _moe_plan(p: dict, cfg: DeepseekConfig, gmm_impl: str, stacked: dict, comm: 
 
 
 def _by_row(tokens: int, cfg: DeepseekConfig, gmm_impl: str, gate: dict) -> bool:
-    """Whether the routed copies of `tokens` tokens skip the sort (`BY_ROW_MAX_COPIES`, `row_groups`)."""
-    fp8_triton = is_fp8(gate) and fp8_experts_triton(gmm_impl, tokens)
-    return tokens * cfg.num_experts_per_tok <= BY_ROW_MAX_COPIES and by_row_ok(
-        gmm_impl, gate["weight"], gate.get("weight_scale_inv"), fp8_triton
-    )
+    """Whether the routed copies of `tokens` tokens skip the sort (`row_groups`): few copies on any path that takes
+    them (`BY_ROW_MAX_COPIES`), a decode batch's on the Triton grouped kernel (`BY_GROUP_MAX_COPIES`)."""
+    fp8 = is_fp8(gate)
+    fp8_triton = fp8 and fp8_experts_triton(gmm_impl, tokens)
+    copies = tokens * cfg.num_experts_per_tok
+    if copies <= BY_ROW_MAX_COPIES:
+        return by_row_ok(gmm_impl, gate["weight"], gate.get("weight_scale_inv"), fp8_triton)
+    return copies <= BY_GROUP_MAX_COPIES and (fp8_triton if fp8 else gmm_impl == "pallas")
 
 
 def moe_copies(

@@ -107,6 +107,10 @@ from pallas_kernels.util import (
 )
 
 
+PER_COPY_MAX_COPIES = 16  # a token top-k of at most this many routed copies: each copy its own work item (its
+# expert's weights read once per copy); more: an item per (group, row tile), each expert's weights read once a tile
+
+
 def _validate(
     lhs,
     rhs,
@@ -389,9 +393,44 @@ def copy_groups(row_groups, num_groups: int, num_chunks: int):
     return groups, tokens.astype(jnp.int32)
 
 
+def _group_tile(groups_ref, i, tokens: int, top_k: int, num_groups: int, num_chunks: int, bm: int, per_token: bool):
+    """By group (a token top-k [T, K] of more copies than per-copy items serve): work item i is row tile q of group
+    slot g = i // cdiv(T, bm): an expert (its copies, found among the T*K routed ones in copy order: a compare, a
+    cumsum, a select of the q-th block_m of them), a shared chunk (its T copies) or, last, the padding slot (the
+    copies whose group is outside [0, G): their rows are stored 0). Returns (the slot's group for the K loop, each
+    tile row's copy i32[bm], its lhs row [bm, 1], whether it has one [bm]): the sort, the group sizes, the gather
+    of the copies and the inverse permutation that the sorted path runs as XLA kernels, here in registers."""
+    tiles = cdiv(tokens, bm)
+    slot, q = i // tiles, i % tiles
+    want = q * bm + jnp.arange(bm, dtype=jnp.int32)  # the tile's ranks among the slot's copies
+    n_routed = tokens * top_k
+    c = jnp.arange(next_pow2(n_routed), dtype=jnp.int32)  # routed copy c: token c // K, its (c % K)-th expert
+    in_range = c < n_routed
+    key = masked_load(groups_ref.at[c], in_range)  # groups_ref: the top-k flattened, [T*K]
+    pad_slot = num_groups + num_chunks
+    outside = (key < 0) | (key >= num_groups)
+    match = in_range & jnp.where(slot == pad_slot, outside, key == slot)
+    m32 = match.astype(jnp.int32)
+    rank = jnp.cumsum(m32) - m32  # [T*K]: the copy's place among the slot's
+    sel = match[None, :] & (rank[None, :] == want[:, None])  # [bm, T*K]: at most one copy a tile row
+    routed = jnp.sum(jnp.where(sel, c[None, :], 0), axis=1)
+    routed_has = jnp.sum(sel.astype(jnp.int32), axis=1) > 0
+    chunk = (slot >= num_groups) & (slot < pad_slot)
+    copy = jnp.where(chunk, n_routed + (slot - num_groups) * tokens + want, routed)  # `copy_groups`' order
+    has = jnp.where(chunk, want < tokens, routed_has)
+    token = jnp.where(chunk, want, routed // top_k)
+    src = jnp.where(has, token if per_token else copy, 0)  # a row without a copy reads row 0 (never stored)
+    # rows without a copy point past M at distinct rows (masked on the GPU; the interpreter's masked scatter must
+    # not see them collide with a real row)
+    dst = jnp.where(has, copy, n_routed + num_chunks * tokens + jnp.arange(bm, dtype=jnp.int32))
+    grp = jnp.where(slot == pad_slot, pad_slot, slot)
+    return grp, dst, src[:, None], has
+
+
 def _kernel(
     *refs,
     by_row: bool,
+    by_group: bool,
     top_k: int,
     tokens: int,
     lhs_per_token: bool,
@@ -431,7 +470,12 @@ def _kernel(
     j = pl.program_id(0)  # N block (fastest: programs in flight share the row tile and expert)
     i = pl.program_id(1)  # work item
     s = pl.program_id(2)  # K split
-    if by_row:  # the items from the item index itself (an XLA array of them would be an iota kernel a call)
+    dst = None  # by group: each tile row's output row (its copy), else the tile's rows are the output's
+    if by_group:  # item = (group slot, row tile): the slot's copies found in the kernel (`_group_tile`)
+        grp, dst, src, has = _group_tile(item_refs[0], i, tokens, top_k, num_groups, num_chunks, bm, lhs_per_token)
+        lo, hi = jnp.int32(0), jnp.int32(0)
+        row0 = jnp.int32(0)
+    elif by_row:  # the items from the item index itself (an XLA array of them would be an iota kernel a call)
         if top_k:  # T*K routed copies, one row each; then one item per shared chunk: its T rows (`copy_groups`)
             n_routed = tokens * top_k
             is_copy = i < n_routed
@@ -467,8 +511,9 @@ def _kernel(
     else:  # rhs tile [bk, bn]
         dims = (((1,), (0,)), ((), ()))
     kcols = jnp.arange(bk, dtype=jnp.int32)
-    if by_row:  # the tile's lhs rows, gathered: each copy's own row, or its token's when lhs has one per token;
-        # the tile's rows past the item's repeat its first (one row's bytes for a one-row item, not the next 15 rows')
+    if by_row and not by_group:  # the tile's lhs rows, gathered: each copy's own row, or its token's when lhs has
+        # one per token; the tile's rows past the item's repeat its first (one row's bytes for a one-row item, not the
+        # next 15 rows')
         r_ = jnp.where(rows < hi, rows, lo)
         if lhs_per_token:
             r_ = jnp.where(r_ < tokens * top_k, r_ // top_k, (r_ - tokens * top_k) % tokens)
@@ -526,6 +571,8 @@ def _kernel(
             nb, kb0 = (w_n0 + col0) // FP8_BLOCK, w_k0 // FP8_BLOCK  # a shared chunk: whole scale blocks in
             scales = tuple(block_scales(xs_ref, rows_at, r, (*wlead, nb), row_in, kb0) for r in scales)
         body = functools.partial(step, weights=weights, wlead=wlead, w_n0=w_n0, w_k0=w_k0, scales=scales)
+        if by_group:  # a slot's tiles past its copies: nothing to compute (nor store)
+            on = on & (jnp.sum(has.astype(jnp.int32)) > 0)
         acc = lax.fori_loop(first, first + jnp.where(on, owned, 0), body, acc)
         if k % bk:  # static: one masked step for the ragged end of K, run by the split that owns it
             k_in = full_steps * bk + kcols < k
@@ -534,8 +581,11 @@ def _kernel(
             acc = lax.fori_loop(
                 0, owns_tail.astype(jnp.int32), lambda t, a, body=body: body(full_steps + t, a, k_in=k_in), acc
             )
-    mine = (rows >= lo) & (rows < hi)  # hi <= M, so this also keeps the store in bounds
+    mine = has if by_group else (rows >= lo) & (rows < hi)  # hi <= M, so this also keeps the store in bounds
     mask = mask_and(mine[:, None], None if col_in is None else col_in[None, :])
+    # the tile's output rows: its own [row0, row0 + bm), or by group each row's copy (a scatter of distinct rows)
+    out_rows = pl.ds(row0, bm) if dst is None else dst[:, None]
+    out_cols = pl.ds(col0, bn) if dst is None else cols[None, :]
     if glu and out_ref.shape[0] == 1:  # one K split: the SwiGLU epilogue here, silu(gate) * up
         gate, up = acc
         out = (gate * jax.nn.sigmoid(gate) * up,)
@@ -545,11 +595,12 @@ def _kernel(
         # (`quantize_act` of it rounded to round_dtype), the next fp8 GEMM's input, without a kernel between
         v = out[0].astype(jnp.dtype(round_dtype)).astype(jnp.float32)
         q, row_scale = quantize_act_tile(v if col_in is None else jnp.where(col_in[None, :], v, 0.0))
-        pltriton.store(out_ref.at[s, pl.ds(row0, bm), pl.ds(col0, bn)], q.astype(out_ref.dtype), mask=mask)  # s = 0
-        pltriton.store(refs[-1].at[pl.ds(row0, bm), pl.ds(j, 1)], row_scale[:, None], mask=mine[:, None])
+        pltriton.store(out_ref.at[s, out_rows, out_cols], q.astype(out_ref.dtype), mask=mask)  # s = 0
+        scale_col = pl.ds(j, 1) if dst is None else jnp.full((1, 1), j, jnp.int32)
+        pltriton.store(refs[-1].at[out_rows, scale_col], row_scale[:, None], mask=mine[:, None])
         return
     for a, part in enumerate(out):
-        blk = out_ref.at[a * (out_ref.shape[0] // len(out)) + s, pl.ds(row0, bm), pl.ds(col0, bn)]
+        blk = out_ref.at[a * (out_ref.shape[0] // len(out)) + s, out_rows, out_cols]
         pltriton.store(blk, part.astype(out_ref.dtype), mask=mask)
 
 
@@ -631,7 +682,12 @@ def _gmm_impl(
         m = tokens * (top_k + num_chunks) if top_k else groups.shape[0]
         groups = groups.reshape(-1)
     lhs_per_token = bool(top_k) and lhs.shape[0] == tokens != m  # by row: row r reads its token's lhs row
+    by_group = tokens * top_k > PER_COPY_MAX_COPIES  # a token top-k of more copies: items by group (`_group_tile`)
     num_row_items = tokens * top_k + num_chunks if top_k else m
+    if by_group:
+        num_row_items = (g + num_chunks + 1) * cdiv(tokens, block_m)
+        if interpret:  # the kernel loads the top-k as a power-of-two vector (the GPU masks the rest)
+            groups = pad_to(groups, 0, next_pow2(groups.shape[0]))
     out_dtype = jnp.dtype(out_dtype)
     # Interpret mode cannot slice a block larger than the array (the GPU just masks): zero-pad a
     # dimension smaller than its block (tiny problems only: blocks are clamped to the next power of
@@ -671,6 +727,7 @@ def _gmm_impl(
     kernel = functools.partial(
         _kernel,
         by_row=by_row,
+        by_group=by_group,
         top_k=top_k,
         tokens=tokens,
         lhs_per_token=lhs_per_token,
@@ -867,9 +924,9 @@ def grouped_matmul(
     k = lhs.shape[1]
     g = rhs.shape[-3] + num_chunks
     n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
-    d = default_tuning(
-        m, n, k, m if by_row else g, rows.dtype, by_row=by_row, glu=up_rhs is not None, fp8=fp8
-    )  # by row: a group per row
+    # per-copy items tune as a group per row; items by group (a larger top-k) as sorted rows
+    per_copy = by_row and not (row_groups.ndim == 2 and row_groups.size > PER_COPY_MAX_COPIES)
+    d = default_tuning(m, n, k, m if per_copy else g, rows.dtype, by_row=per_copy, glu=up_rhs is not None, fp8=fp8)
     bm, bn, bk, warps, stages, splits = (
         d[i] if v is None else v for i, v in enumerate((block_m, block_n, block_k, num_warps, num_stages, num_k_splits))
     )

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mla_jax import layers, model
-from mla_jax.layers import BY_ROW_MAX_COPIES, LayerRow, moe, route
+from mla_jax.layers import LayerRow, moe, route
 from tests.mla_jax.helpers import tiny_config
 from tests.mla_jax.multihost_worker import random_params
 
@@ -127,11 +127,14 @@ def _primitives(jaxpr):
     return names
 
 
-@pytest.mark.parametrize("T", [1, 8, 9])
-def test_decode_copies_skip_the_sort(T):
-    """Up to BY_ROW_MAX_COPIES token copies (T x top-k) go to the grouped kernel unsorted, each
-    with its own expert (no argsort, no inverse permutation); more are sorted by expert. Both give the ragged_dot
-    result; under expert parallelism the other devices' copies come out 0 either way (`test_parallel`)."""
+@pytest.mark.parametrize("T, max_copies", [(1, None), (8, None), (9, None), (9, 16)])
+def test_decode_copies_skip_the_sort(T, max_copies, monkeypatch):
+    """Up to BY_GROUP_MAX_COPIES token copies (T x top-k) go to the grouped kernel unsorted (each copy its own item
+    up to `layers.BY_ROW_MAX_COPIES`, else items by expert; no argsort, no inverse permutation); more are sorted by expert
+    (here past a limit of 16). Both give the ragged_dot result; under expert parallelism the other devices' copies
+    come out 0 either way (`test_parallel`)."""
+    if max_copies is not None:
+        monkeypatch.setattr(layers, "BY_GROUP_MAX_COPIES", max_copies)
     cfg = tiny_config()
     K = cfg.num_experts_per_tok
     params = random_params(cfg, 9, std=0.3)
@@ -141,13 +144,14 @@ def test_decode_copies_skip_the_sort(T):
     want = moe(p, cfg, x, gmm_impl="ragged_dot")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     prims = _primitives(jax.make_jaxpr(lambda v: moe(p, cfg, v, gmm_impl="pallas"))(x).jaxpr)
-    assert ("sort" in prims) == (T * K > BY_ROW_MAX_COPIES), sorted(prims)
+    assert ("sort" in prims) == (T * K > layers.BY_GROUP_MAX_COPIES), sorted(prims)
 
 
-@pytest.mark.parametrize("T", [1, 9])
-def test_fp8_experts_at_decode_sizes_take_the_triton_kernel(T, monkeypatch):
+@pytest.mark.parametrize("T, max_copies", [(1, None), (9, None), (9, 16)])
+def test_fp8_experts_at_decode_sizes_take_the_triton_kernel(T, max_copies, monkeypatch):
     """Block-FP8 experts with gmm_impl "pallas" at decode sizes (`layers.fp8_experts_triton`) run the Triton grouped
-    kernel's W8A8 path (gate and up in one call; unsorted copies at T = 1, sorted at 9), the fp8 shared experts as
+    kernel's W8A8 path (gate and up in one call; unsorted copies at T = 1 and 9, items by expert at 9; sorted past
+    BY_GROUP_MAX_COPIES, here 16), the fp8 shared experts as
     chunk groups of the same two calls, with the portable W8A8 path's output (`fp8_grouped_matmul_xla` through
     ragged_dot and a separate shared MLP: the same quantization, but gate and up rounded to bf16 before the SwiGLU,
     so the down projection's e4m3 rounding of its input differs: 1.8-2.5% apart in norm, each 5-7% from float32 on
@@ -155,6 +159,8 @@ def test_fp8_experts_at_decode_sizes_take_the_triton_kernel(T, monkeypatch):
     take it."""
     from mla_jax.checkpoint.fp8 import quantize_params
 
+    if max_copies is not None:
+        monkeypatch.setattr(layers, "BY_GROUP_MAX_COPIES", max_copies)
     cfg = tiny_config(hidden_size=128, moe_intermediate_size=128)
     params = quantize_params(random_params(cfg, 5, std=0.3))[0]
     p = jax.tree.map(lambda a: a[0], params["model"]["moe_layers"]["mlp"])
@@ -170,7 +176,7 @@ def test_fp8_experts_at_decode_sizes_take_the_triton_kernel(T, monkeypatch):
 
     monkeypatch.setattr(layers.gmm_kernel, "grouped_matmul", spy)
     got = moe(p, cfg, x, gmm_impl="pallas").astype(jnp.float32)
-    by_row = T * cfg.num_experts_per_tok <= BY_ROW_MAX_COPIES
+    by_row = T * cfg.num_experts_per_tok <= layers.BY_GROUP_MAX_COPIES
     assert calls == [(True, True, by_row, True), (True, False, by_row, True)], calls
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.04
     # float32 activations: no bf16 rounding between the GEMMs on either path, so the same quantized operands and the
@@ -184,7 +190,7 @@ def test_fp8_experts_at_decode_sizes_take_the_triton_kernel(T, monkeypatch):
     assert not calls
 
 
-@pytest.mark.parametrize("T", [2])  # (sorted, beyond BY_ROW_MAX_COPIES: test_decode_copies_skip_the_sort[9])
+@pytest.mark.parametrize("T", [2])  # (sorted: test_decode_copies_skip_the_sort[9-16])
 def test_shared_experts_run_in_the_routed_kernels(T):
     """With the grouped Pallas kernel the shared experts are S more copies per token in the routed experts'
     kernels (`shared_fusable`): the same MoE output as the separate shared MLP (ragged_dot) for 2 tokens (two
@@ -204,7 +210,7 @@ def test_shared_experts_run_in_the_routed_kernels(T):
     assert len(dots) == 1, dots  # the router's logits
 
 
-@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("T", [1, 2, 9])  # 9: past BY_ROW_MAX_COPIES, items by expert
 def test_decode_output_left_as_copies_for_the_next_norm(T):
     """A decode step's MoE output may stay uncombined (`moe(combine=False)`: the down kernel's copies in token order
     and the router weights, `ExpertCopies`): combined, it is moe()'s output bitwise. `moe_copies` says where: the
@@ -219,7 +225,7 @@ def test_decode_output_left_as_copies_for_the_next_norm(T):
     assert isinstance(got, layers.ExpertCopies) and got.shared == S
     assert got.copies.shape == (T * (K + S), cfg.hidden_size) and got.weights.shape == (T, K)
     np.testing.assert_array_equal(np.asarray(got.combine()), np.asarray(moe(p, cfg, x, gmm_impl="pallas")))
-    big = BY_ROW_MAX_COPIES // K + 1  # sorted copies
+    big = layers.BY_GROUP_MAX_COPIES // K + 1  # sorted copies
     assert layers.moe_copies(p, cfg, big, gmm_impl="pallas") is None
     assert layers.moe_copies(p, cfg, T, gmm_impl="ragged_dot") is None
     with pytest.raises(ValueError, match="combined in the layer"):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.grouped_matmul import (
+    PER_COPY_MAX_COPIES,
     default_tuning,
     grouped_matmul,
     grouped_matmul_reference,
@@ -223,9 +224,10 @@ def _shared_case(by_row, axis, glu, G, n, k, C, T, K, dtype, **tuning):
     # the kernel's order for a token's top-k (`copy_groups`): the T*K routed copies, then each chunk's T copies
     flat = np.concatenate([routed.reshape(-1), np.repeat(G + np.arange(C, dtype=np.int32), T)])
     rows = np.concatenate([np.repeat(np.arange(T), K), np.tile(np.arange(T), C)])
-    if by_row:  # "flat": each copy's group and row; "topk": each token's routed groups [T, K] and row
+    if by_row:  # "flat": each copy's group and row; "topk": each token's routed groups [T, K] and row ("topk_copies":
+        # and each copy's row, as the down projection reads the SwiGLU's output)
         groups = flat
-        lhs = jnp.asarray(x[rows] if by_row == "flat" else x, dtype)
+        lhs = jnp.asarray(x[rows] if by_row in ("flat", "topk_copies") else x, dtype)
         kw = dict(row_groups=jnp.asarray(flat if by_row == "flat" else routed))
     else:
         order = np.argsort(np.where(flat < 0, G + C, flat), kind="stable")
@@ -267,6 +269,17 @@ def test_shared_chunks_are_groups(by_row, axis, glu):
     """shared_rhs: a stacked [Lyr, N_s, K_s] weight whose 2 chunks, along its rows (gate/up) or its columns
     (down), are groups G, G+1 beside the routed ones (N 40, K 72: masked edges and a K tail)."""
     _shared_case(by_row, axis, glu, 3, 40, 72, 2, 3, 2, jnp.float32, interpret=True, **SMALL)
+
+
+@pytest.mark.parametrize("axis, glu", [("n", True), ("k", False)])
+@pytest.mark.parametrize("by_row", ["topk", "topk_copies"])
+@pytest.mark.parametrize("t, top_k", [(9, 3), (20, 2)])
+def test_top_k_by_group(t, top_k, by_row, axis, glu):
+    """A token top-k of more than PER_COPY_MAX_COPIES copies: an item per (group, row tile), the group's copies found
+    in the kernel (27 copies of 5 experts; 40 of 3, so an expert's copies span two 16-row tiles), the shared chunks'
+    T copies each, another device's copy (-1) stored 0; lhs one row per token or per copy."""
+    assert t * top_k > PER_COPY_MAX_COPIES
+    _shared_case(by_row, axis, glu, 5 if top_k == 3 else 3, 40, 72, 2, t, top_k, jnp.float32, interpret=True, **SMALL)
 
 
 @pytest.mark.parametrize(
@@ -598,8 +611,9 @@ def _fp8_shared_case(t, top_k, g, i_sz, d, c, interpret):
     _close_rel(chunk_sum, fp8_matmul_quantized_reference(got, sdw[2], sds_[2]), rtol=1e-4)
 
 
-def test_fp8_shared_chunks_decode_stacked_poisoned():
-    _fp8_shared_case(t=2, top_k=2, g=4, i_sz=256, d=200, c=2, interpret=True)
+@pytest.mark.parametrize("t, top_k", [(2, 2), (9, 3)])  # 4 copies, each its own item; 27, items by group
+def test_fp8_shared_chunks_decode_stacked_poisoned(t, top_k):
+    _fp8_shared_case(t=t, top_k=top_k, g=4, i_sz=256, d=200, c=2, interpret=True)
 
 
 def _fp8_glu_case(by_row: bool, t: int, g: int, n: int, k: int, interpret: bool, block_n=None):
@@ -633,7 +647,7 @@ def _fp8_glu_case(by_row: bool, t: int, g: int, n: int, k: int, interpret: bool,
     return pair, want, y_pair, y
 
 
-@pytest.mark.parametrize("by_row,t", [(True, 3), (False, 9)])
+@pytest.mark.parametrize("by_row,t", [(True, 3), (True, 9), (False, 9)])  # by row at T = 9: items by group
 @pytest.mark.parametrize("block_n", [128, 64])
 def test_fp8_glu_output_quantized_for_the_down_projection(by_row, t, block_n):
     """quantize_out: the SwiGLU output in the W8A8 activation format, quantized in the epilogue (128-wide N blocks:
