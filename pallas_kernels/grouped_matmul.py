@@ -106,7 +106,6 @@ from pallas_kernels.util import (
     quantize_act_tile,
 )
 
-
 PER_COPY_MAX_COPIES = 16  # a token top-k of at most this many routed copies: each copy its own work item (its
 # expert's weights read once per copy); more: an item per (group, row tile), each expert's weights read once a tile
 

@@ -130,7 +130,7 @@ def _primitives(jaxpr):
 @pytest.mark.parametrize("T, max_copies", [(1, None), (8, None), (9, None), (9, 16)])
 def test_decode_copies_skip_the_sort(T, max_copies, monkeypatch):
     """Up to BY_GROUP_MAX_COPIES token copies (T x top-k) go to the grouped kernel unsorted (each copy its own item
-    up to `layers.BY_ROW_MAX_COPIES`, else items by expert; no argsort, no inverse permutation); more are sorted by expert
+    up to BY_ROW_MAX_COPIES, else items by expert; no argsort, no inverse permutation); more are sorted by expert
     (here past a limit of 16). Both give the ragged_dot result; under expert parallelism the other devices' copies
     come out 0 either way (`test_parallel`)."""
     if max_copies is not None:
