@@ -561,5 +561,30 @@ case $part in
     run 280 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --cache-dtype fp8,bf16 \
         --batches 32,128,1 --ctxs 1024,4096 --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 44" >&2; exit 2 ;;
+45) # session 24: the grouped kernel's items by group (a decode batch's top-k unsorted: no sort, gather, inverse
+    # permutation nor combine kernels) and its in-kernel work list (sorted rows), CPU-tested: their GPU tests, then
+    # the step A/B in one call: this tree, then (if the caller put the earlier files under ab/base/, untracked) the
+    # same rows with them
+    out=${2:?}
+    t0=$SECONDS
+    timeout -s INT 200 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 8 -m gpu -p no:cacheprovider -rfE \
+        --durations=5 tests/pallas_kernels/test_grouped_matmul.py \
+        -k "gpu_shared_chunks_decode or gpu_fp8_shared_chunks or gpu_glu_decode or gpu_fp8_glu_output" \
+        >"$out/gpu-tests.log" 2>&1
+    echo "gpu-tests: rc=$? $((SECONDS - t0)) s"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests.log" | cut -c1-160 | tail -16
+    e2e_rows() {  # e2e_rows NAME [PROFILE]: bf16 weights at batch 8 / 32 / 128 (ctx 1k, 4k), fp8 weights at 32
+        run 150 "e2e-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-$1" --weights bf16 --batches 8,32,128 \
+            --ctxs 1024,4096 --no-prefill --no-engine ${2:+--profile "$out/trace-$1"}
+        run 60 "e2e-$1-fp8" python3 -m mla_jax.bench.e2e --out "$out/e2e-$1-fp8" --weights fp8 --batches 32 \
+            --ctxs 4096 --no-prefill --no-engine
+    }
+    e2e_rows new
+    if [ -d ab/base ]; then
+        rm -rf /tmp/base && mkdir /tmp/base && cp -r mla_jax pallas_kernels bench /tmp/base/ && cp -r ab/base/* /tmp/base/
+        (cd /tmp/base && out=$out e2e_rows base)
+    fi
+    rm -rf "$out"/trace-*
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 45" >&2; exit 2 ;;
 esac
