@@ -40,6 +40,15 @@ no cost in weight reads, since one token's experts are distinct. Given each toke
 the kernel also numbers the copies itself and reads each copy's token row from an lhs of one row per
 token, so nothing is concatenated or gathered before the call.
 
+Items by group (a token top-k of more than PER_COPY_MAX_COPIES routed copies): one item per (group slot, row tile),
+the slots the G experts, the C shared chunks and a padding slot (copies of groups outside [0, G), stored 0), cdiv(T,
+block_m) tiles each (a token's top-k hits an expert at most once). A small kernel first lists each slot's copies
+(`group_table`: a compare, a cumsum and a scatter a slot); a program reads its tile's copies from the table, gathers
+their lhs rows (their tokens', or their own) and stores each output row at its copy (distinct rows: no atomics). The
+output is in copy order, as by row, so a decode batch runs no argsort, group sizes, gather of the copies, inverse
+permutation or combine kernels (the next norm combines the copies, `mla_jax.layers.ExpertCopies`); a slot's empty
+tiles do nothing but read its count.
+
 Shared experts (`shared_rhs`): a dense weight cut into C expert-sized chunks along its rows or its
 columns (`shared_chunks`), groups G..G+C-1 beside the routed ones; by token top-k, one item per chunk
 covers all T tokens' rows, so the shared weights are read once, as a separate MLP would.
@@ -392,38 +401,83 @@ def copy_groups(row_groups, num_groups: int, num_chunks: int):
     return groups, tokens.astype(jnp.int32)
 
 
-def _group_tile(groups_ref, i, tokens: int, top_k: int, num_groups: int, num_chunks: int, bm: int, per_token: bool):
-    """By group (a token top-k [T, K] of more copies than per-copy items serve): work item i is row tile q of group
-    slot g = i // cdiv(T, bm): an expert (its copies, found among the T*K routed ones in copy order: a compare, a
-    cumsum, a select of the q-th block_m of them), a shared chunk (its T copies) or, last, the padding slot (the
-    copies whose group is outside [0, G): their rows are stored 0). Returns (the slot's group for the K loop, each
-    tile row's copy i32[bm], its lhs row [bm, 1], whether it has one [bm]): the sort, the group sizes, the gather
-    of the copies and the inverse permutation that the sorted path runs as XLA kernels, here in registers."""
+def _group_table_kernel(ids_ref, table_ref, count_ref, *, tokens: int, top_k: int, num_groups: int, num_chunks: int):
+    """Program g: group slot g's copies in copy order (`copy_groups`' numbering), row r of the table the slot's r-th
+    copy, and their count. Slots: the G experts (their copies among the T*K routed ones: a compare, a cumsum for
+    each copy's place, a scatter to it), the C shared chunks (all T tokens' copies) and, last, the padding slot
+    (the routed copies whose group is outside [0, G), stored 0 by the GEMMs)."""
+    slot = pl.program_id(0)
+    n_routed = tokens * top_k
+    c = jnp.arange(next_pow2(n_routed), dtype=jnp.int32)
+    in_range = c < n_routed
+    key = masked_load(ids_ref.at[c], in_range)  # the top-k flattened, [T*K]
+    pad_slot = num_groups + num_chunks
+    match = in_range & jnp.where(slot == pad_slot, (key < 0) | (key >= num_groups), key == slot)
+    m32 = match.astype(jnp.int32)
+    rank = jnp.cumsum(m32) - m32  # the copy's place among the slot's (copies of a token's top-k: one a slot)
+    # copies of other slots go to distinct columns past T (masked on the GPU; the interpreter's masked scatter must
+    # not see them collide with a real place)
+    col = jnp.where(match, rank, tokens + c)
+    is_chunk = (slot >= num_groups) & (slot < pad_slot)
+    chunk_copy = n_routed + (slot - num_groups) * tokens + jnp.arange(next_pow2(tokens), dtype=jnp.int32)
+    t_in = jnp.arange(next_pow2(tokens), dtype=jnp.int32) < tokens
+
+    @pl.when(is_chunk)
+    def _():
+        pltriton.store(table_ref.at[slot, pl.ds(0, next_pow2(tokens))], chunk_copy, mask=t_in)
+
+    @pl.when(jnp.logical_not(is_chunk))
+    def _():
+        pltriton.store(table_ref.at[slot, col], c, mask=match)
+
+    count_ref[slot] = jnp.where(is_chunk, tokens, jnp.sum(m32))
+
+
+def group_table(top_k_ids, num_groups: int, num_chunks: int, *, interpret: bool = False):
+    """Items by group's table from each token's top-k i32[T, K]: (table i32[G + C + 1, T'], count i32[G + C + 1]),
+    row s of the table slot s's copies in copy order (`_group_table_kernel`), the first count[s] valid (T' >= T:
+    the GPU's T; the interpreter's rows are padded for its scatter). One small Triton kernel before the GEMMs: the
+    sort, the group sizes, the gather of the copies and the inverse permutation of the sorted path, at once."""
+    tokens, top_k = top_k_ids.shape
+    slots = num_groups + num_chunks + 1
+    ids = top_k_ids.reshape(-1).astype(jnp.int32)
+    width = tokens
+    if interpret:  # power-of-two loads and the other slots' columns past T (the GPU masks them)
+        ids = pad_to(ids, 0, next_pow2(tokens * top_k))
+        width = max(next_pow2(tokens), tokens + next_pow2(tokens * top_k))
+    whole = lambda shape: pl.BlockSpec(shape, lambda g: (0,) * len(shape))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(
+            _group_table_kernel, tokens=tokens, top_k=top_k, num_groups=num_groups, num_chunks=num_chunks
+        ),
+        grid=(slots,),
+        in_specs=[whole(ids.shape)],
+        out_specs=[whole((slots, width)), whole((slots,))],
+        out_shape=[jax.ShapeDtypeStruct((slots, width), jnp.int32), jax.ShapeDtypeStruct((slots,), jnp.int32)],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=f"expert_table_t{tokens}_k{top_k}_g{num_groups}_c{num_chunks}",
+    )(ids)
+
+
+def _group_tile(
+    table_ref, count_ref, i, tokens: int, top_k: int, num_groups: int, num_chunks: int, bm: int, per_token: bool
+):
+    """By group (a token top-k of more copies than per-copy items serve): work item i is row tile q of group slot
+    s = i // cdiv(T, bm) (`group_table`'s slots). Returns (the slot's group for the K loop, each tile row's copy
+    i32[bm], its lhs row [bm, 1], whether it has one [bm]): two loads from the table."""
     tiles = cdiv(tokens, bm)
     slot, q = i // tiles, i % tiles
-    want = q * bm + jnp.arange(bm, dtype=jnp.int32)  # the tile's ranks among the slot's copies
+    want = q * bm + jnp.arange(bm, dtype=jnp.int32)  # the tile's places among the slot's copies
+    has = want < count_ref[slot]
+    copy = masked_load(table_ref.at[slot, want], has)
     n_routed = tokens * top_k
-    c = jnp.arange(next_pow2(n_routed), dtype=jnp.int32)  # routed copy c: token c // K, its (c % K)-th expert
-    in_range = c < n_routed
-    key = masked_load(groups_ref.at[c], in_range)  # groups_ref: the top-k flattened, [T*K]
-    pad_slot = num_groups + num_chunks
-    outside = (key < 0) | (key >= num_groups)
-    match = in_range & jnp.where(slot == pad_slot, outside, key == slot)
-    m32 = match.astype(jnp.int32)
-    rank = jnp.cumsum(m32) - m32  # [T*K]: the copy's place among the slot's
-    sel = match[None, :] & (rank[None, :] == want[:, None])  # [bm, T*K]: at most one copy a tile row
-    routed = jnp.sum(jnp.where(sel, c[None, :], 0), axis=1)
-    routed_has = jnp.sum(sel.astype(jnp.int32), axis=1) > 0
-    chunk = (slot >= num_groups) & (slot < pad_slot)
-    copy = jnp.where(chunk, n_routed + (slot - num_groups) * tokens + want, routed)  # `copy_groups`' order
-    has = jnp.where(chunk, want < tokens, routed_has)
-    token = jnp.where(chunk, want, routed // top_k)
+    token = jnp.where(copy < n_routed, copy // top_k, (copy - n_routed) % tokens)
     src = jnp.where(has, token if per_token else copy, 0)  # a row without a copy reads row 0 (never stored)
     # rows without a copy point past M at distinct rows (masked on the GPU; the interpreter's masked scatter must
     # not see them collide with a real row)
     dst = jnp.where(has, copy, n_routed + num_chunks * tokens + jnp.arange(bm, dtype=jnp.int32))
-    grp = jnp.where(slot == pad_slot, pad_slot, slot)
-    return grp, dst, src[:, None], has
+    return slot, dst, src[:, None], has
 
 
 def _kernel(
@@ -453,9 +507,10 @@ def _kernel(
     quant_out: bool,
     round_dtype: str,
 ):
-    # the group sizes (sorted rows), or by row each row's group; the layer; lhs; (rhs,) or with glu (gate rhs, up
-    # rhs); with fp8 experts their block scales; then as many shared (chunked) weights; out
-    n_items = 1
+    # the group sizes (sorted rows), by row each row's group (by group the table and counts); the layer; lhs;
+    # (rhs,) or with glu (gate rhs, up rhs); with fp8 experts their block scales; then as many shared (chunked)
+    # weights; out
+    n_items = 2 if by_group else 1  # by group: `group_table`'s table and counts
     n_rhs = 2 if glu else 1
     item_refs, (layer_ref, lhs_ref) = refs[:n_items], refs[n_items : n_items + 2]
     rhs_refs = refs[n_items + 2 : n_items + 2 + n_rhs]
@@ -470,8 +525,8 @@ def _kernel(
     i = pl.program_id(1)  # work item
     s = pl.program_id(2)  # K split
     dst = None  # by group: each tile row's output row (its copy), else the tile's rows are the output's
-    if by_group:  # item = (group slot, row tile): the slot's copies found in the kernel (`_group_tile`)
-        grp, dst, src, has = _group_tile(item_refs[0], i, tokens, top_k, num_groups, num_chunks, bm, lhs_per_token)
+    if by_group:  # item = (group slot, row tile): the slot's copies from `group_table` (`_group_tile`)
+        grp, dst, src, has = _group_tile(*item_refs, i, tokens, top_k, num_groups, num_chunks, bm, lhs_per_token)
         lo, hi = jnp.int32(0), jnp.int32(0)
         row0 = jnp.int32(0)
     elif by_row:  # the items from the item index itself (an XLA array of them would be an iota kernel a call)
@@ -685,8 +740,6 @@ def _gmm_impl(
     num_row_items = tokens * top_k + num_chunks if top_k else m
     if by_group:
         num_row_items = (g + num_chunks + 1) * cdiv(tokens, block_m)
-        if interpret:  # the kernel loads the top-k as a power-of-two vector (the GPU masks the rest)
-            groups = pad_to(groups, 0, next_pow2(groups.shape[0]))
     out_dtype = jnp.dtype(out_dtype)
     # Interpret mode cannot slice a block larger than the array (the GPU just masks): zero-pad a
     # dimension smaller than its block (tiny problems only: blocks are clamped to the next power of
@@ -717,6 +770,8 @@ def _gmm_impl(
     if interpret and not by_row:  # the kernel loads the sizes as a power-of-two vector (the GPU masks the rest)
         groups = pad_to(groups, 0, next_pow2(num_segments + 1))
     items = (groups.astype(jnp.int32),)
+    if by_group:  # the slots' copies, one small kernel before the GEMM
+        items = tuple(group_table(groups.reshape(tokens, top_k), g, num_chunks, interpret=interpret))
     steps_per_split = cdiv(cdiv(k, block_k), num_k_splits)
     splits = cdiv(cdiv(k, block_k), steps_per_split)  # no empty splits
     part_dtype = out_dtype if splits == 1 else jnp.float32
@@ -840,6 +895,7 @@ def grouped_matmul(
     ones token by token (one item each), then each of the C shared chunks' T copies (one item per chunk,
     reading its weights once for all T tokens); `copy_groups` gives the order. lhs is then [M, K] or
     one row per token, [T, K] (each copy reads its token's row: no gather of the copies before the call).
+    Past PER_COPY_MAX_COPIES routed copies, items by group (module docstring): same rows, same order.
 
     up_rhs: an MoE's up projection, the shape and dtype of rhs (then its gate projection): returns
     silu(lhs @ W) * (lhs @ W_up) in one kernel (each program reads both weights' tiles for its rows;

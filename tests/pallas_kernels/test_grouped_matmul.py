@@ -8,6 +8,7 @@ import pytest
 from pallas_kernels.grouped_matmul import (
     PER_COPY_MAX_COPIES,
     default_tuning,
+    group_table,
     grouped_matmul,
     grouped_matmul_reference,
     row_items,
@@ -269,6 +270,31 @@ def test_shared_chunks_are_groups(by_row, axis, glu):
     """shared_rhs: a stacked [Lyr, N_s, K_s] weight whose 2 chunks, along its rows (gate/up) or its columns
     (down), are groups G, G+1 beside the routed ones (N 40, K 72: masked edges and a K tail)."""
     _shared_case(by_row, axis, glu, 3, 40, 72, 2, 3, 2, jnp.float32, interpret=True, **SMALL)
+
+
+@pytest.mark.parametrize("t, k, g, c", [(9, 3, 5, 2), (40, 2, 3, 0), (1, 6, 64, 2)])
+def test_group_table_lists_each_slots_copies_in_order(t, k, g, c):
+    """`group_table`: row s the copies of slot s (expert s, then the C shared chunks, then the padding slot of groups
+    outside [0, G)) in copy order, numbered as `copy_groups` numbers them, and their count; every copy in exactly
+    one slot."""
+    rng = np.random.default_rng(t + g)
+    ids = np.stack([rng.permutation(g)[:k] for _ in range(t)]).astype(np.int32)
+    ids[0, -1], ids[-1, 0] = -1, g + 3  # another device's copy, an out-of-range group: the padding slot
+    table, count = (np.asarray(a) for a in group_table(jnp.asarray(ids), g, c, interpret=True))
+    assert count.shape == (g + c + 1,) and table.shape[0] == g + c + 1
+    flat = ids.reshape(-1)
+    seen = []
+    for slot in range(g + c + 1):
+        if slot < g:
+            want = np.flatnonzero(flat == slot)
+        elif slot < g + c:
+            want = t * k + (slot - g) * t + np.arange(t)
+        else:
+            want = np.flatnonzero((flat < 0) | (flat >= g))
+        assert count[slot] == len(want), slot
+        np.testing.assert_array_equal(table[slot, : count[slot]], want)
+        seen += list(want)
+    assert sorted(seen) == list(range(t * (k + c)))
 
 
 @pytest.mark.parametrize("axis, glu", [("n", True), ("k", False)])
@@ -763,6 +789,28 @@ def test_fp8_lowers_to_triton(h200):
         # two Triton kernels: lhs's quantization (`fp8_quant`) and the grouped GEMM
         assert text.count("__gpu$xla.gpu.triton") == 2 and "quantize_act_k" in text and "slice" not in text
         assert "grouped_" in text and "_fp8_" in text
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_top_k_by_group_lowers_to_the_table_and_the_gemm(h200, fp8):
+    """Batch 32's top-6 of V2-Lite's 64 experts with its 2 shared chunks, gate + up, items by group: `group_table`'s
+    kernel and the GEMM (fp8: after the activations' quantization), no XLA sort, gather or scatter of the copies."""
+    sds = jax.ShapeDtypeStruct
+    wdt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    w = sds((26, 64, 1408, 2048), wdt)
+    sh = sds((26, 2816, 2048), wdt)
+    args = [sds((32, 2048), jnp.bfloat16), w, w, sh, sh, sds((32, 6), jnp.int32), sds((), jnp.int32)]
+    if fp8:
+        args += [sds((26, 64, 11, 16), jnp.float32)] * 2 + [sds((26, 22, 16), jnp.float32)] * 2
+
+    def f(x, g, u, sg, su, ids, i, *scales):
+        kw = dict(zip(("rhs_scale", "up_scale", "shared_scale", "shared_up_scale"), scales))
+        return grouped_matmul(x, g, row_groups=ids, up_rhs=u, shared_rhs=sg, shared_up_rhs=su, rhs_index=i, **kw)
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2 + fp8 and "expert_table_t32_k6_g64_c2" in text
+    for op in ("stablehlo.sort", "stablehlo.gather", "stablehlo.scatter", "stablehlo.dynamic_slice"):
+        assert op not in text, op
 
 
 @pytest.mark.parametrize("fp8", [False, True])
