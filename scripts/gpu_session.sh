@@ -586,5 +586,31 @@ case $part in
     fi
     rm -rf "$out"/trace-*
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 45" >&2; exit 2 ;;
+46) # next session, first call: items by group through `group_table` (4a84840, CPU-tested; part 45 measured the
+    # per-program search it replaced: batch 8 -3%, 32 even, 128 1.7x slower) and the sorted path's in-kernel work list
+    # (d58a314, not in part 45's rows: batch 128 took items by group there). GPU tests, then an A/B in one call: this
+    # tree (by group up to 256 copies: batch <= 42 at top-6), the same with by group up to 1024 copies (batch 128 too),
+    # and the sorted path of 4fc5932 (the caller puts its grouped_matmul.py and layers.py under ab/base/, carried)
+    out=${2:?}
+    t0=$SECONDS
+    timeout -s INT 200 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 8 -m gpu -p no:cacheprovider -rfE \
+        --durations=5 tests/pallas_kernels/test_grouped_matmul.py \
+        -k "gpu_shared_chunks_decode or gpu_fp8_shared_chunks or gpu_glu_decode or gpu_fp8_glu_output" \
+        >"$out/gpu-tests.log" 2>&1
+    echo "gpu-tests: rc=$? $((SECONDS - t0)) s"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests.log" | cut -c1-160 | tail -16
+    e2e_rows() {  # e2e_rows NAME: bf16 weights at batch 8 / 32 / 128 (ctx 1k, 4k)
+        run 150 "e2e-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-$1" --weights bf16 --batches 8,32,128 \
+            --ctxs 1024,4096 --no-prefill --no-engine
+    }
+    e2e_rows new
+    rm -rf /tmp/wide && mkdir /tmp/wide && cp -r mla_jax pallas_kernels bench /tmp/wide/
+    sed -i 's/^BY_GROUP_MAX_COPIES = 256$/BY_GROUP_MAX_COPIES = 1024/' /tmp/wide/mla_jax/layers.py
+    (cd /tmp/wide && grep -q "^BY_GROUP_MAX_COPIES = 1024" mla_jax/layers.py && out=$out e2e_rows wide)
+    if [ -d ab/base ]; then
+        rm -rf /tmp/base && mkdir /tmp/base && cp -r mla_jax pallas_kernels bench /tmp/base/ && cp -r ab/base/* /tmp/base/
+        (cd /tmp/base && out=$out e2e_rows base)
+    fi
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 46" >&2; exit 2 ;;
 esac
