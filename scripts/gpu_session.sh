@@ -21,6 +21,16 @@ run() {  # run LIMIT_S NAME CMD...: the command's output in OUT/NAME.log, its st
   grep -v Warning "$out/$name.log" | tail -4 | cut -c1-300
 }
 
+verbose_tests() {  # verbose_tests LIMIT_S PYTEST_ARGS...: GPU tests in OUT/gpu-tests.log, interrupted (not killed) at
+    # the limit so that the log names every result (-v)
+    local limit=$1 t0=$SECONDS
+    shift
+    timeout -s INT "$limit" env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 8 -m gpu -p no:cacheprovider -rfE \
+        --durations=5 "$@" >"$out/gpu-tests.log" 2>&1
+    echo "gpu-tests: rc=$? $((SECONDS - t0)) s"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests.log" | cut -c1-160 | tail -16
+}
+
 caches_after_tests() {  # the e2e cache dtypes: bf16,fp8, or bf16 alone (noted in OUT/FALLBACK) if the GPU tests failed
     if ! grep -q " passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
         echo "decode GPU tests failed: e2e with the bf16 cache only" | tee "$out/FALLBACK" >&2
@@ -566,13 +576,8 @@ case $part in
     # the step A/B in one call: this tree, then (if the caller put the earlier files under ab/base/, untracked) the
     # same rows with them
     out=${2:?}
-    t0=$SECONDS
-    timeout -s INT 200 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 8 -m gpu -p no:cacheprovider -rfE \
-        --durations=5 tests/pallas_kernels/test_grouped_matmul.py \
-        -k "gpu_shared_chunks_decode or gpu_fp8_shared_chunks or gpu_glu_decode or gpu_fp8_glu_output" \
-        >"$out/gpu-tests.log" 2>&1
-    echo "gpu-tests: rc=$? $((SECONDS - t0)) s"
-    grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests.log" | cut -c1-160 | tail -16
+    verbose_tests 200 tests/pallas_kernels/test_grouped_matmul.py \
+        -k "gpu_shared_chunks_decode or gpu_fp8_shared_chunks or gpu_glu_decode or gpu_fp8_glu_output"
     e2e_rows() {  # e2e_rows NAME [PROFILE]: bf16 weights at batch 8 / 32 / 128 (ctx 1k, 4k), fp8 weights at 32
         run 150 "e2e-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-$1" --weights bf16 --batches 8,32,128 \
             --ctxs 1024,4096 --no-prefill --no-engine ${2:+--profile "$out/trace-$1"}
@@ -592,13 +597,8 @@ case $part in
     # tree (by group up to 256 copies: batch <= 42 at top-6), the same with by group up to 1024 copies (batch 128 too),
     # and the sorted path of 4fc5932 (the caller puts its grouped_matmul.py and layers.py under ab/base/, carried)
     out=${2:?}
-    t0=$SECONDS
-    timeout -s INT 200 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 8 -m gpu -p no:cacheprovider -rfE \
-        --durations=5 tests/pallas_kernels/test_grouped_matmul.py \
-        -k "gpu_shared_chunks_decode or gpu_fp8_shared_chunks or gpu_glu_decode or gpu_fp8_glu_output" \
-        >"$out/gpu-tests.log" 2>&1
-    echo "gpu-tests: rc=$? $((SECONDS - t0)) s"
-    grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests.log" | cut -c1-160 | tail -16
+    verbose_tests 200 tests/pallas_kernels/test_grouped_matmul.py \
+        -k "gpu_shared_chunks_decode or gpu_fp8_shared_chunks or gpu_glu_decode or gpu_fp8_glu_output"
     e2e_rows() {  # e2e_rows NAME: bf16 weights at batch 8 / 32 / 128 (ctx 1k, 4k)
         run 150 "e2e-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-$1" --weights bf16 --batches 8,32,128 \
             --ctxs 1024,4096 --no-prefill --no-engine
