@@ -24,8 +24,8 @@ cdiv(M, block_m) + min(G, M) (each boundary inside a tile adds one item, and at 
 are non-empty); unused items at the end are no-ops. Grid (cdiv(N, block_n), items, k splits), N
 blocks fastest so that the programs running together share one row tile of lhs and one expert's rhs
 in L2. A program derives its own item (tile, row range, group) from group_sizes (`work_item`: two
-cumsums and a search over the G + 1 segments in registers; as an XLA prologue the list was ~4 small
-kernels before each MoE layer's kernels at batch 32, docs/perf-notes.md session 23), loops over
+cumsums and a search over the G + 1 segments in registers, where an XLA prologue computing the list
+ran small kernels of its own before each call), loops over
 its K range in `block_k` steps (an unmasked loop over whole steps, then one masked tail step when
 block_k does not divide K), and stores only its own rows (a masked store), so two items sharing a
 tile write disjoint rows and no atomics are needed. Padding items skip the K loop and store zeros.
