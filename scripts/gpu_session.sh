@@ -598,7 +598,7 @@ case $part in
     # and the sorted path of 4fc5932 (the caller puts its grouped_matmul.py and layers.py under ab/base/, carried)
     out=${2:?}
     verbose_tests 200 tests/pallas_kernels/test_grouped_matmul.py \
-        -k "gpu_shared_chunks_decode or gpu_fp8_shared_chunks or gpu_glu_decode or gpu_fp8_glu_output"
+        -k "gpu_shared_chunks_decode or gpu_fp8_shared_chunks or gpu_glu_decode or gpu_fp8_glu_output or gpu_group_table"
     e2e_rows() {  # e2e_rows NAME: bf16 weights at batch 8 / 32 / 128 (ctx 1k, 4k)
         run 150 "e2e-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-$1" --weights bf16 --batches 8,32,128 \
             --ctxs 1024,4096 --no-prefill --no-engine

@@ -272,15 +272,11 @@ def test_shared_chunks_are_groups(by_row, axis, glu):
     _shared_case(by_row, axis, glu, 3, 40, 72, 2, 3, 2, jnp.float32, interpret=True, **SMALL)
 
 
-@pytest.mark.parametrize("t, k, g, c", [(9, 3, 5, 2), (40, 2, 3, 0), (1, 6, 64, 2)])
-def test_group_table_lists_each_slots_copies_in_order(t, k, g, c):
-    """`group_table`: row s the copies of slot s (expert s, then the C shared chunks, then the padding slot of groups
-    outside [0, G)) in copy order, numbered as `copy_groups` numbers them, and their count; every copy in exactly
-    one slot."""
+def _group_table_case(t, k, g, c, interpret):
     rng = np.random.default_rng(t + g)
     ids = np.stack([rng.permutation(g)[:k] for _ in range(t)]).astype(np.int32)
     ids[0, -1], ids[-1, 0] = -1, g + 3  # another device's copy, an out-of-range group: the padding slot
-    table, count = (np.asarray(a) for a in group_table(jnp.asarray(ids), g, c, interpret=True))
+    table, count = (np.asarray(a) for a in group_table(jnp.asarray(ids), g, c, interpret=interpret))
     assert count.shape == (g + c + 1,) and table.shape[0] == g + c + 1
     flat = ids.reshape(-1)
     seen = []
@@ -295,6 +291,24 @@ def test_group_table_lists_each_slots_copies_in_order(t, k, g, c):
         np.testing.assert_array_equal(table[slot, : count[slot]], want)
         seen += list(want)
     assert sorted(seen) == list(range(t * (k + c)))
+
+
+@pytest.mark.parametrize("t, k, g, c", [(9, 3, 5, 2), (40, 2, 3, 0), (1, 6, 64, 2)])
+def test_group_table_lists_each_slots_copies_in_order(t, k, g, c):
+    """`group_table`: row s the copies of slot s (expert s, then the C shared chunks, then the padding slot of groups
+    outside [0, G)) in copy order, numbered as `copy_groups` numbers them, and their count; every copy in exactly
+    one slot."""
+    _group_table_case(t, k, g, c, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [32, 128])
+def test_gpu_group_table(t):
+    """The table on the GPU at V2-Lite's routing (64 experts, top-6, 2 shared chunks; the other slots' copies' stores
+    masked past the row)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    _group_table_case(t, 6, 64, 2, interpret=False)
 
 
 @pytest.mark.parametrize("axis, glu", [("n", True), ("k", False)])
