@@ -2,23 +2,26 @@
 batch (issue #22), the shared experts as more groups; bf16 or block-FP8 experts (issue #25).
 
     JAX_PLATFORMS=cuda,cpu PYTHONPATH=. python3 bench/moe_decode.py --out DIR [--budget-s 150] [--tokens 1,2,32]
-        [--weights bf16,fp8] [--smoke]
+        [--weights bf16,fp8] [--routing layers,sorted] [--smoke]
 
 DeepSeek-V2-Lite's experts (64 of [1408, 2048], top-6, 2 shared experts: 2 chunks), stacked over 8 layers so that
 each call reads a layer its predecessor did not (a decode step streams every layer's experts: L2 holds none):
 "glu", `grouped_matmul(x, gate, up_rhs=up, shared_rhs=, shared_up_rhs=, rhs_index=)` -> [T*8, 1408]; "down", the
-[T*8, 1408] rows through down_proj with the shared down_proj's chunks -> [T*8, 2048]. Up to `BY_ROW_MAX_COPIES`
-routed copies (T <= 2) the copies stay in token order (`row_groups=` top-k [T, 6]); more are sorted by expert
-before the call, as `layers.moe` sorts them (`group_sizes=`; the sort is not timed, the work list and with fp8 the
-activations' quantization are). fp8: e4m3 experts with random 128x128 block scales (W8A8). (a) checks the default
-tuning against `grouped_matmul_reference` (exits 1 on a mismatch), (b) measures the copy/matmul ceilings, (c) times
-the default and, within --budget-s, tuning variants (block_m, block_n, block_k, num_warps, num_stages,
-num_k_splits), each by device time (common.device_time_us over 8 input sets: distinct layers and experts).
+[T*8, 1408] rows through down_proj with the shared down_proj's chunks -> [T*8, 2048]. Routing "layers" (default):
+what `layers.moe` runs, the top-k given as is up to `BY_GROUP_MAX_COPIES` routed copies (`row_groups=` [T, 6]: each
+copy its own item up to 16, else items by group, the kernel's copy table timed), sorted by expert past it; "sorted":
+sorted at every T (`group_sizes=`; the sort, the gather of the copies and the combine are not timed, the work list
+and with fp8 the activations' quantization are), for an A/B of the two at one T. fp8: e4m3 experts with random
+128x128 block scales (W8A8). (a) checks the default tuning against `grouped_matmul_reference` (exits 1 on a
+mismatch), (b) measures the copy/matmul ceilings, (c) times the default and, within --budget-s, tuning variants
+(block_m, block_n, block_k, num_warps, num_stages, num_k_splits), each by device time (common.device_time_us over 8
+input sets: distinct layers and experts).
 
 Rows (DIR/moe-decode-h200.json, notes/bench-results.md's format): op "moe_decode", kernel (glu / down), T, weights
-(bf16 / fp8), tuning, default (bool), device_us, kernels_per_call, weight_MB (the weights one call reads: its
-distinct experts and the shared chunks, with fp8 their scales), TBps (weight_MB / device_us), frac_copy. `best`
-names the fastest variant per (kernel, T, weights). --smoke: tiny shapes, interpret mode, on a CPU (the numbers mean
+(bf16 / fp8), routing ("top_k" / "sorted"), tuning, default (bool), device_us, kernels_per_call, weight_MB (the
+weights one call reads: its distinct experts and the shared chunks, with fp8 their scales), TBps (weight_MB /
+device_us), frac_copy. `best` names the fastest variant per (kernel, T, weights, routing). --smoke: tiny shapes,
+interpret mode, on a CPU (the numbers mean
 nothing). Runtime on an H200: ~1 minute plus the budget.
 """
 
@@ -43,7 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from mla_jax.bench import common  # noqa: E402
-from mla_jax.layers import BY_ROW_MAX_COPIES  # noqa: E402
+from mla_jax.layers import BY_GROUP_MAX_COPIES  # noqa: E402
 from pallas_kernels import grouped_matmul as gm  # noqa: E402
 
 # (E experts, D hidden, I expert intermediate, K top-k, S shared chunks, layers)
@@ -93,9 +96,15 @@ def input_sets(shape, t, seed=0):
     return sets, float(np.mean(distinct))
 
 
-def by_row(t: int, shape) -> bool:
-    """Whether `layers.moe` keeps t tokens' copies in token order (else it sorts them)."""
-    return t * shape[3] <= BY_ROW_MAX_COPIES
+def by_row(t: int, shape, routing: str = "layers") -> bool:
+    """Whether t tokens' copies go to the kernels as their top-k (else sorted): as `layers.moe` decides ("layers"),
+    or never ("sorted")."""
+    return routing == "layers" and t * shape[3] <= BY_GROUP_MAX_COPIES
+
+
+def per_copy(t: int, shape) -> bool:
+    """Whether a top-k of t tokens is one item a copy in the kernel (else items by group: tuned as sorted rows)."""
+    return t * shape[3] <= gm.PER_COPY_MAX_COPIES
 
 
 def sorted_copies(shape, ids):
@@ -188,12 +197,16 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--tokens", type=common.int_list, default=(1, 2))
     ap.add_argument("--weights", default="bf16", help="bf16, fp8 or both (bf16,fp8)")
+    ap.add_argument("--routing", default="layers", help="layers (as layers.moe), sorted, or both (layers,sorted)")
     args = ap.parse_args(argv)
     shape = SMOKE if args.smoke else V2_LITE
     E, D, I, K, S, Lyr = shape
     kinds = [k.strip() for k in args.weights.split(",") if k.strip()]
     if not kinds or set(kinds) - {"bf16", "fp8"}:
         ap.error(f"--weights: bf16 and/or fp8, not {args.weights!r}")
+    routings = [r.strip() for r in args.routing.split(",") if r.strip()]
+    if not routings or set(routings) - {"layers", "sorted"}:
+        ap.error(f"--routing: layers and/or sorted, not {args.routing!r}")
     ws = {kind: weights(shape, args.smoke, jax.random.key(0), fp8=kind == "fp8") for kind in kinds}
     errs = {f"{kind}-T{t}": check(shape, ws[kind], args.smoke, t) for kind in kinds for t in sorted({2, *args.tokens})}
     print(f"check: max err {errs}")
@@ -201,48 +214,51 @@ def main(argv=None):
     ceilings = common.bench_ceilings(args.smoke)
     results = common.results_header(ceilings) | {"shape": dict(zip("E D I K S layers".split(), shape))}
     results["check_err"] = errs
-    share = args.budget_s / (2 * len(args.tokens) * len(kinds))  # each (kernel, T, weights) its share of the budget
+    runs = [(kind, t, r) for kind in kinds for t in args.tokens for r in routings]
+    runs = [(kind, t, r) for kind, t, r in runs if r == "layers" or by_row(t, shape) or len(routings) == 1]
+    share = args.budget_s / (2 * len(runs))  # each (kernel, T, weights, routing) its share of the budget
     best = {}
-    for kind in kinds:
+    for kind, t, routing in runs:
         w, fp8 = ws[kind], kind == "fp8"
         wbytes = 1 + 4 / gm.FP8_BLOCK**2 if fp8 else 2  # bytes a weight element (fp8: and its share of a scale)
-        for t in args.tokens:
-            sets, distinct = input_sets(shape, t)
-            rows = by_row(t, shape)
-            if not rows:
-                sets = [(x, sorted_copies(shape, ids), layer) for x, ids, layer in sets]
-            h_sets = [(jnp.zeros((t * K + S * t, I), jnp.bfloat16), r, layer) for _, r, layer in sets]
-            for kernel, names, arg_sets, per_expert in (
-                ("glu", GLU_W, sets, 2 * I * D * wbytes),
-                ("down", DOWN_W, h_sets, D * I * wbytes),
-            ):
-                m = t * (K + S)
-                n, k = (I, D) if kernel == "glu" else (D, I)
-                g = m if rows else E + S
-                default = gm.default_tuning(m, n, k, g, jnp.bfloat16, by_row=rows, glu=kernel == "glu", fp8=fp8)
-                mb = (distinct + S) * per_expert / 1e6
-                t_end = time.perf_counter() + share
-                for i, tun in enumerate(variants(default, fp8, not rows)):
-                    if i and time.perf_counter() > t_end:
-                        break
-                    try:
-                        fn = kernel_fn(w, names, args.smoke, **tun)
-                        dt = common.device_time_us(fn, arg_sets, iters=2 * SETS)
-                    except Exception as e:  # a variant Triton cannot compile (shared memory): recorded, skipped
-                        dt = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                    row = dict(op="moe_decode", kernel=kernel, T=t, weights=kind, tuning=tun, default=i == 0)
-                    row["weight_MB"] = round(mb, 3)
-                    if "device_us" in dt:
-                        tbps = mb / dt["device_us"]
-                        row |= dict(device_us=dt["device_us"], kernels_per_call=dt.get("kernels_per_call"))
-                        row |= dict(TBps=round(tbps, 3), frac_copy=round(tbps / ceilings["copy_TBps"], 3))
-                        key = f"{kernel}-T{t}-{kind}"
-                        if key not in best or dt["device_us"] < best[key]["device_us"]:
-                            best[key] = dict(device_us=dt["device_us"], tuning=tun)
-                    else:
-                        row["error"] = dt.get("error")
-                    results["rows"].append(row)
-                    print(row)
+        sets, distinct = input_sets(shape, t)
+        top_k = by_row(t, shape, routing)
+        rows = top_k and per_copy(t, shape)  # one item a copy
+        if not top_k:
+            sets = [(x, sorted_copies(shape, ids), layer) for x, ids, layer in sets]
+        h_sets = [(jnp.zeros((t * K + S * t, I), jnp.bfloat16), r, layer) for _, r, layer in sets]
+        for kernel, names, arg_sets, per_expert in (
+            ("glu", GLU_W, sets, 2 * I * D * wbytes),
+            ("down", DOWN_W, h_sets, D * I * wbytes),
+        ):
+            m = t * (K + S)
+            n, k = (I, D) if kernel == "glu" else (D, I)
+            g = m if rows else E + S
+            default = gm.default_tuning(m, n, k, g, jnp.bfloat16, by_row=rows, glu=kernel == "glu", fp8=fp8)
+            mb = (distinct + S) * per_expert / 1e6
+            t_end = time.perf_counter() + share
+            for i, tun in enumerate(variants(default, fp8, not rows)):
+                if i and time.perf_counter() > t_end:
+                    break
+                try:
+                    fn = kernel_fn(w, names, args.smoke, **tun)
+                    dt = common.device_time_us(fn, arg_sets, iters=2 * SETS)
+                except Exception as e:  # a variant Triton cannot compile (shared memory): recorded, skipped
+                    dt = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                row = dict(op="moe_decode", kernel=kernel, T=t, weights=kind, routing="top_k" if top_k else "sorted")
+                row |= dict(tuning=tun, default=i == 0)
+                row["weight_MB"] = round(mb, 3)
+                if "device_us" in dt:
+                    tbps = mb / dt["device_us"]
+                    row |= dict(device_us=dt["device_us"], kernels_per_call=dt.get("kernels_per_call"))
+                    row |= dict(TBps=round(tbps, 3), frac_copy=round(tbps / ceilings["copy_TBps"], 3))
+                    key = f"{kernel}-T{t}-{kind}-{row['routing']}"
+                    if key not in best or dt["device_us"] < best[key]["device_us"]:
+                        best[key] = dict(device_us=dt["device_us"], tuning=tun)
+                else:
+                    row["error"] = dt.get("error")
+                results["rows"].append(row)
+                print(row)
     results["best"] = best
     name = "moe-decode-h200-smoke.json" if args.smoke else "moe-decode-h200.json"
     common.write_results(os.path.join(args.out, name), results)

@@ -612,5 +612,15 @@ case $part in
         (cd /tmp/base && out=$out e2e_rows base)
     fi
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 46" >&2; exit 2 ;;
+47) # next session, second call: the two grouped kernels by group against sorted at T = 8 / 32 / 128 (kernel device
+    # time: the copy table timed, the sort's XLA kernels not), bf16 and fp8, with a tuning sweep of each (by group up to
+    # 1024 copies in this copy of the tree, so that T = 128 takes it too)
+    out=${2:?}
+    rm -rf /tmp/wide && mkdir /tmp/wide && cp -r mla_jax pallas_kernels bench /tmp/wide/
+    sed -i 's/^BY_GROUP_MAX_COPIES = 256$/BY_GROUP_MAX_COPIES = 1024/' /tmp/wide/mla_jax/layers.py
+    (cd /tmp/wide && grep -q "^BY_GROUP_MAX_COPIES = 1024" mla_jax/layers.py &&
+        run 520 moe-decode python3 bench/moe_decode.py --out "$out" --tokens 32,8,128 --routing layers,sorted \
+            --weights bf16,fp8 --budget-s 420)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 47" >&2; exit 2 ;;
 esac
