@@ -31,6 +31,16 @@ verbose_tests() {  # verbose_tests LIMIT_S PYTEST_ARGS...: GPU tests in OUT/gpu-
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests.log" | cut -c1-160 | tail -16
 }
 
+overlay_trees() {  # /tmp/wide: this tree with items by group up to 1024 copies; /tmp/base (if ab/base/ was carried):
+    # this tree with ab/base's files over it (an earlier commit's, for an A/B in one call)
+    rm -rf /tmp/wide /tmp/base && mkdir /tmp/wide && cp -r mla_jax pallas_kernels bench /tmp/wide/
+    sed -i 's/^BY_GROUP_MAX_COPIES = 256$/BY_GROUP_MAX_COPIES = 1024/' /tmp/wide/mla_jax/layers.py
+    grep -q "^BY_GROUP_MAX_COPIES = 1024" /tmp/wide/mla_jax/layers.py || echo "overlay_trees: no BY_GROUP_MAX_COPIES" >&2
+    if [ -d ab/base ]; then
+        mkdir /tmp/base && cp -r mla_jax pallas_kernels bench /tmp/base/ && cp -r ab/base/* /tmp/base/
+    fi
+}
+
 caches_after_tests() {  # the e2e cache dtypes: bf16,fp8, or bf16 alone (noted in OUT/FALLBACK) if the GPU tests failed
     if ! grep -q " passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
         echo "decode GPU tests failed: e2e with the bf16 cache only" | tee "$out/FALLBACK" >&2
@@ -593,34 +603,33 @@ case $part in
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 46) # next session, first call: items by group through `group_table` (4a84840, CPU-tested; part 45 measured the
     # per-program search it replaced: batch 8 -3%, 32 even, 128 1.7x slower) and the sorted path's in-kernel work list
-    # (d58a314, not in part 45's rows: batch 128 took items by group there). GPU tests, then an A/B in one call: this
-    # tree (by group up to 256 copies: batch <= 42 at top-6), the same with by group up to 1024 copies (batch 128 too),
-    # and the sorted path of 4fc5932 (the caller puts its grouped_matmul.py and layers.py under ab/base/, carried)
+    # (d58a314, not in part 45's rows: batch 128 took items by group there). GPU tests, then an A/B in one call at ctx
+    # 1k: this tree (by group up to 256 copies: batch <= 42 at top-6), the sorted path of 4fc5932 (the caller puts its
+    # grouped_matmul.py and layers.py under ab/base/, carried), and batch 128 by group (up to 1024 copies)
     out=${2:?}
     verbose_tests 200 tests/pallas_kernels/test_grouped_matmul.py \
         -k "gpu_shared_chunks_decode or gpu_fp8_shared_chunks or gpu_glu_decode or gpu_fp8_glu_output or gpu_group_table"
-    e2e_rows() {  # e2e_rows NAME: bf16 weights at batch 8 / 32 / 128 (ctx 1k, 4k)
-        run 150 "e2e-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-$1" --weights bf16 --batches 8,32,128 \
-            --ctxs 1024,4096 --no-prefill --no-engine
+    e2e_rows() {  # e2e_rows NAME BATCHES: bf16 weights, ctx 1k
+        run 120 "e2e-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-$1" --weights bf16 --batches "$2" \
+            --ctxs 1024 --no-prefill --no-engine
     }
-    e2e_rows new
-    rm -rf /tmp/wide && mkdir /tmp/wide && cp -r mla_jax pallas_kernels bench /tmp/wide/
-    sed -i 's/^BY_GROUP_MAX_COPIES = 256$/BY_GROUP_MAX_COPIES = 1024/' /tmp/wide/mla_jax/layers.py
-    (cd /tmp/wide && grep -q "^BY_GROUP_MAX_COPIES = 1024" mla_jax/layers.py && out=$out e2e_rows wide)
-    if [ -d ab/base ]; then
-        rm -rf /tmp/base && mkdir /tmp/base && cp -r mla_jax pallas_kernels bench /tmp/base/ && cp -r ab/base/* /tmp/base/
-        (cd /tmp/base && out=$out e2e_rows base)
-    fi
+    e2e_rows new 8,32,128
+    overlay_trees
+    [ -d /tmp/base ] && (cd /tmp/base && out=$out e2e_rows base 8,32,128)
+    (cd /tmp/wide && out=$out e2e_rows wide 128)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-47) # next session, second call: the two grouped kernels by group against sorted at T = 8 / 32 / 128 (kernel device
-    # time: the copy table timed, the sort's XLA kernels not), bf16 and fp8, with a tuning sweep of each (by group up to
-    # 1024 copies in this copy of the tree, so that T = 128 takes it too)
+47) # next session, second call: the fp8-weight step at batch 32 by group against sorted (part 45 cut both at 60 s),
+    # then the two grouped kernels by group against sorted at T = 8 / 32 / 128 (kernel device time: the copy table
+    # timed, the sort's XLA kernels not), bf16 and fp8, with a tuning sweep of each (by group up to 1024 copies in
+    # /tmp/wide, so that T = 128 takes it too)
     out=${2:?}
-    rm -rf /tmp/wide && mkdir /tmp/wide && cp -r mla_jax pallas_kernels bench /tmp/wide/
-    sed -i 's/^BY_GROUP_MAX_COPIES = 256$/BY_GROUP_MAX_COPIES = 1024/' /tmp/wide/mla_jax/layers.py
-    (cd /tmp/wide && grep -q "^BY_GROUP_MAX_COPIES = 1024" mla_jax/layers.py &&
-        run 520 moe-decode python3 bench/moe_decode.py --out "$out" --tokens 32,8,128 --routing layers,sorted \
-            --weights bf16,fp8 --budget-s 420)
+    overlay_trees
+    run 110 e2e-new-fp8 python3 -m mla_jax.bench.e2e --out "$out/e2e-new-fp8" --weights fp8 --batches 32 \
+        --ctxs 4096 --no-prefill --no-engine
+    [ -d /tmp/base ] && (cd /tmp/base && run 110 e2e-base-fp8 python3 -m mla_jax.bench.e2e \
+        --out "$out/e2e-base-fp8" --weights fp8 --batches 32 --ctxs 4096 --no-prefill --no-engine)
+    (cd /tmp/wide && run 330 moe-decode python3 bench/moe_decode.py --out "$out" --tokens 32,8,128 \
+        --routing layers,sorted --weights bf16,fp8 --budget-s 240)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 47" >&2; exit 2 ;;
 esac
