@@ -415,9 +415,9 @@ def _group_table_kernel(ids_ref, table_ref, count_ref, *, tokens: int, top_k: in
     match = in_range & jnp.where(slot == pad_slot, (key < 0) | (key >= num_groups), key == slot)
     m32 = match.astype(jnp.int32)
     rank = jnp.cumsum(m32) - m32  # the copy's place among the slot's (copies of a token's top-k: one a slot)
-    # copies of other slots go to distinct columns past T (masked on the GPU; the interpreter's masked scatter must
+    # copies of other slots go to distinct columns past T*K (masked on the GPU; the interpreter's masked scatter must
     # not see them collide with a real place)
-    col = jnp.where(match, rank, tokens + c)
+    col = jnp.where(match, rank, n_routed + c)
     is_chunk = (slot >= num_groups) & (slot < pad_slot)
     chunk_copy = n_routed + (slot - num_groups) * tokens + jnp.arange(next_pow2(tokens), dtype=jnp.int32)
     t_in = jnp.arange(next_pow2(tokens), dtype=jnp.int32) < tokens
@@ -434,17 +434,17 @@ def _group_table_kernel(ids_ref, table_ref, count_ref, *, tokens: int, top_k: in
 
 
 def group_table(top_k_ids, num_groups: int, num_chunks: int, *, interpret: bool = False):
-    """Items by group's table from each token's top-k i32[T, K]: (table i32[G + C + 1, T'], count i32[G + C + 1]),
-    row s of the table slot s's copies in copy order (`_group_table_kernel`), the first count[s] valid (T' >= T:
-    the GPU's T; the interpreter's rows are padded for its scatter). One small Triton kernel before the GEMMs: the
-    sort, the group sizes, the gather of the copies and the inverse permutation of the sorted path, at once."""
+    """Items by group's table from each token's top-k i32[T, K]: (table i32[G + C + 1, W], count i32[G + C + 1]),
+    row s of the table slot s's copies in copy order (`_group_table_kernel`), the first count[s] valid (W = T*K, the
+    padding slot's most; the interpreter's rows are longer, for its scatter). One small Triton kernel before the
+    GEMMs: the sort, the group sizes, the gather of the copies and the inverse permutation of the sorted path."""
     tokens, top_k = top_k_ids.shape
     slots = num_groups + num_chunks + 1
     ids = top_k_ids.reshape(-1).astype(jnp.int32)
-    width = tokens
-    if interpret:  # power-of-two loads and the other slots' columns past T (the GPU masks them)
-        ids = pad_to(ids, 0, next_pow2(tokens * top_k))
-        width = max(next_pow2(tokens), tokens + next_pow2(tokens * top_k))
+    width = tokens * top_k
+    if interpret:  # power-of-two loads and the other slots' columns past T*K (the GPU masks them)
+        ids = pad_to(ids, 0, next_pow2(width))
+        width = max(next_pow2(tokens), width + next_pow2(width))
     whole = lambda shape: pl.BlockSpec(shape, lambda g: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
         functools.partial(
@@ -460,14 +460,24 @@ def group_table(top_k_ids, num_groups: int, num_chunks: int, *, interpret: bool 
     )(ids)
 
 
+def group_items(tokens: int, top_k: int, num_slots: int, block_m: int) -> int:
+    """Items by group's static count: cdiv(T, block_m) row tiles for each of the G + C expert and chunk slots, cdiv(T*K,
+    block_m) for the padding slot."""
+    return num_slots * cdiv(tokens, block_m) + cdiv(tokens * top_k, block_m)
+
+
 def _group_tile(
     table_ref, count_ref, i, tokens: int, top_k: int, num_groups: int, num_chunks: int, bm: int, per_token: bool
 ):
-    """By group (a token top-k of more copies than per-copy items serve): work item i is row tile q of group slot
-    s = i // cdiv(T, bm) (`group_table`'s slots). Returns (the slot's group for the K loop, each tile row's copy
-    i32[bm], its lhs row [bm, 1], whether it has one [bm]): two loads from the table."""
+    """By group (a token top-k of more copies than per-copy items serve): work item i is row tile q of group slot s
+    (`group_table`'s slots): cdiv(T, bm) tiles for each expert and shared chunk (a token's top-k hits an expert once),
+    cdiv(T*K, bm) for the padding slot (under expert parallelism most copies are another device's), `group_items`.
+    Returns (the slot's group for the K loop, each tile row's copy i32[bm], its lhs row [bm, 1], whether it has one
+    [bm]): two loads from the table."""
     tiles = cdiv(tokens, bm)
-    slot, q = i // tiles, i % tiles
+    pad_slot = num_groups + num_chunks
+    slot = jnp.minimum(i // tiles, pad_slot)
+    q = jnp.where(slot < pad_slot, i % tiles, i - pad_slot * tiles)
     want = q * bm + jnp.arange(bm, dtype=jnp.int32)  # the tile's places among the slot's copies
     has = want < count_ref[slot]
     copy = masked_load(table_ref.at[slot, want], has)
@@ -739,7 +749,7 @@ def _gmm_impl(
     by_group = tokens * top_k > PER_COPY_MAX_COPIES  # a token top-k of more copies: items by group (`_group_tile`)
     num_row_items = tokens * top_k + num_chunks if top_k else m
     if by_group:
-        num_row_items = (g + num_chunks + 1) * cdiv(tokens, block_m)
+        num_row_items = group_items(tokens, top_k, g + num_chunks, block_m)
     out_dtype = jnp.dtype(out_dtype)
     # Interpret mode cannot slice a block larger than the array (the GPU just masks): zero-pad a
     # dimension smaller than its block (tiny problems only: blocks are clamped to the next power of

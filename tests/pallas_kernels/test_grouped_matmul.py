@@ -276,6 +276,7 @@ def _group_table_case(t, k, g, c, interpret):
     rng = np.random.default_rng(t + g)
     ids = np.stack([rng.permutation(g)[:k] for _ in range(t)]).astype(np.int32)
     ids[0, -1], ids[-1, 0] = -1, g + 3  # another device's copy, an out-of-range group: the padding slot
+    ids[1::2, 0] = -1  # many of them: more than T (the padding slot's row is T*K long)
     table, count = (np.asarray(a) for a in group_table(jnp.asarray(ids), g, c, interpret=interpret))
     assert count.shape == (g + c + 1,) and table.shape[0] == g + c + 1
     flat = ids.reshape(-1)
@@ -291,6 +292,23 @@ def _group_table_case(t, k, g, c, interpret):
         np.testing.assert_array_equal(table[slot, : count[slot]], want)
         seen += list(want)
     assert sorted(seen) == list(range(t * (k + c)))
+
+
+def test_top_k_by_group_other_devices_copies_are_zero():
+    """Expert parallelism: most copies are another device's (group -1 here: 20 of 27, more than the T rows an expert
+    slot has), all stored 0 (the padding slot's cdiv(T*K, block_m) tiles; the interpreter's unwritten rows are NaN),
+    the rest as the reference."""
+    rng = np.random.default_rng(5)
+    t, k, g, n, d = 9, 3, 4, 24, 32
+    ids = np.stack([rng.permutation(g)[:k] for _ in range(t)]).astype(np.int32)
+    ids.reshape(-1)[rng.permutation(t * k)[:20]] = -1
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((g, n, d)), jnp.float32)
+    out = np.asarray(grouped_matmul(x, w, row_groups=jnp.asarray(ids), interpret=True, **SMALL))
+    ref = np.asarray(grouped_matmul_reference(x, w, row_groups=jnp.asarray(ids)))
+    other = ids.reshape(-1) < 0
+    assert np.all(out[other] == 0) and np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref, *TOL[jnp.float32][::-1])
 
 
 @pytest.mark.parametrize("t, k, g, c", [(9, 3, 5, 2), (40, 2, 3, 0), (1, 6, 64, 2)])
