@@ -58,7 +58,7 @@ from mla_jax.engine import Engine, EngineConfig, default_page_size
 from mla_jax.metadata import build_metadata
 from mla_jax.packed import Packed
 from mla_jax.sampling import SamplingArrays, SamplingParams
-from mla_jax.spec_decode import SpecArrays, spec_step
+from mla_jax.spec_decode import SpecArrays, SpecCarry, spec_step
 from mla_jax.step import engine_step, step_batch
 
 RESULT_FILE = "spec-h200.json"
@@ -158,9 +158,10 @@ class VerifyBench:
         batch = jax.device_put(Packed.of((mdk, spk, spec)))
 
         kw = dict(self._kw(), num_speculative_tokens=k)
+        carry = [jax.device_put(SpecCarry.zeros(mdk.shape.num_decodes + mdk.shape.num_prefills, k))]  # donated
 
         def run(c, method):
-            *o, c = spec_step(self.params, self.cfg, c, batch, **kw, method=method)
+            *o, c, carry[0] = spec_step(self.params, self.cfg, c, batch, carry[0], **kw, method=method)
             return o[0], c
 
         t_ver, self.cache = _time(lambda c: run(c, "ngram"), self.cache, a.iters)
@@ -183,7 +184,7 @@ class VerifyBench:
         if t_mtp is not None:
             row |= dict(mtp_step_ms=round(t_mtp * 1e3, 3), mtp_draft_ms=round((t_mtp - t_ver) * 1e3, 3))
         if a.profile and k == TARGET_K and B in int_list(a.profile_batches) and ctx == min(int_list(a.ctxs)):
-            lower = lambda c: spec_step.lower(self.params, self.cfg, c, batch, **kw, method="ngram")  # noqa: E731
+            lower = lambda c: spec_step.lower(self.params, self.cfg, c, batch, carry[0], **kw, method="ngram")  # noqa: E731
             prof = self.profile(B, ctx, k, lambda c: run(c, "ngram"), lower)
             if a.out:
                 write_results(os.path.join(a.out, f"spec-profile-b{B}-h200.json"), {**res_meta(self.res), **prof})

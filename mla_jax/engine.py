@@ -244,16 +244,16 @@ def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, cfg: D
 
 @dataclasses.dataclass
 class _Launched:
-    """A step in flight: its chunks, and either the device arrays of its sampled ids and logprobs with, per
-    chunk that samples, (logit row, index of its pending output); or (speculative
-    steps, which complete at launch) the per-chunk outputs."""
+    """A step in flight: its chunks and the device arrays of its outputs, with, per chunk that samples, its logit
+    row (a speculative step: its entry), None for the others."""
 
     chunks: list
     sampled: list[bool]  # per chunk: it sampled (ended at its request's last token at launch)
-    tokens: jax.Array | None = None
-    logprobs: jax.Array | None = None
-    samples: list | None = None
-    produced: list | None = None
+    tokens: jax.Array
+    logprobs: jax.Array
+    samples: list
+    num_out: jax.Array | None = None  # speculative steps: outputs per entry, and the MTP drafts
+    drafts: jax.Array | None = None
 
 
 class Engine:
@@ -315,12 +315,17 @@ class Engine:
         self.workspace_rows = default_workspace_rows(c.max_model_len, c.max_prefills, c.page_size)
         chunk_min = (self.workspace_rows // c.max_prefills) // c.page_size * c.page_size
         self.max_chunks = cdiv(c.max_model_len, chunk_min)
-        self.async_scheduling = c.async_scheduling and not self.spec_k
+        # Async speculative steps take the last step's drafts on the device: MTP's, not the host's n-gram ones.
+        self.async_scheduling = c.async_scheduling and (not self.spec_k or self.drafter.on_device)
         # The last step's sampled ids on the device, padded to the most logit rows a step has (fixed shape).
         buf = np.zeros(self.batch_shape(max(c.decode_buckets), 1).num_logits * self.dp, np.int32)  # DP: rank-major
         self.token_buffer = self._to_device(buf)
+        if self.spec_k:  # the same for speculative steps: per entry, its outputs and drafts
+            entries = max(c.decode_buckets) + c.max_prefills
+            self.spec_carry = self._to_device(spec_decode.SpecCarry.zeros(entries, self.spec_k))
         self._inflight: _Launched | None = None  # async: the launched step whose outputs are not processed yet
-        self._pending_rows: dict[Hashable, int] = {}  # request -> logit row of its pending id in the last step
+        # request -> logit row (speculative steps: entry) of its pending output in the last step
+        self._pending_rows: dict[Hashable, int] = {}
         self.device_wait_s = 0.0  # time step() spent blocked on sampled ids (the rest of its time is host work)
         self._ids = 0
         self.counter = compile_counter()
@@ -446,15 +451,17 @@ class Engine:
         tokens, logprobs = self._dispatch(md, sampling)
         return to_host(tokens), to_host(logprobs)
 
-    def _run_spec(self, md: AttentionMetadata, sampling: SamplingArrays, spec: spec_decode.SpecArrays):
-        """One jitted speculative step (`spec_decode.spec_step`): (tokens [E, k+1], num_out [E], logprobs
-        [E, k+1], MTP drafts [E, k]) on the host, E = decode entries then prefills."""
+    def _dispatch_spec(self, md: AttentionMetadata, sampling: SamplingArrays, spec: spec_decode.SpecArrays):
+        """Launches one jitted speculative step (`spec_decode.spec_step`) and starts copying its outputs to the
+        host: (tokens [E, k+1], num_out [E], logprobs [E, k+1], MTP drafts [E, k]) as device arrays, E = decode
+        entries then prefills."""
         batch = self._step_input(Packed.of((md, sampling, spec)))  # one transfer
-        *out, self.cache = spec_decode.spec_step(
+        *out, self.cache, self.spec_carry = spec_decode.spec_step(
             self.params,
             self.cfg,
             self.cache,
             batch,
+            self.spec_carry,
             backend=self.config.backend,
             plan=self.plan,
             batch_invariant=self.config.batch_invariant,
@@ -463,10 +470,7 @@ class Engine:
             method=self.drafter.method,
         )
         _start_host_copies(*out)  # the four copies in flight together, not one after another
-        t0 = time.perf_counter()
-        host = tuple(to_host(x) for x in out)
-        self.device_wait_s += time.perf_counter() - t0
-        return host
+        return out
 
     def warmup(
         self,
@@ -516,7 +520,7 @@ class Engine:
         sp = SamplingParams(top_logprobs=int(top_logprobs), temperature=float(filtered), top_p=0.5 if filtered else 1)
         sampling = SamplingArrays.build([sp], [0], shape.num_logits * self.dp)  # row 0 selects the variant only
         if self.spec_k:
-            self._run_spec(md, sampling, spec_decode.SpecArrays.empty(shape))
+            jax.block_until_ready(self._dispatch_spec(md, sampling, spec_decode.SpecArrays.empty(shape)))
             return
         jax.block_until_ready(self._run(md, sampling))
 
@@ -550,8 +554,7 @@ class Engine:
         tp = sum(c.num_tokens for c, d in zip(chunks, is_decode) if not d)
         md, order = self._build(reqs, self.batch_shape(nd, tp), is_decode)
         if self.spec_k:
-            sampled = [c.samples for c in chunks]
-            return _Launched(chunks, sampled, produced=self._spec_outputs(chunks, md, order, nd))
+            return self._launch_spec(chunks, md, order, nd)
         return self._launch_plain(chunks, md, self._logit_rows(order, nd, md.shape))
 
     def _build(self, reqs, shape: BatchShape, is_decode) -> tuple[AttentionMetadata, list[int]]:
@@ -608,75 +611,84 @@ class Engine:
                 pos[row] = r.num_tokens  # position of the token being sampled
         prev_index = prev_index.reshape(np.shape(md.input_ids))  # DP: [dp, T]
         tokens, logprobs = self._dispatch(md, SamplingArrays.build(sp, pos, n), prev_index)
-        samples = [None] * len(chunks)  # per chunk that samples: (logit row, index of its pending output)
+        samples = [None] * len(chunks)  # per chunk that samples: its logit row
         self._pending_rows = {}
         for oi, row, _ in rows:
             c = chunks[oi]
             r = c.request
             r.num_computed_tokens = c.start + c.num_tokens
             if c.samples:
-                samples[oi] = (row, len(r.output_token_ids))
+                samples[oi] = row
                 r.output_token_ids.append(PENDING)
                 r.num_pending += 1
                 self._pending_rows[r.request_id] = row
         sampled = [x is not None for x in samples]
-        return _Launched(chunks, sampled, tokens=tokens, logprobs=logprobs, samples=samples)
+        return _Launched(chunks, sampled, tokens, logprobs, samples)
 
     def _complete(self, launched: "_Launched") -> list[RequestOutput]:
-        """Processes a launched step's sampled ids: outputs, stops, prefix-cache registration."""
-        if launched.produced is None:
-            t0 = time.perf_counter()
-            tokens, logprobs = to_host(launched.tokens), to_host(launched.logprobs)
-            self.device_wait_s += time.perf_counter() - t0
-            launched.produced = self._plain_outputs(launched, tokens, logprobs)
+        """Processes a launched step's outputs: the pending ids filled in, stops, (speculative steps) the accepted
+        drafts counted as computed, rejected rows rolled back and the next drafts, prefix-cache registration."""
+        t0 = time.perf_counter()
+        outputs = (launched.tokens, launched.logprobs, launched.num_out, launched.drafts)
+        host = [None if x is None else to_host(x) for x in outputs]
+        self.device_wait_s += time.perf_counter() - t0
+        produced = self._spec_produced(launched, *host) if self.spec_k else self._plain_produced(launched, *host[:2])
         outs = []
-        for oi, (c, (toks, lps, tops)) in enumerate(zip(launched.chunks, launched.produced)):
+        for oi, (c, (toks, lps, tops)) in enumerate(zip(launched.chunks, produced)):
             r = c.request
             if r.status is Status.FINISHED:  # finished or aborted while this step ran (async): nothing to report
                 continue
-            if self.spec_k:
-                accepted = max(0, len(toks) - 1)
-                r.num_computed_tokens = c.start + c.num_tokens - c.num_drafts + accepted
-                if c.num_drafts:
-                    r.num_draft_tokens += c.num_drafts
-                    r.num_accepted_tokens += accepted
-                    self.num_draft_tokens += c.num_drafts
-                    self.num_accepted_tokens += accepted
-                    if c.num_drafts == self.spec_k:
-                        self.num_verify_steps += 1
-                        self.num_verify_accepted += accepted
-                self.pool.truncate(r.request_id, r.num_computed_tokens)  # roll back the rows of rejected drafts
-            if r.status is Status.RUNNING:
-                self.scheduler.cache_computed(r)
-            if not launched.sampled[oi]:
-                continue
             reason, new = None, []
-            if self.spec_k:
-                base = len(r.output_token_ids)
-                r.output_token_ids.extend(toks)
-            else:  # one sampled id, for the output left pending at launch
-                base = launched.samples[oi][1]
-                r.output_token_ids[base] = toks[0]
+            if launched.sampled[oi]:
+                base = len(r.output_token_ids) - r.num_pending  # its pending id: the first (a later step's follow)
+                r.output_token_ids[base : base + 1] = toks
                 r.num_pending -= 1
-            for i, tok in enumerate(toks):
-                new.append(tok)
-                r.output_logprobs.append(lps[i])
-                if tops is not None:
-                    r.output_top_logprobs.append(tops)
-                if tok in r.params.stop_token_ids:
-                    reason = "stop"
-                elif base + i + 1 >= r.params.max_new_tokens:
-                    reason = "length"
-                if reason:
-                    del r.output_token_ids[base + i + 1 :]  # drafts past a stop; async: a later step's pending id
-                    r.num_pending = 0
-                    break
+                for i, tok in enumerate(toks):
+                    new.append(tok)
+                    r.output_logprobs.append(lps[i])
+                    if tops is not None:
+                        r.output_top_logprobs.append(tops)
+                    if tok in r.params.stop_token_ids:
+                        reason = "stop"
+                    elif base + i + 1 >= r.params.max_new_tokens:
+                        reason = "length"
+                    if reason:
+                        del r.output_token_ids[base + i + 1 :]  # drafts past a stop; async: a later step's pending id
+                        r.num_pending = 0
+                        break
+            if self.spec_k and c.num_drafts:
+                accepted = max(0, len(new) - 1)
+                r.num_draft_tokens += c.num_drafts
+                r.num_accepted_tokens += accepted
+                self.num_draft_tokens += c.num_drafts
+                self.num_accepted_tokens += accepted
+                if c.num_drafts == self.spec_k:
+                    self.num_verify_steps += 1
+                    self.num_verify_accepted += accepted
+            if r.status is Status.RUNNING:  # (not preempted while this step ran)
+                if self.spec_k:
+                    self._spec_advance(r, len(toks) - 1 if launched.sampled[oi] else 0, host[3], launched.samples[oi])
+                self.scheduler.cache_computed(r)  # before a finish frees the pages
             if reason:
                 self.scheduler.finish(r, reason)
-            outs.append(self._output(r, new))
+            if launched.sampled[oi]:
+                outs.append(self._output(r, new))
         return outs
 
-    def _plain_outputs(self, launched: "_Launched", tokens: np.ndarray, logprobs: np.ndarray) -> list:
+    def _spec_advance(self, r: Request, accepted: int, drafts: np.ndarray, sample) -> None:
+        """After a speculative step: the accepted drafts count as computed (launch counted its real rows). With no
+        later step of the request in flight, the pages of rejected rows go back (`PagePool.truncate`) and its next
+        drafts are set: the n-gram proposal, or the step's MTP drafts (a step in flight took them on the device)."""
+        # (at most its known tokens: drafts past a stop, or past max_new_tokens, which async steps can verify)
+        r.num_computed_tokens = min(r.num_computed_tokens + accepted, r.num_tokens - r.num_pending)
+        if r.num_pending or r.status is not Status.RUNNING:
+            return
+        r.num_unverified = 0
+        self.pool.truncate(r.request_id, r.num_computed_tokens)
+        if sample is not None:
+            r.draft_token_ids = self.drafter.propose(r.all_token_ids, drafts[sample])[: self.spec_k]
+
+    def _plain_produced(self, launched: "_Launched", tokens: np.ndarray, logprobs: np.ndarray) -> list:
         """Per chunk of a step without speculation: ([sampled token] or [], logprobs, top logprobs or None)."""
         top_ids = top_lps = None
         if tokens.ndim == 2:  # column 0 the sampled token, then the top logprobs
@@ -685,7 +697,7 @@ class Engine:
         for oi, c in enumerate(launched.chunks):
             if launched.samples[oi] is None:
                 continue
-            row = launched.samples[oi][0]
+            row = launched.samples[oi]
             tops = None
             if c.request.params.top_logprobs:
                 k = c.request.params.top_logprobs
@@ -693,9 +705,20 @@ class Engine:
             produced[oi] = ([int(tokens[row])], [float(logprobs[row])], tops)
         return produced
 
-    def _spec_outputs(self, chunks, md, order, nd):
-        """A speculative step: per chunk (the accepted drafts + the target's next token, their logprobs, None);
-        sets each sampling request's next drafts."""
+    def _spec_produced(self, launched: "_Launched", tokens, logprobs, num_out, drafts) -> list:
+        """Per chunk of a speculative step: (the accepted drafts + the target's next token, their logprobs, None)."""
+        produced: list = [([], [], None)] * len(launched.chunks)
+        for oi, smp in enumerate(launched.samples):
+            if smp is not None:
+                n = int(num_out[smp])
+                produced[oi] = (tokens[smp, :n].tolist(), logprobs[smp, :n].tolist(), None)
+        return produced
+
+    def _launch_spec(self, chunks, md, order, nd) -> "_Launched":
+        """Launches a speculative step. A decode whose last step is still in flight (async) takes its rows from
+        that step's outputs on the device (`spec_decode.follow_prev`); the host counts its real rows as computed
+        and gives each chunk that samples one pending output, which `_complete` replaces by the step's accepted
+        drafts and next token."""
         shape = md.shape
         Bd, Q, Td = shape.num_decodes, shape.decode_query_len, shape.num_decode_tokens
         G = self.config.page_size
@@ -704,19 +727,17 @@ class Engine:
         spec = spec_decode.SpecArrays.empty(shape)
         next_ids = spec.next_ids
         next_ids[:] = -1
-        entries = []
+        entries = [0] * len(chunks)
         qsl = np.asarray(md.prefill.query_start_loc)
         for k, oi in enumerate(order):
             c = chunks[oi]
             r = c.request
-            e = k if k < nd else Bd + (k - nd)
-            entries.append(e)
+            e = entries[oi] = k if k < nd else Bd + (k - nd)
             first = k * Q if k < nd else Td + int(qsl[k - nd])  # the chunk's first token row
-            real = c.num_tokens - c.num_drafts
             toks = r.all_token_ids
-            for i in range(real):  # the token after each real row, where it is known
+            for i in range(c.num_tokens - c.num_drafts):  # the token after each real row, where it is known
                 p = c.start + i + 1
-                next_ids[first + i] = toks[p] if p < len(toks) else -1
+                next_ids[first + i] = toks[p] if p < len(toks) else -1  # (PENDING is -1 too)
             if c.samples:
                 spec.capacity[e] = len(self.pool.pages(r.request_id)) * G
                 for j in range(c.num_drafts + 1 if k < nd else 1):
@@ -725,17 +746,24 @@ class Engine:
                     pos[row] = r.num_tokens + j  # position of the token sampled at this row
             if k < nd:
                 spec.num_drafts[k] = c.num_drafts
-        tokens, num_out, logprobs, drafts = self._run_spec(md, SamplingArrays.build(sp, pos, shape.num_logits), spec)
-        produced: list = [([], [], None)] * len(chunks)
-        for e, oi in zip(entries, order):
-            c = chunks[oi]
-            if not c.samples:
-                continue
-            n = int(num_out[e])
-            produced[oi] = (tokens[e, :n].tolist(), logprobs[e, :n].tolist(), None)
+                if r.num_pending:  # its row 0 and drafts are outputs of the step in flight
+                    spec.prev_entry[k] = self._pending_rows[r.request_id]
+        sampled = [c.samples for c in chunks]
+        tokens, num_out, logprobs, drafts = self._dispatch_spec(md, SamplingArrays.build(sp, pos, len(sp)), spec)
+        samples = [None] * len(chunks)
+        self._pending_rows = {}
+        for oi, c in enumerate(chunks):
             r = c.request
-            r.draft_token_ids = self.drafter.propose(r.all_token_ids + produced[oi][0], drafts[e])[: self.spec_k]
-        return produced
+            r.num_computed_tokens = c.start + c.num_tokens - c.num_drafts  # + its accepted drafts, at completion
+            if sampled[oi]:
+                samples[oi] = entries[oi]
+                r.output_token_ids.append(PENDING)
+                r.num_pending += 1
+                r.num_unverified = c.num_drafts
+                # async: the next step takes its drafts from this one's on the device; else `_complete` sets them
+                r.draft_token_ids = [PENDING] * self.spec_k if self.async_scheduling else []
+                self._pending_rows[r.request_id] = entries[oi]
+        return _Launched(chunks, sampled, tokens, logprobs, samples, num_out, drafts)
 
     def _output(self, r: Request, new: list[int]) -> RequestOutput:
         return RequestOutput(

@@ -61,6 +61,9 @@ class Request:
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_tokens: int = 0  # of which accepted
     num_pending: int = 0  # trailing output ids still PENDING (sampled by a step in flight)
+    # Async speculative steps: drafts of its step in flight, which the host counts neither as computed nor as
+    # rejected yet; the next step's rows sit up to that many positions later (`schedule` allocates for them).
+    num_unverified: int = 0
     dp_rank: int = 0  # data-parallel attention: the rank whose pool holds its pages (`DPScheduler`)
 
     @property
@@ -155,6 +158,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_cached_pages = 0
         victim.draft_token_ids = []
+        victim.num_unverified = 0
         victim.status = Status.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -214,9 +218,12 @@ class Scheduler:
             if n - m > 1:
                 if prefills >= self.max_prefills:
                     continue
+            upto = r.num_computed_tokens + n
+            if r.num_unverified:  # the worst case of its step in flight, up to the last position it may need
+                upto = max(upto, min(upto + r.num_unverified, len(r.prompt_token_ids) + r.params.max_new_tokens))
             while True:
                 try:
-                    self._grow(r, r.num_computed_tokens + n)
+                    self._grow(r, upto)
                     break
                 except OutOfPages:
                     victim = self._preempt_newest()

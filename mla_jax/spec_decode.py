@@ -151,12 +151,15 @@ def accept(
 class SpecArrays:
     """Per step, host-built: num_drafts i32[Bd] (drafts among each decode request's k+1 rows); next_ids i32[T]:
     the token after each row's where the host knows it (prompt tokens), -1 where it is this step's output;
-    capacity i32[Bd + Sp]: tokens the pages of each request that samples this step hold (MTP drafting writes
-    below it only), 0 for the others."""
+    capacity i32[Bd + Sp]: tokens the pages of each request that samples this step hold (rows at or past it
+    write nowhere), 0 for the others; prev_entry i32[Bd]: for a decode whose last step is still in flight
+    (async scheduling), that step's entry in `SpecCarry`, whose outputs give its rows (`follow_prev`); -1: the
+    host's rows."""
 
     num_drafts: jax.Array
     next_ids: jax.Array
     capacity: jax.Array
+    prev_entry: jax.Array
 
     @staticmethod
     def empty(shape: BatchShape) -> "SpecArrays":
@@ -164,7 +167,71 @@ class SpecArrays:
             np.zeros(shape.num_decodes, np.int32),
             np.zeros(shape.num_tokens, np.int32),
             np.zeros(shape.num_decodes + shape.num_prefills, np.int32),
+            np.full(shape.num_decodes, -1, np.int32),
         )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecCarry:
+    """The last speculative step's outputs, kept on the device for the next step (async scheduling launches it
+    before the host has read them): per entry (decode requests, then prefills; rows past the step's E unused)
+    tokens i32[S, k+1] (the first num_out are its output), num_out i32[S], drafts i32[S, k] (MTP; zeros for
+    "ngram"). S is fixed by the engine (its largest decode bucket + max_prefills): every step has one signature."""
+
+    tokens: jax.Array
+    num_out: jax.Array
+    drafts: jax.Array
+
+    @staticmethod
+    def zeros(entries: int, k: int) -> "SpecCarry":
+        z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
+        return SpecCarry(z(entries, k + 1), z(entries), z(entries, k))
+
+    def put(self, tokens: jax.Array, num_out: jax.Array, drafts: jax.Array) -> "SpecCarry":
+        E = tokens.shape[0]
+        t, n, d = self.tokens.at[:E].set(tokens), self.num_out.at[:E].set(num_out), self.drafts.at[:E].set(drafts)
+        return SpecCarry(t, n, d)
+
+
+def follow_prev(
+    md: AttentionMetadata, sampling: SamplingArrays, spec: SpecArrays, prev: SpecCarry, page_size: int
+) -> tuple[AttentionMetadata, SamplingArrays]:
+    """The decode rows of requests whose last step is in flight, from that step's outputs on the device.
+
+    The host built such a request's rows as if its last step accepted no draft: row 0 at position n (its
+    computed tokens then), rows 1..m at n + j, its input ids placeholders. The step accepted a = num_out - 1
+    drafts, so row j is at n + a + j; its input is the step's last output token (row 0) or its MTP draft j
+    (rows 1..m); its slot comes from the block table at that position (-1 at or past `capacity`: pages the host
+    allocated for the worst case, a = k, cover every row that can still matter), its seq_len is position + 1
+    (0 past capacity), and its sampling position moves with it. Rows of other requests are unchanged."""
+    s = md.shape
+    Bd, Q, Td = s.num_decodes, s.decode_query_len, s.num_decode_tokens
+    if not Bd:
+        return md, sampling
+    e = jnp.maximum(spec.prev_entry, 0)
+    follow = (spec.prev_entry >= 0)[:, None]  # [Bd, 1]
+    n_out = prev.num_out[e]  # [Bd]
+    last = jnp.take_along_axis(prev.tokens[e], jnp.maximum(n_out - 1, 0)[:, None], axis=1)  # [Bd, 1]
+    ids = jnp.concatenate([last, prev.drafts[e][:, : Q - 1]], axis=1)  # [Bd, Q]
+    seq = md.decode.seq_lens  # [Bd, Q]
+    real = seq > 0
+    shift = jnp.where(follow, n_out[:, None] - 1, 0)
+    pos = md.positions[:Td].reshape(Bd, Q) + shift
+    live = real & (pos < spec.capacity[:Bd, None])
+    bt = md.decode.block_table  # [Bd, MP]
+    page = jnp.take_along_axis(bt, jnp.clip(pos // page_size, 0, bt.shape[1] - 1), axis=1)
+    slot = jnp.where(live, page * page_size + pos % page_size, -1)
+    pick = lambda new, old: jnp.where(follow, new, old.reshape(Bd, Q)).reshape(-1)  # noqa: E731
+    md = dataclasses.replace(
+        md,
+        input_ids=md.input_ids.at[:Td].set(pick(jnp.where(real, ids, 0), md.input_ids[:Td])),
+        positions=md.positions.at[:Td].set(pos.reshape(-1)),
+        slot_mapping=md.slot_mapping.at[:Td].set(pick(slot, md.slot_mapping[:Td])),
+        decode=dataclasses.replace(md.decode, seq_lens=jnp.where(follow, jnp.where(live, pos + 1, 0), seq)),
+    )
+    position = sampling.position.at[:Td].add(jnp.broadcast_to(shift, (Bd, Q)).reshape(-1))
+    return md, dataclasses.replace(sampling, position=position)
 
 
 def _decode_only(md_positions, input_ids, slots, block_table, seq_lens) -> AttentionMetadata:
@@ -320,13 +387,14 @@ def _draft_next(
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "backend", "plan", "batch_invariant", "gmm_impl", "num_speculative_tokens", "method"),
-    donate_argnames=("cache",),
+    donate_argnames=("cache", "prev"),
 )
 def spec_step(
     params: Params,
     cfg: DeepseekConfig,
     cache,
     batch: Packed,
+    prev: SpecCarry,
     *,
     backend: str,
     plan: ParallelPlan | None = None,
@@ -336,14 +404,16 @@ def spec_step(
     method: str,
 ):
     """Target step + verification (+ MTP drafting): (tokens i32[Bd+Sp, Q], num_out i32[Bd+Sp], logprobs
-    f32[Bd+Sp, Q], drafts i32[Bd+Sp, k] (MTP; zeros for "ngram"), cache).
+    f32[Bd+Sp, Q], drafts i32[Bd+Sp, k] (MTP; zeros for "ngram"), cache, carry).
 
     `batch` is `Packed.of((md, sampling, spec))` (one host→device transfer). Entries: the Bd decode requests (Q =
     k+1 rows each), then the Sp prefills (their last row; one output). `sampling` holds one row per logit row
-    (decode rows, then one per prefill). With `plan` each part runs in a
-    `shard_map` over its mesh as `mla_jax.step.forward_step` does (md, sampling, spec and the parts' hand-offs
-    replicated; the outputs too)."""
+    (decode rows, then one per prefill). `prev` (donated) is the last step's `SpecCarry`: decodes with
+    `spec.prev_entry` >= 0 take their rows from it (`follow_prev`); the returned carry holds this step's outputs.
+    With `plan` each part runs in a `shard_map` over its mesh as `mla_jax.step.forward_step` does (md, sampling,
+    spec and the parts' hand-offs replicated; the outputs too)."""
     md, sampling, spec = batch.unpack()
+    md, sampling = follow_prev(md, sampling, spec, prev, cache.page_size)  # (the global array's: DCP's virtual)
     kw = dict(cfg=cfg, backend=backend, batch_invariant=batch_invariant, gmm_impl=gmm_impl)
     k, E = num_speculative_tokens, md.shape.num_decodes + md.shape.num_prefills
     if plan is None:
@@ -370,7 +440,8 @@ def spec_step(
         functools.partial(_verify_device, comm=comm, **kw), (P(), P(), P()), (P(), P(), P(), P(), cspecs)
     )(params, cache, md, sampling, spec)
     if method != "mtp":
-        return tokens, num_out, logprobs, jnp.zeros((E, k), jnp.int32), cache
+        drafts = jnp.zeros((E, k), jnp.int32)
+        return tokens, num_out, logprobs, drafts, cache, prev.put(tokens, num_out, drafts)
     h, pos, d, cache = on_mesh(functools.partial(_draft_first, comm=comm, **kw), (P(),) * 5, (P(), P(), P(), cspecs))(
         params, cache, md, spec, x, tokens, num_out
     )
@@ -381,4 +452,5 @@ def spec_step(
             params, cache, bt, spec.capacity, h, d, pos
         )
         drafts.append(d)
-    return tokens, num_out, logprobs, jnp.stack(drafts, axis=1), cache
+    drafts = jnp.stack(drafts, axis=1)
+    return tokens, num_out, logprobs, drafts, cache, prev.put(tokens, num_out, drafts)
