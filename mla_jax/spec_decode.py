@@ -21,6 +21,14 @@ own cache layer at the same slots; rows of rejected drafts write nowhere), then 
 feed its own hidden state and draft back in, pass i through MTP layer i % num_mtp_layers (`mla_jax.mtp.draft_layer`,
 vLLM's choice: a checkpoint's MTP layers chain, a single one is reused).
 
+Async scheduling (MTP; the engine's default): step n+1 is launched before the host has read step n's outputs, so
+the host's work hides under the device's as in plain decoding. The host builds a decode's rows as if step n
+accepted no draft, with pages for the worst case (k accepted), and `follow_prev` moves them on the device by the
+accepted count from step n's outputs (`SpecCarry`): row 0's input is step n's last output token, rows 1..k its
+MTP drafts. The host learns step n's tokens one call later, counts its accepted drafts as computed then, and
+rolls pages back once no step of the request is in flight. The n-gram drafter proposes on the host from the
+accepted tokens, so its steps stay synchronous.
+
 The step is one code path everywhere (`_verify_device`, `_draft_first`, `_draft_next`: each on one device's
 shards): on a mesh (`ParallelPlan`: TP / EP / DCP) `spec_step` runs each part in a `shard_map` as
 `mla_jax.step.forward_step` does, all in one jitted step, the logits all-gathered before acceptance so every

@@ -137,6 +137,29 @@ def test_greedy_identical_batch_sizes_preemption_chunked_prefill(model, referenc
     assert len(match) > 10 and np.mean(match) > 0.95, np.mean(match)  # fp32; a rare near-tie may flip
 
 
+def test_async_mtp_sampled_as_sync():
+    """Sampled speculative steps (temperature 1, a seed per request) give the same tokens with and without async
+    scheduling: an async row's sampling position (its seed's fold-in) moves with the accepted drafts of the step
+    it follows, as the synchronous host would have placed it. A 4-token vocabulary, so that a random MTP layer's
+    drafts are often accepted; pages for all (no preemption), so that both schedules verify the same drafts, up
+    to the last k tokens (which sampled token a row gives depends on whether it had a draft): near
+    max_new_tokens an async step may verify drafts whose outputs turn out to be past it."""
+    cfg = tiny_config(num_hidden_layers=1, vocab_size=4, num_nextn_predict_layers=1, n_routed_experts=None)
+    params = M.init_params(cfg, jax.random.key(1))
+    prompts = [[int(t) % 4 for t in p] for p in _prompts(4)]
+    n, k = 16, 2
+    sps = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=s) for s in range(4)]
+    outs = []
+    for a in (False, True):
+        ec = _config(num_pages=64, num_speculative_tokens=k, speculative_method="mtp", async_scheduling=a)
+        eng = Engine(params, cfg, ec)
+        ids = [eng.add_request(p, sp) for p, sp in zip(prompts, sps)]
+        final = eng.run()
+        outs.append([final[i].token_ids[: n - k - 1] for i in ids])
+        assert eng.scheduler.num_preemptions == 0 and eng.num_accepted_tokens > 5
+    assert outs[0] == outs[1]
+
+
 def test_follow_prev_rows_from_the_step_in_flight():
     """`follow_prev` against rows worked out by hand: decodes whose last step is in flight take row 0's input from
     that step's last output, rows 1..m from its drafts, positions / slots / seq_lens / sampling positions moved by
