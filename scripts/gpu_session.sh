@@ -631,5 +631,22 @@ case $part in
     (cd /tmp/wide && run 330 moe-decode python3 bench/moe_decode.py --out "$out" --tokens 32,8,128 \
         --routing layers,sorted --weights bf16,fp8 --budget-s 240)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 47" >&2; exit 2 ;;
+48) # session 25, one call for part 46's essentials and the async speculative steps (d159a6b): the GPU tests of the
+    # group table (4a84840, items by group in the default path up to 256 copies: never run on a GPU) and of the demo's
+    # speculation (async MTP), the step at ctx 1k by group (this tree) against sorted (4fc5932 under ab/base/,
+    # carried), then the demo's speculative rows at batch 1, k = 2 (MTP now asynchronous; session 20: 0.66x plain)
+    out=${2:?}
+    verbose_tests 170 tests/pallas_kernels/test_grouped_matmul.py tests/mla_jax/test_spec_decode.py \
+        -k "gpu_group_table or gpu_glu_decode or gpu_shared_chunks_decode or demo_model"
+    e2e_rows() {  # e2e_rows NAME: bf16 weights, ctx 1k, batch 8 / 32 / 128
+        run 115 "e2e-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-$1" --weights bf16 --batches 8,32,128 \
+            --ctxs 1024 --no-prefill --no-engine
+    }
+    e2e_rows new
+    overlay_trees
+    [ -d /tmp/base ] && (cd /tmp/base && out=$out e2e_rows base)
+    run 140 spec-demo python3 bench/spec.py --out "$out/spec" --no-verify --demo-batches 1 --demo-ks 2 \
+        --budget-min 1.6
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 48" >&2; exit 2 ;;
 esac
