@@ -89,7 +89,8 @@ class EngineConfig:
     # Schedule and send step n+1 while step n runs on the device: decode rows read their input id from step
     # n's sampled ids on the device, and step n's outputs are processed after step n+1 is launched (so `step()`
     # returns each step's outputs one call later). A request that stops on a stop token costs one discarded
-    # row. Speculative decoding (whose accepted lengths the next step depends on) always runs synchronously.
+    # row. MTP speculative steps too (the next step's rows move by this one's accepted drafts on the device,
+    # `spec_decode.follow_prev`); n-gram ones run synchronously (their drafts come from the accepted tokens).
     async_scheduling: bool = True
 
     def __post_init__(self):
