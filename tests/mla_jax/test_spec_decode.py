@@ -137,6 +137,28 @@ def test_greedy_identical_batch_sizes_preemption_chunked_prefill(model, referenc
     assert len(match) > 10 and np.mean(match) > 0.95, np.mean(match)  # fp32; a rare near-tie may flip
 
 
+def test_async_mtp_abort_in_flight(model, reference):
+    """A request aborted while its speculative step is in flight (async MTP): the step's outputs for it are
+    dropped, its pages go back, and the other requests' greedy outputs are still the plain run's."""
+    cfg, params = model
+    sp, ref = reference
+    eng = Engine(params, cfg, _config(num_speculative_tokens=2, speculative_method="mtp"))
+    ids = [eng.add_request(p, sp) for p in _prompts(4)]
+    final = {}
+    while not any(r.request_id == ids[1] and r.num_pending for r in eng.scheduler.running):
+        final |= {o.request_id: o for o in eng.step() if o.finished}
+    assert eng.abort(ids[1])
+    while eng.has_unfinished:
+        for o in eng.step():
+            assert o.request_id != ids[1]
+            if o.finished:
+                final[o.request_id] = o
+        eng.pool.check_invariants()
+    assert eng.pool.num_free_pages == eng.pool.num_usable_pages
+    assert ids[1] not in final
+    assert [final[i].token_ids for i in ids if i != ids[1]] == [o.token_ids for i, o in zip(ids, ref) if i != ids[1]]
+
+
 def test_async_mtp_sampled_as_sync():
     """Sampled speculative steps (temperature 1, a seed per request) give the same tokens with and without async
     scheduling: an async row's sampling position (its seed's fold-in) moves with the accepted drafts of the step
