@@ -159,6 +159,19 @@ def test_async_mtp_abort_in_flight(model, reference):
     assert [final[i].token_ids for i in ids if i != ids[1]] == [o.token_ids for i, o in zip(ids, ref) if i != ids[1]]
 
 
+def test_async_mtp_to_max_model_len(model):
+    """A request that fills max_model_len exactly (prompt + max_new_tokens = 64): async MTP steps near its end
+    verify rows past the last position that matters, which must write nowhere and read nothing (the page
+    allocation stops at max_model_len); the output is the plain run's."""
+    cfg, params = model
+    prompt, sp = _prompts(1)[0], SamplingParams(max_new_tokens=34)
+    assert len(prompt) + sp.max_new_tokens == _config().max_model_len
+    want = _run(Engine(params, cfg, _config()), [prompt], sp)[0].token_ids
+    eng = Engine(params, cfg, _config(num_speculative_tokens=2, speculative_method="mtp"))
+    got = _run(eng, [prompt], sp)[0].token_ids
+    assert got == want and len(got) == sp.max_new_tokens
+
+
 def test_async_mtp_sampled_as_sync():
     """Sampled speculative steps (temperature 1, a seed per request) give the same tokens with and without async
     scheduling: an async row's sampling position (its seed's fold-in) moves with the accepted drafts of the step
