@@ -657,8 +657,8 @@ class Engine:
                         del r.output_token_ids[base + i + 1 :]  # drafts past a stop; async: a later step's pending id
                         r.num_pending = 0
                         break
-            if self.spec_k and c.num_drafts:
-                accepted = max(0, len(new) - 1)
+            if self.spec_k and c.num_drafts:  # the verifier's count (accepted drafts past a stop included)
+                accepted = len(toks) - 1
                 r.num_draft_tokens += c.num_drafts
                 r.num_accepted_tokens += accepted
                 self.num_draft_tokens += c.num_drafts
