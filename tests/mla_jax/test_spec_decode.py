@@ -172,15 +172,60 @@ def test_async_mtp_to_max_model_len(model):
     assert got == want and len(got) == sp.max_new_tokens
 
 
+def _small_vocab_model():
+    """A 4-token vocabulary: a random MTP layer's drafts are often accepted, so async rows really move."""
+    cfg = tiny_config(num_hidden_layers=1, vocab_size=4, num_nextn_predict_layers=1, n_routed_experts=None)
+    return cfg, M.init_params(cfg, jax.random.key(1))
+
+
+def test_async_mtp_soak(model):
+    """120 greedy requests of random prompt and output lengths (some with a stop token) arriving over time through
+    async MTP steps in a pool small enough to preempt, a random running request aborted now and then (often with
+    its step in flight): every request that was not aborted ends with the plain run's tokens, the page pool's
+    invariants hold after every step and every page is free at the end. (The lifecycle under load; the rows that
+    accepted drafts move are checked where drafts are often accepted: the demo and small-vocabulary tests.)"""
+    cfg, params = model
+    rng = np.random.default_rng(3)
+    reqs = []
+    for _ in range(120):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(1, 31))).tolist()
+        stop = (int(rng.integers(0, VOCAB)),) if rng.random() < 0.3 else ()
+        reqs.append((prompt, SamplingParams(max_new_tokens=int(rng.integers(1, 21)), stop_token_ids=stop)))
+    plain = Engine(params, cfg, _config())
+    ids = [plain.add_request(p, sp) for p, sp in reqs]
+    done = plain.run()
+    want = [done[i].token_ids for i in ids]
+
+    eng = Engine(params, cfg, _config(num_speculative_tokens=2, speculative_method="mtp"))
+    pending, rid_of, final, aborted = list(range(len(reqs))), {}, {}, set()
+    while pending or eng.has_unfinished:
+        for _ in range(int(rng.integers(0, 3))):
+            if pending:
+                i = pending.pop(0)
+                rid_of[eng.add_request(*reqs[i])] = i
+        running = [r.request_id for r in eng.scheduler.running]
+        if running and rng.random() < 0.05:
+            rid = running[int(rng.integers(len(running)))]
+            assert eng.abort(rid)
+            aborted.add(rid_of[rid])
+        for o in eng.step():
+            if o.finished:
+                final[rid_of[o.request_id]] = o.token_ids
+        eng.pool.check_invariants()
+    assert eng.scheduler.num_preemptions > 5 and len(aborted) > 2 and eng.num_accepted_tokens > 0
+    assert eng.pool.num_free_pages == eng.pool.num_usable_pages and not eng.pool.request_ids
+    assert sorted(final) == sorted(set(range(len(reqs))) - aborted)
+    bad = [i for i in final if final[i] != want[i]]
+    assert not bad, f"{len(bad)} requests differ from the plain run, e.g. {bad[:5]}"
+
+
 def test_async_mtp_sampled_as_sync():
     """Sampled speculative steps (temperature 1, a seed per request) give the same tokens with and without async
     scheduling: an async row's sampling position (its seed's fold-in) moves with the accepted drafts of the step
-    it follows, as the synchronous host would have placed it. A 4-token vocabulary, so that a random MTP layer's
-    drafts are often accepted; pages for all (no preemption), so that both schedules verify the same drafts, up
-    to the last k tokens (which sampled token a row gives depends on whether it had a draft): near
-    max_new_tokens an async step may verify drafts whose outputs turn out to be past it."""
-    cfg = tiny_config(num_hidden_layers=1, vocab_size=4, num_nextn_predict_layers=1, n_routed_experts=None)
-    params = M.init_params(cfg, jax.random.key(1))
+    it follows, as the synchronous host would have placed it. Pages for all (no preemption), so that both
+    schedules verify the same drafts, up to the last k tokens (which sampled token a row gives depends on whether
+    it had a draft): near max_new_tokens an async step may verify drafts whose outputs turn out to be past it."""
+    cfg, params = _small_vocab_model()
     prompts = [[int(t) % 4 for t in p] for p in _prompts(4)]
     n, k = 16, 2
     sps = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=s) for s in range(4)]
