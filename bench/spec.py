@@ -259,7 +259,7 @@ def demo_rows(args, res, done: set, more_time, save) -> None:
                 speedup=round(tps / base, 3),
                 steps=steps,
                 # per step: the wall time, the part of it blocked on the device's results, and the rest (host:
-                # scheduler, metadata, drafting, outputs, dispatch); synchronous engines (speculation) wait for
+                # scheduler, metadata, drafting, outputs, dispatch); synchronous engines (n-gram speculation) wait for
                 # every step, asynchronous ones overlap the host's work with the previous step
                 ms_per_step=round(dt / steps * 1e3, 3),
                 wait_ms_per_step=round(wait / steps * 1e3, 3),
