@@ -648,5 +648,20 @@ case $part in
     run 140 spec-demo python3 bench/spec.py --out "$out/spec" --no-verify --demo-batches 1 --demo-ks 2 \
         --budget-min 1.6
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 48" >&2; exit 2 ;;
+49) # session 26, first call (the H200; the GPU tests of part 48 passed on an H100): part 46's A/B at ctx 1k, bf16:
+    # this tree (by group up to 256 copies), by group up to 1024 copies at batch 128, the sorted path of 4fc5932
+    # (ab/base/, carried); then the verify step at batch 32, k = 2 (576 copies: sorted here, by group in /tmp/wide)
+    out=${2:?}
+    e2e_rows() {  # e2e_rows NAME BATCHES: bf16 weights, ctx 1k
+        run 120 "e2e-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-$1" --weights bf16 --batches "$2" \
+            --ctxs 1024 --no-prefill --no-engine
+    }
+    e2e_rows new 8,32,128
+    overlay_trees
+    (cd /tmp/wide && out=$out e2e_rows wide 128)
+    [ -d /tmp/base ] && (cd /tmp/base && out=$out e2e_rows base 8,32,128)
+    (cd /tmp/wide && run 100 spec-wide python3 bench/spec.py --out "$out/spec-wide" --no-demo --batches 32 --ks 2 \
+        --ctxs 1024 --mtp-ks "" --budget-min 1.4)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 49" >&2; exit 2 ;;
 esac
