@@ -663,5 +663,14 @@ case $part in
     (cd /tmp/wide && run 100 spec-wide python3 bench/spec.py --out "$out/spec-wide" --no-demo --batches 32 --ks 2 \
         --ctxs 1024 --mtp-ks "" --budget-min 1.4)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 49" >&2; exit 2 ;;
+50) # session 26, third call: the demo's speculative rows on the H200 (async MTP since d159a6b; part 48's H100 rows were
+    # host-bound and noisy), then the verify rows at k = 2 on the current step (last at 225d72a), ctx 1k then 4k
+    out=${2:?}
+    run 200 spec-demo python3 bench/spec.py --out "$out/spec" --no-verify --demo-batches 1,all --demo-ks 1,2,3 \
+        --budget-min 3.0
+    resume=() && [ -f "$out/spec/spec-h200.json" ] && resume=(--resume "$out/spec/spec-h200.json")
+    run 330 spec-verify python3 bench/spec.py --out "$out/spec" "${resume[@]}" --no-demo \
+        --batches 1,8,32 --ks 2 --ctxs 1024,4096 --budget-min 5.2
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 50" >&2; exit 2 ;;
 esac
