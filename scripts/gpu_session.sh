@@ -672,5 +672,15 @@ case $part in
     run 330 spec-verify python3 bench/spec.py --out "$out/spec" "${resume[@]}" --no-demo \
         --batches 1,8,32 --ks 2 --ctxs 1024,4096 --budget-min 5.2
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 50" >&2; exit 2 ;;
+51) # session 26, second call: the grouped kernels at T = 128 then 32 by group (up to 1024 copies, /tmp/wide) and
+    # sorted, bf16 and fp8, with a tuning sweep (batch 128's experts ran at 0.69-0.78 of copy, batch 32's bf16 at ~1.0),
+    # then the fp8-weight step at batch 32 (issue 25's 0.65x)
+    out=${2:?}
+    overlay_trees
+    (cd /tmp/wide && run 380 moe-decode python3 bench/moe_decode.py --out "$out" --tokens 128,32 \
+        --routing layers,sorted --weights bf16,fp8 --budget-s 280)
+    run 170 e2e-new-fp8 python3 -m mla_jax.bench.e2e --out "$out/e2e-new-fp8" --weights bf16,fp8 --batches 32 \
+        --ctxs 4096 --no-prefill --no-engine
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 51" >&2; exit 2 ;;
 esac
