@@ -447,6 +447,11 @@ def main():
         help="skip the ragged-batch rows (128 requests, lengths log-uniform in [256, 32k], vs uniform)",
     )
     ap.add_argument(
+        "--ragged-only",
+        action="store_true",
+        help="only the correctness check and the ragged-batch rows (no shape grid, no multi-token rows)",
+    )
+    ap.add_argument(
         "--pool-gb",
         default="",
         help="page pool sizes in GB, e.g. 1,16: each shape's rows again over a pool of at least that size (rows "
@@ -490,6 +495,10 @@ def main():
     shapes = SHAPES[:1] + SHAPES[4:5] if args.quick else SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+    if args.ragged_only:
+        if args.no_ragged:
+            ap.error("--ragged-only and --no-ragged leave nothing to time")
+        shapes = []
     dtypes = args.dtypes.split(",")
 
     pools = [float(x) for x in args.pool_gb.split(",") if x]
@@ -536,7 +545,8 @@ def main():
         if args.sweep:
             common.write_results(os.path.join(args.out, "decode-sweep.json"), sweep)
 
-    if not args.quick:  # multi-token rows: both kernels (called directly, whatever the backend rule picks)
+    if not args.quick and not args.ragged_only:  # multi-token rows: both kernels (called directly, whatever the
+        # backend rule picks)
         for b, nq, n, ctx in SPEC_SHAPES:
             sets = [make_inputs(jax.random.key(j), b, nq, n, ctx, "bf16") for j in range(3)]
             for name, fn, extra in kernels_to_time(b, nq * n, ctx, "bf16", run_triton, run_sm90):

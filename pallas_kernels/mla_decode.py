@@ -453,8 +453,78 @@ def _merge_segments_kernel(
             )
 
 
-@functools.partial(jax.jit, static_argnames=("max_segment", "interpret"))
-def merge_segments(out, lse, o_part, lse_part, seg_first, seg_count, *, max_segment=None, interpret=False):
+def _merge_segments_t_kernel(
+    tile_ref,
+    first_ref,
+    count_ref,
+    o_part_ref,
+    lse_part_ref,
+    out_in,
+    lse_in,
+    out_ref,
+    lse_out_ref,
+    *,
+    num_tiles: int,
+    slots: int,
+    s_pad: int,
+    chunk: int,
+    block_l: int,
+):
+    """`_merge_segments_kernel` over transposed partials (the narrow Hopper decode's): program (r, j) of grid
+    (R, L / block_l) merges all M rows of the r-th split tile over one column block; o_part_ref [P*L, M] holds
+    each slot's [L, M] slab, lse_part_ref [P*M]."""
+    del out_in, lse_in  # same buffers as out_ref/lse_out_ref
+    m = out_ref.shape[1]
+    l = out_ref.shape[2]
+    r, j = pl.program_id(0), pl.program_id(1)
+    tile, first, count = tile_ref[r], first_ref[r], count_ref[r]
+    rows = jnp.arange(m, dtype=jnp.int32)
+
+    @pl.when(tile < num_tiles)  # padding entries of the split-tile list: nothing to do
+    def _():
+        s = jnp.arange(s_pad, dtype=jnp.int32)
+        slot = jnp.minimum(first + s, slots - 1)  # [S']
+        lse = pltriton.load(
+            lse_part_ref.at[slot[:, None] * m + rows[None, :]], mask=(s < count)[:, None], other=-jnp.inf
+        )  # [S', M]
+        lse_max = jnp.max(lse, axis=0)  # [M]
+        safe = jnp.where(lse_max > -jnp.inf, lse_max, 0.0)
+        denom = jnp.sum(jnp.where(lse > -jnp.inf, jnp.exp(lse - safe[None, :]), 0.0), axis=0)
+        cols = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
+
+        def step(c, acc):  # slots c*chunk .. c*chunk + chunk - 1
+            sc = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            pc = jnp.minimum(first + sc, slots - 1)  # [chunk]
+            lc = pltriton.load(
+                lse_part_ref.at[pc[:, None] * m + rows[None, :]], mask=(sc < count)[:, None], other=-jnp.inf
+            )  # [chunk, M]
+            alive = lc > -jnp.inf
+            w = jnp.where(alive, jnp.exp(lc - safe[None, :]), 0.0)
+            # Dead partials are never read: a piece with no pages leaves its partial unwritten.
+            o = pltriton.load(
+                o_part_ref.at[(pc[:, None] * l + cols[None, :])[:, :, None], rows[None, None, :]],
+                mask=alive[:, None, :],
+                other=0.0,
+            )  # [chunk, block_l, M]
+            return acc + jnp.sum(o * w[:, None, :], axis=0)  # [block_l, M]
+
+        acc = lax.fori_loop(0, (count + chunk - 1) // chunk, step, jnp.zeros((block_l, m), jnp.float32))
+        has = denom > 0
+        inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)  # [M]
+        merged = (acc * inv[None, :]).T.astype(out_ref.dtype)  # [M, block_l]
+        pltriton.store(out_ref.at[tile, rows[:, None], cols[None, :]], merged)
+
+        @pl.when(j == 0)
+        def _():
+            pltriton.store(
+                lse_out_ref.at[tile, rows], jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)
+            )
+
+
+@functools.partial(jax.jit, static_argnames=("max_segment", "transposed", "interpret"))
+def merge_segments(
+    out, lse, o_part, lse_part, seg_first, seg_count, *, max_segment=None, transposed=False, interpret=False
+):
     """`merge_segments_reference` as one Pallas kernel, in place: (out [U, M, L], lse f32[U, M]) with
     each split tile (seg_count >= 2) replaced by the LSE merge of its slots of o_part f32[P * M, L],
     lse_part f32[P * M]. Replaces the work-list merge's XLA segment_sum (it scatters ~23 MB over
@@ -470,35 +540,40 @@ def merge_segments(out, lse, o_part, lse_part, seg_first, seg_count, *, max_segm
     of min(S', 16) (S' = next power of two of max_segment; the lse max and denominator use one
     S'-wide load), so its column block can be wide (_MERGE_TILE / chunk: all of L = 512) and the
     grid small: 88 x 64 programs at work-list size on the H200 (177 slots, S' = 256), where
-    S'-wide [S', 32] blocks as in merge_splits would launch 16x as many, nearly all masked off."""
+    S'-wide [S', 32] blocks as in merge_splits would launch 16x as many, nearly all masked off.
+    transposed=True: o_part f32[P * L, M] (each slot's [L, M] slab, as the narrow Hopper decode writes its
+    partials), one program per split tile and column block holding all M rows (grid (R, L / block_l))."""
     u, m, l = out.shape
     slots = lse_part.shape[0] // m
     max_segment = slots if max_segment is None else int(max_segment)
     n_split = min(u, slots // 2)
-    if l & (l - 1) or n_split == 0:  # Triton tiles are powers of two
+    if l & (l - 1) or (transposed and m & (m - 1)) or n_split == 0:  # Triton tiles are powers of two
+        if transposed:
+            o_part = jnp.swapaxes(o_part.reshape(slots, l, m), 1, 2).reshape(slots * m, l)
         return merge_segments_reference(out, lse, o_part, lse_part, seg_first, seg_count)
     s_pad = next_pow2(max(max_segment, 1))
     chunk = min(s_pad, _SEG_CHUNK)
-    block_l = min(l, max(16, _MERGE_TILE // chunk))
+    block_l = min(l, max(16, _MERGE_TILE // (chunk * (m if transposed else 1))))
     # The r-th split tile (U: padding), its first slot and its segment count (0: padding).
     tile = jnp.nonzero(seg_count >= 2, size=n_split, fill_value=u)[0].astype(jnp.int32)  # [R]
     safe_tile = jnp.minimum(tile, u - 1)
     first = seg_first[safe_tile].astype(jnp.int32)
     count = jnp.where(tile < u, seg_count[safe_tile], 0).astype(jnp.int32)
-    whole = lambda shape: pl.BlockSpec(shape, lambda r, i, j: (0,) * len(shape))  # noqa: E731
+    kernel = _merge_segments_t_kernel if transposed else _merge_segments_kernel
+    grid = (n_split, l // block_l) if transposed else (n_split, m, l // block_l)
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_merge_segments_kernel, num_tiles=u, slots=slots, s_pad=s_pad, chunk=chunk, block_l=block_l),
-        grid=(n_split, m, l // block_l),
+        functools.partial(kernel, num_tiles=u, slots=slots, s_pad=s_pad, chunk=chunk, block_l=block_l),
+        grid=grid,
         # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
         # kernel indexes rows and tiles itself.
-        in_specs=[whole((n_split,))] * 3
-        + [whole((slots * m, l)), whole((slots * m,)), whole((u, m, l)), whole((u, m))],
+        in_specs=[whole((n_split,))] * 3 + [whole(o_part.shape), whole((slots * m,)), whole((u, m, l)), whole((u, m))],
         out_specs=[whole((u, m, l)), whole((u, m))],
         out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32)],
         input_output_aliases={5: 0, 6: 1},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        name=f"mla_decode_merge_segments_s{s_pad}",
+        name=f"mla_decode_merge_segments{'_t' if transposed else ''}_s{s_pad}",
     )(tile, first, count, o_part, lse_part, out, lse.astype(jnp.float32))
 
 

@@ -1126,7 +1126,17 @@ def _impl(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "l", "num_kv_splits", "batch_invariant", "interpret", "num_stages", "sms", "fp8_qk"),
+    static_argnames=(
+        "scale",
+        "l",
+        "num_kv_splits",
+        "batch_invariant",
+        "interpret",
+        "num_stages",
+        "sms",
+        "fp8_qk",
+        "schedule",
+    ),
 )
 def _narrow(
     q,
@@ -1144,10 +1154,12 @@ def _narrow(
     num_stages,
     sms,
     fp8_qk,
+    schedule,
 ):
-    """Few query rows (grid schedule): the tokens-on-M kernel of mla_decode_sm90_narrow, B * splits pieces;
-    split partials come back transposed and merge as such. With one split the call is one kernel (page
-    offset, row lengths and piece bounds are derived inside it; an fp8 cache adds q's hi/lo split)."""
+    """Few query rows: the tokens-on-M kernel of mla_decode_sm90_narrow. Grid schedule: B * splits pieces, split
+    partials come back transposed and merge as such; with one split the call is one kernel (page offset, row
+    lengths and piece bounds are derived inside it; an fp8 cache adds q's hi/lo split). Work list: the pieces
+    of `worklist_pieces` (one head tile a request), split requests merged by `merge_segments(transposed=True)`."""
     b, nq, n, d = q.shape
     m_rows = nq * n
     fp8 = jnp.dtype(cache.dtype) == FP8
@@ -1157,22 +1169,31 @@ def _narrow(
     if smem > SMEM_BYTES:
         raise ValueError(f"num_stages={stages} needs {smem} B of shared memory per CTA; {SMEM_BYTES} B are available")
     max_pages = block_table.shape[1]
+    kw = dict(kv_scale=kv_scale, scale=scale, l=l, stages=stages, interpret=interpret, fp8_qk=fp8_qk)
+    if schedule == "worklist" and not batch_invariant:
+        _check_worklist_bounds(b, max_pages, sms, _WORKLIST_MIN_PAGES)
+        tile_len = jnp.max(jnp.minimum(seq_lens.astype(jnp.int32), max_pages * PAGE_SIZE), axis=1, keepdims=True)
+        meta, _, seg_first, seg_count = worklist_pieces(tile_len, sms, _WORKLIST_MIN_PAGES, interpret=bool(interpret))
+        out, lse, o_part, lse_part = narrow_decode(
+            q, cache, block_table, seq_lens, page_offset, splits=1, meta=meta, num_slots=worklist_slots(sms), **kw
+        )
+        out, lse = merge_segments(
+            out,
+            lse,
+            o_part.reshape(-1, rows),
+            lse_part.reshape(-1),
+            seg_first,
+            seg_count,
+            max_segment=lse_part.shape[0],
+            transposed=True,
+            interpret=bool(interpret),
+        )
+        if rows != m_rows:
+            out, lse = out[:, :m_rows], lse[:, :m_rows]
+        return out.reshape(b, nq, n, l).astype(q.dtype), lse.reshape(b, nq, n)
     splits = 1 if batch_invariant else num_kv_splits or choose_num_kv_splits_sm90(b, 1, max_pages, sms)
     splits = cdiv(max_pages, cdiv(max_pages, min(splits, max_pages)))  # as the kernel cuts the pages
-    out, lse = narrow_decode(
-        q,
-        cache,
-        block_table,
-        seq_lens,
-        page_offset,
-        kv_scale=kv_scale,
-        scale=scale,
-        l=l,
-        splits=splits,
-        stages=stages,
-        interpret=interpret,
-        fp8_qk=fp8_qk,
-    )
+    out, lse = narrow_decode(q, cache, block_table, seq_lens, page_offset, splits=splits, **kw)
     if splits > 1:
         out, lse = merge_splits(
             out.reshape(b, splits, l, rows),
@@ -1186,12 +1207,12 @@ def _narrow(
     return out.reshape(b, nq, n, l).astype(q.dtype), lse.reshape(b, nq, n)
 
 
-def uses_narrow(m_rows: int, cache_dtype, *, schedule: str = "grid", fp8_qk: bool = False) -> bool:
+def uses_narrow(m_rows: int, cache_dtype, *, fp8_qk: bool = False) -> bool:
     """Whether `mla_decode_sm90` runs the narrow (tokens-on-M) kernel for `m_rows` query rows a request: up to
     `mla_decode_sm90_narrow.NARROW_MAX_ROWS` on a bf16 cache, `NARROW_FP8_MAX_ROWS` on an fp8 one (exact, or with
-    fp8_qk lossy), with the static split grid."""
+    fp8_qk lossy), with either schedule."""
     fp8 = jnp.dtype(cache_dtype) == FP8
-    return schedule == "grid" and narrow_rows(m_rows, fp8) is not None
+    return narrow_rows(m_rows, fp8) is not None
 
 
 def mla_decode_sm90(
@@ -1222,7 +1243,7 @@ def mla_decode_sm90(
     R a multiple of 64; cache bf16 or fp8 e4m3 (cast to bf16 in shared memory, bf16 wgmma, per-token scale
     applied to the logits and to p).
 
-    Few query rows a request (`uses_narrow`: Q*N <= 32 on a bf16 cache, <= 16 on an fp8 one, grid schedule)
+    Few query rows a request (`uses_narrow`: Q*N <= 32 on a bf16 cache, <= 16 on an fp8 one, either schedule)
     run the narrow kernel (`mla_decode_sm90_narrow`: tokens on the wgmma M axis, nothing padded; an fp8
     cache's QK^T as fp8 wgmmas on a hi/lo split of q, or with fp8_qk as one on `quantize_q_fp8`'s q);
     num_kv_splits, batch_invariant and num_stages (its ring depth; on an fp8 cache the bf16 V slots') apply
@@ -1265,7 +1286,7 @@ def mla_decode_sm90(
         raise ValueError(f"fp8_qk=True needs a float8_e4m3fn kv_c_and_k_pe_cache, got {kv_c_and_k_pe_cache.dtype}")
     check_page_offset(page_offset, kv_c_and_k_pe_cache.shape[0])
     sms = int(num_sms) if num_sms is not None else _device_num_sms()
-    if uses_narrow(q.shape[1] * q.shape[2], kv_c_and_k_pe_cache.dtype, schedule=schedule, fp8_qk=fp8_qk):
+    if uses_narrow(q.shape[1] * q.shape[2], kv_c_and_k_pe_cache.dtype, fp8_qk=fp8_qk):
         offset = jnp.zeros((1,), jnp.int32) if page_offset is None else jnp.asarray(page_offset, jnp.int32).reshape(1)
         return _narrow(
             q,
@@ -1282,6 +1303,7 @@ def mla_decode_sm90(
             num_stages=num_stages,
             sms=sms,
             fp8_qk=bool(fp8_qk),
+            schedule=schedule,
         )
     if page_offset is not None:
         block_table = block_table + jnp.asarray(page_offset, jnp.int32)

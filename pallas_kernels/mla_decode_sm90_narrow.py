@@ -43,7 +43,9 @@ one fp8 product; the logits are those of that q (~5.8% relative output error on 
 Outputs: the final output [rows, L] through a transposed store of O^T into a [rows, L] staging tile
 (the bf16 tile takes a transposed register store; an f32 one does not lower), then TMA; split
 partials stay transposed, [L, rows] f32 per piece, merged by `mla_decode.merge_splits(...,
-transposed=True)`. Pieces are static: request b's pages cut into `splits` equal ranges."""
+transposed=True)`. Pieces are static, request b's pages cut into `splits` equal ranges, or (schedule
+"worklist") each request cut by its length so that the pieces balance over the SMs (`mla_decode_sm90.worklist_pieces`),
+the split requests' partials merged by `mla_decode.merge_segments(..., transposed=True)`."""
 
 from __future__ import annotations
 
@@ -187,6 +189,7 @@ class _Cfg:
     fp8: bool = False
     fp8_stages: int = 2  # fp8 page ring depth
     qk8: bool = False  # fp8_qk (lossy): q as one e4m3 term, no lo product
+    worklist: bool = False  # pieces from a metadata array instead (`mla_decode_sm90.worklist_pieces`)
 
 
 def _smem(cfg):
@@ -232,15 +235,18 @@ def _barriers(cfg):
 
 
 def _kernel(*refs, cfg):
-    """Piece p: request b = p // splits, pages [s * pps, s * pps + n) of its block table, s = p % splits.
-    Everything the piece needs is derived here from seq_lens and page_offset (no metadata step before the
-    launch: at one decode call per layer, each small XLA op before it is a kernel per layer)."""
+    """Grid schedule: piece p is request b = p // splits, pages [s * pps, s * pps + n) of its block table,
+    s = p % splits, everything derived here from seq_lens and page_offset (no metadata step before the
+    launch: at one decode call per layer, each small XLA op before it is a kernel per layer). Work list:
+    piece p's request, first page, page count and partial slot are row p of `meta` (`worklist_pieces`);
+    slot -1 writes the final output, slot >= 0 a partial, slot -2 (past the last piece) nothing."""
     if cfg.fp8:
         nq8 = 1 if cfg.qk8 else 2  # q's e4m3 terms
         q_gmem, (qs_gmem, kv_gmem, ks_gmem, bt_gmem, sl_gmem, off_gmem, *outs) = refs[:nq8], refs[nq8:]
     else:
         q_gmem, kv_gmem, bt_gmem, sl_gmem, off_gmem, *outs = refs
         qs_gmem = ks_gmem = None
+    meta_gmem = outs.pop(0) if cfg.worklist else None
     out_gmem, lse_gmem, opart_gmem, lsepart_gmem = outs
     groups, _ = _smem(cfg)
     g, l = PAGE_SIZE, cfg.l
@@ -249,11 +255,16 @@ def _kernel(*refs, cfg):
     def scoped(union, **bars):
         loop, (fin_o, fin_lse), (part_o, part_lse) = union
         piece = lax.axis_index("piece")
-        b = lax.div(piece, jnp.int32(cfg.splits))
-        first = lax.rem(piece, jnp.int32(cfg.splits)) * cfg.pps
+        if cfg.worklist:
+            b, first, n, slot = (meta_gmem[piece, col] for col in (0, 2, 3, 4))
+        else:
+            b = lax.div(piece, jnp.int32(cfg.splits))
+            first = lax.rem(piece, jnp.int32(cfg.splits)) * cfg.pps
+            slot = piece
         sl = [jnp.minimum(sl_gmem[b, t], capacity) for t in range(cfg.nq)]  # each query token's length
         tile_len = functools.reduce(jnp.maximum, sl)
-        n = jnp.clip(lax.div(tile_len + g - 1, g) - first, 0, cfg.pps)
+        if not cfg.worklist:
+            n = jnp.clip(lax.div(tile_len + g - 1, g) - first, 0, cfg.pps)
         last_rows = jnp.minimum(tile_len - (first + n - 1) * g, g)
 
         def page_rows(i):  # rows of page i inside the length (< G only on the request's partial last page)
@@ -270,23 +281,32 @@ def _kernel(*refs, cfg):
             lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * LN2, -jnp.inf)
             # The staging aliases the rings: every TMA into them has landed and every wgmma is done.
             o = o * lax.broadcast_in_dim(inv, o.shape, [1])
-            if cfg.splits == 1:
+
+            def final():
                 fin_o.T[...] = o.astype(BF16)
                 fin_lse[...] = lse
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(fin_o, out_gmem.at[b])
                 plgpu.copy_smem_to_gmem(fin_lse, lse_gmem.at[b])
-            else:
 
+            def partial():
                 @pl.when(n > 0)  # an empty split writes its lse (-inf) only; the merge never reads its output
                 def _():
                     part_o[...] = o
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(part_o, opart_gmem.at[piece])
+                    plgpu.copy_smem_to_gmem(part_o, opart_gmem.at[slot])
 
                 part_lse[...] = lse
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(part_lse, lsepart_gmem.at[piece])
+                plgpu.copy_smem_to_gmem(part_lse, lsepart_gmem.at[slot])
+
+            if cfg.worklist:
+                pl.when(slot == -1)(final)
+                pl.when(slot >= 0)(partial)
+            elif cfg.splits == 1:
+                final()
+            else:
+                partial()
             plgpu.wait_smem_to_gmem(0)
 
         def online_softmax(s, lens, i, m_i, l_acc, p_ref, p_scale):
@@ -562,15 +582,32 @@ def _fp8_body(
 
 
 def narrow_decode(
-    q, cache, block_table, seq_lens, page_offset, *, scale, l, splits, stages, interpret, kv_scale=None, fp8_qk=False
+    q,
+    cache,
+    block_table,
+    seq_lens,
+    page_offset,
+    *,
+    scale,
+    l,
+    splits,
+    stages,
+    interpret,
+    kv_scale=None,
+    fp8_qk=False,
+    meta=None,
+    num_slots=0,
 ):
-    """The kernel over B * splits pieces (request b's pages cut into `splits` equal static ranges).
+    """The kernel over B * splits pieces (request b's pages cut into `splits` equal static ranges), or with
+    `meta` (i32 [J, 6] from `mla_decode_sm90.worklist_pieces`, one head tile a request) over its J pieces.
 
     q [B, Q, N, L+R] (rows Q*N within `narrow_rows`), cache bf16 [pages, 64, L+R] or e4m3 with kv_scale f32
     [pages, 64], block_table i32 [B, max_pages], seq_lens i32 [B, Q], page_offset i32 [1]. Returns, with
     R' = `narrow_rows(Q*N)`: splits == 1: (out bf16 [B, R', L], lse f32 [B, R']); else the partials
-    (o_part f32 [B * splits, L, R'] (transposed), lse_part f32 [B * splits, R']). fp8_qk (fp8 cache): q as one
-    e4m3 term (`quantize_q_fp8`, lossy), one fp8 product for QK^T."""
+    (o_part f32 [B * splits, L, R'] (transposed), lse_part f32 [B * splits, R']); with `meta` all four, the
+    partials by slot ([num_slots, L, R'], [num_slots, R']) and the final rows of the requests not split (the
+    split ones' rows are left for the merge). fp8_qk (fp8 cache): q as one e4m3 term (`quantize_q_fp8`,
+    lossy), one fp8 product for QK^T."""
     b, nq, n, d = q.shape
     m_rows = nq * n
     fp8 = jnp.dtype(cache.dtype) == FP8
@@ -605,9 +642,13 @@ def narrow_decode(
         interpret=bool(interpret),
         fp8=fp8,
         qk8=bool(fp8 and fp8_qk),
+        worklist=meta is not None,
     )
     f32 = jnp.float32
-    if splits == 1:
+    if meta is not None:
+        out_type = (jax.ShapeDtypeStruct((b, rows, l), BF16), jax.ShapeDtypeStruct((b, rows), f32))
+        unused = (jax.ShapeDtypeStruct((num_slots, l, rows), f32), jax.ShapeDtypeStruct((num_slots, rows), f32))
+    elif splits == 1:
         out_type = (jax.ShapeDtypeStruct((b, rows, l), BF16), jax.ShapeDtypeStruct((b, rows), f32))
         unused = (jax.ShapeDtypeStruct((1, l, rows), f32), jax.ShapeDtypeStruct((1, rows), f32))
     else:
@@ -616,7 +657,7 @@ def narrow_decode(
     kernel = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg),
         out_type=out_type + unused,
-        grid=(b * splits,),
+        grid=(b * splits if meta is None else meta.shape[0],),
         grid_names=("piece",),
         num_threads=3 if fp8 else 2,
         thread_name="wg",
@@ -624,10 +665,16 @@ def narrow_decode(
         # reduction scratch is not shared).
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=2048),
         interpret=interpret_params(interpret),
-        kernel_name=f"mla_decode_sm90_narrow_{'fp8qk' if cfg.qk8 else 'fp8' if fp8 else 'bf16'}_m{rows}_s{splits}"
-        f"_stages{stages}",
+        kernel_name=f"mla_decode_sm90_narrow_{'fp8qk' if cfg.qk8 else 'fp8' if fp8 else 'bf16'}_m{rows}_"
+        + ("worklist" if meta is not None else f"s{splits}")
+        + f"_stages{stages}",
     )
-    out, lse, o_part, lse_part = kernel(*q_args, *cache_args, block_table, seq_lens.astype(jnp.int32), page_offset)
+    meta_args = () if meta is None else (meta,)
+    out, lse, o_part, lse_part = kernel(
+        *q_args, *cache_args, block_table, seq_lens.astype(jnp.int32), page_offset, *meta_args
+    )
+    if meta is not None:
+        return out, lse, o_part, lse_part
     return (out, lse) if splits == 1 else (o_part, lse_part)
 
 

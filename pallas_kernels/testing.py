@@ -372,9 +372,9 @@ DECODE_CASES = [
         causal=True,
         cache_dtype="fp8",
     ),
-    # Work list over 2 "SMs": the 10-page request is cut in two pieces (merged by LSE), the
-    # 1-page one stays whole (final output written directly), the empty one writes zeros / -inf.
-    # N=20: 24 rows move (q padded by 4 zero rows).
+    # Work list over 2 "SMs" in the narrow kernel (N=20: 24 rows move, q padded by 4 zero rows; 32-row
+    # tiles): the 10-page request is cut in two pieces (transposed partials merged by LSE), the 1-page one
+    # stays whole (final output written directly), the empty one writes zeros / -inf.
     _dc(
         "worklist_split_whole_empty_n20_bf16",
         _SM90,
@@ -384,6 +384,43 @@ DECODE_CASES = [
         n=20,
         max_pages=12,
         lens=[600, 64, 0],
+    ),
+    # The narrow kernel's work list on an fp8 cache (q split hi/lo) at page_offset 14 of a NaN pool, 3 "SMs":
+    # the 9-page request in pieces, causal Q=1 rows, a 1-token and an empty request whole.
+    _dc(
+        "narrow_worklist_fp8_n16_page_offset",
+        _SM90,
+        "fp8",
+        kernel=dict(schedule="worklist", num_sms=3, page_offset=14),
+        b=4,
+        nq=1,
+        n=16,
+        max_pages=10,
+        lens=[530, 1, 0, 64],
+        cache_dtype="fp8",
+    ),
+    # The narrow kernel's work list with Q=2 causal x 8 heads (16 rows): the long request's causal rows end in
+    # different pieces; 40 heads x 1 token on the 64-row kernel's work list (one 40-row tile).
+    _dc(
+        "narrow_worklist_q2_causal_n8_bf16",
+        _SM90,
+        kernel=dict(schedule="worklist", num_sms=2),
+        b=3,
+        nq=2,
+        n=8,
+        max_pages=9,
+        lens=[513, 70, 2],
+        causal=True,
+    ),
+    _dc(
+        "worklist_rows64_single_tile_n40_bf16",
+        _SM90,
+        kernel=dict(schedule="worklist", num_sms=2),
+        b=2,
+        nq=1,
+        n=40,
+        max_pages=8,
+        lens=[450, 30],
     ),
     # Work list, fp8, Q=2 causal x 64 heads = 2 tiles per request, 4 "SMs": tiles of 11 pages
     # split in two, 3-page tiles whole; causal rows end inside the first piece of the split.
@@ -618,6 +655,35 @@ DECODE_GPU_CASES = [
         n=16,
         max_pages=160,
         lens=[10000, 3, 0, 700, 64],
+    ),
+    # The narrow kernel's work list over the device's SMs: fp8 (exact and fp8_qk), 16 heads, ragged with
+    # empty and one-token requests.
+    _dc(
+        "narrow_worklist_fp8_n16_ragged",
+        _SM90,
+        "fp8",
+        dict(schedule="worklist"),
+        seed=2013,
+        bench=True,
+        b=6,
+        nq=1,
+        n=16,
+        max_pages=160,
+        lens=[10000, 3, 0, 700, 64, 1],
+        cache_dtype="fp8",
+    ),
+    _dc(
+        "narrow_worklist_fp8_qk_n16_ragged",
+        _SM90,
+        "fp8_qk",
+        dict(schedule="worklist", fp8_qk=True),
+        seed=2014,
+        b=4,
+        nq=1,
+        n=16,
+        max_pages=160,
+        lens=[9000, 0, 700, 65],
+        cache_dtype="fp8",
     ),
     _dc(
         "worklist_fp8_q2_causal_n64_5000",

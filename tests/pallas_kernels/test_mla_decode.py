@@ -358,9 +358,11 @@ def _merge_segments_float64(out, lse, o_part, lse_part, slot_tile, counts, dead)
         (8, 48, [3, 1, 0, 5, 2], None, jnp.bfloat16),  # L not a power of two: the jnp fallback
     ],
 )
-def test_merge_segments_kernel(m, l, counts, max_segment, out_dtype):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_merge_segments_kernel(m, l, counts, max_segment, out_dtype, transposed):
     """The work-list merge kernel against its jnp reference, and the reference against float64
-    numpy: split tiles get the LSE merge of their live slots, all other tiles stay bit-identical."""
+    numpy: split tiles get the LSE merge of their live slots, all other tiles stay bit-identical.
+    transposed: the partials as the narrow Hopper decode writes them, each slot's [L, M] slab."""
     out, lse, o_part, lse_part, slot_tile, first, count, dead = _segment_case(
         sum(counts) * 10 + l, m, l, counts, out_dtype
     )
@@ -368,7 +370,14 @@ def test_merge_segments_kernel(m, l, counts, max_segment, out_dtype):
     np.testing.assert_array_equal(np.asarray(seg_first), first)
     np.testing.assert_array_equal(np.asarray(seg_count), count)
     args = tuple(jnp.asarray(x) for x in (out, lse, o_part, lse_part)) + (seg_first, seg_count)
-    got, got_lse = merge_segments(*args, max_segment=max_segment, interpret=True)
+    if transposed:
+        p = lse_part.shape[0] // m
+        o_t = np.swapaxes(o_part.reshape(p, m, l), 1, 2).reshape(p * l, m)
+        got, got_lse = merge_segments(
+            *args[:2], jnp.asarray(o_t), *args[3:], max_segment=max_segment, transposed=True, interpret=True
+        )
+    else:
+        got, got_lse = merge_segments(*args, max_segment=max_segment, interpret=True)
     ref, ref_lse = jax.jit(merge_segments_reference)(*args)
     assert got.dtype == out.dtype and got.shape == out.shape and got_lse.shape == lse.shape
     got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
@@ -411,15 +420,41 @@ def test_merge_segments_lowers_to_triton(h200):
     assert text.count("stablehlo.output_operand_alias") == 2
 
 
+def test_merge_segments_transposed_lowers_to_triton(h200):
+    """The transposed merge (the narrow Hopper decode's work list: 128 requests of 16 rows, 177 slots on an H200)
+    lowers to one Triton kernel, grid (88 split requests at most, 16 column blocks), out/lse aliased."""
+    u, m, l, p = 128, 16, 512, 177
+    shapes = [
+        ((u, m, l), jnp.bfloat16),
+        ((u, m), jnp.float32),
+        ((p * l, m), jnp.float32),
+        ((p * m,), jnp.float32),
+        ((u,), jnp.int32),
+        ((u,), jnp.int32),
+    ]
+    f = jax.jit(lambda *a: merge_segments(*a, max_segment=p, transposed=True))
+    text = f.trace(*(jax.ShapeDtypeStruct(*x) for x in shapes)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "grid_x = 88 : i32, grid_y = 16 : i32, grid_z = 1 : i32" in text
+    assert text.count("stablehlo.output_operand_alias") == 2
+
+
 @pytest.mark.gpu
-def test_gpu_merge_segments():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gpu_merge_segments(transposed):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    # Work-list-like: 4 tiles of 64 rows, one split into 66 slots (5 steps of 16), one into 3.
-    out, lse, o_part, lse_part, slot_tile, _, count, _ = _segment_case(11, 64, 512, [0, 66, 1, 3], jnp.bfloat16)
+    # Work-list-like: 4 tiles of 64 rows (16 transposed), one split into 66 slots (5 steps of 16), one into 3.
+    m = 16 if transposed else 64
+    out, lse, o_part, lse_part, slot_tile, _, count, _ = _segment_case(11, m, 512, [0, 66, 1, 3], jnp.bfloat16)
     seg_first, seg_count = segments_from_slot_tile(jnp.asarray(slot_tile), 4)
     args = tuple(jnp.asarray(x) for x in (out, lse, o_part, lse_part)) + (seg_first, seg_count)
-    got, got_lse = merge_segments(*args, max_segment=slot_tile.shape[0])
+    if transposed:
+        p = slot_tile.shape[0]
+        o_t = jnp.asarray(np.swapaxes(o_part.reshape(p, m, 512), 1, 2).reshape(p * 512, m))
+        got, got_lse = merge_segments(*args[:2], o_t, *args[3:], max_segment=p, transposed=True)
+    else:
+        got, got_lse = merge_segments(*args, max_segment=slot_tile.shape[0])
     ref, ref_lse = merge_segments_reference(*args)
     got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
     split = count >= 2

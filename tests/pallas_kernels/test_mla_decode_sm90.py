@@ -272,6 +272,9 @@ def _lower_for_sm90(cache_dtype, n=16, **kw):
         ("fp8", dict(n=128, schedule="worklist", num_sms=132)),
         ("fp8", dict(num_kv_splits=1, fp8_qk=True, num_sms=132)),
         ("fp8", dict(n=128, schedule="worklist", fp8_qk=True, fp8_compute="float16", num_sms=132)),
+        ("fp8", dict(schedule="worklist", num_sms=132)),  # the narrow kernel's work list
+        ("fp8", dict(schedule="worklist", fp8_qk=True, num_sms=132)),
+        ("bf16", dict(n=40, schedule="worklist", num_sms=132)),  # 64-row work list, one 40-row tile
     ],
 )
 def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
@@ -285,13 +288,17 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
         return out.astype(out_dtype), lse
 
     monkeypatch.setattr(k90, "merge_splits", merge_ref)
-    monkeypatch.setattr(
-        k90, "merge_segments", lambda *a, max_segment, interpret: mla_decode.merge_segments_reference(*a)
-    )
+    def merge_segments_ref(out, lse, o_part, *rest, max_segment, interpret, transposed=False):
+        if transposed:  # [P * L, M] -> [P * M, L]
+            p, m, l = max_segment, out.shape[1], out.shape[2]
+            o_part = jnp.swapaxes(o_part.reshape(p, l, m), 1, 2).reshape(p * m, l)
+        return mla_decode.merge_segments_reference(out, lse, o_part, *rest)
+
+    monkeypatch.setattr(k90, "merge_segments", merge_segments_ref)
     text = _lower_for_sm90(cache_dtype, **kw)
     assert "mosaic_gpu" in text
-    # Which kernel: the narrow one for <= 16 rows on the grid schedule (fp8_qk: its one-term q), else 64-row tiles.
-    narrow = kw.get("schedule", "grid") == "grid" and kw.get("n", 16) <= 16
+    # Which kernel: the narrow one for <= 16 rows, either schedule (fp8_qk: its one-term q), else 64-row tiles.
+    narrow = kw.get("n", 16) <= 16
     kind = {"bf16": "bf16", "fp8": "fp8qk" if kw.get("fp8_qk") else "fp8"}[cache_dtype]
     assert (f"mla_decode_sm90_narrow_{kind}_m16" in text) == narrow
     # Triton kernels (with an H200 stand-in for the device query): the work list's metadata step; the narrow
