@@ -288,6 +288,7 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
         return out.astype(out_dtype), lse
 
     monkeypatch.setattr(k90, "merge_splits", merge_ref)
+
     def merge_segments_ref(out, lse, o_part, *rest, max_segment, interpret, transposed=False):
         if transposed:  # [P * L, M] -> [P * M, L]
             p, m, l = max_segment, out.shape[1], out.shape[2]
