@@ -693,5 +693,11 @@ case $part in
     run 130 decode-uniform python3 bench/decode.py --out "$out/uniform" --no-check --no-ragged --device-time \
         --shapes 128x16x8192,64x16x4096,32x16x1024,8x16x4096 --dtypes bf16,fp8 --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 52" >&2; exit 2 ;;
+53) # session 26, part 52 cut to what ~250 s of device time holds: the narrow work list's GPU tests, the ragged rows
+    out=${2:?}
+    verbose_tests 110 tests/pallas_kernels/test_mla_decode_sm90.py tests/pallas_kernels/test_mla_decode.py \
+        -k "narrow_worklist or worklist_n16 or merge_segments"
+    run 130 decode-ragged python3 bench/decode.py --out "$out/ragged" --ragged-only --no-check --dtypes bf16,fp8 \
+        --kernels pallas_sm90,pallas ;;
+*)  echo "part must be 1 to 53" >&2; exit 2 ;;
 esac
