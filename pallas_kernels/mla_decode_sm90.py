@@ -1188,20 +1188,18 @@ def _narrow(
             transposed=True,
             interpret=bool(interpret),
         )
-        if rows != m_rows:
-            out, lse = out[:, :m_rows], lse[:, :m_rows]
-        return out.reshape(b, nq, n, l).astype(q.dtype), lse.reshape(b, nq, n)
-    splits = 1 if batch_invariant else num_kv_splits or choose_num_kv_splits_sm90(b, 1, max_pages, sms)
-    splits = cdiv(max_pages, cdiv(max_pages, min(splits, max_pages)))  # as the kernel cuts the pages
-    out, lse = narrow_decode(q, cache, block_table, seq_lens, page_offset, splits=splits, **kw)
-    if splits > 1:
-        out, lse = merge_splits(
-            out.reshape(b, splits, l, rows),
-            lse.reshape(b, splits, rows),
-            out_dtype=q.dtype,
-            transposed=True,
-            interpret=bool(interpret),
-        )
+    else:
+        splits = 1 if batch_invariant else num_kv_splits or choose_num_kv_splits_sm90(b, 1, max_pages, sms)
+        splits = cdiv(max_pages, cdiv(max_pages, min(splits, max_pages)))  # as the kernel cuts the pages
+        out, lse = narrow_decode(q, cache, block_table, seq_lens, page_offset, splits=splits, **kw)
+        if splits > 1:
+            out, lse = merge_splits(
+                out.reshape(b, splits, l, rows),
+                lse.reshape(b, splits, rows),
+                out_dtype=q.dtype,
+                transposed=True,
+                interpret=bool(interpret),
+            )
     if rows != m_rows:
         out, lse = out[:, :m_rows], lse[:, :m_rows]
     return out.reshape(b, nq, n, l).astype(q.dtype), lse.reshape(b, nq, n)

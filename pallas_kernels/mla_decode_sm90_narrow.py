@@ -645,18 +645,19 @@ def narrow_decode(
         worklist=meta is not None,
     )
     f32 = jnp.float32
-    if meta is not None:
-        out_type = (jax.ShapeDtypeStruct((b, rows, l), BF16), jax.ShapeDtypeStruct((b, rows), f32))
-        unused = (jax.ShapeDtypeStruct((num_slots, l, rows), f32), jax.ShapeDtypeStruct((num_slots, rows), f32))
-    elif splits == 1:
-        out_type = (jax.ShapeDtypeStruct((b, rows, l), BF16), jax.ShapeDtypeStruct((b, rows), f32))
-        unused = (jax.ShapeDtypeStruct((1, l, rows), f32), jax.ShapeDtypeStruct((1, rows), f32))
-    else:
-        out_type = (jax.ShapeDtypeStruct((1, rows, l), BF16), jax.ShapeDtypeStruct((1, rows), f32))
-        unused = (jax.ShapeDtypeStruct((b * splits, l, rows), f32), jax.ShapeDtypeStruct((b * splits, rows), f32))
+    # Final rows (a placeholder row where every request is split), partials by piece or slot (one placeholder
+    # where none is split).
+    n_final = b if meta is not None or splits == 1 else 1
+    n_part = num_slots if meta is not None else (1 if splits == 1 else b * splits)
+    out_type = (
+        jax.ShapeDtypeStruct((n_final, rows, l), BF16),
+        jax.ShapeDtypeStruct((n_final, rows), f32),
+        jax.ShapeDtypeStruct((n_part, l, rows), f32),
+        jax.ShapeDtypeStruct((n_part, rows), f32),
+    )
     kernel = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg),
-        out_type=out_type + unused,
+        out_type=out_type,
         grid=(b * splits if meta is None else meta.shape[0],),
         grid_names=("piece",),
         num_threads=3 if fp8 else 2,
