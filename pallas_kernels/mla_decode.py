@@ -391,7 +391,14 @@ def merge_segments_reference(out, lse, o_part, lse_part, seg_first, seg_count):
     return out, lse
 
 
-_SEG_CHUNK = 16  # segments per step of `merge_segments`' loop: [chunk, block_l] partials per load
+_SEG_CHUNK = 4  # slots per step of `merge_segments`' online loop (work-list tiles are cut into a few pieces)
+
+
+def split_tiles_of(seg_count, num_split: int):
+    """i32[R]: the tiles with seg_count >= 2 in order, padded with U (= len(seg_count)) to R = num_split entries;
+    `worklist_pieces` writes the same list from its one program."""
+    u = seg_count.shape[0]
+    return jnp.nonzero(seg_count >= 2, size=num_split, fill_value=u)[0].astype(jnp.int32)
 
 
 def _merge_segments_kernel(
@@ -405,125 +412,73 @@ def _merge_segments_kernel(
     out_ref,
     lse_out_ref,
     *,
-    num_tiles: int,
     slots: int,
-    s_pad: int,
     chunk: int,
     block_l: int,
+    transposed: bool,
 ):
-    """Program (r, m, j) of grid (R, M, L / block_l): row m of the r-th split tile over one column
-    block. out_ref/lse_out_ref are the whole [U, M, L] / [U, M] arrays, aliased to out_in/lse_in."""
+    """Program (r, j) of grid (R, L / block_l): all M rows of the r-th split tile over column block j, an
+    online LSE merge over its slots `chunk` at a time (a running max rescales the sums, so no pass over
+    all the slots comes first). o_part_ref is [P*M, L] (each slot's [M, L] rows), or with `transposed`
+    [P*L, M] (each slot's [L, M] slab, as the narrow Hopper decode writes it); lse_part_ref [P*M].
+    out_ref/lse_out_ref are the whole [U, M, L] / [U, M] arrays, aliased to out_in/lse_in."""
     del out_in, lse_in  # same buffers as out_ref/lse_out_ref
-    rows_m = out_ref.shape[1]
-    r, m, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    tile, first, count = tile_ref[r], first_ref[r], count_ref[r]
-
-    @pl.when(tile < num_tiles)  # padding entries of the split-tile list: nothing to do
-    def _():
-        # All the row's lse values at once (S' >= count): the max and the denominator.
-        s = jnp.arange(s_pad, dtype=jnp.int32)
-        part = jnp.minimum(first + s, slots - 1) * rows_m + m  # [S'] rows of o_part
-        lse = pltriton.load(lse_part_ref.at[part], mask=s < count, other=-jnp.inf)
-        lse_max = jnp.max(lse)
-        safe = jnp.where(lse_max > -jnp.inf, lse_max, 0.0)
-        denom = jnp.sum(jnp.where(lse > -jnp.inf, jnp.exp(lse - safe), 0.0))
-        cols = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
-
-        def step(c, acc):  # segments c*chunk .. c*chunk + chunk - 1
-            sc = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-            pc = jnp.minimum(first + sc, slots - 1) * rows_m + m  # [chunk]
-            lc = pltriton.load(lse_part_ref.at[pc], mask=sc < count, other=-jnp.inf)
-            alive = lc > -jnp.inf
-            w = jnp.where(alive, jnp.exp(lc - safe), 0.0)
-            # Dead partials are never read: an sm90 piece with no pages leaves its partial unwritten.
-            o = pltriton.load(
-                o_part_ref.at[pc[:, None], cols[None, :]], mask=alive[:, None], other=0.0
-            )  # [chunk, block_l]
-            return acc + jnp.sum(w[:, None] * o, axis=0)  # [block_l]
-
-        acc = lax.fori_loop(0, (count + chunk - 1) // chunk, step, jnp.zeros((block_l,), jnp.float32))
-        has = denom > 0
-        inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)
-        pltriton.store(out_ref.at[tile, m, pl.ds(j * block_l, block_l)], (acc * inv).astype(out_ref.dtype))
-
-        @pl.when(j == 0)
-        def _():
-            pltriton.store(
-                lse_out_ref.at[tile, m], jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)
-            )
-
-
-def _merge_segments_t_kernel(
-    tile_ref,
-    first_ref,
-    count_ref,
-    o_part_ref,
-    lse_part_ref,
-    out_in,
-    lse_in,
-    out_ref,
-    lse_out_ref,
-    *,
-    num_tiles: int,
-    slots: int,
-    s_pad: int,
-    chunk: int,
-    block_l: int,
-):
-    """`_merge_segments_kernel` over transposed partials (the narrow Hopper decode's): program (r, j) of grid
-    (R, L / block_l) merges all M rows of the r-th split tile over one column block; o_part_ref [P*L, M] holds
-    each slot's [L, M] slab, lse_part_ref [P*M]."""
-    del out_in, lse_in  # same buffers as out_ref/lse_out_ref
-    m = out_ref.shape[1]
-    l = out_ref.shape[2]
+    u, m, l = out_ref.shape
     r, j = pl.program_id(0), pl.program_id(1)
-    tile, first, count = tile_ref[r], first_ref[r], count_ref[r]
+    tile = tile_ref[r]
+    safe_tile = jnp.minimum(tile, u - 1)
+    first, count = first_ref[safe_tile], count_ref[safe_tile]
     rows = jnp.arange(m, dtype=jnp.int32)
+    cols = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
 
-    @pl.when(tile < num_tiles)  # padding entries of the split-tile list: nothing to do
+    @pl.when(tile < u)  # padding entries of the split-tile list: nothing to do
     def _():
-        s = jnp.arange(s_pad, dtype=jnp.int32)
-        slot = jnp.minimum(first + s, slots - 1)  # [S']
-        lse = pltriton.load(
-            lse_part_ref.at[slot[:, None] * m + rows[None, :]], mask=(s < count)[:, None], other=-jnp.inf
-        )  # [S', M]
-        lse_max = jnp.max(lse, axis=0)  # [M]
-        safe = jnp.where(lse_max > -jnp.inf, lse_max, 0.0)
-        denom = jnp.sum(jnp.where(lse > -jnp.inf, jnp.exp(lse - safe[None, :]), 0.0), axis=0)
-        cols = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
-
-        def step(c, acc):  # slots c*chunk .. c*chunk + chunk - 1
+        def step(c, carry):  # slots c*chunk .. c*chunk + chunk - 1
+            acc, run_max, den = carry  # [block_l, M] (transposed) or [M, block_l]; [M]; [M]
             sc = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
             pc = jnp.minimum(first + sc, slots - 1)  # [chunk]
             lc = pltriton.load(
                 lse_part_ref.at[pc[:, None] * m + rows[None, :]], mask=(sc < count)[:, None], other=-jnp.inf
             )  # [chunk, M]
+            new_max = jnp.maximum(run_max, jnp.max(lc, axis=0))
+            safe = jnp.where(new_max > -jnp.inf, new_max, 0.0)
+            alpha = jnp.where(run_max > -jnp.inf, jnp.exp(run_max - safe), 0.0)  # [M]
             alive = lc > -jnp.inf
-            w = jnp.where(alive, jnp.exp(lc - safe[None, :]), 0.0)
+            w = jnp.where(alive, jnp.exp(lc - safe[None, :]), 0.0)  # [chunk, M]
             # Dead partials are never read: a piece with no pages leaves its partial unwritten.
-            o = pltriton.load(
-                o_part_ref.at[(pc[:, None] * l + cols[None, :])[:, :, None], rows[None, None, :]],
-                mask=alive[:, None, :],
-                other=0.0,
-            )  # [chunk, block_l, M]
-            return acc + jnp.sum(o * w[:, None, :], axis=0)  # [block_l, M]
+            if transposed:
+                o = pltriton.load(
+                    o_part_ref.at[(pc[:, None] * l + cols[None, :])[:, :, None], rows[None, None, :]],
+                    mask=alive[:, None, :],
+                    other=0.0,
+                )  # [chunk, block_l, M]
+                acc = acc * alpha[None, :] + jnp.sum(o * w[:, None, :], axis=0)
+            else:
+                o = pltriton.load(
+                    o_part_ref.at[(pc[:, None] * m + rows[None, :])[:, :, None], cols[None, None, :]],
+                    mask=alive[:, :, None],
+                    other=0.0,
+                )  # [chunk, M, block_l]
+                acc = acc * alpha[:, None] + jnp.sum(o * w[:, :, None], axis=0)
+            return acc, new_max, den * alpha + jnp.sum(w, axis=0)
 
-        acc = lax.fori_loop(0, (count + chunk - 1) // chunk, step, jnp.zeros((block_l, m), jnp.float32))
-        has = denom > 0
-        inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)  # [M]
-        merged = (acc * inv[None, :]).T.astype(out_ref.dtype)  # [M, block_l]
-        pltriton.store(out_ref.at[tile, rows[:, None], cols[None, :]], merged)
+        acc0 = jnp.zeros((block_l, m) if transposed else (m, block_l), jnp.float32)
+        init = (acc0, jnp.full((m,), -jnp.inf, jnp.float32), jnp.zeros((m,), jnp.float32))
+        acc, run_max, den = lax.fori_loop(0, (count + chunk - 1) // chunk, step, init)
+        has = den > 0
+        inv = jnp.where(has, 1.0 / jnp.where(has, den, 1.0), 0.0)  # [M]
+        merged = (acc * inv[None, :]).T if transposed else acc * inv[:, None]  # [M, block_l]
+        pltriton.store(out_ref.at[tile, rows[:, None], cols[None, :]], merged.astype(out_ref.dtype))
 
         @pl.when(j == 0)
         def _():
-            pltriton.store(
-                lse_out_ref.at[tile, rows], jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)
-            )
+            safe = jnp.where(run_max > -jnp.inf, run_max, 0.0)
+            pltriton.store(lse_out_ref.at[tile, rows], jnp.where(has, safe + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf))
 
 
-@functools.partial(jax.jit, static_argnames=("max_segment", "transposed", "interpret"))
+@functools.partial(jax.jit, static_argnames=("transposed", "interpret"))
 def merge_segments(
-    out, lse, o_part, lse_part, seg_first, seg_count, *, max_segment=None, transposed=False, interpret=False
+    out, lse, o_part, lse_part, seg_first, seg_count, split_tiles=None, *, transposed=False, interpret=False
 ):
     """`merge_segments_reference` as one Pallas kernel, in place: (out [U, M, L], lse f32[U, M]) with
     each split tile (seg_count >= 2) replaced by the LSE merge of its slots of o_part f32[P * M, L],
@@ -533,48 +488,49 @@ def merge_segments(
     outputs: where out is dead after the call (the sm90 decode) unsplit tiles are neither read nor
     copied; a standalone call copies out once.
 
-    Segments of different tiles must be disjoint (so at most R = min(U, P // 2) tiles are split) and
-    seg_count <= max_segment (static; default P). Grid (R, M, L / block_l) over the compacted list of
-    split tiles, padded to R (padding programs exit at once), rather than over all U tiles: the grid
-    is static and most tiles are usually whole. A program loops over its tile's segments in chunks
-    of min(S', 16) (S' = next power of two of max_segment; the lse max and denominator use one
-    S'-wide load), so its column block can be wide (_MERGE_TILE / chunk: all of L = 512) and the
-    grid small: 88 x 64 programs at work-list size on the H200 (177 slots, S' = 256), where
-    S'-wide [S', 32] blocks as in merge_splits would launch 16x as many, nearly all masked off.
+    Segments of different tiles must be disjoint, so at most R = min(U, P // 2) tiles are split. Grid
+    (R, L / block_l) over the list of split tiles (`split_tiles` i32[R], padded with U, as `worklist_pieces`
+    writes it; computed here when None), rather than over all U tiles: the grid is static and most tiles are
+    usually whole; padding programs exit at once. A program merges all M rows of its tile over one column block,
+    `_SEG_CHUNK` slots a step with a running max, so its cost follows the tile's slot count, not P.
     transposed=True: o_part f32[P * L, M] (each slot's [L, M] slab, as the narrow Hopper decode writes its
-    partials), one program per split tile and column block holding all M rows (grid (R, L / block_l))."""
+    partials)."""
     u, m, l = out.shape
     slots = lse_part.shape[0] // m
-    max_segment = slots if max_segment is None else int(max_segment)
     n_split = min(u, slots // 2)
-    if l & (l - 1) or (transposed and m & (m - 1)) or n_split == 0:  # Triton tiles are powers of two
+    if l & (l - 1) or m & (m - 1) or n_split == 0:  # Triton tiles are powers of two
         if transposed:
             o_part = jnp.swapaxes(o_part.reshape(slots, l, m), 1, 2).reshape(slots * m, l)
         return merge_segments_reference(out, lse, o_part, lse_part, seg_first, seg_count)
-    s_pad = next_pow2(max(max_segment, 1))
-    chunk = min(s_pad, _SEG_CHUNK)
-    block_l = min(l, max(16, _MERGE_TILE // (chunk * (m if transposed else 1))))
-    # The r-th split tile (U: padding), its first slot and its segment count (0: padding).
-    tile = jnp.nonzero(seg_count >= 2, size=n_split, fill_value=u)[0].astype(jnp.int32)  # [R]
-    safe_tile = jnp.minimum(tile, u - 1)
-    first = seg_first[safe_tile].astype(jnp.int32)
-    count = jnp.where(tile < u, seg_count[safe_tile], 0).astype(jnp.int32)
-    kernel = _merge_segments_t_kernel if transposed else _merge_segments_kernel
-    grid = (n_split, l // block_l) if transposed else (n_split, m, l // block_l)
+    if split_tiles is None:
+        split_tiles = split_tiles_of(seg_count, n_split)
+    elif split_tiles.shape != (n_split,):
+        raise ValueError(f"split_tiles has shape {split_tiles.shape}; expected ({n_split},) = min(U, slots // 2)")
+    chunk = _SEG_CHUNK
+    block_l = min(l, max(16, _MERGE_TILE // (chunk * m)))
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
-        functools.partial(kernel, num_tiles=u, slots=slots, s_pad=s_pad, chunk=chunk, block_l=block_l),
-        grid=grid,
+        functools.partial(_merge_segments_kernel, slots=slots, chunk=chunk, block_l=block_l, transposed=transposed),
+        grid=(n_split, l // block_l),
         # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
         # kernel indexes rows and tiles itself.
-        in_specs=[whole((n_split,))] * 3 + [whole(o_part.shape), whole((slots * m,)), whole((u, m, l)), whole((u, m))],
+        in_specs=[whole((n_split,))] + [whole((u,))] * 2
+        + [whole(o_part.shape), whole((slots * m,)), whole((u, m, l)), whole((u, m))],
         out_specs=[whole((u, m, l)), whole((u, m))],
         out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32)],
         input_output_aliases={5: 0, 6: 1},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        name=f"mla_decode_merge_segments{'_t' if transposed else ''}_s{s_pad}",
-    )(tile, first, count, o_part, lse_part, out, lse.astype(jnp.float32))
+        name=f"mla_decode_merge_segments{'_t' if transposed else ''}",
+    )(
+        split_tiles.astype(jnp.int32),
+        seg_first.astype(jnp.int32),
+        seg_count.astype(jnp.int32),
+        o_part,
+        lse_part,
+        out,
+        lse.astype(jnp.float32),
+    )
 
 
 @functools.partial(

@@ -765,26 +765,33 @@ def _grid_pieces(tile_len, max_pages, splits):
 
 
 def worklist_slots(num_sms: int) -> int:
-    """Partial-output slots of the work-list schedule: a tile is split only when it holds >= 1.5
-    target pieces, so split pieces number at most 4/3 of the SMs (round(x) <= 4x/3 for x >= 1.5)."""
-    return cdiv(4 * num_sms, 3) + 1
+    """Partial-output slots of the work-list schedule. A tile is split only when it is longer than the target
+    (`_worklist_cuts`), into k = ceil(pages / target) < 2 pages / target pieces, so the split pieces number
+    fewer than 2 total / target <= 3 SMs."""
+    return 3 * num_sms
+
+
+_WORKLIST_PIECES_PER_SM = (3, 2)  # target = total pages / (1.5 SMs), as a ratio for exact integer arithmetic
 
 
 def _worklist_cuts(pages, num_sms: int, min_pages: int):
-    """Pieces per head tile, k = clip(round(pages / target), 1, max(pages, 1)) with target =
-    max(total pages / SMs, min_pages), rounding half up; i32 pages [BT] -> i32 k [BT].
+    """Pieces per head tile, k = clip(ceil(pages / target), 1, max(pages, 1)) with target =
+    max(total pages / (1.5 SMs), min_pages): no piece is longer than the target, and the SMs get 1.5
+    target-sized pieces each, so the block scheduler evens out what the long tiles leave (a model of its
+    list scheduling over a ragged batch, docs/perf-notes.md session 27: 1.04-1.10x uniform, against
+    1.15-1.35x for pieces of round(pages / (total / SMs)), the rule measured at 1.18x on the H100).
+    i32 pages [BT] -> i32 k [BT].
 
-    Exact integer arithmetic, target = a / b: k = floor((2 pages b + a) / 2a). A float32
-    target and division would make ties (uniform lengths: pages / target = 1.5 exactly) depend on
-    the backend: XLA turns both divisions into reciprocal multiplies, the GPU's reciprocal is
-    div.full (2 ulp) and may be fused into an FMA; the work-list kernel and its reference must agree
-    bit for bit. Operands are non-negative (lax.div = floor) and stay below 2^31
-    (`_check_worklist_bounds`). The plain-JAX reference and the kernel both call it."""
-    total = jnp.sum(pages)
-    big = total >= min_pages * num_sms  # target = total / SMs, else min_pages
-    a = jnp.where(big, total, min_pages)
-    b = jnp.where(big, num_sms, 1 + 0 * total)  # (a select of two literals lowers as i1 under Triton)
-    k = lax.div(2 * pages * b + a, 2 * a)
+    Exact integer arithmetic, target = a / b with b = 3 SMs, a = max(2 total, b min_pages): k =
+    floor((pages b + a - 1) / a). A float32 target and division would make exact multiples depend on
+    the backend (XLA turns divisions into reciprocal multiplies; the GPU's reciprocal is div.full, 2 ulp);
+    the work-list kernel and its reference must agree bit for bit. Operands are non-negative (lax.div =
+    floor) and stay below 2^31 (`_check_worklist_bounds`). The plain-JAX reference and the kernel both
+    call it."""
+    num, den = _WORKLIST_PIECES_PER_SM
+    b = num * num_sms
+    a = jnp.maximum(den * jnp.sum(pages), b * min_pages)
+    k = lax.div(pages * b + a - 1, a)
     return jnp.clip(k, 1, jnp.maximum(pages, 1))
 
 
@@ -792,7 +799,8 @@ def _check_worklist_bounds(num_tiles: int, max_pages: int, num_sms: int, min_pag
     """The work list's i32 arithmetic (`_worklist_cuts`, piece bounds i * pages) stays below 2^31."""
     if min_pages < 1 or num_sms < 1:
         raise ValueError(f"work list: min_pages ({min_pages}) and num_sms ({num_sms}) must be >= 1")
-    bound = max_pages * (2 * (num_tiles + num_sms) + worklist_slots(num_sms)) + min_pages
+    num, den = _WORKLIST_PIECES_PER_SM
+    bound = max_pages * (num * num_sms + den * num_tiles + worklist_slots(num_sms)) + num * num_sms * min_pages
     if bound >= 2**31:
         raise ValueError(
             f"work list: {num_tiles} head tiles x {max_pages} pages per tile overflow its int32 "
@@ -802,7 +810,7 @@ def _check_worklist_bounds(num_tiles: int, max_pages: int, num_sms: int, min_pag
 
 def worklist_pieces_reference(tile_len, num_sms: int, min_pages: int):
     """Length-adaptive schedule (the metadata step), plain JAX: each head tile with P pages is cut
-    into k = clip(round(P / target), 1, P) equal pieces, target = max(total pages / SMs,
+    into k = clip(ceil(P / target), 1, P) equal pieces, target = max(total pages / (1.5 SMs),
     min_pages) (`_worklist_cuts`), so long requests spread over many SMs and short ones stay whole
     (no merge). i32 tile_len [B, T] -> (meta i32[B*T + slots, 6]: (b, h, p0, n, slot, tile length)
     per piece, slot -1 for a whole tile, -2 (n = 0) past the last piece; slot_tile i32[slots]: the
@@ -837,9 +845,11 @@ def _worklist_kernel(
     slot_tile_ref,  # i32[slots]
     seg_first_ref,  # i32[BT]: first slot of each split tile, else 0
     seg_count_ref,  # i32[BT]: slots of each split tile (its k), else 0
+    split_ref,  # i32[R]: the split tiles in order, then BT (`mla_decode.split_tiles_of`)
     marks_ref,  # i32[MP] scratch: 1 where a tile's pieces end
     tile_ref,  # i32[3, BT'] scratch: start piece, first slot, pieces k of each tile
     slot_buf_ref,  # i32[SB] scratch: the tile of each slot
+    split_buf_ref,  # i32[RB] scratch: the split tiles, then padding tiles' dummies
     *,
     t: int,
     num_sms: int,
@@ -874,7 +884,12 @@ def _worklist_kernel(
     pltriton.store(tile_ref.at[jnp.int32(2), pl.ds(0, bt_pad)], k)
     pltriton.store(seg_first_ref.at[pl.ds(0, bt_pad)], jnp.where(k > 1, jnp.cumsum(ks) - ks, 0), mask=real)
     pltriton.store(seg_count_ref.at[pl.ds(0, bt_pad)], ks, mask=real)
+    r_pad = next_pow2(split_ref.shape[0])
+    pltriton.store(split_buf_ref.at[pl.ds(0, split_buf_ref.shape[0])], jnp.full(split_buf_ref.shape, nt, jnp.int32))
     barrier()
+    # The r-th split tile at r; unsplit and padding tiles write dummies r_pad + u.
+    rank = jnp.cumsum((k > 1).astype(jnp.int32)) - 1
+    pltriton.store(split_buf_ref.at[jnp.where(k > 1, rank, r_pad + u)], u)
     # Real tiles end at distinct pieces 1..total (k >= 1); padding tiles mark j_pad + u.
     pltriton.store(marks_ref.at[jnp.where(real, end, j_pad + u)], jnp.ones((bt_pad,), jnp.int32))
     barrier()
@@ -899,6 +914,8 @@ def _worklist_kernel(
     barrier()
     st = pltriton.load(slot_buf_ref.at[pl.ds(0, s_pad)])
     pltriton.store(slot_tile_ref.at[pl.ds(0, s_pad)], st, mask=jnp.arange(s_pad, dtype=jnp.int32) < slots)
+    sp = pltriton.load(split_buf_ref.at[pl.ds(0, r_pad)])
+    pltriton.store(split_ref.at[pl.ds(0, r_pad)], sp, mask=jnp.arange(r_pad, dtype=jnp.int32) < split_ref.shape[0])
 
 
 @functools.partial(jax.jit, static_argnames=("num_sms", "min_pages", "interpret"))
@@ -906,7 +923,7 @@ def worklist_pieces(tile_len, num_sms: int, min_pages: int, *, interpret: bool =
     """`worklist_pieces_reference` as one Pallas kernel (Triton lowering, one program), bit for bit:
     i32 tile_len [B, T] -> (meta i32[B*T + slots, 6], slot_tile i32[slots]), and the merge's
     (seg_first, seg_count) i32[B*T] (`segments_from_slot_tile` of slot_tile, whose two XLA
-    scatters it saves). The plain-JAX metadata
+    scatters it saves) and split-tile list i32[min(B*T, slots // 2)] (`split_tiles_of`, an XLA nonzero). The plain-JAX metadata
     step is ~15 XLA ops (cumsum, searchsorted, gathers, a scatter) that ran as ~50 small kernels per
     decode call on the H200, more time than the worklist decode saved at uniform lengths
     (bench/results/decode-h200.json); this is one launch. Lengths must keep its int32 arithmetic
@@ -923,11 +940,13 @@ def worklist_pieces(tile_len, num_sms: int, min_pages: int, *, interpret: bool =
         (slots,),  # slot_tile
         (nt,),  # seg_first
         (nt,),  # seg_count
+        (min(nt, slots // 2),),  # split tiles (merge_segments' list)
         (next_pow2(j_pad + bt_pad),),  # marks: pieces, then padding tiles' dummies
         (3, bt_pad),  # per-tile start, first slot, k
         (next_pow2(s_pad + j_pad),),  # slot_buf: slots, then unsplit pieces' dummies
+        (next_pow2(next_pow2(min(nt, slots // 2)) + bt_pad),),  # split_buf: split tiles, then the others' dummies
     ]
-    meta, slot_tile, seg_first, seg_count, *_ = pl.pallas_call(
+    meta, slot_tile, seg_first, seg_count, split_tiles, *_ = pl.pallas_call(
         functools.partial(_worklist_kernel, t=t, num_sms=num_sms, min_pages=min_pages, interpret=interpret),
         grid=(1,),
         # Whole-array blocks: under the Triton lowering a block only sets a base pointer.
@@ -938,10 +957,10 @@ def worklist_pieces(tile_len, num_sms: int, min_pages: int, *, interpret: bool =
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         name="mla_decode_sm90_worklist",
     )(tile_len.reshape(nt).astype(jnp.int32))
-    return meta, slot_tile, seg_first, seg_count
+    return meta, slot_tile, seg_first, seg_count, split_tiles
 
 
-def _merge_worklist(out, lse, o_part, lse_part, seg_first, seg_count, interpret=False):
+def _merge_worklist(out, lse, o_part, lse_part, seg_first, seg_count, split_tiles, interpret=False):
     """LSE-merge the partial slots of each split tile into out [BT, 64, L] / lse [BT, 64], in place.
 
     Slots of a tile are consecutive: seg_first, seg_count i32[BT] (`worklist_pieces`). One Pallas kernel
@@ -954,7 +973,7 @@ def _merge_worklist(out, lse, o_part, lse_part, seg_first, seg_count, interpret=
         lse_part.reshape(-1),
         seg_first,
         seg_count,
-        max_segment=lse_part.shape[0],
+        split_tiles,
         interpret=interpret,
     )
 
@@ -1072,7 +1091,9 @@ def _impl(
         name = f"grid{splits}"
     else:
         _check_worklist_bounds(b * head_tiles, max_pages, sms, _WORKLIST_MIN_PAGES)
-        meta, _, seg_first, seg_count = worklist_pieces(tile_len, sms, _WORKLIST_MIN_PAGES, interpret=bool(interpret))
+        meta, _, seg_first, seg_count, split_tiles = worklist_pieces(
+            tile_len, sms, _WORKLIST_MIN_PAGES, interpret=bool(interpret)
+        )
         n_slots = worklist_slots(sms)
         name = "worklist"
 
@@ -1116,6 +1137,7 @@ def _impl(
             lse_part.reshape(-1, rpt),
             seg_first,
             seg_count,
+            split_tiles,
             bool(interpret),
         )
         out, lse = out.reshape(b, m_out, l), lse.reshape(b, m_out)
@@ -1173,7 +1195,9 @@ def _narrow(
     if schedule == "worklist" and not batch_invariant:
         _check_worklist_bounds(b, max_pages, sms, _WORKLIST_MIN_PAGES)
         tile_len = jnp.max(jnp.minimum(seq_lens.astype(jnp.int32), max_pages * PAGE_SIZE), axis=1, keepdims=True)
-        meta, _, seg_first, seg_count = worklist_pieces(tile_len, sms, _WORKLIST_MIN_PAGES, interpret=bool(interpret))
+        meta, _, seg_first, seg_count, split_tiles = worklist_pieces(
+            tile_len, sms, _WORKLIST_MIN_PAGES, interpret=bool(interpret)
+        )
         out, lse, o_part, lse_part = narrow_decode(
             q, cache, block_table, seq_lens, page_offset, splits=1, meta=meta, num_slots=worklist_slots(sms), **kw
         )
@@ -1184,7 +1208,7 @@ def _narrow(
             lse_part.reshape(-1),
             seg_first,
             seg_count,
-            max_segment=lse_part.shape[0],
+            split_tiles,
             transposed=True,
             interpret=bool(interpret),
         )

@@ -699,5 +699,15 @@ case $part in
         -k "narrow_worklist or worklist_n16 or merge_segments"
     run 130 decode-ragged python3 bench/decode.py --out "$out/ragged" --ragged-only --no-check --dtypes bf16,fp8 \
         --kernels pallas_sm90,pallas ;;
-*)  echo "part must be 1 to 53" >&2; exit 2 ;;
+54) # session 27: the work list cut by ceil(pages / (total / 1.5 SMs)) with the online segment merge and the split-tile
+    # list from the metadata kernel: its GPU tests, the ragged rows, the 16-head uniform shapes (grid against work list)
+    out=${2:?}
+    verbose_tests 90 tests/pallas_kernels/test_mla_decode_sm90.py tests/pallas_kernels/test_mla_decode.py \
+        -k "narrow_worklist or worklist_n16 or worklist_kernel or merge_segments or worklist_n128 or fp8_qk_worklist"
+    run 200 decode-ragged python3 bench/decode.py --out "$out/ragged" --ragged-only --no-check --dtypes bf16,fp8 \
+        --kernels pallas_sm90,pallas
+    run 150 decode-uniform python3 bench/decode.py --out "$out/uniform" --no-check --no-ragged --device-time \
+        --shapes 128x16x8192,64x16x4096,32x16x1024,8x16x4096 --dtypes bf16,fp8 --kernels pallas_sm90
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 54" >&2; exit 2 ;;
 esac

@@ -348,18 +348,18 @@ def _merge_segments_float64(out, lse, o_part, lse_part, slot_tile, counts, dead)
 
 
 @pytest.mark.parametrize(
-    "m,l,counts,max_segment,out_dtype",
+    "m,l,counts,out_dtype",
     [
-        (8, 32, [3, 1, 0, 5, 2], None, jnp.float32),
-        (16, 64, [3, 1, 0, 5, 2], 5, jnp.bfloat16),
-        (8, 64, [2, 0, 20, 1, 4], 20, jnp.bfloat16),  # 20 segments: two steps of 16
-        (16, 32, [0, 2, 1, 0, 0], None, jnp.float32),
-        (8, 32, [1, 0, 1, 0, 0], None, jnp.float32),  # nothing split: only padding programs
-        (8, 48, [3, 1, 0, 5, 2], None, jnp.bfloat16),  # L not a power of two: the jnp fallback
+        (8, 32, [3, 1, 0, 5, 2], jnp.float32),
+        (16, 64, [3, 1, 0, 5, 2], jnp.bfloat16),
+        (8, 64, [2, 0, 20, 1, 4], jnp.bfloat16),  # 20 slots: five steps of the online loop
+        (16, 32, [0, 2, 1, 0, 0], jnp.float32),
+        (8, 32, [1, 0, 1, 0, 0], jnp.float32),  # nothing split: only padding programs
+        (8, 48, [3, 1, 0, 5, 2], jnp.bfloat16),  # L not a power of two: the jnp fallback
     ],
 )
 @pytest.mark.parametrize("transposed", [False, True])
-def test_merge_segments_kernel(m, l, counts, max_segment, out_dtype, transposed):
+def test_merge_segments_kernel(m, l, counts, out_dtype, transposed):
     """The work-list merge kernel against its jnp reference, and the reference against float64
     numpy: split tiles get the LSE merge of their live slots, all other tiles stay bit-identical.
     transposed: the partials as the narrow Hopper decode writes them, each slot's [L, M] slab."""
@@ -374,10 +374,10 @@ def test_merge_segments_kernel(m, l, counts, max_segment, out_dtype, transposed)
         p = lse_part.shape[0] // m
         o_t = np.swapaxes(o_part.reshape(p, m, l), 1, 2).reshape(p * l, m)
         got, got_lse = merge_segments(
-            *args[:2], jnp.asarray(o_t), *args[3:], max_segment=max_segment, transposed=True, interpret=True
+            *args[:2], jnp.asarray(o_t), *args[3:], transposed=True, interpret=True
         )
     else:
-        got, got_lse = merge_segments(*args, max_segment=max_segment, interpret=True)
+        got, got_lse = merge_segments(*args, interpret=True)
     ref, ref_lse = jax.jit(merge_segments_reference)(*args)
     assert got.dtype == out.dtype and got.shape == out.shape and got_lse.shape == lse.shape
     got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
@@ -402,9 +402,10 @@ def test_merge_segments_kernel(m, l, counts, max_segment, out_dtype, transposed)
 
 def test_merge_segments_lowers_to_triton(h200):
     """Triton IR generation on CPU (Pallas's lowering rules, not the Triton compiler) at work-list
-    size (200 tiles, 177 slots on an H200), with an H200 stand-in for the device query: one kernel,
-    grid (88 split tiles at most, 64 rows, 1 column block), out/lse aliased to its inputs."""
-    u, m, l, p = 200, 64, 512, 177
+    size (200 tiles, 396 slots on an H200), with an H200 stand-in for the device query: one kernel
+    (the split-tile list from an XLA nonzero), grid (198 split tiles at most, 16 column blocks of all 64
+    rows), out/lse aliased to its inputs."""
+    u, m, l, p = 200, 64, 512, 396
     shapes = [
         ((u, m, l), jnp.bfloat16),
         ((u, m), jnp.float32),
@@ -413,17 +414,18 @@ def test_merge_segments_lowers_to_triton(h200):
         ((u,), jnp.int32),
         ((u,), jnp.int32),
     ]
-    f = jax.jit(lambda *a: merge_segments(*a, max_segment=p))
+    f = jax.jit(lambda *a: merge_segments(*a))
     text = f.trace(*(jax.ShapeDtypeStruct(*x) for x in shapes)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
-    assert "grid_x = 88 : i32, grid_y = 64 : i32, grid_z = 1 : i32" in text
+    assert "grid_x = 198 : i32, grid_y = 16 : i32, grid_z = 1 : i32" in text
     assert text.count("stablehlo.output_operand_alias") == 2
 
 
 def test_merge_segments_transposed_lowers_to_triton(h200):
-    """The transposed merge (the narrow Hopper decode's work list: 128 requests of 16 rows, 177 slots on an H200)
-    lowers to one Triton kernel, grid (88 split requests at most, 16 column blocks), out/lse aliased."""
-    u, m, l, p = 128, 16, 512, 177
+    """The transposed merge as the narrow Hopper decode's work list calls it (128 requests of 16 rows, 396 slots
+    on an H200, the split-tile list given): one Triton kernel and nothing else, grid (128 split requests at
+    most, 4 column blocks), out/lse aliased."""
+    u, m, l, p = 128, 16, 512, 396
     shapes = [
         ((u, m, l), jnp.bfloat16),
         ((u, m), jnp.float32),
@@ -431,12 +433,14 @@ def test_merge_segments_transposed_lowers_to_triton(h200):
         ((p * m,), jnp.float32),
         ((u,), jnp.int32),
         ((u,), jnp.int32),
+        ((min(u, p // 2),), jnp.int32),
     ]
-    f = jax.jit(lambda *a: merge_segments(*a, max_segment=p, transposed=True))
+    f = jax.jit(lambda *a: merge_segments(*a, transposed=True))
     text = f.trace(*(jax.ShapeDtypeStruct(*x) for x in shapes)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
-    assert "grid_x = 88 : i32, grid_y = 16 : i32, grid_z = 1 : i32" in text
+    assert "grid_x = 128 : i32, grid_y = 4 : i32, grid_z = 1 : i32" in text
     assert text.count("stablehlo.output_operand_alias") == 2
+    assert "stablehlo.scatter" not in text and "stablehlo.gather" not in text  # no XLA glue around it
 
 
 @pytest.mark.gpu
@@ -452,9 +456,9 @@ def test_gpu_merge_segments(transposed):
     if transposed:
         p = slot_tile.shape[0]
         o_t = jnp.asarray(np.swapaxes(o_part.reshape(p, m, 512), 1, 2).reshape(p * 512, m))
-        got, got_lse = merge_segments(*args[:2], o_t, *args[3:], max_segment=p, transposed=True)
+        got, got_lse = merge_segments(*args[:2], o_t, *args[3:], transposed=True)
     else:
-        got, got_lse = merge_segments(*args, max_segment=slot_tile.shape[0])
+        got, got_lse = merge_segments(*args)
     ref, ref_lse = merge_segments_reference(*args)
     got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
     split = count >= 2

@@ -97,17 +97,17 @@ def test_worklist_pieces_cover_each_tile(num_sms):
         assert (slot_tile >= 0).sum() == sum(len(p) for p in seen.values() if len(p) > 1)
 
 
-def test_worklist_cuts_round_half_up():
-    """k = round(pages / target) half up, target = max(total / SMs, min_pages), against exact
-    rationals: ties (uniform lengths give pages / target = 1.5 exactly) included."""
+def test_worklist_cuts_ceil():
+    """k = ceil(pages / target), target = max(total / (1.5 SMs), min_pages), against exact rationals: exact
+    multiples (uniform lengths give pages / target = 1.5 SMs / tiles) included."""
     rng = np.random.default_rng(3)
     cases = [np.full(12, 6), np.full(11, 9), np.array([0, 0, 5]), np.zeros(4, int), np.arange(1, 40)]
     cases += [rng.integers(0, 3000, rng.integers(1, 60)) for _ in range(40)]
     cuts = jax.jit(k90._worklist_cuts, static_argnums=(1, 2))
     for pages in cases:
         for num_sms in (1, 4, 132):
-            target = max(Fraction(int(pages.sum()), num_sms), Fraction(4))
-            want = [min(max(math.floor(Fraction(int(p)) / target + Fraction(1, 2)), 1), max(int(p), 1)) for p in pages]
+            target = max(Fraction(2 * int(pages.sum()), 3 * num_sms), Fraction(4))
+            want = [min(max(math.ceil(Fraction(int(p)) / target), 1), max(int(p), 1)) for p in pages]
             padded = np.zeros(64, np.int32)  # empty tiles add no pages: one compile per num_sms
             padded[: len(pages)] = pages
             got = cuts(jnp.asarray(padded), num_sms, 4)
@@ -140,9 +140,12 @@ def _worklist_lengths(rng, nt):
 
 
 def _worklist_want(ref_fn, tile_len, num_sms):
-    """(meta, slot_tile) of the reference, then the merge's (seg_first, seg_count) from slot_tile."""
+    """(meta, slot_tile) of the reference, then the merge's (seg_first, seg_count) from slot_tile and its list of
+    split tiles."""
     meta, slot_tile = ref_fn(tile_len, num_sms, k90._WORKLIST_MIN_PAGES)
-    return (meta, slot_tile, *mla_decode.segments_from_slot_tile(slot_tile, tile_len.size))
+    seg_first, seg_count = mla_decode.segments_from_slot_tile(slot_tile, tile_len.size)
+    num_split = min(tile_len.size, k90.worklist_slots(num_sms) // 2)
+    return meta, slot_tile, seg_first, seg_count, mla_decode.split_tiles_of(seg_count, num_split)
 
 
 @pytest.mark.parametrize("num_sms", [4, 132])
@@ -289,11 +292,12 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
 
     monkeypatch.setattr(k90, "merge_splits", merge_ref)
 
-    def merge_segments_ref(out, lse, o_part, *rest, max_segment, interpret, transposed=False):
+    def merge_segments_ref(out, lse, o_part, lse_part, seg_first, seg_count, split_tiles, *, interpret, transposed=False):
         if transposed:  # [P * L, M] -> [P * M, L]
-            p, m, l = max_segment, out.shape[1], out.shape[2]
+            m, l = out.shape[1], out.shape[2]
+            p = lse_part.shape[0] // m
             o_part = jnp.swapaxes(o_part.reshape(p, l, m), 1, 2).reshape(p * m, l)
-        return mla_decode.merge_segments_reference(out, lse, o_part, *rest)
+        return mla_decode.merge_segments_reference(out, lse, o_part, lse_part, seg_first, seg_count)
 
     monkeypatch.setattr(k90, "merge_segments", merge_segments_ref)
     text = _lower_for_sm90(cache_dtype, **kw)
