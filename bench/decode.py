@@ -400,13 +400,17 @@ def kernels_to_time(b, n, ctx, dtype, run_triton, run_sm90) -> list[tuple]:
     if run_sm90:  # both schedules of the sm90 kernel (static splits; on-device work list)
         tile = sm90_tile(b, n, dtype)
         out.append(
-            ("pallas_sm90", sm90_fn(), {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx), "tile": tile})
+            (
+                "pallas_sm90",
+                sm90_fn(schedule="grid"),
+                {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx), "tile": tile},
+            )
         )
         if tile == "narrow":  # the 64-row kernel on the same inputs
             out.append(
                 (
                     "pallas_sm90",
-                    sm90_fn(rows64=True),
+                    sm90_fn(rows64=True, schedule="grid"),
                     {"schedule": "grid", "num_kv_splits": sm90_splits(b, n, ctx), "tile": "rows64"},
                 )
             )
@@ -415,7 +419,7 @@ def kernels_to_time(b, n, ctx, dtype, run_triton, run_sm90) -> list[tuple]:
             out.append(
                 (
                     "pallas_sm90",
-                    sm90_fn(fp8_qk=True),
+                    sm90_fn(fp8_qk=True, schedule="grid"),
                     {"schedule": "grid", "fp8_qk": True, "num_kv_splits": sm90_splits(b, n, ctx)},
                 )
             )

@@ -473,7 +473,9 @@ def _merge_segments_kernel(
         @pl.when(j == 0)
         def _():
             safe = jnp.where(run_max > -jnp.inf, run_max, 0.0)
-            pltriton.store(lse_out_ref.at[tile, rows], jnp.where(has, safe + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf))
+            pltriton.store(
+                lse_out_ref.at[tile, rows], jnp.where(has, safe + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
+            )
 
 
 @functools.partial(jax.jit, static_argnames=("transposed", "interpret"))
@@ -514,7 +516,8 @@ def merge_segments(
         grid=(n_split, l // block_l),
         # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the
         # kernel indexes rows and tiles itself.
-        in_specs=[whole((n_split,))] + [whole((u,))] * 2
+        in_specs=[whole((n_split,))]
+        + [whole((u,))] * 2
         + [whole(o_part.shape), whole((slots * m,)), whole((u, m, l)), whole((u, m))],
         out_specs=[whole((u, m, l)), whole((u, m))],
         out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32)],

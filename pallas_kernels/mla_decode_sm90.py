@@ -743,8 +743,8 @@ def _validate_sm90(
         raise ValueError(f"fp8_compute must be 'bfloat16' or 'float16', got {fp8_compute!r}")
     if sms is not None and not (isinstance(sms, int) and sms >= 1):
         raise ValueError(f"num_sms must be a positive int, got {sms}")
-    if schedule not in ("grid", "worklist"):
-        raise ValueError(f"schedule must be 'grid' or 'worklist', got {schedule!r}")
+    if schedule not in (None, "grid", "worklist"):
+        raise ValueError(f"schedule must be None, 'grid' or 'worklist', got {schedule!r}")
     if schedule == "worklist" and num_kv_splits is not None:
         raise ValueError("num_kv_splits applies to schedule='grid'; the work list sizes its pieces")
     check_interpreter_workers(interpret)
@@ -795,12 +795,17 @@ def _worklist_cuts(pages, num_sms: int, min_pages: int):
     return jnp.clip(k, 1, jnp.maximum(pages, 1))
 
 
+def _worklist_bound(num_tiles: int, max_pages: int, num_sms: int, min_pages: int) -> int:
+    """A bound on the work list's i32 intermediates (`_worklist_cuts`, piece bounds i * pages)."""
+    num, den = _WORKLIST_PIECES_PER_SM
+    return max_pages * (num * num_sms + den * num_tiles + worklist_slots(num_sms)) + num * num_sms * min_pages
+
+
 def _check_worklist_bounds(num_tiles: int, max_pages: int, num_sms: int, min_pages: int):
-    """The work list's i32 arithmetic (`_worklist_cuts`, piece bounds i * pages) stays below 2^31."""
+    """The work list's i32 arithmetic stays below 2^31."""
     if min_pages < 1 or num_sms < 1:
         raise ValueError(f"work list: min_pages ({min_pages}) and num_sms ({num_sms}) must be >= 1")
-    num, den = _WORKLIST_PIECES_PER_SM
-    bound = max_pages * (num * num_sms + den * num_tiles + worklist_slots(num_sms)) + num * num_sms * min_pages
+    bound = _worklist_bound(num_tiles, max_pages, num_sms, min_pages)
     if bound >= 2**31:
         raise ValueError(
             f"work list: {num_tiles} head tiles x {max_pages} pages per tile overflow its int32 "
@@ -923,9 +928,9 @@ def worklist_pieces(tile_len, num_sms: int, min_pages: int, *, interpret: bool =
     """`worklist_pieces_reference` as one Pallas kernel (Triton lowering, one program), bit for bit:
     i32 tile_len [B, T] -> (meta i32[B*T + slots, 6], slot_tile i32[slots]), and the merge's
     (seg_first, seg_count) i32[B*T] (`segments_from_slot_tile` of slot_tile, whose two XLA
-    scatters it saves) and split-tile list i32[min(B*T, slots // 2)] (`split_tiles_of`, an XLA nonzero). The plain-JAX metadata
-    step is ~15 XLA ops (cumsum, searchsorted, gathers, a scatter) that ran as ~50 small kernels per
-    decode call on the H200, more time than the worklist decode saved at uniform lengths
+    scatters it saves) and split-tile list i32[min(B*T, slots // 2)] (`split_tiles_of`, an XLA nonzero).
+    The plain-JAX metadata step is ~15 XLA ops (cumsum, searchsorted, gathers, a scatter) that ran as ~50
+    small kernels per decode call on the H200, more time than the worklist decode saved at uniform lengths
     (bench/results/decode-h200.json); this is one launch. Lengths must keep its int32 arithmetic
     below 2^31 (`_check_worklist_bounds`, checked by the decode)."""
     b, t = tile_len.shape
@@ -1229,6 +1234,15 @@ def _narrow(
     return out.reshape(b, nq, n, l).astype(q.dtype), lse.reshape(b, nq, n)
 
 
+# From this many requests the narrow kernel cuts requests by their lengths (`worklist_pieces`). Measured on the H100
+# (2026-12-05, bench/decode.py, 16 heads, device time; bench/results/decode-h200.json h100_runs): 128 requests of
+# log-uniform lengths in [256, 32k] took 461 / 314 us (bf16 / fp8) by the work list against the grid's 713 / 846,
+# 1.04x / 1.16x the same tokens in uniform requests; uniform batches pay for its metadata kernel and merge, +4.5% /
+# +5.8% at 128x8192 (418 / 247 us against 399 / 234), +9% / +17% at 64x4096, +32% / +34% at 32x1024. A server's large
+# batches are ragged; small ones stay on the grid, whose splits are sized from the block table.
+NARROW_WORKLIST_MIN_BATCH = 64
+
+
 def uses_narrow(m_rows: int, cache_dtype, *, fp8_qk: bool = False) -> bool:
     """Whether `mla_decode_sm90` runs the narrow (tokens-on-M) kernel for `m_rows` query rows a request: up to
     `mla_decode_sm90_narrow.NARROW_MAX_ROWS` on a bf16 cache, `NARROW_FP8_MAX_ROWS` on an fp8 one (exact, or with
@@ -1255,7 +1269,7 @@ def mla_decode_sm90(
     fp8_compute: str = "bfloat16",
     fp8_qk: bool = False,
     num_sms: int | None = None,
-    schedule: str = "grid",
+    schedule: str | None = None,
 ):
     """Hopper paged latent-MQA decode. Returns (out [B, Q, N, L] in q.dtype, lse f32[B, Q, N]).
 
@@ -1272,7 +1286,9 @@ def mla_decode_sm90(
     to it, fp8_stages and fp8_compute do not. The 64-row kernel adds page_offset to the block table (an XLA
     op before it); the narrow one in the kernel.
 
-    schedule: "grid" (default): every head tile of every request cut into the same static number
+    schedule: None (default): "worklist" for the narrow kernel from `NARROW_WORKLIST_MIN_BATCH` requests on
+    (without num_kv_splits or batch_invariant), else "grid". "grid": every head tile of every request cut into
+    the same static number
     of splits, `num_kv_splits` (None: `choose_num_kv_splits_sm90` for `num_sms` SMs, default the
     device's), over the block table's capacity; "worklist": a metadata step on device cuts each tile
     by its actual length so the pieces balance over `num_sms` SMs (FlashMLA's get_mla_metadata idea;
@@ -1308,7 +1324,12 @@ def mla_decode_sm90(
         raise ValueError(f"fp8_qk=True needs a float8_e4m3fn kv_c_and_k_pe_cache, got {kv_c_and_k_pe_cache.dtype}")
     check_page_offset(page_offset, kv_c_and_k_pe_cache.shape[0])
     sms = int(num_sms) if num_sms is not None else _device_num_sms()
-    if uses_narrow(q.shape[1] * q.shape[2], kv_c_and_k_pe_cache.dtype, fp8_qk=fp8_qk):
+    narrow = uses_narrow(q.shape[1] * q.shape[2], kv_c_and_k_pe_cache.dtype, fp8_qk=fp8_qk)
+    if schedule is None:
+        by_length = narrow and q.shape[0] >= NARROW_WORKLIST_MIN_BATCH and num_kv_splits is None and not batch_invariant
+        by_length &= _worklist_bound(q.shape[0], block_table.shape[1], sms, _WORKLIST_MIN_PAGES) < 2**31
+        schedule = "worklist" if by_length else "grid"
+    if narrow:
         offset = jnp.zeros((1,), jnp.int32) if page_offset is None else jnp.asarray(page_offset, jnp.int32).reshape(1)
         return _narrow(
             q,

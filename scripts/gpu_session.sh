@@ -709,5 +709,19 @@ case $part in
     run 150 decode-uniform python3 bench/decode.py --out "$out/uniform" --no-check --no-ragged --device-time \
         --shapes 128x16x8192,64x16x4096,32x16x1024,8x16x4096 --dtypes bf16,fp8 --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 54" >&2; exit 2 ;;
+55) # session 27: the step with the narrow decode's work list from 64 requests on (the default now) against the grid
+    # (a copy of this tree with NARROW_WORKLIST_MIN_BATCH out of reach), batch 128 at ctx 4k then 1k, bf16 (uniform
+    # lengths: what the work list costs a step where it cannot win)
+    out=${2:?}
+    rm -rf /tmp/grid && mkdir /tmp/grid && cp -r mla_jax pallas_kernels bench /tmp/grid/
+    sed -i 's/^NARROW_WORKLIST_MIN_BATCH = 64$/NARROW_WORKLIST_MIN_BATCH = 1 << 30/' /tmp/grid/pallas_kernels/mla_decode_sm90.py
+    grep -q "^NARROW_WORKLIST_MIN_BATCH = 1 << 30" /tmp/grid/pallas_kernels/mla_decode_sm90.py || echo "no knob" >&2
+    for ctx in 4096 1024; do
+        run 110 "e2e-worklist-$ctx" python3 -m mla_jax.bench.e2e --out "$out/e2e-worklist-$ctx" --weights bf16 \
+            --batches 128 --ctxs $ctx --no-prefill --no-engine
+        (cd /tmp/grid && run 110 "e2e-grid-$ctx" python3 -m mla_jax.bench.e2e --out "$out/e2e-grid-$ctx" \
+            --weights bf16 --batches 128 --ctxs $ctx --no-prefill --no-engine)
+    done
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 55" >&2; exit 2 ;;
 esac

@@ -373,9 +373,7 @@ def test_merge_segments_kernel(m, l, counts, out_dtype, transposed):
     if transposed:
         p = lse_part.shape[0] // m
         o_t = np.swapaxes(o_part.reshape(p, m, l), 1, 2).reshape(p * l, m)
-        got, got_lse = merge_segments(
-            *args[:2], jnp.asarray(o_t), *args[3:], transposed=True, interpret=True
-        )
+        got, got_lse = merge_segments(*args[:2], jnp.asarray(o_t), *args[3:], transposed=True, interpret=True)
     else:
         got, got_lse = merge_segments(*args, interpret=True)
     ref, ref_lse = jax.jit(merge_segments_reference)(*args)

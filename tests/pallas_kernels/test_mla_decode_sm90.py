@@ -114,6 +114,36 @@ def test_worklist_cuts_ceil():
             np.testing.assert_array_equal(np.asarray(got)[: len(pages)], want)
 
 
+@pytest.mark.parametrize(
+    "b, kw, want",
+    [
+        (k90.NARROW_WORKLIST_MIN_BATCH, {}, "worklist"),
+        (k90.NARROW_WORKLIST_MIN_BATCH - 1, {}, "grid"),
+        (k90.NARROW_WORKLIST_MIN_BATCH, dict(num_kv_splits=2), "grid"),
+        (k90.NARROW_WORKLIST_MIN_BATCH, dict(batch_invariant=True), "grid"),
+        (k90.NARROW_WORKLIST_MIN_BATCH, dict(schedule="grid"), "grid"),
+        (2, dict(schedule="worklist"), "worklist"),
+    ],
+)
+def test_default_schedule_by_batch(monkeypatch, b, kw, want):
+    """schedule=None: the narrow kernel cuts requests by length from NARROW_WORKLIST_MIN_BATCH requests on
+    (unless splits or batch invariance are asked for); an explicit schedule is kept."""
+
+    class Chosen(Exception):
+        pass
+
+    def spy(*args, schedule, **_):
+        raise Chosen(schedule)
+
+    monkeypatch.setattr(k90, "_narrow", spy)
+    q = jax.ShapeDtypeStruct((b, 1, 16, L + R), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((64, G, L + R), jnp.bfloat16)
+    bt, sl = jax.ShapeDtypeStruct((b, 8), jnp.int32), jax.ShapeDtypeStruct((b, 1), jnp.int32)
+    with pytest.raises(Chosen) as chosen:
+        jax.eval_shape(lambda *a: k90.mla_decode_sm90(*a, scale=SCALE, num_sms=132, **kw), q, cache, bt, sl)
+    assert chosen.value.args[0] == want
+
+
 def test_worklist_bounds_error():
     k90._check_worklist_bounds(256, 512, 132, 4)  # a decode batch: fine
     with pytest.raises(ValueError, match="overflow its int32"):
@@ -292,7 +322,9 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
 
     monkeypatch.setattr(k90, "merge_splits", merge_ref)
 
-    def merge_segments_ref(out, lse, o_part, lse_part, seg_first, seg_count, split_tiles, *, interpret, transposed=False):
+    def merge_segments_ref(
+        out, lse, o_part, lse_part, seg_first, seg_count, split_tiles, *, interpret, transposed=False
+    ):
         if transposed:  # [P * L, M] -> [P * M, L]
             m, l = out.shape[1], out.shape[2]
             p = lse_part.shape[0] // m
