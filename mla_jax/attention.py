@@ -51,11 +51,15 @@ def _always(*_, **__) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """One implementation of an attention op: `fn` has the signature of the op's `pallas_kernels` function;
-    `supports(same arguments)` returns None when `fn` takes the call, else the reason it declines."""
+    `supports(same arguments)` returns None when `fn` takes the call, else the reason it declines; `plan`, where
+    given, builds the part of `fn`'s work that a step's layers share."""
 
     name: str
     fn: Callable[..., Any]
     supports: Callable[..., str | None] = _always
+    # (same arguments) -> what `fn` takes as `plan=` that depends only on the step's metadata (a decode's work
+    # list), built once a step for every layer; None from it (or no `plan`): nothing to share
+    plan: Callable[..., Any] | None = None
 
 
 # ---- decode: (q [B, Q, N, L+R], cache [pages, G, L+R], block_table, seq_lens, *, scale, kv_scale, kv_lora_rank,
@@ -73,6 +77,14 @@ def _decode_sm90(q, cache, block_table, seq_lens, **kw):
 
 def _decode_sm90_fp8qk(q, cache, block_table, seq_lens, **kw):
     return md90.mla_decode_sm90(q, cache, block_table, seq_lens, interpret=_interpret(), fp8_qk=True, **kw)
+
+
+def _plan_sm90(q, cache, block_table, seq_lens, **kw):
+    return md90.decode_plan(q, cache, block_table, seq_lens, interpret=_interpret(), **kw)
+
+
+def _plan_sm90_fp8qk(q, cache, block_table, seq_lens, **kw):
+    return md90.decode_plan(q, cache, block_table, seq_lens, interpret=_interpret(), fp8_qk=True, **kw)
 
 
 # Fewest query rows (query tokens x heads, which share the 64-row Hopper kernel's wgmma tile) it takes on an fp8 cache;
@@ -127,9 +139,9 @@ def _triton_decode_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512
 
 DECODE_XLA = Kernel("xla", md.mla_decode_reference)
 DECODE_TRITON = Kernel("triton", _decode_triton, _triton_decode_declines)
-DECODE_SM90 = Kernel("sm90", _decode_sm90, _sm90_declines)
+DECODE_SM90 = Kernel("sm90", _decode_sm90, _sm90_declines, _plan_sm90)
 # fp8 QK^T as an fp8 wgmma on a per-row fp8 q: faster than dequantizing the page, but lossy (docs/perf-notes.md)
-DECODE_SM90_FP8QK = Kernel("sm90_fp8qk", _decode_sm90_fp8qk, _sm90_fp8qk_declines)
+DECODE_SM90_FP8QK = Kernel("sm90_fp8qk", _decode_sm90_fp8qk, _sm90_fp8qk_declines, _plan_sm90_fp8qk)
 
 # ---- prefill: (q [Tq, N, P+R], k [Tk, N, P+R], v [Tk, N, V], q_start_loc, k_start_loc, *, causal, scale)
 #      -> (out [Tq, N, V], lse f32[Tq, N])
@@ -243,6 +255,15 @@ SPARSE_PREFILL_MHA_MAX_LEN: dict[int, int] = {128: 0, 16: 0}
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """A decode kernel's per-step work (`Kernel.plan`), built once before the layer loop: the kernel's name and
+    what it takes as `plan=`."""
+
+    kernel: str
+    arrays: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class Backend:
     name: str
     decode: tuple[Kernel, ...]  # tried in order; the last (xla) takes every call
@@ -254,8 +275,22 @@ class Backend:
     # None: SPARSE_PREFILL_MHA_MAX_LEN / index_topk; a number forces it (tests pick a path with 0 or a large one)
     sparse_prefill_mha_max_len: int | None = None
 
-    def mla_decode(self, *args, **kw) -> tuple[jax.Array, jax.Array]:
-        return pick(self.decode, *args, **kw).fn(*args, **kw)
+    def mla_decode(self, *args, plan: DecodePlan | None = None, **kw) -> tuple[jax.Array, jax.Array]:
+        """The first decode kernel that takes the call; `plan`: the step's `plan_decode` for these arguments."""
+        kernel = pick(self.decode, *args, **kw)
+        if plan is not None:
+            if plan.kernel != kernel.name:
+                raise ValueError(f"plan: built for the {plan.kernel} decode kernel, the call runs {kernel.name}")
+            kw = dict(kw, plan=plan.arrays)
+        return kernel.fn(*args, **kw)
+
+    def plan_decode(self, *args, **kw) -> DecodePlan | None:
+        """What the decode kernel `mla_decode(*args, **kw)` picks shares across a step's layers (the arguments'
+        block_table and seq_lens), built once; None where it shares nothing. q and the cache may be
+        ShapeDtypeStructs."""
+        kernel = pick(self.decode, *args, **kw)
+        arrays = None if kernel.plan is None else kernel.plan(*args, **kw)
+        return None if arrays is None else DecodePlan(kernel.name, arrays)
 
     def sparse_mla_decode(self, *args, **kw) -> tuple[jax.Array, jax.Array]:
         return pick(self.sparse_decode, *args, **kw).fn(*args, **kw)
@@ -352,20 +387,33 @@ def forward_mqa(
     scale: float,
     kv_lora_rank: int,
     batch_invariant: bool = False,
+    plan: DecodePlan | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """q [Bd, Q, N, L+R] -> (latent [Bd, Q, N, L], lse f32[Bd, Q, N]). kv_cache is the pool of every layer;
-    decode.block_table's pages are the layer's, numbered from its first page `block_offset` (the kernel adds it)."""
+    decode.block_table's pages are the layer's, numbered from its first page `block_offset` (the kernel adds it).
+    `plan`: the step's `plan_mqa` (built once for every layer), or None."""
+    kw = dict(scale=scale, kv_scale=kv_scale, kv_lora_rank=kv_lora_rank, batch_invariant=batch_invariant)
     return backend.mla_decode(
-        q,
-        kv_cache,
-        decode.block_table,
-        decode.seq_lens,
-        scale=scale,
-        kv_scale=kv_scale,
-        kv_lora_rank=kv_lora_rank,
-        batch_invariant=batch_invariant,
-        page_offset=block_offset,
+        q, kv_cache, decode.block_table, decode.seq_lens, page_offset=block_offset, plan=plan, **kw
     )
+
+
+def plan_mqa(
+    backend: Backend,
+    q: jax.ShapeDtypeStruct,
+    kv_cache: jax.Array,
+    kv_scale: jax.Array | None,
+    decode: DecodeMetadata,
+    *,
+    scale: float,
+    kv_lora_rank: int,
+    batch_invariant: bool = False,
+) -> DecodePlan | None:
+    """What every layer's `forward_mqa` of a step shares (the decode metadata is the same in each: the Hopper
+    kernel's work list), built once before the layer loop; q [Bd, Q, N, L+R] as a shape, the other arguments as
+    forward_mqa's (the page offset changes nothing)."""
+    kw = dict(scale=scale, kv_scale=kv_scale, kv_lora_rank=kv_lora_rank, batch_invariant=batch_invariant)
+    return backend.plan_decode(q, kv_cache, decode.block_table, decode.seq_lens, page_offset=None, **kw)
 
 
 def forward_mha(

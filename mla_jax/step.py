@@ -55,11 +55,13 @@ def mla_paged(
     comm: Comm = LOCAL,
     batch_invariant: bool = False,
     rope: tuple[jax.Array, jax.Array] | None = None,
+    decode_plan: attention.DecodePlan | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """x [T, D] -> ([T, D], cache with this step's rows of `layer` written). `cfg` has this device's heads; `md`
     is this device's view (`Comm.local_view`): under DCP its slot_mapping writes only the rank's own tokens.
     `rope`: the rope's (cos, sin) f32[T, R/2] at md.positions, computed once for every layer (`_device_hidden`);
-    q_pe is rotated in the absorb kernel for decode rows, by XLA for prefill rows."""
+    q_pe is rotated in the absorb kernel for decode rows, by XLA for prefill rows. `decode_plan`: the step's
+    `plan_decode` (what every layer's decode kernel shares), None: the kernel builds its own."""
     s = md.shape
     N, L, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     with jax.named_scope("mla_project"):
@@ -86,6 +88,7 @@ def mla_paged(
                 scale=cfg.softmax_scale,
                 kv_lora_rank=L,
                 batch_invariant=batch_invariant,
+                plan=decode_plan,
             )  # [Bd, Q, N, L]
             latent = comm.combine_decode(latent, lse)  # [Bd, Q, N, L]
         with jax.named_scope("v_up_proj"):
@@ -145,12 +148,37 @@ def _device_hidden(
         return x, cache
 
     rope = rope_cos_sin(cfg, view.positions)  # once for every layer (XLA left it in the layer loop: 2 kernels a layer)
+    plan = plan_decode(be, cfg_loc, view, cache, x.dtype, comm=comm, batch_invariant=batch_invariant)
 
     def attn(p, h, cache, layer):
-        kw = dict(comm=comm, batch_invariant=batch_invariant, rope=rope)
+        kw = dict(comm=comm, batch_invariant=batch_invariant, rope=rope, decode_plan=plan)
         return mla_paged(p, cfg_loc, h, view, cache, layer, be, **kw)
 
     return decoder_layers(params, cfg, x, attn, cache, gmm_impl=gmm_impl, comm=comm)
+
+
+def plan_decode(
+    be: attention.Backend,
+    cfg: DeepseekConfig,
+    md: AttentionMetadata,
+    cache: KVCache,
+    dtype,
+    *,
+    comm: Comm = LOCAL,
+    batch_invariant: bool = False,
+) -> attention.DecodePlan | None:
+    """What every layer's decode attention of this step shares (`attention.plan_mqa`: the Hopper kernel's work
+    list), built once before the layer loop; None without decode rows or where nothing is shared. `cfg` has this
+    device's heads, `md` is this device's view, as `mla_paged` gets them."""
+    s = md.shape
+    if not s.num_decode_tokens:
+        return None
+    L = cfg.kv_lora_rank
+    heads = cfg.num_attention_heads * comm.dcp  # what comm.gather_decode_q gives each rank
+    q = jax.ShapeDtypeStruct((s.num_decodes, s.decode_query_len, heads, L + cfg.qk_rope_head_dim), dtype)
+    kv_flat, scale_flat, _ = cache.flat_layers(0)
+    kw = dict(scale=cfg.softmax_scale, kv_lora_rank=L, batch_invariant=batch_invariant)
+    return attention.plan_mqa(be, q, kv_flat, scale_flat, md.decode, **kw)
 
 
 def _device_step(params: Params, cache: KVCache, md: AttentionMetadata, *, cfg: DeepseekConfig, **kw):

@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -767,37 +768,49 @@ def _grid_pieces(tile_len, max_pages, splits):
 def worklist_slots(num_sms: int) -> int:
     """Partial-output slots of the work-list schedule. A tile is split only when it is longer than the target
     (`_worklist_cuts`), into k = ceil(pages / target) < 2 pages / target pieces, so the split pieces number
-    fewer than 2 total / target <= 3 SMs."""
+    fewer than 2 total / target <= 3 SMs (one wave's: at most SMs)."""
     return 3 * num_sms
 
 
-_WORKLIST_PIECES_PER_SM = (3, 2)  # target = total pages / (1.5 SMs), as a ratio for exact integer arithmetic
+# Targets as (num, den): pieces of at most den * total pages / (num * SMs), ratios for exact integer arithmetic.
+_WORKLIST_PIECES_PER_SM = (3, 2)  # many waves: target = total / (1.5 SMs)
+_WORKLIST_ONE_WAVE = (8, 9)  # one wave: target = 1.125 total / SMs, taken when its pieces fit on the SMs
 
 
-def _worklist_cuts(pages, num_sms: int, min_pages: int):
-    """Pieces per head tile, k = clip(ceil(pages / target), 1, max(pages, 1)) with target =
-    max(total pages / (1.5 SMs), min_pages): no piece is longer than the target, and the SMs get 1.5
-    target-sized pieces each, so the block scheduler evens out what the long tiles leave (a model of its
-    list scheduling over a ragged batch, docs/perf-notes.md session 27: 1.04-1.10x uniform, against
-    1.15-1.35x for pieces of round(pages / (total / SMs)), the rule measured at 1.18x on the H100).
-    i32 pages [BT] -> i32 k [BT].
+def _worklist_cuts(pages, num_sms: int, min_pages: int, real=None):
+    """Pieces per head tile. One wave where it fits: k = ceil(pages / target), target = 1.125 total pages /
+    SMs, when the pieces number at most SMs (every piece on its own SM, none longer than 1.125 the fair
+    share: a near-uniform batch, cut as the grid cuts it and no more, so a batch of equal requests no
+    longer than its fair share is not split or merged at all). Otherwise many waves: target = total /
+    (1.5 SMs), so the SMs get 1.5 target-sized pieces each and the block scheduler evens out what the long
+    tiles leave (a model of its list scheduling over a ragged batch, docs/perf-notes.md session 27:
+    1.04-1.10x uniform, against 1.15-1.35x for pieces of round(pages / (total / SMs)), the rule measured
+    at 1.18x on the H100). Both clip k to [1, max(pages, 1)] and keep pieces >= min_pages where the tile is.
+    i32 pages [BT] -> i32 k [BT]; `real` bool[BT] (None: all) marks the tiles that count (the kernel's
+    power-of-two padding does not).
 
-    Exact integer arithmetic, target = a / b with b = 3 SMs, a = max(2 total, b min_pages): k =
+    Exact integer arithmetic, target = a / b with b = num SMs, a = max(den total, b min_pages): k =
     floor((pages b + a - 1) / a). A float32 target and division would make exact multiples depend on
     the backend (XLA turns divisions into reciprocal multiplies; the GPU's reciprocal is div.full, 2 ulp);
     the work-list kernel and its reference must agree bit for bit. Operands are non-negative (lax.div =
     floor) and stay below 2^31 (`_check_worklist_bounds`). The plain-JAX reference and the kernel both
     call it."""
-    num, den = _WORKLIST_PIECES_PER_SM
-    b = num * num_sms
-    a = jnp.maximum(den * jnp.sum(pages), b * min_pages)
-    k = lax.div(pages * b + a - 1, a)
-    return jnp.clip(k, 1, jnp.maximum(pages, 1))
+    total = jnp.sum(pages)
+
+    def cuts(num, den):
+        b = num * num_sms
+        a = jnp.maximum(den * total, b * min_pages)
+        return jnp.clip(lax.div(pages * b + a - 1, a), 1, jnp.maximum(pages, 1))
+
+    one = cuts(*_WORKLIST_ONE_WAVE)
+    counted = one if real is None else jnp.where(real, one, 0)
+    return jnp.where(jnp.sum(counted) <= num_sms, one, cuts(*_WORKLIST_PIECES_PER_SM))
 
 
 def _worklist_bound(num_tiles: int, max_pages: int, num_sms: int, min_pages: int) -> int:
     """A bound on the work list's i32 intermediates (`_worklist_cuts`, piece bounds i * pages)."""
-    num, den = _WORKLIST_PIECES_PER_SM
+    num = max(_WORKLIST_PIECES_PER_SM[0], _WORKLIST_ONE_WAVE[0])
+    den = max(_WORKLIST_PIECES_PER_SM[1], _WORKLIST_ONE_WAVE[1])
     return max_pages * (num * num_sms + den * num_tiles + worklist_slots(num_sms)) + num * num_sms * min_pages
 
 
@@ -815,9 +828,9 @@ def _check_worklist_bounds(num_tiles: int, max_pages: int, num_sms: int, min_pag
 
 def worklist_pieces_reference(tile_len, num_sms: int, min_pages: int):
     """Length-adaptive schedule (the metadata step), plain JAX: each head tile with P pages is cut
-    into k = clip(ceil(P / target), 1, P) equal pieces, target = max(total pages / (1.5 SMs),
-    min_pages) (`_worklist_cuts`), so long requests spread over many SMs and short ones stay whole
-    (no merge). i32 tile_len [B, T] -> (meta i32[B*T + slots, 6]: (b, h, p0, n, slot, tile length)
+    into k equal pieces (`_worklist_cuts`: one wave of pieces <= 1.125 fair shares where they fit on the SMs,
+    else pieces <= total / (1.5 SMs); >= min_pages), so long requests spread over many SMs and short ones stay
+    whole (no merge). i32 tile_len [B, T] -> (meta i32[B*T + slots, 6]: (b, h, p0, n, slot, tile length)
     per piece, slot -1 for a whole tile, -2 (n = 0) past the last piece; slot_tile i32[slots]: the
     tile of each partial slot or -1). The split pieces always fit the slots (`worklist_slots`)."""
     b, t = tile_len.shape
@@ -878,7 +891,7 @@ def _worklist_kernel(
     real = u < nt
     tl = pltriton.load(tl_ref.at[jnp.minimum(u, nt - 1)], mask=real, other=0)  # [BT']
     pages = lax.div(tl + PAGE_SIZE - 1, PAGE_SIZE)
-    k = jnp.where(real, _worklist_cuts(pages, num_sms, min_pages), 0)
+    k = jnp.where(real, _worklist_cuts(pages, num_sms, min_pages, real), 0)
     end = jnp.cumsum(k)
     ks = jnp.where(k > 1, k, 0)  # slots of split tiles
     total = jnp.sum(k)
@@ -965,6 +978,92 @@ def worklist_pieces(tile_len, num_sms: int, min_pages: int, *, interpret: bool =
     return meta, slot_tile, seg_first, seg_count, split_tiles
 
 
+class DecodePlan(NamedTuple):
+    """A decode step's work list (`decode_plan`): what every layer's call on the same block_table and seq_lens
+    shares (`worklist_pieces`' meta and the merge's segments and split-tile list), built once a step."""
+
+    meta: jax.Array  # i32[BT + slots, 6]
+    seg_first: jax.Array  # i32[BT]
+    seg_count: jax.Array  # i32[BT]
+    split_tiles: jax.Array  # i32[min(BT, slots // 2)]
+
+
+def _row_and_tile_lens(seq_lens, n: int, max_pages: int):
+    """Row lengths i32[B, T*64] (query row t*N + n of request b attends seq_lens[b, t] tokens, clamped to the
+    block table's capacity; padding rows 0) and their head tiles' lengths i32[B, T], T = ceil(Q*N / 64)."""
+    b, nq = seq_lens.shape
+    m_rows = nq * n
+    m_pad = cdiv(m_rows, TILE_M) * TILE_M
+    row_lens = jnp.minimum(jnp.repeat(seq_lens.astype(jnp.int32), n, axis=1), max_pages * PAGE_SIZE)
+    row_lens = jnp.pad(row_lens, ((0, 0), (0, m_pad - m_rows)))
+    return row_lens, jnp.max(row_lens.reshape(b, m_pad // TILE_M, TILE_M), axis=-1)
+
+
+def _worklist_of(tile_len, max_pages: int, sms: int, interpret, plan: DecodePlan | None):
+    """The work list of head tiles i32[B, T]: the step's `plan` where one is given (checked against the call's
+    shapes), else built here (one metadata kernel)."""
+    nt = tile_len.size
+    _check_worklist_bounds(nt, max_pages, sms, _WORKLIST_MIN_PAGES)
+    if plan is None:
+        meta, _, seg_first, seg_count, split_tiles = worklist_pieces(
+            tile_len, sms, _WORKLIST_MIN_PAGES, interpret=bool(interpret)
+        )
+        return DecodePlan(meta, seg_first, seg_count, split_tiles)
+    want = DecodePlan((nt + worklist_slots(sms), 6), (nt,), (nt,), (min(nt, worklist_slots(sms) // 2),))
+    for name, arr, shape in zip(DecodePlan._fields, plan, want, strict=True):
+        if tuple(arr.shape) != shape or arr.dtype != jnp.int32:
+            raise ValueError(
+                f"plan.{name} is {arr.dtype}{list(arr.shape)}, this call's work list ({nt} head tiles, {sms} SMs) "
+                f"needs int32{list(shape)}: a plan from decode_plan with this call's arguments"
+            )
+    return plan
+
+
+def _resolve_schedule(q_shape, cache_dtype, max_pages, sms, schedule, num_kv_splits, batch_invariant, fp8_qk):
+    """(narrow kernel?, "grid" or "worklist") for a call: `mla_decode_sm90`'s schedule=None rule, and
+    batch_invariant's one piece a tile."""
+    b, nq, n, _ = q_shape
+    narrow = uses_narrow(nq * n, cache_dtype, fp8_qk=fp8_qk)
+    if batch_invariant:
+        return narrow, "grid"
+    if schedule is None:
+        by_length = narrow and b >= NARROW_WORKLIST_MIN_BATCH and num_kv_splits is None
+        by_length &= _worklist_bound(b, max_pages, sms, _WORKLIST_MIN_PAGES) < 2**31
+        schedule = "worklist" if by_length else "grid"
+    return narrow, schedule
+
+
+def decode_plan(
+    q,
+    kv_c_and_k_pe_cache,
+    block_table,
+    seq_lens,
+    *,
+    num_kv_splits: int | None = None,
+    batch_invariant: bool = False,
+    fp8_qk: bool = False,
+    num_sms: int | None = None,
+    schedule: str | None = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    **_,
+) -> DecodePlan | None:
+    """The work list `mla_decode_sm90` would build for this call (same arguments; q and the cache may be
+    ShapeDtypeStructs, the rest of its keywords are accepted and ignored), or None where it runs the grid.
+    A step builds it once before its layer loop and passes it to every layer's call as `plan` (vLLM's
+    metadata builder calls FlashMLA's get_mla_metadata once a step the same way): the layers share
+    block_table and seq_lens, so the 27 layers of V2-Lite run one metadata kernel, not 27."""
+    sms = int(num_sms) if num_sms is not None else _device_num_sms()
+    max_pages = block_table.shape[1]
+    fp8_qk = bool(fp8_qk) and jnp.dtype(kv_c_and_k_pe_cache.dtype) == FP8
+    _, schedule = _resolve_schedule(
+        q.shape, kv_c_and_k_pe_cache.dtype, max_pages, sms, schedule, num_kv_splits, batch_invariant, fp8_qk
+    )
+    if schedule != "worklist":
+        return None
+    _, tile_len = _row_and_tile_lens(seq_lens, q.shape[2], max_pages)
+    return _worklist_of(tile_len, max_pages, sms, static_interpret(interpret), None)
+
+
 def _merge_worklist(out, lse, o_part, lse_part, seg_first, seg_count, split_tiles, interpret=False):
     """LSE-merge the partial slots of each split tile into out [BT, 64, L] / lse [BT, 64], in place.
 
@@ -1021,6 +1120,7 @@ def _impl(
     block_table,
     seq_lens,
     kv_scale,
+    plan,
     *,
     scale,
     kv_lora_rank,
@@ -1081,10 +1181,7 @@ def _impl(
     m_q = (head_tiles - 1) * TILE_M + tail
     if m_q != m_rows:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, m_q - m_rows), (0, 0)))
-    row_lens = jnp.minimum(jnp.repeat(seq_lens, n, axis=1), max_pages * g)  # [B, M]
-    if m_pad != m_rows:
-        row_lens = jnp.pad(row_lens, ((0, 0), (0, m_pad - m_rows)))
-    tile_len = jnp.max(row_lens.reshape(b, head_tiles, TILE_M), axis=-1)  # [B, T]
+    row_lens, tile_len = _row_and_tile_lens(seq_lens, n, max_pages)  # [B, T*64], [B, T]
     row_lens = row_lens.astype(jnp.float32)  # TMA'd into an f32 row-vector buffer (exact < 2^24)
 
     if batch_invariant:
@@ -1095,10 +1192,7 @@ def _impl(
         n_slots = meta.shape[0] if splits > 1 else 1
         name = f"grid{splits}"
     else:
-        _check_worklist_bounds(b * head_tiles, max_pages, sms, _WORKLIST_MIN_PAGES)
-        meta, _, seg_first, seg_count, split_tiles = worklist_pieces(
-            tile_len, sms, _WORKLIST_MIN_PAGES, interpret=bool(interpret)
-        )
+        meta, seg_first, seg_count, split_tiles = _worklist_of(tile_len, max_pages, sms, interpret, plan)
         n_slots = worklist_slots(sms)
         name = "worklist"
 
@@ -1172,6 +1266,7 @@ def _narrow(
     seq_lens,
     page_offset,
     kv_scale,
+    plan,
     *,
     scale,
     l,
@@ -1198,11 +1293,8 @@ def _narrow(
     max_pages = block_table.shape[1]
     kw = dict(kv_scale=kv_scale, scale=scale, l=l, stages=stages, interpret=interpret, fp8_qk=fp8_qk)
     if schedule == "worklist" and not batch_invariant:
-        _check_worklist_bounds(b, max_pages, sms, _WORKLIST_MIN_PAGES)
-        tile_len = jnp.max(jnp.minimum(seq_lens.astype(jnp.int32), max_pages * PAGE_SIZE), axis=1, keepdims=True)
-        meta, _, seg_first, seg_count, split_tiles = worklist_pieces(
-            tile_len, sms, _WORKLIST_MIN_PAGES, interpret=bool(interpret)
-        )
+        _, tile_len = _row_and_tile_lens(seq_lens, n, max_pages)  # [B, 1]: Q*N <= 32 rows, one tile
+        meta, seg_first, seg_count, split_tiles = _worklist_of(tile_len, max_pages, sms, interpret, plan)
         out, lse, o_part, lse_part = narrow_decode(
             q, cache, block_table, seq_lens, page_offset, splits=1, meta=meta, num_slots=worklist_slots(sms), **kw
         )
@@ -1270,6 +1362,7 @@ def mla_decode_sm90(
     fp8_qk: bool = False,
     num_sms: int | None = None,
     schedule: str | None = None,
+    plan: DecodePlan | None = None,
 ):
     """Hopper paged latent-MQA decode. Returns (out [B, Q, N, L] in q.dtype, lse f32[B, Q, N]).
 
@@ -1301,6 +1394,8 @@ def mla_decode_sm90(
     per row to e4m3 (`quantize_q_fp8`: the logits are those of the quantized q), so only V's L
     columns are cast for P.V (fp8 wgmma takes B only K-major: V, N-major in the page, cannot be fp8);
     fp8_stages then defaults to 3.
+    plan: the step's work list, `decode_plan` of the same block_table and seq_lens with the same options, built
+    once for every layer (None: built here where the work list runs; an error where the grid does).
     interpret: run under the Mosaic GPU interpreter (CPU testing): True, or the interpreter's
     `plgpu.InterpretGPUParams` (e.g. detect_races=True). It needs >= 3 XLA CPU workers (NPROC).
     """
@@ -1324,11 +1419,11 @@ def mla_decode_sm90(
         raise ValueError(f"fp8_qk=True needs a float8_e4m3fn kv_c_and_k_pe_cache, got {kv_c_and_k_pe_cache.dtype}")
     check_page_offset(page_offset, kv_c_and_k_pe_cache.shape[0])
     sms = int(num_sms) if num_sms is not None else _device_num_sms()
-    narrow = uses_narrow(q.shape[1] * q.shape[2], kv_c_and_k_pe_cache.dtype, fp8_qk=fp8_qk)
-    if schedule is None:
-        by_length = narrow and q.shape[0] >= NARROW_WORKLIST_MIN_BATCH and num_kv_splits is None and not batch_invariant
-        by_length &= _worklist_bound(q.shape[0], block_table.shape[1], sms, _WORKLIST_MIN_PAGES) < 2**31
-        schedule = "worklist" if by_length else "grid"
+    narrow, schedule = _resolve_schedule(
+        q.shape, kv_c_and_k_pe_cache.dtype, block_table.shape[1], sms, schedule, num_kv_splits, batch_invariant, fp8_qk
+    )
+    if plan is not None and schedule != "worklist":
+        raise ValueError(f"plan: a work list was given, but this call runs schedule={schedule!r}")
     if narrow:
         offset = jnp.zeros((1,), jnp.int32) if page_offset is None else jnp.asarray(page_offset, jnp.int32).reshape(1)
         return _narrow(
@@ -1338,6 +1433,7 @@ def mla_decode_sm90(
             seq_lens,
             offset,
             kv_scale,
+            plan,
             scale=float(scale),
             l=int(kv_lora_rank),
             num_kv_splits=num_kv_splits,
@@ -1356,6 +1452,7 @@ def mla_decode_sm90(
         block_table,
         seq_lens,
         kv_scale,
+        plan,
         scale=float(scale),
         kv_lora_rank=int(kv_lora_rank),
         num_kv_splits=num_kv_splits,

@@ -119,3 +119,40 @@ def test_every_decode_kernel_takes_page_offset():
         for bad, match in ((-1, "page_offset=-1 is out of range"), (jnp.zeros(2, jnp.int32), "page_offset must be")):
             with pytest.raises(ValueError, match=match):
                 k.fn(q, cache, bt, sl, scale=DECODE_SCALE, kv_scale=ks, kv_lora_rank=512, page_offset=bad)
+
+
+def _pallas_calls(jaxpr, depth=0, out=None):
+    """(scan depth, kernel name) of every pallas_call in a jaxpr, nested ones included."""
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out.append((depth, str(eqn.params["name"])))
+            continue
+        inner = depth + (eqn.primitive.name == "scan")
+        for v in eqn.params.values():
+            for x in v if isinstance(v, (tuple, list)) else [v]:
+                if isinstance(x, jax.extend.core.ClosedJaxpr):
+                    _pallas_calls(x.jaxpr, inner, out)
+                elif isinstance(x, jax.extend.core.Jaxpr):
+                    _pallas_calls(x, inner, out)
+    return out
+
+
+def test_step_builds_the_decode_work_list_once():
+    """A step whose decodes take the Hopper kernel's work list (64 requests of 16 heads: the narrow kernel) builds
+    it once, before the layer loop (`step.plan_decode`), and every layer's decode reads it: the step's jaxpr has one
+    metadata kernel, outside the layer scans, and a segment merge in each scan."""
+    from mla_jax.step import forward_step
+    from pallas_kernels import mla_decode_sm90 as md90
+    from tests.pallas_kernels.mosaic_interpreter import require_nproc
+
+    require_nproc()
+    cfg = tiny_config(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16, num_attention_heads=16)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    cache = jax.eval_shape(lambda: init_kv_cache(cfg.num_hidden_layers, 70, 64, kv_lora_rank=512, rope_dim=64))
+    b = md90.NARROW_WORKLIST_MIN_BATCH
+    md, _ = build_metadata([ScheduledRequest([1], 10 + 6 * (i % 9), [i]) for i in range(b)], page_size=64, num_pages=70)
+    step = lambda p, c, m: forward_step(p, cfg, c, m, backend="pallas_sm90")  # noqa: E731
+    calls = _pallas_calls(jax.make_jaxpr(step)(params, cache, md.to_device()).jaxpr)
+    assert [c for c in calls if c[1] == "mla_decode_sm90_worklist"] == [(0, "mla_decode_sm90_worklist")], calls
+    assert [d for d, name in calls if name.startswith("mla_decode_merge_segments")] == [1, 1], calls  # dense, MoE

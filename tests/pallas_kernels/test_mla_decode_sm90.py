@@ -97,21 +97,49 @@ def test_worklist_pieces_cover_each_tile(num_sms):
         assert (slot_tile >= 0).sum() == sum(len(p) for p in seen.values() if len(p) > 1)
 
 
+def _cuts_want(pages, num_sms, min_pages=4):
+    """`_worklist_cuts` in exact rationals: one wave (pieces <= 9/8 total / SMs) where its pieces number at most
+    SMs, else pieces <= total / (1.5 SMs); min_pages and the clip to [1, pages] in both."""
+
+    def cuts(share):
+        target = max(share * int(pages.sum()) / num_sms, Fraction(min_pages))
+        return [min(max(math.ceil(Fraction(int(p)) / target), 1), max(int(p), 1)) for p in pages]
+
+    one = cuts(Fraction(9, 8))
+    return one if sum(one) <= num_sms else cuts(Fraction(2, 3))
+
+
 def test_worklist_cuts_ceil():
-    """k = ceil(pages / target), target = max(total / (1.5 SMs), min_pages), against exact rationals: exact
-    multiples (uniform lengths give pages / target = 1.5 SMs / tiles) included."""
+    """k = ceil(pages / target) against exact rationals, both rules: exact multiples (uniform lengths give
+    pages / target = 1.5 SMs / tiles) included, and batches on both sides of the one-wave test; padding tiles
+    (not `real`) change nothing."""
     rng = np.random.default_rng(3)
     cases = [np.full(12, 6), np.full(11, 9), np.array([0, 0, 5]), np.zeros(4, int), np.arange(1, 40)]
+    cases += [np.full(40, 16), np.full(33, 127), np.full(64, 64), np.r_[np.full(30, 16), 400], np.full(60, 3)]
     cases += [rng.integers(0, 3000, rng.integers(1, 60)) for _ in range(40)]
     cuts = jax.jit(k90._worklist_cuts, static_argnums=(1, 2))
+    rules = {True: 0, False: 0}  # cases cut in one wave or not
     for pages in cases:
         for num_sms in (1, 4, 132):
-            target = max(Fraction(2 * int(pages.sum()), 3 * num_sms), Fraction(4))
-            want = [min(max(math.ceil(Fraction(int(p)) / target), 1), max(int(p), 1)) for p in pages]
-            padded = np.zeros(64, np.int32)  # empty tiles add no pages: one compile per num_sms
+            want = _cuts_want(pages, num_sms)
+            rules[sum(want) <= num_sms] += 1
+            padded = np.zeros(64, np.int32)  # padding tiles, masked off: one compile per num_sms
             padded[: len(pages)] = pages
-            got = cuts(jnp.asarray(padded), num_sms, 4)
+            got = cuts(jnp.asarray(padded), num_sms, 4, jnp.arange(64) < len(pages))
             np.testing.assert_array_equal(np.asarray(got)[: len(pages)], want)
+    assert min(rules.values()) > 10, rules
+
+
+def test_worklist_one_wave_uniform():
+    """A batch of equal requests that fits one wave is cut as the grid would (128 x 16 pages on 132 SMs: whole;
+    64 x 64: halves) and a ragged one of as many requests takes the many-wave rule."""
+    cuts = jax.jit(k90._worklist_cuts, static_argnums=(1, 2))
+    np.testing.assert_array_equal(cuts(jnp.full(128, 16, jnp.int32), 132, 4), np.ones(128))
+    np.testing.assert_array_equal(cuts(jnp.full(128, 128, jnp.int32), 132, 4), np.ones(128))
+    np.testing.assert_array_equal(cuts(jnp.full(64, 64, jnp.int32), 132, 4), np.full(64, 2))
+    ragged = np.r_[np.full(127, 4), 512].astype(np.int32)  # the long request alone would want ~20 pieces
+    got = np.asarray(cuts(jnp.asarray(ragged), 132, 4))
+    assert got.sum() > 132 and got[-1] == math.ceil(512 / max(Fraction(2 * int(ragged.sum()), 3 * 132), 4))
 
 
 @pytest.mark.parametrize(
@@ -229,6 +257,41 @@ def test_batch_invariant_bitwise():
     out1, lse1 = run_decode(q[1:2], cache, bt[1:2], sl[1:2], None, batch_invariant=True)
     np.testing.assert_array_equal(np.asarray(out[1:2], np.float32), np.asarray(out1, np.float32))
     np.testing.assert_array_equal(np.asarray(lse[1:2]), np.asarray(lse1))
+
+
+@pytest.mark.parametrize("n, cache_dtype", [(16, "bf16"), (128, "fp8")])
+def test_step_plan(monkeypatch, n, cache_dtype):
+    """`decode_plan` is the work list the call would build (narrow and 64-row kernels), and a call given it builds
+    none (worklist_pieces patched to fail) and still matches the float32 reference; it is None where the grid
+    runs, and a plan where the grid runs or of another batch is an error that names it."""
+    lens = [3000, 40, 700, 0, 1500]
+    kw = dict(b=len(lens), nq=1, n=n, l=L, r=R, g=G, max_pages=48, lens=lens, cache_dtype=cache_dtype)
+    q, cache, bt, sl, ks = decode_inputs(17, **kw)
+    opts = dict(schedule="worklist", num_sms=4)
+    plan = k90.decode_plan(q, cache, bt, sl, interpret=True, **opts)
+    _, tile_len = k90._row_and_tile_lens(sl, n, bt.shape[1])
+    want = k90.worklist_pieces(tile_len, 4, k90._WORKLIST_MIN_PAGES, interpret=True)
+    for got, w in zip(plan, [want[0], *want[2:]], strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+    assert (np.asarray(plan.meta)[:, 4] >= 0).any(), "the case must split a tile"
+
+    def no_metadata(*_, **__):
+        raise AssertionError("the call built a work list of its own")
+
+    monkeypatch.setattr(k90, "worklist_pieces", no_metadata)
+    out, lse = run_decode(q, cache, bt, sl, ks, plan=plan, **opts)
+    ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, {}))(q, cache, bt, sl, ks)
+    assert_decode_close(out, lse, ref, ref_lse, cache_dtype)
+
+    assert k90.decode_plan(q, cache, bt, sl, schedule="grid", num_sms=4) is None
+    assert k90.decode_plan(q, cache, bt, sl, num_sms=4) is None  # 5 requests: the grid by default
+    call = lambda *a, **o: jax.eval_shape(  # noqa: E731
+        lambda *a: k90.mla_decode_sm90(*a, scale=SCALE, kv_scale=ks, **o), *a
+    )
+    with pytest.raises(ValueError, match="this call runs schedule='grid'"):
+        call(q, cache, bt, sl, schedule="grid", num_sms=4, plan=plan)
+    with pytest.raises(ValueError, match="plan.meta is int32"):
+        call(q[:3], cache, bt[:3], sl[:3], plan=plan, **opts)
 
 
 def test_attention_backend_pallas_sm90(monkeypatch):
