@@ -9,16 +9,19 @@ Shape legend: B requests, Q query tokens per request, N heads, L kv_lora_rank (5
 
 Work decomposition: a "piece" is (request b, head tile h, pages [p0, p0 + n) of b's block table);
 one CTA per piece, grid (pieces,). Only the real rows of a tile move (Q in, outputs out), rounded
-up to 8: N=16 moves 16 rows, not 64. A metadata array [pieces, 6] (b, h, p0, n, slot, tile length)
-comes from one of two schedules:
+up to 8: N=16 moves 16 rows, not 64. Pieces come from one of two schedules:
 - "grid" (default): every tile cut into S static splits over the block table's capacity
-  (`choose_num_kv_splits_sm90`); S == 1 writes the final output directly, S > 1 writes f32
-  partials merged by LSE with the Triton module's `merge_splits` kernel.
+  (`choose_num_kv_splits_sm90`); piece (b * S + s) * T + h, its pages derived in the kernel from
+  seq_lens (as the rows' lengths are: no metadata step before the launch); S == 1 writes the final
+  output directly, S > 1 writes f32 partials merged by LSE with the Triton module's `merge_splits`
+  kernel.
 - "worklist": a metadata step on device (FlashMLA's get_mla_metadata idea) cuts each tile by its
-  actual length into k = round(pages / target) pieces, target = total pages / SMs, so long requests
-  spread over many SMs and short ones stay whole (final output written directly); only split tiles
-  go through f32 partial slots, merged by `_merge_worklist`. The metadata step is one Triton-lowered
-  Pallas kernel (`worklist_pieces`; plain-JAX reference `worklist_pieces_reference`).
+  actual length (`_worklist_cuts`: one wave of pieces <= 1.125 fair shares where they fit on the SMs,
+  else pieces <= total pages / (1.5 SMs)), so long requests spread over many SMs and short ones stay
+  whole (final output written directly); only split tiles go through f32 partial slots, merged by
+  `_merge_worklist`. The metadata step is one Triton-lowered Pallas kernel (`worklist_pieces`; plain-JAX
+  reference `worklist_pieces_reference`: a metadata array [pieces, 6], (b, h, p0, n, slot, tile
+  length)), built once a step where a step passes it (`decode_plan`).
 
 One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule simplified:
 - Warpgroup 2, producer: one TMA per page (block-table entry) into a `num_stages` shared-memory
@@ -165,6 +168,12 @@ class _Cfg:
     cdt: object = BF16  # wgmma operand dtype (Q, ring, P): bf16, or f16 for an fp8 cache if asked
     qk8: bool = False  # fp8 cache: QK^T as an fp8 wgmma on the fp8 ring (fp8 Q, per-row scale);
     # the bf16 ring then holds only the L columns of V
+    nq: int = 1  # query tokens per request (row t*N + n is token t's)
+    heads: int = 64
+    capacity: int = 1 << 30  # tokens the block table holds (longer lengths are clamped to it)
+    splits: int = 1  # grid schedule: pieces per head tile, piece = (b * splits + s) * head_tiles + h
+    pps: int = 1  # grid schedule: pages per split
+    worklist: bool = False  # pieces from a metadata array (`worklist_pieces`) instead
 
 
 def _smem_plan(cfg: _Cfg):
@@ -201,8 +210,7 @@ def _smem_plan(cfg: _Cfg):
 # page in ring slot `slot` (producer -> WG0); fp8 QK^T adds [_ROWS]: Q's per-row scales instead
 # (WG0 reads the token scales from the scale ring itself).
 _ROW_ALPHA = 0  # alpha_i (WG0 -> WG1)
-_ROW_LENS = 1  # row lengths (f32, exact below 2^24), TMA'd with Q
-_ROWS = 2
+_ROWS = 1
 _ROW_QSCALE = _ROWS
 
 
@@ -210,7 +218,7 @@ def _extra_rows(cfg):
     return 1 if cfg.qk8 else cfg.stages if cfg.fp8_stages else 0
 
 
-# Piece metadata, one row per CTA: (b, head tile, first page, pages, slot, tile length).
+# Work-list metadata, one row per CTA: (b, head tile, first page, pages, slot, tile length).
 # slot: -1 final output, >= 0 f32 partial slot, -2 no work (padding of the work list).
 _META = 6
 
@@ -218,7 +226,7 @@ _META = 6
 def _barriers(cfg):
     """The pipeline's mbarriers, by name (see the module docstring)."""
     bars = dict(
-        q_bar=plgpu.Barrier(num_arrivals=3 if cfg.qk8 else 2),  # Q, row lengths (, Q's scales)
+        q_bar=plgpu.Barrier(num_arrivals=2 if cfg.qk8 else 1),  # Q (, Q's scales)
         # exact fp8: the producer's columns and WG1's V half
         kv_ready=plgpu.Barrier(num_arrivals=2 if cfg.fp8_stages and not cfg.qk8 else 1, num_barriers=cfg.stages),
         # With fp8 QK^T each consumer casts the V half it reads: only WG0 releases the
@@ -240,22 +248,14 @@ def _barriers(cfg):
 
 
 def _kernel(*refs, cfg: _Cfg):
+    """Inputs q, cache, (kv_scale: fp8), block_table, seq_lens, page_offset, (meta: work list), (Q's scales:
+    fp8 QK^T); outputs final out and lse, partial out and lse."""
     is_fp8 = cfg.fp8_stages > 0
     refs = list(refs)
-    ks_gmem = refs.pop(2) if is_fp8 else None
-    qs_gmem = refs.pop(5) if cfg.qk8 else None  # after q, kv, block table, lengths, meta
-    names = (
-        "q_gmem",
-        "kv_gmem",
-        "bt_gmem",
-        "lens_gmem",
-        "meta_gmem",
-        "out_gmem",
-        "lse_gmem",
-        "opart_gmem",
-        "lsepart_gmem",
-    )
-    gmem = dict(zip(names, refs), ks_gmem=ks_gmem, qs_gmem=qs_gmem)
+    ins = ["q_gmem", "kv_gmem"] + ["ks_gmem"] * is_fp8 + ["bt_gmem", "sl_gmem", "off_gmem"]
+    ins += ["meta_gmem"] * cfg.worklist + ["qs_gmem"] * cfg.qk8
+    outs = ["out_gmem", "lse_gmem", "opart_gmem", "lsepart_gmem"]
+    gmem = dict(ks_gmem=None, meta_gmem=None, qs_gmem=None) | dict(zip(ins + outs, refs, strict=True))
     groups, _ = _smem_plan(cfg)
 
     def scoped(union, **bars):
@@ -285,9 +285,24 @@ class _Piece:
 
     def __init__(self, cfg, r):
         self.cfg, self.r = cfg, r
-        meta = r["meta_gmem"]
         piece = lax.axis_index("piece")
-        self.b, self.h, self.first, self.n, self.slot, self.tile_len = (meta[piece, k] for k in range(_META))
+        if cfg.worklist:
+            meta = r["meta_gmem"]
+            self.b, self.h, self.first, self.n, self.slot, self.tile_len = (meta[piece, k] for k in range(_META))
+        else:  # the grid: everything from the piece id and seq_lens (no metadata step before the launch)
+            bs, self.h = lax.div(piece, jnp.int32(cfg.head_tiles)), lax.rem(piece, jnp.int32(cfg.head_tiles))
+            self.b, s = lax.div(bs, jnp.int32(cfg.splits)), lax.rem(bs, jnp.int32(cfg.splits))
+            self.first = s * cfg.pps
+        # Each query token's length, clamped to the block table; the tile's rows [64 h, 64 h + 64) hold
+        # tokens [64 h // N, (64 h + 63) // N].
+        self.sl = [jnp.minimum(r["sl_gmem"][self.b, t], cfg.capacity) for t in range(cfg.nq)]
+        if not cfg.worklist:
+            lo, hi = self.h * TILE_M, self.h * TILE_M + TILE_M
+            in_tile = [(t * cfg.heads < hi) & ((t + 1) * cfg.heads > lo) for t in range(cfg.nq)]
+            self.tile_len = functools.reduce(jnp.maximum, [jnp.where(x, sl, 0) for x, sl in zip(in_tile, self.sl)])
+            pages = lax.div(self.tile_len + PAGE_SIZE - 1, PAGE_SIZE)
+            self.n = jnp.clip(pages - self.first, 0, cfg.pps)
+            self.slot = piece if cfg.splits > 1 else jnp.int32(-1)
         # Valid rows of the last page (< G only on the request's partial last page).
         self.last_rows = jnp.minimum(self.tile_len - (self.first + self.n - 1) * PAGE_SIZE, PAGE_SIZE)
         self.final, self.partial = self.slot == -1, self.slot >= 0
@@ -328,17 +343,13 @@ class _Piece:
         )
 
     def load_q(self):
-        """WG0: TMA the real rows of Q and the row lengths (q_bar). The rest of the tile keeps
-        whatever shared memory held (even NaN), harmless since those rows have length 0 and their
-        logits are replaced by -inf."""
+        """WG0: TMA the real rows of Q (q_bar). The rest of the tile keeps whatever shared memory held
+        (even NaN), harmless since those rows have length 0 and their logits are replaced by -inf."""
         r = self.r
         self.by_rows(
             lambda k: plgpu.copy_gmem_to_smem(
                 r["q_gmem"].at[self.b, pl.ds(self.h * TILE_M, k)], r["q_smem"].at[pl.ds(0, k)], r["q_bar"]
             )
-        )
-        plgpu.copy_gmem_to_smem(
-            r["lens_gmem"].at[self.b, pl.ds(self.h * TILE_M, TILE_M)], r["loop_rows"].at[_ROW_LENS], r["q_bar"]
         )
         if self.cfg.qk8:
             plgpu.copy_gmem_to_smem(
@@ -352,10 +363,18 @@ class _Piece:
             return c
         return plgpu.load(self.r["loop_rows"].at[_ROW_QSCALE], layout=ROW_LAYOUT) * c
 
-    def logits(self, s, page, scale):
-        """Scaled logits (log2 units) of this piece's page `page`, -inf past each row's length."""
+    def row_lens(self):
+        """i32 [64] (row layout): the cache tokens each row of the tile attends to, 0 for padding rows."""
+        cfg = self.cfg
+        row = plgpu.broadcasted_iota(jnp.int32, (TILE_M,), 0, layout=ROW_LAYOUT) + self.h * TILE_M
+        lens = jnp.zeros((TILE_M,), jnp.int32)
+        for t, sl in enumerate(self.sl):
+            lens = jnp.where((row >= t * cfg.heads) & (row < (t + 1) * cfg.heads), sl, lens)
+        return lens
+
+    def logits(self, s, page, scale, lens):
+        """Scaled logits (log2 units) of this piece's page `page`, -inf past each row's length (`row_lens`)."""
         g = PAGE_SIZE
-        lens = plgpu.load(self.r["loop_rows"].at[_ROW_LENS], layout=ROW_LAYOUT).astype(jnp.int32)
         tok = (self.first + page) * g + plgpu.broadcasted_iota(jnp.int32, (TILE_M, g), 1, layout=plgpu.Layout.WGMMA)
         valid = tok < lax.broadcast_in_dim(lens, (TILE_M, g), [0])
         scale = scale if isinstance(scale, float) else rows_bcast(scale, s.shape)
@@ -448,6 +467,7 @@ def _body(cfg, r, pc):
             plgpu.barrier_wait(r["q_bar"])
 
         logit_scale = pc.logit_scale()
+        lens = pc.row_lens()
         col_layout = plgpu.Layout.WGMMA.reduce(0)
 
         def step(i, carry):
@@ -484,7 +504,7 @@ def _body(cfg, r, pc):
                 if is_fp8:  # logits of the fp8 rows times their per-token scale
                     ks = lax.broadcast_in_dim(ks, s.shape, [1])
                     s = s * ks
-                s = pc.logits(s, i, logit_scale)
+                s = pc.logits(s, i, logit_scale, lens)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - rows_bcast(m_new, s.shape))
@@ -555,7 +575,7 @@ def _body(cfg, r, pc):
         plgpu.set_max_registers(_regs(is_fp8)[1], action="decrease")
 
         def page_id(i):
-            return r["bt_gmem"][pc.b, first + i]
+            return r["bt_gmem"][pc.b, first + i] + r["off_gmem"][0]
 
         if not is_fp8:
 
@@ -749,20 +769,6 @@ def _validate_sm90(
     if schedule == "worklist" and num_kv_splits is not None:
         raise ValueError("num_kv_splits applies to schedule='grid'; the work list sizes its pieces")
     check_interpreter_workers(interpret)
-
-
-def _grid_pieces(tile_len, max_pages, splits):
-    """Static schedule: piece (b, s, h) = split s of head tile h of request b (h fastest, so the
-    CTAs that share a KV slice run together). Returns (meta [B*S*T, 6], splits)."""
-    b, t = tile_len.shape
-    pps = cdiv(max_pages, min(splits, max_pages))  # pages per split
-    splits = cdiv(max_pages, pps)
-    bb, ss, hh = (x.reshape(-1) for x in jnp.meshgrid(jnp.arange(b), jnp.arange(splits), jnp.arange(t), indexing="ij"))
-    tl = tile_len[bb, hh]
-    p0 = ss * pps
-    n = jnp.clip((tl + PAGE_SIZE - 1) // PAGE_SIZE - p0, 0, pps)
-    slot = jnp.full_like(n, -1) if splits == 1 else jnp.arange(b * splits * t, dtype=jnp.int32)
-    return jnp.stack([bb, hh, p0, n, slot, tl], axis=-1).astype(jnp.int32), splits
 
 
 def worklist_slots(num_sms: int) -> int:
@@ -1119,6 +1125,7 @@ def _impl(
     cache,
     block_table,
     seq_lens,
+    page_offset,
     kv_scale,
     plan,
     *,
@@ -1149,6 +1156,12 @@ def _impl(
         num_stages = 1 if is_fp8 else 2
     if fp8_stages is None:
         fp8_stages = _FP8_QK_STAGES if qk8 else 2
+    if batch_invariant:
+        schedule, num_kv_splits = "grid", 1  # a request's pieces must not depend on the batch
+    splits = 1
+    if schedule == "grid":
+        splits = num_kv_splits or choose_num_kv_splits_sm90(b, head_tiles, max_pages, sms)
+        splits = cdiv(max_pages, cdiv(max_pages, min(splits, max_pages)))  # as the pages are cut
     cfg = _Cfg(
         l=l,
         d=d,
@@ -1161,6 +1174,12 @@ def _impl(
         interpret=bool(interpret),
         cdt=cdt,
         qk8=qk8,
+        nq=nq,
+        heads=n,
+        capacity=max_pages * g,
+        splits=splits,
+        pps=cdiv(max_pages, splits),
+        worklist=schedule == "worklist",
     )
     _, smem = _smem_plan(cfg)
     if smem > SMEM_BYTES:
@@ -1172,7 +1191,8 @@ def _impl(
     rpt = _rows_per_tile(cfg)
     m_out = head_tiles * rpt  # rows per request in the output arrays
     # Fold (Q, N) into rows t*N + n. The kernel moves whole tiles but the last one's real rows
-    # rounded to 8 (q padded to that with zeros); row lengths cover whole tiles (padding rows: 0).
+    # rounded to 8 (q padded to that with zeros); padding rows have length 0 (the kernel derives the
+    # row lengths, the tile lengths and, on the grid, each piece's pages from seq_lens).
     if qk8:
         q_rows, q_scale = quantize_q_fp8(q.reshape(b, m_rows, d))  # [B, M, D], [B, M]
         q_scale = jnp.pad(q_scale, ((0, 0), (0, m_pad - m_rows)), constant_values=1.0)
@@ -1181,22 +1201,19 @@ def _impl(
     m_q = (head_tiles - 1) * TILE_M + tail
     if m_q != m_rows:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, m_q - m_rows), (0, 0)))
-    row_lens, tile_len = _row_and_tile_lens(seq_lens, n, max_pages)  # [B, T*64], [B, T]
-    row_lens = row_lens.astype(jnp.float32)  # TMA'd into an f32 row-vector buffer (exact < 2^24)
-
-    if batch_invariant:
-        schedule, num_kv_splits = "grid", 1  # a request's pieces must not depend on the batch
+    seq_lens = seq_lens.astype(jnp.int32)
     if schedule == "grid":
-        splits = num_kv_splits or choose_num_kv_splits_sm90(b, head_tiles, max_pages, sms)
-        meta, splits = _grid_pieces(tile_len, max_pages, splits)
-        n_slots = meta.shape[0] if splits > 1 else 1
-        name = f"grid{splits}"
+        pieces = b * splits * head_tiles
+        n_slots = pieces if splits > 1 else 1
+        name, meta_args = f"grid{splits}", []
     else:
+        _, tile_len = _row_and_tile_lens(seq_lens, n, max_pages)  # [B, T]
         meta, seg_first, seg_count, split_tiles = _worklist_of(tile_len, max_pages, sms, interpret, plan)
-        n_slots = worklist_slots(sms)
-        name = "worklist"
+        pieces, n_slots = meta.shape[0], worklist_slots(sms)
+        name, meta_args = "worklist", [meta]
 
-    args = [q_rows, cache] + ([kv_scale] if is_fp8 else []) + [block_table, row_lens, meta] + ([q_scale] if qk8 else [])
+    args = [q_rows, cache] + ([kv_scale] if is_fp8 else []) + [block_table, seq_lens, page_offset] + meta_args
+    args += [q_scale] if qk8 else []
     out_type = (
         jax.ShapeDtypeStruct((b, m_out, l), q.dtype),  # final outputs
         jax.ShapeDtypeStruct((b, m_out), jnp.float32),
@@ -1206,7 +1223,7 @@ def _impl(
     kernel = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg),
         out_type=out_type,
-        grid=(meta.shape[0],),
+        grid=(pieces,),
         grid_names=("piece",),
         num_threads=3,
         thread_name="wg",
@@ -1331,7 +1348,9 @@ def _narrow(
 # log-uniform lengths in [256, 32k] took 461 / 314 us (bf16 / fp8) by the work list against the grid's 713 / 846,
 # 1.04x / 1.16x the same tokens in uniform requests; uniform batches pay for its metadata kernel and merge, +4.5% /
 # +5.8% at 128x8192 (418 / 247 us against 399 / 234), +9% / +17% at 64x4096, +32% / +34% at 32x1024. A server's large
-# batches are ragged; small ones stay on the grid, whose splits are sized from the block table.
+# batches are ragged; small ones stay on the grid, whose splits are sized from the block table. Since then (session 28,
+# not yet on a GPU) a uniform batch that fits one wave is cut as the grid cuts it (no merge of two-piece tiles) and the
+# work list is built once a step (`decode_plan`), not once a layer.
 NARROW_WORKLIST_MIN_BATCH = 64
 
 
@@ -1376,8 +1395,8 @@ def mla_decode_sm90(
     run the narrow kernel (`mla_decode_sm90_narrow`: tokens on the wgmma M axis, nothing padded; an fp8
     cache's QK^T as fp8 wgmmas on a hi/lo split of q, or with fp8_qk as one on `quantize_q_fp8`'s q);
     num_kv_splits, batch_invariant and num_stages (its ring depth; on an fp8 cache the bf16 V slots') apply
-    to it, fp8_stages and fp8_compute do not. The 64-row kernel adds page_offset to the block table (an XLA
-    op before it); the narrow one in the kernel.
+    to it, fp8_stages and fp8_compute do not. Both kernels add page_offset, derive the row lengths from
+    seq_lens and, on the grid, each piece's pages in the kernel (no XLA op before the launch).
 
     schedule: None (default): "worklist" for the narrow kernel from `NARROW_WORKLIST_MIN_BATCH` requests on
     (without num_kv_splits or batch_invariant), else "grid". "grid": every head tile of every request cut into
@@ -1424,8 +1443,8 @@ def mla_decode_sm90(
     )
     if plan is not None and schedule != "worklist":
         raise ValueError(f"plan: a work list was given, but this call runs schedule={schedule!r}")
+    offset = jnp.zeros((1,), jnp.int32) if page_offset is None else jnp.asarray(page_offset, jnp.int32).reshape(1)
     if narrow:
-        offset = jnp.zeros((1,), jnp.int32) if page_offset is None else jnp.asarray(page_offset, jnp.int32).reshape(1)
         return _narrow(
             q,
             kv_c_and_k_pe_cache,
@@ -1444,13 +1463,12 @@ def mla_decode_sm90(
             fp8_qk=bool(fp8_qk),
             schedule=schedule,
         )
-    if page_offset is not None:
-        block_table = block_table + jnp.asarray(page_offset, jnp.int32)
     return _impl(
         q,
         kv_c_and_k_pe_cache,
         block_table,
         seq_lens,
+        offset,
         kv_scale,
         plan,
         scale=float(scale),

@@ -358,6 +358,20 @@ DECODE_CASES = [
         lens=[140, 2],
         causal=True,
     ),
+    # Q=2 causal rows of N=40 heads: token 1's rows 40..79 straddle the two head tiles, so the second tile's
+    # length (derived in the kernel from seq_lens) is token 1's and the first's the longer of both; 3 splits of
+    # 4 pages (the last split of the short request empty), pages at page_offset 9 of a NaN pool.
+    _dc(
+        "q2_causal_n40_straddling_tiles_3splits_page_offset_bf16",
+        _SM90,
+        kernel=dict(num_kv_splits=3, page_offset=9),
+        b=2,
+        nq=2,
+        n=40,
+        max_pages=4,
+        lens=[230, 66],
+        causal=True,
+    ),
     # fp8 cache, Q=2 causal, N=64 (2 tiles), 2 splits over 3 pages; 1-token request.
     _dc(
         "fp8_q2_causal_n64_2splits",

@@ -240,6 +240,8 @@ def mtp_loss(params, cfg: DeepseekConfig, ids: jnp.ndarray, *, frozen_trunk: boo
     B, S = x.shape
     hidden = model.forward_hidden(trunk, cfg, x, attention="naive")  # [B, S, D]
     main = cross_entropy(model.lm_logits(trunk, cfg, hidden.reshape(B * S, -1)).reshape(B, S, -1), ids[:, 1:])
+    if frozen_trunk:  # the shared embedding and lm_head too: no gradient for weights that do not train
+        params = {**trunk, "model": {**trunk["model"], model.MTP_GROUP: params["model"][model.MTP_GROUP]}}
     return main, cross_entropy(mtp_forward(params, cfg, x, hidden), ids[:, 2:])
 
 
@@ -549,6 +551,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mtp-only", action="store_true", help="train only the MTP layer(s) on the frozen --init model")
     p.add_argument("--init", default=None, help="with --mtp-only: the HF model directory to start from")
     p.add_argument(
+        "--mtp-warm-start",
+        action="store_true",
+        help="with --mtp-only: continue from the MTP layer(s) --init ships instead of a fresh one",
+    )
+    p.add_argument(
         "--native-ragged-dot",
         action="store_true",
         help="keep XLA's ragged-dot instruction for the MoE matmuls on GPU (see the module doc)",
@@ -616,8 +623,14 @@ def _run(args: argparse.Namespace) -> dict:
     h = Hyper(lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, bias_rate=args.bias_rate)
     tx = make_optimizer(h)
     params = init_train_params(cfg, args.seed)
-    if args.mtp_only:
-        params = {**trunk, "model": {**trunk["model"], model.MTP_GROUP: params["model"][model.MTP_GROUP]}}
+    if args.mtp_only:  # a fresh MTP layer, or with --mtp-warm-start the one --init ships
+        warm = args.mtp_warm_start and cfg0.num_mtp_layers == args.mtp_layers
+        if args.mtp_warm_start and not warm:
+            raise ValueError(
+                f"--mtp-warm-start: {args.init} has {cfg0.num_mtp_layers} MTP layers, not {args.mtp_layers}"
+            )
+        mtp = (trunk if warm else params)["model"][model.MTP_GROUP]
+        params = {**trunk, "model": {**trunk["model"], model.MTP_GROUP: mtp}}
     opt_state = tx.init(params)
     start_step = 0
     if args.resume:
