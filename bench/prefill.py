@@ -1,6 +1,6 @@
 """Benchmark of the prefill kernels (varlen flash attention, LSE merge, cache gather) on one GPU.
 
-    PYTHONPATH=. python3 bench/prefill.py --out DIR [--sweep] [--quick] [--no-xla]
+    PYTHONPATH=. python3 bench/prefill.py --out DIR [--sweep] [--quick] [--no-xla] [--shapes-only]
                                           [--kernels pallas,pallas_sm90]
 
 (a) checks flash_prefill, merge_attn_states and gather_cache against their float32 references on
@@ -301,6 +301,8 @@ def bench_prefill(ceil, results, args, kernels=("pallas",)):
             except Exception as e:  # noqa: BLE001
                 results["rows"].append(err_row(name, e, B=b, S=s, N=n))
             log(results["rows"][-1])
+        if args.shapes_only:
+            continue
         q4, k4, v4 = (x.reshape(b, s, n, -1) for x in (q, k, pad_v(v)))
         del q, k, v
         try:
@@ -311,6 +313,8 @@ def bench_prefill(ceil, results, args, kernels=("pallas",)):
         log(results["rows"][-1])
         del q4, k4, v4
         xla_todo.append((b, s, n, fl))
+    if args.shapes_only:
+        return
 
     # varlen mix, causal
     lens = varlen_lens()
@@ -674,6 +678,11 @@ def main():
     ap.add_argument("--sweep-budget-s", type=float, default=150.0)
     ap.add_argument("--no-xla", action="store_true", help="skip the XLA attention rows")
     ap.add_argument(
+        "--shapes-only",
+        action="store_true",
+        help="only the fixed shapes' Pallas rows (no cuDNN, varlen, chunk, memory-op or XLA rows): kernel A/Bs",
+    )
+    ap.add_argument(
         "--no-check", "--skip-check", dest="skip_check", action="store_true", help="skip the GPU correctness checks"
     )
     ap.add_argument(
@@ -714,7 +723,8 @@ def main():
     if checks:
         results["checks"] = checks
     results["kernels"] = kernels
-    bench_memory_ops(ceil, results)
+    if not args.shapes_only:
+        bench_memory_ops(ceil, results)
     bench_prefill(ceil, results, args, kernels)
     os.makedirs(args.out, exist_ok=True)
     common.write_results(os.path.join(args.out, "prefill-h200.json"), results)

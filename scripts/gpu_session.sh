@@ -743,5 +743,22 @@ case $part in
     run 200 decode-ragged python3 bench/decode.py --out "$out/ragged" --ragged-only --no-check --dtypes bf16,fp8 \
         --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 56" >&2; exit 2 ;;
+57) # session 28: the Hopper prefill (502 / 472 TFLOP/s against tokamax's 591-610) against three untried changes, each
+    # a patch in scripts/ab/ applied to a copy of this tree: psum (the row sum of P after the schedule barrier,
+    # tokamax's order for head dims > 128), regs (consumer / producer registers 232 / 40, tokamax's), heads (heads
+    # fastest in the grid); the fixed causal shapes only (--shapes-only), the base twice (first and last) for drift
+    out=${2:?}
+    prefill_rows() {  # prefill_rows NAME: this directory's kernel
+        run 100 "prefill-$1" python3 bench/prefill.py --out "$out/prefill-$1" --shapes-only --no-check \
+            --kernels pallas_sm90
+    }
+    prefill_rows base
+    for v in psum regs heads; do
+        rm -rf "/tmp/ab-$v" && mkdir "/tmp/ab-$v" && cp -r mla_jax pallas_kernels bench "/tmp/ab-$v/"
+        pf="$PWD/scripts/ab/prefill-$v.patch"
+        (cd "/tmp/ab-$v" && { git apply "$pf" 2>/dev/null || patch -s -p1 < "$pf"; } && out=$out prefill_rows "$v")
+    done
+    prefill_rows base2
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 57" >&2; exit 2 ;;
 esac
