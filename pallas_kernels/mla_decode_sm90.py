@@ -1108,7 +1108,7 @@ def fp8_qk_reference_q(q):
     jax.jit,
     static_argnames=(
         "scale",
-        "kv_lora_rank",
+        "l",
         "num_kv_splits",
         "batch_invariant",
         "interpret",
@@ -1130,7 +1130,7 @@ def _impl(
     plan,
     *,
     scale,
-    kv_lora_rank,
+    l,
     num_kv_splits,
     batch_invariant,
     interpret,
@@ -1142,7 +1142,6 @@ def _impl(
     schedule,
 ):
     b, nq, n, d = q.shape
-    l = kv_lora_rank
     _, g, _ = cache.shape
     max_pages = block_table.shape[1]
     m_rows = nq * n
@@ -1444,42 +1443,18 @@ def mla_decode_sm90(
     if plan is not None and schedule != "worklist":
         raise ValueError(f"plan: a work list was given, but this call runs schedule={schedule!r}")
     offset = jnp.zeros((1,), jnp.int32) if page_offset is None else jnp.asarray(page_offset, jnp.int32).reshape(1)
-    if narrow:
-        return _narrow(
-            q,
-            kv_c_and_k_pe_cache,
-            block_table,
-            seq_lens,
-            offset,
-            kv_scale,
-            plan,
-            scale=float(scale),
-            l=int(kv_lora_rank),
-            num_kv_splits=num_kv_splits,
-            batch_invariant=bool(batch_invariant),
-            interpret=static_interpret(interpret),
-            num_stages=num_stages,
-            sms=sms,
-            fp8_qk=bool(fp8_qk),
-            schedule=schedule,
-        )
-    return _impl(
-        q,
-        kv_c_and_k_pe_cache,
-        block_table,
-        seq_lens,
-        offset,
-        kv_scale,
-        plan,
+    args = (q, kv_c_and_k_pe_cache, block_table, seq_lens, offset, kv_scale, plan)
+    kw = dict(
         scale=float(scale),
-        kv_lora_rank=int(kv_lora_rank),
+        l=int(kv_lora_rank),
         num_kv_splits=num_kv_splits,
         batch_invariant=bool(batch_invariant),
         interpret=static_interpret(interpret),
         num_stages=num_stages,
-        fp8_stages=fp8_stages,
-        fp8_compute=fp8_compute,
-        fp8_qk=bool(fp8_qk),
         sms=sms,
+        fp8_qk=bool(fp8_qk),
         schedule=schedule,
     )
+    if narrow:
+        return _narrow(*args, **kw)
+    return _impl(*args, fp8_stages=fp8_stages, fp8_compute=fp8_compute, **kw)
