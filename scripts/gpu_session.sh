@@ -760,5 +760,37 @@ case $part in
     done
     prefill_rows base2
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 57" >&2; exit 2 ;;
+58) # session 28, first call: the Hopper decode's GPU tests (the 64-row kernel's grid pieces and row lengths now derived
+    # in the kernel, fe01f46; the one-wave work list and the step's plan, 3604d94), then the decode rows at 128 heads,
+    # 1x128x32768 and 32x16x1024 (device time, bf16 / fp8 / fp8_qk) of this tree and of 3604d94's kernel file
+    # (ab/prologue/, carried: the XLA prologue before the 64-row kernel)
+    out=${2:?}
+    verbose_tests 200 tests/pallas_kernels/test_mla_decode_sm90.py
+    decode_rows() {  # decode_rows NAME: this directory's kernels
+        run 120 "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --no-check --no-ragged --device-time \
+            --shapes 1x128x32768,64x128x4096,128x128x8192,32x16x1024 --dtypes bf16,fp8 --kernels pallas_sm90
+    }
+    decode_rows new
+    if [ -f ab/prologue/mla_decode_sm90.py ]; then
+        rm -rf /tmp/prologue && mkdir /tmp/prologue && cp -r mla_jax pallas_kernels bench /tmp/prologue/
+        cp ab/prologue/mla_decode_sm90.py /tmp/prologue/pallas_kernels/
+        (cd /tmp/prologue && out=$out decode_rows base)
+    fi
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+59) # session 28, second call: the step at batch 128 with the work list (one wave, built once a step) against the grid,
+    # ctx 1k then 4k (part 55 on the H100: +2.9% at 1k), then the ragged rows
+    out=${2:?}
+    rm -rf /tmp/grid && mkdir /tmp/grid && cp -r mla_jax pallas_kernels bench /tmp/grid/
+    sed -i 's/^NARROW_WORKLIST_MIN_BATCH = 64$/NARROW_WORKLIST_MIN_BATCH = 1 << 30/' /tmp/grid/pallas_kernels/mla_decode_sm90.py
+    grep -q "^NARROW_WORKLIST_MIN_BATCH = 1 << 30" /tmp/grid/pallas_kernels/mla_decode_sm90.py || echo "no knob" >&2
+    for ctx in 1024 4096; do
+        run 100 "e2e-worklist-$ctx" python3 -m mla_jax.bench.e2e --out "$out/e2e-worklist-$ctx" --weights bf16 \
+            --batches 128 --ctxs $ctx --no-prefill --no-engine
+        (cd /tmp/grid && run 100 "e2e-grid-$ctx" python3 -m mla_jax.bench.e2e --out "$out/e2e-grid-$ctx" \
+            --weights bf16 --batches 128 --ctxs $ctx --no-prefill --no-engine)
+    done
+    run 120 decode-ragged python3 bench/decode.py --out "$out/ragged" --ragged-only --no-check --dtypes bf16,fp8 \
+        --kernels pallas_sm90
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 59" >&2; exit 2 ;;
 esac
