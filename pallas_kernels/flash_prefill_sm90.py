@@ -9,19 +9,23 @@ serves the causal new-token pass and the non-causal context-chunk pass (q_start_
 Shapes: q/k [T, N, Dq] (Dq = P+R = 192 for DeepSeek), v [T, N, V] (128, not padded), ragged sequences
 packed along T; out [Tq, N, V] in q.dtype, lse f32[Tq, N] (natural log).
 
-Work decomposition: one CTA per (q tile of 128 packed rows, head), grid (q tiles, N), q tiles fastest
-(CTAs that share a head's K/V run together, as in the Triton kernel) and reversed (longest causal tiles
-first). A tile may straddle sequences. A per-tile metadata row (built by a few XLA ops over the row
-windows) holds the key span [base, base + n*BK) of the tile and, per consumer warpgroup, which of the
-n key tiles it skips (no row sees a key), computes unmasked (every non-empty row sees every key) or
-computes masked (causal diagonal, sequence edges).
+Work decomposition: one CTA per (q tile of 128 packed rows, head), grid (N, q tiles), heads fastest: a
+wave holds one q tile (reversed: the longest causal tiles first) of many heads, each CTA on its own head's
+K/V. With q tiles fastest (the Triton kernel's order, meant to share a head's K/V in L2) up to 64 CTAs
+read the same K/V rows at once: 377 / 360 TFLOP/s at 1x8192x128 / 4x4096x128 causal against 596-606 /
+550-560 heads fastest (H100, 2026-12-05, bench/results/prefill-h200.json). A tile may straddle
+sequences. A per-tile metadata row (built by a few XLA ops over the row windows) holds the key span
+[base, base + n*BK) of the tile and, per consumer warpgroup, which of the n key tiles it skips (no row
+sees a key), computes unmasked (every non-empty row sees every key) or computes masked (causal
+diagonal, sequence edges).
 
 One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`):
 - Warpgroups 0 and 1 (consumers) each own 64 query rows: they TMA their Q rows (3 column chunks of 64
   for Dq = 192, so each chunk is a contiguous [64, 64] tile that later stages the output) and row
   windows, then per key tile: S = Q K^T (one wgmma per 64-wide chunk of Dq, f32 accumulator), online
   softmax in registers (exp2, log2-scaled logits; masked tiles use `where`, never a multiply, so NaN
-  padding cannot leak), acc = acc * alpha + P V (wgmma with P from registers).
+  padding cannot leak), acc = acc * alpha + P V (wgmma with P from registers); the row sum of P is taken
+  after the schedule barrier, outside the softmax's turn (tokamax's order for head dims > 128: +1-5%).
   An optional schedule barrier ping-pongs the two consumers (FA3): one's softmax overlaps the other's
   wgmmas.
 - Warpgroup 2 (producer) TMAs K and V tiles into a `num_stages`-deep ring (separate K and V barriers,
@@ -249,15 +253,15 @@ def _body(cfg: _Cfg, r):
                 m_new = jnp.maximum(m_i, s.max(axis=1) * cfg.qk_scale)
                 p = jnp.exp2(s * cfg.qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
             alpha = jnp.exp2(m_i - m_new)
-            l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p = p.astype(cfg.dtype)
+            pb = p.astype(cfg.dtype)
             if cfg.sched:
                 plgpu.barrier_arrive(r["sched"])  # softmax done
             plgpu.barrier_wait(v_ready.at[slot])
             if cfg.sched:
                 plgpu.barrier_wait(r["sched"])  # the tensor cores are ours
-            acc = _pv(cfg, acc, p, p_ref, v_ring.at[slot])
+            l_i = l_i * alpha + p.sum(axis=1)  # in the tensor cores' turn: the softmax's is the shorter
+            acc = _pv(cfg, acc, pb, p_ref, v_ring.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
@@ -476,8 +480,8 @@ def _impl(
     out, lse = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg),
         out_type=(jax.ShapeDtypeStruct((tq_k, n, dv), q.dtype), jax.ShapeDtypeStruct((n, tq_pad), jnp.float32)),
-        grid=(n_qtiles, n),
-        grid_names=("qt", "h"),
+        grid=(n, n_qtiles),
+        grid_names=("h", "qt"),
         num_threads=3,
         thread_name="wg",
         # Row reductions of the WGMMA layout stay within a warp: no cross-warp reduction scratch.

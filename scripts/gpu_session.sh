@@ -743,22 +743,12 @@ case $part in
     run 200 decode-ragged python3 bench/decode.py --out "$out/ragged" --ragged-only --no-check --dtypes bf16,fp8 \
         --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-57) # session 28: the Hopper prefill (502 / 472 TFLOP/s against tokamax's 591-610) against three untried changes, each
-    # a patch in scripts/ab/ applied to a copy of this tree: psum (the row sum of P after the schedule barrier,
-    # tokamax's order for head dims > 128), regs (consumer / producer registers 232 / 40, tokamax's), heads (heads
-    # fastest in the grid); the fixed causal shapes only (--shapes-only), the base twice (first and last) for drift
+57) # session 28 (after the A/B on an H100: heads fastest in the grid, 377 -> 600 TFLOP/s at 1x8192x128, and P's row
+    # sum after the schedule barrier, both in the kernel since then): the prefill grid on the H200 (the targets' card:
+    # 640 / 620 TFLOP/s at 1x8192x128 / 4x4096x128; the kernel before took 502 / 472 there), with cuDNN's rows
     out=${2:?}
-    prefill_rows() {  # prefill_rows NAME: this directory's kernel
-        run 100 "prefill-$1" python3 bench/prefill.py --out "$out/prefill-$1" --shapes-only --no-check \
-            --kernels pallas_sm90
-    }
-    prefill_rows base
-    for v in psum regs heads; do
-        rm -rf "/tmp/ab-$v" && mkdir "/tmp/ab-$v" && cp -r mla_jax pallas_kernels bench "/tmp/ab-$v/"
-        pf="$PWD/scripts/ab/prefill-$v.patch"
-        (cd "/tmp/ab-$v" && { git apply "$pf" 2>/dev/null || patch -s -p1 < "$pf"; } && out=$out prefill_rows "$v")
-    done
-    prefill_rows base2
+    verbose_tests 100 tests/pallas_kernels/test_flash_prefill_sm90.py
+    run 200 prefill python3 bench/prefill.py --out "$out/prefill" --no-xla --kernels pallas,pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 58) # session 28, first call: the Hopper decode's GPU tests (the 64-row kernel's grid pieces and row lengths now derived
     # in the kernel, fe01f46; the one-wave work list and the step's plan, 3604d94), then the decode rows at 128 heads,
