@@ -749,6 +749,13 @@ case $part in
     out=${2:?}
     verbose_tests 100 tests/pallas_kernels/test_flash_prefill_sm90.py
     run 200 prefill python3 bench/prefill.py --out "$out/prefill" --no-xla --kernels pallas,pallas_sm90
+    # the Triton prefill with heads fastest too (scripts/ab/prefill-triton-heads.patch), against this tree's, twice each
+    pf="$PWD/scripts/ab/prefill-triton-heads.patch"
+    for v in heads base2 heads2; do
+        rm -rf "/tmp/ab-$v" && mkdir "/tmp/ab-$v" && cp -r mla_jax pallas_kernels bench "/tmp/ab-$v/"
+        (cd "/tmp/ab-$v" && { [ "${v#heads}" = "$v" ] || git apply "$pf"; } && run 60 "triton-$v" python3 bench/prefill.py \
+            --out "$out/triton-$v" --shapes-only --no-check --kernels pallas)
+    done
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 58) # session 28, first call: the Hopper decode's GPU tests (the 64-row kernel's grid pieces and row lengths now derived
     # in the kernel, fe01f46; the one-wave work list and the step's plan, 3604d94), then the decode rows at 128 heads,
