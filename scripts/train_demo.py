@@ -29,8 +29,9 @@ in the tests). No auxiliary loss.
 MTP (`--mtp-layers 1`): DeepSeek-V3's multi-token-prediction loss, `--mtp-lambda` times the cross-entropy of
 the MTP module (`mla_jax.mtp.mtp_forward`: position p reads the trunk's last hidden state h_p and token p+1,
 predicts token p+2) added to the next-token loss. `--mtp-only --init DIR` loads the HF model in DIR, freezes
-it (its hidden states under stop_gradient), trains only the MTP layer on its loss, selects by MTP validation
-loss, and checks that the exported trunk tensors equal DIR's bit for bit. The MTP layer shares the trunk's
+it (its hidden states, embedding and lm_head under stop_gradient: no weight gradient is computed for them),
+trains only the MTP layer on its loss (a fresh one, or with --mtp-warm-start the one DIR ships), selects by MTP
+validation loss, and checks that the exported trunk tensors equal DIR's bit for bit. The MTP layer shares the trunk's
 embedding and lm_head (no `embed_tokens` / `shared_head.head` of its own); its routing bias stays 0.
 
 MoE matmuls: JAX lowers `ragged_dot` on GPU to XLA's ragged-dot instruction; its transpose for the expert-weight
