@@ -984,7 +984,7 @@ def worklist_pieces(tile_len, num_sms: int, min_pages: int, *, interpret: bool =
     return meta, slot_tile, seg_first, seg_count, split_tiles
 
 
-class DecodePlan(NamedTuple):
+class WorklistPlan(NamedTuple):
     """A decode step's work list (`decode_plan`): what every layer's call on the same block_table and seq_lens
     shares (`worklist_pieces`' meta and the merge's segments and split-tile list), built once a step."""
 
@@ -1005,7 +1005,7 @@ def _row_and_tile_lens(seq_lens, n: int, max_pages: int):
     return row_lens, jnp.max(row_lens.reshape(b, m_pad // TILE_M, TILE_M), axis=-1)
 
 
-def _worklist_of(tile_len, max_pages: int, sms: int, interpret, plan: DecodePlan | None):
+def _worklist_of(tile_len, max_pages: int, sms: int, interpret, plan: WorklistPlan | None):
     """The work list of head tiles i32[B, T]: the step's `plan` where one is given (checked against the call's
     shapes), else built here (one metadata kernel)."""
     nt = tile_len.size
@@ -1014,9 +1014,9 @@ def _worklist_of(tile_len, max_pages: int, sms: int, interpret, plan: DecodePlan
         meta, _, seg_first, seg_count, split_tiles = worklist_pieces(
             tile_len, sms, _WORKLIST_MIN_PAGES, interpret=bool(interpret)
         )
-        return DecodePlan(meta, seg_first, seg_count, split_tiles)
-    want = DecodePlan((nt + worklist_slots(sms), 6), (nt,), (nt,), (min(nt, worklist_slots(sms) // 2),))
-    for name, arr, shape in zip(DecodePlan._fields, plan, want, strict=True):
+        return WorklistPlan(meta, seg_first, seg_count, split_tiles)
+    want = WorklistPlan((nt + worklist_slots(sms), 6), (nt,), (nt,), (min(nt, worklist_slots(sms) // 2),))
+    for name, arr, shape in zip(WorklistPlan._fields, plan, want, strict=True):
         if tuple(arr.shape) != shape or arr.dtype != jnp.int32:
             raise ValueError(
                 f"plan.{name} is {arr.dtype}{list(arr.shape)}, this call's work list ({nt} head tiles, {sms} SMs) "
@@ -1052,7 +1052,7 @@ def decode_plan(
     schedule: str | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     **_,
-) -> DecodePlan | None:
+) -> WorklistPlan | None:
     """The work list `mla_decode_sm90` would build for this call (same arguments; q and the cache may be
     ShapeDtypeStructs, the rest of its keywords are accepted and ignored), or None where it runs the grid.
     A step builds it once before its layer loop and passes it to every layer's call as `plan` (vLLM's
@@ -1308,7 +1308,7 @@ def _narrow(
         raise ValueError(f"num_stages={stages} needs {smem} B of shared memory per CTA; {SMEM_BYTES} B are available")
     max_pages = block_table.shape[1]
     kw = dict(kv_scale=kv_scale, scale=scale, l=l, stages=stages, interpret=interpret, fp8_qk=fp8_qk)
-    if schedule == "worklist" and not batch_invariant:
+    if schedule == "worklist":  # (never with batch_invariant: `_resolve_schedule`)
         _, tile_len = _row_and_tile_lens(seq_lens, n, max_pages)  # [B, 1]: Q*N <= 32 rows, one tile
         meta, seg_first, seg_count, split_tiles = _worklist_of(tile_len, max_pages, sms, interpret, plan)
         out, lse, o_part, lse_part = narrow_decode(
@@ -1347,9 +1347,10 @@ def _narrow(
 # log-uniform lengths in [256, 32k] took 461 / 314 us (bf16 / fp8) by the work list against the grid's 713 / 846,
 # 1.04x / 1.16x the same tokens in uniform requests; uniform batches pay for its metadata kernel and merge, +4.5% /
 # +5.8% at 128x8192 (418 / 247 us against 399 / 234), +9% / +17% at 64x4096, +32% / +34% at 32x1024. A server's large
-# batches are ragged; small ones stay on the grid, whose splits are sized from the block table. Since then (session 28,
-# not yet on a GPU) a uniform batch that fits one wave is cut as the grid cuts it (no merge of two-piece tiles) and the
-# work list is built once a step (`decode_plan`), not once a layer.
+# batches are ragged; small ones stay on the grid, whose splits are sized from the block table. Since session 28 a
+# uniform batch that fits one wave is cut as the grid cuts it (no merge of two-piece tiles) and a step builds the work
+# list once (`decode_plan`), not once a layer: +2.7% / +0.9% at 128x8192 bf16 / fp8 per call, and the batch-128 ctx-1k
+# step 15.90 ms against the grid's 15.78 (+0.7%; H100, decode-h200.json / e2e-h200.json).
 NARROW_WORKLIST_MIN_BATCH = 64
 
 
@@ -1380,7 +1381,7 @@ def mla_decode_sm90(
     fp8_qk: bool = False,
     num_sms: int | None = None,
     schedule: str | None = None,
-    plan: DecodePlan | None = None,
+    plan: WorklistPlan | None = None,
 ):
     """Hopper paged latent-MQA decode. Returns (out [B, Q, N, L] in q.dtype, lse f32[B, Q, N]).
 

@@ -723,26 +723,6 @@ case $part in
             --weights bf16 --batches 128 --ctxs $ctx --no-prefill --no-engine)
     done
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-56) # session 28: the work list cut in one wave where its pieces fit on the SMs (a uniform batch is cut as the grid cuts
-    # it: 128 x 16 or 128 pages whole, no merge) and built once a step (`step.plan_decode`, not once a layer): its GPU
-    # tests, the step at batch 128 ctx 1k then 4k against the grid (part 55: +2.9% at 1k), the uniform and ragged rows
-    out=${2:?}
-    verbose_tests 90 tests/pallas_kernels/test_mla_decode_sm90.py tests/pallas_kernels/test_mla_decode.py \
-        -k "narrow_worklist or worklist_n16 or worklist_kernel or merge_segments or step_plan"
-    rm -rf /tmp/grid && mkdir /tmp/grid && cp -r mla_jax pallas_kernels bench /tmp/grid/
-    sed -i 's/^NARROW_WORKLIST_MIN_BATCH = 64$/NARROW_WORKLIST_MIN_BATCH = 1 << 30/' /tmp/grid/pallas_kernels/mla_decode_sm90.py
-    grep -q "^NARROW_WORKLIST_MIN_BATCH = 1 << 30" /tmp/grid/pallas_kernels/mla_decode_sm90.py || echo "no knob" >&2
-    for ctx in 1024 4096; do
-        run 110 "e2e-worklist-$ctx" python3 -m mla_jax.bench.e2e --out "$out/e2e-worklist-$ctx" --weights bf16 \
-            --batches 128 --ctxs $ctx --no-prefill --no-engine
-        (cd /tmp/grid && run 110 "e2e-grid-$ctx" python3 -m mla_jax.bench.e2e --out "$out/e2e-grid-$ctx" \
-            --weights bf16 --batches 128 --ctxs $ctx --no-prefill --no-engine)
-    done
-    run 150 decode-uniform python3 bench/decode.py --out "$out/uniform" --no-check --no-ragged --device-time \
-        --shapes 128x16x8192,64x16x4096,128x16x1024 --dtypes bf16,fp8 --kernels pallas_sm90
-    run 200 decode-ragged python3 bench/decode.py --out "$out/ragged" --ragged-only --no-check --dtypes bf16,fp8 \
-        --kernels pallas_sm90
-    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 57) # session 28 (after the A/B on an H100: heads fastest in the grid, 377 -> 600 TFLOP/s at 1x8192x128, and P's row
     # sum after the schedule barrier, both in the kernel since then): the prefill grid on the H200 (the targets' card:
     # 640 / 620 TFLOP/s at 1x8192x128 / 4x4096x128; the kernel before took 502 / 472 there), with cuDNN's rows
