@@ -769,5 +769,37 @@ case $part in
     run 120 decode-ragged python3 bench/decode.py --out "$out/ragged" --ragged-only --no-check --dtypes bf16,fp8 \
         --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 59" >&2; exit 2 ;;
+60) # session 29, first call: on an H200 (the targets' card), the prefill grid with heads fastest (part 57's rows
+    # without the Triton A/B) and the decode rows at 128 heads, 1x128x32768 and 32x16x1024 since the 64-row kernel's
+    # in-kernel prologue (fe01f46); on an H100, the ragged fp8 row at _WORKLIST_MIN_PAGES 4 / 8 / 16 (fp8 ragged
+    # 1.24x its uniform, the piece's fixed cost) and the Triton prefill heads-fastest A/B
+    out=${2:?}
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+        verbose_tests 90 tests/pallas_kernels/test_flash_prefill_sm90.py
+        run 150 prefill python3 bench/prefill.py --out "$out/prefill" --no-xla --kernels pallas_sm90
+        run 150 decode python3 bench/decode.py --out "$out/decode" --quick --no-check --no-ragged --device-time \
+            --shapes 64x128x4096,128x128x8192,1x128x32768,32x16x1024 --dtypes bf16,fp8 --kernels pallas_sm90
+    else
+        for mp in 4 8 16; do
+            rm -rf "/tmp/mp$mp" && mkdir "/tmp/mp$mp" && cp -r mla_jax pallas_kernels bench "/tmp/mp$mp/"
+            sed -i "s/^_WORKLIST_MIN_PAGES = 4 /_WORKLIST_MIN_PAGES = $mp /" "/tmp/mp$mp/pallas_kernels/mla_decode_sm90.py"
+            grep -q "^_WORKLIST_MIN_PAGES = $mp " "/tmp/mp$mp/pallas_kernels/mla_decode_sm90.py" || echo "no knob" >&2
+            (cd "/tmp/mp$mp" && run 90 "ragged-mp$mp" python3 bench/decode.py --out "$out/ragged-mp$mp" --ragged-only \
+                --no-check --dtypes fp8,bf16 --kernels pallas_sm90 --device-time)
+        done
+        pf="$PWD/scripts/ab/prefill-triton-heads.patch"
+        for v in heads base2 heads2; do
+            rm -rf "/tmp/ab-$v" && mkdir "/tmp/ab-$v" && cp -r mla_jax pallas_kernels bench "/tmp/ab-$v/"
+            (cd "/tmp/ab-$v" && { [ "${v#heads}" = "$v" ] || git apply "$pf"; } && run 60 "triton-$v" python3 \
+                bench/prefill.py --out "$out/triton-$v" --shapes-only --no-check --kernels pallas)
+        done
+    fi
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+61) # session 29: the step on an H200 at batch 1 / 32 / 128, ctx 1k / 4k, bf16 weights and cache (batch 128 at ctx
+    # 4k does not fit an H100), since the one-wave work list and the in-kernel prologue
+    out=${2:?}
+    run 400 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1,32,128 --ctxs 1024,4096 \
+        --no-prefill --no-engine
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 61" >&2; exit 2 ;;
 esac
