@@ -25,20 +25,23 @@ should be: 277 us at (128, 16, 8192), 4.4 TB/s of cache reads (bench/results/dec
 fp8 cache (e4m3 rows, a float32 scale per token), exact up to float32 and the fp8 wgmma's
 accumulation: Hopper's fp8 wgmma reads B only K-major, so of the two products only QK^T can run on the
 fp8 page as it lands. Q is split per row into two e4m3 terms, q ~= (q_hi + q_lo / 16) s_hi
-(`quantize_q_hilo`: the bf16 q's 8 significant bits as 4 + 4, exact but for underflow). Q's shared
-memory holds q_hi's rows, then q_lo's, so one fp8 wgmma chain with N = 2M computes both products
-(18 k32 instructions a page where two N = M chains took 36: at N = 16 an instruction costs its latency,
-not its width); S^T = hi columns * s_hi + lo columns * s_hi / 16, accumulated in float32 every
-`_QK_CHUNK` columns (the fp8 wgmma accumulates at reduced precision: DeepSeek-V3 report 3.3.2), times
-the tokens' scales. V's L columns are cast to bf16 (exact) by the producer and a third warpgroup,
-half each, into a bf16 V slot (`stages` deep, default 2) while the consumer runs QK^T on the fp8 slot
-(a 2-deep ring); P is multiplied by the tokens' scales, and page i's P.V runs after page i + 1's
-QK^T and softmax (two P buffers), so each cast has a page's time. The consumer takes 240 registers a
-thread, the other two 128 / 136 (`_FP8_REGS`). Shared memory: fp8 ring 2 x 36 KB, V 64 KB a slot,
-Q 2 x 9 KB: rows <= 16.
-fp8_qk (opt-in, lossy, as the 64-row kernel's mode): q as one e4m3 term per row (`quantize_q_fp8`),
-one fp8 product; the logits are those of that q (~5.8% relative output error on N(0, 1) inputs,
-1.7-2.0% on the demo model's activations: docs/perf-notes.md).
+(`quantize_q_hilo`: the bf16 q's 8 significant bits as 4 + 4, exact but for underflow), in the kernel:
+the consumer reads the bf16 rows from global memory into registers and stores the terms into Q's
+shared memory (`_split_q`), so no kernel runs before this one. Q's shared memory holds q_hi's rows,
+then q_lo's, so one fp8 wgmma chain with N = 2M computes both products (18 k32 instructions a page
+where two N = M chains took 36: at N = 16 an instruction costs its latency, not its width);
+S^T = hi columns * s_hi + lo columns * s_hi / 16, accumulated in float32 every `_QK_CHUNK` columns
+(the fp8 wgmma accumulates at reduced precision: DeepSeek-V3 report 3.3.2), times the tokens'
+scales. V's L columns are cast to bf16 (exact) by the producer and a third warpgroup, half each,
+into a bf16 V slot (`stages` deep, default 2) while the consumer runs QK^T on the fp8 slot (a 2-deep
+ring); P is multiplied by the tokens' scales, and page i's P.V runs after page i + 1's QK^T and
+softmax (two P buffers), so each cast has a page's time. The consumer takes 240 registers a thread,
+the other two 128 / 136 (`_FP8_REGS`). Shared memory: fp8 ring 2 x 36 KB, V 64 KB a slot, Q 2 x 9
+KB: 16 rows (the split's windows need 16; fewer rows are padded).
+fp8_qk (opt-in, lossy, as the 64-row kernel's mode): q as one e4m3 term per row (`quantize_q_fp8`:
+the split's q_hi, also in the kernel), one fp8 product; the logits are those of that q (~5.8%
+relative output error on N(0, 1) inputs, 1.7-2.0% on the demo model's activations:
+docs/perf-notes.md).
 
 Outputs: the final output [rows, L] through a transposed store of O^T into a [rows, L] staging tile
 (the bf16 tile takes a transposed register store; an f32 one does not lower), then TMA; split
@@ -57,7 +60,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.mgpu import (
     cast_fp8_columns,
@@ -67,7 +69,7 @@ from pallas_kernels.mgpu import (
     tiled,
     wgmma_accumulate,
 )
-from pallas_kernels.util import BF16, FP8, H200_SMS, LN2, LOG2E, M_INIT, is_pow2, next_pow2, quantize_rows, round_e4m3
+from pallas_kernels.util import BF16, FP8, LN2, LOG2E, M_INIT, next_pow2, round_e4m3
 
 __all__ = [
     "NARROW_MAX_ROWS",
@@ -76,7 +78,7 @@ __all__ = [
     "narrow_decode",
     "quantize_q_fp8",
     "quantize_q_hilo",
-    "split_q_hilo",
+    "split_q",
 ]
 
 NARROW_MAX_ROWS = 32  # O^T [512, M] f32 is 4M registers a thread: 128 at M = 32
@@ -92,10 +94,10 @@ _TOK = plgpu.Layout.WGMMA.reduce(1)  # one value per row (a token of the page)
 
 
 def narrow_rows(m_rows: int, fp8: bool = False) -> int | None:
-    """The wgmma N this kernel uses for `m_rows` query rows (the next power of two >= 8: the split
-    merge's Triton tiles are powers of two), or None past its limit (`NARROW_MAX_ROWS`, fp8 cache
-    `NARROW_FP8_MAX_ROWS`)."""
-    rows = max(8, next_pow2(m_rows))
+    """The wgmma N this kernel uses for `m_rows` query rows (the next power of two >= 8, >= 16 with an fp8 cache,
+    whose in-kernel q split loads [16, 128] windows: the split merge's Triton tiles are powers of two), or None past
+    its limit (`NARROW_MAX_ROWS`, fp8 cache `NARROW_FP8_MAX_ROWS`)."""
+    rows = max(16 if fp8 else 8, next_pow2(m_rows))
     return rows if 0 < m_rows and rows <= min(NARROW_MAX_ROWS, NARROW_FP8_MAX_ROWS if fp8 else 1 << 30) else None
 
 
@@ -120,58 +122,74 @@ def quantize_q_hilo(q):
 
 
 def _pow2_above(v):
-    """(2^ceil(log2 v), its exponent field) for normal f32 v > 0, from the bits (exact on every backend)."""
-    bits = lax.bitcast_convert_type(v, jnp.uint32)
-    e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).astype(jnp.uint32)
+    """(2^ceil(log2 v), its biased exponent) for normal f32 v > 0, from the bits (exact on every backend)."""
+    bits = lax.bitcast_convert_type(v, jnp.int32)
+    e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
     return lax.bitcast_convert_type(e << 23, jnp.float32), e
 
 
-def _hilo_kernel(q_ref, hi_ref, lo_ref, s_ref, *, l, r):
-    """Rows [M, L+R] (one, from `split_q_hilo`): `quantize_q_hilo`'s split, the row's amax over the L and the R
-    columns (Triton's blocks are powers of two)."""
-    cols = (pl.ds(0, l), pl.ds(l, r))
-    xs = [q_ref[:, c].astype(jnp.float32) for c in cols]  # [M, L], [M, R]
-    amax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1))  # [M]
+def _split_q(q_rows, q8, q_scales, *, lo: bool):
+    """In the consumer warpgroup: `quantize_q_hilo` of the bf16 q rows `q_rows` [rows, D] (global memory, read
+    straight into registers) into q8's rows (q_hi's [0, rows), with `lo` q_lo's [rows, 2 rows)) and their scales
+    s_hi into q_scales [rows] (shared memory).
+
+    The rows go in as windows of [rows, 128] in the copy layout (its smallest at 16 rows; a last window overlapping
+    the one before it where D is not a multiple of 128). Bitwise `quantize_q_hilo` (`round_e4m3`, a power-of-two
+    scale from the bits): what the Triton split kernel computed before each call (1.3-3.2 us on the H200, a kernel a
+    layer)."""
+    rows, d = q_rows.shape
+    w = 128
+    starts = [*range(0, d - w + 1, w)] + ([d - w] if d % w else [])
+    layout = plgpu.Layout.SMEM_GMEM_COPY((rows, w), BF16, 128)
+    xs = [plgpu.load(q_rows.at[:, pl.ds(c, w)], layout=layout, optimized=False).astype(jnp.float32) for c in starts]
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in xs])  # [rows]
     sc, _ = _pow2_above(jnp.where(amax > 0, amax, 448.0) / 448.0)
     sc, e = _pow2_above(jnp.where(amax > 448.0 * sc, 2.0 * sc, sc))  # the division's rounding
-    inv = lax.bitcast_convert_type((254 - e) << 23, jnp.float32)[:, None]  # 1 / sc, exact
-    for x, c in zip(xs, cols):
-        x = x * inv
+    inv = lax.bitcast_convert_type((254 - e) << 23, jnp.float32)  # 1 / sc, exact
+    for c, x in zip(starts, xs):
+        x = x * lax.broadcast_in_dim(inv, x.shape, [0])
         hi = round_e4m3(x)
-        hi_ref[:, c] = hi.astype(FP8)
-        lo_ref[:, c] = round_e4m3((x - hi) * 16.0).astype(FP8)
-    s_ref[...] = sc
+        q8.at[pl.ds(0, rows), pl.ds(c, w)][...] = hi.astype(FP8)
+        if lo:
+            q8.at[pl.ds(rows, rows), pl.ds(c, w)][...] = round_e4m3((x - hi) * 16.0).astype(FP8)
+    q_scales[...] = sc
+    plgpu.commit_smem()  # generic-proxy writes before the wgmma reads (and the scales' loads)
 
 
-def split_q_hilo(q, l: int, *, interpret: bool = False):
-    """`quantize_q_hilo` of q [B, M, L+R] as one Triton-lowered kernel (`interpret`: the Pallas interpreter), bitwise
-    the same; M, L or R not powers of two run the jnp function. A program per row (head, token): on the H200 (device
-    time, 16 heads, 2026-12-03; docs/perf-notes.md "Session 19") 1.3 / 1.8 / 3.2 us at B = 8 / 32 / 128, where a
-    program per request took 3.9 / 4.2 / 4.6 and XLA's three kernels 3.3 / 3.8 / 6.0; 4 warps while the programs fit
-    one wave's slots, then 1 (B = 8: 1.31 against 1.58 us; B = 128: 3.15 against 4.10)."""
+def split_q(q, *, interpret: bool = False):
+    """`_split_q` (the fp8 kernel's q split) as a kernel of its own, one CTA per request: q bf16 [B, M, D] (M 16 or
+    32, D a multiple of 64 and >= 128) -> (q_hi, q_lo e4m3 [B, M, D], s_hi f32 [B, M]), bitwise `quantize_q_hilo`'s
+    (the tests' check of the split on the interpreter and the GPU)."""
     b, m, d = q.shape
-    r = d - l
-    if not (is_pow2(m) and is_pow2(l) and is_pow2(r)):
-        return quantize_q_hilo(q)
+
+    def body(q_gmem, hi_gmem, lo_gmem, s_gmem, q8, q_scales):
+        i = lax.axis_index("b")
+        _split_q(q_gmem.at[i], q8, q_scales, lo=True)
+        for h, out in enumerate((hi_gmem, lo_gmem)):
+            plgpu.copy_smem_to_gmem(q8.at[pl.ds(h * m, m)], out.at[i])
+        plgpu.copy_smem_to_gmem(q_scales, s_gmem.at[i])
+        plgpu.wait_smem_to_gmem(0)
+
     f8 = jax.ShapeDtypeStruct((b, m, d), FP8)
-    row = pl.BlockSpec((None, 1, d), lambda i, j: (i, j, 0))
-    return pl.pallas_call(
-        functools.partial(_hilo_kernel, l=l, r=r),
-        grid=(b, m),
-        in_specs=[row],
-        out_specs=[row, row, pl.BlockSpec((None, 1), lambda i, j: (i, j))],
-        out_shape=[f8, f8, jax.ShapeDtypeStruct((b, m), jnp.float32)],
-        interpret=bool(interpret),
-        compiler_params=pltriton.CompilerParams(num_warps=4 if b * m <= 4 * H200_SMS else 1, num_stages=1),
-        name=f"split_q_hilo_m{m}",
-    )(q)
+    return plgpu.kernel(
+        body,
+        out_type=(f8, f8, jax.ShapeDtypeStruct((b, m), jnp.float32)),
+        scratch_types=(plgpu.SMEM((2 * m, d), FP8, transforms=tiled(FP8, 64)), plgpu.SMEM((m,), jnp.float32)),
+        grid=(b,),
+        grid_names=("b",),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=2048),
+        interpret=interpret_params(interpret),
+        kernel_name=f"split_q_m{m}",
+    )(q.astype(BF16))
 
 
 def quantize_q_fp8(q):
-    """q [..., D] -> (float8_e4m3fn q / scale, f32 scale [...]): the cache's per-token format (`quantize_rows`) per
-    row (head, token). What `fp8_qk=True` feeds the QK^T wgmma (lossy): its logits are those of q8 * scale, the
-    reference's input for that mode."""
-    return quantize_rows(q)
+    """q [..., D] -> (float8_e4m3fn q / scale, f32 scale [...]) per row (head, token): `quantize_q_hilo`'s q_hi and
+    its power-of-two scale (e4m3 keeps 4 significant bits whatever the scale: a power of two costs no precision and
+    the narrow kernel computes it in place). What `fp8_qk=True` feeds the QK^T wgmma (lossy): its logits are those of
+    q8 * scale, the reference's input for that mode."""
+    hi, _, sc = quantize_q_hilo(q)
+    return hi, sc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +215,7 @@ def _smem(cfg):
     f32 = jnp.float32
     if cfg.fp8:
         loop = [
-            plgpu.SMEM(((1 if cfg.qk8 else 2) * cfg.rows, cfg.d), FP8, transforms=tiled(FP8, 64)),  # Q: hi, lo rows
+            plgpu.SMEM((2 * cfg.rows, cfg.d), FP8, transforms=tiled(FP8, 64)),  # Q: hi, lo rows (qk8: hi)
             plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), FP8, transforms=tiled(FP8, 64)),  # fp8 pages
             plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l), BF16, transforms=tiled(BF16)),  # V, cast
             plgpu.SMEM((2, cfg.rows, PAGE_SIZE), BF16, transforms=tiled(BF16)),  # P: page i's, page i - 1's
@@ -225,7 +243,6 @@ def _barriers(cfg):
             raw_bar=plgpu.Barrier(),  # a partial last page's TMA, before its zeroing
         )
     return dict(
-        q_bar=plgpu.Barrier(num_arrivals=2 if cfg.qk8 else 3),  # Q hi, lo and the row scales
         f_ready=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.fp8_stages),  # fp8 page and its scales
         # QK^T and the scales read (consumer), both halves of V cast (producer, caster)
         f_free=plgpu.Barrier(num_arrivals=3, num_barriers=cfg.fp8_stages),
@@ -241,11 +258,10 @@ def _kernel(*refs, cfg):
     piece p's request, first page, page count and partial slot are row p of `meta` (`worklist_pieces`);
     slot -1 writes the final output, slot >= 0 a partial, slot -2 (past the last piece) nothing."""
     if cfg.fp8:
-        nq8 = 1 if cfg.qk8 else 2  # q's e4m3 terms
-        q_gmem, (qs_gmem, kv_gmem, ks_gmem, bt_gmem, sl_gmem, off_gmem, *outs) = refs[:nq8], refs[nq8:]
+        q_gmem, kv_gmem, ks_gmem, bt_gmem, sl_gmem, off_gmem, *outs = refs
     else:
         q_gmem, kv_gmem, bt_gmem, sl_gmem, off_gmem, *outs = refs
-        qs_gmem = ks_gmem = None
+        ks_gmem = None
     meta_gmem = outs.pop(0) if cfg.worklist else None
     out_gmem, lse_gmem, opart_gmem, lsepart_gmem = outs
     groups, _ = _smem(cfg)
@@ -347,7 +363,7 @@ def _kernel(*refs, cfg):
         wg = lax.axis_index("wg")
         c = cfg.sm_scale * LOG2E
         # real rows (a multiple of 8); the rest of the tile has length 0
-        m_q = (q_gmem[0] if cfg.fp8 else q_gmem).shape[-2]
+        m_q = q_gmem.shape[-2]
         if cfg.fp8:
             _fp8_body(
                 cfg,
@@ -366,7 +382,6 @@ def _kernel(*refs, cfg):
                 rescale,
                 epilogue,
                 q_gmem,
-                qs_gmem,
                 kv_gmem,
                 ks_gmem,
             )
@@ -454,7 +469,6 @@ def _fp8_body(
     rescale,
     epilogue,
     q_gmem,
-    qs_gmem,
     kv_gmem,
     ks_gmem,
 ):
@@ -486,22 +500,19 @@ def _fp8_body(
 
         @pl.when(n > 0)
         def _():
-            for h in range(len(q_gmem)):  # hi, lo: rows [0, m_q), [rows, rows + m_q)
-                plgpu.copy_gmem_to_smem(q_gmem[h].at[b], q8.at[pl.ds(h * cfg.rows, m_q)], bars["q_bar"])
-            plgpu.copy_gmem_to_smem(qs_gmem.at[b], q_scales, bars["q_bar"])
-            plgpu.barrier_wait(bars["q_bar"])
+            _split_q(q_gmem.at[b], q8, q_scales, lo=not cfg.qk8)
 
         lens = row_lens()
         s_hi = plgpu.load(q_scales, (), layout=_COL) * c
         chunks = [(k, min(_QK_CHUNK, d - k)) for k in range(0, d, _QK_CHUNK)]
 
         n_acc = len(chunks)
-        n_col = q8.shape[0]  # the QK^T wgmma's N: q_hi's rows, then q_lo's (one instruction does both products)
+        n_col = (1 if cfg.qk8 else 2) * cfg.rows  # the QK^T wgmma's N: q_hi's rows, then q_lo's (one does both)
 
         def issue_qk(page, accs):
             # float32 partial sums of _QK_CHUNK columns (the fp8 wgmma accumulates at reduced precision)
             for (k0, w), acc in zip(chunks, accs):
-                plgpu.wgmma(acc, page.at[:, pl.ds(k0, w)], q8.at[:, pl.ds(k0, w)].T)
+                plgpu.wgmma(acc, page.at[:, pl.ds(k0, w)], q8.at[pl.ds(0, n_col), pl.ds(k0, w)].T)
 
         def logits(i, fs, accs):
             """The QK^T partial sums -> page i's logits [G, M] (log2 units, times the tokens' scales) and the
@@ -612,20 +623,12 @@ def narrow_decode(
     m_rows = nq * n
     fp8 = jnp.dtype(cache.dtype) == FP8
     rows = narrow_rows(m_rows, fp8)
-    m_q = -(-m_rows // 8) * 8  # rows TMA'd: whole 8-row tiles of the shared-memory layout
-    q_rows = q.reshape(b, m_rows, d)
+    # rows TMA'd: whole 8-row tiles of the shared-memory layout; fp8: all `rows` (the split's windows read them)
+    m_q = rows if fp8 else -(-m_rows // 8) * 8
+    q_rows = q.reshape(b, m_rows, d).astype(BF16)
     if m_q != m_rows:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, m_q - m_rows), (0, 0)))
-    if fp8 and fp8_qk:
-        q8, s_hi = quantize_q_fp8(q_rows)
-        q_args = (q8, jnp.pad(s_hi, ((0, 0), (0, rows - m_q))))
-        cache_args = (cache, kv_scale)
-    elif fp8:
-        q_hi, q_lo, s_hi = split_q_hilo(q_rows, l, interpret=bool(interpret))
-        q_args = (q_hi, q_lo, jnp.pad(s_hi, ((0, 0), (0, rows - m_q))))
-        cache_args = (cache, kv_scale)
-    else:
-        q_args, cache_args = (q_rows.astype(BF16),), (cache,)
+    q_args, cache_args = (q_rows,), ((cache, kv_scale) if fp8 else (cache,))
     max_pages = block_table.shape[1]
     pps = -(-max_pages // splits)
     splits = -(-max_pages // pps)

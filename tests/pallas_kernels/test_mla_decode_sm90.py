@@ -401,11 +401,9 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
     narrow = kw.get("n", 16) <= 16
     kind = {"bf16": "bf16", "fp8": "fp8qk" if kw.get("fp8_qk") else "fp8"}[cache_dtype]
     assert (f"mla_decode_sm90_narrow_{kind}_m16" in text) == narrow
-    # Triton kernels (with an H200 stand-in for the device query): the work list's metadata step; the narrow
-    # kernel's exact fp8 q split.
-    q_split = narrow and kind == "fp8"
-    assert text.count("__gpu$xla.gpu.triton") == (kw.get("schedule") == "worklist") + q_split
-    assert ('name = "split_q_hilo_m16"' in text) == q_split
+    # Triton kernels (with an H200 stand-in for the device query): the work list's metadata step alone (the narrow
+    # kernel splits an fp8 cache's q in place).
+    assert text.count("__gpu$xla.gpu.triton") == (kw.get("schedule") == "worklist")
 
 
 def test_shared_memory_budget_error():
@@ -523,52 +521,49 @@ def _hilo_inputs(b=3, m=16, seed=3):
     return q.at[1, 3].set(0.0).at[0, 5].set(448.0 * 2.0**-7).astype(jnp.bfloat16)
 
 
-@pytest.mark.parametrize("m", [8, 16])
-def test_split_q_hilo_kernel_matches_quantize_q_hilo(m):
-    """The one-kernel q split (Triton-lowered, interpreted) gives `quantize_q_hilo`'s terms and scales bitwise; a
-    width it does not take (M = 24) runs the jnp function."""
-    from pallas_kernels.mla_decode_sm90_narrow import quantize_q_hilo, split_q_hilo
+@pytest.mark.parametrize("m", [16, 32])
+def test_split_q_matches_quantize_q_hilo(m):
+    """The fp8 narrow kernel's in-place q split (its own kernel here, interpreted) gives `quantize_q_hilo`'s terms and
+    scales bitwise (the fp8_qk mode's q, `quantize_q_fp8`, is its q_hi and s_hi)."""
+    from pallas_kernels.mla_decode_sm90_narrow import quantize_q_fp8, quantize_q_hilo, split_q
 
     q = _hilo_inputs(m=m)
-    got, want = split_q_hilo(q, 512, interpret=True), quantize_q_hilo(q)
+    got, want = split_q(q, interpret=True), quantize_q_hilo(q)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-    q24 = _hilo_inputs(m=24)
-    for a, b in zip(split_q_hilo(q24, 512, interpret=True), quantize_q_hilo(q24)):
+    for a, b in zip(quantize_q_fp8(q), (want[0], want[2])):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
-def test_split_q_hilo_lowers_to_triton(h200):
-    """Triton IR for an H200 on CPU (Pallas's lowering; e4m3 casts need sm_89+): one kernel, a program per row."""
-    from pallas_kernels.mla_decode_sm90_narrow import split_q_hilo
+def test_split_q_lowers_for_sm90():
+    """The split's windows ([M, 128] bf16 in the copy layout, e4m3 stores into the 64-byte-swizzled Q tile) pass
+    Mosaic GPU's lowering for sm_90."""
+    from pallas_kernels.mla_decode_sm90_narrow import split_q
 
-    q = jax.ShapeDtypeStruct((128, 16, 576), jnp.bfloat16)
-    text = jax.jit(lambda q: split_q_hilo(q, 512, interpret=False)).trace(q).lower(lowering_platforms=("cuda",))
-    text = text.as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "split_q_hilo_m16"' in text
-    assert "grid_x = 128 : i32, grid_y = 16 : i32" in text
+    q = jax.ShapeDtypeStruct((4, 16, 576), jnp.bfloat16)
+    text = jax.jit(lambda q: split_q(q)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 @pytest.mark.gpu
-def test_gpu_split_q_hilo_is_exact():
-    """On the GPU the kernel's split reproduces the bf16 q as `quantize_q_hilo`'s does, every element of at least
-    s_hi * 2^-6 exactly (its scales may pick the other power of two where amax / 448 is within an ulp of one: Triton's
-    division may round differently)."""
-    from pallas_kernels.mla_decode_sm90_narrow import quantize_q_hilo, split_q_hilo
+def test_gpu_split_q_is_exact():
+    """On the GPU the in-kernel split is `quantize_q_hilo`'s bitwise (power-of-two scales from the bits, rounding by
+    float32 adds: nothing for the device to round differently), and reproduces the bf16 q exactly for every element
+    of at least s_hi * 2^-6."""
+    from pallas_kernels.mla_decode_sm90_narrow import quantize_q_hilo, split_q
 
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     q = _hilo_inputs(b=64)
-    q_hi, q_lo, s_hi = jax.jit(lambda q: split_q_hilo(q, 512))(q)
-    hi, lo, s = np.asarray(q_hi, np.float64), np.asarray(q_lo, np.float64), np.asarray(s_hi, np.float64)
-    assert np.isfinite(hi).all() and np.isfinite(lo).all() and np.all(np.log2(s) == np.round(np.log2(s)))
+    got = jax.jit(split_q)(q)
+    for a, b in zip(got, quantize_q_hilo(q)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    hi, lo, s = (np.asarray(x, np.float64) for x in got)
     want = np.asarray(q, np.float64)
     back = (hi + lo / 16) * s[..., None]
     big = np.abs(want) >= s[..., None] * 2.0**-6
     np.testing.assert_array_equal(back[big], want[big])
-    ref = np.asarray(quantize_q_hilo(q)[2])
-    assert (s == ref).mean() > 0.99
 
 
 def test_quantize_q_hilo_reproduces_bf16_q():
