@@ -27,7 +27,7 @@ accumulation: Hopper's fp8 wgmma reads B only K-major, so of the two products on
 fp8 page as it lands. Q is split per row into two e4m3 terms, q ~= (q_hi + q_lo / 16) s_hi
 (`quantize_q_hilo`: the bf16 q's 8 significant bits as 4 + 4, exact but for underflow), in the kernel:
 the consumer reads the bf16 rows from global memory into registers and stores the terms into Q's
-shared memory (`_split_q`), so no kernel runs before this one. Q's shared memory holds q_hi's rows,
+shared memory (`split_q_into_smem`), so no kernel runs before this one. Q's shared memory holds q_hi's rows,
 then q_lo's, so one fp8 wgmma chain with N = 2M computes both products (18 k32 instructions a page
 where two N = M chains took 36: at N = 16 an instruction costs its latency, not its width);
 S^T = hi columns * s_hi + lo columns * s_hi / 16, accumulated in float32 every `_QK_CHUNK` columns
@@ -79,6 +79,7 @@ __all__ = [
     "quantize_q_fp8",
     "quantize_q_hilo",
     "split_q",
+    "split_q_into_smem",
 ]
 
 NARROW_MAX_ROWS = 32  # O^T [512, M] f32 is 4M registers a thread: 128 at M = 32
@@ -128,17 +129,19 @@ def _pow2_above(v):
     return lax.bitcast_convert_type(e << 23, jnp.float32), e
 
 
-def _split_q(q_rows, q8, q_scales, *, lo: bool):
-    """In the consumer warpgroup: `quantize_q_hilo` of the bf16 q rows `q_rows` [rows, D] (global memory, read
-    straight into registers) into q8's rows (q_hi's [0, rows), with `lo` q_lo's [rows, 2 rows)) and their scales
-    s_hi into q_scales [rows] (shared memory).
+def split_q_into_smem(q_rows, q8, q_scales, *, lo: bool):
+    """In one warpgroup of a Mosaic GPU kernel: `quantize_q_hilo` of the bf16 q rows `q_rows` [rows, D] (global
+    memory, read straight into registers) into q8's rows (q_hi's [0, rows), with `lo` q_lo's [rows, 2 rows)) and
+    their scales s_hi into q_scales [rows] (shared memory). This kernel's fp8 q split; the 64-row kernel's fp8_qk
+    q (`lo=False`).
 
-    The rows go in as windows of [rows, 128] in the copy layout (its smallest at 16 rows; a last window overlapping
-    the one before it where D is not a multiple of 128). Bitwise `quantize_q_hilo` (`round_e4m3`, a power-of-two
-    scale from the bits): what the Triton split kernel computed before each call (1.3-3.2 us on the H200, a kernel a
-    layer)."""
+    The rows (a multiple of 8) go in as windows of [rows, 128] in the copy layout ([rows, 256] at an odd number of
+    8-row tiles; a last window overlapping the one before it where D is not a multiple of the width); a row's amax
+    may reduce across warps (the kernel's reduction scratch). Bitwise `quantize_q_hilo` (`round_e4m3`, a
+    power-of-two scale from the bits): what XLA or a Triton kernel computed before each call (the Triton split
+    1.3-3.2 us on the H200, a kernel a layer)."""
     rows, d = q_rows.shape
-    w = 128
+    w = 128 if rows % 16 == 0 else 256  # the copy layout's tiles (8 rows x 64) over the 4 warps
     starts = [*range(0, d - w + 1, w)] + ([d - w] if d % w else [])
     layout = plgpu.Layout.SMEM_GMEM_COPY((rows, w), BF16, 128)
     xs = [plgpu.load(q_rows.at[:, pl.ds(c, w)], layout=layout, optimized=False).astype(jnp.float32) for c in starts]
@@ -157,14 +160,14 @@ def _split_q(q_rows, q8, q_scales, *, lo: bool):
 
 
 def split_q(q, *, interpret: bool = False):
-    """`_split_q` (the fp8 kernel's q split) as a kernel of its own, one CTA per request: q bf16 [B, M, D] (M 16 or
-    32, D a multiple of 64 and >= 128) -> (q_hi, q_lo e4m3 [B, M, D], s_hi f32 [B, M]), bitwise `quantize_q_hilo`'s
-    (the tests' check of the split on the interpreter and the GPU)."""
+    """`split_q_into_smem` (the fp8 kernel's q split) as a kernel of its own, one CTA per request: q bf16
+    [B, M, D] (M a multiple of 8, D a multiple of 64 and >= 256) -> (q_hi, q_lo e4m3 [B, M, D], s_hi f32 [B, M]),
+    bitwise `quantize_q_hilo`'s (the tests' check of the split on the interpreter and the GPU)."""
     b, m, d = q.shape
 
     def body(q_gmem, hi_gmem, lo_gmem, s_gmem, q8, q_scales):
         i = lax.axis_index("b")
-        _split_q(q_gmem.at[i], q8, q_scales, lo=True)
+        split_q_into_smem(q_gmem.at[i], q8, q_scales, lo=True)
         for h, out in enumerate((hi_gmem, lo_gmem)):
             plgpu.copy_smem_to_gmem(q8.at[pl.ds(h * m, m)], out.at[i])
         plgpu.copy_smem_to_gmem(q_scales, s_gmem.at[i])
@@ -500,7 +503,7 @@ def _fp8_body(
 
         @pl.when(n > 0)
         def _():
-            _split_q(q_gmem.at[b], q8, q_scales, lo=not cfg.qk8)
+            split_q_into_smem(q_gmem.at[b], q8, q_scales, lo=not cfg.qk8)
 
         lens = row_lens()
         s_hi = plgpu.load(q_scales, (), layout=_COL) * c

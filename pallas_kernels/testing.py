@@ -479,6 +479,20 @@ DECODE_CASES = [
         causal=True,
         cache_dtype="fp8",
     ),
+    # fp8 QK^T, Q quantized in the kernel over 40 rows (5 8-row tiles: the split's [rows, 256] windows, a row's amax
+    # across warps), the work list.
+    _dc(
+        "fp8_qk_n40_worklist",
+        _SM90,
+        "fp8",
+        dict(fp8_qk=True, schedule="worklist", num_sms=8),
+        b=3,
+        nq=1,
+        n=40,
+        max_pages=5,
+        lens=[300, 65, 9],
+        cache_dtype="fp8",
+    ),
     # fp8 QK^T with a 1-deep fp8 ring (every page waits for WG0's QK^T and the cast to free the
     # slot) and a 2-deep V ring; 5 pages, a partial last one, N=16.
     _dc(

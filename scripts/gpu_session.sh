@@ -801,14 +801,15 @@ case $part in
     run 400 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1,32,128 --ctxs 1024,4096 \
         --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-62) # session 29: the fp8 narrow kernel's q split in place (no split kernel before each call): the Hopper decode's GPU
-    # tests, then the 16-head rows (device time, bf16 / fp8 / fp8_qk) of this tree and of the kernel file before
-    # (ab/qsplit_base/, carried)
+62) # session 29: the fp8 q split / quantization in the kernels (no XLA or Triton kernel before each call): the Hopper
+    # decode's GPU tests, then the 16-head rows and two 128-head rows (device time, bf16 / fp8 / fp8_qk) of this tree
+    # and of the kernel files before (ab/qsplit_base/, carried)
     out=${2:?}
     verbose_tests 200 tests/pallas_kernels/test_mla_decode_sm90.py
     rows16() {  # rows16 NAME: this directory's kernels
-        run 120 "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
-            --device-time --shapes 32x16x1024,64x16x4096,128x16x8192,1x16x4096 --dtypes fp8,bf16 --kernels pallas_sm90
+        run 150 "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
+            --device-time --shapes 32x16x1024,64x16x4096,128x16x8192,1x16x4096,1x128x32768,64x128x4096 --dtypes fp8,bf16 \
+            --kernels pallas_sm90
     }
     rows16 new
     if [ -d ab/qsplit_base ]; then
