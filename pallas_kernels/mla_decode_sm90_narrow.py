@@ -136,21 +136,29 @@ def split_q_into_smem(q_rows, q8, q_scales, *, lo: bool):
     q (`lo=False`).
 
     The rows (a multiple of 8) go in as windows of [rows, 128] in the copy layout ([rows, 256] at an odd number of
-    8-row tiles; a last window overlapping the one before it where D is not a multiple of the width); a row's amax
-    may reduce across warps (the kernel's reduction scratch). Bitwise `quantize_q_hilo` (`round_e4m3`, a
-    power-of-two scale from the bits): what XLA or a Triton kernel computed before each call (the Triton split
-    1.3-3.2 us on the H200, a kernel a layer)."""
+    8-row tiles; a last window overlapping the one before it where D is not a multiple of the width), their
+    elementwise |max| over the windows reduced once per row (across warps: the kernel's reduction scratch). At 16
+    rows every window stays in registers (72 a thread at D = 576); more rows read the windows twice (the 64-row
+    kernel's 64 rows all at once, 288 a thread, spilled: 31 -> 41 us at 1x128x32768 on an H100). Bitwise
+    `quantize_q_hilo` (`round_e4m3`, a power-of-two scale from the bits): what XLA or a Triton kernel computed before
+    each call (the Triton split 1.3-3.2 us on the H200, a kernel a layer)."""
     rows, d = q_rows.shape
     w = 128 if rows % 16 == 0 else 256  # the copy layout's tiles (8 rows x 64) over the 4 warps
     starts = [*range(0, d - w + 1, w)] + ([d - w] if d % w else [])
     layout = plgpu.Layout.SMEM_GMEM_COPY((rows, w), BF16, 128)
-    xs = [plgpu.load(q_rows.at[:, pl.ds(c, w)], layout=layout, optimized=False).astype(jnp.float32) for c in starts]
-    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in xs])  # [rows]
+
+    def window(c):
+        return plgpu.load(q_rows.at[:, pl.ds(c, w)], layout=layout, optimized=False).astype(jnp.float32)
+
+    keep = rows <= 16
+    xs = [window(c) for c in starts] if keep else None
+    amax = functools.reduce(jnp.maximum, [jnp.abs(x) for x in xs] if keep else (jnp.abs(window(c)) for c in starts))
+    amax = jnp.max(amax, axis=1)  # [rows]
     sc, _ = _pow2_above(jnp.where(amax > 0, amax, 448.0) / 448.0)
     sc, e = _pow2_above(jnp.where(amax > 448.0 * sc, 2.0 * sc, sc))  # the division's rounding
     inv = lax.bitcast_convert_type((254 - e) << 23, jnp.float32)  # 1 / sc, exact
-    for c, x in zip(starts, xs):
-        x = x * lax.broadcast_in_dim(inv, x.shape, [0])
+    for j, c in enumerate(starts):
+        x = (xs[j] if keep else window(c)) * lax.broadcast_in_dim(inv, (rows, w), [0])
         hi = round_e4m3(x)
         q8.at[pl.ds(0, rows), pl.ds(c, w)][...] = hi.astype(FP8)
         if lo:
