@@ -38,7 +38,7 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   consumer keeps a [64, L/2] f32 accumulator (128 registers/thread at L=512), as in FlashMLA.
 - Epilogue: normalized output and LSE (natural log) go out by TMA through staging buffers that
   alias the Q tile and the ring (`plgpu.RefUnion`: loop buffers | final staging | f32 staging).
-- fp8_qk=True (fp8 cache, opt-in): Q is quantized per row to e4m3 in the kernel (`quantize_q_fp8`) and QK^T is
+- fp8_qk=True (fp8 cache, opt-in): Q is quantized per row to e4m3 (`quantize_q_fp8`) and QK^T is
   an fp8 wgmma straight on the fp8 ring slot, so WG0 no longer waits for a cast before QK^T. Only
   V's L columns are cast to bf16 (Hopper's fp8 wgmma takes B only K-major; V is N-major in the
   page), and the cast is split: the producer casts columns [0, L/2) for WG0, WG1 casts [L/2, L)
@@ -105,13 +105,7 @@ from pallas_kernels.mgpu import (
     write_out,
 )
 from pallas_kernels.mla_decode import check_page_offset, merge_segments, merge_splits, mla_decode_reference
-from pallas_kernels.mla_decode_sm90_narrow import (
-    narrow_decode,
-    narrow_rows,
-    quantize_q_fp8,
-    smem_plan_bytes,
-    split_q_into_smem,
-)
+from pallas_kernels.mla_decode_sm90_narrow import narrow_decode, narrow_rows, quantize_q_fp8, smem_plan_bytes
 from pallas_kernels.util import (
     BF16,
     F16,
@@ -232,7 +226,7 @@ _META = 6
 def _barriers(cfg):
     """The pipeline's mbarriers, by name (see the module docstring)."""
     bars = dict(
-        q_bar=plgpu.Barrier(),  # Q (bf16; fp8 QK^T quantizes it in the kernel and waits for nothing)
+        q_bar=plgpu.Barrier(num_arrivals=2 if cfg.qk8 else 1),  # Q (, Q's scales)
         # exact fp8: the producer's columns and WG1's V half
         kv_ready=plgpu.Barrier(num_arrivals=2 if cfg.fp8_stages and not cfg.qk8 else 1, num_barriers=cfg.stages),
         # With fp8 QK^T each consumer casts the V half it reads: only WG0 releases the
@@ -254,14 +248,14 @@ def _barriers(cfg):
 
 
 def _kernel(*refs, cfg: _Cfg):
-    """Inputs q, cache, (kv_scale: fp8), block_table, seq_lens, page_offset, (meta: work list); outputs final out
-    and lse, partial out and lse."""
+    """Inputs q, cache, (kv_scale: fp8), block_table, seq_lens, page_offset, (meta: work list), (Q's scales:
+    fp8 QK^T); outputs final out and lse, partial out and lse."""
     is_fp8 = cfg.fp8_stages > 0
     refs = list(refs)
     ins = ["q_gmem", "kv_gmem"] + ["ks_gmem"] * is_fp8 + ["bt_gmem", "sl_gmem", "off_gmem"]
-    ins += ["meta_gmem"] * cfg.worklist
+    ins += ["meta_gmem"] * cfg.worklist + ["qs_gmem"] * cfg.qk8
     outs = ["out_gmem", "lse_gmem", "opart_gmem", "lsepart_gmem"]
-    gmem = dict(ks_gmem=None, meta_gmem=None) | dict(zip(ins + outs, refs, strict=True))
+    gmem = dict(ks_gmem=None, meta_gmem=None, qs_gmem=None) | dict(zip(ins + outs, refs, strict=True))
     groups, _ = _smem_plan(cfg)
 
     def scoped(union, **bars):
@@ -349,21 +343,18 @@ class _Piece:
         )
 
     def load_q(self):
-        """WG0: TMA the real rows of Q, then wait for them (q_bar); with fp8 QK^T, quantize them into the
-        Q tile instead (`quantize_q_fp8` in the kernel: bf16 rows read from global memory, e4m3 rows
-        and their scales stored). The rest of the tile keeps whatever shared memory held (even NaN),
-        harmless since those rows have length 0 and their logits are replaced by -inf."""
+        """WG0: TMA the real rows of Q (q_bar). The rest of the tile keeps whatever shared memory held
+        (even NaN), harmless since those rows have length 0 and their logits are replaced by -inf."""
         r = self.r
-        q_rows = lambda k: r["q_gmem"].at[self.b, pl.ds(self.h * TILE_M, k)]  # noqa: E731
-        if self.cfg.qk8:
-            self.by_rows(
-                lambda k: split_q_into_smem(
-                    q_rows(k), r["q_smem"].at[pl.ds(0, k)], r["loop_rows"].at[_ROW_QSCALE, pl.ds(0, k)], lo=False
-                )
+        self.by_rows(
+            lambda k: plgpu.copy_gmem_to_smem(
+                r["q_gmem"].at[self.b, pl.ds(self.h * TILE_M, k)], r["q_smem"].at[pl.ds(0, k)], r["q_bar"]
             )
-            return
-        self.by_rows(lambda k: plgpu.copy_gmem_to_smem(q_rows(k), r["q_smem"].at[pl.ds(0, k)], r["q_bar"]))
-        plgpu.barrier_wait(r["q_bar"])
+        )
+        if self.cfg.qk8:
+            plgpu.copy_gmem_to_smem(
+                r["qs_gmem"].at[self.b, pl.ds(self.h * TILE_M, TILE_M)], r["loop_rows"].at[_ROW_QSCALE], r["q_bar"]
+            )
 
     def logit_scale(self):
         """sm_scale in log2 units, times Q's per-row scale when Q is fp8 (a [64] row vector)."""
@@ -473,6 +464,7 @@ def _body(cfg, r, pc):
         @pl.when(n > 0)
         def _():
             pc.load_q()
+            plgpu.barrier_wait(r["q_bar"])
 
         logit_scale = pc.logit_scale()
         lens = pc.row_lens()
@@ -1155,6 +1147,7 @@ def _impl(
     m_rows = nq * n
     is_fp8 = jnp.dtype(cache.dtype) == FP8
     head_tiles = cdiv(m_rows, TILE_M)
+    m_pad = head_tiles * TILE_M
     tail = cdiv(m_rows - (head_tiles - 1) * TILE_M, 8) * 8  # real rows of the last tile, to 8
     cdt = F16 if is_fp8 and fp8_compute == "float16" else BF16
     qk8 = bool(fp8_qk) and is_fp8
@@ -1199,8 +1192,11 @@ def _impl(
     # Fold (Q, N) into rows t*N + n. The kernel moves whole tiles but the last one's real rows
     # rounded to 8 (q padded to that with zeros); padding rows have length 0 (the kernel derives the
     # row lengths, the tile lengths and, on the grid, each piece's pages from seq_lens).
-    # fp8 QK^T: the bf16 rows, quantized in the kernel.
-    q_rows = q.reshape(b, m_rows, d).astype(BF16 if qk8 else cdt)
+    if qk8:
+        q_rows, q_scale = quantize_q_fp8(q.reshape(b, m_rows, d))  # [B, M, D], [B, M]
+        q_scale = jnp.pad(q_scale, ((0, 0), (0, m_pad - m_rows)), constant_values=1.0)
+    else:
+        q_rows = q.reshape(b, m_rows, d).astype(cdt)
     m_q = (head_tiles - 1) * TILE_M + tail
     if m_q != m_rows:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, m_q - m_rows), (0, 0)))
@@ -1216,6 +1212,7 @@ def _impl(
         name, meta_args = "worklist", [meta]
 
     args = [q_rows, cache] + ([kv_scale] if is_fp8 else []) + [block_table, seq_lens, page_offset] + meta_args
+    args += [q_scale] if qk8 else []
     out_type = (
         jax.ShapeDtypeStruct((b, m_out, l), q.dtype),  # final outputs
         jax.ShapeDtypeStruct((b, m_out), jnp.float32),
@@ -1229,11 +1226,10 @@ def _impl(
         grid_names=("piece",),
         num_threads=3,
         thread_name="wg",
-        # Row reductions of the WGMMA layout stay within a warp; fp8 QK^T's quantization of Q (the copy layout)
-        # may reduce a row across warps.
+        # Row reductions of the WGMMA layout stay within a warp: no cross-warp reduction scratch.
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
-            reduction_scratch_bytes=2048 if qk8 else 0,
+            reduction_scratch_bytes=0,
             **(dict(profile_space=TRACE[0], profile_dir=TRACE[1]) if TRACE else {}),
         ),
         interpret=interpret_params(interpret),

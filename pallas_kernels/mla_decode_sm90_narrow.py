@@ -130,35 +130,27 @@ def _pow2_above(v):
 
 
 def split_q_into_smem(q_rows, q8, q_scales, *, lo: bool):
-    """In one warpgroup of a Mosaic GPU kernel: `quantize_q_hilo` of the bf16 q rows `q_rows` [rows, D] (global
-    memory, read straight into registers) into q8's rows (q_hi's [0, rows), with `lo` q_lo's [rows, 2 rows)) and
-    their scales s_hi into q_scales [rows] (shared memory). This kernel's fp8 q split; the 64-row kernel's fp8_qk
-    q (`lo=False`).
+    """In the consumer warpgroup: `quantize_q_hilo` of the bf16 q rows `q_rows` [16, D] (global memory, read straight
+    into registers) into q8's rows (q_hi's [0, 16), with `lo` q_lo's [16, 32)) and their scales s_hi into q_scales
+    [16] (shared memory). The fp8 kernel's q split; `lo=False`: `fp8_qk`'s q.
 
-    The rows (a multiple of 8) go in as windows of [rows, 128] in the copy layout ([rows, 256] at an odd number of
-    8-row tiles; a last window overlapping the one before it where D is not a multiple of the width), their
-    elementwise |max| over the windows reduced once per row (across warps: the kernel's reduction scratch). At 16
-    rows every window stays in registers (72 a thread at D = 576); more rows read the windows twice (the 64-row
-    kernel's 64 rows all at once, 288 a thread, spilled: 31 -> 41 us at 1x128x32768 on an H100). Bitwise
-    `quantize_q_hilo` (`round_e4m3`, a power-of-two scale from the bits): what XLA or a Triton kernel computed before
-    each call (the Triton split 1.3-3.2 us on the H200, a kernel a layer)."""
+    The rows go in as windows of [16, 128] in the copy layout (its smallest at 16 rows; a last window overlapping the
+    one before it where D is not a multiple of 128), all kept in registers (72 a thread at D = 576); their
+    elementwise |max| is reduced once per row (across warps: the kernel's reduction scratch). Bitwise
+    `quantize_q_hilo` (`round_e4m3`, a power-of-two scale from the bits): what a Triton kernel computed before each
+    call (1.3-3.2 us on the H200, a kernel a layer). The 64-row kernel's `fp8_qk` q stays an XLA quantize before its
+    call: its 64 rows quantized here spilled (docs/perf-notes.md, session 29)."""
     rows, d = q_rows.shape
-    w = 128 if rows % 16 == 0 else 256  # the copy layout's tiles (8 rows x 64) over the 4 warps
+    w = 128
     starts = [*range(0, d - w + 1, w)] + ([d - w] if d % w else [])
     layout = plgpu.Layout.SMEM_GMEM_COPY((rows, w), BF16, 128)
-
-    def window(c):
-        return plgpu.load(q_rows.at[:, pl.ds(c, w)], layout=layout, optimized=False).astype(jnp.float32)
-
-    keep = rows <= 16
-    xs = [window(c) for c in starts] if keep else None
-    amax = functools.reduce(jnp.maximum, [jnp.abs(x) for x in xs] if keep else (jnp.abs(window(c)) for c in starts))
-    amax = jnp.max(amax, axis=1)  # [rows]
+    xs = [plgpu.load(q_rows.at[:, pl.ds(c, w)], layout=layout, optimized=False).astype(jnp.float32) for c in starts]
+    amax = jnp.max(functools.reduce(jnp.maximum, [jnp.abs(x) for x in xs]), axis=1)  # [rows]
     sc, _ = _pow2_above(jnp.where(amax > 0, amax, 448.0) / 448.0)
     sc, e = _pow2_above(jnp.where(amax > 448.0 * sc, 2.0 * sc, sc))  # the division's rounding
     inv = lax.bitcast_convert_type((254 - e) << 23, jnp.float32)  # 1 / sc, exact
-    for j, c in enumerate(starts):
-        x = (xs[j] if keep else window(c)) * lax.broadcast_in_dim(inv, (rows, w), [0])
+    for c, x in zip(starts, xs):
+        x = x * lax.broadcast_in_dim(inv, x.shape, [0])
         hi = round_e4m3(x)
         q8.at[pl.ds(0, rows), pl.ds(c, w)][...] = hi.astype(FP8)
         if lo:
@@ -168,9 +160,9 @@ def split_q_into_smem(q_rows, q8, q_scales, *, lo: bool):
 
 
 def split_q(q, *, interpret: bool = False):
-    """`split_q_into_smem` (the fp8 kernel's q split) as a kernel of its own, one CTA per request: q bf16
-    [B, M, D] (M a multiple of 8, D a multiple of 64 and >= 256) -> (q_hi, q_lo e4m3 [B, M, D], s_hi f32 [B, M]),
-    bitwise `quantize_q_hilo`'s (the tests' check of the split on the interpreter and the GPU)."""
+    """`split_q_into_smem` (the fp8 kernel's q split) as a kernel of its own, one CTA per request: q bf16 [B, 16, D]
+    (D a multiple of 64, >= 128) -> (q_hi, q_lo e4m3 [B, 16, D], s_hi f32 [B, 16]), bitwise `quantize_q_hilo`'s (the
+    tests' check of the split on the interpreter and the GPU)."""
     b, m, d = q.shape
 
     def body(q_gmem, hi_gmem, lo_gmem, s_gmem, q8, q_scales):

@@ -479,8 +479,7 @@ DECODE_CASES = [
         causal=True,
         cache_dtype="fp8",
     ),
-    # fp8 QK^T, Q quantized in the kernel over 40 rows (5 8-row tiles: the split's [rows, 256] windows, a row's amax
-    # across warps), the work list.
+    # fp8 QK^T over one 40-row tile (its Q moved as 40 rows, quantized with their scales), the work list.
     _dc(
         "fp8_qk_n40_worklist",
         _SM90,
