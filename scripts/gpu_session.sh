@@ -831,5 +831,12 @@ case $part in
             --no-ragged --device-time --shapes 1x128x32768 --dtypes fp8 --kernels pallas_sm90)
     fi
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 63" >&2; exit 2 ;;
+64) # session 29, last: the final narrow fp8 split (one row reduction) on the GPU, sized for ~5 minutes of device time:
+    # the fp8 GPU tests, then the 16-head fp8 rows (on an H200 these are the 32x16x1024 target's rows)
+    out=${2:?}
+    verbose_tests 80 tests/pallas_kernels/test_mla_decode_sm90.py -k "fp8 or split"
+    run 70 decode python3 bench/decode.py --out "$out/decode" --quick --no-check --no-ragged --device-time \
+        --shapes 32x16x1024,1x16x4096 --dtypes fp8,bf16 --kernels pallas_sm90
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 64" >&2; exit 2 ;;
 esac
