@@ -818,18 +818,18 @@ case $part in
         (cd /tmp/qbase && out=$out rows16 base)
     fi
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-63) # session 29, after part 62 (the 64-row fp8_qk kernel quantizing its 64 rows in one pass spilled: 31 -> 41 us):
-    # the windows read twice past 16 rows, one row reduction; the fp8 GPU tests, then fp8 rows of this tree and of the
-    # 64-row kernel file that quantized q with XLA (ab/q64base/, carried); sized for ~8 minutes of device time left
+63) # the 64-row kernel's fp8_qk q quantized in the kernel, reading its windows twice (1297d39; part 62's one-pass
+    # version spilled: 41.1 against 31.0 us of kernel at 1x128x32768 on an H100) against this tree's XLA quantize
+    # before the call: put 1297d39's pallas_kernels/mla_decode_sm90{,_narrow}.py under ab/q64two/pallas_kernels/
+    # (gitignored via .git/info/exclude) and pass carry=["ab"]; the fp8 GPU tests of that tree, then fp8 rows of both
     out=${2:?}
-    verbose_tests 80 tests/pallas_kernels/test_mla_decode_sm90.py -k "fp8 or split"
-    run 80 decode-new python3 bench/decode.py --out "$out/decode-new" --quick --no-check --no-ragged --device-time \
-        --shapes 1x128x32768,1x16x4096 --dtypes fp8 --kernels pallas_sm90
-    if [ -d ab/q64base ]; then
-        rm -rf /tmp/q64 && mkdir /tmp/q64 && cp -r mla_jax pallas_kernels bench /tmp/q64/ && cp -r ab/q64base/* /tmp/q64/
-        (cd /tmp/q64 && run 60 decode-base python3 bench/decode.py --out "$out/decode-base" --quick --no-check \
-            --no-ragged --device-time --shapes 1x128x32768 --dtypes fp8 --kernels pallas_sm90)
-    fi
+    [ -d ab/q64two ] || { echo "part 63 needs ab/q64two (1297d39's two kernel files)" >&2; exit 2; }
+    rm -rf /tmp/q64 && mkdir /tmp/q64 && cp -r mla_jax pallas_kernels bench tests pyproject.toml /tmp/q64/ && cp -r ab/q64two/* /tmp/q64/
+    (cd /tmp/q64 && verbose_tests 80 tests/pallas_kernels/test_mla_decode_sm90.py -k "fp8 or split")
+    run 80 decode-xla python3 bench/decode.py --out "$out/decode-xla" --quick --no-check --no-ragged --device-time \
+        --shapes 1x128x32768,64x128x4096 --dtypes fp8 --kernels pallas_sm90
+    (cd /tmp/q64 && run 80 decode-twopass python3 bench/decode.py --out "$out/decode-twopass" --quick --no-check \
+        --no-ragged --device-time --shapes 1x128x32768,64x128x4096 --dtypes fp8 --kernels pallas_sm90)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 64) # session 29, last: the final narrow fp8 split (one row reduction) on the GPU, sized for ~5 minutes of device time:
     # the fp8 GPU tests, then the 16-head fp8 rows (on an H200 these are the 32x16x1024 target's rows)
