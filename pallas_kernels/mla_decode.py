@@ -235,8 +235,8 @@ _MERGE_TILE = 8192  # f32 elements of partials one merge program holds: [S', blo
 
 def _merge_splits_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, s_pad: int, rows_m: int):
     """Program (row, j) of grid (B*M, L / block_l): row b*M+m's S partials over one column block.
-    The row's merged lse goes out as an [S'] vector (the kernel's vectors are S' wide; Triton has no
-    scalar block store), read back at [..., 0]."""
+    Column block 0 also writes the row's merged lse (a 1-element block: no copy per column block to
+    slice afterwards, which XLA ran as a kernel of its own)."""
     block_l = out_ref.shape[-1]
     row, j = pl.program_id(0), pl.program_id(1)
     b = row // rows_m
@@ -255,15 +255,18 @@ def _merge_splits_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, s
     has = denom > 0
     inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)
     out_ref[...] = (jnp.sum(w[:, None] * o, axis=0) * inv).astype(out_ref.dtype)
-    lse_out_ref[...] = jnp.full(
-        lse_out_ref.shape, jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf), jnp.float32
-    )
+
+    @pl.when(j == 0)
+    def _():
+        lse_out_ref[...] = jnp.full(
+            lse_out_ref.shape, jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf), jnp.float32
+        )
 
 
 def _merge_splits_t_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, s_pad: int, cols: int):
     """Program (b, j) of grid (B, L / block_l): request b's partials o_ref [B*S*L, M] (each split's
     [L, M] slab: transposed) over column block j, every split and all M rows in one gather
-    [S', block_l, M]; writes out [M, block_l]."""
+    [S', block_l, M]; writes out [M, block_l], and column block 0 the M merged lse."""
     block_l, m = out_ref.shape[-1], out_ref.shape[-2]
     b, j = pl.program_id(0), pl.program_id(1)
     s = jnp.arange(s_pad, dtype=jnp.int32)
@@ -286,7 +289,10 @@ def _merge_splits_t_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int,
     has = denom > 0
     inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)
     out_ref[...] = (acc * inv[None, :]).T.astype(out_ref.dtype)
-    lse_out_ref[...] = jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)
+
+    @pl.when(j == 0)
+    def _():
+        lse_out_ref[...] = jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "transposed", "interpret"))
@@ -318,17 +324,14 @@ def merge_splits(o_part, lse_part, *, out_dtype=jnp.float32, transposed=False, i
             ],
             out_specs=[
                 pl.BlockSpec((None, m, block_l), lambda i, j: (i, 0, j)),
-                pl.BlockSpec((None, None, m), lambda i, j: (i, j, 0)),
+                pl.BlockSpec((None, m), lambda i, j: (i, 0)),
             ],
-            out_shape=[
-                jax.ShapeDtypeStruct((b, m, l), out_dtype),
-                jax.ShapeDtypeStruct((b, l // block_l, m), jnp.float32),
-            ],
+            out_shape=[jax.ShapeDtypeStruct((b, m, l), out_dtype), jax.ShapeDtypeStruct((b, m), jnp.float32)],
             interpret=interpret,
             compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
             name=f"mla_decode_merge_t_s{splits}",
         )(o_part.reshape(b * splits * l, m), lse_part.reshape(b * splits, m))
-        return out, lse[:, 0]
+        return out, lse
     block_l = min(l, max(16, _MERGE_TILE // s_pad))
     n_lb = l // block_l
     out, lse = pl.pallas_call(
@@ -338,19 +341,13 @@ def merge_splits(o_part, lse_part, *, out_dtype=jnp.float32, transposed=False, i
             pl.BlockSpec((b * splits * m, l), lambda r, j: (0, 0)),
             pl.BlockSpec((b * splits * m,), lambda r, j: (0,)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, block_l), lambda r, j: (r, j)),
-            pl.BlockSpec((None, None, s_pad), lambda r, j: (r, j, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b * m, l), out_dtype),
-            jax.ShapeDtypeStruct((b * m, n_lb, s_pad), jnp.float32),
-        ],
+        out_specs=[pl.BlockSpec((None, block_l), lambda r, j: (r, j)), pl.BlockSpec((1,), lambda r, j: (r,))],
+        out_shape=[jax.ShapeDtypeStruct((b * m, l), out_dtype), jax.ShapeDtypeStruct((b * m,), jnp.float32)],
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         name=f"mla_decode_merge_s{splits}",
     )(o_part.reshape(b * splits * m, l), lse_part.reshape(b * splits * m))
-    return out.reshape(b, m, l), lse[:, 0, 0].reshape(b, m)
+    return out.reshape(b, m, l), lse.reshape(b, m)
 
 
 def segments_from_slot_tile(slot_tile, num_tiles: int):
