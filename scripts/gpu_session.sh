@@ -730,8 +730,8 @@ case $part in
     verbose_tests 100 tests/pallas_kernels/test_flash_prefill_sm90.py
     run 200 prefill python3 bench/prefill.py --out "$out/prefill" --no-xla --kernels pallas,pallas_sm90
     # the Triton prefill with heads fastest too (scripts/ab/prefill-triton-heads.patch), against this tree's, twice each
-    pf="$PWD/scripts/ab/prefill-triton-heads.patch"
-    for v in heads base2 heads2; do
+    pf="$PWD/scripts/ab/prefill-triton-heads.patch"  # rebuilt in session 29
+    [ -f "$pf" ] && for v in heads base2 heads2; do
         rm -rf "/tmp/ab-$v" && mkdir "/tmp/ab-$v" && cp -r mla_jax pallas_kernels bench "/tmp/ab-$v/"
         (cd "/tmp/ab-$v" && { [ "${v#heads}" = "$v" ] || git apply "$pf"; } && run 60 "triton-$v" python3 bench/prefill.py \
             --out "$out/triton-$v" --shapes-only --no-check --kernels pallas)
@@ -787,8 +787,8 @@ case $part in
             (cd "/tmp/mp$mp" && run 90 "ragged-mp$mp" python3 bench/decode.py --out "$out/ragged-mp$mp" --ragged-only \
                 --no-check --dtypes fp8,bf16 --kernels pallas_sm90 --device-time)
         done
-        pf="$PWD/scripts/ab/prefill-triton-heads.patch"
-        for v in heads base2 heads2; do
+        pf="$PWD/scripts/ab/prefill-triton-heads.patch"  # rebuilt in session 29
+        [ -f "$pf" ] && for v in heads base2 heads2; do
             rm -rf "/tmp/ab-$v" && mkdir "/tmp/ab-$v" && cp -r mla_jax pallas_kernels bench "/tmp/ab-$v/"
             (cd "/tmp/ab-$v" && { [ "${v#heads}" = "$v" ] || git apply "$pf"; } && run 60 "triton-$v" python3 \
                 bench/prefill.py --out "$out/triton-$v" --shapes-only --no-check --kernels pallas)
