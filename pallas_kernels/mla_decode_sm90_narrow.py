@@ -218,7 +218,7 @@ def _smem(cfg):
     f32 = jnp.float32
     if cfg.fp8:
         loop = [
-            plgpu.SMEM((2 * cfg.rows, cfg.d), FP8, transforms=tiled(FP8, 64)),  # Q: hi, lo rows (qk8: hi)
+            plgpu.SMEM(((1 if cfg.qk8 else 2) * cfg.rows, cfg.d), FP8, transforms=tiled(FP8, 64)),  # Q: hi, lo rows
             plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), FP8, transforms=tiled(FP8, 64)),  # fp8 pages
             plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l), BF16, transforms=tiled(BF16)),  # V, cast
             plgpu.SMEM((2, cfg.rows, PAGE_SIZE), BF16, transforms=tiled(BF16)),  # P: page i's, page i - 1's
@@ -365,8 +365,6 @@ def _kernel(*refs, cfg):
 
         wg = lax.axis_index("wg")
         c = cfg.sm_scale * LOG2E
-        # real rows (a multiple of 8); the rest of the tile has length 0
-        m_q = q_gmem.shape[-2]
         if cfg.fp8:
             _fp8_body(
                 cfg,
@@ -378,7 +376,6 @@ def _kernel(*refs, cfg):
                 page_rows,
                 page_id,
                 c,
-                m_q,
                 row_lens,
                 init,
                 online_softmax,
@@ -390,6 +387,7 @@ def _kernel(*refs, cfg):
             )
             return
         q_smem, ring, p_smem = loop
+        m_q = q_gmem.shape[-2]  # real rows (a multiple of 8); the rest of the tile has length 0
         stages = cfg.stages
 
         @pl.when(wg == 0)
@@ -465,7 +463,6 @@ def _fp8_body(
     page_rows,
     page_id,
     c,
-    m_q,
     row_lens,
     init,
     online_softmax,
@@ -510,12 +507,12 @@ def _fp8_body(
         chunks = [(k, min(_QK_CHUNK, d - k)) for k in range(0, d, _QK_CHUNK)]
 
         n_acc = len(chunks)
-        n_col = (1 if cfg.qk8 else 2) * cfg.rows  # the QK^T wgmma's N: q_hi's rows, then q_lo's (one does both)
+        n_col = q8.shape[0]  # the QK^T wgmma's N: q_hi's rows, then q_lo's (one instruction does both products)
 
         def issue_qk(page, accs):
             # float32 partial sums of _QK_CHUNK columns (the fp8 wgmma accumulates at reduced precision)
             for (k0, w), acc in zip(chunks, accs):
-                plgpu.wgmma(acc, page.at[:, pl.ds(k0, w)], q8.at[pl.ds(0, n_col), pl.ds(k0, w)].T)
+                plgpu.wgmma(acc, page.at[:, pl.ds(k0, w)], q8.at[:, pl.ds(k0, w)].T)
 
         def logits(i, fs, accs):
             """The QK^T partial sums -> page i's logits [G, M] (log2 units, times the tokens' scales) and the
