@@ -838,5 +838,19 @@ case $part in
     run 70 decode python3 bench/decode.py --out "$out/decode" --quick --no-check --no-ragged --device-time \
         --shapes 32x16x1024,1x16x4096 --dtypes fp8,bf16 --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 64" >&2; exit 2 ;;
+65) # session 30, first call: the final narrow fp8 split and the merged lse without a slice (ad54943) on the GPU: the
+    # fp8 / split / merge GPU tests, the 16-head rows (the 32x16x1024 target: fp8 <= bf16); on an H200 also the
+    # 128-head rows (in-kernel prologue, q split) and the prefill grid with heads fastest
+    out=${2:?}
+    verbose_tests 100 tests/pallas_kernels/test_mla_decode_sm90.py tests/pallas_kernels/test_mla_decode.py \
+        -k "fp8 or split or merge"
+    run 100 decode16 python3 bench/decode.py --out "$out/decode16" --quick --no-check --no-ragged --device-time \
+        --shapes 32x16x1024,1x16x4096,64x16x4096,128x16x8192 --dtypes fp8,bf16 --kernels pallas_sm90
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+        run 150 decode128 python3 bench/decode.py --out "$out/decode128" --quick --no-check --no-ragged --device-time \
+            --shapes 64x128x4096,128x128x8192,1x128x32768 --dtypes bf16,fp8 --kernels pallas_sm90
+        run 130 prefill python3 bench/prefill.py --out "$out/prefill" --no-xla --kernels pallas_sm90
+    fi
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 65" >&2; exit 2 ;;
 esac
