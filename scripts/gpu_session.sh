@@ -846,6 +846,9 @@ case $part in
         -k "fp8 or split or merge"
     run 100 decode16 python3 bench/decode.py --out "$out/decode16" --quick --no-check --no-ragged --device-time \
         --shapes 32x16x1024,1x16x4096,64x16x4096,128x16x8192 --dtypes fp8,bf16 --kernels pallas_sm90
+    # the 64-row fp8 variants: V cast to f16 (one cvt a pair) and P.V in f16, now that the cast moves 8 B a thread
+    run 150 sweep128 python3 bench/decode.py --out "$out/sweep128" --sweep --quick --no-check --no-ragged --device-time \
+        --shapes 64x128x4096 --dtypes fp8 --kernels pallas_sm90
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
         run 150 decode128 python3 bench/decode.py --out "$out/decode128" --quick --no-check --no-ragged --device-time \
             --shapes 64x128x4096,128x128x8192,1x128x32768 --dtypes bf16,fp8 --kernels pallas_sm90
