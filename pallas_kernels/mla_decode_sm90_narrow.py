@@ -340,7 +340,7 @@ def _kernel(*refs, cfg):
             l_acc = l_acc * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
             if p_scale is not None:  # V = fp8 row * scale: the scale goes into p
                 p = p * lax.broadcast_in_dim(p_scale, p.shape, [0])
-            p_ref.T[...] = p.astype(BF16)
+            p_ref.T[...] = p.astype(p_ref.dtype)
             plgpu.commit_smem()
             return m_new, l_acc, alpha
 
