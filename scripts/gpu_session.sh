@@ -846,12 +846,10 @@ case $part in
         -k "fp8 or split or merge"
     run 100 decode16 python3 bench/decode.py --out "$out/decode16" --quick --no-check --no-ragged --device-time \
         --shapes 32x16x1024,1x16x4096,64x16x4096,128x16x8192 --dtypes fp8,bf16 --kernels pallas_sm90
-    # the narrow fp8 kernel with its V slots and P in f16 (the cast one cvt a pair instead of five; p * ks unnormalized)
+    # the narrow fp8 kernel with its V slots and P in f16 (the cast one cvt a pair instead of five; P normalized per page)
     rm -rf /tmp/n16 && mkdir /tmp/n16 && cp -r mla_jax pallas_kernels bench /tmp/n16/
-    sed -i -e "/# V, cast$/s/BF16/jnp.float16/g" -e "/# P: page i's, page i - 1's$/s/BF16/jnp.float16/g" \
-        /tmp/n16/pallas_kernels/mla_decode_sm90_narrow.py
-    [ "$(grep -c 'jnp.float16, transforms=tiled(jnp.float16)' /tmp/n16/pallas_kernels/mla_decode_sm90_narrow.py)" = 2 ] \
-        || echo "n16: no knob" >&2
+    sed -i "s/^_PV_F16 = False$/_PV_F16 = True/" /tmp/n16/pallas_kernels/mla_decode_sm90_narrow.py
+    grep -q "^_PV_F16 = True$" /tmp/n16/pallas_kernels/mla_decode_sm90_narrow.py || echo "n16: no knob" >&2
     (cd /tmp/n16 && run 100 decode16-f16 python3 bench/decode.py --out "$out/decode16-f16" --quick --no-check \
         --no-ragged --device-time --shapes 32x16x1024,1x16x4096,64x16x4096,128x16x8192 --dtypes fp8 --kernels pallas_sm90)
     # the 64-row fp8 variants: V cast to f16 (one cvt a pair) and P.V in f16, now that the cast moves 8 B a thread
