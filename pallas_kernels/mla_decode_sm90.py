@@ -380,9 +380,10 @@ class _Piece:
         scale = scale if isinstance(scale, float) else rows_bcast(scale, s.shape)
         return jnp.where(valid, s * scale, -jnp.inf)
 
-    def epilogue_wg0(self, acc, m_i, l_i):
+    def epilogue_wg0(self, acc, m_i, l_i, o_scale=None):
         """Normalize WG0's half and write it with the lse (after both consumers are done with the
-        loop's buffers, which the staging aliases); publish 1/l for WG1."""
+        loop's buffers, which the staging aliases); publish 1/l for WG1 (times `o_scale` [64], the
+        accumulators' unit, if given)."""
         r, half = self.r, self.cfg.l // 2
 
         def epilogue(stage, rows, o_dst, lse_dst, write_o):
@@ -390,6 +391,8 @@ class _Piece:
             safe_l = jnp.where(has, l_i, 1.0)
             inv = jnp.where(has, 1.0 / safe_l, 0.0)
             lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * LN2, -jnp.inf)
+            if o_scale is not None:
+                inv = inv * o_scale
             rows[0] = inv
             rows[1] = lse
             pl.when(write_o)(lambda: write_out(acc, inv, stage.at[0], o_dst, self.by_rows))
@@ -470,8 +473,12 @@ def _body(cfg, r, pc):
         lens = pc.row_lens()
         col_layout = plgpu.Layout.WGMMA.reduce(0)
 
+        # f16 P.V on an fp8 cache: P = p * ks / C with C the page's largest token scale (p * ks alone would
+        # underflow f16 for small scales); the accumulators run in units of the current page's C.
+        norm = is_fp8 and cfg.cdt == F16
+
         def step(i, carry):
-            acc, m_i, l_i = carry
+            acc, m_i, l_i, c_prev = carry
             slot_i = slot_of(i, stages)
             if cfg.qk8:  # K^T straight from the fp8 slot; V (bf16) is waited for before P.V
                 fslot = slot_of(i, fst)
@@ -509,6 +516,12 @@ def _body(cfg, r, pc):
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - rows_bcast(m_new, s.shape))
                 l_i = l_i * alpha + p.sum(axis=1)
+                c = c_prev
+                if norm:
+                    c = ks.max(axis=1)  # [64], every row alike
+                    c = jnp.where(c > 0, c, 1.0)
+                    ks = ks * rows_bcast(1.0 / c, ks.shape)
+                    alpha = alpha * (c_prev * (1.0 / c))  # the accumulators' rescale (l_i's is done)
 
             @pl.when(i > 0)
             @jax.named_scope("wait_p_consumed")
@@ -529,11 +542,12 @@ def _body(cfg, r, pc):
                 acc = acc * rows_bcast(alpha, acc.shape)
                 acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)], interpret=cfg.interpret)
             plgpu.barrier_arrive(kv_consumed.at[slot_i])
-            return acc, m_new, l_i
+            return acc, m_new, l_i, c
 
-        acc, m_i, l_i = lax.fori_loop(0, n, step, softmax_state(TILE_M, cfg.l // 2))
+        acc, m_i, l_i = softmax_state(TILE_M, cfg.l // 2)
+        acc, m_i, l_i, c = lax.fori_loop(0, n, step, (acc, m_i, l_i, jnp.ones_like(m_i)))
         pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
-        pc.epilogue_wg0(acc, m_i, l_i)
+        pc.epilogue_wg0(acc, m_i, l_i, c if norm else None)
 
     @pl.when(wg == 1)
     def _pv_wg():
