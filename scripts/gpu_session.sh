@@ -843,7 +843,7 @@ case $part in
     # 128-head rows (in-kernel prologue, q split) and the prefill grid with heads fastest
     out=${2:?}
     verbose_tests 100 tests/pallas_kernels/test_mla_decode_sm90.py tests/pallas_kernels/test_mla_decode.py \
-        -k "fp8 or split or merge"
+        -k "fp8 or split or merge or tiny"
     run 100 decode16 python3 bench/decode.py --out "$out/decode16" --quick --no-check --no-ragged --device-time \
         --shapes 32x16x1024,1x16x4096,64x16x4096,128x16x8192 --dtypes fp8,bf16 --kernels pallas_sm90
     # the narrow fp8 kernel with its V slots and P in f16 (the cast one cvt a pair instead of five; P normalized per page)
