@@ -861,5 +861,16 @@ case $part in
         run 130 prefill python3 bench/prefill.py --out "$out/prefill" --no-xla --kernels pallas_sm90
     fi
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 65" >&2; exit 2 ;;
+66) # session 30, second call: part 63 (the 64-row fp8_qk q quantized in the kernel, two passes, against XLA's) and the
+    # Triton prefill with heads fastest (scripts/ab/prefill-triton-heads.patch) against this tree's, twice each
+    out=${2:?}
+    "$0" 63 "${2%/}" | sed 's/^/p63 /'
+    pf="$PWD/scripts/ab/prefill-triton-heads.patch"
+    [ -f "$pf" ] && for v in heads base2 heads2; do
+        rm -rf "/tmp/ab-$v" && mkdir "/tmp/ab-$v" && cp -r mla_jax pallas_kernels bench "/tmp/ab-$v/"
+        (cd "/tmp/ab-$v" && { [ "${v#heads}" = "$v" ] || git apply "$pf"; } && run 60 "triton-$v" python3 \
+            bench/prefill.py --out "$out/triton-$v" --shapes-only --no-check --kernels pallas)
+    done
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 66" >&2; exit 2 ;;
 esac
