@@ -14,7 +14,7 @@ pallas_kernels/mla_decode.py (rows "pallas") and, on Hopper, the Mosaic GPU pall
     128 (rows with `ragged` and `ragged_over_uniform`; --no-ragged skips them), and speculative verification rows
     (Q = 3 causal query tokens, 16 heads: rows with `Q`) through both kernels; (d) with --sweep also times
     tuning variants per shape (Triton: block_h, block_kv, num_warps, num_stages, num_kv_splits; sm90: num_kv_splits,
-    num_stages, fp8_compute) into DIR/decode-sweep.json.
+    num_stages, fp8_stages, fp8_qk) into DIR/decode-sweep.json.
 """
 
 from __future__ import annotations
@@ -243,14 +243,14 @@ def sm90_splits(b, n, ctx):
 
 def sm90_sweep_variants(dtype, splits):
     variants = [{"num_kv_splits": s} for s in (splits * 2, max(1, splits // 2)) if s != splits and s <= 2 * 132]
-    variants.append({"num_stages": 1} if dtype == "bf16" else {"fp8_compute": "float16"})
+    if dtype == "bf16":
+        variants.append({"num_stages": 1})
     if dtype == "fp8":
         variants.append({"fp8_stages": 1})
-        # fp8 QK^T (q quantized per row): fp8 ring depth vs V ring depth, and the f16 cast of V.
+        # fp8 QK^T (q quantized per row): fp8 ring depth vs V ring depth.
         variants += [
             {"fp8_qk": True, "fp8_stages": 2},
             {"fp8_qk": True, "num_stages": 2, "fp8_stages": 1},
-            {"fp8_qk": True, "fp8_compute": "float16"},
         ]
     return variants
 

@@ -108,7 +108,6 @@ from pallas_kernels.mla_decode import check_page_offset, merge_segments, merge_s
 from pallas_kernels.mla_decode_sm90_narrow import narrow_decode, narrow_rows, quantize_q_fp8, smem_plan_bytes
 from pallas_kernels.util import (
     BF16,
-    F16,
     FP8,
     LN2,
     LOG2E,
@@ -165,7 +164,6 @@ class _Cfg:
     sm_scale: float
     final_dtype: object  # dtype of the final output (q.dtype); partials are f32
     interpret: bool  # Mosaic GPU interpreter (CPU): see mgpu.wgmma_accumulate
-    cdt: object = BF16  # wgmma operand dtype (Q, ring, P): bf16, or f16 for an fp8 cache if asked
     qk8: bool = False  # fp8 cache: QK^T as an fp8 wgmma on the fp8 ring (fp8 Q, per-row scale);
     # the bf16 ring then holds only the L columns of V
     nq: int = 1  # query tokens per request (row t*N + n is token t's)
@@ -182,7 +180,7 @@ def _smem_plan(cfg: _Cfg):
     Group A lives during the page loop; B1 (final output staging) and B2 (f32 partial staging) in
     the epilogue only, so all three share one `plgpu.RefUnion`."""
     f32 = jnp.float32
-    cdt = cfg.cdt
+    cdt = BF16  # wgmma operand dtype (Q, ring, P)
     # 576 fp8 columns are not a multiple of 128: fp8 tiles use the 64-byte swizzle.
     q = (
         plgpu.SMEM((TILE_M, cfg.d), FP8, transforms=tiled(FP8, 64))
@@ -380,10 +378,9 @@ class _Piece:
         scale = scale if isinstance(scale, float) else rows_bcast(scale, s.shape)
         return jnp.where(valid, s * scale, -jnp.inf)
 
-    def epilogue_wg0(self, acc, m_i, l_i, o_scale=None):
+    def epilogue_wg0(self, acc, m_i, l_i):
         """Normalize WG0's half and write it with the lse (after both consumers are done with the
-        loop's buffers, which the staging aliases); publish 1/l for WG1 (times `o_scale` [64], the
-        accumulators' unit, if given)."""
+        loop's buffers, which the staging aliases); publish 1/l for WG1."""
         r, half = self.r, self.cfg.l // 2
 
         def epilogue(stage, rows, o_dst, lse_dst, write_o):
@@ -391,8 +388,6 @@ class _Piece:
             safe_l = jnp.where(has, l_i, 1.0)
             inv = jnp.where(has, 1.0 / safe_l, 0.0)
             lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * LN2, -jnp.inf)
-            if o_scale is not None:
-                inv = inv * o_scale
             rows[0] = inv
             rows[1] = lse
             pl.when(write_o)(lambda: write_out(acc, inv, stage.at[0], o_dst, self.by_rows))
@@ -473,12 +468,8 @@ def _body(cfg, r, pc):
         lens = pc.row_lens()
         col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-        # f16 P.V on an fp8 cache: P = p * ks / C with C the page's largest token scale (p * ks alone would
-        # underflow f16 for small scales); the accumulators run in units of the current page's C.
-        norm = is_fp8 and cfg.cdt == F16
-
         def step(i, carry):
-            acc, m_i, l_i, c_prev = carry
+            acc, m_i, l_i = carry
             slot_i = slot_of(i, stages)
             if cfg.qk8:  # K^T straight from the fp8 slot; V (bf16) is waited for before P.V
                 fslot = slot_of(i, fst)
@@ -516,12 +507,6 @@ def _body(cfg, r, pc):
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - rows_bcast(m_new, s.shape))
                 l_i = l_i * alpha + p.sum(axis=1)
-                c = c_prev
-                if norm:
-                    c = ks.max(axis=1)  # [64], every row alike
-                    c = jnp.where(c > 0, c, 1.0)
-                    ks = ks * rows_bcast(1.0 / c, ks.shape)
-                    alpha = alpha * (c_prev * (1.0 / c))  # the accumulators' rescale (l_i's is done)
 
             @pl.when(i > 0)
             @jax.named_scope("wait_p_consumed")
@@ -530,7 +515,7 @@ def _body(cfg, r, pc):
 
             with jax.named_scope("store_p"):
                 # V = fp8 row * scale: fold the per-token scale into p.
-                p_smem[...] = (p * ks if is_fp8 else p).astype(cfg.cdt)
+                p_smem[...] = (p * ks if is_fp8 else p).astype(BF16)
                 loop_rows[_ROW_ALPHA] = alpha
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready)
@@ -542,12 +527,11 @@ def _body(cfg, r, pc):
                 acc = acc * rows_bcast(alpha, acc.shape)
                 acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)], interpret=cfg.interpret)
             plgpu.barrier_arrive(kv_consumed.at[slot_i])
-            return acc, m_new, l_i, c
+            return acc, m_new, l_i
 
-        acc, m_i, l_i = softmax_state(TILE_M, cfg.l // 2)
-        acc, m_i, l_i, c = lax.fori_loop(0, n, step, (acc, m_i, l_i, jnp.ones_like(m_i)))
+        acc, m_i, l_i = lax.fori_loop(0, n, step, softmax_state(TILE_M, cfg.l // 2))
         pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
-        pc.epilogue_wg0(acc, m_i, l_i, c if norm else None)
+        pc.epilogue_wg0(acc, m_i, l_i)
 
     @pl.when(wg == 1)
     def _pv_wg():
@@ -727,7 +711,6 @@ def _validate_sm90(
     scale,
     num_stages,
     fp8_stages,
-    fp8_compute,
     sms,
     interpret,
     schedule,
@@ -774,8 +757,6 @@ def _validate_sm90(
         raise ValueError(f"num_stages must be a positive int, got {num_stages}")
     if fp8_stages is not None and not (isinstance(fp8_stages, int) and fp8_stages >= 1):
         raise ValueError(f"fp8_stages must be a positive int, got {fp8_stages}")
-    if fp8_compute not in ("bfloat16", "float16"):
-        raise ValueError(f"fp8_compute must be 'bfloat16' or 'float16', got {fp8_compute!r}")
     if sms is not None and not (isinstance(sms, int) and sms >= 1):
         raise ValueError(f"num_sms must be a positive int, got {sms}")
     if schedule not in (None, "grid", "worklist"):
@@ -1128,7 +1109,6 @@ def fp8_qk_reference_q(q):
         "interpret",
         "num_stages",
         "fp8_stages",
-        "fp8_compute",
         "fp8_qk",
         "sms",
         "schedule",
@@ -1150,7 +1130,6 @@ def _impl(
     interpret,
     num_stages,
     fp8_stages,
-    fp8_compute,
     fp8_qk,
     sms,
     schedule,
@@ -1163,7 +1142,6 @@ def _impl(
     head_tiles = cdiv(m_rows, TILE_M)
     m_pad = head_tiles * TILE_M
     tail = cdiv(m_rows - (head_tiles - 1) * TILE_M, 8) * 8  # real rows of the last tile, to 8
-    cdt = F16 if is_fp8 and fp8_compute == "float16" else BF16
     qk8 = bool(fp8_qk) and is_fp8
     if num_stages is None:
         num_stages = 1 if is_fp8 else 2
@@ -1185,7 +1163,6 @@ def _impl(
         sm_scale=float(scale),
         final_dtype=jnp.dtype(q.dtype),
         interpret=bool(interpret),
-        cdt=cdt,
         qk8=qk8,
         nq=nq,
         heads=n,
@@ -1210,7 +1187,7 @@ def _impl(
         q_rows, q_scale = quantize_q_fp8(q.reshape(b, m_rows, d))  # [B, M, D], [B, M]
         q_scale = jnp.pad(q_scale, ((0, 0), (0, m_pad - m_rows)), constant_values=1.0)
     else:
-        q_rows = q.reshape(b, m_rows, d).astype(cdt)
+        q_rows = q.reshape(b, m_rows, d).astype(BF16)
     m_q = (head_tiles - 1) * TILE_M + tail
     if m_q != m_rows:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, m_q - m_rows), (0, 0)))
@@ -1391,7 +1368,6 @@ def mla_decode_sm90(
     interpret: bool | plgpu.InterpretGPUParams = False,
     num_stages: int | None = None,
     fp8_stages: int | None = None,
-    fp8_compute: str = "bfloat16",
     fp8_qk: bool = False,
     num_sms: int | None = None,
     schedule: str | None = None,
@@ -1409,7 +1385,7 @@ def mla_decode_sm90(
     run the narrow kernel (`mla_decode_sm90_narrow`: tokens on the wgmma M axis, nothing padded; an fp8
     cache's QK^T as fp8 wgmmas on a hi/lo split of q, or with fp8_qk as one on `quantize_q_fp8`'s q);
     num_kv_splits, batch_invariant and num_stages (its ring depth; on an fp8 cache the bf16 V slots') apply
-    to it, fp8_stages and fp8_compute do not. Both kernels add page_offset, derive the row lengths from
+    to it, fp8_stages does not. Both kernels add page_offset, derive the row lengths from
     seq_lens and, on the grid, each piece's pages in the kernel (no XLA op before the launch).
 
     schedule: None (default): "worklist" for the narrow kernel from `NARROW_WORKLIST_MIN_BATCH` requests on
@@ -1421,9 +1397,9 @@ def mla_decode_sm90(
     split tiles merged by LSE afterwards). batch_invariant: one piece per tile (bitwise independent
     of the rest of the batch). num_stages: bf16 ring depth (default 2; 1 for fp8,
     whose ring of `fp8_stages` (default 2) fp8 pages takes the rest of shared memory).
-    fp8_compute: wgmma dtype for an fp8 cache: "bfloat16" (default; q as bf16) or "float16" (sm_90
-    casts e4m3 -> f16 in one instruction, -> bf16 only through f32; q must stay below 65504 in
-    magnitude). fp8_qk (fp8 cache only): QK^T as an fp8 wgmma straight on the fp8 page, q quantized
+    An fp8 cache's pages are cast to bf16 for the bf16 wgmmas (f16 operands, whose cast from e4m3 is one
+    instruction, measured no faster: the cast's shared-memory traffic bounds it, session 30).
+    fp8_qk (fp8 cache only): QK^T as an fp8 wgmma straight on the fp8 page, q quantized
     per row to e4m3 (`quantize_q_fp8`: the logits are those of the quantized q), so only V's L
     columns are cast for P.V (fp8 wgmma takes B only K-major: V, N-major in the page, cannot be fp8);
     fp8_stages then defaults to 3.
@@ -1443,7 +1419,6 @@ def mla_decode_sm90(
         scale,
         num_stages,
         fp8_stages,
-        fp8_compute,
         num_sms,
         interpret,
         schedule,
@@ -1472,4 +1447,4 @@ def mla_decode_sm90(
     )
     if narrow:
         return _narrow(*args, **kw)
-    return _impl(*args, fp8_stages=fp8_stages, fp8_compute=fp8_compute, **kw)
+    return _impl(*args, fp8_stages=fp8_stages, **kw)

@@ -69,7 +69,7 @@ from pallas_kernels.mgpu import (
     tiled,
     wgmma_accumulate,
 )
-from pallas_kernels.util import BF16, F16, FP8, LN2, LOG2E, M_INIT, next_pow2, round_e4m3
+from pallas_kernels.util import BF16, FP8, LN2, LOG2E, M_INIT, next_pow2, round_e4m3
 
 __all__ = [
     "NARROW_MAX_ROWS",
@@ -90,9 +90,6 @@ _QK_CHUNK = 192  # fp8 QK^T: columns per float32 promotion (DeepGEMM's recipe pr
 # ptxas spilled 264 B a thread of the consumer (O^T and the QK^T partial sums); with these none (329 -> 297 us at
 # 128x16x8192, with P.V moved after the next page's softmax, session 17).
 _FP8_REGS = (240, 128, 136)
-# fp8: V cast to f16 (one cvt a pair of e4m3; bf16 goes through f32, five) and P.V in f16, P normalized per page by
-# its largest token scale (p * ks / C <= 1: f16's range would underflow p * ks for small scales)
-_PV_F16 = False
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a [G, M] / [L, M] accumulator (a query row)
 _TOK = plgpu.Layout.WGMMA.reduce(1)  # one value per row (a token of the page)
 
@@ -214,19 +211,17 @@ class _Cfg:
     fp8_stages: int = 2  # fp8 page ring depth
     qk8: bool = False  # fp8_qk (lossy): q as one e4m3 term, no lo product
     worklist: bool = False  # pieces from a metadata array instead (`mla_decode_sm90.worklist_pieces`)
-    pv_f16: bool = False  # fp8: V and P in f16 (`_PV_F16`)
 
 
 def _smem(cfg):
     """Aliased groups: the loop's buffers | final output staging | f32 partial staging."""
     f32 = jnp.float32
     if cfg.fp8:
-        pv = F16 if cfg.pv_f16 else BF16
         loop = [
             plgpu.SMEM(((1 if cfg.qk8 else 2) * cfg.rows, cfg.d), FP8, transforms=tiled(FP8, 64)),  # Q: hi, lo rows
             plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), FP8, transforms=tiled(FP8, 64)),  # fp8 pages
-            plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l), pv, transforms=tiled(pv)),  # V, cast
-            plgpu.SMEM((2, cfg.rows, PAGE_SIZE), pv, transforms=tiled(pv)),  # P: page i's, page i - 1's
+            plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l), BF16, transforms=tiled(BF16)),  # V, cast
+            plgpu.SMEM((2, cfg.rows, PAGE_SIZE), BF16, transforms=tiled(BF16)),  # P: page i's, page i - 1's
             plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE), f32),  # the pages' token scales
             plgpu.SMEM((cfg.rows,), f32),  # Q's row scales (hi; lo = hi / 16)
         ]
@@ -335,7 +330,7 @@ def _kernel(*refs, cfg):
 
         def online_softmax(s, lens, i, m_i, l_acc, p_ref, p_scale):
             """One page: s [G, M] f32 logits (log2 units, unmasked) -> (m, l_acc, alpha), P (the page's
-            probabilities, times p_scale unless None: [G] (fp8: the tokens' scales) or [G, M]) written to p_ref [M, G];
+            probabilities, times p_scale [G] (fp8: the tokens' scales) unless None) written to p_ref [M, G];
             the caller rescales O^T by alpha."""
             tok = (first + i) * g + plgpu.broadcasted_iota(jnp.int32, (g, cfg.rows), 0, layout=plgpu.Layout.WGMMA)
             s = jnp.where(tok < lax.broadcast_in_dim(lens, s.shape, [1]), s, -jnp.inf)
@@ -344,7 +339,7 @@ def _kernel(*refs, cfg):
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
             l_acc = l_acc * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
             if p_scale is not None:  # V = fp8 row * scale: the scale goes into p
-                p = p * (p_scale if p_scale.ndim == 2 else lax.broadcast_in_dim(p_scale, p.shape, [0]))
+                p = p * lax.broadcast_in_dim(p_scale, p.shape, [0])
             p_ref.T[...] = p.astype(p_ref.dtype)
             plgpu.commit_smem()
             return m_new, l_acc, alpha
@@ -541,18 +536,11 @@ def _fp8_body(
             plgpu.barrier_arrive(bars["v_free"].at[vs])
             return o
 
-        def page_norm(ks):
-            """f16 P.V: (ks / C as [G, M], C [M]) with C the page's largest token scale (every column alike)."""
-            kmat = lax.broadcast_in_dim(ks, (g, cfg.rows), [0])
-            cmax = kmat.max(axis=0)
-            cmax = jnp.where(cmax > 0, cmax, 1.0)
-            return kmat * lax.broadcast_in_dim(1.0 / cmax, kmat.shape, [1]), cmax
-
         def step(i, carry, first=False):
             """Page i: QK^T and the softmax, then P.V of page i - 1: a page's V cast has the next page's QK^T
             and softmax to land in. (P.V in flight during QK^T and the softmax, the FA3 order, measured slower:
             307 against 297 us at 128x16x8192, session 17.) The first page has no P.V before it."""
-            o, m_i, l_acc, c_prev = carry
+            o, m_i, l_acc = carry
             fs = lax.rem(i, jnp.int32(fst))
             plgpu.barrier_wait(bars["f_ready"].at[fs])
 
@@ -561,20 +549,14 @@ def _fp8_body(
                 return [acc[...] for acc in accs]
 
             s, ks = logits(i, fs, pl.run_scoped(qk, *[plgpu.ACC((g, n_col), jnp.float32) for _ in range(n_acc)]))
-            p_scale, c_page = page_norm(ks) if cfg.pv_f16 else (ks, c_prev)
-            m_new, l_new, alpha = online_softmax(s, lens, i, m_i, l_acc, p_smem.at[lax.rem(i, jnp.int32(2))], p_scale)
+            m_new, l_new, alpha = online_softmax(s, lens, i, m_i, l_acc, p_smem.at[lax.rem(i, jnp.int32(2))], ks)
             if not first:
                 o = pv(o, i - 1)
-            if cfg.pv_f16:  # O^T in units of page i's C from here (page i - 1's before)
-                alpha = alpha * (c_prev * (1.0 / c_page))
-            return rescale(o, alpha), m_new, l_new, c_page
+            return rescale(o, alpha), m_new, l_new
 
-        o, m_i, l_acc = init()
-        carry = (o, m_i, l_acc, jnp.ones_like(m_i))
-        carry = lax.cond(n > 0, lambda c: step(jnp.int32(0), c, first=True), lambda c: c, carry)
-        o, m_i, l_acc, c_page = lax.fori_loop(1, jnp.maximum(n, 1), step, carry)
-        o = lax.cond(n > 0, lambda o: pv(o, n - 1), lambda o: o, o)
-        epilogue(rescale(o, c_page) if cfg.pv_f16 else o, m_i, l_acc)
+        carry = lax.cond(n > 0, lambda c: step(jnp.int32(0), c, first=True), lambda c: c, init())
+        o, m_i, l_acc = lax.fori_loop(1, jnp.maximum(n, 1), step, carry)
+        epilogue(lax.cond(n > 0, lambda o: pv(o, n - 1), lambda o: o, o), m_i, l_acc)
 
     @pl.when(wg == 1)
     def _producer():
@@ -664,7 +646,6 @@ def narrow_decode(
         fp8=fp8,
         qk8=bool(fp8 and fp8_qk),
         worklist=meta is not None,
-        pv_f16=fp8 and _PV_F16,
     )
     f32 = jnp.float32
     # Final rows (a placeholder row where every request is split), partials by piece or slot (one placeholder

@@ -451,12 +451,12 @@ DECODE_CASES = [
         causal=True,
         cache_dtype="fp8",
     ),
-    # fp8 with f16 wgmma operands (native e4m3 -> f16 cast), a 1-deep fp8 ring.
+    # fp8, a 1-deep fp8 ring.
     _dc(
-        "fp8_f16_compute_1stage",
+        "fp8_1stage",
         _SM90,
         "fp8",
-        dict(fp8_compute="float16", fp8_stages=1, num_kv_splits=1),
+        dict(fp8_stages=1, num_kv_splits=1),
         b=2,
         nq=1,
         n=16,
@@ -644,10 +644,10 @@ DECODE_GPU_CASES = [
     ),
     # Hopper kernel: its schedules, ring depths and fp8 modes
     _dc(
-        "n16_ragged_fp8_f16_compute",
+        "n16_ragged_fp8_sm90",
         _SM90,
         "fp8",
-        dict(fp8_compute="float16"),
+        dict(),
         seed=2002,
         bench=True,
         b=4,
@@ -755,10 +755,10 @@ DECODE_GPU_CASES = [
         cache_dtype="fp8",
     ),
     _dc(
-        "fp8_qk_worklist_f16_q2_causal_n64",
+        "fp8_qk_worklist_q2_causal_n64",
         _SM90,
         "fp8_qk",
-        dict(fp8_qk=True, schedule="worklist", fp8_compute="float16"),
+        dict(fp8_qk=True, schedule="worklist"),
         seed=2012,
         b=3,
         nq=2,

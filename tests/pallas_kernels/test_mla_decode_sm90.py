@@ -362,12 +362,12 @@ def _lower_for_sm90(cache_dtype, n=16, **kw):
         ("bf16", dict(num_kv_splits=2, num_sms=132)),
         ("bf16", dict(num_kv_splits=1, num_sms=132)),
         ("fp8", dict(num_kv_splits=2, num_sms=132)),
-        ("fp8", dict(num_kv_splits=1, fp8_compute="float16", num_sms=132)),
+        ("fp8", dict(num_kv_splits=1, fp8_stages=1, num_sms=132)),
         ("bf16", dict(schedule="worklist", num_sms=132)),
         ("bf16", dict(n=80, num_kv_splits=2, num_sms=132)),  # 2 tiles, the last with 16 rows
         ("fp8", dict(n=128, schedule="worklist", num_sms=132)),
         ("fp8", dict(num_kv_splits=1, fp8_qk=True, num_sms=132)),
-        ("fp8", dict(n=128, schedule="worklist", fp8_qk=True, fp8_compute="float16", num_sms=132)),
+        ("fp8", dict(n=128, schedule="worklist", fp8_qk=True, num_sms=132)),
         ("fp8", dict(schedule="worklist", num_sms=132)),  # the narrow kernel's work list
         ("fp8", dict(schedule="worklist", fp8_qk=True, num_sms=132)),
         ("bf16", dict(n=40, schedule="worklist", num_sms=132)),  # 64-row work list, one 40-row tile
@@ -436,7 +436,7 @@ def _bad(**over):
         (lambda a: dict(q=a["q"][0]), "q must be"),
         (lambda a: dict(block_table=a["block_table"][:1]), "block_table must be"),
         (lambda a: dict(num_stages=0), "num_stages"),
-        (lambda a: dict(fp8_compute="fp8"), "fp8_compute"),
+        (lambda a: dict(fp8_stages=0), "fp8_stages"),
         (
             lambda a: dict(
                 kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.bfloat16), kv_scale=None, fp8_qk=True
@@ -587,43 +587,3 @@ def test_quantize_q_hilo_reproduces_bf16_q():
     np.testing.assert_array_equal(back[big], want[big])
     assert np.all(np.abs(back - want) <= s[:, None] * 2.0**-13)  # e4m3's subnormal step 2^-9, at scale s / 16
     assert big[:, :].sum() > 0.5 * big.size  # the exact part is most of q, not a vacuous check
-
-
-_F16_PV_CASES = [
-    ("narrow_exact", 16, {}),
-    ("narrow_fp8_qk", 16, dict(fp8_qk=True)),
-    ("rows64_exact", 64, dict(fp8_compute="float16")),
-    ("rows64_fp8_qk", 64, dict(fp8_compute="float16", fp8_qk=True)),
-]
-
-
-def _f16_pv_check(n, kw, interpret, monkeypatch):
-    from pallas_kernels import mla_decode_sm90_narrow as narrow
-
-    monkeypatch.setattr(narrow, "_PV_F16", True)
-    q, cache, bt, sl, ks = decode_inputs(11, b=2, nq=1, n=n, max_pages=4, lens=[200, 70], cache_dtype="fp8")
-    tiny = 2.0**-24  # p * ks <= 2^-24.4: at most f16's smallest subnormal (2^-24)
-    ks = ks * tiny
-    if interpret:
-        out, lse = run_decode(q, cache, bt, sl, ks, **kw)
-    else:
-        out, lse = k90.mla_decode_sm90(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L, **kw)
-    ref, ref_lse = decode_reference(q, cache, bt, sl, ks, kw)
-    kind = "fp8_qk" if kw.get("fp8_qk") and not interpret else "fp8"
-    assert_decode_close(np.asarray(out, np.float32) / tiny, lse, np.asarray(ref) / tiny, ref_lse, kind)
-
-
-@pytest.mark.parametrize("name, n, kw", _F16_PV_CASES, ids=[c[0] for c in _F16_PV_CASES])
-def test_f16_pv_keeps_tiny_token_scales(name, n, kw, monkeypatch):
-    """f16 P.V on an fp8 cache (the narrow kernel's `_PV_F16`, the 64-row kernel's fp8_compute="float16"): token
-    scales of 2^-24, where p * ks alone underflows f16, give the output to the suite's fp8 tolerance relative to
-    its size (P is normalized by the page's largest scale)."""
-    _f16_pv_check(n, kw, True, monkeypatch)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name, n, kw", _F16_PV_CASES, ids=[c[0] for c in _F16_PV_CASES])
-def test_gpu_f16_pv_keeps_tiny_token_scales(name, n, kw, monkeypatch):
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
-    _f16_pv_check(n, kw, False, monkeypatch)
