@@ -231,6 +231,7 @@ def merge_splits_reference(o_part, lse_part):
 
 
 _MERGE_TILE = 8192  # f32 elements of partials one merge program holds: [S', block_l]
+_MERGE_PROGRAMS = 256  # the transposed merge's programs at least (~2 an SM), down to 4 columns a program
 
 
 def _merge_splits_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, s_pad: int, rows_m: int):
@@ -312,9 +313,10 @@ def merge_splits(o_part, lse_part, *, out_dtype=jnp.float32, transposed=False, i
         out, lse = merge_splits_reference(o, lse_part)
         return out.astype(out_dtype), lse
     if transposed:
-        # All splits in one gather: [S', block_l, M] <= _MERGE_TILE elements, and at least 16 column
-        # blocks per request so that a few requests still spread over the SMs.
-        block_l = min(l, max(16, _MERGE_TILE // (s_pad * m)), max(16, l // 16))
+        # All splits in one gather: [S', block_l, M] <= _MERGE_TILE elements, and enough column blocks for
+        # _MERGE_PROGRAMS programs (16 column blocks a request at least); batch 1 at 64 splits had 32 of 64 KB.
+        blocks = next_pow2(cdiv(_MERGE_PROGRAMS, b))
+        block_l = max(4, min(l, _MERGE_TILE // (s_pad * m), l // max(16, blocks)))
         out, lse = pl.pallas_call(
             functools.partial(_merge_splits_t_kernel, splits=splits, s_pad=s_pad, cols=l),
             grid=(b, l // block_l),

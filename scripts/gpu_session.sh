@@ -861,16 +861,20 @@ case $part in
         run 130 prefill python3 bench/prefill.py --out "$out/prefill" --no-xla --kernels pallas_sm90
     fi
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-66) # session 30, second call: part 63 (the 64-row fp8_qk q quantized in the kernel, two passes, against XLA's) and the
-    # Triton prefill with heads fastest (scripts/ab/prefill-triton-heads.patch) against this tree's, twice each
+66) # session 30, second call: the transposed merge with >= 256 programs (batch 1 at 64 splits ran 32) against the file
+    # before (ab/merge_base/, carried) at batch 1 / 8 / 32, then part 63 (the 64-row fp8_qk q quantized in the kernel,
+    # two passes, against XLA's; ab/q64two/)
     out=${2:?}
+    m16() {  # m16 NAME: this directory's kernels
+        run 80 "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
+            --device-time --shapes 1x16x4096,1x16x1024,8x16x4096,32x16x1024 --dtypes bf16,fp8 --kernels pallas_sm90
+    }
+    m16 new
+    if [ -d ab/merge_base ]; then
+        rm -rf /tmp/mbase && mkdir /tmp/mbase && cp -r mla_jax pallas_kernels bench /tmp/mbase/ && cp -r ab/merge_base/* /tmp/mbase/
+        (cd /tmp/mbase && out=$out m16 base)
+    fi
     "$0" 63 "${2%/}" | sed 's/^/p63 /'
-    pf="$PWD/scripts/ab/prefill-triton-heads.patch"
-    [ -f "$pf" ] && for v in heads base2 heads2; do
-        rm -rf "/tmp/ab-$v" && mkdir "/tmp/ab-$v" && cp -r mla_jax pallas_kernels bench "/tmp/ab-$v/"
-        (cd "/tmp/ab-$v" && { [ "${v#heads}" = "$v" ] || git apply "$pf"; } && run 60 "triton-$v" python3 \
-            bench/prefill.py --out "$out/triton-$v" --shapes-only --no-check --kernels pallas)
-    done
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 66" >&2; exit 2 ;;
 esac
