@@ -862,19 +862,27 @@ case $part in
     fi
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 66) # session 30, second call: the transposed merge with >= 256 programs (batch 1 at 64 splits ran 32) against the file
-    # before (ab/merge_base/, carried) at batch 1 / 8 / 32, then part 63 (the 64-row fp8_qk q quantized in the kernel,
-    # two passes, against XLA's; ab/q64two/)
+    # before (ab/merge_base/, carried) at batch 1 / 8 / 32; batch 1's split count (the sweep); then part 63's rows
+    # alone (the 64-row fp8_qk q quantized in the kernel, two passes, ab/q64two/, against XLA's; its tests later)
     out=${2:?}
     m16() {  # m16 NAME: this directory's kernels
-        run 80 "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
-            --device-time --shapes 1x16x4096,1x16x1024,8x16x4096,32x16x1024 --dtypes bf16,fp8 --kernels pallas_sm90
+        run 70 "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
+            --device-time --shapes 1x16x4096,8x16x4096,32x16x1024 --dtypes bf16,fp8 --kernels pallas_sm90
     }
     m16 new
     if [ -d ab/merge_base ]; then
         rm -rf /tmp/mbase && mkdir /tmp/mbase && cp -r mla_jax pallas_kernels bench /tmp/mbase/ && cp -r ab/merge_base/* /tmp/mbase/
         (cd /tmp/mbase && out=$out m16 base)
     fi
-    "$0" 63 "${2%/}" | sed 's/^/p63 /'
+    run 90 sweep-b1 python3 bench/decode.py --out "$out/sweep-b1" --sweep --quick --no-check --no-ragged --device-time \
+        --shapes 1x16x4096 --dtypes bf16,fp8 --kernels pallas_sm90
+    if [ -d ab/q64two ]; then
+        rm -rf /tmp/q64 && mkdir /tmp/q64 && cp -r mla_jax pallas_kernels bench /tmp/q64/ && cp -r ab/q64two/* /tmp/q64/
+        run 70 decode-xla python3 bench/decode.py --out "$out/decode-xla" --quick --no-check --no-ragged --device-time \
+            --shapes 1x128x32768,64x128x4096 --dtypes fp8 --kernels pallas_sm90
+        (cd /tmp/q64 && run 70 decode-twopass python3 bench/decode.py --out "$out/decode-twopass" --quick --no-check \
+            --no-ragged --device-time --shapes 1x128x32768,64x128x4096 --dtypes fp8 --kernels pallas_sm90)
+    fi
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 66" >&2; exit 2 ;;
 esac
