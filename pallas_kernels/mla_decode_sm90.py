@@ -105,7 +105,13 @@ from pallas_kernels.mgpu import (
     write_out,
 )
 from pallas_kernels.mla_decode import check_page_offset, merge_segments, merge_splits, mla_decode_reference
-from pallas_kernels.mla_decode_sm90_narrow import narrow_decode, narrow_rows, quantize_q_fp8, smem_plan_bytes
+from pallas_kernels.mla_decode_sm90_narrow import (
+    narrow_decode,
+    narrow_rows,
+    quantize_q_fp8,
+    quantize_q_fp8_rows,
+    smem_plan_bytes,
+)
 from pallas_kernels.util import (
     BF16,
     FP8,
@@ -1184,7 +1190,8 @@ def _impl(
     # rounded to 8 (q padded to that with zeros); padding rows have length 0 (the kernel derives the
     # row lengths, the tile lengths and, on the grid, each piece's pages from seq_lens).
     if qk8:
-        q_rows, q_scale = quantize_q_fp8(q.reshape(b, m_rows, d))  # [B, M, D], [B, M]
+        # [B, M, D] e4m3, [B, M]: one Triton kernel (XLA ran quantize_q_fp8 as three)
+        q_rows, q_scale = quantize_q_fp8_rows(q.reshape(b, m_rows, d), l, interpret=bool(interpret))
         q_scale = jnp.pad(q_scale, ((0, 0), (0, m_pad - m_rows)), constant_values=1.0)
     else:
         q_rows = q.reshape(b, m_rows, d).astype(BF16)

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.mgpu import (
     cast_fp8_columns,
@@ -69,7 +70,7 @@ from pallas_kernels.mgpu import (
     tiled,
     wgmma_accumulate,
 )
-from pallas_kernels.util import BF16, FP8, LN2, LOG2E, M_INIT, next_pow2, round_e4m3
+from pallas_kernels.util import BF16, FP8, H200_SMS, LN2, LOG2E, M_INIT, is_pow2, next_pow2, round_e4m3
 
 __all__ = [
     "NARROW_MAX_ROWS",
@@ -77,6 +78,7 @@ __all__ = [
     "narrow_rows",
     "narrow_decode",
     "quantize_q_fp8",
+    "quantize_q_fp8_rows",
     "quantize_q_hilo",
     "split_q",
     "split_q_into_smem",
@@ -193,6 +195,51 @@ def quantize_q_fp8(q):
     q8 * scale, the reference's input for that mode."""
     hi, _, sc = quantize_q_hilo(q)
     return hi, sc
+
+
+_QUANT_PROGRAMS = 2048  # `quantize_q_fp8_rows` puts up to 8 rows in a program while this many programs remain
+
+
+def _quantize_rows_kernel(q_ref, q8_ref, s_ref, *, l, r):
+    """Rows [rows, L+R] -> `quantize_q_fp8`'s e4m3 rows and power-of-two scales, the row's amax over the L and the
+    R columns (Triton's blocks are powers of two)."""
+    cols = (pl.ds(0, l), pl.ds(l, r))
+    xs = [q_ref[:, c].astype(jnp.float32) for c in cols]  # [rows, L], [rows, R]
+    amax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1))  # [rows]
+    sc, _ = _pow2_above(jnp.where(amax > 0, amax, 448.0) / 448.0)
+    sc, e = _pow2_above(jnp.where(amax > 448.0 * sc, 2.0 * sc, sc))  # the division's rounding
+    inv = lax.bitcast_convert_type((254 - e) << 23, jnp.float32)[:, None]  # 1 / sc, exact
+    for x, c in zip(xs, cols):
+        q8_ref[:, c] = round_e4m3(x * inv).astype(FP8)
+    s_ref[...] = sc
+
+
+def quantize_q_fp8_rows(q, l: int, *, interpret: bool = False):
+    """`quantize_q_fp8` of q [B, M, L+R] as one Triton-lowered kernel (bitwise the same; `interpret`: the Pallas
+    interpreter), for the 64-row kernel's `fp8_qk`, whose q is quantized before its call: XLA ran it as three kernels
+    (1x128x32768: ~4 us of a 39.7 us call, 64x128x4096: ~13 us of 186 on an H100, session 30; quantizing in that
+    kernel lost, one pass and two). L or R not powers of two run the jnp function. Programs of up to 8 rows, ~2048 of
+    them (`_QUANT_PROGRAMS`) where the rows allow."""
+    b, m, d = q.shape
+    r = d - l
+    if not (is_pow2(l) and is_pow2(r)):
+        return quantize_q_fp8(q)
+    rows = 1
+    while rows < 8 and m % (2 * rows) == 0 and b * m // (2 * rows) >= _QUANT_PROGRAMS:
+        rows *= 2
+    return pl.pallas_call(
+        functools.partial(_quantize_rows_kernel, l=l, r=r),
+        grid=(b, m // rows),
+        in_specs=[pl.BlockSpec((None, rows, d), lambda i, j: (i, j, 0))],
+        out_specs=[
+            pl.BlockSpec((None, rows, d), lambda i, j: (i, j, 0)),
+            pl.BlockSpec((None, rows), lambda i, j: (i, j)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((b, m, d), FP8), jax.ShapeDtypeStruct((b, m), jnp.float32)],
+        interpret=bool(interpret),
+        compiler_params=pltriton.CompilerParams(num_warps=4 if rows > 1 or b * m <= 4 * H200_SMS else 1, num_stages=1),
+        name=f"quantize_q_fp8_r{rows}",
+    )(q)
 
 
 @dataclasses.dataclass(frozen=True)

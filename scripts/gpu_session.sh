@@ -884,5 +884,20 @@ case $part in
             --no-ragged --device-time --shapes 1x128x32768,64x128x4096 --dtypes fp8 --kernels pallas_sm90)
     fi
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 66" >&2; exit 2 ;;
+67) # session 30, for the next: the 64-row fp8_qk's q quantize as one Triton kernel (quantize_q_fp8_rows) against XLA's
+    # three kernels (a copy with the call switched back), its GPU tests first; fp8 rows at 128 heads
+    out=${2:?}
+    verbose_tests 100 tests/pallas_kernels/test_mla_decode_sm90.py -k "quantize or fp8_qk"
+    rows128() {
+        run 80 "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged --device-time \
+            --shapes 1x128x32768,64x128x4096 --dtypes fp8 --kernels pallas_sm90
+    }
+    rows128 new
+    rm -rf /tmp/qxla && mkdir /tmp/qxla && cp -r mla_jax pallas_kernels bench /tmp/qxla/
+    sed -i 's/q_rows, q_scale = quantize_q_fp8_rows(q.reshape(b, m_rows, d), l, interpret=bool(interpret))/q_rows, q_scale = quantize_q_fp8(q.reshape(b, m_rows, d))/' \
+        /tmp/qxla/pallas_kernels/mla_decode_sm90.py
+    grep -q "q_rows, q_scale = quantize_q_fp8(q.reshape" /tmp/qxla/pallas_kernels/mla_decode_sm90.py || echo "qxla: no knob" >&2
+    (cd /tmp/qxla && out=$out rows128 xla)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 67" >&2; exit 2 ;;
 esac

@@ -401,9 +401,11 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
     narrow = kw.get("n", 16) <= 16
     kind = {"bf16": "bf16", "fp8": "fp8qk" if kw.get("fp8_qk") else "fp8"}[cache_dtype]
     assert (f"mla_decode_sm90_narrow_{kind}_m16" in text) == narrow
-    # Triton kernels (with an H200 stand-in for the device query): the work list's metadata step alone (the narrow
-    # kernel splits an fp8 cache's q in place).
-    assert text.count("__gpu$xla.gpu.triton") == (kw.get("schedule") == "worklist")
+    # Triton kernels (with an H200 stand-in for the device query): the work list's metadata step, and the 64-row
+    # fp8_qk's q quantize (the narrow kernel splits an fp8 cache's q in place).
+    quantize = bool(kw.get("fp8_qk")) and not narrow
+    assert text.count("__gpu$xla.gpu.triton") == (kw.get("schedule") == "worklist") + quantize
+    assert ("quantize_q_fp8_r" in text) == quantize
 
 
 def test_shared_memory_budget_error():
@@ -533,6 +535,33 @@ def test_split_q_matches_quantize_q_hilo():
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     for a, b in zip(quantize_q_fp8(q), (want[0], want[2])):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("programs", [2048, 4])
+def test_quantize_q_fp8_rows_is_quantize_q_fp8(programs, monkeypatch):
+    """The 64-row `fp8_qk`'s q quantize as one Triton kernel (interpreted): `quantize_q_fp8` bitwise, with a program a
+    row and (a lowered program target) 8 rows a program."""
+    from pallas_kernels import mla_decode_sm90_narrow as narrow
+
+    monkeypatch.setattr(narrow, "_QUANT_PROGRAMS", programs)
+    q = _hilo_inputs(b=3, m=16)
+    got, want = narrow.quantize_q_fp8_rows(q, 512, interpret=True), narrow.quantize_q_fp8(q)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_q_fp8_rows_is_exact():
+    """On the GPU too (a program a row at 1x128 rows, 4 rows a program at 64x128)."""
+    from pallas_kernels import mla_decode_sm90_narrow as narrow
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    for b, m in ((1, 128), (64, 128)):
+        q = _hilo_inputs(b=b, m=m)
+        for a, w in zip(jax.jit(narrow.quantize_q_fp8_rows, static_argnums=1)(q, 512), narrow.quantize_q_fp8(q)):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(w).view(np.uint8))
 
 
 def test_split_q_lowers_for_sm90():
