@@ -38,7 +38,8 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   consumer keeps a [64, L/2] f32 accumulator (128 registers/thread at L=512), as in FlashMLA.
 - Epilogue: normalized output and LSE (natural log) go out by TMA through staging buffers that
   alias the Q tile and the ring (`plgpu.RefUnion`: loop buffers | final staging | f32 staging).
-- fp8_qk=True (fp8 cache, opt-in): Q is quantized per row to e4m3 (`quantize_q_fp8`) and QK^T is
+- fp8_qk=True (fp8 cache, opt-in): Q is quantized per row to e4m3 (`quantize_q_fp8`, by one Triton kernel
+  before the call: `quantize_q_fp8_rows`) and QK^T is
   an fp8 wgmma straight on the fp8 ring slot, so WG0 no longer waits for a cast before QK^T. Only
   V's L columns are cast to bf16 (Hopper's fp8 wgmma takes B only K-major; V is N-major in the
   page), and the cast is split: the producer casts columns [0, L/2) for WG0, WG1 casts [L/2, L)
