@@ -131,6 +131,14 @@ def _pow2_above(v):
     return lax.bitcast_convert_type(e << 23, jnp.float32), e
 
 
+def _row_scale(amax):
+    """A row's amax [rows] -> (s_hi, 1 / s_hi), `quantize_q_hilo`'s power-of-two scale (amax / 448 rounded up, 1 for
+    an all-zero row) and its exact inverse, from the bits: the in-kernel split and the Triton quantize share it."""
+    sc, _ = _pow2_above(jnp.where(amax > 0, amax, 448.0) / 448.0)
+    sc, e = _pow2_above(jnp.where(amax > 448.0 * sc, 2.0 * sc, sc))  # the division's rounding
+    return sc, lax.bitcast_convert_type((254 - e) << 23, jnp.float32)
+
+
 def split_q_into_smem(q_rows, q8, q_scales, *, lo: bool):
     """In the consumer warpgroup: `quantize_q_hilo` of the bf16 q rows `q_rows` [16, D] (global memory, read straight
     into registers) into q8's rows (q_hi's [0, 16), with `lo` q_lo's [16, 32)) and their scales s_hi into q_scales
@@ -140,17 +148,14 @@ def split_q_into_smem(q_rows, q8, q_scales, *, lo: bool):
     one before it where D is not a multiple of 128), all kept in registers (72 a thread at D = 576); their
     elementwise |max| is reduced once per row (across warps: the kernel's reduction scratch). Bitwise
     `quantize_q_hilo` (`round_e4m3`, a power-of-two scale from the bits): what a Triton kernel computed before each
-    call (1.3-3.2 us on the H200, a kernel a layer). The 64-row kernel's `fp8_qk` q stays an XLA quantize before its
-    call: its 64 rows quantized here spilled (docs/perf-notes.md, session 29)."""
+    call (1.3-3.2 us on the H200, a kernel a layer). The 64-row kernel's `fp8_qk` q is quantized before its call
+    (`quantize_q_fp8_rows`): its 64 rows quantized here spilled (docs/perf-notes.md, session 29)."""
     rows, d = q_rows.shape
     w = 128
     starts = [*range(0, d - w + 1, w)] + ([d - w] if d % w else [])
     layout = plgpu.Layout.SMEM_GMEM_COPY((rows, w), BF16, 128)
     xs = [plgpu.load(q_rows.at[:, pl.ds(c, w)], layout=layout, optimized=False).astype(jnp.float32) for c in starts]
-    amax = jnp.max(functools.reduce(jnp.maximum, [jnp.abs(x) for x in xs]), axis=1)  # [rows]
-    sc, _ = _pow2_above(jnp.where(amax > 0, amax, 448.0) / 448.0)
-    sc, e = _pow2_above(jnp.where(amax > 448.0 * sc, 2.0 * sc, sc))  # the division's rounding
-    inv = lax.bitcast_convert_type((254 - e) << 23, jnp.float32)  # 1 / sc, exact
+    sc, inv = _row_scale(jnp.max(functools.reduce(jnp.maximum, [jnp.abs(x) for x in xs]), axis=1))  # [rows]
     for c, x in zip(starts, xs):
         x = x * lax.broadcast_in_dim(inv, x.shape, [0])
         hi = round_e4m3(x)
@@ -205,12 +210,9 @@ def _quantize_rows_kernel(q_ref, q8_ref, s_ref, *, l, r):
     R columns (Triton's blocks are powers of two)."""
     cols = (pl.ds(0, l), pl.ds(l, r))
     xs = [q_ref[:, c].astype(jnp.float32) for c in cols]  # [rows, L], [rows, R]
-    amax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1))  # [rows]
-    sc, _ = _pow2_above(jnp.where(amax > 0, amax, 448.0) / 448.0)
-    sc, e = _pow2_above(jnp.where(amax > 448.0 * sc, 2.0 * sc, sc))  # the division's rounding
-    inv = lax.bitcast_convert_type((254 - e) << 23, jnp.float32)[:, None]  # 1 / sc, exact
+    sc, inv = _row_scale(jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1)))  # [rows]
     for x, c in zip(xs, cols):
-        q8_ref[:, c] = round_e4m3(x * inv).astype(FP8)
+        q8_ref[:, c] = round_e4m3(x * inv[:, None]).astype(FP8)
     s_ref[...] = sc
 
 

@@ -283,8 +283,6 @@ def test_merge_splits_kernel(b, splits, m, l, transposed):
 def test_merge_splits_lowers_to_one_kernel(transposed, h200):
     """Triton IR on CPU for an H200: one kernel and free reshapes, nothing else (the merged lse was written once per
     column block and sliced after the kernel, an XLA kernel of its own: ~1.1 us of a 17 us decode call)."""
-    import re
-
     o_shape = (32, 4, 512, 16) if transposed else (32, 4, 16, 512)
     args = (jax.ShapeDtypeStruct(o_shape, jnp.float32), jax.ShapeDtypeStruct((32, 4, 16), jnp.float32))
     f = jax.jit(lambda o, lse: merge_splits(o, lse, out_dtype=jnp.bfloat16, transposed=transposed))
