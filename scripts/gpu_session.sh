@@ -838,7 +838,7 @@ case $part in
     run 70 decode python3 bench/decode.py --out "$out/decode" --quick --no-check --no-ragged --device-time \
         --shapes 32x16x1024,1x16x4096 --dtypes fp8,bf16 --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-65) # session 30, first call: the final narrow fp8 split and the merged lse without a slice (ad54943) on the GPU: the
+65) # (ran once, c2c88f4: the f16 A/B below lost, and its _PV_F16 knob is deleted since) session 30, first call: the final narrow fp8 split and the merged lse without a slice (ad54943) on the GPU: the
     # fp8 / split / merge GPU tests, the 16-head rows (the 32x16x1024 target: fp8 <= bf16); on an H200 also the
     # 128-head rows (in-kernel prologue, q split) and the prefill grid with heads fastest
     out=${2:?}
