@@ -214,7 +214,7 @@ def _stage1_kernel(
 
 
 def merge_splits_reference(o_part, lse_part):
-    """LSE-merge of per-split partials: o_part f32[..., S, M, L], lse_part f32[..., S, M] (plain jnp).
+    """LSE-merge of per-split partials: o_part [..., S, M, L] (f32 or bf16), lse_part f32[..., S, M] (plain jnp).
     A split with lse -inf (no keys; its o_part may be unwritten memory) contributes nothing."""
     lse_max = jnp.max(lse_part, axis=-2)  # [..., M]
     safe = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
@@ -223,7 +223,7 @@ def merge_splits_reference(o_part, lse_part):
     denom = jnp.sum(w, axis=-2)
     # Multiply-and-sum rather than einsum: XLA fuses it into one column reduction over S (an
     # einsum becomes a batched GEMV with K=S).
-    out = jnp.sum(jnp.where(alive[..., None], w[..., None] * o_part, 0.0), axis=-3)  # [..., M, L]
+    out = jnp.sum(jnp.where(alive[..., None], w[..., None] * o_part.astype(jnp.float32), 0.0), axis=-3)  # [..., M, L]
     has = denom > 0
     out = out * jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)[..., None]
     lse = jnp.where(has, safe + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)
@@ -252,7 +252,7 @@ def _merge_splits_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, s
     denom = jnp.sum(w)
     cols = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
     # Dead splits are never read: an sm90 piece with no pages leaves its partial unwritten.
-    o = pltriton.load(o_ref.at[part[:, None], cols[None, :]], mask=alive[:, None], other=0.0)
+    o = pltriton.load(o_ref.at[part[:, None], cols[None, :]], mask=alive[:, None], other=0.0).astype(jnp.float32)
     has = denom > 0
     inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)
     out_ref[...] = (jnp.sum(w[:, None] * o, axis=0) * inv).astype(out_ref.dtype)
@@ -283,8 +283,8 @@ def _merge_splits_t_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int,
     c = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
     row = part[:, None] * cols + c[None, :]  # [S', block_l] rows of the [B*S*L, M] partials
     # Dead splits are never read: their slots may be unwritten.
-    o = pltriton.load(
-        o_ref.at[row[:, :, None], rows[None, None, :]], mask=alive[:, None, :], other=0.0
+    o = pltriton.load(o_ref.at[row[:, :, None], rows[None, None, :]], mask=alive[:, None, :], other=0.0).astype(
+        jnp.float32
     )  # [S', block_l, M]
     acc = jnp.sum(o * w[:, None, :], axis=0)  # [block_l, M]
     has = denom > 0
@@ -299,10 +299,10 @@ def _merge_splits_t_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int,
 @functools.partial(jax.jit, static_argnames=("out_dtype", "transposed", "interpret"))
 def merge_splits(o_part, lse_part, *, out_dtype=jnp.float32, transposed=False, interpret=False):
     """`merge_splits_reference` as one Pallas kernel: (out [B, M, L] out_dtype, lse f32[B, M]) from
-    o_part f32[B, S, M, L] (transposed=True: f32[B, S, L, M], as the narrow Hopper decode writes
-    them), lse_part f32[B, S, M]. One launch and one pass over the partials, where
-    XLA's version takes 5-7 kernels, a third of a short many-split decode such as (1, 128, 32k) on
-    the H200 (docs/perf-notes.md)."""
+    o_part [B, S, M, L] (transposed=True: [B, S, L, M], as the narrow Hopper decode writes them), f32 or
+    bf16 (the Hopper decodes write bf16: half the bytes), lse_part f32[B, S, M]. One launch and one pass
+    over the partials, where XLA's version takes 5-7 kernels, a third of a short many-split decode such
+    as (1, 128, 32k) on the H200 (docs/perf-notes.md)."""
     if transposed:
         b, splits, l, m = o_part.shape
     else:
@@ -365,7 +365,7 @@ def segments_from_slot_tile(slot_tile, num_tiles: int):
 def merge_segments_reference(out, lse, o_part, lse_part, seg_first, seg_count):
     """Plain-jnp (segment_sum) `merge_segments`: tiles with seg_count >= 2 get the LSE merge of their
     slots seg_first .. seg_first + seg_count - 1 (math of `merge_splits_reference`); the others keep
-    out/lse. out [U, M, L], lse f32[U, M], o_part f32[P * M, L], lse_part f32[P * M]."""
+    out/lse. out [U, M, L], lse f32[U, M], o_part [P * M, L] (f32 or bf16), lse_part f32[P * M]."""
     u, m, l = out.shape
     p = lse_part.shape[0] // m
     s = jnp.arange(p, dtype=jnp.int32)
@@ -379,7 +379,7 @@ def merge_segments_reference(out, lse, o_part, lse_part, seg_first, seg_count):
     alive = jnp.isfinite(lse_s)
     w = jnp.where(alive, jnp.exp(lse_s - safe[jnp.minimum(owner, u - 1)]), 0.0)  # [P, M]
     # Dead partials (and unused slots) may hold NaN: select them away before the multiply.
-    o = jnp.where(alive[..., None], o_part.reshape(p, m, l), 0.0)
+    o = jnp.where(alive[..., None], o_part.reshape(p, m, l).astype(jnp.float32), 0.0)
     num = jax.ops.segment_sum(w[..., None] * o, owner, num_segments=u)  # [U, M, L]
     den = jax.ops.segment_sum(w, owner, num_segments=u)  # [U, M]
     has = den > 0
@@ -450,14 +450,14 @@ def _merge_segments_kernel(
                     o_part_ref.at[(pc[:, None] * l + cols[None, :])[:, :, None], rows[None, None, :]],
                     mask=alive[:, None, :],
                     other=0.0,
-                )  # [chunk, block_l, M]
+                ).astype(jnp.float32)  # [chunk, block_l, M]
                 acc = acc * alpha[None, :] + jnp.sum(o * w[:, None, :], axis=0)
             else:
                 o = pltriton.load(
                     o_part_ref.at[(pc[:, None] * m + rows[None, :])[:, :, None], cols[None, None, :]],
                     mask=alive[:, :, None],
                     other=0.0,
-                )  # [chunk, M, block_l]
+                ).astype(jnp.float32)  # [chunk, M, block_l]
                 acc = acc * alpha[:, None] + jnp.sum(o * w[:, :, None], axis=0)
             return acc, new_max, den * alpha + jnp.sum(w, axis=0)
 
@@ -482,7 +482,7 @@ def merge_segments(
     out, lse, o_part, lse_part, seg_first, seg_count, split_tiles=None, *, transposed=False, interpret=False
 ):
     """`merge_segments_reference` as one Pallas kernel, in place: (out [U, M, L], lse f32[U, M]) with
-    each split tile (seg_count >= 2) replaced by the LSE merge of its slots of o_part f32[P * M, L],
+    each split tile (seg_count >= 2) replaced by the LSE merge of its slots of o_part [P * M, L] (f32 or bf16),
     lse_part f32[P * M]. Replaces the work-list merge's XLA segment_sum (it scatters ~23 MB over
     every slot and tile; ~9x slower on the H200, docs/perf-notes.md): one launch that reads only
     live split slots and writes only split tiles. out/lse are aliased to the
@@ -494,7 +494,7 @@ def merge_segments(
     writes it; computed here when None), rather than over all U tiles: the grid is static and most tiles are
     usually whole; padding programs exit at once. A program merges all M rows of its tile over one column block,
     `_SEG_CHUNK` slots a step with a running max, so its cost follows the tile's slot count, not P.
-    transposed=True: o_part f32[P * L, M] (each slot's [L, M] slab, as the narrow Hopper decode writes its
+    transposed=True: o_part [P * L, M] (each slot's [L, M] slab, as the narrow Hopper decode writes its
     partials)."""
     u, m, l = out.shape
     slots = lse_part.shape[0] // m

@@ -13,12 +13,12 @@ up to 8: N=16 moves 16 rows, not 64. Pieces come from one of two schedules:
 - "grid" (default): every tile cut into S static splits over the block table's capacity
   (`choose_num_kv_splits_sm90`); piece (b * S + s) * T + h, its pages derived in the kernel from
   seq_lens (as the rows' lengths are: no metadata step before the launch); S == 1 writes the final
-  output directly, S > 1 writes f32 partials merged by LSE with the Triton module's `merge_splits`
+  output directly, S > 1 writes partials (bf16) merged by LSE with the Triton module's `merge_splits`
   kernel.
 - "worklist": a metadata step on device (FlashMLA's get_mla_metadata idea) cuts each tile by its
   actual length (`_worklist_cuts`: one wave of pieces <= 1.125 fair shares where they fit on the SMs,
   else pieces <= total pages / (1.5 SMs)), so long requests spread over many SMs and short ones stay
-  whole (final output written directly); only split tiles go through f32 partial slots, merged by
+  whole (final output written directly); only split tiles go through partial slots, merged by
   `_merge_worklist`. The metadata step is one Triton-lowered Pallas kernel (`worklist_pieces`; plain-JAX
   reference `worklist_pieces_reference`: a metadata array [pieces, 6], (b, h, p0, n, slot, tile
   length)), built once a step where a step passes it (`decode_plan`).
@@ -169,7 +169,7 @@ class _Cfg:
     stages: int  # ring depth (tiles in the wgmma dtype)
     fp8_stages: int  # fp8 ring depth (0: bf16 cache)
     sm_scale: float
-    final_dtype: object  # dtype of the final output (q.dtype); partials are f32
+    final_dtype: object  # dtype of the final output (q.dtype) and of the split partials (`_partial_dtype`)
     interpret: bool  # Mosaic GPU interpreter (CPU): see mgpu.wgmma_accumulate
     qk8: bool = False  # fp8 cache: QK^T as an fp8 wgmma on the fp8 ring (fp8 Q, per-row scale);
     # the bf16 ring then holds only the L columns of V
@@ -181,10 +181,17 @@ class _Cfg:
     worklist: bool = False  # pieces from a metadata array (`worklist_pieces`) instead
 
 
+def _partial_dtype(cfg: _Cfg):
+    """Split partials (normalized [64, L] per piece) in the output's dtype: at 1x128x32768 the f32 ones were 16.8 MB
+    written at the kernel's end and read by the merge, as many bytes as the fp8 cache; bf16 adds the rounding the
+    output has anyway (lse stays f32)."""
+    return cfg.final_dtype
+
+
 def _smem_plan(cfg: _Cfg):
     """(aliased groups, per-CTA bytes) of the shared-memory plan; see the module docstring.
 
-    Group A lives during the page loop; B1 (final output staging) and B2 (f32 partial staging) in
+    Group A lives during the page loop; B1 (final output staging) and B2 (partial staging) in
     the epilogue only, so all three share one `plgpu.RefUnion`."""
     f32 = jnp.float32
     cdt = BF16  # wgmma operand dtype (Q, ring, P)
@@ -204,7 +211,7 @@ def _smem_plan(cfg: _Cfg):
         group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE), f32))
     half = cfg.l // 2
     groups = [group_a]
-    for dt in (cfg.final_dtype, f32):
+    for dt in (cfg.final_dtype, _partial_dtype(cfg)):
         # [2, 64, L/2] output staging (one half per consumer WG) and the epilogue's row vectors:
         # [0] 1/l (WG0 -> WG1), [1] lse.
         groups.append([plgpu.SMEM((2, TILE_M, half), dt, transforms=tiled(dt)), plgpu.SMEM((2, TILE_M), f32)])
@@ -224,7 +231,7 @@ def _extra_rows(cfg):
 
 
 # Work-list metadata, one row per CTA: (b, head tile, first page, pages, slot, tile length).
-# slot: -1 final output, >= 0 f32 partial slot, -2 no work (padding of the work list).
+# slot: -1 final output, >= 0 partial slot, -2 no work (padding of the work list).
 _META = 6
 
 
@@ -690,7 +697,7 @@ def choose_num_kv_splits_sm90(
     """Static split count: minimize a makespan model over the SMs (one 225 KB CTA per SM).
 
     T(S) = waves(S) * (ceil(pages / S) + c0) + c1 * S * B * head_tiles / SMs, in page-times: c0 is
-    the per-CTA fixed cost (Q load, pipeline fill, the [64, L] f32 partial write: ~2 pages), c1 the
+    the per-CTA fixed cost (Q load, pipeline fill, the [64, L] partial write: ~2 pages), c1 the
     merge cost per partial. With uniform lengths this picks S so that B * head_tiles * S fills whole
     waves: (1,128,32768) -> 64-66 splits of 8 pages; (64,16,4096) -> 2; (128,128,8192) -> 1.
     Its tuning variants are timed by bench/decode.py --sweep.
@@ -1215,7 +1222,7 @@ def _impl(
     out_type = (
         jax.ShapeDtypeStruct((b, m_out, l), q.dtype),  # final outputs
         jax.ShapeDtypeStruct((b, m_out), jnp.float32),
-        jax.ShapeDtypeStruct((n_slots * rpt, l), jnp.float32),  # f32 partials, by slot
+        jax.ShapeDtypeStruct((n_slots * rpt, l), _partial_dtype(cfg)),  # partials, by slot
         jax.ShapeDtypeStruct((n_slots * rpt,), jnp.float32),
     )
     kernel = plgpu.kernel(

@@ -45,7 +45,7 @@ docs/perf-notes.md).
 
 Outputs: the final output [rows, L] through a transposed store of O^T into a [rows, L] staging tile
 (the bf16 tile takes a transposed register store; an f32 one does not lower), then TMA; split
-partials stay transposed, [L, rows] f32 per piece, merged by `mla_decode.merge_splits(...,
+partials stay transposed, [L, rows] bf16 per piece, merged by `mla_decode.merge_splits(...,
 transposed=True)`. Pieces are static, request b's pages cut into `splits` equal ranges, or (schedule
 "worklist") each request cut by its length so that the pieces balance over the SMs (`mla_decode_sm90.worklist_pieces`),
 the split requests' partials merged by `mla_decode.merge_segments(..., transposed=True)`."""
@@ -87,6 +87,9 @@ __all__ = [
 NARROW_MAX_ROWS = 32  # O^T [512, M] f32 is 4M registers a thread: 128 at M = 32
 NARROW_FP8_MAX_ROWS = 16  # fp8: shared memory (two rings) and the QK^T chunk accumulators
 PAGE_SIZE = 64
+# Split partials: normalized O^T [L, M] per piece, in the output's dtype (half the bytes written and merged of f32;
+# the rounding the output has anyway; lse stays f32).
+_PARTIAL_DTYPE = BF16
 _QK_CHUNK = 192  # fp8 QK^T: columns per float32 promotion (DeepGEMM's recipe promotes every 128)
 # fp8: (consumer, producer, caster) registers a thread; the CTA launches with 384 x 168 = 64512. At the even split
 # ptxas spilled 264 B a thread of the consumer (O^T and the QK^T partial sums); with these none (329 -> 297 us at
@@ -263,7 +266,7 @@ class _Cfg:
 
 
 def _smem(cfg):
-    """Aliased groups: the loop's buffers | final output staging | f32 partial staging."""
+    """Aliased groups: the loop's buffers | final output staging | partial staging."""
     f32 = jnp.float32
     if cfg.fp8:
         loop = [
@@ -281,7 +284,7 @@ def _smem(cfg):
             plgpu.SMEM((cfg.rows, PAGE_SIZE), BF16, transforms=tiled(BF16)),  # P (B = P^T, K-major)
         ]
     final = [plgpu.SMEM((cfg.rows, cfg.l), BF16, transforms=tiled(BF16)), plgpu.SMEM((cfg.rows,), f32)]
-    part = [plgpu.SMEM((cfg.l, cfg.rows), f32), plgpu.SMEM((cfg.rows,), f32)]
+    part = [plgpu.SMEM((cfg.l, cfg.rows), _PARTIAL_DTYPE), plgpu.SMEM((cfg.rows,), f32)]
     groups = [loop, final, part]
     return groups, max(map(smem_bytes, groups))
 
@@ -360,7 +363,7 @@ def _kernel(*refs, cfg):
             def partial():
                 @pl.when(n > 0)  # an empty split writes its lse (-inf) only; the merge never reads its output
                 def _():
-                    part_o[...] = o
+                    part_o[...] = o.astype(part_o.dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(part_o, opart_gmem.at[slot])
 
@@ -664,7 +667,7 @@ def narrow_decode(
     q [B, Q, N, L+R] (rows Q*N within `narrow_rows`), cache bf16 [pages, 64, L+R] or e4m3 with kv_scale f32
     [pages, 64], block_table i32 [B, max_pages], seq_lens i32 [B, Q], page_offset i32 [1]. Returns, with
     R' = `narrow_rows(Q*N)`: splits == 1: (out bf16 [B, R', L], lse f32 [B, R']); else the partials
-    (o_part f32 [B * splits, L, R'] (transposed), lse_part f32 [B * splits, R']); with `meta` all four, the
+    (o_part bf16 [B * splits, L, R'] (transposed), lse_part f32 [B * splits, R']); with `meta` all four, the
     partials by slot ([num_slots, L, R'], [num_slots, R']) and the final rows of the requests not split (the
     split ones' rows are left for the merge). fp8_qk (fp8 cache): q as one e4m3 term (`quantize_q_fp8`,
     lossy), one fp8 product for QK^T."""
@@ -704,7 +707,7 @@ def narrow_decode(
     out_type = (
         jax.ShapeDtypeStruct((n_final, rows, l), BF16),
         jax.ShapeDtypeStruct((n_final, rows), f32),
-        jax.ShapeDtypeStruct((n_part, l, rows), f32),
+        jax.ShapeDtypeStruct((n_part, l, rows), _PARTIAL_DTYPE),
         jax.ShapeDtypeStruct((n_part, rows), f32),
     )
     kernel = plgpu.kernel(

@@ -899,5 +899,21 @@ case $part in
     grep -q "q_rows, q_scale = quantize_q_fp8(q.reshape" /tmp/qxla/pallas_kernels/mla_decode_sm90.py || echo "qxla: no knob" >&2
     (cd /tmp/qxla && out=$out rows128 xla)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 67" >&2; exit 2 ;;
+68) # session 31: split partials in bf16 (both Hopper decodes; the merges read either dtype): the GPU tests, then the
+    # rows that split (batch 1 at 128 / 16 heads, 32x16x1024) against a copy with f32 partials
+    out=${2:?}
+    verbose_tests 170 tests/pallas_kernels/test_mla_decode_sm90.py tests/pallas_kernels/test_mla_decode.py
+    rows() {
+        run 150 "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged --device-time \
+            --shapes 1x128x32768,1x16x4096,32x16x1024 --dtypes bf16,fp8 --kernels pallas_sm90
+    }
+    rows bf16
+    rm -rf /tmp/pf32 && mkdir /tmp/pf32 && cp -r mla_jax pallas_kernels bench /tmp/pf32/
+    sed -i 's/^_PARTIAL_DTYPE = BF16$/_PARTIAL_DTYPE = jnp.float32/' /tmp/pf32/pallas_kernels/mla_decode_sm90_narrow.py
+    sed -i 's/^    return cfg.final_dtype$/    return jnp.float32/' /tmp/pf32/pallas_kernels/mla_decode_sm90.py
+    grep -q "^_PARTIAL_DTYPE = jnp.float32" /tmp/pf32/pallas_kernels/mla_decode_sm90_narrow.py || echo "pf32: no knob" >&2
+    grep -q "^    return jnp.float32$" /tmp/pf32/pallas_kernels/mla_decode_sm90.py || echo "pf32: no 64-row knob" >&2
+    (cd /tmp/pf32 && out=$out rows f32)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 68" >&2; exit 2 ;;
 esac

@@ -246,12 +246,14 @@ def test_choose_num_kv_splits():
         (2, 2, 24, 64, True),  # M not a power of two: the reference path
     ],
 )
-def test_merge_splits_kernel(b, splits, m, l, transposed):
+@pytest.mark.parametrize("part_dtype", [jnp.float32, jnp.bfloat16])
+def test_merge_splits_kernel(b, splits, m, l, transposed, part_dtype):
     """The stage-2 merge kernel against its jnp reference: dead splits (lse -inf) hold NaN partials
     that must never be read, one row has no live split at all (out 0, lse -inf). transposed: the
-    partials arrive as [B, S, L, M]."""
+    partials arrive as [B, S, L, M]; bf16: as the Hopper decodes write them (merged in f32)."""
     rng = np.random.default_rng(splits * 100 + l)
-    o_part = rng.standard_normal((b, splits, m, l)).astype(np.float32)
+    # the partials' values as given (bf16-representable for bf16), in f32 for the references
+    o_part = np.array(jnp.asarray(rng.standard_normal((b, splits, m, l)), part_dtype), np.float32)
     lse_part = rng.uniform(-3.0, 8.0, (b, splits, m)).astype(np.float32)
     dead = rng.random((b, splits, m)) < 0.3
     dead[0, :, 1] = True
@@ -259,7 +261,8 @@ def test_merge_splits_kernel(b, splits, m, l, transposed):
     o_part[dead] = np.nan
     given = np.swapaxes(o_part, -1, -2).copy() if transposed else o_part
     kw = dict(transposed=True) if transposed else {}
-    out, lse = merge_splits(jnp.asarray(given), jnp.asarray(lse_part), out_dtype=jnp.float32, interpret=True, **kw)
+    given = jnp.asarray(given, part_dtype)
+    out, lse = merge_splits(given, jnp.asarray(lse_part), out_dtype=jnp.float32, interpret=True, **kw)
     ref, ref_lse = jax.jit(merge_splits_reference)(jnp.asarray(o_part), jnp.asarray(lse_part))
     assert out.shape == (b, m, l) and lse.shape == (b, m)
     assert np.all(np.isfinite(np.asarray(out)))
@@ -274,17 +277,19 @@ def test_merge_splits_kernel(b, splits, m, l, transposed):
     np.testing.assert_allclose(
         np.asarray(ref)[live], (expect / np.where(live, denom, 1)[..., None])[live], rtol=1e-5, atol=1e-6
     )
-    bf, _ = merge_splits(jnp.asarray(given), jnp.asarray(lse_part), out_dtype=jnp.bfloat16, interpret=True, **kw)
+    bf, _ = merge_splits(given, jnp.asarray(lse_part), out_dtype=jnp.bfloat16, interpret=True, **kw)
     assert bf.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(bf, np.float32), np.asarray(ref), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_merge_splits_lowers_to_one_kernel(transposed, h200):
+@pytest.mark.parametrize("part_dtype", [jnp.float32, jnp.bfloat16])
+def test_merge_splits_lowers_to_one_kernel(transposed, part_dtype, h200):
     """Triton IR on CPU for an H200: one kernel and free reshapes, nothing else (the merged lse was written once per
-    column block and sliced after the kernel, an XLA kernel of its own: ~1.1 us of a 17 us decode call)."""
+    column block and sliced after the kernel, an XLA kernel of its own: ~1.1 us of a 17 us decode call; bf16
+    partials are read as they are, no convert kernel before)."""
     o_shape = (32, 4, 512, 16) if transposed else (32, 4, 16, 512)
-    args = (jax.ShapeDtypeStruct(o_shape, jnp.float32), jax.ShapeDtypeStruct((32, 4, 16), jnp.float32))
+    args = (jax.ShapeDtypeStruct(o_shape, part_dtype), jax.ShapeDtypeStruct((32, 4, 16), jnp.float32))
     f = jax.jit(lambda o, lse: merge_splits(o, lse, out_dtype=jnp.bfloat16, transposed=transposed))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
@@ -292,22 +297,24 @@ def test_merge_splits_lowers_to_one_kernel(transposed, h200):
 
 
 @pytest.mark.gpu
-def test_gpu_merge_splits():
+@pytest.mark.parametrize("part_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_merge_splits(part_dtype):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     rng = np.random.default_rng(7)
     b, splits, m, l = 2, 64, 128, 512  # (1, 128, 32k)-like: 64 splits, block_l 128
-    o_part = rng.standard_normal((b, splits, m, l)).astype(np.float32)
+    o_part = np.array(jnp.asarray(rng.standard_normal((b, splits, m, l)), part_dtype), np.float32)
     lse_part = rng.uniform(-3.0, 8.0, (b, splits, m)).astype(np.float32)
     dead = rng.random((b, splits, m)) < 0.3
     lse_part[dead], o_part[dead] = -np.inf, np.nan
-    out, lse = merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part))
+    out, lse = merge_splits(jnp.asarray(o_part, part_dtype), jnp.asarray(lse_part))
     ref, ref_lse = merge_splits_reference(jnp.asarray(o_part), jnp.asarray(lse_part))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-5)
     # The narrow Hopper decode's transposed partials: [B, S, L, M], M = 16.
     o_t, lse_t = o_part[:, :, :16], lse_part[:, :, :16]
-    out, lse = merge_splits(jnp.asarray(np.swapaxes(o_t, -1, -2).copy()), jnp.asarray(lse_t), transposed=True)
+    o_tg = jnp.asarray(np.swapaxes(o_t, -1, -2).copy(), part_dtype)
+    out, lse = merge_splits(o_tg, jnp.asarray(lse_t), transposed=True)
     ref, ref_lse = merge_splits_reference(jnp.asarray(o_t), jnp.asarray(lse_t))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-5)
@@ -373,21 +380,27 @@ def _merge_segments_float64(out, lse, o_part, lse_part, slot_tile, counts, dead)
     ],
 )
 @pytest.mark.parametrize("transposed", [False, True])
-def test_merge_segments_kernel(m, l, counts, out_dtype, transposed):
+@pytest.mark.parametrize("part_dtype", [jnp.float32, jnp.bfloat16])
+def test_merge_segments_kernel(m, l, counts, out_dtype, transposed, part_dtype):
     """The work-list merge kernel against its jnp reference, and the reference against float64
     numpy: split tiles get the LSE merge of their live slots, all other tiles stay bit-identical.
-    transposed: the partials as the narrow Hopper decode writes them, each slot's [L, M] slab."""
+    transposed: the partials as the narrow Hopper decode writes them, each slot's [L, M] slab; bf16: in the
+    dtype both Hopper decodes write."""
     out, lse, o_part, lse_part, slot_tile, first, count, dead = _segment_case(
         sum(counts) * 10 + l, m, l, counts, out_dtype
     )
+    o_part = np.array(jnp.asarray(o_part, part_dtype), np.float32)  # the values as given (NaN poison kept)
     seg_first, seg_count = segments_from_slot_tile(jnp.asarray(slot_tile), len(counts))
     np.testing.assert_array_equal(np.asarray(seg_first), first)
     np.testing.assert_array_equal(np.asarray(seg_count), count)
-    args = tuple(jnp.asarray(x) for x in (out, lse, o_part, lse_part)) + (seg_first, seg_count)
+    args = (jnp.asarray(out), jnp.asarray(lse), jnp.asarray(o_part, part_dtype), jnp.asarray(lse_part))
+    args += (seg_first, seg_count)
     if transposed:
         p = lse_part.shape[0] // m
         o_t = np.swapaxes(o_part.reshape(p, m, l), 1, 2).reshape(p * l, m)
-        got, got_lse = merge_segments(*args[:2], jnp.asarray(o_t), *args[3:], transposed=True, interpret=True)
+        got, got_lse = merge_segments(
+            *args[:2], jnp.asarray(o_t, part_dtype), *args[3:], transposed=True, interpret=True
+        )
     else:
         got, got_lse = merge_segments(*args, interpret=True)
     ref, ref_lse = jax.jit(merge_segments_reference)(*args)
