@@ -915,5 +915,19 @@ case $part in
     grep -q "^    return jnp.float32$" /tmp/pf32/pallas_kernels/mla_decode_sm90.py || echo "pf32: no 64-row knob" >&2
     (cd /tmp/pf32 && out=$out rows f32)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 68" >&2; exit 2 ;;
+69) # session 31: the merges load the partials without waiting for the lse (unmasked by `alive`, dead splits selected
+    # away): the GPU tests, then rows with splits (bf16) against the masked merge (ab/mla_decode_masked.py, carried)
+    out=${2:?}
+    verbose_tests 170 tests/pallas_kernels/test_mla_decode_sm90.py tests/pallas_kernels/test_mla_decode.py
+    rows() {
+        run 120 "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged --device-time \
+            --shapes 1x128x32768,1x16x4096,8x16x4096,32x16x1024 --dtypes bf16 --kernels pallas_sm90
+    }
+    rows unmasked
+    rm -rf /tmp/masked && mkdir /tmp/masked && cp -r mla_jax pallas_kernels bench /tmp/masked/
+    cp ab/mla_decode_masked.py /tmp/masked/pallas_kernels/mla_decode.py || echo "masked: no ab file" >&2
+    (cd /tmp/masked && out=$out rows masked)
+    rows unmasked2
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 69" >&2; exit 2 ;;
 esac
