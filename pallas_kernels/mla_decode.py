@@ -251,12 +251,12 @@ def _merge_splits_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int, s
     w = jnp.where(alive, jnp.exp(lse - safe), 0.0)
     denom = jnp.sum(w)
     cols = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
-    # Loaded without waiting for the lse (a mask by `alive` made the load wait one memory latency for it); a dead
-    # split's partial may be unwritten memory (an sm90 piece with no pages), so it is selected away, never multiplied.
-    o = pltriton.load(o_ref.at[part[:, None], cols[None, :]], mask=s_ok[:, None], other=0.0).astype(jnp.float32)
+    # Dead splits are never read: an sm90 piece with no pages leaves its partial unwritten. (Loading without this
+    # mask, so that the load need not wait for the lse, measured 0.1-0.25 us slower here: docs/perf-notes.md.)
+    o = pltriton.load(o_ref.at[part[:, None], cols[None, :]], mask=alive[:, None], other=0.0).astype(jnp.float32)
     has = denom > 0
     inv = jnp.where(has, 1.0 / jnp.where(has, denom, 1.0), 0.0)
-    out_ref[...] = (jnp.sum(jnp.where(alive[:, None], w[:, None] * o, 0.0), axis=0) * inv).astype(out_ref.dtype)
+    out_ref[...] = (jnp.sum(w[:, None] * o, axis=0) * inv).astype(out_ref.dtype)
 
     @pl.when(j == 0)
     def _():
@@ -283,7 +283,8 @@ def _merge_splits_t_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits: int,
     denom = jnp.sum(w, axis=0)
     c = j * block_l + jnp.arange(block_l, dtype=jnp.int32)
     row = part[:, None] * cols + c[None, :]  # [S', block_l] rows of the [B*S*L, M] partials
-    # Loaded without waiting for the lse (`part` is clamped to real splits); dead splits' slots may be unwritten
+    # Loaded without waiting for the lse (`part` is clamped to real splits; masked by `alive` the load waited one
+    # memory latency: 0.2-0.4 us of this merge on the H100, docs/perf-notes.md); dead splits' slots may be unwritten
     # memory: selected away, never multiplied.
     o = pltriton.load(o_ref.at[row[:, :, None], rows[None, None, :]]).astype(jnp.float32)  # [S', block_l, M]
     acc = jnp.sum(jnp.where(alive[:, None, :], o * w[:, None, :], 0.0), axis=0)  # [block_l, M]
@@ -444,18 +445,22 @@ def _merge_segments_kernel(
             alpha = jnp.where(run_max > -jnp.inf, jnp.exp(run_max - safe), 0.0)  # [M]
             alive = lc > -jnp.inf
             w = jnp.where(alive, jnp.exp(lc - safe[None, :]), 0.0)  # [chunk, M]
-            # Loaded without waiting for the lse (`pc` is clamped to real slots); a dead partial may be unwritten
-            # memory (a piece with no pages): selected away, never multiplied.
+            # Dead partials are never read: a piece with no pages leaves its partial unwritten. (Unmasked loads,
+            # which need not wait for the lse, measured 0.2-0.9 us slower here: they read past the live slots.)
             if transposed:
                 o = pltriton.load(
-                    o_part_ref.at[(pc[:, None] * l + cols[None, :])[:, :, None], rows[None, None, :]]
+                    o_part_ref.at[(pc[:, None] * l + cols[None, :])[:, :, None], rows[None, None, :]],
+                    mask=alive[:, None, :],
+                    other=0.0,
                 ).astype(jnp.float32)  # [chunk, block_l, M]
-                acc = acc * alpha[None, :] + jnp.sum(jnp.where(alive[:, None, :], o * w[:, None, :], 0.0), axis=0)
+                acc = acc * alpha[None, :] + jnp.sum(o * w[:, None, :], axis=0)
             else:
                 o = pltriton.load(
-                    o_part_ref.at[(pc[:, None] * m + rows[None, :])[:, :, None], cols[None, None, :]]
+                    o_part_ref.at[(pc[:, None] * m + rows[None, :])[:, :, None], cols[None, None, :]],
+                    mask=alive[:, :, None],
+                    other=0.0,
                 ).astype(jnp.float32)  # [chunk, M, block_l]
-                acc = acc * alpha[:, None] + jnp.sum(jnp.where(alive[:, :, None], o * w[:, :, None], 0.0), axis=0)
+                acc = acc * alpha[:, None] + jnp.sum(o * w[:, :, None], axis=0)
             return acc, new_max, den * alpha + jnp.sum(w, axis=0)
 
         acc0 = jnp.zeros((block_l, m) if transposed else (m, block_l), jnp.float32)
