@@ -929,5 +929,22 @@ case $part in
     (cd /tmp/masked && out=$out rows masked)
     rows unmasked2
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 69" >&2; exit 2 ;;
+70) # session 31: one request's 16 rows of a bf16 cache, Triton (the route since session 20) against the narrow Hopper
+    # kernel since bf16 partials and the unmasked transposed merge: both kernels in one bench, then the batch-1 step
+    # with each route (a copy whose batch-1 rule sends a bf16 cache's narrow rows to the Hopper kernel)
+    out=${2:?}
+    run 120 decode python3 bench/decode.py --out "$out/decode" --quick --no-check --no-ragged --device-time \
+        --shapes 1x16x1024,1x16x4096,1x16x16384,1x32x4096 --dtypes bf16 --kernels pallas,pallas_sm90
+    e2e() {
+        run 170 "e2e-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-$1" --weights bf16 --batches 1 --ctxs 1024,4096 \
+            --no-prefill --no-engine
+    }
+    e2e triton
+    rm -rf /tmp/n1 && mkdir /tmp/n1 && cp -r mla_jax pallas_kernels bench /tmp/n1/
+    sed -i 's/if q.shape\[0\] == 1 and not (narrow and jnp.dtype(cache.dtype) == jnp.float8_e4m3fn):/if q.shape[0] == 1 and not narrow:/' \
+        /tmp/n1/mla_jax/attention.py
+    grep -q "if q.shape\[0\] == 1 and not narrow:" /tmp/n1/mla_jax/attention.py || echo "n1: no knob" >&2
+    (cd /tmp/n1 && out=$out e2e narrow)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 70" >&2; exit 2 ;;
 esac
