@@ -98,9 +98,12 @@ SM90_MIN_ROWS = 48
 # tile: at (128, 16, 4096) its kernel took 304 us over a 4.6 or 16 GB pool against 182 us over 4.0 GB, where the
 # Hopper kernel (TMA) took 194 us at every size. So over such a pool (any server's) the Hopper kernel takes all rows
 # but one request's: at batch 1 (latency-bound) the offsets cost nothing measurable, Triton 9.5 / 8.8 us against the
-# Hopper kernel's 13.5 / 13.1 (device time, 16 heads, ctx 4k / 1k, 16 GB pool). One request's rows of a bf16 cache
-# stay on Triton (7.9 / 8.7 us at ctx 1k / 4k against the narrow kernel's 7.3 / 9.0, its 16 / 64 splits merged); of
-# an fp8 cache they go to the narrow kernel, 9.5 / 11.1 us against Triton's 13.0 / 13.7 (2026-12-03, part 28).
+# Hopper kernel's 13.5 / 13.1 (device time, 16 heads, ctx 4k / 1k, 16 GB pool). One request's rows go to the narrow
+# kernel where it takes them: an fp8 cache's since part 28 (9.5 / 11.1 us at ctx 1k / 4k against Triton's 13.0 /
+# 13.7, H200), a bf16 cache's since its bf16 split partials and unmasked merge loads (session 31, H100, one call:
+# 6.16 / 6.68 / 13.11 us at 16 heads, ctx 1k / 4k / 16k, against Triton's 7.28 / 8.20 / 16.34; 32 rows 8.55 against
+# 10.99; the batch-1 step 2.66 / 2.69 ms against 2.90 / 2.89 at ctx 1k / 4k). Rows past the narrow kernel's stay on
+# Triton at batch 1 (the 64-row tile is mostly padding there).
 TRITON_64BIT_POOL_BYTES = 2**32
 
 
@@ -108,7 +111,7 @@ def _sm90_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512, fp8_qk=
     rows = q.shape[1] * q.shape[2]
     if rows < SM90_MIN_ROWS:
         narrow = md90.uses_narrow(rows, cache.dtype, fp8_qk=fp8_qk)
-        if q.shape[0] == 1 and not (narrow and jnp.dtype(cache.dtype) == jnp.float8_e4m3fn):
+        if q.shape[0] == 1 and not narrow:
             return f"{rows} rows of one request, {cache.dtype} cache (< {SM90_MIN_ROWS}: Triton is faster at batch 1)"
         if not narrow and cache.size * jnp.dtype(cache.dtype).itemsize <= TRITON_64BIT_POOL_BYTES:
             return (

@@ -75,8 +75,9 @@ def test_sparse_prefill_threshold_from_the_measured_table(monkeypatch):
 def test_hopper_decode_takes_few_rows_over_a_pool_of_64_bit_offsets():
     """Below SM90_MIN_ROWS rows the Hopper decode takes up to 32 rows of a bf16 cache (16 of an fp8 one) from batch
     2 on (its narrow, tokens-on-M kernel beat Triton at every pool size); other rows only over a pool above 4 GB,
-    where the Triton lowering's 64-bit offsets made it 1.6x slower (attention.TRITON_64BIT_POOL_BYTES); batch 1
-    stays on Triton over any pool, but for the narrow kernel's rows of an fp8 cache (faster there, part 28)."""
+    where the Triton lowering's 64-bit offsets made it 1.6x slower (attention.TRITON_64BIT_POOL_BYTES); at batch 1
+    the narrow kernel takes its rows over any pool (faster there: fp8 since part 28, bf16 since session 31), the
+    others stay on Triton."""
     from mla_jax import attention
 
     def pool(dtype, over):
@@ -99,10 +100,15 @@ def test_hopper_decode_takes_few_rows_over_a_pool_of_64_bit_offsets():
     assert "Triton is faster" in attention._sm90_declines(q40, pool(jnp.bfloat16, 0), None, None)
     q1 = jax.ShapeDtypeStruct((1, 1, 16, 576), jnp.bfloat16)
     for over in (0, 1):
-        assert "batch 1" in attention._sm90_declines(q1, pool(jnp.bfloat16, over), None, None)
-        assert attention._sm90_declines(q1, pool(fp8, over), None, None) is None  # one request, fp8: narrow
+        assert attention._sm90_declines(q1, pool(jnp.bfloat16, over), None, None) is None  # one request: narrow
+        assert attention._sm90_declines(q1, pool(fp8, over), None, None) is None
     q1x2 = jax.ShapeDtypeStruct((1, 2, 16, 576), jnp.bfloat16)  # 32 rows of one request: past narrow fp8's 16
     assert "batch 1" in attention._sm90_declines(q1x2, pool(fp8, 0), None, None)
+    assert attention._sm90_declines(q1x2, pool(jnp.bfloat16, 0), None, None) is None  # bf16: narrow up to 32 rows
+    q1x3 = jax.ShapeDtypeStruct((1, 3, 16, 576), jnp.bfloat16)  # 48 rows of one request: the 64-row kernel
+    assert attention._sm90_declines(q1x3, pool(jnp.bfloat16, 0), None, None) is None
+    q1_40 = jax.ShapeDtypeStruct((1, 1, 40, 576), jnp.bfloat16)  # past the narrow kernel, below 48: Triton
+    assert "batch 1" in attention._sm90_declines(q1_40, pool(jnp.bfloat16, 0), None, None)
     q48 = jax.ShapeDtypeStruct((8, 3, 16, 576), jnp.bfloat16)
     assert attention._sm90_declines(q48, pool(jnp.bfloat16, 0), None, None) is None
 

@@ -296,9 +296,8 @@ def test_step_plan(monkeypatch, n, cache_dtype):
 
 def test_attention_backend_pallas_sm90(monkeypatch):
     """get_backend("pallas_sm90") decodes through this kernel for page 64 when heads x query tokens fill
-    its 64-row tile, or (bf16 cache) are few enough for its narrow kernel from batch 2 on, or are one request's 16
-    rows of an fp8 cache; through the portable kernel otherwise (another page size; one request of few bf16 rows); CPU
-    keeps "xla" as the default backend."""
+    its 64-row tile, or are few enough for its narrow kernel (one request's too); through the portable kernel
+    otherwise (another page size); CPU keeps "xla" as the default backend."""
     from mla_jax import attention
 
     calls = []
@@ -307,8 +306,8 @@ def test_attention_backend_pallas_sm90(monkeypatch):
     if not NPROC_IN_TIME:
         pytest.skip("NPROC was raised too late for the interpreter")
     decode = attention.get_backend("pallas_sm90").mla_decode
-    # sm90; page 16; 16 rows (narrow); 16 rows of one request
-    for g, nq, lens, n_calls in ((G, 4, [100, 7], 1), (16, 4, [100, 7], 1), (G, 1, [100, 7], 2), (G, 1, [90], 2)):
+    # sm90; page 16; 16 rows (narrow); 16 rows of one request (narrow)
+    for g, nq, lens, n_calls in ((G, 4, [100, 7], 1), (16, 4, [100, 7], 1), (G, 1, [100, 7], 2), (G, 1, [90], 3)):
         q, cache, bt, sl, _ = decode_inputs(21, b=len(lens), nq=nq, n=16, l=L, r=R, g=g, max_pages=128 // g, lens=lens)
         out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=None, kv_lora_rank=L)
         ref, ref_lse = jax.jit(lambda *a: k90.mla_decode_reference(*a, scale=SCALE))(q, cache, bt, sl)
@@ -319,7 +318,7 @@ def test_attention_backend_pallas_sm90(monkeypatch):
     out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L)
     ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, {}))(q, cache, bt, sl, ks)
     assert_decode_close(out, lse, ref, ref_lse, "fp8")
-    assert len(calls) == 3
+    assert len(calls) == 4
     assert attention.default_backend_name() == "xla"
 
 
