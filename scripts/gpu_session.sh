@@ -929,7 +929,9 @@ case $part in
     (cd /tmp/masked && out=$out rows masked)
     rows unmasked2
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-70) # session 31: one request's 16 rows of a bf16 cache, Triton (the route since session 20) against the narrow Hopper
+70) # (ran once, f533f3b: the narrow kernel won and is the batch-1 route since 96eaffe, so the sed below no longer
+    # matches; the decode rows alone still compare both kernels) session 31: one request's 16 rows of a bf16 cache,
+    # Triton (the route since session 20) against the narrow Hopper
     # kernel since bf16 partials and the unmasked transposed merge: both kernels in one bench, then the batch-1 step
     # with each route (a copy whose batch-1 rule sends a bf16 cache's narrow rows to the Hopper kernel)
     out=${2:?}
