@@ -41,6 +41,13 @@ overlay_trees() {  # /tmp/wide: this tree with items by group up to 1024 copies;
     fi
 }
 
+ab_copy() {  # ab_copy DIR FILE SED_EXPR PATTERN: this tree's code in DIR with FILE edited by SED_EXPR (for an A/B in one
+    # call); PATTERN must then be in FILE, else the knob moved (said on stderr)
+    rm -rf "$1" && mkdir "$1" && cp -r mla_jax pallas_kernels bench "$1/"
+    sed -i "$3" "$1/$2"
+    grep -q "$4" "$1/$2" || echo "$1: no knob in $2" >&2
+}
+
 caches_after_tests() {  # the e2e cache dtypes: bf16,fp8, or bf16 alone (noted in OUT/FALLBACK) if the GPU tests failed
     if ! grep -q " passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
         echo "decode GPU tests failed: e2e with the bf16 cache only" | tee "$out/FALLBACK" >&2
@@ -893,10 +900,9 @@ case $part in
             --shapes 1x128x32768,64x128x4096 --dtypes fp8 --kernels pallas_sm90
     }
     rows128 new
-    rm -rf /tmp/qxla && mkdir /tmp/qxla && cp -r mla_jax pallas_kernels bench /tmp/qxla/
-    sed -i 's/q_rows, q_scale = quantize_q_fp8_rows(q.reshape(b, m_rows, d), l, interpret=bool(interpret))/q_rows, q_scale = quantize_q_fp8(q.reshape(b, m_rows, d))/' \
-        /tmp/qxla/pallas_kernels/mla_decode_sm90.py
-    grep -q "q_rows, q_scale = quantize_q_fp8(q.reshape" /tmp/qxla/pallas_kernels/mla_decode_sm90.py || echo "qxla: no knob" >&2
+    ab_copy /tmp/qxla pallas_kernels/mla_decode_sm90.py \
+        's/q_rows, q_scale = quantize_q_fp8_rows(q.reshape(b, m_rows, d), l, interpret=bool(interpret))/q_rows, q_scale = quantize_q_fp8(q.reshape(b, m_rows, d))/' \
+        "q_rows, q_scale = quantize_q_fp8(q.reshape"
     (cd /tmp/qxla && out=$out rows128 xla)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 68) # session 31: split partials in bf16 (both Hopper decodes; the merges read either dtype): the GPU tests, then the
@@ -908,10 +914,9 @@ case $part in
             --shapes 1x128x32768,1x16x4096,32x16x1024 --dtypes bf16,fp8 --kernels pallas_sm90
     }
     rows bf16
-    rm -rf /tmp/pf32 && mkdir /tmp/pf32 && cp -r mla_jax pallas_kernels bench /tmp/pf32/
-    sed -i 's/^_PARTIAL_DTYPE = BF16$/_PARTIAL_DTYPE = jnp.float32/' /tmp/pf32/pallas_kernels/mla_decode_sm90_narrow.py
+    ab_copy /tmp/pf32 pallas_kernels/mla_decode_sm90_narrow.py 's/^_PARTIAL_DTYPE = BF16$/_PARTIAL_DTYPE = jnp.float32/' \
+        "^_PARTIAL_DTYPE = jnp.float32"
     sed -i 's/^    return cfg.final_dtype$/    return jnp.float32/' /tmp/pf32/pallas_kernels/mla_decode_sm90.py
-    grep -q "^_PARTIAL_DTYPE = jnp.float32" /tmp/pf32/pallas_kernels/mla_decode_sm90_narrow.py || echo "pf32: no knob" >&2
     grep -q "^    return jnp.float32$" /tmp/pf32/pallas_kernels/mla_decode_sm90.py || echo "pf32: no 64-row knob" >&2
     (cd /tmp/pf32 && out=$out rows f32)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
@@ -942,10 +947,9 @@ case $part in
             --no-prefill --no-engine
     }
     e2e triton
-    rm -rf /tmp/n1 && mkdir /tmp/n1 && cp -r mla_jax pallas_kernels bench /tmp/n1/
-    sed -i 's/if q.shape\[0\] == 1 and not (narrow and jnp.dtype(cache.dtype) == jnp.float8_e4m3fn):/if q.shape[0] == 1 and not narrow:/' \
-        /tmp/n1/mla_jax/attention.py
-    grep -q "if q.shape\[0\] == 1 and not narrow:" /tmp/n1/mla_jax/attention.py || echo "n1: no knob" >&2
+    ab_copy /tmp/n1 mla_jax/attention.py \
+        's/if q.shape\[0\] == 1 and not (narrow and jnp.dtype(cache.dtype) == jnp.float8_e4m3fn):/if q.shape[0] == 1 and not narrow:/' \
+        "if q.shape\[0\] == 1 and not narrow:"
     (cd /tmp/n1 && out=$out e2e narrow)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 70" >&2; exit 2 ;;
