@@ -37,7 +37,7 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
 - Warpgroup 1: waits for P, rescales its accumulator by alpha, P V for columns [L/2, L). Each
   consumer keeps a [64, L/2] f32 accumulator (128 registers/thread at L=512), as in FlashMLA.
 - Epilogue: normalized output and LSE (natural log) go out by TMA through staging buffers that
-  alias the Q tile and the ring (`plgpu.RefUnion`: loop buffers | final staging | f32 staging).
+  alias the Q tile and the ring (`plgpu.RefUnion`: loop buffers | final staging | partial staging).
 - fp8_qk=True (fp8 cache, opt-in): Q is quantized per row to e4m3 (`quantize_q_fp8`, by one Triton kernel
   before the call: `quantize_q_fp8_rows`) and QK^T is
   an fp8 wgmma straight on the fp8 ring slot, so WG0 no longer waits for a cast before QK^T. Only
@@ -49,7 +49,7 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   product, no lo term).
 
 Shared memory at L+R = 576 (227 KB available): bf16, 2 stages: Q 72 KB + ring 2 x 72 KB + P 8 KB
-+ row vectors = 225 KB, the output staging (64 KB bf16 / 128 KB f32) reusing it; fp8: Q 72 KB +
++ row vectors = 225 KB, the output staging (64 KB for bf16 outputs and partials) reusing it; fp8: Q 72 KB +
 ring 1 x 72 KB + fp8 ring 2 x 36 KB + P 8 KB = 225 KB (a second bf16 stage does not fit);
 fp8_qk: Q 36 KB (fp8) + V ring 1 x 64 KB + fp8 ring 3 x 36 KB + P 8 KB = 218 KB.
 
