@@ -952,5 +952,12 @@ case $part in
         "if q.shape\[0\] == 1 and not narrow:"
     (cd /tmp/n1 && out=$out e2e narrow)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 70" >&2; exit 2 ;;
+71) # session 31, for the next: where the batch-1 and batch-32 steps' time goes since the batch-1 route change (the
+    # narrow kernel for a bf16 cache) and bf16 partials: e2e rows with a device trace (kernels a layer, by part), any
+    # card (the H200 trace of batch 1 is from 35e307e, Triton's route)
+    out=${2:?}
+    run 300 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1,32 --ctxs 4096 --no-prefill \
+        --no-engine --profile /tmp/prof
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 71" >&2; exit 2 ;;
 esac
