@@ -959,5 +959,19 @@ case $part in
     run 300 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1,32 --ctxs 4096 --no-prefill \
         --no-engine --profile /tmp/prof
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 71" >&2; exit 2 ;;
+72) # session 31, for the next (any card): the portable Triton decode's split partials in bf16 too (as both Hopper
+    # decodes' since 48712e9; the merge reads either): a copy with them against this tree, the copy's rows after the
+    # bench's correctness check. Take it into pallas_kernels/mla_decode.py only if it wins.
+    out=${2:?}
+    rows() {
+        run 150 "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-ragged --device-time \
+            --shapes 1x16x4096,8x16x4096,32x16x1024,1x128x32768 --dtypes bf16,fp8 --kernels pallas
+    }
+    rows f32
+    ab_copy /tmp/tbf pallas_kernels/mla_decode.py \
+        's/o_dtype = q.dtype if final and not return_partials else jnp.float32/o_dtype = jnp.float32 if return_partials else q.dtype/' \
+        "o_dtype = jnp.float32 if return_partials else q.dtype"
+    (cd /tmp/tbf && out=$out rows bf16)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 72" >&2; exit 2 ;;
 esac
