@@ -37,7 +37,7 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
 - Warpgroup 1: waits for P, rescales its accumulator by alpha, P V for columns [L/2, L). Each
   consumer keeps a [64, L/2] f32 accumulator (128 registers/thread at L=512), as in FlashMLA.
 - Epilogue: normalized output and LSE (natural log) go out by TMA through staging buffers that
-  alias the Q tile and the ring (`plgpu.RefUnion`: loop buffers | final staging | partial staging).
+  alias the Q tile and the ring (`plgpu.RefUnion`: loop buffers | output staging, final or partial).
 - fp8_qk=True (fp8 cache, opt-in): Q is quantized per row to e4m3 (`quantize_q_fp8`, by one Triton kernel
   before the call: `quantize_q_fp8_rows`) and QK^T is
   an fp8 wgmma straight on the fp8 ring slot, so WG0 no longer waits for a cast before QK^T. Only
@@ -169,7 +169,7 @@ class _Cfg:
     stages: int  # ring depth (tiles in the wgmma dtype)
     fp8_stages: int  # fp8 ring depth (0: bf16 cache)
     sm_scale: float
-    final_dtype: object  # dtype of the final output (q.dtype) and of the split partials (`_partial_dtype`)
+    final_dtype: object  # dtype of the final output (q.dtype) and of the split partials
     interpret: bool  # Mosaic GPU interpreter (CPU): see mgpu.wgmma_accumulate
     qk8: bool = False  # fp8 cache: QK^T as an fp8 wgmma on the fp8 ring (fp8 Q, per-row scale);
     # the bf16 ring then holds only the L columns of V
@@ -181,18 +181,13 @@ class _Cfg:
     worklist: bool = False  # pieces from a metadata array (`worklist_pieces`) instead
 
 
-def _partial_dtype(cfg: _Cfg):
-    """Split partials (normalized [64, L] per piece) in the output's dtype: at 1x128x32768 the f32 ones were 16.8 MB
-    written at the kernel's end and read by the merge, as many bytes as the fp8 cache; bf16 adds the rounding the
-    output has anyway (lse stays f32)."""
-    return cfg.final_dtype
-
-
 def _smem_plan(cfg: _Cfg):
     """(aliased groups, per-CTA bytes) of the shared-memory plan; see the module docstring.
 
-    Group A lives during the page loop; B1 (final output staging) and B2 (partial staging) in
-    the epilogue only, so all three share one `plgpu.RefUnion`."""
+    Group A lives during the page loop, B (output staging) in the epilogue only, so both share one
+    `plgpu.RefUnion`. B stages the final output or the split partial alike: partials come in the output's dtype (at
+    1x128x32768 f32 ones were 16.8 MB written at the kernel's end and read by the merge, as many bytes as the fp8
+    cache; bf16 adds the rounding the output has anyway, and lse stays f32)."""
     f32 = jnp.float32
     cdt = BF16  # wgmma operand dtype (Q, ring, P)
     # 576 fp8 columns are not a multiple of 128: fp8 tiles use the 64-byte swizzle.
@@ -210,11 +205,10 @@ def _smem_plan(cfg: _Cfg):
         group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), FP8, transforms=tiled(FP8, 64)))
         group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE), f32))
     half = cfg.l // 2
-    groups = [group_a]
-    for dt in (cfg.final_dtype, _partial_dtype(cfg)):
-        # [2, 64, L/2] output staging (one half per consumer WG) and the epilogue's row vectors:
-        # [0] 1/l (WG0 -> WG1), [1] lse.
-        groups.append([plgpu.SMEM((2, TILE_M, half), dt, transforms=tiled(dt)), plgpu.SMEM((2, TILE_M), f32)])
+    dt = cfg.final_dtype
+    # [2, 64, L/2] output staging (one half per consumer WG) and the epilogue's row vectors: [0] 1/l (WG0 -> WG1),
+    # [1] lse.
+    groups = [group_a, [plgpu.SMEM((2, TILE_M, half), dt, transforms=tiled(dt)), plgpu.SMEM((2, TILE_M), f32)]]
     return groups, max(map(smem_bytes, groups))
 
 
@@ -271,7 +265,7 @@ def _kernel(*refs, cfg: _Cfg):
     groups, _ = _smem_plan(cfg)
 
     def scoped(union, **bars):
-        refs_a, final_stage, part_stage = union  # one tree of refs per aliased group
+        refs_a, stage = union  # one tree of refs per aliased group
         q_smem, ring, p_smem, loop_rows = refs_a[:4]
         fp8_ring, scale_ring = refs_a[4:] if is_fp8 else (None, None)
         r = dict(
@@ -282,8 +276,7 @@ def _kernel(*refs, cfg: _Cfg):
             loop_rows=loop_rows,
             fp8_ring=fp8_ring,
             scale_ring=scale_ring,
-            final_stage=final_stage,
-            part_stage=part_stage,
+            stage=stage,
             **bars,
         )
         _body(cfg, r, _Piece(cfg, r))
@@ -336,19 +329,18 @@ class _Piece:
         """(staging refs, output refs(rows), lse refs(rows)) of the final and of the partial outputs."""
         r, b, h = self.r, self.b, self.h
         rpt = _rows_per_tile(self.cfg)
-        fin_o, fin_rows = r["final_stage"]
-        part_o, part_rows = r["part_stage"]
+        stage_o, stage_rows = r["stage"]
         row0 = self.slot * rpt
         return (
             (
-                fin_o,
-                fin_rows,
+                stage_o,
+                stage_rows,
                 lambda k: r["out_gmem"].at[b, pl.ds(h * rpt, k), cols],
                 lambda k: r["lse_gmem"].at[b, pl.ds(h * rpt, k)],
             ),
             (
-                part_o,
-                part_rows,
+                stage_o,
+                stage_rows,
                 lambda k: r["opart_gmem"].at[pl.ds(row0, k), cols],
                 lambda k: r["lsepart_gmem"].at[pl.ds(row0, k)],
             ),
@@ -1222,7 +1214,7 @@ def _impl(
     out_type = (
         jax.ShapeDtypeStruct((b, m_out, l), q.dtype),  # final outputs
         jax.ShapeDtypeStruct((b, m_out), jnp.float32),
-        jax.ShapeDtypeStruct((n_slots * rpt, l), _partial_dtype(cfg)),  # partials, by slot
+        jax.ShapeDtypeStruct((n_slots * rpt, l), q.dtype),  # partials, by slot
         jax.ShapeDtypeStruct((n_slots * rpt,), jnp.float32),
     )
     kernel = plgpu.kernel(

@@ -905,7 +905,9 @@ case $part in
         "q_rows, q_scale = quantize_q_fp8(q.reshape"
     (cd /tmp/qxla && out=$out rows128 xla)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-68) # session 31: split partials in bf16 (both Hopper decodes; the merges read either dtype): the GPU tests, then the
+68) # (ran once, 48712e9: bf16 won; the 64-row kernel's knob `_partial_dtype` is gone since, its staging shared with the
+    # final output's, so its sed below no longer matches) session 31: split partials in bf16 (both Hopper decodes; the
+    # merges read either dtype): the GPU tests, then the
     # rows that split (batch 1 at 128 / 16 heads, 32x16x1024) against a copy with f32 partials
     out=${2:?}
     verbose_tests 170 tests/pallas_kernels/test_mla_decode_sm90.py tests/pallas_kernels/test_mla_decode.py
