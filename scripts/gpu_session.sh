@@ -975,5 +975,27 @@ case $part in
         "o_dtype = jnp.float32 if return_partials else q.dtype"
     (cd /tmp/tbf && out=$out rows bf16)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 72" >&2; exit 2 ;;
+73) # session 32, first call: the 64-row decode's shared epilogue staging (115cfaa, never on a GPU): the Hopper
+    # decode's GPU tests, the target decode rows (on an H200 the targets' own; on an H100 a regression check against
+    # session 31's), then on an H200 part 70's batch-1 rows (the route decided on an H100), on an H100 part 72's A/B
+    out=${2:?}
+    verbose_tests 150 tests/pallas_kernels/test_mla_decode_sm90.py
+    run 150 decode python3 bench/decode.py --out "$out/decode" --quick --no-check --no-ragged --device-time \
+        --shapes 64x128x4096,128x128x8192,1x128x32768,32x16x1024 --dtypes bf16,fp8 --kernels pallas_sm90
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+        run 120 decode-b1 python3 bench/decode.py --out "$out/decode-b1" --quick --no-check --no-ragged --device-time \
+            --shapes 1x16x1024,1x16x4096,1x16x16384,1x32x4096 --dtypes bf16 --kernels pallas,pallas_sm90
+    else
+        rows() {
+            run 120 "triton-$1" python3 bench/decode.py --out "$out/triton-$1" --quick --no-ragged --device-time \
+                --shapes 1x16x4096,8x16x4096,32x16x1024,1x128x32768 --dtypes bf16,fp8 --kernels pallas
+        }
+        rows f32
+        ab_copy /tmp/tbf pallas_kernels/mla_decode.py \
+            's/o_dtype = q.dtype if final and not return_partials else jnp.float32/o_dtype = jnp.float32 if return_partials else q.dtype/' \
+            "o_dtype = jnp.float32 if return_partials else q.dtype"
+        (cd /tmp/tbf && out=$out rows bf16)
+    fi
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 73" >&2; exit 2 ;;
 esac
