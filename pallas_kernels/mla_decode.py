@@ -615,7 +615,9 @@ def _mla_decode_impl(
     scale_rows = kv_scale.reshape(num_pages * g) if is_fp8 else None
 
     final = num_splits == 1
-    o_dtype = q.dtype if final and not return_partials else jnp.float32
+    # Split partials in q's dtype (bf16), as both Hopper decodes': 2-9% less device time than f32 on an H100
+    # (session 32; their merge reads in f32); return_partials (DCP's cross-device merge) stays f32.
+    o_dtype = jnp.float32 if return_partials else q.dtype
     head_blocks = m_pad // block_h
     grid = (head_blocks, num_splits, b)  # head blocks fastest: programs sharing a KV slice run together
     kernel = functools.partial(

@@ -997,5 +997,18 @@ case $part in
         (cd /tmp/tbf && out=$out rows bf16)
     fi
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 73" >&2; exit 2 ;;
+74) # session 32, second call (any card): part 71's traces (the batch-1 / 32 steps since the batch-1 route change and
+    # bf16 partials), then the verify step at batch 32, k = 2 (576 routed copies: sorted here, by group in /tmp/wide)
+    out=${2:?}
+    run 280 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1,32 --ctxs 4096 --no-prefill \
+        --no-engine --profile /tmp/prof
+    verify() {
+        run 110 "spec-$1" python3 bench/spec.py --out "$out/spec-$1" --no-demo --batches 32 --ks 2 --ctxs 1024 \
+            --mtp-ks "" --budget-min 1.4
+    }
+    verify new
+    overlay_trees
+    (cd /tmp/wide && out=$out verify wide)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 74" >&2; exit 2 ;;
 esac
