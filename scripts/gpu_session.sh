@@ -1010,5 +1010,15 @@ case $part in
     overlay_trees
     (cd /tmp/wide && out=$out verify wide)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 74" >&2; exit 2 ;;
+75) # session 32, third call, on an H200 (needs_h200: batch 128 at ctx 4k does not fit an H100): the targets' decode
+    # rows (128 heads, 1x128x32768, 32x16x1024), the e2e rows (part 61, batch 32 first: 1.09x roofline on an H100
+    # at ctx 4k against 1.33x on the H200 in session 26), then the prefill rows since heads-fastest (never on an H200)
+    out=${2:?}
+    run 130 decode python3 bench/decode.py --out "$out/decode" --quick --no-check --no-ragged --device-time \
+        --shapes 32x16x1024,64x128x4096,128x128x8192,1x128x32768 --dtypes bf16,fp8 --kernels pallas_sm90
+    run 320 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 32,128,1 --ctxs 4096,1024 \
+        --no-prefill --no-engine
+    run 130 prefill python3 bench/prefill.py --out "$out/prefill" --no-xla --kernels pallas_sm90
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 75" >&2; exit 2 ;;
 esac
