@@ -361,7 +361,8 @@ STEP_PARTS = (
 def hlo_op_parts(hlo_text: str) -> dict[str, str]:
     """Optimized HLO text (`compiled.as_text()`) -> {kernel name: step part} from each instruction's metadata
     op_name (the named scopes), for the parts in STEP_PARTS. XLA names a fusion's kernel after the instruction
-    with "." and "-" as "_"; a Pallas call's kernel is named after the kernel (the scope above "pallas_call")."""
+    with "." and "-" as "_"; a Pallas call's kernel is named after the kernel (the scope above "pallas_call", or
+    "mpmd_map" for a Mosaic GPU kernel)."""
     import re
 
     parts = {}
@@ -373,7 +374,7 @@ def hlo_op_parts(hlo_text: str) -> dict[str, str]:
         scopes = m.group(2).split("/")
         part = next((p for p in STEP_PARTS if p in scopes), "other")
         parts[re.sub(r"[.\-]", "_", m.group(1))] = part
-        if scopes[-1] == "pallas_call" and len(scopes) > 1:
+        if scopes[-1] in ("pallas_call", "mpmd_map") and len(scopes) > 1:  # Triton / Mosaic GPU kernels
             parts[re.sub(r"\W", "_", scopes[-2])] = part
     return parts
 

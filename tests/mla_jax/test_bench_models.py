@@ -70,6 +70,9 @@ def test_trace_kernels_map_to_their_step_parts():
             'pallas_call"}',
             '  %pallas_call.9 = bf16[8]{0} custom-call(%c), metadata={op_name="jit(s)/attention/mla_decode_sm90_g1/'
             'pallas_call"}',
+            # a Mosaic GPU kernel (`plgpu.kernel`): its name scope sits above "mpmd_map"
+            '  %custom-call.4 = bf16[8]{0} custom-call(%d), metadata={op_name="jit(s)/while/body/attention/'
+            'jit(mla_decode_sm90)/mla_decode_sm90_narrow_bf16_m16_s64_stages2/mpmd_map"}',
         ]
     )
     parts = hlo_op_parts(hlo)
@@ -78,3 +81,6 @@ def test_trace_kernels_map_to_their_step_parts():
     assert kernel_part(parts, "linear2_dot__1", "command_buffer_3") == "mla_project"
     assert kernel_part(parts, "mla_decode_sm90_g1_mosaic_gpu_kernel", "x") == "attention"
     assert kernel_part(parts, "memcpy32_post", "command_buffer_3") == "other"
+    assert kernel_part(parts, "mla_decode_sm90_narrow_bf16_m16_s64_stages2_mosaic_gpu_kernel", "command_buffer_3") == (
+        "attention"
+    )
