@@ -1020,5 +1020,20 @@ case $part in
         --no-prefill --no-engine
     run 130 prefill python3 bench/prefill.py --out "$out/prefill" --no-xla --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 75" >&2; exit 2 ;;
+76) # session 32, the H100 fallback of part 75: the batch-1 step's trace with its optimized HLO (which ops are the two
+    # ~1 us XLA kernels a layer, `memcpy32_post` and `loop_add_multiply_fusion`), then part 74's verify A/B with a
+    # budget that fits the tree's sorted row
+    out=${2:?}
+    run 150 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1 --ctxs 4096 --no-prefill \
+        --no-engine --profile /tmp/prof
+    find /tmp/prof -name step.hlo.txt -exec cp {} "$out/" \; -quit
+    verify() {
+        run 170 "spec-$1" python3 bench/spec.py --out "$out/spec-$1" --no-demo --batches 32 --ks 2 --ctxs 1024 \
+            --mtp-ks "" --budget-min 2.6
+    }
+    verify new
+    overlay_trees
+    (cd /tmp/wide && out=$out verify wide)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 76" >&2; exit 2 ;;
 esac
