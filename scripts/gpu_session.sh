@@ -1026,7 +1026,7 @@ case $part in
     out=${2:?}
     run 150 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1 --ctxs 4096 --no-prefill \
         --no-engine --profile /tmp/prof
-    find /tmp/prof -name step.hlo.txt -exec cp {} "$out/" \; -quit
+    f=$(find /tmp/prof -name step.hlo.txt | head -1) && [ -n "$f" ] && gzip -c "$f" >"$out/step.hlo.txt.gz"
     verify() {
         run 170 "spec-$1" python3 bench/spec.py --out "$out/spec-$1" --no-demo --batches 32 --ks 2 --ctxs 1024 \
             --mtp-ks "" --budget-min 2.6
