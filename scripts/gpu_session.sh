@@ -1021,15 +1021,20 @@ case $part in
     run 130 prefill python3 bench/prefill.py --out "$out/prefill" --no-xla --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 76) # session 32, the H100 fallback of part 75: the batch-1 step's trace with its optimized HLO (which ops are the two
-    # ~1 us XLA kernels a layer, `memcpy32_post` and `loop_add_multiply_fusion`), then part 74's verify A/B with a
-    # budget that fits the tree's sorted row
+    # ~1 us XLA kernels a layer, `memcpy32_post` and `loop_add_multiply_fusion`: the scan's loop overhead?), the step
+    # with the layer scans unrolled (no loop: its per-layer scalar kernels gone, compile time against the scan's),
+    # then part 74's verify A/B with a budget that fits the tree's sorted row
     out=${2:?}
-    run 150 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1 --ctxs 4096 --no-prefill \
+    run 130 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1 --ctxs 4096 --no-prefill \
         --no-engine --profile /tmp/prof
     f=$(find /tmp/prof -name step.hlo.txt | head -1) && [ -n "$f" ] && gzip -c "$f" >"$out/step.hlo.txt.gz"
+    ab_copy /tmp/unroll mla_jax/model.py 's/scanned, length=count)$/scanned, length=count, unroll=True)/' \
+        "length=count, unroll=True)"
+    (cd /tmp/unroll && run 150 e2e-unrolled python3 -m mla_jax.bench.e2e --out "$out/e2e-unrolled" --weights bf16 \
+        --batches 1 --ctxs 4096 --no-prefill --no-engine)
     verify() {
-        run 170 "spec-$1" python3 bench/spec.py --out "$out/spec-$1" --no-demo --batches 32 --ks 2 --ctxs 1024 \
-            --mtp-ks "" --budget-min 2.6
+        run 150 "spec-$1" python3 bench/spec.py --out "$out/spec-$1" --no-demo --batches 32 --ks 2 --ctxs 1024 \
+            --mtp-ks "" --budget-min 2.2
     }
     verify new
     overlay_trees
