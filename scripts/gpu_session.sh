@@ -1040,5 +1040,15 @@ case $part in
     overlay_trees
     (cd /tmp/wide && out=$out verify wide)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 76" >&2; exit 2 ;;
+77) # session 32, the last ~250 s: part 76's first two runs alone (the batch-1 trace with its HLO; the unrolled scans)
+    out=${2:?}
+    run 110 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1 --ctxs 4096 --no-prefill \
+        --no-engine --profile /tmp/prof
+    f=$(find /tmp/prof -name step.hlo.txt | head -1) && [ -n "$f" ] && gzip -c "$f" >"$out/step.hlo.txt.gz"
+    ab_copy /tmp/unroll mla_jax/model.py 's/scanned, length=count)$/scanned, length=count, unroll=True)/' \
+        "length=count, unroll=True)"
+    (cd /tmp/unroll && run 150 e2e-unrolled python3 -m mla_jax.bench.e2e --out "$out/e2e-unrolled" --weights bf16 \
+        --batches 1 --ctxs 4096 --no-prefill --no-engine)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 77" >&2; exit 2 ;;
 esac
