@@ -1040,15 +1040,22 @@ case $part in
     overlay_trees
     (cd /tmp/wide && out=$out verify wide)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-77) # session 32, the last ~250 s: part 76's first two runs alone (the batch-1 trace with its HLO; the unrolled scans)
+77) # session 32 (prepared, not run): the batch-1 trace with its optimized HLO, the step with both layer scans unrolled
+    # (its per-layer scalar kernels gone? step and compile time against the scan's), then batch 128's trace and HLO at
+    # ctx 1k (fits an H100): which copies are its 5 `memcpy128` and 4 `memcpy32_post` a layer (0.63 ms a step on the
+    # H200, e95e17d's trace)
     out=${2:?}
+    hlo() { f=/tmp/prof/$1/step.hlo.txt && [ -f "$f" ] && gzip -c "$f" >"$out/step-$1.hlo.txt.gz"; }
     run 110 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1 --ctxs 4096 --no-prefill \
         --no-engine --profile /tmp/prof
-    f=$(find /tmp/prof -name step.hlo.txt | head -1) && [ -n "$f" ] && gzip -c "$f" >"$out/step.hlo.txt.gz"
+    hlo b1-ctx4096
     ab_copy /tmp/unroll mla_jax/model.py 's/scanned, length=count)$/scanned, length=count, unroll=True)/' \
         "length=count, unroll=True)"
     (cd /tmp/unroll && run 150 e2e-unrolled python3 -m mla_jax.bench.e2e --out "$out/e2e-unrolled" --weights bf16 \
         --batches 1 --ctxs 4096 --no-prefill --no-engine)
+    run 150 e2e-b128 python3 -m mla_jax.bench.e2e --out "$out/e2e-b128" --weights bf16 --batches 128 --ctxs 1024 \
+        --no-prefill --no-engine --profile /tmp/prof
+    hlo b128-ctx1024
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 77" >&2; exit 2 ;;
 esac
