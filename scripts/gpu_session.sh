@@ -48,6 +48,12 @@ ab_copy() {  # ab_copy DIR FILE SED_EXPR PATTERN: this tree's code in DIR with F
     grep -q "$4" "$1/$2" || echo "$1: no knob in $2" >&2
 }
 
+verify_b32k2() {  # verify_b32k2 NAME LIMIT_S BUDGET_MIN: the verify step at batch 32, k = 2, ctx 1k (issue 24's row) in
+    # OUT/spec-NAME, from this directory's code
+    run "$2" "spec-$1" python3 bench/spec.py --out "$out/spec-$1" --no-demo --batches 32 --ks 2 --ctxs 1024 \
+        --mtp-ks "" --budget-min "$3"
+}
+
 caches_after_tests() {  # the e2e cache dtypes: bf16,fp8, or bf16 alone (noted in OUT/FALLBACK) if the GPU tests failed
     if ! grep -q " passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
         echo "decode GPU tests failed: e2e with the bf16 cache only" | tee "$out/FALLBACK" >&2
@@ -961,21 +967,11 @@ case $part in
     run 300 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1,32 --ctxs 4096 --no-prefill \
         --no-engine --profile /tmp/prof
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-72) # session 31, for the next (any card): the portable Triton decode's split partials in bf16 too (as both Hopper
-    # decodes' since 48712e9; the merge reads either): a copy with them against this tree, the copy's rows after the
-    # bench's correctness check. Take it into pallas_kernels/mla_decode.py only if it wins.
-    out=${2:?}
-    rows() {
-        run 150 "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-ragged --device-time \
-            --shapes 1x16x4096,8x16x4096,32x16x1024,1x128x32768 --dtypes bf16,fp8 --kernels pallas
-    }
-    rows f32
-    ab_copy /tmp/tbf pallas_kernels/mla_decode.py \
-        's/o_dtype = q.dtype if final and not return_partials else jnp.float32/o_dtype = jnp.float32 if return_partials else q.dtype/' \
-        "o_dtype = jnp.float32 if return_partials else q.dtype"
-    (cd /tmp/tbf && out=$out rows bf16)
-    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-73) # session 32, first call: the 64-row decode's shared epilogue staging (115cfaa, never on a GPU): the Hopper
+72) # (ran in part 73, session 32: bf16 won and is in pallas_kernels/mla_decode.py since 31714ac) session 31: the portable
+    # Triton decode's split partials in bf16 against f32
+    echo "part 72 ran in part 73 (session 32)" >&2; exit 2 ;;
+73) # (ran once on an H100; its H100 branch's A/B is taken since 31714ac, so that sed no longer matches) session 32, first
+    # call: the 64-row decode's shared epilogue staging (115cfaa, never on a GPU): the Hopper
     # decode's GPU tests, the target decode rows (on an H200 the targets' own; on an H100 a regression check against
     # session 31's), then on an H200 part 70's batch-1 rows (the route decided on an H100), on an H100 part 72's A/B
     out=${2:?}
@@ -1002,13 +998,9 @@ case $part in
     out=${2:?}
     run 280 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1,32 --ctxs 4096 --no-prefill \
         --no-engine --profile /tmp/prof
-    verify() {
-        run 110 "spec-$1" python3 bench/spec.py --out "$out/spec-$1" --no-demo --batches 32 --ks 2 --ctxs 1024 \
-            --mtp-ks "" --budget-min 1.4
-    }
-    verify new
+    verify_b32k2 new 110 1.4
     overlay_trees
-    (cd /tmp/wide && out=$out verify wide)
+    (cd /tmp/wide && out=$out verify_b32k2 wide 110 1.4)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 75) # session 32, third call, on an H200 (needs_h200: batch 128 at ctx 4k does not fit an H100): the targets' decode
     # rows (128 heads, 1x128x32768, 32x16x1024), the e2e rows (part 61, batch 32 first: 1.09x roofline on an H100
@@ -1032,13 +1024,9 @@ case $part in
         "length=count, unroll=True)"
     (cd /tmp/unroll && run 150 e2e-unrolled python3 -m mla_jax.bench.e2e --out "$out/e2e-unrolled" --weights bf16 \
         --batches 1 --ctxs 4096 --no-prefill --no-engine)
-    verify() {
-        run 150 "spec-$1" python3 bench/spec.py --out "$out/spec-$1" --no-demo --batches 32 --ks 2 --ctxs 1024 \
-            --mtp-ks "" --budget-min 2.2
-    }
-    verify new
+    verify_b32k2 new 150 2.2
     overlay_trees
-    (cd /tmp/wide && out=$out verify wide)
+    (cd /tmp/wide && out=$out verify_b32k2 wide 150 2.2)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 77) # session 32 (prepared, not run): the batch-1 trace with its optimized HLO, the step with both layer scans unrolled
     # (its per-layer scalar kernels gone? step and compile time against the scan's), then batch 128's trace and HLO at
