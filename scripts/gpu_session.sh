@@ -1045,5 +1045,26 @@ case $part in
         --no-prefill --no-engine --profile /tmp/prof
     hlo b128-ctx1024
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 77" >&2; exit 2 ;;
+78) # session 32 (prepared): batch 128 takes none of the decode-size kernels (LINEAR_MAX_T, HEAD_MATMUL_MAX_T and
+    # ROUTER_IN_NORM_MAX_T are 64: XLA's GEMMs, the slices of their fused output, a separate router GEMV and norm) and
+    # sorts its 768 routed copies (BY_GROUP_MAX_COPIES 256): 1,052 kernels a step against batch 32's 426. The step at
+    # batch 128, ctx 1k (fits an H100): this tree, the three thresholds at 128, by group up to 1024 copies, both
+    out=${2:?}
+    b128() { run 140 "e2e-b128-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-$1" --weights bf16 --batches 128 \
+        --ctxs 1024 --no-prefill --no-engine; }
+    t128() {  # t128 DIR: the three token thresholds at 128 in DIR's copy
+        sed -i 's/^LINEAR_MAX_T = 64$/LINEAR_MAX_T = 128/; s/^ROUTER_IN_NORM_MAX_T = 64$/ROUTER_IN_NORM_MAX_T = 128/' \
+            "$1/mla_jax/layers.py"
+        sed -i 's/^HEAD_MATMUL_MAX_T = 64$/HEAD_MATMUL_MAX_T = 128/' "$1/mla_jax/mla.py"
+        [ "$(cat "$1/mla_jax/layers.py" "$1/mla_jax/mla.py" | grep -c '_MAX_T = 128$')" = 3 ] \
+            || echo "t128: a threshold moved" >&2
+    }
+    b128 new
+    overlay_trees  # /tmp/wide: by group up to 1024 copies
+    rm -rf /tmp/t128 && mkdir /tmp/t128 && cp -r mla_jax pallas_kernels bench /tmp/t128/ && t128 /tmp/t128
+    (cd /tmp/t128 && out=$out b128 t128)
+    (cd /tmp/wide && out=$out b128 wide)
+    t128 /tmp/wide && (cd /tmp/wide && out=$out b128 both)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 78" >&2; exit 2 ;;
 esac
