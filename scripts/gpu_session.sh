@@ -1066,5 +1066,35 @@ case $part in
     (cd /tmp/wide && out=$out b128 wide)
     t128 /tmp/wide && (cd /tmp/wide && out=$out b128 both)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 78" >&2; exit 2 ;;
+79) # session 33 (any card): the dense linears at one token as FMA tiles (a GEMV: no rows padded to the dot's 16;
+    # q_proj + kv_a 7.6 us at 0.65 of copy, o_proj on XLA's GEMV 4.5 us at 0.61 on the H100), swept; the batch-1 step
+    # (ctx 4k) with its trace and optimized HLO, then with the sweep's best FMA tile at one token and o_proj on the
+    # kernel, then with both layer scans unrolled (part 77's first half)
+    out=${2:?}
+    run 150 linear python3 bench/linear.py --out "$out/linear" --names q_kv_a,o_proj --tokens 1 --sweep \
+        --sweep-budget-s 80
+    run 110 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1 --ctxs 4096 --no-prefill \
+        --no-engine --profile /tmp/prof
+    f=/tmp/prof/b1-ctx4096/step.hlo.txt && [ -f "$f" ] && gzip -c "$f" >"$out/step-b1-ctx4096.hlo.txt.gz"
+    tile=$(python3 - "$out/linear/linear-h200.json" <<'PY'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1])).get("sweep", []) if r.get("name") == "q_kv_a" and r.get("T") == 1
+        and r.get("variant", {}).get("block_t") == 1 and r.get("device_us") and r.get("check_err", 1) < 2e-2]
+v = min(rows, key=lambda r: r["device_us"])["variant"] if rows else dict(block_n=8, block_k=1024, num_warps=4, num_stages=2)
+print(f"({v['block_n']}, {v['block_k']}, {v['num_warps']}, {v['num_stages']})")
+PY
+)
+    echo "fma tile: $tile"
+    ab_copy /tmp/fma pallas_kernels/linear.py "s/^FMA_MAX_T = 0$/FMA_MAX_T = 1/; s/^FMA_TILE = .*$/FMA_TILE = $tile/" \
+        "^FMA_MAX_T = 1$"
+    sed -i 's/^XLA_GEMV_MAX_K = 2048$/XLA_GEMV_MAX_K = 0/' /tmp/fma/mla_jax/layers.py
+    grep -q "^XLA_GEMV_MAX_K = 0$" /tmp/fma/mla_jax/layers.py || echo "/tmp/fma: no XLA_GEMV_MAX_K" >&2
+    (cd /tmp/fma && run 120 e2e-fma python3 -m mla_jax.bench.e2e --out "$out/e2e-fma" --weights bf16 --batches 1 \
+        --ctxs 4096 --no-prefill --no-engine --profile /tmp/prof-fma)
+    ab_copy /tmp/unroll mla_jax/model.py 's/scanned, length=count)$/scanned, length=count, unroll=True)/' \
+        "length=count, unroll=True)"
+    (cd /tmp/unroll && run 150 e2e-unrolled python3 -m mla_jax.bench.e2e --out "$out/e2e-unrolled" --weights bf16 \
+        --batches 1 --ctxs 4096 --no-prefill --no-engine)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 79" >&2; exit 2 ;;
 esac

@@ -58,6 +58,8 @@ def _poisoned_stack(w, layers: int, index: int):
         (2, (20, 16, 7), 40, jnp.bfloat16, jnp.bfloat16, {}),  # three weights, default tuning
         (5, (7, 33), 40, jnp.float32, jnp.float32, dict(block_t=2, block_n=4, block_k=16)),  # f32: ragged everything
         (1, (64,), 100, jnp.bfloat16, jnp.float32, {}),  # the router: bf16 x cast to f32 in the kernel
+        (1, (40, 24), 72, jnp.bfloat16, jnp.bfloat16, dict(block_t=1, block_n=4, block_k=32)),  # bf16 FMA (GEMV)
+        (3, (9,), 200, jnp.bfloat16, jnp.bfloat16, dict(block_t=2, block_n=8, block_k=64)),  # FMA, 2 row tiles
     ],
 )
 def test_matches_reference(t, ns, k, x_dtype, w_dtype, tuning):
@@ -120,6 +122,7 @@ def test_gradient_is_the_references():
         ((jnp.zeros((2, 4)), (jnp.zeros((3, 5, 4)), jnp.zeros((2, 5, 4)))), dict(rhs_index=0), "stacked layers"),
         ((jnp.zeros((2, 4), jnp.int32), (jnp.zeros((5, 4)),)), {}, "x dtype"),
         ((jnp.zeros((2, 4), jnp.bfloat16), (jnp.zeros((5, 4), jnp.bfloat16),)), dict(block_n=8), "block_n=8"),
+        ((jnp.zeros((2, 4), jnp.bfloat16), (jnp.zeros((5, 4), jnp.bfloat16),)), dict(block_t=3), "block_t=3"),
         ((jnp.zeros((2, 4)), (jnp.zeros((5, 4)),)), dict(block_k=24), "block_k=24"),
         ((jnp.zeros((2, 4)), (jnp.zeros((5, 4)),)), dict(num_warps=3), "num_warps"),
         ((jnp.zeros((2, 4)), (jnp.zeros((5, 4)),)), dict(out_dtype=jnp.int8), "out_dtype"),
@@ -513,7 +516,15 @@ def test_gpu_matches_reference(t, ns, k, w_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [{}, SMALL, dict(block_t=32, block_n=64, block_k=64, num_warps=8, num_stages=2)])
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        {},
+        SMALL,
+        dict(block_t=32, block_n=64, block_k=64, num_warps=8, num_stages=2),
+        dict(block_t=4, block_n=8, block_k=256, num_warps=4, num_stages=2),  # bf16: FMA tiles
+    ],
+)
 def test_gpu_tuning_and_f32(tuning):
     _gpu()
     for w_dtype in (jnp.bfloat16, jnp.float32):
