@@ -142,7 +142,6 @@ def _validate(x, weights, rhs_index, out_dtype, block_t, block_n, block_k, num_w
     if out_dtype is not None and jnp.dtype(out_dtype) not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype must be None, bfloat16, float16 or float32, got {out_dtype}")
     fp8 = scales is not None
-    f32 = not fp8 and compute_dtype(x.dtype, weights[0].dtype) == F32
     # Triton dot: M, N, K >= 16 (a bf16 / f16 block_n below 16 needs FMA tiles, block_t < 16: `linear` checks it)
     least = {"block_t": 16 if fp8 else 1, "block_n": 16 if fp8 else 1, "block_k": 16}
     for name, b in (("block_t", block_t), ("block_n", block_n), ("block_k", block_k)):
