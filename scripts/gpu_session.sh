@@ -1096,5 +1096,23 @@ PY
     (cd /tmp/unroll && run 150 e2e-unrolled python3 -m mla_jax.bench.e2e --out "$out/e2e-unrolled" --weights bf16 \
         --batches 1 --ctxs 4096 --no-prefill --no-engine)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 79" >&2; exit 2 ;;
+80) # session 33 (any card): batch 128's experts, 0.77 / 0.74 of copy (glu / down, H200 trace e95e17d: 9.1 of the
+    # step's 16.0 ms) where batch 32's reach ~1.0: the sorted bf16 kernels' tuning at T = 128 (never swept; 16-row
+    # tiles for ~12 copies an expert, so an expert past 16 rows is read by two items) and T = 32; then part 78's
+    # batch-128 step (ctx 1k) with the decode-size kernels' thresholds at 128
+    out=${2:?}
+    run 230 moe python3 bench/moe_decode.py --out "$out/moe" --tokens 128,32 --weights bf16 --routing sorted \
+        --budget-s 170
+    b128() { run 140 "e2e-b128-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-$1" --weights bf16 --batches 128 \
+        --ctxs 1024 --no-prefill --no-engine; }
+    b128 new
+    rm -rf /tmp/t128 && mkdir /tmp/t128 && cp -r mla_jax pallas_kernels bench /tmp/t128/
+    sed -i 's/^LINEAR_MAX_T = 64$/LINEAR_MAX_T = 128/; s/^ROUTER_IN_NORM_MAX_T = 64$/ROUTER_IN_NORM_MAX_T = 128/' \
+        /tmp/t128/mla_jax/layers.py
+    sed -i 's/^HEAD_MATMUL_MAX_T = 64$/HEAD_MATMUL_MAX_T = 128/' /tmp/t128/mla_jax/mla.py
+    [ "$(cat /tmp/t128/mla_jax/layers.py /tmp/t128/mla_jax/mla.py | grep -c '_MAX_T = 128$')" = 3 ] \
+        || echo "t128: a threshold moved" >&2
+    (cd /tmp/t128 && b128 t128)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 80" >&2; exit 2 ;;
 esac
