@@ -1069,12 +1069,14 @@ case $part in
 79) # session 33 (any card): the dense linears at one token as FMA tiles (a GEMV: no rows padded to the dot's 16;
     # q_proj + kv_a 7.6 us at 0.65 of copy, o_proj on XLA's GEMV 4.5 us at 0.61 on the H100), swept; the batch-1 step
     # (ctx 4k) with its trace and optimized HLO, then with the sweep's best FMA tile at one token and o_proj on the
-    # kernel, then with both layer scans unrolled (part 77's first half)
+    # kernel, then with XLA running a command buffer's independent kernels concurrently (its default, LHS, runs them
+    # one after another: cache_write and absorb_q, 2 + 3.2 us a layer, need not wait for each other)
     out=${2:?}
     run 150 linear python3 bench/linear.py --out "$out/linear" --names q_kv_a,o_proj --tokens 1 --sweep \
         --sweep-budget-s 80
-    run 110 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 1 --ctxs 4096 --no-prefill \
-        --no-engine --profile /tmp/prof
+    b1() { run "$1" "e2e-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-$2" --weights bf16 --batches 1 --ctxs 4096 \
+        --no-prefill --no-engine "${@:3}"; }
+    b1 110 base --profile /tmp/prof
     f=/tmp/prof/b1-ctx4096/step.hlo.txt && [ -f "$f" ] && gzip -c "$f" >"$out/step-b1-ctx4096.hlo.txt.gz"
     tile=$(python3 - "$out/linear/linear-h200.json" <<'PY'
 import json, sys
@@ -1089,12 +1091,8 @@ PY
         "^FMA_MAX_T = 1$"
     sed -i 's/^XLA_GEMV_MAX_K = 2048$/XLA_GEMV_MAX_K = 0/' /tmp/fma/mla_jax/layers.py
     grep -q "^XLA_GEMV_MAX_K = 0$" /tmp/fma/mla_jax/layers.py || echo "/tmp/fma: no XLA_GEMV_MAX_K" >&2
-    (cd /tmp/fma && run 120 e2e-fma python3 -m mla_jax.bench.e2e --out "$out/e2e-fma" --weights bf16 --batches 1 \
-        --ctxs 4096 --no-prefill --no-engine --profile /tmp/prof-fma)
-    ab_copy /tmp/unroll mla_jax/model.py 's/scanned, length=count)$/scanned, length=count, unroll=True)/' \
-        "length=count, unroll=True)"
-    (cd /tmp/unroll && run 150 e2e-unrolled python3 -m mla_jax.bench.e2e --out "$out/e2e-unrolled" --weights bf16 \
-        --batches 1 --ctxs 4096 --no-prefill --no-engine)
+    (cd /tmp/fma && out=$out b1 120 fma --profile /tmp/prof-fma)
+    XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT b1 100 concurrent
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 80) # session 33 (any card): batch 128's experts, 0.77 / 0.74 of copy (glu / down, H200 trace e95e17d: 9.1 of the
     # step's 16.0 ms) where batch 32's reach ~1.0: the sorted bf16 kernels' tuning at T = 128 (never swept; 16-row
@@ -1114,5 +1112,20 @@ PY
         || echo "t128: a threshold moved" >&2
     (cd /tmp/t128 && b128 t128)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 80" >&2; exit 2 ;;
+81) # session 33 (any card), after part 79: the batch-1 step (ctx 4k) without the layer loop's two ~1 us kernels a
+    # layer (`loop_add_multiply_fusion`, `memcpy32_post`: the while loop's condition and its copy to the host?): both
+    # layer scans unrolled; the loops as CUDA graph conditionals (+WHILE, +CONDITIONAL) and unrolled in the command
+    # buffer; that with concurrent scheduling; this tree again for the spread
+    out=${2:?}
+    b1() { run "$1" "e2e-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-$2" --weights bf16 --batches 1 --ctxs 4096 \
+        --no-prefill --no-engine; }
+    cb="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_command_buffer_unroll_loops=true"
+    b1 100 base
+    XLA_FLAGS="$cb" b1 110 while
+    XLA_FLAGS="$cb --xla_gpu_command_buffer_scheduling_mode=CONCURRENT" b1 110 while-concurrent
+    ab_copy /tmp/unroll mla_jax/model.py 's/scanned, length=count)$/scanned, length=count, unroll=True)/' \
+        "length=count, unroll=True)"
+    (cd /tmp/unroll && out=$out b1 150 unrolled)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 81" >&2; exit 2 ;;
 esac
