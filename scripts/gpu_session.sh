@@ -1127,5 +1127,23 @@ PY
         "length=count, unroll=True)"
     (cd /tmp/unroll && out=$out b1 150 unrolled)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 81" >&2; exit 2 ;;
+82) # session 33 (any card): the decode-size kernels (linear, head matmul, the router in the norm) up to 128 tokens
+    # where they stop at 64 today: batch 128 (ctx 1k: 1,052 kernels a step against batch 32's 426, 5 weight copies a
+    # layer, `memcpy128`, for XLA's GEMMs of the scanned weights) and the verify step at batch 32, k = 2 (96 rows:
+    # issue 24's 1.19x against 1.15x), each against this tree in the same call
+    out=${2:?}
+    rm -rf /tmp/t128 && mkdir /tmp/t128 && cp -r mla_jax pallas_kernels bench /tmp/t128/
+    sed -i 's/^LINEAR_MAX_T = 64$/LINEAR_MAX_T = 128/; s/^ROUTER_IN_NORM_MAX_T = 64$/ROUTER_IN_NORM_MAX_T = 128/' \
+        /tmp/t128/mla_jax/layers.py
+    sed -i 's/^HEAD_MATMUL_MAX_T = 64$/HEAD_MATMUL_MAX_T = 128/' /tmp/t128/mla_jax/mla.py
+    [ "$(cat /tmp/t128/mla_jax/layers.py /tmp/t128/mla_jax/mla.py | grep -c '_MAX_T = 128$')" = 3 ] \
+        || echo "t128: a threshold moved" >&2
+    b128() { run 130 "e2e-b128-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-$1" --weights bf16 --batches 128 \
+        --ctxs 1024 --no-prefill --no-engine; }
+    (cd /tmp/t128 && b128 t128)
+    b128 new
+    (cd /tmp/t128 && verify_b32k2 t128 140 2.0)
+    verify_b32k2 new 140 2.0
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 82" >&2; exit 2 ;;
 esac
