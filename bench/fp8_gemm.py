@@ -17,11 +17,11 @@ impl per row:
   fastest fp8 XLA offers, though without DeepSeek's block scales (a speed reference, not the same numerics);
 - "fp8_xla": shapes the kernel does not take: `fp8_matmul_xla` (dequantize + dot);
 - "fp8_st{n}" (with --stages n,..): the kernel at ring depth n instead of `default_stages`;
-- "fp8_linear" / "bf16_linear" (dense, M <= `layers.LINEAR_MAX_T`): the Triton linear kernel
+- "fp8_linear" / "bf16_linear" (dense, M <= `layers.FP8_LINEAR_MAX_T`): the Triton linear kernel
   (`pallas_kernels.linear`) with the block-FP8 weights (W8A8, x quantized in the kernel: what the model runs at
   decode sizes) and with the bf16 ones (the model's bf16 decode path); "fp8_linear_{s2,s8,bn32}": its tuning
   variants (ring depth 2 / 8, 32-wide N blocks);
-- "fp8_triton" (grouped, M <= 8 x LINEAR_MAX_T): the Triton grouped kernel's W8A8 path (`grouped_matmul(...,
+- "fp8_triton" (grouped, M <= 8 x FP8_LINEAR_MAX_T): the Triton grouped kernel's W8A8 path (`grouped_matmul(...,
   rhs_scale=)`), what the model runs for fp8 experts at decode sizes (sorted rows here).
 Before timing, each fp8 shape is checked (at the first and last M) against `fp8_matmul_xla` at float32
 precision (the same numerics in XLA) to `FP8_GEMM_GPU_TOL` + bf16 rounding (2^-8): exit 1 on a mismatch (rows get
@@ -71,7 +71,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from mla_jax.bench import common  # noqa: E402
-from mla_jax.layers import LINEAR_MAX_T  # noqa: E402
+from mla_jax.layers import FP8_LINEAR_MAX_T  # noqa: E402
 from pallas_kernels import fp8_matmul as F  # noqa: E402
 from pallas_kernels import grouped_matmul as gm  # noqa: E402
 from pallas_kernels.linear import linear  # noqa: E402
@@ -227,7 +227,7 @@ def bench_dense(shapes, ms, ceil, rows, smoke, deadline, stages=()):
                 impls["xla_fp8"] = (xla8, [(x, w[1]) for x, w in zip(xs, ws_)])
             if kernel_ok:
                 impls |= {impl: (fn, args8) for impl, fn in sweep.items()}
-            if m <= LINEAR_MAX_T:  # decode sizes: the Triton linear kernel, fp8 (what the model runs) and bf16
+            if m <= FP8_LINEAR_MAX_T:  # decode sizes: the Triton linear kernel, fp8 (what the model runs) and bf16
                 impls["fp8_linear"] = (lin_fp8, args8)
                 impls["bf16_linear"] = (lin_bf16, [(x, w[0]) for x, w in zip(xs, ws_)])
                 # its fp8 tuning, untimed when written: 1-byte weight tiles of one 128-deep scale block a stage
@@ -260,7 +260,7 @@ def bench_grouped(shapes, ms, ceil, rows, smoke, deadline, stages=()):
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             impls = {"bf16": (bf16_fn, [(x, w16, gs)]), "fp8": (fp8_fn, [(x, wq, ws, gs)])}
             impls |= {impl: (fn, [(x, wq, ws, gs)]) for impl, fn in sweep.items()}
-            if m <= LINEAR_MAX_T * 8:  # decode sizes (up to 64 tokens x top-8): the Triton grouped kernel, fp8
+            if m <= FP8_LINEAR_MAX_T * 8:  # decode sizes (up to 64 tokens x top-8): the Triton grouped kernel, fp8
                 impls["fp8_triton"] = (fp8_tri, [(x, wq, ws, gs)])
             base = dict(model=model, name=name, kind="grouped", m=m, n=n, k=k, g=g, ceil=ceil, wbytes=hit * n * k)
             check = check_ref if m in (ms[0], ms[-1]) else None

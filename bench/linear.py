@@ -17,8 +17,8 @@ materialize as a copy before a GEMM).
     `us`, the wall time per call of back-to-back calls (common.time_fn), and `device_us`, the GPU's busy time per
     call from a profiler trace (common.device_time_us: what decides at batch 1, where launches dominate), cycling
     through enough input sets (distinct weights, or distinct layers of the stack) that L2 cannot hold them, as in a
-    decode step; (d) with --sweep, times one-at-a-time tuning moves around `default_tuning` at T = 1 and 32, and at
-    T = 1 the bf16 FMA tiles (`FMA_VARIANTS`) (rows with `variant`, --sweep-budget-s caps it).
+    decode step; (d) with --sweep, times one-at-a-time tuning moves around `default_tuning` at T = 1 and 32 (rows
+    with `variant`, --sweep-budget-s caps it).
 
 Rows (DIR/linear-h200.json, format of notes/bench-results.md): op "linear", model, name, Ns (the weights' out dims),
 K, T, stacked, w_dtype, impl ("pallas" / "xla"), us, device_us, span_us, kernels_per_call, TBps (bytes: weights +
@@ -50,7 +50,6 @@ import jax.numpy as jnp  # noqa: E402
 
 from mla_jax.bench import common  # noqa: E402
 from pallas_kernels import linear as lin  # noqa: E402
-from pallas_kernels.util import next_pow2  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SHAPES = [  # (model, name, Ns, K, weight dtype)
@@ -70,17 +69,6 @@ SMOKE_SHAPES = [("smoke", "q_kv_a", (48, 20), 40, BF16), ("smoke", "router", (8,
 TOKENS = (1, 8, 32, 64, 128)
 SMOKE_TOKENS = (1, 5)
 SWEEP_TOKENS = (1, 32)
-# (block_n, block_k, num_warps, num_stages) of the sweep's bf16 FMA tiles at T < 16: bytes in flight a program (one
-# K step of bn x bk weights, `stages` of them) against f32 registers (the product tile bt x bn x bk over the warps)
-FMA_VARIANTS = (
-    (16, 512, 4, 2),
-    (16, 256, 4, 4),
-    (8, 1024, 4, 2),
-    (8, 512, 4, 4),
-    (16, 1024, 8, 2),
-    (4, 2048, 4, 1),
-    (32, 256, 8, 4),
-)
 LAYERS = 26  # V2-Lite's MoE layers: the stack the layer loop reads
 L2_BYTES = 60 << 20  # H200: input sets cycle through more than this
 
@@ -245,9 +233,6 @@ def sweep_variants(t, ns, k, cdt):
     out += [{"num_stages": v} for v in (1, 2, 3, 4, 6) if v != stages]
     if t > 16 or f32:
         out += [{"block_t": v} for v in ((1, 2, 4, 8) if f32 else (16, 32, 64)) if v != bt and v <= max(t, 16)]
-    if not f32 and t < 16:  # bf16 / f16 FMA tiles (block_t < 16: a GEMV without the dot's 16 padded rows)
-        for bn, bk, warps, stages in FMA_VARIANTS:
-            out.append(dict(block_t=next_pow2(t), block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
     return out
 
 

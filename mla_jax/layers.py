@@ -111,8 +111,9 @@ def add_rms_norm(
 
 
 # At most this many tokens get the router's logits from the norm kernel (E/eb programs a row, each renormalizing it:
-# cheap for decode batches; measured at batch 1 on the H200, 3.2 us for the norm and the GEMV's 2.0 + 2.3).
-ROUTER_IN_NORM_MAX_T = 64
+# cheap for decode batches; measured at batch 1 on the H200, 3.2 us for the norm and the GEMV's 2.0 + 2.3). 128: see
+# LINEAR_MAX_T (session 33).
+ROUTER_IN_NORM_MAX_T = 128
 
 
 def router_fusable(norm: dict, gate: dict, x: jnp.ndarray, comm: Comm = LOCAL) -> bool:
@@ -166,9 +167,15 @@ def linear(p: dict, x: jnp.ndarray) -> jnp.ndarray:
 
 
 # At most this many tokens take the dense linear kernel (`pallas_kernels.linear`, through `linears`) on a GPU, more
-# take XLA's dot. A guess until bench/linear.py's H200 numbers say where the kernel stops beating XLA: decode batches
-# are weight-bandwidth bound (the kernel's case), prefill chunks compute bound (cuBLAS's).
-LINEAR_MAX_T = 64
+# take XLA's dot: decode batches are weight-bandwidth bound (the kernel's case), prefill chunks compute bound
+# (cuBLAS's). 128 (with HEAD_MATMUL_MAX_T and ROUTER_IN_NORM_MAX_T): XLA's GEMMs copy the layer loop's slice of each
+# stacked weight first (5 `memcpy128` a layer at batch 128); H100, session 33, one call: the batch-128 step (ctx 1k)
+# 16.13 -> 15.49 ms with the three at 128 instead of 64, the verify step at batch 32, k = 2 (96 rows) 14.68 -> 14.11.
+LINEAR_MAX_T = 128
+
+# The same for block-FP8 weights (the W8A8 linear and the grouped kernel's fp8 path, `fp8_experts_triton`): past it
+# the Mosaic GPU GEMM. Measured up to 64 tokens only (sessions 22-24); the bf16 bound moved to 128 without it.
+FP8_LINEAR_MAX_T = 64
 
 
 # One token through one weight of at most this many inputs stays with XLA: its GEMV fuses the layer loop's slice of
@@ -190,7 +197,7 @@ def _linear_kernel_ok(ps: tuple[dict, ...], x: jnp.ndarray) -> bool:
     """The dense linear kernel for these linears of x [T, in]: on a GPU, 1 <= T <= LINEAR_MAX_T, float dtypes, one
     weight dtype (all block-FP8 or none), and either all plain weights or all `LayerRow`s of one layer index; not
     one token through a single bf16/f32 weight of at most XLA_GEMV_MAX_K inputs. fp8 weights: at most
-    FP8_LINEAR_MAX_K inputs (or a shape the Mosaic GPU GEMM does not take)."""
+    FP8_LINEAR_MAX_T tokens and FP8_LINEAR_MAX_K inputs (or a shape the Mosaic GPU GEMM does not take)."""
     ws = [p["weight"] for p in ps]
     rows = [isinstance(w, LayerRow) for w in ws]
     fp8 = [is_fp8(p) for p in ps]
@@ -198,6 +205,7 @@ def _linear_kernel_ok(ps: tuple[dict, ...], x: jnp.ndarray) -> bool:
         dtypes_ok = all(fp8) and jnp.dtype(x.dtype) in FLOAT_DTYPES
         # deep weights that the Mosaic GPU GEMM takes stay with it (FP8_LINEAR_MAX_K)
         dtypes_ok &= x.shape[-1] <= FP8_LINEAR_MAX_K or not all(_fp8_kernel_ok(*w.shape) for w in ws)
+        dtypes_ok &= x.shape[0] <= FP8_LINEAR_MAX_T
     else:
         dtypes_ok = (
             not (len(ws) == 1 and x.shape[0] == 1 and ws[0].shape[-1] <= XLA_GEMV_MAX_K)
@@ -438,9 +446,10 @@ def by_row_ok(impl: str, w: jnp.ndarray, scale_inv: jnp.ndarray | None, fp8_trit
 
 def fp8_experts_triton(impl: str, tokens: int) -> bool:
     """Whether block-FP8 experts of `tokens` tokens run the Triton grouped kernel's W8A8 path (impl "pallas", at
-    most LINEAR_MAX_T tokens: decode sizes, where it quantizes the rows itself, reads each copy's token row and runs
-    gate and up in one pass) rather than the Mosaic GPU W8A8 GEMM (fp8 wgmma: prefill sizes; XLA's form off a GPU)."""
-    return impl == "pallas" and 1 <= tokens <= LINEAR_MAX_T
+    most FP8_LINEAR_MAX_T tokens: decode sizes, where it quantizes the rows itself, reads each copy's token row and
+    runs gate and up in one pass) rather than the Mosaic GPU W8A8 GEMM (fp8 wgmma: prefill sizes; XLA's form off a
+    GPU)."""
+    return impl == "pallas" and 1 <= tokens <= FP8_LINEAR_MAX_T
 
 
 def shared_fusable(gmm_impl: str, routed: dict, shared: dict | None, same_reduction: bool, tokens: int = 0) -> int:

@@ -184,9 +184,9 @@ def up_project_kv(
 
 
 # At most this many tokens take the per-head matmul kernel (`pallas_kernels.head_matmul`) on a GPU, more take XLA's
-# batched matmul. A guess until bench/head_matmul.py's H200 numbers say where the kernel stops beating XLA: decode
-# batches are weight-bandwidth bound (the kernel's case), prefill chunks compute bound (cuBLAS's).
-HEAD_MATMUL_MAX_T = 64
+# batched matmul: decode batches are weight-bandwidth bound (the kernel's case), prefill chunks compute bound
+# (cuBLAS's). 128: see `layers.LINEAR_MAX_T` (session 33: the batch-128 step and the 96-row verify step gain).
+HEAD_MATMUL_MAX_T = 128
 
 
 def _head_matmul_ok(x: jnp.ndarray, w: jnp.ndarray) -> bool:

@@ -141,12 +141,11 @@ def _validate(x, weights, rhs_index, out_dtype, block_t, block_n, block_k, num_w
         check_stacked_index(rhs_index, n_layers, "rhs_index", f"weights with {n_layers} stacked layers")
     if out_dtype is not None and jnp.dtype(out_dtype) not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype must be None, bfloat16, float16 or float32, got {out_dtype}")
-    fp8 = scales is not None
-    # Triton dot: M, N, K >= 16 (a bf16 / f16 block_n below 16 needs FMA tiles, block_t < 16: `linear` checks it)
-    least = {"block_t": 16 if fp8 else 1, "block_n": 16 if fp8 else 1, "block_k": 16}
+    dot = scales is not None or compute_dtype(x.dtype, weights[0].dtype) != F32
+    least = 16 if dot else 1  # Triton dot: M, N, K >= 16
     for name, b in (("block_t", block_t), ("block_n", block_n), ("block_k", block_k)):
-        if b is not None and not (is_pow2(b) and b >= least[name]):
-            raise ValueError(f"{name}={b} must be a power of two >= {least[name]}")
+        if b is not None and not (is_pow2(b) and b >= (16 if name == "block_k" else least)):
+            raise ValueError(f"{name}={b} must be a power of two >= {16 if name == 'block_k' else least}")
     check_warps_stages(num_warps, num_stages)
     return t, k, tuple(ns), stacked
 
@@ -157,12 +156,6 @@ def _validate_fp8(weights, scales, block_n, block_k):
     for j, (w, sc) in enumerate(zip(weights, scales)):
         check_fp8_weight(w, sc, f"weights[{j}]", f"scales[{j}]")
     check_fp8_blocks(block_n, block_k, "fp8 weights", whole_blocks=True)
-
-
-# bf16 / f16 x of at most this many tokens gets FMA tiles (`_fma`) of FMA_TILE = (block_n, block_k, num_warps,
-# num_stages); 0: the dot's tiles everywhere. Under measurement (bench/linear.py --sweep's FMA rows at T = 1).
-FMA_MAX_T = 0
-FMA_TILE = (8, 1024, 4, 2)
 
 
 def default_tuning(t: int, ns: tuple[int, ...], k: int, dtype, sms: int | None = None):
@@ -191,9 +184,6 @@ def default_tuning(t: int, ns: tuple[int, ...], k: int, dtype, sms: int | None =
         bk = min(2 * FP8_BLOCK, max(FP8_BLOCK, next_pow2(k)))
         stages = max(1, min(4, cdiv(k, bk), (128 << 10) // ((bt + bn) * bk)))
         return bt, bn, bk, 4, stages
-    if t <= FMA_MAX_T and jnp.dtype(dtype) != F32:
-        bn, bk, warps, stages = FMA_TILE
-        return next_pow2(t), min(bn, next_pow2(max(ns))), min(bk, max(16, next_pow2(k))), warps, stages
     if jnp.dtype(dtype) == F32:
         bt = min(8, next_pow2(t))
         bk = max(16, min(1024, next_pow2(k)))
@@ -211,13 +201,6 @@ def default_tuning(t: int, ns: tuple[int, ...], k: int, dtype, sms: int | None =
     stages = max(1, min(4, cdiv(k, bk), (128 << 10) // stage_bytes))
     warps = 4 if jnp.dtype(dtype) == F32 else 1 if bt <= 16 else 2
     return bt, bn, bk, warps, stages
-
-
-def _fma(cdt, bt: int, fp8: bool) -> bool:
-    """The inner product: an elementwise multiply and a sum over K in float32 for float32, and for bf16 / f16 tiles of
-    fewer than 16 rows (a GEMV at one token: no rows padded to the dot's 16, every K step's bytes loaded at once);
-    else a Triton dot (tensor cores, float32 accumulation)."""
-    return not fp8 and (jnp.dtype(cdt) == F32 or bt < 16)
 
 
 def _kernel(
@@ -249,13 +232,12 @@ def _kernel(
     row_in = (rows < t)[:, None] if t % bt else None  # static: only a ragged last row tile needs it
     # the layer of stacked weights, clamped here (not by an XLA kernel before the call)
     lead = (jnp.clip(layer_ref[0], 0, num_layers - 1),) if stacked else ()
-    dot = not _fma(cdt, bt, fp8)
-    ldt = cdt if dot else F32  # FMA: tiles loaded in float32 (bf16 values are exact in it)
+    dot = jnp.dtype(cdt) != F32
 
     def product(xt, wt):  # [bt, bk] x [bn, bk] -> f32[bt, bn]
         if dot:
             return lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        # float32 FMA: multiply elementwise, sum over K (no TF32 anywhere)
+        # exact float32: multiply elementwise, sum over K (no TF32 anywhere)
         return jnp.sum(xt[:, None, :] * wt[None, :, :], axis=2)
 
     def fp8_k_loop(w_ref, s_ref, col0, col_in, acc):
@@ -293,8 +275,8 @@ def _kernel(
             def step(kk, acc, k_in=None):
                 k0 = kk * bk
                 k_x, k_w = (None, None) if k_in is None else (k_in[None, :], k_in[None, :])
-                xt = masked_load(x_ref.at[pl.ds(row0, bt), pl.ds(k0, bk)], mask_and(row_in, k_x), ldt)
-                wt = masked_load(w_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))], mask_and(col_in, k_w), ldt)
+                xt = masked_load(x_ref.at[pl.ds(row0, bt), pl.ds(k0, bk)], mask_and(row_in, k_x), cdt)
+                wt = masked_load(w_ref.at[(*lead, pl.ds(col0, bn), pl.ds(k0, bk))], mask_and(col_in, k_w), cdt)
                 return acc + product(xt, wt)
 
             full_steps = k // bk
@@ -334,7 +316,6 @@ def _impl(x, weights, scales, layer, *, out_dtype, interpret, block_t, block_n, 
     blocks = [cdiv(n, block_n) for n in ns]
     starts = tuple(sum(blocks[:j]) for j in range(len(ns) + 1))
     cdt = jnp.bfloat16 if fp8 else compute_dtype(x.dtype, weights[0].dtype)  # fp8: a dot of e4m3 tiles (`product`)
-    kind = "fp8" if fp8 else "f32" if jnp.dtype(cdt) == F32 else "fma" if _fma(cdt, block_t, fp8) else "dot"
     kernel = functools.partial(
         _kernel,
         t=t,
@@ -360,7 +341,8 @@ def _impl(x, weights, scales, layer, *, out_dtype, interpret, block_t, block_n, 
         out_shape=[jax.ShapeDtypeStruct((t_out, n), out_dtype) for n in ns_out],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"linear{len(ns)}_{kind}_bt{block_t}_bn{block_n}_bk{block_k}_w{num_warps}_s{num_stages}",
+        name=f"linear{len(ns)}_{'fp8' if fp8 else 'dot' if jnp.dtype(cdt) != F32 else 'f32'}_bt{block_t}"
+        f"_bn{block_n}_bk{block_k}_w{num_warps}_s{num_stages}",
     )(*inputs)
     return tuple(o if o.shape == (t, n) else o[:t, :n] for o, n in zip(outs, ns))
 
@@ -398,9 +380,7 @@ def linear(
     d = default_tuning(t, ns, k, FP8 if fp8 else cdt)
     bt, bn, bk, warps, stages = (d[i] if v is None else v for i, v in enumerate(tuning))
     # No block larger than its (power-of-two rounded) dimension: it would only compute padding.
-    least = 1 if _fma(cdt, bt, fp8) else 16
-    if bn < least:
-        raise ValueError(f"block_n={bn} must be a power of two >= 16 for a dot (block_t={bt} >= 16)")
+    least = 16 if jnp.dtype(cdt) != F32 else 1
     bt, bn = min(bt, max(least, next_pow2(t))), min(bn, max(least, next_pow2(max(ns))))
     bk = min(bk, max(FP8_BLOCK if fp8 else 16, next_pow2(k)))
     layer = jnp.asarray(0 if rhs_index is None else rhs_index, jnp.int32).reshape(1)  # clamped in the kernel

@@ -197,9 +197,9 @@ def test_fp8_weights_on_mesh_match_one_device():
 @pytest.mark.parametrize("tokens", [16, 80])
 def test_fp8_model_lowers_with_the_kernels_for_gpu(monkeypatch, h200, tokens):
     """With the GPU dispatch forced, the whole fp8 model (dense linears, experts read in place inside the layer
-    scan) lowers for CUDA: at decode sizes (<= LINEAR_MAX_T tokens) the Triton linear and grouped kernels' W8A8 paths
-    (q_a + kv_a in one call, gate and up in one, the shared experts' chunks in the routed kernels), above them the
-    Mosaic GPU W8A8 GEMMs; shapes, dtypes and the stacked weights' indexing."""
+    scan) lowers for CUDA: at decode sizes (<= FP8_LINEAR_MAX_T tokens) the Triton linear and grouped kernels'
+    W8A8 paths (q_a + kv_a in one call, gate and up in one, the shared experts' chunks in the routed kernels), above
+    them the Mosaic GPU W8A8 GEMMs; shapes, dtypes and the stacked weights' indexing."""
     from mla_jax import layers
     from mla_jax.memory import abstract_params
     from tests.mla_jax.helpers import tiny_config
@@ -213,7 +213,7 @@ def test_fp8_model_lowers_with_the_kernels_for_gpu(monkeypatch, h200, tokens):
     txt = f.trace(abstract_params(cfg, weights="fp8"), ids).lower(lowering_platforms=("cuda",)).as_text()
     linear_fp8 = re.findall(r'name = "(linear\d)_fp8_bt', txt)
     grouped_fp8 = re.findall(r'name = "(grouped_\w+?)_fp8_bm', txt)
-    if tokens <= layers.LINEAR_MAX_T:  # (identical kernel calls are lowered once: kinds, not counts)
+    if tokens <= layers.FP8_LINEAR_MAX_T:  # (identical kernel calls are lowered once: kinds, not counts)
         assert set(linear_fp8) == {"linear1", "linear2"}, linear_fp8  # q_a + kv_a, gate + up in one call
         # the shared experts as chunk groups of the routed kernels
         assert set(grouped_fp8) == {"grouped_glu_shared", "grouped_matmul_shared"}, grouped_fp8
@@ -227,7 +227,7 @@ def test_fp8_model_lowers_with_the_kernels_for_gpu(monkeypatch, h200, tokens):
     # those of the linears the Mosaic GPU kernel does not take (kv_a_proj's N = 160), which XLA's dot path reads
     sliced = re.findall(r"dynamic_slice [^\n]*sizes = \[1, (\d+), (\d+)\] : \(tensor<[^>]*xf8E4M3FN>", txt)
     assert all(F.unsupported_reason(int(n), int(k)) is not None for n, k in sliced), sliced
-    assert bool(sliced) == (tokens > layers.LINEAR_MAX_T), sliced
+    assert bool(sliced) == (tokens > layers.FP8_LINEAR_MAX_T), sliced
 
 
 TOKENIZER = '{"version": "1.0", "model": {"vocab": {"<|endoftext|>": 0}}}'

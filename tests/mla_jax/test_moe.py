@@ -155,8 +155,8 @@ def test_fp8_experts_at_decode_sizes_take_the_triton_kernel(T, max_copies, monke
     chunk groups of the same two calls, with the portable W8A8 path's output (`fp8_grouped_matmul_xla` through
     ragged_dot and a separate shared MLP: the same quantization, but gate and up rounded to bf16 before the SwiGLU,
     so the down projection's e4m3 rounding of its input differs: 1.8-2.5% apart in norm, each 5-7% from float32 on
-    these weights; with float32 activations the two agree to float32 rounding); more than LINEAR_MAX_T tokens do not
-    take it."""
+    these weights; with float32 activations the two agree to float32 rounding); more than FP8_LINEAR_MAX_T tokens do
+    not take it."""
     from mla_jax.checkpoint.fp8 import quantize_params
 
     if max_copies is not None:
@@ -184,7 +184,7 @@ def test_fp8_experts_at_decode_sizes_take_the_triton_kernel(T, max_copies, monke
     x32 = x.astype(jnp.float32)
     got32, want32 = moe(p, cfg, x32, gmm_impl="pallas"), moe(p, cfg, x32, gmm_impl="ragged_dot")
     np.testing.assert_allclose(np.asarray(got32), np.asarray(want32), rtol=0, atol=1e-5 * float(jnp.abs(want32).max()))
-    monkeypatch.setattr(layers, "LINEAR_MAX_T", T - 1)
+    monkeypatch.setattr(layers, "FP8_LINEAR_MAX_T", T - 1)
     calls.clear()
     moe(p, cfg, x, gmm_impl="pallas")
     assert not calls

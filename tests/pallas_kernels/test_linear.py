@@ -58,8 +58,6 @@ def _poisoned_stack(w, layers: int, index: int):
         (2, (20, 16, 7), 40, jnp.bfloat16, jnp.bfloat16, {}),  # three weights, default tuning
         (5, (7, 33), 40, jnp.float32, jnp.float32, dict(block_t=2, block_n=4, block_k=16)),  # f32: ragged everything
         (1, (64,), 100, jnp.bfloat16, jnp.float32, {}),  # the router: bf16 x cast to f32 in the kernel
-        (1, (40, 24), 72, jnp.bfloat16, jnp.bfloat16, dict(block_t=1, block_n=4, block_k=32)),  # bf16 FMA (GEMV)
-        (3, (9,), 200, jnp.bfloat16, jnp.bfloat16, dict(block_t=2, block_n=8, block_k=64)),  # FMA, 2 row tiles
     ],
 )
 def test_matches_reference(t, ns, k, x_dtype, w_dtype, tuning):
@@ -122,7 +120,6 @@ def test_gradient_is_the_references():
         ((jnp.zeros((2, 4)), (jnp.zeros((3, 5, 4)), jnp.zeros((2, 5, 4)))), dict(rhs_index=0), "stacked layers"),
         ((jnp.zeros((2, 4), jnp.int32), (jnp.zeros((5, 4)),)), {}, "x dtype"),
         ((jnp.zeros((2, 4), jnp.bfloat16), (jnp.zeros((5, 4), jnp.bfloat16),)), dict(block_n=8), "block_n=8"),
-        ((jnp.zeros((2, 4), jnp.bfloat16), (jnp.zeros((5, 4), jnp.bfloat16),)), dict(block_t=3), "block_t=3"),
         ((jnp.zeros((2, 4)), (jnp.zeros((5, 4)),)), dict(block_k=24), "block_k=24"),
         ((jnp.zeros((2, 4)), (jnp.zeros((5, 4)),)), dict(num_warps=3), "num_warps"),
         ((jnp.zeros((2, 4)), (jnp.zeros((5, 4)),)), dict(out_dtype=jnp.int8), "out_dtype"),
@@ -323,7 +320,7 @@ def _spy(monkeypatch, calls):
 def test_fp8_linears_take_the_kernel_on_a_gpu(monkeypatch):
     """`layers.linears` of block-FP8 weights with the backend reported as a GPU (the kernel interpreted): q + kv as
     one call, a single weight (o_proj's case, one token too) as another, plain and `LayerRow`s, with the portable W8A8
-    path's results (`layers.linear` on the CPU: `fp8_matmul_xla`); more than LINEAR_MAX_T tokens do not take it."""
+    path's results (`layers.linear` on the CPU: `fp8_matmul_xla`); more than FP8_LINEAR_MAX_T tokens do not take it."""
     ws_x, ws, ss = _fp8_inputs(11, 5, (96, 40), 200)
     _, stw, sts = _fp8_inputs(11, 5, (96, 40), 200, layers=3, index=2)
     plain = [{"weight": w, "weight_scale_inv": sc} for w, sc in zip(ws, ss)]
@@ -347,7 +344,7 @@ def test_fp8_linears_take_the_kernel_on_a_gpu(monkeypatch):
     assert not layers._linear_kernel_ok(tuple(plain), ws_x)
     monkeypatch.setattr(layers, "_fp8_kernel_ok", lambda n, k: False)
     assert layers._linear_kernel_ok(tuple(plain), ws_x)
-    monkeypatch.setattr(layers, "LINEAR_MAX_T", 4)  # 5 tokens: the fp8 GEMM's path, not this kernel
+    monkeypatch.setattr(layers, "FP8_LINEAR_MAX_T", 4)  # 5 tokens: the fp8 GEMM's path, not this kernel
     n = len(calls)
     layers.linears(tuple(plain), ws_x)  # (the GEMM's XLA form: no GPU here)
     assert len(calls) == n
@@ -516,15 +513,7 @@ def test_gpu_matches_reference(t, ns, k, w_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "tuning",
-    [
-        {},
-        SMALL,
-        dict(block_t=32, block_n=64, block_k=64, num_warps=8, num_stages=2),
-        dict(block_t=4, block_n=8, block_k=256, num_warps=4, num_stages=2),  # bf16: FMA tiles
-    ],
-)
+@pytest.mark.parametrize("tuning", [{}, SMALL, dict(block_t=32, block_n=64, block_k=64, num_warps=8, num_stages=2)])
 def test_gpu_tuning_and_f32(tuning):
     _gpu()
     for w_dtype in (jnp.bfloat16, jnp.float32):
