@@ -1028,7 +1028,8 @@ case $part in
     overlay_trees
     (cd /tmp/wide && out=$out verify_b32k2 wide 150 2.2)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-77) # session 32 (prepared, not run): the batch-1 trace with its optimized HLO, the step with both layer scans unrolled
+77) # (superseded by parts 79 and 81, session 33)
+    # session 32 (prepared, not run): the batch-1 trace with its optimized HLO, the step with both layer scans unrolled
     # (its per-layer scalar kernels gone? step and compile time against the scan's), then batch 128's trace and HLO at
     # ctx 1k (fits an H100): which copies are its 5 `memcpy128` and 4 `memcpy32_post` a layer (0.63 ms a step on the
     # H200, e95e17d's trace)
@@ -1045,7 +1046,8 @@ case $part in
         --no-prefill --no-engine --profile /tmp/prof
     hlo b128-ctx1024
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-78) # session 32 (prepared): batch 128 takes none of the decode-size kernels (LINEAR_MAX_T, HEAD_MATMUL_MAX_T and
+78) # (superseded by part 82, session 33: the thresholds at 128 won and are taken)
+    # session 32 (prepared): batch 128 takes none of the decode-size kernels (LINEAR_MAX_T, HEAD_MATMUL_MAX_T and
     # ROUTER_IN_NORM_MAX_T are 64: XLA's GEMMs, the slices of their fused output, a separate router GEMV and norm) and
     # sorts its 768 routed copies (BY_GROUP_MAX_COPIES 256): 1,052 kernels a step against batch 32's 426. The step at
     # batch 128, ctx 1k (fits an H100): this tree, the three thresholds at 128, by group up to 1024 copies, both
@@ -1094,23 +1096,17 @@ PY
     (cd /tmp/fma && out=$out b1 120 fma --profile /tmp/prof-fma)
     XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT b1 100 concurrent
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-80) # session 33 (any card): batch 128's experts, 0.77 / 0.74 of copy (glu / down, H200 trace e95e17d: 9.1 of the
-    # step's 16.0 ms) where batch 32's reach ~1.0: the sorted bf16 kernels' tuning at T = 128 (never swept; 16-row
-    # tiles for ~12 copies an expert, so an expert past 16 rows is read by two items) and T = 32; then part 78's
-    # batch-128 step (ctx 1k) with the decode-size kernels' thresholds at 128
+80) # session 33 (any card), next: batch 128's experts, 0.77 / 0.74 of copy (glu / down, H200 trace e95e17d: 9.1 of
+    # the step's 16.0 ms) where batch 32's reach ~1.0: the sorted bf16 kernels' tuning at T = 128 (never swept; 16-row
+    # tiles for ~12 copies an expert, so an expert past 16 rows is read by two items) and T = 32; then the verify step
+    # at batch 32, k = 2 with its 576 routed copies by group (BY_GROUP_MAX_COPIES 1024, /tmp/wide) against this tree
+    # (sorted), both with the decode-size kernels up to 128 tokens (d8b0049)
     out=${2:?}
     run 230 moe python3 bench/moe_decode.py --out "$out/moe" --tokens 128,32 --weights bf16 --routing sorted \
         --budget-s 170
-    b128() { run 140 "e2e-b128-$1" python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-$1" --weights bf16 --batches 128 \
-        --ctxs 1024 --no-prefill --no-engine; }
-    b128 new
-    rm -rf /tmp/t128 && mkdir /tmp/t128 && cp -r mla_jax pallas_kernels bench /tmp/t128/
-    sed -i 's/^LINEAR_MAX_T = 64$/LINEAR_MAX_T = 128/; s/^ROUTER_IN_NORM_MAX_T = 64$/ROUTER_IN_NORM_MAX_T = 128/' \
-        /tmp/t128/mla_jax/layers.py
-    sed -i 's/^HEAD_MATMUL_MAX_T = 64$/HEAD_MATMUL_MAX_T = 128/' /tmp/t128/mla_jax/mla.py
-    [ "$(cat /tmp/t128/mla_jax/layers.py /tmp/t128/mla_jax/mla.py | grep -c '_MAX_T = 128$')" = 3 ] \
-        || echo "t128: a threshold moved" >&2
-    (cd /tmp/t128 && b128 t128)
+    verify_b32k2 new 140 2.0
+    overlay_trees
+    (cd /tmp/wide && out=$out verify_b32k2 wide 140 2.0)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 81) # session 33 (any card), after part 79: the batch-1 step (ctx 4k) without the layer loop's two ~1 us kernels a
     # layer (`loop_add_multiply_fusion`, `memcpy32_post`: the while loop's condition and its copy to the host?): both
