@@ -95,6 +95,10 @@ _QK_CHUNK = 192  # fp8 QK^T: columns per float32 promotion (DeepGEMM's recipe pr
 # ptxas spilled 264 B a thread of the consumer (O^T and the QK^T partial sums); with these none (329 -> 297 us at
 # 128x16x8192, with P.V moved after the next page's softmax, session 17).
 _FP8_REGS = (240, 128, 136)
+# Programmatic dependent launch: with PDL the kernel waits (`griddepcontrol.wait`) before its first read, which marks
+# it for a PDL launch (Mosaic GPU's `uses_pdl`), so that its launch overlaps the previous kernel's end. Off until
+# measured on a GPU (gpu_session.sh part 83: its GPU tests and the batch-1 step with and without it).
+PDL = False
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a [G, M] / [L, M] accumulator (a query row)
 _TOK = plgpu.Layout.WGMMA.reduce(1)  # one value per row (a token of the page)
 
@@ -325,6 +329,8 @@ def _kernel(*refs, cfg):
 
     def scoped(union, **bars):
         loop, (fin_o, fin_lse), (part_o, part_lse) = union
+        if PDL and not cfg.interpret:  # launched early (PDL); every read waits for the previous kernel's writes
+            plgpu.griddepcontrol_wait()
         piece = lax.axis_index("piece")
         if cfg.worklist:
             b, first, n, slot = (meta_gmem[piece, col] for col in (0, 2, 3, 4))

@@ -1141,5 +1141,19 @@ PY
     (cd /tmp/t128 && verify_b32k2 t128 140 2.0)
     verify_b32k2 new 140 2.0
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 82" >&2; exit 2 ;;
+83) # session 33 (any card; prepared): the narrow decode kernel marked for programmatic dependent launch (it waits,
+    # `griddepcontrol.wait`, before its first read, so Mosaic GPU launches it with PDL: its launch overlaps the end of
+    # the kernel before it); its GPU tests, then the batch-1 step (ctx 4k / 1k) with and without it (PDL = False), and
+    # with XLA's PDL for its own kernels too (--xla_gpu_enable_pdl=true: an unknown flag fails at once)
+    out=${2:?}
+    ab_copy /tmp/pdlt pallas_kernels/mla_decode_sm90_narrow.py 's/^PDL = False$/PDL = True/' "^PDL = True$"
+    cp -r tests /tmp/pdlt/ && (cd /tmp/pdlt && verbose_tests 150 tests/pallas_kernels/test_mla_decode_sm90.py)
+    b1() { run "$1" "e2e-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-$2" --weights bf16 --batches 1 \
+        --ctxs 4096,1024 --no-prefill --no-engine; }
+    b1 130 nopdl
+    ab_copy /tmp/pdl pallas_kernels/mla_decode_sm90_narrow.py 's/^PDL = False$/PDL = True/' "^PDL = True$"
+    (cd /tmp/pdl && b1 130 pdl)
+    (cd /tmp/pdl && XLA_FLAGS=--xla_gpu_enable_pdl=true b1 120 xla-pdl)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 83" >&2; exit 2 ;;
 esac

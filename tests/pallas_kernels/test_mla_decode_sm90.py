@@ -26,6 +26,7 @@ import pytest
 
 from pallas_kernels import mla_decode
 from pallas_kernels import mla_decode_sm90 as k90
+from pallas_kernels import mla_decode_sm90_narrow as narrow_kernel
 from pallas_kernels.testing import DECODE_SCALE as SCALE
 from pallas_kernels.testing import MLA_DECODE_SM90, assert_decode_close, decode_inputs, decode_reference
 from tests.pallas_kernels.decode_suite import DecodeSuite
@@ -347,6 +348,12 @@ def test_attention_backend_pallas_sm90_fp8qk(monkeypatch):
     assert len(calls) == 2
 
 
+def _merge_splits_ref(o_part, lse_part, *, out_dtype, interpret, transposed=False):
+    """`merge_splits`'s jnp reference in its signature: the Triton merge needs a GPU to lower."""
+    out, lse = mla_decode.merge_splits_reference(jnp.swapaxes(o_part, -1, -2) if transposed else o_part, lse_part)
+    return out.astype(out_dtype), lse
+
+
 def _lower_for_sm90(cache_dtype, n=16, **kw):
     q, cache, bt, sl, ks = decode_inputs(
         9, b=2, nq=1, n=n, l=L, r=R, g=G, max_pages=3, lens=[150, 7], cache_dtype=cache_dtype
@@ -378,11 +385,7 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
     The split merges are Triton kernels, which need a GPU to lower: their jnp references stand in
     here (the kernel has its own interpreter and GPU tests in test_mla_decode.py)."""
 
-    def merge_ref(o_part, lse_part, *, out_dtype, interpret, transposed=False):
-        out, lse = mla_decode.merge_splits_reference(jnp.swapaxes(o_part, -1, -2) if transposed else o_part, lse_part)
-        return out.astype(out_dtype), lse
-
-    monkeypatch.setattr(k90, "merge_splits", merge_ref)
+    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
 
     def merge_segments_ref(
         out, lse, o_part, lse_part, seg_first, seg_count, split_tiles, *, interpret, transposed=False
@@ -400,11 +403,26 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
     narrow = kw.get("n", 16) <= 16
     kind = {"bf16": "bf16", "fp8": "fp8qk" if kw.get("fp8_qk") else "fp8"}[cache_dtype]
     assert (f"mla_decode_sm90_narrow_{kind}_m16" in text) == narrow
+    assert ("uses_pdl" in text) == (narrow and narrow_kernel.PDL)
     # Triton kernels (with an H200 stand-in for the device query): the work list's metadata step, and the 64-row
     # fp8_qk's q quantize (the narrow kernel splits an fp8 cache's q in place).
     quantize = bool(kw.get("fp8_qk")) and not narrow
     assert text.count("__gpu$xla.gpu.triton") == (kw.get("schedule") == "worklist") + quantize
     assert ("quantize_q_fp8_r" in text) == quantize
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_narrow_kernel_pdl_marks_its_launch(pdl, monkeypatch, h200):
+    """With `PDL` the narrow kernel waits for the previous kernel before its first read (`griddepcontrol.wait`), and
+    Mosaic GPU marks its module for a programmatic dependent launch (`uses_pdl`); without it, neither."""
+    monkeypatch.setattr(narrow_kernel, "PDL", pdl)
+    jax.clear_caches()  # the kernel's trace is cached by its static arguments, not by PDL
+
+    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
+    text = _lower_for_sm90("bf16", num_kv_splits=2, num_sms=132)
+    assert "mla_decode_sm90_narrow_bf16_m16" in text
+    assert ("uses_pdl" in text) == pdl
+    jax.clear_caches()
 
 
 def test_shared_memory_budget_error():
