@@ -1155,5 +1155,18 @@ PY
     (cd /tmp/pdl && b1 130 pdl)
     (cd /tmp/pdl && XLA_FLAGS=--xla_gpu_enable_pdl=true b1 120 xla-pdl)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 83" >&2; exit 2 ;;
+84) # session 33 (any card; prepared): batch 128 (ctx 1k) since the decode-size kernels take up to 128 tokens
+    # (d8b0049), with its device trace, against the router back on its own GEMV (ROUTER_IN_NORM_MAX_T 64: the norm's
+    # 16 programs a row re-read the router's 512 KB from L2, 64 MB a layer at 128 tokens), both in this call
+    out=${2:?}
+    run 150 e2e-b128 python3 -m mla_jax.bench.e2e --out "$out/e2e-b128" --weights bf16 --batches 128 --ctxs 1024 \
+        --no-prefill --no-engine --profile /tmp/prof
+    ab_copy /tmp/r64 mla_jax/layers.py 's/^ROUTER_IN_NORM_MAX_T = 128$/ROUTER_IN_NORM_MAX_T = 64/' \
+        "^ROUTER_IN_NORM_MAX_T = 64$"
+    (cd /tmp/r64 && run 130 e2e-b128-r64 python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-r64" --weights bf16 \
+        --batches 128 --ctxs 1024 --no-prefill --no-engine)
+    run 130 e2e-b128-again python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-again" --weights bf16 --batches 128 \
+        --ctxs 1024 --no-prefill --no-engine
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 84" >&2; exit 2 ;;
 esac
