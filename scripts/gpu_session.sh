@@ -1147,7 +1147,7 @@ PY
     # with XLA's PDL for its own kernels too (--xla_gpu_enable_pdl=true: an unknown flag fails at once)
     out=${2:?}
     ab_copy /tmp/pdlt pallas_kernels/mla_decode_sm90_narrow.py 's/^PDL = False$/PDL = True/' "^PDL = True$"
-    cp -r tests /tmp/pdlt/ && (cd /tmp/pdlt && verbose_tests 150 tests/pallas_kernels/test_mla_decode_sm90.py)
+    cp -r tests pyproject.toml /tmp/pdlt/ && (cd /tmp/pdlt && verbose_tests 150 tests/pallas_kernels/test_mla_decode_sm90.py)
     b1() { run "$1" "e2e-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-$2" --weights bf16 --batches 1 \
         --ctxs 4096,1024 --no-prefill --no-engine; }
     b1 130 nopdl
