@@ -1156,17 +1156,20 @@ PY
     (cd /tmp/pdl && XLA_FLAGS=--xla_gpu_enable_pdl=true b1 120 xla-pdl)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 84) # session 33 (any card; prepared): batch 128 (ctx 1k) since the decode-size kernels take up to 128 tokens
-    # (d8b0049), with its device trace, against the router back on its own GEMV (ROUTER_IN_NORM_MAX_T 64: the norm's
-    # 16 programs a row re-read the router's 512 KB from L2, 64 MB a layer at 128 tokens), both in this call
+    # (d8b0049), with its device trace; its 768 routed copies by group (BY_GROUP_MAX_COPIES 1024, /tmp/wide: sorted
+    # rows are cut in 16-row tiles across expert boundaries, so at ~12 copies an expert most experts are read by two
+    # items; by group, an expert's copies are its own tiles: batch 32's experts run at ~1.0 of copy that way, batch
+    # 128's at 0.77 / 0.74 sorted); the router back on its own GEMV (ROUTER_IN_NORM_MAX_T 64: the norm's 16 programs
+    # a row re-read the router's 512 KB from L2, 64 MB a layer at 128 tokens); all in this call
     out=${2:?}
-    run 150 e2e-b128 python3 -m mla_jax.bench.e2e --out "$out/e2e-b128" --weights bf16 --batches 128 --ctxs 1024 \
-        --no-prefill --no-engine --profile /tmp/prof
+    b128() { run "$1" "e2e-b128-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-$2" --weights bf16 \
+        --batches 128 --ctxs 1024 --no-prefill --no-engine "${@:3}"; }
+    b128 150 tree --profile /tmp/prof
+    overlay_trees
+    (cd /tmp/wide && b128 130 wide)
     ab_copy /tmp/r64 mla_jax/layers.py 's/^ROUTER_IN_NORM_MAX_T = 128$/ROUTER_IN_NORM_MAX_T = 64/' \
         "^ROUTER_IN_NORM_MAX_T = 64$"
-    (cd /tmp/r64 && run 130 e2e-b128-r64 python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-r64" --weights bf16 \
-        --batches 128 --ctxs 1024 --no-prefill --no-engine)
-    run 130 e2e-b128-again python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-again" --weights bf16 --batches 128 \
-        --ctxs 1024 --no-prefill --no-engine
+    (cd /tmp/r64 && b128 130 r64)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 84" >&2; exit 2 ;;
 esac
