@@ -17,11 +17,11 @@ zero-padded per-group matrices, a dense [G, M, K] problem (every expert for ever
 the MoE sparsity and runs out of memory at prefill sizes. Here each row is multiplied by its own
 expert only.
 
-Design: a static-length list of work items (row tile, segment) from group_sizes (traced): the tiles of
-`block_m` rows covering [0, M), where a tile that straddles segment boundaries appears once per segment
-it touches. Segments are the G groups plus one padding segment [sum, M). The count is at most
-cdiv(M, block_m) + min(G, M) (each boundary inside a tile adds one item, and at most min(G, M) groups
-are non-empty); unused items at the end are no-ops. Grid (cdiv(N, block_n), items, k splits), N
+Design: a static-length list of work items (row tile, segment) from group_sizes (traced): each segment's
+own tiles of `block_m` rows from its first row (`GROUP_ALIGNED_TILES`; or the tiles of [0, M), a tile that
+straddles segment boundaries appearing once per segment it touches). Segments are the G groups plus one
+padding segment [sum, M). The count is at most cdiv(M, block_m) + min(G, M) either way; unused items at the
+end are no-ops. Grid (cdiv(N, block_n), items, k splits), N
 blocks fastest so that the programs running together share one row tile of lhs and one expert's rhs
 in L2. A program derives its own item (tile, row range, group) from group_sizes (`work_item`: two
 cumsums and a search over the G + 1 segments in registers, where an XLA prologue computing the list
@@ -115,6 +115,12 @@ from pallas_kernels.util import (
     quantize_act_tile,
 )
 
+# Sorted rows (group_sizes) in tiles of their own group, from its first row (`work_item(aligned=True)`), else the
+# block_m-row tiles of [0, M), a tile straddling groups an item of each. Aligned: never more items, and at decode
+# sizes each expert's weights read once where a straddled expert of < block_m rows is often read twice (batch 128:
+# ~12 copies an expert in 16-row tiles; its experts ran at 0.77 / 0.74 of copy sorted, H200, e95e17d). Off until
+# measured on a GPU (gpu_session.sh parts 80 and 84: the kernels and the batch-128 step with and without it).
+GROUP_ALIGNED_TILES = False
 PER_COPY_MAX_COPIES = 16  # a token top-k of at most this many routed copies: each copy its own work item (its
 # expert's weights read once per copy); more: an item per (group, row tile), each expert's weights read once a tile
 
@@ -324,14 +330,19 @@ def _cumsum(x):
     return jnp.sum(jnp.where(i[None, :] <= i[:, None], x[None, :], 0), axis=1).astype(x.dtype)
 
 
-def work_item(sizes, num_groups: int, w, m: int, block_m: int, cumsum=jnp.cumsum):
-    """Work item w's (tile, lo, hi, group) from the group sizes `sizes` [P] (P > num_groups; entries past G =
+def work_item(sizes, num_groups: int, w, m: int, block_m: int, cumsum=jnp.cumsum, aligned: bool = False):
+    """Work item w's (row0, lo, hi, group) from the group sizes `sizes` [P] (P > num_groups; entries past G =
     num_groups are 0): scalar jnp, so the grouped kernel derives its own item (no XLA kernels before the call) and
     `work_items` the whole list.
 
-    Item w covers rows [max(lo, tile*block_m), min(hi, (tile+1)*block_m)) of segment `group`: group < G a group,
-    group == G the padding segment [sum, M) (zeros). Items past the list's end (w >= their count) have lo == hi
-    == 0 (they store nothing) and group G. The count is at most cdiv(M, block_m) + min(G, M).
+    Item w covers rows [max(lo, row0), min(hi, row0 + block_m)) of segment `group`: group < G a group, group == G
+    the padding segment [sum, M) (zeros). Tiles are the block_m-row tiles of [0, M) (row0 a multiple of block_m:
+    a tile straddling a segment boundary is an item of each segment it touches), or with `aligned` each segment's
+    own tiles from its first row (row0 = lo + j * block_m: no tile is shared, so a group's weights are read by
+    cdiv(rows, block_m) items, where a straddled group of fewer rows than block_m is often read by two). Items past
+    the list's end (w >= their count) have lo == hi == 0 (they store nothing) and group G. The count is at most
+    cdiv(M, block_m) + min(G, M) either way (aligned: sum_s cdiv(n_s, block_m) <= cdiv(M, block_m) + (segments -
+    1)).
     """
     g = num_groups
     idx = jnp.arange(sizes.shape[0], dtype=jnp.int32)
@@ -339,8 +350,12 @@ def work_item(sizes, num_groups: int, w, m: int, block_m: int, cumsum=jnp.cumsum
     csum = cumsum(sizes)  # sum > M is invalid input: clip, never read past M
     seg_lo = jnp.where(idx <= g, jnp.minimum(csum - sizes, m), 0)  # the groups, then the padding segment at G
     seg_hi = jnp.where(idx < g, jnp.minimum(csum, m), jnp.where(idx == g, m, 0))
-    first = seg_lo // block_m
-    count = jnp.where(seg_hi > seg_lo, (seg_hi - 1) // block_m - first + 1, 0)  # tiles a segment touches
+    if aligned:  # a segment's tiles start at its first row
+        first = seg_lo
+        count = jnp.where(seg_hi > seg_lo, (seg_hi - seg_lo + block_m - 1) // block_m, 0)
+    else:  # the tiles of [0, M) that a segment touches
+        first = seg_lo // block_m
+        count = jnp.where(seg_hi > seg_lo, (seg_hi - 1) // block_m - first + 1, 0)
     cum = cumsum(count)  # inclusive
     seg = jnp.minimum(jnp.sum((cum <= w).astype(jnp.int32)), g)  # searchsorted(cum, w, side="right")
 
@@ -348,10 +363,11 @@ def work_item(sizes, num_groups: int, w, m: int, block_m: int, cumsum=jnp.cumsum
         return jnp.sum(jnp.where(idx == seg, v, 0))
 
     valid = w < jnp.sum(count)
-    tile = pick(first) + w - (pick(cum) - pick(count))
+    j = w - (pick(cum) - pick(count))  # the item's tile within its segment
+    row0 = pick(first) + j * block_m if aligned else (pick(first) + j) * block_m
     zero = jnp.zeros((), jnp.int32)
     return (
-        jnp.where(valid, tile, zero),
+        jnp.where(valid, row0, zero),
         jnp.where(valid, pick(seg_lo), zero),
         jnp.where(valid, pick(seg_hi), zero),
         jnp.where(valid, seg, g),
@@ -365,13 +381,15 @@ def num_work_items(m: int, num_groups: int, block_m: int) -> int:
 
 def work_items(group_sizes, m: int, block_m: int):
     """The whole work list from traced group sizes i32[G]: i32[W] arrays (tile, lo, hi, group), W =
-    `num_work_items` (`work_item` of each w; the Mosaic GPU fp8 grouped GEMM's list; the Triton kernel derives its
-    item itself)."""
+    `num_work_items` (`work_item` of each w, the block_m-row tiles of [0, M), item w's rows [max(lo, tile *
+    block_m), min(hi, (tile + 1) * block_m)): the Mosaic GPU fp8 grouped GEMM's list, whose TMA loads whole tiles;
+    the Triton kernel derives its item itself)."""
     g = group_sizes.shape[0]
     sizes = jnp.pad(group_sizes.astype(jnp.int32), (0, 1))
     w = jnp.arange(num_work_items(m, g, block_m), dtype=jnp.int32)
     # _cumsum: one fusion each (XLA's GPU cumsum is a reduce-window kernel of its own)
-    return jax.vmap(lambda i: work_item(sizes, g, i, m, block_m, cumsum=_cumsum))(w)
+    row0, lo, hi, grp = jax.vmap(lambda i: work_item(sizes, g, i, m, block_m, cumsum=_cumsum))(w)
+    return row0 // block_m, lo, hi, grp
 
 
 def row_items(row_groups, num_groups: int, block_m: int):
@@ -554,12 +572,12 @@ def _kernel(
         p = next_pow2(num_segments + 1)
         seg = jnp.arange(p, dtype=jnp.int32)
         sizes = masked_load(item_refs[0].at[pl.ds(0, p)], None if p == num_segments else seg < num_segments)
-        tile, lo, hi, grp = work_item(sizes, num_segments, i, m, bm)
-        row0 = tile * bm
+        row0, lo, hi, grp = work_item(sizes, num_segments, i, m, bm, aligned=GROUP_ALIGNED_TILES)
     col0 = j * bn
     rows = row0 + jnp.arange(bm, dtype=jnp.int32)
     cols = col0 + jnp.arange(bn, dtype=jnp.int32)
-    row_in = (rows < m)[:, None] if m % bm and not by_row else None  # static: only a ragged last tile needs it
+    # static: only a ragged last tile, or group-aligned tiles (any may run past M), read past M
+    row_in = (rows < m)[:, None] if (m % bm or GROUP_ALIGNED_TILES) and not (by_row or by_group) else None
     col_in = cols < n if n % bn else None
     is_routed = (grp >= 0) & (grp < num_groups)
     is_shared = (grp >= num_groups) & (grp < num_groups + num_chunks)  # else a padding item (zeros)
@@ -756,12 +774,17 @@ def _gmm_impl(
     # two of their dimension by the caller, so the padding is under one block; a stacked rhs is
     # padded, so copied, whole: CPU tests only). A shared weight is padded chunk by chunk.
     m_out, n_out = m, n
+    m_rows = m  # the output's rows (interpret mode: room for a tile past the last)
     if interpret and by_row:  # an item's tile starts at its first row: room for a whole tile past the last
-        m = m + block_m
+        m = m_rows = m + block_m
+    elif interpret and GROUP_ALIGNED_TILES:  # a segment's tile starts at any row below M: room for one past it
+        lhs = jnp.pad(lhs, ((0, block_m), (0, 0)))
+        scales = (*scales[:-1], jnp.pad(scales[-1], ((0, block_m), (0, 0)))) if scales else scales
+        m_rows = m + block_m
     elif interpret and m < block_m:  # padding segment rows: output 0, sliced off
         lhs = jnp.pad(lhs, ((0, block_m - m), (0, 0)))
         scales = (*scales[:-1], jnp.pad(scales[-1], ((0, block_m - m), (0, 0)))) if scales else scales
-        m = block_m
+        m = m_rows = block_m
     if interpret:  # the scales' K blocks to a power of two (`block_scales`); a shared chunk's read past its start
         scales = tuple(pad_to(a, a.ndim - 1, next_pow2(a.shape[-1])) for a in scales)
         kp = next_pow2(scales[-1].shape[-1]) if scales else 0
@@ -816,9 +839,9 @@ def _gmm_impl(
         round_dtype=out_dtype.name,
     )
     whole = lambda shape: pl.BlockSpec(shape, lambda j, i, s: (0,) * len(shape))  # noqa: E731
-    out_shapes = [jax.ShapeDtypeStruct((parts, m, n), FP8 if quant_out else part_dtype)]
+    out_shapes = [jax.ShapeDtypeStruct((parts, m_rows, n), FP8 if quant_out else part_dtype)]
     if quant_out:
-        out_shapes.append(jax.ShapeDtypeStruct((m, cdiv(n_out, FP8_BLOCK)), jnp.float32))
+        out_shapes.append(jax.ShapeDtypeStruct((m_rows, cdiv(n_out, FP8_BLOCK)), jnp.float32))
     weights = rhss + tuple(scales) + shareds + tuple(shared_scales)
     out = pl.pallas_call(
         kernel,
@@ -848,7 +871,7 @@ def _gmm_impl(
         out = (jax.nn.silu(gate) * up).astype(out_dtype)
     else:
         out = jnp.sum(out, axis=0).astype(out_dtype)
-    if (m_out, n_out) != (m, n):
+    if (m_out, n_out) != (m_rows, n):
         out = out[:m_out, :n_out]
     return fp8_quant.quantize_act(out, interpret=interpret) if quantize_out else out
 

@@ -1097,16 +1097,22 @@ PY
     XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT b1 100 concurrent
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 80) # session 33 (any card), next: batch 128's experts, 0.77 / 0.74 of copy (glu / down, H200 trace e95e17d: 9.1 of
-    # the step's 16.0 ms) where batch 32's reach ~1.0: the sorted bf16 kernels' tuning at T = 128 (never swept; 16-row
-    # tiles for ~12 copies an expert, so an expert past 16 rows is read by two items) and T = 32; then the verify step
-    # at batch 32, k = 2 with its 576 routed copies by group (BY_GROUP_MAX_COPIES 1024, /tmp/wide) against this tree
-    # (sorted), both with the decode-size kernels up to 128 tokens (d8b0049)
+    # the step's 16.0 ms) where batch 32's reach ~1.0: the sorted bf16 kernels at T = 128 (never swept; 16-row tiles
+    # of [0, M) for ~12 copies an expert, so most experts are read by two items), swept with this tree's tiles and
+    # with each group's own tiles (GROUP_ALIGNED_TILES, /tmp/aligned); their GPU tests with aligned tiles; then the
+    # verify step at batch 32, k = 2 by group (BY_GROUP_MAX_COPIES 1024, /tmp/wide) against this tree (sorted)
     out=${2:?}
-    run 230 moe python3 bench/moe_decode.py --out "$out/moe" --tokens 128,32 --weights bf16 --routing sorted \
-        --budget-s 170
-    verify_b32k2 new 140 2.0
+    ab_copy /tmp/aligned pallas_kernels/grouped_matmul.py 's/^GROUP_ALIGNED_TILES = False$/GROUP_ALIGNED_TILES = True/' \
+        "^GROUP_ALIGNED_TILES = True$"
+    cp -r tests pyproject.toml /tmp/aligned/ && (cd /tmp/aligned && verbose_tests 120 \
+        tests/pallas_kernels/test_grouped_matmul.py)
+    run 130 moe python3 bench/moe_decode.py --out "$out/moe" --tokens 128 --weights bf16 --routing sorted \
+        --budget-s 80
+    (cd /tmp/aligned && run 130 moe-aligned python3 bench/moe_decode.py --out "$out/moe-aligned" --tokens 128 \
+        --weights bf16 --routing sorted --budget-s 80)
+    verify_b32k2 new 120 1.8
     overlay_trees
-    (cd /tmp/wide && out=$out verify_b32k2 wide 140 2.0)
+    (cd /tmp/wide && out=$out verify_b32k2 wide 120 1.8)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 81) # session 33 (any card), after part 79: the batch-1 step (ctx 4k) without the layer loop's two ~1 us kernels a
     # layer (`loop_add_multiply_fusion`, `memcpy32_post`: the while loop's condition and its copy to the host?): both
@@ -1156,20 +1162,23 @@ PY
     (cd /tmp/pdl && XLA_FLAGS=--xla_gpu_enable_pdl=true b1 120 xla-pdl)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 84) # session 33 (any card; prepared): batch 128 (ctx 1k) since the decode-size kernels take up to 128 tokens
-    # (d8b0049), with its device trace; its 768 routed copies by group (BY_GROUP_MAX_COPIES 1024, /tmp/wide: sorted
-    # rows are cut in 16-row tiles across expert boundaries, so at ~12 copies an expert most experts are read by two
-    # items; by group, an expert's copies are its own tiles: batch 32's experts run at ~1.0 of copy that way, batch
-    # 128's at 0.77 / 0.74 sorted); the router back on its own GEMV (ROUTER_IN_NORM_MAX_T 64: the norm's 16 programs
-    # a row re-read the router's 512 KB from L2, 64 MB a layer at 128 tokens); all in this call
+    # (d8b0049), with its device trace; with each group's own row tiles (GROUP_ALIGNED_TILES: sorted rows cut in
+    # 16-row tiles of [0, M) at ~12 copies an expert read most experts twice); its 768 routed copies by group
+    # (BY_GROUP_MAX_COPIES 1024, /tmp/wide: batch 32's experts run at ~1.0 of copy that way, batch 128's at 0.77 /
+    # 0.74 sorted); the router back on its own GEMV (ROUTER_IN_NORM_MAX_T 64: the norm's 16 programs a row re-read the
+    # router's 512 KB from L2, 64 MB a layer at 128 tokens); all in this call
     out=${2:?}
     b128() { run "$1" "e2e-b128-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-$2" --weights bf16 \
         --batches 128 --ctxs 1024 --no-prefill --no-engine "${@:3}"; }
-    b128 150 tree --profile /tmp/prof
+    b128 140 tree --profile /tmp/prof
+    ab_copy /tmp/aligned pallas_kernels/grouped_matmul.py 's/^GROUP_ALIGNED_TILES = False$/GROUP_ALIGNED_TILES = True/' \
+        "^GROUP_ALIGNED_TILES = True$"
+    (cd /tmp/aligned && b128 120 aligned)
     overlay_trees
-    (cd /tmp/wide && b128 130 wide)
+    (cd /tmp/wide && b128 120 wide)
     ab_copy /tmp/r64 mla_jax/layers.py 's/^ROUTER_IN_NORM_MAX_T = 128$/ROUTER_IN_NORM_MAX_T = 64/' \
         "^ROUTER_IN_NORM_MAX_T = 64$"
-    (cd /tmp/r64 && b128 130 r64)
+    (cd /tmp/r64 && b128 120 r64)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 84" >&2; exit 2 ;;
 esac

@@ -5,13 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.grouped_matmul import (
     PER_COPY_MAX_COPIES,
     default_tuning,
     group_table,
     grouped_matmul,
     grouped_matmul_reference,
+    num_work_items,
     row_items,
+    work_item,
     work_items,
 )
 
@@ -96,7 +99,42 @@ def test_work_items_cover_every_row_once(seed):
     np.testing.assert_array_equal(hits, 1)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_aligned_work_items_are_each_groups_own_tiles(seed):
+    """`work_item(aligned=True)`: every row of [0, M) in exactly one item of its own segment, an item's rows within
+    block_m of its row0 = its segment's first row + j * block_m (no tile shared between segments), so a segment of
+    n rows has cdiv(n, block_m) items; within the static count, which the straddled list's bound also holds."""
+    rng = np.random.default_rng(100 + seed)
+    g, m, bm = int(rng.integers(1, 12)), int(rng.integers(1, 200)), int(rng.choice([16, 32]))
+    sizes = _sizes(seed, g, int(rng.integers(0, m + 1)))
+    padded = jnp.asarray(np.concatenate([sizes, [0]]), jnp.int32)
+    w = jnp.arange(num_work_items(m, g, bm), dtype=jnp.int32)
+    row0, lo, hi, grp = (np.asarray(a) for a in jax.vmap(lambda i: work_item(padded, g, i, m, bm, aligned=True))(w))
+    ends = np.cumsum(sizes)
+    owner = np.searchsorted(ends, np.arange(m), side="right")  # group of each row; g = padding
+    hits = np.zeros(m, int)
+    for r0, a, b, s in zip(row0, lo, hi, grp):
+        rows = np.arange(max(a, r0), min(b, r0 + bm))
+        if len(rows):
+            assert r0 >= a and (r0 - a) % bm == 0  # the segment's own tiles
+            assert np.all(owner[rows] == s)
+        hits[rows] += 1
+    np.testing.assert_array_equal(hits, 1)
+    seg_rows = np.diff(np.concatenate([[0], np.minimum(ends, m), [m]]))
+    assert int(np.sum(hi > lo)) == int(np.sum(-(-seg_rows // bm)))  # cdiv(n, block_m) items a segment
+
+
 # ---- interpret mode ----
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_sorted_tiles_aligned_or_straddled(aligned, monkeypatch):
+    """Both tilings of sorted rows give the reference's product: groups of fewer rows than a tile (straddled: one
+    tile holds several groups), empty groups, NaN padding rows past the sum."""
+    monkeypatch.setattr(gm, "GROUP_ALIGNED_TILES", aligned)
+    jax.clear_caches()  # the kernel's trace is cached by its arguments, not by the tiling
+    _check([5, 0, 12, 3, 17, 1, 9], 60, 40, 72, **SMALL)
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
