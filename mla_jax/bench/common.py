@@ -239,12 +239,16 @@ def git_commit() -> str:
 
 
 def results_header(ceilings: dict[str, float]) -> dict[str, Any]:
+    """A results file's header: GPU, date, JAX version, commit, the ceilings measured in the same run and, when set,
+    the XLA_FLAGS the run compiled with (they change what a row measures)."""
+    flags = os.environ.get("XLA_FLAGS", "").strip()
     return {
         "gpu": jax.devices()[0].device_kind,
         "date": datetime.date.today().isoformat(),
         "jax": jax.__version__,
         "commit": git_commit(),
         "ceilings": ceilings,
+        **({"xla_flags": flags} if flags else {}),
         "rows": [],
     }
 

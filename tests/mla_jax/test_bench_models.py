@@ -84,3 +84,16 @@ def test_trace_kernels_map_to_their_step_parts():
     assert kernel_part(parts, "mla_decode_sm90_narrow_bf16_m16_s64_stages2_mosaic_gpu_kernel", "command_buffer_3") == (
         "attention"
     )
+
+
+def test_results_header_names_the_xla_flags(monkeypatch):
+    """A results file says which XLA_FLAGS its run compiled with (they change what a row measures), and has no such
+    key when none were set."""
+    from mla_jax.bench.common import results_header
+
+    monkeypatch.setenv("XLA_FLAGS", " --xla_gpu_command_buffer_scheduling_mode=CONCURRENT ")
+    head = results_header({"copy_TBps": 1.0})
+    assert head["xla_flags"] == "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
+    assert {"gpu", "date", "jax", "commit", "ceilings", "rows"} <= set(head)
+    monkeypatch.delenv("XLA_FLAGS")
+    assert "xla_flags" not in results_header({})
