@@ -577,7 +577,7 @@ def _kernel(
     rows = row0 + jnp.arange(bm, dtype=jnp.int32)
     cols = col0 + jnp.arange(bn, dtype=jnp.int32)
     # static: only a ragged last tile, or group-aligned tiles (any may run past M), read past M
-    row_in = (rows < m)[:, None] if (m % bm or GROUP_ALIGNED_TILES) and not (by_row or by_group) else None
+    row_in = (rows < m)[:, None] if (m % bm or GROUP_ALIGNED_TILES) and not by_row else None
     col_in = cols < n if n % bn else None
     is_routed = (grp >= 0) & (grp < num_groups)
     is_shared = (grp >= num_groups) & (grp < num_groups + num_chunks)  # else a padding item (zeros)

@@ -82,21 +82,34 @@ def _sizes(seed, g, total, empty_frac=0.3):
 # ---- work list (no kernel) ----
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_work_items_cover_every_row_once(seed):
+def _work_list_case(seed):
+    """(G, M, block_m, sizes) of a random work list, some groups empty, their sum <= M."""
     rng = np.random.default_rng(seed)
     g, m, bm = int(rng.integers(1, 12)), int(rng.integers(1, 200)), int(rng.choice([16, 32]))
-    sizes = _sizes(seed, g, int(rng.integers(0, m + 1)))
-    tile, lo, hi, grp = (np.asarray(a) for a in work_items(jnp.asarray(sizes), m, bm))
-    assert len(tile) == -(-m // bm) + min(g, m)  # the static bound
-    ends = np.cumsum(sizes)
-    owner = np.searchsorted(ends, np.arange(m), side="right")  # group of each row; g = padding
+    return g, m, bm, _sizes(seed, g, int(rng.integers(0, m + 1)))
+
+
+def _assert_every_row_once(row0, lo, hi, grp, sizes, m, bm):
+    """Items (row0, lo, hi, group) cover every row of [0, M) exactly once, each row in an item of its own segment
+    (group g = the padding segment past the sizes' sum); returns the rows each item covers."""
+    owner = np.searchsorted(np.cumsum(sizes), np.arange(m), side="right")  # group of each row; g = padding
     hits = np.zeros(m, int)
-    for t, a, b, s in zip(tile, lo, hi, grp):
-        rows = np.arange(max(a, t * bm), min(b, (t + 1) * bm))
+    covered = []
+    for r0, a, b, s in zip(row0, lo, hi, grp):
+        rows = np.arange(max(a, r0), min(b, r0 + bm))
         assert np.all(owner[rows] == s)
         hits[rows] += 1
+        covered.append(rows)
     np.testing.assert_array_equal(hits, 1)
+    return covered
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_work_items_cover_every_row_once(seed):
+    g, m, bm, sizes = _work_list_case(seed)
+    tile, lo, hi, grp = (np.asarray(a) for a in work_items(jnp.asarray(sizes), m, bm))
+    assert len(tile) == -(-m // bm) + min(g, m)  # the static bound
+    _assert_every_row_once(tile * bm, lo, hi, grp, sizes, m, bm)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -104,23 +117,15 @@ def test_aligned_work_items_are_each_groups_own_tiles(seed):
     """`work_item(aligned=True)`: every row of [0, M) in exactly one item of its own segment, an item's rows within
     block_m of its row0 = its segment's first row + j * block_m (no tile shared between segments), so a segment of
     n rows has cdiv(n, block_m) items; within the static count, which the straddled list's bound also holds."""
-    rng = np.random.default_rng(100 + seed)
-    g, m, bm = int(rng.integers(1, 12)), int(rng.integers(1, 200)), int(rng.choice([16, 32]))
-    sizes = _sizes(seed, g, int(rng.integers(0, m + 1)))
+    g, m, bm, sizes = _work_list_case(100 + seed)
     padded = jnp.asarray(np.concatenate([sizes, [0]]), jnp.int32)
     w = jnp.arange(num_work_items(m, g, bm), dtype=jnp.int32)
     row0, lo, hi, grp = (np.asarray(a) for a in jax.vmap(lambda i: work_item(padded, g, i, m, bm, aligned=True))(w))
-    ends = np.cumsum(sizes)
-    owner = np.searchsorted(ends, np.arange(m), side="right")  # group of each row; g = padding
-    hits = np.zeros(m, int)
-    for r0, a, b, s in zip(row0, lo, hi, grp):
-        rows = np.arange(max(a, r0), min(b, r0 + bm))
+    covered = _assert_every_row_once(row0, lo, hi, grp, sizes, m, bm)
+    for r0, a, rows in zip(row0, lo, covered):
         if len(rows):
             assert r0 >= a and (r0 - a) % bm == 0  # the segment's own tiles
-            assert np.all(owner[rows] == s)
-        hits[rows] += 1
-    np.testing.assert_array_equal(hits, 1)
-    seg_rows = np.diff(np.concatenate([[0], np.minimum(ends, m), [m]]))
+    seg_rows = np.diff(np.concatenate([[0], np.minimum(np.cumsum(sizes), m), [m]]))
     assert int(np.sum(hi > lo)) == int(np.sum(-(-seg_rows // bm)))  # cdiv(n, block_m) items a segment
 
 
