@@ -1179,13 +1179,17 @@ PY
 85) # session 34 (any card): what the verify step at batch 32, k = 2 (96 rows, ctx 1k; 1.236x the plain step on an
     # H100, target 1.15x) spends beyond the plain step: both steps traced (spec.py --profile: spec-profile-b32-h200.json,
     # kernels and us per step part of each), with this tree's sorted 576 routed copies, then by group up to 1024
-    # copies (/tmp/wide), its trace too
+    # copies (/tmp/wide), its trace too; then sorted in each group's own row tiles (GROUP_ALIGNED_TILES: ~9 copies an
+    # expert in 16-row tiles of [0, M) read most experts twice), untraced
     out=${2:?}
     vprof() { run "$1" "spec-$2" python3 bench/spec.py --out "$out/spec-$2" --no-demo --batches 32 --ks 2 \
         --ctxs 1024 --mtp-ks "" --budget-min 2.5 --profile "/tmp/sprof-$2" --profile-batches 32; }
-    vprof 260 sorted
+    vprof 210 sorted
     overlay_trees
-    (cd /tmp/wide && vprof 260 wide)
+    (cd /tmp/wide && vprof 200 wide)
+    ab_copy /tmp/aligned pallas_kernels/grouped_matmul.py 's/^GROUP_ALIGNED_TILES = False$/GROUP_ALIGNED_TILES = True/' \
+        "^GROUP_ALIGNED_TILES = True$"
+    (cd /tmp/aligned && out=$out verify_b32k2 aligned 150 1.5)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 85" >&2; exit 2 ;;
 esac
