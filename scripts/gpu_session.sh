@@ -1191,5 +1191,18 @@ PY
         "^GROUP_ALIGNED_TILES = True$"
     (cd /tmp/aligned && out=$out verify_b32k2 aligned 150 1.5)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 85" >&2; exit 2 ;;
+86) # session 34, on an H200 (needs_h200: batch 128 at ctx 4k does not fit an H100), after part 75: batch 128 at ctx 4k
+    # and 1k (the targets' rows: 1.43x / 1.61x at 4fc5932, target 1.3x) with sorted rows in each group's own tiles
+    # (GROUP_ALIGNED_TILES) and by group up to 1024 copies, beside this tree's sorted rows
+    out=${2:?}
+    b128() { run "$1" "e2e-b128-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-$2" --weights bf16 \
+        --batches 128 --ctxs 4096,1024 --no-prefill --no-engine; }
+    b128 180 tree
+    ab_copy /tmp/aligned pallas_kernels/grouped_matmul.py 's/^GROUP_ALIGNED_TILES = False$/GROUP_ALIGNED_TILES = True/' \
+        "^GROUP_ALIGNED_TILES = True$"
+    (cd /tmp/aligned && b128 170 aligned)
+    overlay_trees
+    (cd /tmp/wide && b128 170 wide)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 86" >&2; exit 2 ;;
 esac
