@@ -28,6 +28,7 @@ from mla_jax.layers import act_dtype, in_place, layer_row, linears, rms_norm
 from mla_jax.rope import apply_rope, rope_cos_sin
 from pallas_kernels import cache_write
 from pallas_kernels import head_matmul as head_matmul_kernel
+from pallas_kernels.launch import run as run_launches
 from pallas_kernels.util import FLOAT_DTYPES
 
 
@@ -145,11 +146,85 @@ def write_latent_rows(
             kv_scale=cache.kv_scale,
             interpret=interpret,
         )  # [T, L+R]
-        k_pe = rows[:, None, L:].astype(kv.dtype)  # [T, 1, R] (exact: promoted from kv's dtype)
-        kv_scale = scale[0] if scale else cache.kv_scale  # (rows, cache, kv_scale) for an fp8 cache
-        return rows[:, :L], k_pe, dataclasses.replace(cache, kv_c_and_k_pe_cache=kv_cache, kv_scale=kv_scale)
+        return _kernel_rows(cache, kv, L, rows, kv_cache, scale)
     kv_c_normed, k_pe = latent_rows(norm, kv, cos, sin, eps)
     return kv_c_normed, k_pe, write_kv_layer(cache, layer, kv_c_normed, k_pe, slot_mapping)
+
+
+def _kernel_rows(cache: KVCache, kv: jax.Array, L: int, rows, kv_cache, scale) -> tuple[jax.Array, jax.Array, KVCache]:
+    """The cache write kernel's outputs (rows [T, L+R], the cache, the fp8 scales or nothing) as `write_latent_rows`
+    returns them."""
+    k_pe = rows[:, None, L:].astype(kv.dtype)  # [T, 1, R] (exact: promoted from kv's dtype)
+    kv_scale = scale[0] if scale else cache.kv_scale  # (rows, cache, kv_scale) for an fp8 cache
+    return rows[:, :L], k_pe, dataclasses.replace(cache, kv_c_and_k_pe_cache=kv_cache, kv_scale=kv_scale)
+
+
+# A decode-only step's absorb_q and cache write as one launch on a GPU (`absorb_q_and_write_latent_rows`): both read
+# the q + kv projection's output and neither the other's, and each is latency bound at decode sizes (~2-3 us of
+# device time for a few KB at batch 1), where XLA's command buffer runs them one after the other. Off until measured
+# on a GPU (scripts/gpu_session.sh part 87: the kernels' GPU tests with it on, the batch-1 / 32 steps on and off).
+ABSORB_WITH_CACHE_WRITE = False
+
+
+def absorb_q_and_write_latent_rows(
+    p: dict,
+    cfg: DeepseekConfig,
+    q: jax.Array,
+    cache: KVCache,
+    layer: int | jax.Array,
+    kv: jax.Array,
+    norm: dict,
+    rope: tuple[jax.Array, jax.Array],
+    slot_mapping: jax.Array,
+    eps: float,
+    *,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, KVCache]:
+    """(absorbed q [T, N, L+R], kv_c_normed [T, L], k_pe [T, 1, R], the cache): `absorb_q(p, cfg, q, rope)` and
+    `write_latent_rows(cache, layer, kv, norm, *rope, slot_mapping, eps)` for a step whose T tokens are all decode
+    tokens (q unrotated, rope = (cos, sin) f32[T, R/2]). Where both kernels take the shapes, on a GPU with
+    ABSORB_WITH_CACHE_WRITE (or ``interpret=True``, for tests), their programs run in one launch
+    (`pallas_kernels.launch`: the cache write's first, so that its few programs start at once), with the two calls'
+    results bit for bit; else the two calls."""
+    P = cfg.qk_nope_head_dim
+    w, w_layer = in_place(p["W_UK_T"])  # [(Lyr,) N, P, L]
+    nw, n_layer = in_place(norm["weight"])
+    L, width = nw.shape[-1], cache.width
+    fused = (
+        (interpret or (ABSORB_WITH_CACHE_WRITE and _head_matmul_ok(q, w)))
+        and 1 <= q.shape[0] <= HEAD_MATMUL_MAX_T
+        and q.dtype == w.dtype
+        and jnp.dtype(q.dtype) in FLOAT_DTYPES
+        and q.shape[-1] > w.shape[-2] == P
+        and kv.ndim == 2
+        and kv.shape == (q.shape[0], width)
+        and cache_write.supported(L, width - L)
+    )
+    if not fused:
+        with jax.named_scope("cache_write"):
+            kv_c_normed, k_pe, cache = write_latent_rows(cache, layer, kv, norm, *rope, slot_mapping, eps)
+        with jax.named_scope("absorb_q"):
+            return absorb_q(p, cfg, q, rope=rope), kv_c_normed, k_pe, cache
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < cache.num_layers:
+        raise ValueError(f"layer {layer} out of range for a cache with {cache.num_layers} layers")
+    absorb, absorbed = head_matmul_kernel.head_matmul_launch(
+        q, w, tail_in_x=True, tail_rope=rope, rhs_index=w_layer, interpret=interpret
+    )
+    write = cache_write.write_latent_rows_launch(
+        kv,
+        nw,
+        *rope,
+        slot_mapping,
+        cache.kv_c_and_k_pe_cache,
+        layer,
+        eps=eps,
+        weight_index=n_layer,
+        kv_scale=cache.kv_scale,
+        num_warps=absorb.num_warps,
+    )
+    with jax.named_scope("absorb_q"):  # (the trace's part of the launch)
+        (rows, kv_cache, *scale), (q_mqa,) = run_launches([write, absorb], interpret=interpret)
+    return absorbed(q_mqa), *_kernel_rows(cache, kv, L, rows, kv_cache, scale)
 
 
 def absorb_q(

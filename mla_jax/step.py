@@ -32,7 +32,15 @@ from mla_jax.cache import KVCache
 from mla_jax.comm import LOCAL, Comm
 from mla_jax.config import DeepseekConfig
 from mla_jax.metadata import AttentionMetadata
-from mla_jax.mla import absorb_q, mla_project_q_kv, o_proj, rope_q_pe, v_up_proj, write_latent_rows
+from mla_jax.mla import (
+    absorb_q,
+    absorb_q_and_write_latent_rows,
+    mla_project_q_kv,
+    o_proj,
+    rope_q_pe,
+    v_up_proj,
+    write_latent_rows,
+)
 from mla_jax.model import Params, decoder_layers, embed, lm_logits
 from mla_jax.packed import Packed
 from mla_jax.rope import rope_cos_sin
@@ -66,15 +74,22 @@ def mla_paged(
     N, L, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     with jax.named_scope("mla_project"):
         q, kv, cos, sin, _ = mla_project_q_kv(p, cfg, x, md.positions, rope=rope, rope_q=False)
-    with jax.named_scope("cache_write"):  # the latent's norm and rope too: one kernel on a GPU
-        norm, eps = p["kv_a_layernorm"], cfg.rms_norm_eps
-        kv_c_normed, k_pe, cache = write_latent_rows(cache, layer, kv, norm, cos, sin, md.slot_mapping, eps)
+    norm, eps = p["kv_a_layernorm"], cfg.rms_norm_eps
+    Td = s.num_decode_tokens
+    q_mqa = None
+    if Td and not s.num_prefill_tokens:  # a decode-only step: absorb_q beside the cache write (one launch on a GPU)
+        q_mqa, kv_c_normed, k_pe, cache = absorb_q_and_write_latent_rows(
+            p, cfg, q, cache, layer, kv, norm, (cos, sin), md.slot_mapping, eps
+        )
+    else:
+        with jax.named_scope("cache_write"):  # the latent's norm and rope too: one kernel on a GPU
+            kv_c_normed, k_pe, cache = write_latent_rows(cache, layer, kv, norm, cos, sin, md.slot_mapping, eps)
     kv_flat, scale_flat, offset = cache.flat_layers(layer)
     outs = []
-    Td = s.num_decode_tokens
     if Td:
         with jax.named_scope("absorb_q"):
-            q_mqa = absorb_q(p, cfg, q[:Td], rope=(cos[:Td], sin[:Td]))
+            if q_mqa is None:
+                q_mqa = absorb_q(p, cfg, q[:Td], rope=(cos[:Td], sin[:Td]))
             q_mqa = comm.gather_decode_q(q_mqa.astype(x.dtype))  # [Td, N (dcp*N), L+R]
             q_mqa = q_mqa.reshape(s.num_decodes, s.decode_query_len, -1, L + R)
         with jax.named_scope("attention"):

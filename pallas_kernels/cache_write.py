@@ -40,8 +40,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.launch import Launch
+from pallas_kernels.launch import run as run_launches
 from pallas_kernels.rms_norm import add_rms_norm_reference
 from pallas_kernels.util import (
     FLOAT_DTYPES,
@@ -53,7 +54,7 @@ from pallas_kernels.util import (
     scatter_rows,
 )
 
-__all__ = ["supported", "write_latent_rows", "write_latent_rows_reference"]
+__all__ = ["supported", "write_latent_rows", "write_latent_rows_launch", "write_latent_rows_reference"]
 
 
 def supported(kv_lora_rank: int, rope_dim: int) -> bool:
@@ -137,24 +138,25 @@ def _stored_f32(x):
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _kernel(kv_ref, w_ref, cos_ref, sin_ref, slot_ref, layer_ref, wi_ref, *refs, eps, lat, r, fp8):
-    # the cache (and the fp8 scales) in, aliased to the same outputs
+def _kernel(ids, kv_ref, w_ref, cos_ref, sin_ref, slot_ref, layer_ref, wi_ref, *refs, eps, lat, r, fp8):
+    # the cache (and the fp8 scales) in, aliased to the same outputs; kv, cos, sin and rows whole, row i this program's
     rows_ref, cache_ref, scale_ref = refs[2:] if fp8 else (refs[1], refs[2], None)
-    i = pl.program_id(0)
+    (i,) = ids
     nl, p, g, _ = cache_ref.shape
     half = r // 2
     # the norm: rms_norm's kernel on one lat-wide chunk (same order of the sum of squares)
-    x = kv_ref[pl.ds(0, lat)]  # [L] kv dtype
+    x = kv_ref[i, pl.ds(0, lat)]  # [L] kv dtype
     xf = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.sum(xf * xf) / lat + eps)
     wrow = jnp.clip(wi_ref[0], 0, w_ref.shape[0] - 1)
     normed = w_ref[wrow, pl.ds(0, lat)] * (xf * inv).astype(kv_ref.dtype)  # [L] rows dtype
     evens, odds = pl.ds(lat, half, stride=2), pl.ds(lat + 1, half, stride=2)
-    o1, o2 = _rope(kv_ref[evens], kv_ref[odds], cos_ref[...], sin_ref[...])  # [R/2] f32
+    cos, sin = cos_ref[i, pl.ds(0, half)], sin_ref[i, pl.ds(0, half)]
+    o1, o2 = _rope(kv_ref[i, evens], kv_ref[i, odds], cos, sin)  # [R/2] f32
     o1, o2 = o1.astype(kv_ref.dtype).astype(rows_ref.dtype), o2.astype(kv_ref.dtype).astype(rows_ref.dtype)
-    rows_ref[pl.ds(0, lat)] = normed.astype(rows_ref.dtype)
-    rows_ref[evens] = o1
-    rows_ref[odds] = o2
+    rows_ref[i, pl.ds(0, lat)] = normed.astype(rows_ref.dtype)
+    rows_ref[i, evens] = o1
+    rows_ref[i, odds] = o2
 
     slot = slot_ref[i]
     layer = layer_ref[0]
@@ -178,41 +180,33 @@ def _kernel(kv_ref, w_ref, cos_ref, sin_ref, slot_ref, layer_ref, wi_ref, *refs,
             scale_ref[layer, page, off] = scale
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
-def _impl(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index, kv_scale, *, eps, interpret, num_warps):
+def launch(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index, kv_scale, *, eps, num_warps):
+    """The kernel's `launch.Launch` (outputs: rows, cache (, kv_scale)): layer and weight_index i32[1]. For `_impl`,
+    and for a call that runs the kernel beside another (`launch.run`)."""
     t, w = kv.shape
     lat = weight.shape[-1]
     if weight.ndim == 1:  # one weight: row 0 of [1, L]
         weight = weight[None]
-    row = lambda n: pl.BlockSpec((None, n), lambda i: (i, 0))  # noqa: E731
-    whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
     fp8 = kv_scale is not None
-    scales = [kv_scale] if fp8 else []
-    return pl.pallas_call(
+    scales = (kv_scale,) if fp8 else ()
+    inputs = (kv, weight, cos.astype(jnp.float32), sin.astype(jnp.float32), slot_mapping.astype(jnp.int32))
+    return Launch(
         functools.partial(_kernel, eps=eps, lat=lat, r=w - lat, fp8=fp8),
         grid=(t,),
-        # kv, weight, cos, sin, slot_mapping, layer, weight_index, cache (, kv_scale)
-        in_specs=[row(w), whole(weight.shape), row(cos.shape[1]), row(sin.shape[1]), whole((t,))]
-        + [whole((1,)), whole((1,))]
-        + [whole(a.shape) for a in [cache, *scales]],
-        out_specs=[row(w)] + [whole(a.shape) for a in [cache, *scales]],
-        out_shape=[jax.ShapeDtypeStruct((t, w), jnp.result_type(weight.dtype, kv.dtype))]
-        + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in [cache, *scales]],
-        input_output_aliases={7: 1, 8: 2} if fp8 else {7: 1},
-        interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        inputs=inputs + (layer, weight_index, cache) + scales,
+        out_shape=(jax.ShapeDtypeStruct((t, w), jnp.result_type(weight.dtype, kv.dtype)),)
+        + tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (cache, *scales)),
+        aliases=((7, 1), (8, 2)) if fp8 else ((7, 1),),
+        num_warps=num_warps,
         name=f"cache_write_l{lat}_r{w - lat}" + ("_fp8" if fp8 else ""),
-    )(
-        kv,
-        weight,
-        cos.astype(jnp.float32),
-        sin.astype(jnp.float32),
-        slot_mapping.astype(jnp.int32),
-        layer,
-        weight_index,
-        cache,
-        *scales,
     )
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
+def _impl(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index, kv_scale, *, eps, interpret, num_warps):
+    args = (kv, weight, cos, sin, slot_mapping, cache, layer, weight_index, kv_scale)
+    (outs,) = run_launches([launch(*args, eps=eps, num_warps=num_warps)], interpret=interpret)
+    return list(outs)
 
 
 def write_latent_rows(
@@ -240,9 +234,7 @@ def write_latent_rows(
         return write_latent_rows_reference(
             kv, weight, cos, sin, slot_mapping, cache, layer, eps=eps, weight_index=weight_index, kv_scale=kv_scale
         )
-    # i32[1] each (a reshape, no XLA kernel): the cache layer, the weight row (clamped in the kernel)
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    wi = jnp.asarray(0 if weight_index is None else weight_index, jnp.int32).reshape(1)
+    layer, wi = _indices(layer, weight_index)
     return _impl(
         kv,
         weight,
@@ -257,3 +249,22 @@ def write_latent_rows(
         interpret=bool(interpret),
         num_warps=int(num_warps),
     )
+
+
+def _indices(layer, weight_index):
+    """i32[1] each (a reshape, no XLA kernel): the cache layer, the weight row (clamped in the kernel)."""
+    wi = jnp.asarray(0 if weight_index is None else weight_index, jnp.int32).reshape(1)
+    return jnp.asarray(layer, jnp.int32).reshape(1), wi
+
+
+def write_latent_rows_launch(
+    kv, weight, cos, sin, slot_mapping, cache, layer, *, eps: float, weight_index=None, kv_scale=None, num_warps=4
+):
+    """`write_latent_rows`'s kernel as a `launch.Launch` (outputs rows, cache (, kv_scale), the cache and scales
+    aliased), for a launch beside another kernel's programs (`launch.run`); shapes the kernel takes (`supported`)
+    and T >= 1 only."""
+    lat, r = _check(kv, weight, cos, sin, slot_mapping, cache, layer, weight_index, kv_scale)
+    if not supported(lat, r) or kv.shape[0] == 0:
+        raise ValueError(f"write_latent_rows_launch: no kernel for L={lat}, R={r}, T={kv.shape[0]}")
+    layer, wi = _indices(layer, weight_index)
+    return launch(kv, weight, cos, sin, slot_mapping, cache, layer, wi, kv_scale, eps=float(eps), num_warps=num_warps)

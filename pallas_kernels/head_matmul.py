@@ -47,6 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.launch import Launch
+from pallas_kernels.launch import run as run_launches
 from pallas_kernels.util import (
     FLOAT_DTYPES,
     cdiv,
@@ -61,7 +63,7 @@ from pallas_kernels.util import (
     pad_to,
 )
 
-__all__ = ["default_tuning", "head_matmul", "head_matmul_reference"]
+__all__ = ["default_tuning", "head_matmul", "head_matmul_launch", "head_matmul_reference"]
 
 
 def _validate(x, w, tail, tail_in_x, rhs_index, block_t, block_n, block_k, num_warps, num_stages):
@@ -131,6 +133,7 @@ def default_tuning(t: int, n: int, k: int, m: int, dtype, sms: int | None = None
 
 
 def _kernel(
+    ids,
     *refs,
     t: int,
     k: int,
@@ -151,9 +154,7 @@ def _kernel(
     out_ref = refs[-1]
     tail_ref = refs[3] if separate_tail else x_ref  # tail_in_x: x's columns [K, K+R)
     cos_ref, sin_ref = refs[-3:-1] if rope else (None, None)
-    i = pl.program_id(0)  # row tile (fastest: programs in flight share the weight tile)
-    j = pl.program_id(1)  # output column block
-    h = pl.program_id(2)  # head
+    i, j, h = ids  # row tile (fastest: programs in flight share the weight tile), output column block, head
     row0 = i * bt
     col0 = j * bn
     rows = row0 + jnp.arange(bt, dtype=jnp.int32)
@@ -222,13 +223,10 @@ def _kernel(
             )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("tail_in_x", "interpret", "block_t", "block_n", "block_k", "num_warps", "num_stages"),
-)
-def _impl(x, w, tail, layer, rope, *, tail_in_x, interpret, block_t, block_n, block_k, num_warps, num_stages):
-    """layer: i32[1], the index into w's leading axis when w is stacked [Lyr, N, K, M] (4-D); rope: None or
-    (cos, sin) f32[T, R/2] rotating the tail."""
+def launch(x, w, tail, layer, rope, *, tail_in_x, interpret, block_t, block_n, block_k, num_warps, num_stages):
+    """(the kernel's `launch.Launch`, a function of its output giving the result [T, N, M+R]): layer i32[1], the
+    index into w's leading axis when w is stacked [Lyr, N, K, M] (4-D); rope None or (cos, sin) f32[T, R/2] rotating
+    the tail. For `_impl`, and for a call that runs the kernel beside another (`launch.run`)."""
     stacked = w.ndim == 4
     t, n, kx = x.shape
     k, m = w.shape[-2:]
@@ -263,23 +261,28 @@ def _impl(x, w, tail, layer, rope, *, tail_in_x, interpret, block_t, block_n, bl
         precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None,  # exact f32, not TF32
     )
     inputs = [layer, x, w] + ([tail] if tail is not None else []) + (list(rope) if rope is not None else [])
-    # Whole-array blocks: under the Triton lowering a block only sets a base pointer; the kernel offsets itself.
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j, h: (0,) * len(shape))  # noqa: E731
-    out = pl.pallas_call(
+    spec = Launch(
         kernel,
         grid=(cdiv(t, block_t), cdiv(m, block_n), n),
-        in_specs=[whole(a.shape) for a in inputs],
-        out_specs=whole((t_out, n, width_out)),
-        out_shape=jax.ShapeDtypeStruct((t_out, n, width_out), x.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
+        inputs=tuple(inputs),
+        out_shape=(jax.ShapeDtypeStruct((t_out, n, width_out), x.dtype),),
+        num_warps=num_warps,
+        num_stages=num_stages,
         name=f"head_matmul_bt{block_t}_bn{block_n}_bk{block_k}_w{num_warps}_s{num_stages}"
         + (f"_tail{r}" if r else "")
         + ("_rope" if rope is not None else ""),
-    )(*inputs)
-    if (t_out, width_out) != (t, width):
-        out = out[:t, :, :width]
-    return out
+    )
+    return spec, lambda out: out[:t, :, :width] if (t_out, width_out) != (t, width) else out
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("tail_in_x", "interpret", "block_t", "block_n", "block_k", "num_warps", "num_stages"),
+)
+def _impl(x, w, tail, layer, rope, *, tail_in_x, interpret, **tuning):
+    spec, result = launch(x, w, tail, layer, rope, tail_in_x=tail_in_x, interpret=interpret, **tuning)
+    ((out,),) = run_launches([spec], interpret=interpret)
+    return result(out)
 
 
 def head_matmul(
@@ -304,19 +307,50 @@ def head_matmul(
     A static rhs_index must lie in [0, Lyr); a traced one is clamped.
     Tuning (None = `default_tuning`): block_t rows per tile, block_n output columns, block_k K step (powers of
     two >= 16), num_warps, num_stages (Triton pipelining of the K loop)."""
-    t, n, k, m, r = _validate(x, w, tail, tail_in_x, rhs_index, block_t, block_n, block_k, num_warps, num_stages)
-    rope = _check_rope(tail_rope, t, r, tail_in_x)
+    tuning = (block_t, block_n, block_k, num_warps, num_stages)
+    t, n, _, m, r = _validate(x, w, tail, tail_in_x, rhs_index, *tuning)
     if t == 0:
         return jnp.zeros((0, n, m + r), x.dtype)
+    layer, rope, static = _resolve(x, w, tail, tail_in_x, tail_rope, rhs_index, interpret, tuning)
+    return _differentiable(x, w, tail, layer, rope, static)
+
+
+def _resolve(x, w, tail, tail_in_x, tail_rope, rhs_index, interpret, tuning):
+    """(layer i32[1], rope, the static arguments of `_run`) of a validated call with T >= 1: the tuning's Nones from
+    `default_tuning`, no block larger than its (power-of-two rounded) dimension (it would only compute padding)."""
+    t, n, k, m, r = _validate(x, w, tail, tail_in_x, rhs_index, *tuning)
+    rope = _check_rope(tail_rope, t, r, tail_in_x)
     d = default_tuning(t, n, k, m, x.dtype)
-    bt, bn, bk, warps, stages = (
-        d[i] if v is None else v for i, v in enumerate((block_t, block_n, block_k, num_warps, num_stages))
-    )
-    # No block larger than its (power-of-two rounded) dimension: it would only compute padding.
+    bt, bn, bk, warps, stages = (d[i] if v is None else v for i, v in enumerate(tuning))
     bt, bn, bk = (min(b, max(16, next_pow2(v))) for b, v in ((bt, t), (bn, m), (bk, k)))
     layer = jnp.asarray(0 if rhs_index is None else rhs_index, jnp.int32).reshape(1)  # clamped in the kernel
-    static = (bool(tail_in_x), bool(interpret), bt, bn, bk, warps, stages)
-    return _differentiable(x, w, tail, layer, rope, static)
+    return layer, rope, (bool(tail_in_x), bool(interpret), bt, bn, bk, warps, stages)
+
+
+def head_matmul_launch(
+    x,
+    w,
+    tail=None,
+    *,
+    tail_in_x: bool = False,
+    tail_rope=None,
+    rhs_index=None,
+    interpret: bool = False,
+    block_t: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+):
+    """`head_matmul`'s kernel as a `launch.Launch` and a function of its one output giving `head_matmul`'s result,
+    for a launch beside another kernel's programs (`launch.run`); T >= 1, not differentiable."""
+    tuning = (block_t, block_n, block_k, num_warps, num_stages)
+    if x.ndim == 3 and x.shape[0] == 0:
+        raise ValueError("head_matmul_launch needs T >= 1 rows")
+    layer, rope, static = _resolve(x, w, tail, tail_in_x, tail_rope, rhs_index, interpret, tuning)
+    tail_in_x, interpret, bt, bn, bk, warps, stages = static
+    kw = dict(block_t=bt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+    return launch(x, w, tail, layer, rope, tail_in_x=tail_in_x, interpret=interpret, **kw)
 
 
 def _check_rope(tail_rope, t: int, r: int, tail_in_x: bool):

@@ -1204,5 +1204,18 @@ PY
     overlay_trees
     (cd /tmp/wide && b128 170 wide)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 86" >&2; exit 2 ;;
+87) # session 34 (any card): absorb_q beside the cache write in one launch (mla.ABSORB_WITH_CACHE_WRITE, off until
+    # measured: pallas_kernels/launch.py): its GPU tests (and the two kernels' own), then the batch-1 / 32 steps at
+    # ctx 4k without and with it (batch 1: absorb_q 3.1 + cache_write 2.0 us a layer, one after the other, H100)
+    out=${2:?}
+    ab_copy /tmp/fuse mla_jax/mla.py 's/^ABSORB_WITH_CACHE_WRITE = False$/ABSORB_WITH_CACHE_WRITE = True/' \
+        "^ABSORB_WITH_CACHE_WRITE = True$"
+    cp -r tests pyproject.toml /tmp/fuse/ && (cd /tmp/fuse && verbose_tests 150 tests/pallas_kernels/test_launch.py \
+        tests/pallas_kernels/test_cache_write.py tests/pallas_kernels/test_head_matmul.py)
+    steps() { run "$1" "e2e-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-$2" --weights bf16 --batches 1,32 \
+        --ctxs 4096 --no-prefill --no-engine; }
+    steps 160 tree
+    (cd /tmp/fuse && steps 160 fused)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 87" >&2; exit 2 ;;
 esac
