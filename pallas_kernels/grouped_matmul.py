@@ -41,13 +41,13 @@ the kernel also numbers the copies itself and reads each copy's token row from a
 token, so nothing is concatenated or gathered before the call.
 
 Items by group (a token top-k of more than PER_COPY_MAX_COPIES routed copies): one item per (group slot, row tile),
-the slots the G experts, the C shared chunks and a padding slot (copies of groups outside [0, G), stored 0), cdiv(T,
-block_m) tiles each (a token's top-k hits an expert at most once). A small kernel first lists each slot's copies
-(`group_table`: a compare, a cumsum and a scatter a slot); a program reads its tile's copies from the table, gathers
-their lhs rows (their tokens', or their own) and stores each output row at its copy (distinct rows: no atomics). The
-output is in copy order, as by row, so a decode batch runs no argsort, group sizes, gather of the copies, inverse
-permutation or combine kernels (the next norm combines the copies, `mla_jax.layers.ExpertCopies`); a slot's empty
-tiles do nothing but read its count.
+the slots the G experts, the C shared chunks and a padding slot (copies of groups outside [0, G), stored 0), a slot
+of n copies cdiv(n, block_m) tiles, the slots' tiles listed one after another (`_group_tile`: no program for an empty
+tile). A small kernel first lists each slot's copies (`group_table`: a compare, a cumsum and a scatter a slot); a
+program finds its slot and tile from the counts, reads its tile's copies from the table, gathers their lhs rows
+(their tokens', or their own) and stores each output row at its copy (distinct rows: no atomics). The output is in
+copy order, as by row, so a decode batch runs no argsort, group sizes, gather of the copies, inverse permutation or
+combine kernels (the next norm combines the copies, `mla_jax.layers.ExpertCopies`).
 
 Shared experts (`shared_rhs`): a dense weight cut into C expert-sized chunks along its rows or its
 columns (`shared_chunks`), groups G..G+C-1 beside the routed ones; by token top-k, one item per chunk
@@ -478,26 +478,39 @@ def group_table(top_k_ids, num_groups: int, num_chunks: int, *, interpret: bool 
     )(ids)
 
 
-def group_items(tokens: int, top_k: int, num_slots: int, block_m: int) -> int:
-    """Items by group's static count: cdiv(T, block_m) row tiles for each of the G + C expert and chunk slots, cdiv(T*K,
-    block_m) for the padding slot."""
-    return num_slots * cdiv(tokens, block_m) + cdiv(tokens * top_k, block_m)
+def group_items(tokens: int, top_k: int, num_groups: int, num_chunks: int, block_m: int) -> int:
+    """Items by group's static count: the slots' row tiles one after another (`_group_tile`), a slot of n copies
+    cdiv(n, block_m) of them, so at most cdiv(T*K + C*T, block_m) + G + C + 1 in all (every slot's last tile may be
+    partial), and at most (G + C) * cdiv(T, block_m) + cdiv(T*K, block_m) (a token's top-k hits an expert once, the
+    padding slot holds routed copies only); items past the tiles' count do nothing."""
+    slots = num_groups + num_chunks + 1
+    compact = cdiv(tokens * (top_k + num_chunks), block_m) + slots
+    return min(compact, (num_groups + num_chunks) * cdiv(tokens, block_m) + cdiv(tokens * top_k, block_m))
 
 
 def _group_tile(
     table_ref, count_ref, i, tokens: int, top_k: int, num_groups: int, num_chunks: int, bm: int, per_token: bool
 ):
     """By group (a token top-k of more copies than per-copy items serve): work item i is row tile q of group slot s
-    (`group_table`'s slots): cdiv(T, bm) tiles for each expert and shared chunk (a token's top-k hits an expert once),
-    cdiv(T*K, bm) for the padding slot (under expert parallelism most copies are another device's), `group_items`.
+    (`group_table`'s slots, the G experts, C shared chunks and the padding slot), the slots' cdiv(count, bm) tiles
+    listed one after another (a cumsum of the counts and a search, in registers), so that no program runs for an
+    empty tile (a list of cdiv(T, bm) tiles a slot ran 576 items at 128 tokens, ~130 of them with copies).
     Returns (the slot's group for the K loop, each tile row's copy i32[bm], its lhs row [bm, 1], whether it has one
-    [bm]): two loads from the table."""
-    tiles = cdiv(tokens, bm)
-    pad_slot = num_groups + num_chunks
-    slot = jnp.minimum(i // tiles, pad_slot)
-    q = jnp.where(slot < pad_slot, i % tiles, i - pad_slot * tiles)
+    [bm]): two loads from the table and one of the counts."""
+    slots = num_groups + num_chunks + 1
+    idx = jnp.arange(next_pow2(slots), dtype=jnp.int32)
+    counts = masked_load(count_ref.at[idx], idx < slots)  # 0 past the slots
+    tiles = (counts + bm - 1) // bm
+    end = jnp.cumsum(tiles)  # inclusive
+    s = jnp.sum((end <= i).astype(jnp.int32))  # searchsorted(end, i, side="right"): >= slots past the last tile
+
+    def pick(v):  # v[s], as a select and a sum (a register vector has no gather)
+        return jnp.sum(jnp.where(idx == s, v, 0))
+
+    slot = jnp.minimum(s, slots - 1)
+    q = i - (pick(end) - pick(tiles))  # the tile within its slot
     want = q * bm + jnp.arange(bm, dtype=jnp.int32)  # the tile's places among the slot's copies
-    has = want < count_ref[slot]
+    has = (want < pick(counts)) & (s < slots)
     copy = masked_load(table_ref.at[slot, want], has)
     n_routed = tokens * top_k
     token = jnp.where(copy < n_routed, copy // top_k, (copy - n_routed) % tokens)
@@ -767,7 +780,7 @@ def _gmm_impl(
     by_group = tokens * top_k > PER_COPY_MAX_COPIES  # a token top-k of more copies: items by group (`_group_tile`)
     num_row_items = tokens * top_k + num_chunks if top_k else m
     if by_group:
-        num_row_items = group_items(tokens, top_k, g + num_chunks, block_m)
+        num_row_items = group_items(tokens, top_k, g, num_chunks, block_m)
     out_dtype = jnp.dtype(out_dtype)
     # Interpret mode cannot slice a block larger than the array (the GPU just masks): zero-pad a
     # dimension smaller than its block (tiny problems only: blocks are clamped to the next power of
@@ -804,7 +817,9 @@ def _gmm_impl(
         groups = pad_to(groups, 0, next_pow2(num_segments + 1))
     items = (groups.astype(jnp.int32),)
     if by_group:  # the slots' copies, one small kernel before the GEMM
-        items = tuple(group_table(groups.reshape(tokens, top_k), g, num_chunks, interpret=interpret))
+        table, count = group_table(groups.reshape(tokens, top_k), g, num_chunks, interpret=interpret)
+        # the kernel loads the counts as a power-of-two vector (the GPU masks the rest)
+        items = (table, pad_to(count, 0, next_pow2(count.shape[0])) if interpret else count)
     steps_per_split = cdiv(cdiv(k, block_k), num_k_splits)
     splits = cdiv(cdiv(k, block_k), steps_per_split)  # no empty splits
     part_dtype = out_dtype if splits == 1 else jnp.float32

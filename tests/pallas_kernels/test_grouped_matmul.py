@@ -383,6 +383,39 @@ def test_top_k_by_group(t, top_k, by_row, axis, glu):
     _shared_case(by_row, axis, glu, 5 if top_k == 3 else 3, 40, 72, 2, t, top_k, jnp.float32, interpret=True, **SMALL)
 
 
+@pytest.mark.parametrize("t, skew", [(40, True), (33, True), (24, False)])
+def test_top_k_by_group_lists_every_slots_tiles(monkeypatch, t, skew):
+    """Items by group list the slots' tiles one after another: every token's first copy to expert 0 (a slot of T
+    copies over several 16-row tiles), the second spread over the other experts, a shared chunk of T copies and one
+    copy of another device's (-1, stored 0); unskewed, random routing. The static count (`group_items`) bounds the
+    tiles; with exactly as many items as tiles every copy's row comes out as the reference's, with fewer a tile's rows
+    are missing (the list leaves no gap and no tile twice)."""
+    g, k_top, n, k = 12, 2, 24, 40
+    rng = np.random.default_rng(t)
+    if skew:
+        routed = np.stack([np.zeros(t, np.int32), 1 + np.arange(t, dtype=np.int32) % (g - 1)], 1)
+    else:
+        routed = np.stack([rng.permutation(g)[:k_top] for _ in range(t)]).astype(np.int32)
+    routed[3, 1] = -1
+    assert t * k_top > PER_COPY_MAX_COPIES
+    x = jnp.asarray(rng.standard_normal((t, k), np.float32))
+    rhs = jnp.asarray(rng.standard_normal((g, n, k), np.float32) / np.sqrt(k))
+    shared = jnp.asarray(rng.standard_normal((n, k), np.float32) / np.sqrt(k))
+    args = dict(row_groups=jnp.asarray(routed), shared_rhs=shared, **SMALL)
+    ref = np.asarray(grouped_matmul_reference(x, rhs, **args))
+    tiles = sum(-(-c // 16) for c in np.bincount(routed[routed >= 0], minlength=g)) + -(-t // 16) + 1  # + padding
+    assert tiles <= gm.group_items(t, k_top, g, 1, 16)
+    # (two fewer: the last, the padding slot's tile, only stores zeros, which the interpreter's fresh output holds)
+    for items, ok in ((gm.group_items(t, k_top, g, 1, 16), True), (tiles, True), (tiles - 2, False)):
+        monkeypatch.setattr(gm, "group_items", lambda *_, items=items: items)
+        jax.clear_caches()  # (the call's jit traced with another count must not be reused)
+        out = np.asarray(grouped_matmul(x, rhs, interpret=True, **args))
+        assert out.shape == ref.shape == (t * (k_top + 1), n)
+        assert np.allclose(out, ref, rtol=2e-5, atol=1e-5) == ok, items
+        if ok:
+            assert (out[3 * k_top + 1] == 0).all()  # another device's copy
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
