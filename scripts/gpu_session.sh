@@ -1217,5 +1217,21 @@ PY
     steps 160 tree
     (cd /tmp/fuse && steps 160 fused)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 87" >&2; exit 2 ;;
+88) # session 34 (any card; one call): items by group's compact list (only the slots' tiles, 738ec3f; the default path
+    # of batch 8-32's experts) under its GPU tests, then part 84's batch-128 A/B at ctx 1k: sorted (this tree, traced),
+    # each group's own tiles (GROUP_ALIGNED_TILES), by group up to 1024 copies (the compact list: ~131 items where the
+    # old list had 576, most empty)
+    out=${2:?}
+    verbose_tests 120 tests/pallas_kernels/test_grouped_matmul.py \
+        -k "gpu_shared_chunks or gpu_fp8_shared or gpu_fp8_glu or gpu_group_table"
+    b128() { run "$1" "e2e-b128-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-$2" --weights bf16 \
+        --batches 128 --ctxs 1024 --no-prefill --no-engine "${@:3}"; }
+    b128 130 tree --profile /tmp/prof
+    ab_copy /tmp/aligned pallas_kernels/grouped_matmul.py 's/^GROUP_ALIGNED_TILES = False$/GROUP_ALIGNED_TILES = True/' \
+        "^GROUP_ALIGNED_TILES = True$"
+    (cd /tmp/aligned && b128 110 aligned)
+    overlay_trees
+    (cd /tmp/wide && b128 110 wide)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 88" >&2; exit 2 ;;
 esac
