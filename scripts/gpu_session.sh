@@ -1233,5 +1233,15 @@ PY
     overlay_trees
     (cd /tmp/wide && b128 110 wide)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 88" >&2; exit 2 ;;
+89) # session 34, on an H200 in what is left of a budget (needs_h200): the targets' e2e rows (batch 32 / 128 at ctx 4k
+    # and 1k, then batch 1) and batch 128 by group up to 1024 copies (the compact list, 738ec3f) beside them
+    out=${2:?}
+    e2e() { run "$1" "e2e-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-$2" --weights bf16 --batches "$3" \
+        --ctxs 4096,1024 --no-prefill --no-engine; }
+    e2e 200 tree 128,32
+    overlay_trees
+    (cd /tmp/wide && e2e 120 wide 128)
+    e2e 100 b1 1
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 89" >&2; exit 2 ;;
 esac
