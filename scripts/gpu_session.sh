@@ -1243,5 +1243,15 @@ PY
     (cd /tmp/wide && e2e 120 wide 128)
     e2e 100 b1 1
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 89" >&2; exit 2 ;;
+90) # session 34 (any card), part 88 cut to ~5 minutes: the compact by-group list's GPU tests, batch 128 at ctx 1k
+    # sorted (this tree) against by group up to 1024 copies
+    out=${2:?}
+    verbose_tests 90 tests/pallas_kernels/test_grouped_matmul.py -k "gpu_shared_chunks or gpu_fp8_glu or gpu_group_table"
+    b128() { run "$1" "e2e-b128-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-$2" --weights bf16 \
+        --batches 128 --ctxs 1024 --no-prefill --no-engine; }
+    b128 100 tree
+    overlay_trees
+    (cd /tmp/wide && b128 100 wide)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 90" >&2; exit 2 ;;
 esac
