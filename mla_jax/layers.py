@@ -432,8 +432,10 @@ BY_ROW_MAX_COPIES = gmm_kernel.PER_COPY_MAX_COPIES
 # items by group, the slots' copies listed by one small kernel), so no sort kernels and, the copies in token order, no
 # combine kernel (the next norm combines them: `ExpertCopies`). Measured on the H200 with each program finding its
 # copies itself (part 45, V2-Lite step, bf16): batch 8 (48 copies) 3% faster than sorted, batch 32 (192) the same,
-# batch 128 (768) 1.7x slower; the table kernel that replaced that search is not measured yet: 256 copies until it is.
-BY_GROUP_MAX_COPIES = 256
+# batch 128 (768) 1.7x slower. With the table kernel and the items listing only the slots' tiles (738ec3f), batch 128
+# at ctx 1k by group 14.755 ms against sorted 15.438 (-4.4%, 1.27x against 1.33x the roofline; H100, one call,
+# session 34): 1024 copies (batch 128's 768, the batch-32 k = 2 verify step's 576); more are not measured.
+BY_GROUP_MAX_COPIES = 1024
 
 
 def by_row_ok(impl: str, w: jnp.ndarray, scale_inv: jnp.ndarray | None, fp8_triton: bool = False) -> bool:

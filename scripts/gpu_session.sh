@@ -41,6 +41,12 @@ overlay_trees() {  # /tmp/wide: this tree with items by group up to 1024 copies;
     fi
 }
 
+sorted_tree() {  # /tmp/sorted: this tree with items by group up to 256 copies (the default before 1024, session 34):
+    # batch 128's and the verify step's copies sorted
+    rm -rf /tmp/sorted && mkdir /tmp/sorted && cp -r mla_jax pallas_kernels bench /tmp/sorted/
+    sed -i 's/^BY_GROUP_MAX_COPIES = 1024$/BY_GROUP_MAX_COPIES = 256/' /tmp/sorted/mla_jax/layers.py
+    grep -q "^BY_GROUP_MAX_COPIES = 256" /tmp/sorted/mla_jax/layers.py || echo "sorted_tree: no BY_GROUP_MAX_COPIES" >&2
+}
 ab_copy() {  # ab_copy DIR FILE SED_EXPR PATTERN: this tree's code in DIR with FILE edited by SED_EXPR (for an A/B in one
     # call); PATTERN must then be in FILE, else the knob moved (said on stderr)
     rm -rf "$1" && mkdir "$1" && cp -r mla_jax pallas_kernels bench "$1/"
@@ -1157,52 +1163,43 @@ PY
     (cd /tmp/pdl && b1 130 pdl)
     (cd /tmp/pdl && XLA_FLAGS=--xla_gpu_enable_pdl=true b1 120 xla-pdl)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-84) # session 33 (any card; prepared): batch 128 (ctx 1k) since the decode-size kernels take up to 128 tokens
-    # (d8b0049), with its device trace; with each group's own row tiles (GROUP_ALIGNED_TILES: sorted rows cut in
-    # 16-row tiles of [0, M) at ~12 copies an expert read most experts twice); its 768 routed copies by group
-    # (BY_GROUP_MAX_COPIES 1024, /tmp/wide: batch 32's experts run at ~1.0 of copy that way, batch 128's at 0.77 /
-    # 0.74 sorted); the router back on its own GEMV (ROUTER_IN_NORM_MAX_T 64: the norm's 16 programs a row re-read the
-    # router's 512 KB from L2, 64 MB a layer at 128 tokens); all in this call
+84) # session 33 (any card; prepared; rewritten in session 34, after part 90 took items by group up to 1024 copies):
+    # batch 128 (ctx 1k) with its device trace (by group since session 34); sorted (BY_GROUP_MAX_COPIES 256,
+    # /tmp/sorted) in each group's own row tiles (GROUP_ALIGNED_TILES: the sorted path's, > 1024 copies); the router
+    # back on its own GEMV (ROUTER_IN_NORM_MAX_T 64: the norm's 16 programs a row re-read the router's 512 KB from L2,
+    # 64 MB a layer at 128 tokens)
     out=${2:?}
     b128() { run "$1" "e2e-b128-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-$2" --weights bf16 \
         --batches 128 --ctxs 1024 --no-prefill --no-engine "${@:3}"; }
     b128 140 tree --profile /tmp/prof
-    ab_copy /tmp/aligned pallas_kernels/grouped_matmul.py 's/^GROUP_ALIGNED_TILES = False$/GROUP_ALIGNED_TILES = True/' \
-        "^GROUP_ALIGNED_TILES = True$"
-    (cd /tmp/aligned && b128 120 aligned)
-    overlay_trees
-    (cd /tmp/wide && b128 120 wide)
+    sorted_tree
+    (cd /tmp/sorted && b128 120 sorted)
+    sed -i 's/^GROUP_ALIGNED_TILES = False$/GROUP_ALIGNED_TILES = True/' /tmp/sorted/pallas_kernels/grouped_matmul.py
+    (cd /tmp/sorted && b128 120 sorted-aligned)
     ab_copy /tmp/r64 mla_jax/layers.py 's/^ROUTER_IN_NORM_MAX_T = 128$/ROUTER_IN_NORM_MAX_T = 64/' \
         "^ROUTER_IN_NORM_MAX_T = 64$"
     (cd /tmp/r64 && b128 120 r64)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 85) # session 34 (any card): what the verify step at batch 32, k = 2 (96 rows, ctx 1k; 1.236x the plain step on an
-    # H100, target 1.15x) spends beyond the plain step: both steps traced (spec.py --profile: spec-profile-b32-h200.json,
-    # kernels and us per step part of each), with this tree's sorted 576 routed copies, then by group up to 1024
-    # copies (/tmp/wide), its trace too; then sorted in each group's own row tiles (GROUP_ALIGNED_TILES: ~9 copies an
-    # expert in 16-row tiles of [0, M) read most experts twice), untraced
+    # H100 sorted, target 1.15x) spends beyond the plain step: both steps traced (spec.py --profile:
+    # spec-profile-b32-h200.json, kernels and us per step part of each), its 576 routed copies by group (this tree since
+    # session 34), then sorted (/tmp/sorted), traced too
     out=${2:?}
     vprof() { run "$1" "spec-$2" python3 bench/spec.py --out "$out/spec-$2" --no-demo --batches 32 --ks 2 \
         --ctxs 1024 --mtp-ks "" --budget-min 2.5 --profile "/tmp/sprof-$2" --profile-batches 32; }
-    vprof 210 sorted
-    overlay_trees
-    (cd /tmp/wide && vprof 200 wide)
-    ab_copy /tmp/aligned pallas_kernels/grouped_matmul.py 's/^GROUP_ALIGNED_TILES = False$/GROUP_ALIGNED_TILES = True/' \
-        "^GROUP_ALIGNED_TILES = True$"
-    (cd /tmp/aligned && out=$out verify_b32k2 aligned 150 1.5)
+    vprof 210 bygroup
+    sorted_tree
+    (cd /tmp/sorted && vprof 200 sorted)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 86) # session 34, on an H200 (needs_h200: batch 128 at ctx 4k does not fit an H100), after part 75: batch 128 at ctx 4k
-    # and 1k (the targets' rows: 1.43x / 1.61x at 4fc5932, target 1.3x) with sorted rows in each group's own tiles
-    # (GROUP_ALIGNED_TILES) and by group up to 1024 copies, beside this tree's sorted rows
+    # and 1k (the targets' rows: 1.43x / 1.61x at 4fc5932, target 1.3x) by group (this tree since session 34) against
+    # sorted (/tmp/sorted)
     out=${2:?}
     b128() { run "$1" "e2e-b128-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-b128-$2" --weights bf16 \
         --batches 128 --ctxs 4096,1024 --no-prefill --no-engine; }
     b128 180 tree
-    ab_copy /tmp/aligned pallas_kernels/grouped_matmul.py 's/^GROUP_ALIGNED_TILES = False$/GROUP_ALIGNED_TILES = True/' \
-        "^GROUP_ALIGNED_TILES = True$"
-    (cd /tmp/aligned && b128 170 aligned)
-    overlay_trees
-    (cd /tmp/wide && b128 170 wide)
+    sorted_tree
+    (cd /tmp/sorted && b128 170 sorted)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 87) # session 34 (any card): absorb_q beside the cache write in one launch (mla.ABSORB_WITH_CACHE_WRITE, off until
     # measured: pallas_kernels/launch.py): its GPU tests (and the two kernels' own), then the batch-1 / 32 steps at
@@ -1217,7 +1214,8 @@ PY
     steps 160 tree
     (cd /tmp/fuse && steps 160 fused)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-88) # session 34 (any card; one call): items by group's compact list (only the slots' tiles, 738ec3f; the default path
+88) # (superseded by part 90, which ran in session 34; overlay_trees is this tree since) session 34 (any card; one
+    # call): items by group's compact list (only the slots' tiles, 738ec3f; the default path
     # of batch 8-32's experts) under its GPU tests, then part 84's batch-128 A/B at ctx 1k: sorted (this tree, traced),
     # each group's own tiles (GROUP_ALIGNED_TILES), by group up to 1024 copies (the compact list: ~131 items where the
     # old list had 576, most empty)
@@ -1234,16 +1232,17 @@ PY
     (cd /tmp/wide && b128 110 wide)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 89) # session 34, on an H200 in what is left of a budget (needs_h200): the targets' e2e rows (batch 32 / 128 at ctx 4k
-    # and 1k, then batch 1) and batch 128 by group up to 1024 copies (the compact list, 738ec3f) beside them
+    # and 1k, then batch 1; batch 128 by group since session 34) and batch 128 sorted beside them
     out=${2:?}
     e2e() { run "$1" "e2e-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-$2" --weights bf16 --batches "$3" \
         --ctxs 4096,1024 --no-prefill --no-engine; }
     e2e 200 tree 128,32
-    overlay_trees
-    (cd /tmp/wide && e2e 120 wide 128)
+    sorted_tree
+    (cd /tmp/sorted && e2e 120 sorted 128)
     e2e 100 b1 1
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-90) # session 34 (any card), part 88 cut to ~5 minutes: the compact by-group list's GPU tests, batch 128 at ctx 1k
+90) # (ran once, db65fa9 on an H100: by group 14.755 ms against sorted 15.438, taken; the fp8 GLU test ran out of the
+    # GPU's memory under -n 8) session 34 (any card), part 88 cut to ~5 minutes: the compact by-group list's GPU tests, batch 128 at ctx 1k
     # sorted (this tree) against by group up to 1024 copies
     out=${2:?}
     verbose_tests 90 tests/pallas_kernels/test_grouped_matmul.py -k "gpu_shared_chunks or gpu_fp8_glu or gpu_group_table"
