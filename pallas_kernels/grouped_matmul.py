@@ -117,9 +117,10 @@ from pallas_kernels.util import (
 
 # Sorted rows (group_sizes) in tiles of their own group, from its first row (`work_item(aligned=True)`), else the
 # block_m-row tiles of [0, M), a tile straddling groups an item of each. Aligned: never more items, and at decode
-# sizes each expert's weights read once where a straddled expert of < block_m rows is often read twice (batch 128:
-# ~12 copies an expert in 16-row tiles; its experts ran at 0.77 / 0.74 of copy sorted, H200, e95e17d). Off until
-# measured on a GPU (gpu_session.sh parts 80 and 84: the kernels and the batch-128 step with and without it).
+# sizes each expert's weights read once where a straddled expert of < block_m rows is often read twice (batch 128
+# sorted: ~12 copies an expert in 16-row tiles, its experts at 0.77 / 0.74 of copy, H200, e95e17d; batch 128 runs by
+# group since session 34, so sorted decode rows are those past `layers.BY_GROUP_MAX_COPIES`). Off until measured on
+# a GPU (gpu_session.sh parts 80 and 84: the kernels and the sorted batch-128 step with and without it).
 GROUP_ALIGNED_TILES = False
 PER_COPY_MAX_COPIES = 16  # a token top-k of at most this many routed copies: each copy its own work item (its
 # expert's weights read once per copy); more: an item per (group, row tile), each expert's weights read once a tile
