@@ -327,24 +327,16 @@ def _resolve(x, w, tail, tail_in_x, tail_rope, rhs_index, interpret, tuning):
     return layer, rope, (bool(tail_in_x), bool(interpret), bt, bn, bk, warps, stages)
 
 
-def head_matmul_launch(
-    x,
-    w,
-    tail=None,
-    *,
-    tail_in_x: bool = False,
-    tail_rope=None,
-    rhs_index=None,
-    interpret: bool = False,
-    block_t: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-):
+_TUNING = ("block_t", "block_n", "block_k", "num_warps", "num_stages")
+
+
+def head_matmul_launch(x, w, tail=None, *, tail_in_x=False, tail_rope=None, rhs_index=None, interpret=False, **tuning):
     """`head_matmul`'s kernel as a `launch.Launch` and a function of its one output giving `head_matmul`'s result,
-    for a launch beside another kernel's programs (`launch.run`); T >= 1, not differentiable."""
-    tuning = (block_t, block_n, block_k, num_warps, num_stages)
+    for a launch beside another kernel's programs (`launch.run`); T >= 1, not differentiable. Tuning: `head_matmul`'s
+    keywords."""
+    if set(tuning) - set(_TUNING):
+        raise TypeError(f"head_matmul_launch got unexpected arguments {sorted(set(tuning) - set(_TUNING))}")
+    tuning = tuple(tuning.get(name) for name in _TUNING)
     if x.ndim == 3 and x.shape[0] == 0:
         raise ValueError("head_matmul_launch needs T >= 1 rows")
     layer, rope, static = _resolve(x, w, tail, tail_in_x, tail_rope, rhs_index, interpret, tuning)

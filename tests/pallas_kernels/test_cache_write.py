@@ -315,6 +315,28 @@ def _paged_step(num_pages=37, cache_dtype="bf16", fill=float("nan")):
     return params, cfg, cache, md.to_device()
 
 
+def step_through_kernel(monkeypatch, entry: str, params, cfg, cache, md):
+    """The jitted paged step (`step.jit_step`) with `step.<entry>` called with interpret=True (the kernels
+    interpreted): (logits, cache), after checking that the step was traced through it."""
+    import mla_jax.step as step
+
+    calls = []
+    fn = getattr(step, entry)
+
+    def through_the_kernel(*a, **kw):
+        calls.append(1)
+        return fn(*a, **kw, interpret=True)
+
+    monkeypatch.setattr(step, entry, through_the_kernel)
+    jax.clear_caches()  # jit_step's trace of the jnp path (and, after, of the patched one) must not be reused
+    try:
+        out = step.jit_step(params, cfg, cache, md)
+    finally:
+        jax.clear_caches()
+    assert calls  # traced through the kernel
+    return out
+
+
 def test_paged_step_through_the_kernel(monkeypatch):
     """The model's jitted paged step (mla_paged) with the kernel (interpreted) gives the logits and the cache of
     the jnp path, bitwise."""
@@ -324,20 +346,7 @@ def test_paged_step_through_the_kernel(monkeypatch):
     assert cache_write.supported(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
     cache2 = jax.tree.map(jnp.copy, cache)  # jit_step donates its cache
     want_logits, want_cache = step.jit_step(params, cfg, cache, md)
-    calls = []
-    entry = step.write_latent_rows
-
-    def through_the_kernel(*a, **kw):
-        calls.append(1)
-        return entry(*a, **kw, interpret=True)
-
-    monkeypatch.setattr(step, "write_latent_rows", through_the_kernel)
-    jax.clear_caches()  # jit_step's trace of the jnp path (and, after, of the patched one) must not be reused
-    try:
-        got_logits, got_cache = step.jit_step(params, cfg, cache2, md)
-    finally:
-        jax.clear_caches()
-    assert calls  # traced through the kernel
+    got_logits, got_cache = step_through_kernel(monkeypatch, "write_latent_rows", params, cfg, cache2, md)
     _same(got_logits, want_logits)
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
         _same(a, b)
@@ -354,13 +363,7 @@ def test_fp8_paged_step_through_the_kernel(monkeypatch):
     assert cache.is_fp8
     cache2 = jax.tree.map(jnp.copy, cache)
     want_logits, want_cache = step.jit_step(params, cfg, cache, md)
-    entry = step.write_latent_rows
-    monkeypatch.setattr(step, "write_latent_rows", lambda *a, **kw: entry(*a, **kw, interpret=True))
-    jax.clear_caches()
-    try:
-        got_logits, got_cache = step.jit_step(params, cfg, cache2, md)
-    finally:
-        jax.clear_caches()
+    got_logits, got_cache = step_through_kernel(monkeypatch, "write_latent_rows", params, cfg, cache2, md)
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), rtol=2e-2, atol=2e-2)
     _same_fp8(got_cache.kv_c_and_k_pe_cache, got_cache.kv_scale, want_cache.kv_c_and_k_pe_cache, want_cache.kv_scale)
     written = np.isfinite(np.asarray(got_cache.kv_c_and_k_pe_cache, np.float32)).all(-1)

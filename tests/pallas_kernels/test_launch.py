@@ -13,7 +13,7 @@ from mla_jax.cache import KVCache
 from mla_jax.layers import LayerRow
 from pallas_kernels import head_matmul, launch
 from tests.mla_jax.helpers import paged_config
-from tests.pallas_kernels.test_cache_write import _same, _same_fp8, _written_only
+from tests.pallas_kernels.test_cache_write import _same, _same_fp8, _written_only, step_through_kernel
 
 
 def _ids_launch(x, grid, name, num_warps=4):
@@ -234,20 +234,8 @@ def test_paged_decode_step_through_the_fused_launch(monkeypatch):
     _, cache = step_mod.jit_step(params, cfg, cache, md1.to_device())
     cache2 = jax.tree.map(jnp.copy, cache)
     want_logits, want_cache = step_mod.jit_step(params, cfg, cache, md2.to_device())
-    calls = []
-    entry = step_mod.absorb_q_and_write_latent_rows
-
-    def fused(*a, **kw):
-        calls.append(1)
-        return entry(*a, **kw, interpret=True)
-
-    monkeypatch.setattr(step_mod, "absorb_q_and_write_latent_rows", fused)
-    jax.clear_caches()
-    try:
-        got_logits, got_cache = step_mod.jit_step(params, cfg, cache2, md2.to_device())
-    finally:
-        jax.clear_caches()
-    assert calls
+    entry = "absorb_q_and_write_latent_rows"
+    got_logits, got_cache = step_through_kernel(monkeypatch, entry, params, cfg, cache2, md2.to_device())
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
         _same(a, b)
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), rtol=2e-2, atol=2e-2)
