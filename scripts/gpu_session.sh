@@ -1252,5 +1252,25 @@ PY
     overlay_trees
     (cd /tmp/wide && b128 100 wide)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 90" >&2; exit 2 ;;
+91) # session 34, for the next (any card; one call, ~9 minutes): what session 34 changed or built, in order of value:
+    # the by-group fp8 GPU tests with two processes (part 90's ran out of memory under -n 8); the verify step at batch
+    # 32, k = 2 by group (the default since 3195620) against sorted; absorb_q beside the cache write (part 87's GPU
+    # tests, then the batch-1 step, ctx 4k, without and with it)
+    out=${2:?}
+    timeout -s INT 100 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 2 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_grouped_matmul.py -k "gpu_fp8_glu or gpu_fp8_shared or gpu_fp8_decode" \
+        >"$out/gpu-tests-fp8.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests-fp8.log" | cut -c1-160 | tail -12
+    verify_b32k2 bygroup 110 1.4
+    sorted_tree
+    (cd /tmp/sorted && out=$out verify_b32k2 sorted 110 1.4)
+    ab_copy /tmp/fuse mla_jax/mla.py 's/^ABSORB_WITH_CACHE_WRITE = False$/ABSORB_WITH_CACHE_WRITE = True/' \
+        "^ABSORB_WITH_CACHE_WRITE = True$"
+    cp -r tests pyproject.toml /tmp/fuse/ && (cd /tmp/fuse && verbose_tests 70 tests/pallas_kernels/test_launch.py)
+    b1() { run "$1" "e2e-b1-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-b1-$2" --weights bf16 --batches 1 \
+        --ctxs 4096 --no-prefill --no-engine; }
+    b1 80 tree
+    (cd /tmp/fuse && b1 80 fused)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 91" >&2; exit 2 ;;
 esac
