@@ -125,12 +125,8 @@ def write_latent_rows(
     runs the kernel in the Pallas interpreter, for tests).
     """
     w, wi = in_place(norm["weight"])
-    nl = cache.num_layers
     L = w.shape[-1]
-    if kv.ndim != 2 or kv.shape[1] != cache.width:
-        raise ValueError(f"kv must be [T, L+R] = [T, {cache.width}] (the cache's row width), got shape {kv.shape}")
-    if isinstance(layer, (int, np.integer)) and not 0 <= layer < nl:
-        raise ValueError(f"layer {layer} out of range for a cache with {nl} layers")
+    _check_latent_rows(cache, layer, kv)
     use_kernel = interpret or jax.default_backend() == "gpu"
     if use_kernel and cache_write.supported(L, cache.width - L):
         rows, kv_cache, *scale = cache_write.write_latent_rows(
@@ -149,6 +145,14 @@ def write_latent_rows(
         return _kernel_rows(cache, kv, L, rows, kv_cache, scale)
     kv_c_normed, k_pe = latent_rows(norm, kv, cos, sin, eps)
     return kv_c_normed, k_pe, write_kv_layer(cache, layer, kv_c_normed, k_pe, slot_mapping)
+
+
+def _check_latent_rows(cache: KVCache, layer: int | jax.Array, kv: jax.Array) -> None:
+    """kv [T, L+R] rows of the cache's width, and a static layer inside the cache."""
+    if kv.ndim != 2 or kv.shape[1] != cache.width:
+        raise ValueError(f"kv must be [T, L+R] = [T, {cache.width}] (the cache's row width), got shape {kv.shape}")
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < cache.num_layers:
+        raise ValueError(f"layer {layer} out of range for a cache with {cache.num_layers} layers")
 
 
 def _kernel_rows(cache: KVCache, kv: jax.Array, L: int, rows, kv_cache, scale) -> tuple[jax.Array, jax.Array, KVCache]:
@@ -191,13 +195,10 @@ def absorb_q_and_write_latent_rows(
     nw, n_layer = in_place(norm["weight"])
     L, width = nw.shape[-1], cache.width
     fused = (
-        (interpret or (ABSORB_WITH_CACHE_WRITE and _head_matmul_ok(q, w)))
-        and 1 <= q.shape[0] <= HEAD_MATMUL_MAX_T
-        and q.dtype == w.dtype
-        and jnp.dtype(q.dtype) in FLOAT_DTYPES
-        and q.shape[-1] > w.shape[-2] == P
-        and kv.ndim == 2
-        and kv.shape == (q.shape[0], width)
+        (interpret or ABSORB_WITH_CACHE_WRITE)
+        and _head_matmul_ok(q, w, interpret)
+        and q.shape[-1] > w.shape[-2] == P  # absorb_q's kernel call
+        and kv.shape[:1] == q.shape[:1]
         and cache_write.supported(L, width - L)
     )
     if not fused:
@@ -205,8 +206,7 @@ def absorb_q_and_write_latent_rows(
             kv_c_normed, k_pe, cache = write_latent_rows(cache, layer, kv, norm, *rope, slot_mapping, eps)
         with jax.named_scope("absorb_q"):
             return absorb_q(p, cfg, q, rope=rope), kv_c_normed, k_pe, cache
-    if isinstance(layer, (int, np.integer)) and not 0 <= layer < cache.num_layers:
-        raise ValueError(f"layer {layer} out of range for a cache with {cache.num_layers} layers")
+    _check_latent_rows(cache, layer, kv)
     absorb, absorbed = head_matmul_kernel.head_matmul_launch(
         q, w, tail_in_x=True, tail_rope=rope, rhs_index=w_layer, interpret=interpret
     )
@@ -264,11 +264,12 @@ def up_project_kv(
 HEAD_MATMUL_MAX_T = 128
 
 
-def _head_matmul_ok(x: jnp.ndarray, w: jnp.ndarray) -> bool:
-    """The per-head matmul kernel for x [T, N, K] and w's dtype: on a GPU, 1 <= T <= HEAD_MATMUL_MAX_T, one float
-    dtype (the kernel multiplies in x's; XLA's einsum promotes mixed dtypes, so those stay there)."""
+def _head_matmul_ok(x: jnp.ndarray, w: jnp.ndarray, interpret: bool = False) -> bool:
+    """The per-head matmul kernel for x [T, N, K] and w's dtype: on a GPU (or interpreted), 1 <= T <=
+    HEAD_MATMUL_MAX_T, one float dtype (the kernel multiplies in x's; XLA's einsum promotes mixed dtypes, so those stay
+    there)."""
     return (
-        jax.default_backend() == "gpu"
+        (interpret or jax.default_backend() == "gpu")
         and 1 <= x.shape[0] <= HEAD_MATMUL_MAX_T
         and x.dtype == w.dtype
         and jnp.dtype(x.dtype) in FLOAT_DTYPES
