@@ -331,6 +331,20 @@ def _cumsum(x):
     return jnp.sum(jnp.where(i[None, :] <= i[:, None], x[None, :], 0), axis=1).astype(x.dtype)
 
 
+def _listed_tile(count, w, cumsum=jnp.cumsum):
+    """Item w of a list of segments' tiles one after another (`count` [P] tiles each, in registers): (its segment s,
+    its tile j within it, pick: v [P] -> v[s] as a select and a sum, a register vector having no gather). For w past
+    the list's end s is past the last segment with tiles (the callers mark such items empty)."""
+    idx = jnp.arange(count.shape[0], dtype=jnp.int32)
+    end = cumsum(count)  # inclusive
+    s = jnp.sum((end <= w).astype(jnp.int32))  # searchsorted(end, w, side="right")
+
+    def pick(v):
+        return jnp.sum(jnp.where(idx == s, v, 0))
+
+    return s, w - (pick(end) - pick(count)), pick
+
+
 def work_item(sizes, num_groups: int, w, m: int, block_m: int, cumsum=jnp.cumsum, aligned: bool = False):
     """Work item w's (row0, lo, hi, group) from the group sizes `sizes` [P] (P > num_groups; entries past G =
     num_groups are 0): scalar jnp, so the grouped kernel derives its own item (no XLA kernels before the call) and
@@ -357,14 +371,9 @@ def work_item(sizes, num_groups: int, w, m: int, block_m: int, cumsum=jnp.cumsum
     else:  # the tiles of [0, M) that a segment touches
         first = seg_lo // block_m
         count = jnp.where(seg_hi > seg_lo, (seg_hi - 1) // block_m - first + 1, 0)
-    cum = cumsum(count)  # inclusive
-    seg = jnp.minimum(jnp.sum((cum <= w).astype(jnp.int32)), g)  # searchsorted(cum, w, side="right")
-
-    def pick(v):  # v[seg], as a select and a sum (a register vector has no gather)
-        return jnp.sum(jnp.where(idx == seg, v, 0))
-
+    seg, j, pick = _listed_tile(count, w, cumsum)
+    seg = jnp.minimum(seg, g)
     valid = w < jnp.sum(count)
-    j = w - (pick(cum) - pick(count))  # the item's tile within its segment
     row0 = pick(first) + j * block_m if aligned else (pick(first) + j) * block_m
     zero = jnp.zeros((), jnp.int32)
     return (
@@ -501,15 +510,8 @@ def _group_tile(
     slots = num_groups + num_chunks + 1
     idx = jnp.arange(next_pow2(slots), dtype=jnp.int32)
     counts = masked_load(count_ref.at[idx], idx < slots)  # 0 past the slots
-    tiles = (counts + bm - 1) // bm
-    end = jnp.cumsum(tiles)  # inclusive
-    s = jnp.sum((end <= i).astype(jnp.int32))  # searchsorted(end, i, side="right"): >= slots past the last tile
-
-    def pick(v):  # v[s], as a select and a sum (a register vector has no gather)
-        return jnp.sum(jnp.where(idx == s, v, 0))
-
+    s, q, pick = _listed_tile((counts + bm - 1) // bm, i)  # q: the tile within slot s (s >= slots past the last)
     slot = jnp.minimum(s, slots - 1)
-    q = i - (pick(end) - pick(tiles))  # the tile within its slot
     want = q * bm + jnp.arange(bm, dtype=jnp.int32)  # the tile's places among the slot's copies
     has = (want < pick(counts)) & (s < slots)
     copy = masked_load(table_ref.at[slot, want], has)
