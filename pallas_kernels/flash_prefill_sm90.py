@@ -588,8 +588,8 @@ def flash_prefill_sm90(
     P from shared memory instead of registers; forced under the interpreter), schedule_barrier (FA3
     ping-pong of the two consumer warpgroups), persistent (a grid of num_ctas CTAs, default the
     device's SM count, each looping over its share of the (q tile, head) tiles: the next tile's K/V
-    load while this tile's last P V and output store run; None: `PERSISTENT`). block_q (128) and num_warps (12) are fixed; they are
-    accepted for signature compatibility with flash_prefill.
+    load while this tile's last P V and output store run; None: `PERSISTENT`). block_q (128) and
+    num_warps (12) are fixed; they are accepted for signature compatibility with flash_prefill.
     interpret: run under the Mosaic GPU interpreter (CPU testing): True, or a
     `plgpu.InterpretGPUParams` (e.g. detect_races=True). It needs >= 3 XLA CPU workers (NPROC).
     """
