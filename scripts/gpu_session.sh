@@ -1273,4 +1273,20 @@ PY
     (cd /tmp/fuse && b1 80 fused)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 91" >&2; exit 2 ;;
+92) # session 35 (any card; ~6 minutes): the Hopper prefill on a persistent grid (PERSISTENT, bbb33ce) against a CTA per
+    # tile: its GPU tests, then the fixed shapes both ways twice (two processes a side, alternating), then the sweep
+    # (both grids and the other variants in one process, the varlen mix included); on an H200 the full rows (cuDNN,
+    # varlen, chunk) with the winner's default
+    out=${2:?}
+    verbose_tests 110 tests/pallas_kernels/test_flash_prefill_sm90.py
+    ab_copy /tmp/pers pallas_kernels/flash_prefill_sm90.py 's/^PERSISTENT = False$/PERSISTENT = True/' "^PERSISTENT = True$"
+    pf() { run 90 "prefill-$2" python3 bench/prefill.py --out "$out/prefill-$2" --shapes-only --no-check --no-xla \
+        --kernels pallas_sm90; }
+    pf x grid1
+    (cd /tmp/pers && pf x pers1)
+    pf x grid2
+    (cd /tmp/pers && pf x pers2)
+    run 200 prefill-sweep python3 bench/prefill.py --out "$out/sweep" --sweep --sweep-budget-s 150 --shapes-only \
+        --no-check --no-xla --kernels pallas_sm90
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 esac
