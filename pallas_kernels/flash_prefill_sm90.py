@@ -14,7 +14,11 @@ wave holds one q tile (reversed: the longest causal tiles first) of many heads, 
 K/V. With q tiles fastest (the Triton kernel's order, meant to share a head's K/V in L2) up to 64 CTAs
 read the same K/V rows at once: 377 / 360 TFLOP/s at 1x8192x128 / 4x4096x128 causal against 596-606 /
 550-560 heads fastest (H100, 2026-12-05, bench/results/prefill-h200.json). A tile may straddle
-sequences. A per-tile metadata row (built by a few XLA ops over the row windows) holds the key span
+sequences. With `persistent` the grid is instead one CTA per SM, each looping over every SM-count-th
+tile of that order; the K/V ring's slots and barrier phases run on from one tile to the next, so the
+producer loads the next tile's keys while the consumers finish this one (its last P V, the output
+store, the next Q), and no CTA launches, initializes barriers or fills the ring from empty per tile. A
+per-tile metadata row (built by a few XLA ops over the row windows) holds the key span
 [base, base + n*BK) of the tile and, per consumer warpgroup, which of the n key tiles it skips (no row
 sees a key), computes unmasked (every non-empty row sees every key) or computes masked (causal
 diagonal, sequence edges).
