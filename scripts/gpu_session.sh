@@ -1272,7 +1272,6 @@ PY
     b1 80 tree
     (cd /tmp/fuse && b1 80 fused)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 91" >&2; exit 2 ;;
 92) # session 35 (any card; ~6 minutes): the Hopper prefill on a persistent grid (PERSISTENT, bbb33ce) against a CTA per
     # tile: its GPU tests, then the fixed shapes both ways twice (two processes a side, alternating), then the sweep
     # (both grids and the other variants in one process, the varlen mix included); on an H200 the full rows (cuDNN,
@@ -1301,4 +1300,5 @@ PY
     (cd /tmp/pers && run 70 prefill-pers python3 bench/prefill.py --out "$out/prefill-pers" --shapes-only --no-xla \
         --kernels pallas_sm90)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 93" >&2; exit 2 ;;
 esac
