@@ -1288,17 +1288,14 @@ PY
     run 200 prefill-sweep python3 bench/prefill.py --out "$out/sweep" --sweep --sweep-budget-s 150 --shapes-only \
         --no-check --no-xla --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-93) # session 35, on an H200 (needs_h200; ~9.5 minutes): part 75's targets' decode and e2e rows, then the prefill's
-    # fixed shapes (the 640 / 620 TFLOP/s targets) with a CTA per tile and on the persistent grid (part 92's A/B)
+93) # session 35, on an H200 (needs_h200; ~9 minutes): part 75's targets' decode and e2e rows, then the prefill's fixed
+    # shapes (the 640 / 620 TFLOP/s targets; the persistent grid lost on an H100, part 92)
     out=${2:?}
     run 130 decode python3 bench/decode.py --out "$out/decode" --quick --no-check --no-ragged --device-time \
         --shapes 32x16x1024,64x128x4096,128x128x8192,1x128x32768 --dtypes bf16,fp8 --kernels pallas_sm90
     run 300 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 32,128,1 --ctxs 4096,1024 \
         --no-prefill --no-engine
-    ab_copy /tmp/pers pallas_kernels/flash_prefill_sm90.py 's/^PERSISTENT = False$/PERSISTENT = True/' "^PERSISTENT = True$"
-    run 70 prefill-grid python3 bench/prefill.py --out "$out/prefill-grid" --shapes-only --no-xla --kernels pallas_sm90
-    (cd /tmp/pers && run 70 prefill-pers python3 bench/prefill.py --out "$out/prefill-pers" --shapes-only --no-xla \
-        --kernels pallas_sm90)
+    run 90 prefill python3 bench/prefill.py --out "$out/prefill" --shapes-only --no-xla --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 93" >&2; exit 2 ;;
 esac
