@@ -14,11 +14,7 @@ wave holds one q tile (reversed: the longest causal tiles first) of many heads, 
 K/V. With q tiles fastest (the Triton kernel's order, meant to share a head's K/V in L2) up to 64 CTAs
 read the same K/V rows at once: 377 / 360 TFLOP/s at 1x8192x128 / 4x4096x128 causal against 596-606 /
 550-560 heads fastest (H100, 2026-12-05, bench/results/prefill-h200.json). A tile may straddle
-sequences. With `persistent` the grid is instead one CTA per SM, each looping over every SM-count-th
-tile of that order; the K/V ring's slots and barrier phases run on from one tile to the next, so the
-producer loads the next tile's keys while the consumers finish this one (its last P V, the output
-store, the next Q), and no CTA launches, initializes barriers or fills the ring from empty per tile. A
-per-tile metadata row (built by a few XLA ops over the row windows) holds the key span
+sequences. A per-tile metadata row (built by a few XLA ops over the row windows) holds the key span
 [base, base + n*BK) of the tile and, per consumer warpgroup, which of the n key tiles it skips (no row
 sees a key), computes unmasked (every non-empty row sees every key) or computes masked (causal
 diagonal, sequence edges).
@@ -97,7 +93,6 @@ from pallas_kernels.util import (
     cdiv,
     check_interpreter_workers,
     is_sm90,
-    num_sms,
     row_windows,
     validate_prefill,
 )
@@ -112,8 +107,6 @@ _META = 12  # base, n, hi_max, lo_min, then (e0, ja, jb, e1) for each consumer w
 # holds the [64, V] f32 accumulator (64 at V=128), the [64, BK] f32 logits (64) and its mask/P;
 # the producer zeroes [64, 64] chunks of the last V tile.
 _REGS = (224, 56)
-# Persistent grid by default (`persistent=None`): off until measured against a CTA per tile.
-PERSISTENT = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +116,6 @@ class _Cfg:
     bk: int  # key rows per tile
     stages: int  # K/V ring depth
     n_qtiles: int
-    heads: int
-    num_ctas: int  # persistent grid: CTAs looping over the (q tile, head) tiles; 0: a CTA per tile
     qk_scale: float  # softmax scale * log2(e)
     dtype: object
     p_in_smem: bool  # P through shared memory (always under the interpreter)
@@ -191,34 +182,19 @@ def _kernel(q_gmem, k_gmem, v_gmem, rows_gmem, meta_gmem, out_gmem, lse_gmem, *,
     pl.run_scoped(scoped, bufs, *bars, collective_axes="wg")
 
 
-def _for_each_tile(cfg: _Cfg, tile):
-    """Runs tile(qt, h, c0) -> c0 + the tile's key tile count over this CTA's (q tile, head) tiles and
-    returns the CTA's total key tile count. c0 counts the key tiles the CTA ran before: ring slots and
-    barrier phases continue from one tile to the next, so the producer fetches the next tile's K/V while
-    the consumers finish this one (persistent grid).
-
-    Order: heads fastest, the longest causal q tiles first; a persistent CTA takes every num_ctas-th."""
-    if not cfg.num_ctas:
-        return tile(cfg.n_qtiles - 1 - lax.axis_index("qt"), lax.axis_index("h"), jnp.int32(0))
-    cta = lax.axis_index("cta")
-    mine = (cfg.n_qtiles * cfg.heads - 1 - cta) // cfg.num_ctas + 1  # the grid has at most one CTA per tile
-
-    def it(i, c0):
-        flat = cta + i * cfg.num_ctas
-        return tile(cfg.n_qtiles - 1 - flat // cfg.heads, lax.rem(flat, cfg.heads), c0)
-
-    return lax.fori_loop(0, mine, it, jnp.int32(0))
-
-
 def _body(cfg: _Cfg, r):
     wg = lax.axis_index("wg")
+    qt = cfg.n_qtiles - 1 - lax.axis_index("qt")  # longest causal tiles first
+    h = lax.axis_index("h")
     f32 = jnp.float32
     bk, stages = cfg.bk, cfg.stages
     meta = r["meta_gmem"]
+    # Key tiles start at base + j*BK with base a multiple of 8: a TMA into 8-row-tiled shared memory
+    # needs an 8-aligned row offset.
+    base, n, hi_max, lo_min = (meta[qt, i] for i in range(4))
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     k_ready, v_ready, k_free, v_free = r["k_ready"], r["v_ready"], r["k_free"], r["v_free"]
     k_ring, v_ring = r["k_ring"], r["v_ring"]
-    n_qc = cfg.dq // _CHUNK
 
     def slot_of(j):
         return lax.rem(j, jnp.int32(stages))
@@ -227,12 +203,12 @@ def _body(cfg: _Cfg, r):
         plgpu.barrier_arrive(r["sched"])
         plgpu.barrier_wait(r["sched"])
 
-    def consumer_tile(qt, h, c0):
-        # Key tiles start at base + j*BK with base a multiple of 8: a TMA into 8-row-tiled shared
-        # memory needs an 8-aligned row offset.
-        base, n = meta[qt, 0], meta[qt, 1]
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(_REGS[0], action="increase")
         t0 = pl.multiple_of(qt * BLOCK_Q + wg * _WG_ROWS, _WG_ROWS)
         q_smem = r["q_smem"].at[wg]  # [Dq/64, 64, 64]
+        n_qc = cfg.dq // _CHUNK
         for c in range(n_qc):
             plgpu.copy_gmem_to_smem(
                 r["q_gmem"].at[pl.ds(t0, _WG_ROWS), h, pl.ds(c * _CHUNK, _CHUNK)], q_smem.at[c], r["q_bar"].at[wg]
@@ -244,7 +220,7 @@ def _body(cfg: _Cfg, r):
         p_ref = r["p_smem"].at[wg] if cfg.p_in_smem else None
 
         def step(j, carry, mode):
-            slot = slot_of(c0 + j)
+            slot = slot_of(j)
             plgpu.barrier_wait(k_ready.at[slot])
             if mode == "skip":  # no row of this warpgroup sees these keys: keep barrier phases in step
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -322,25 +298,23 @@ def _body(cfg: _Cfg, r):
         for c in range(cfg.dv // _CHUNK):
             plgpu.copy_smem_to_gmem(q_smem.at[c], r["out_gmem"].at[pl.ds(t0, _WG_ROWS), h, pl.ds(c * _CHUNK, _CHUNK)])
         plgpu.copy_smem_to_gmem(r["lse_smem"].at[wg], r["lse_gmem"].at[h, pl.ds(t0, _WG_ROWS)])
-        # The next tile's Q (and LSE) may overwrite the staging buffers once the stores have read them.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        return c0 + n
+        plgpu.wait_smem_to_gmem(0)
 
-    def producer_tile(qt, h, c0):
-        base, n, hi_max, lo_min = (meta[qt, i] for i in range(4))
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(_REGS[1], action="decrease")
 
         def step(j, _):
-            g = c0 + j  # the CTA's key tile count: ring slot and phase
-            slot = slot_of(g)
+            slot = slot_of(j)
             start = pl.multiple_of(base + j * bk, 8)
 
-            @pl.when(g >= stages)
+            @pl.when(j >= stages)
             def _():
                 plgpu.barrier_wait(k_free.at[slot])
 
             plgpu.copy_gmem_to_smem(r["k_gmem"].at[pl.ds(start, bk), h], k_ring.at[slot], k_ready.at[slot])
 
-            @pl.when(g >= stages)
+            @pl.when(j >= stages)
             def _():
                 plgpu.barrier_wait(v_free.at[slot])
 
@@ -359,26 +333,14 @@ def _body(cfg: _Cfg, r):
             return ()
 
         lax.fori_loop(0, n, step, ())
-        return c0 + n
-
-    @pl.when(wg < 2)
-    def _consumer():
-        plgpu.set_max_registers(_REGS[0], action="increase")
-        _for_each_tile(cfg, consumer_tile)
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == 2)
-    def _producer():
-        plgpu.set_max_registers(_REGS[1], action="decrease")
-        total = _for_each_tile(cfg, producer_tile)
 
         # Observe the consumers' last releases too (each waiter sees every phase).
-        def drain(g, _):
-            plgpu.barrier_wait(k_free.at[slot_of(g)])
-            plgpu.barrier_wait(v_free.at[slot_of(g)])
+        def drain(j, _):
+            plgpu.barrier_wait(k_free.at[slot_of(j)])
+            plgpu.barrier_wait(v_free.at[slot_of(j)])
             return ()
 
-        lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, ())
+        lax.fori_loop(jnp.maximum(n - stages, 0), n, drain, ())
 
 
 def _pv(cfg: _Cfg, acc, p, p_ref, v_ref):
@@ -471,33 +433,10 @@ def _validate_sm90(
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=(
-        "causal",
-        "scale",
-        "interpret",
-        "block_k",
-        "num_stages",
-        "p_in_smem",
-        "schedule_barrier",
-        "num_ctas",
-    ),
+    jax.jit, static_argnames=("causal", "scale", "interpret", "block_k", "num_stages", "p_in_smem", "schedule_barrier")
 )
 def _impl(
-    q,
-    k,
-    v,
-    q_start_loc,
-    k_start_loc,
-    *,
-    causal,
-    scale,
-    interpret,
-    block_k,
-    num_stages,
-    p_in_smem,
-    schedule_barrier,
-    num_ctas,
+    q, k, v, q_start_loc, k_start_loc, *, causal, scale, interpret, block_k, num_stages, p_in_smem, schedule_barrier
 ):
     tq, n, dq = q.shape
     tk, dv = k.shape[0], v.shape[2]
@@ -509,8 +448,6 @@ def _impl(
         bk=block_k,
         stages=num_stages,
         n_qtiles=n_qtiles,
-        heads=n,
-        num_ctas=min(num_ctas, n_qtiles * n),
         qk_scale=float(scale) * LOG2E,
         dtype=jnp.dtype(q.dtype),
         p_in_smem=p_in_smem,
@@ -543,8 +480,8 @@ def _impl(
     out, lse = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg),
         out_type=(jax.ShapeDtypeStruct((tq_k, n, dv), q.dtype), jax.ShapeDtypeStruct((n, tq_pad), jnp.float32)),
-        grid=(cfg.num_ctas,) if cfg.num_ctas else (n, n_qtiles),
-        grid_names=("cta",) if cfg.num_ctas else ("h", "qt"),
+        grid=(n, n_qtiles),
+        grid_names=("h", "qt"),
         num_threads=3,
         thread_name="wg",
         # Row reductions of the WGMMA layout stay within a warp: no cross-warp reduction scratch.
@@ -553,7 +490,6 @@ def _impl(
         kernel_name=(
             f"flash_prefill_sm90_bq{BLOCK_Q}_bk{block_k}_s{num_stages}"
             f"{'_psmem' if p_in_smem else ''}{'_sched' if schedule_barrier else ''}"
-            f"{f'_persistent{cfg.num_ctas}' if cfg.num_ctas else ''}"
         ),
     )(q, k, v, rows, meta)
     return (out if tq_k == tq else out[:tq]), lse[:, :tq].T
@@ -575,8 +511,6 @@ def flash_prefill_sm90(
     num_stages: int | None = None,
     p_in_smem: bool | None = None,
     schedule_barrier: bool = True,
-    persistent: bool | None = None,
-    num_ctas: int | None = None,
 ):
     """Hopper varlen attention. Returns (out [Tq, N, V] q.dtype, lse f32[Tq, N] natural log).
 
@@ -590,19 +524,14 @@ def flash_prefill_sm90(
     Tuning (keyword-only, static): block_k key rows per tile (64 or 128; default 128, 64 with P in
     shared memory), num_stages K/V ring depth (>= 2; default 2, 3 with BK 64), p_in_smem (P V with
     P from shared memory instead of registers; forced under the interpreter), schedule_barrier (FA3
-    ping-pong of the two consumer warpgroups), persistent (a grid of num_ctas CTAs, default the
-    device's SM count, each looping over its share of the (q tile, head) tiles: the next tile's K/V
-    load while this tile's last P V and output store run; None: `PERSISTENT`). block_q (128) and
-    num_warps (12) are fixed; they are accepted for signature compatibility with flash_prefill.
+    ping-pong of the two consumer warpgroups). block_q (128) and num_warps (12) are fixed; they are
+    accepted for signature compatibility with flash_prefill.
     interpret: run under the Mosaic GPU interpreter (CPU testing): True, or a
     `plgpu.InterpretGPUParams` (e.g. detect_races=True). It needs >= 3 XLA CPU workers (NPROC).
     """
     _validate_sm90(
         q, k, v, q_start_loc, k_start_loc, scale, interpret, block_q, block_k, num_warps, num_stages, p_in_smem
     )
-    persistent = PERSISTENT if persistent is None else persistent
-    if num_ctas is not None and not (persistent and isinstance(num_ctas, int) and num_ctas >= 1):
-        raise ValueError(f"num_ctas={num_ctas!r}: a positive int, and only with a persistent grid")
     p_in_smem = bool(interpret) or bool(p_in_smem)
     d_bk, d_stages = _defaults(p_in_smem)
     block_k = d_bk if block_k is None else block_k
@@ -620,5 +549,4 @@ def flash_prefill_sm90(
         num_stages=int(num_stages),
         p_in_smem=p_in_smem,
         schedule_barrier=bool(schedule_barrier),
-        num_ctas=(num_sms() if num_ctas is None else num_ctas) if persistent else 0,
     )

@@ -979,16 +979,6 @@ PREFILL_CASES = [
         _FP90,
         dict(schedule_barrier=False, num_stages=2),
     ),
-    # persistent grid: 3 CTAs over 4 q tiles x 2 heads, so CTAs run 2-3 tiles each with the K/V ring's
-    # slots and phases carried across tiles (and ragged key tile counts per tile)
-    _pc(
-        "causal_multi_tile_persistent_3ctas",
-        [150, 1, 0, 230, 7],
-        None,
-        True,
-        _FP90,
-        dict(persistent=True, num_ctas=3, block_k=64, num_stages=3),
-    ),
     # bottom-right aligned causal with q shorter than k, and q longer than k (empty rows)
     _pc("causal_q_shorter_than_k", [5, 0, 37, 1, 20], [9, 3, 60, 1, 27], True, _FP90),
     _pc("causal_q_longer_than_k", [12, 3, 70], [4, 0, 66], True, _FP90),
@@ -1005,16 +995,6 @@ PREFILL_CASES = [
         dtype=jnp.float16,
     ),
     _pc("single_token_sequences", [1, 1, 1, 1, 1], None, True, _FP90, n=3),
-    # persistent, non-causal chunk with an empty sequence: a tile with no keys between tiles with keys
-    _pc(
-        "noncausal_chunk_persistent_2ctas",
-        [70, 64, 1],
-        [130, 0, 65],
-        False,
-        _FP90,
-        dict(persistent=True, num_ctas=2),
-        n=3,
-    ),
     # Tq < 64 and Tk < block_k: the only shapes padded by the wrapper
     _pc("tiny", [3, 9], None, True, _FP90),
     # rows before the first sequence are NaN padding (q and k): the first key tile starts below
@@ -1076,17 +1056,6 @@ PREFILL_GPU_CASES = [
     _pc("fixed_2x1024_n16_no_sched", [1024, 1024], None, True, _FP90, dict(schedule_barrier=False), seed=3004, n=16),
     _pc("varlen_causal_n4_no_sched", _VARLEN, None, True, _FP90, dict(schedule_barrier=False), bench=True, n=4),
     _pc("varlen_causal_n4_p_in_smem", _VARLEN, None, True, _FP90, dict(p_in_smem=True), seed=3005, bench=True, n=4),
-    _pc("varlen_causal_n8_persistent", _VARLEN, None, True, _FP90, dict(persistent=True), seed=3008, bench=True, n=8),
-    _pc(
-        "chunk_noncausal_n8_persistent_7ctas",
-        [300, 5, 0, 64, 257],
-        [1000, 3, 0, 640, 64],
-        False,
-        _FP90,
-        dict(persistent=True, num_ctas=7),
-        seed=3009,
-        n=8,
-    ),
     _pc(
         "varlen_causal_n4_bk64_s4",
         _VARLEN,

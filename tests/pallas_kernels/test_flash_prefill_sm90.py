@@ -115,8 +115,6 @@ def _lower_for_sm90(causal=True, pad=5, **kw):
         (True, dict(schedule_barrier=False)),
         (True, dict(p_in_smem=True)),
         (True, dict(block_k=64, num_stages=4)),
-        (True, dict(persistent=True)),
-        (False, dict(persistent=True, num_ctas=5)),
     ],
 )
 def test_lowers_for_sm90(causal, kw):
@@ -170,8 +168,6 @@ def _bad_args(**over):
         ({}, dict(block_q=64), "block_q"),
         ({}, dict(num_warps=8), "num_warps"),
         ({}, dict(scale=-1.0), "scale"),
-        ({}, dict(num_ctas=4), "num_ctas"),
-        ({}, dict(persistent=True, num_ctas=0), "num_ctas"),
     ],
 )
 def test_bad_inputs_raise(over, tuning, match):
