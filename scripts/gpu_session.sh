@@ -1309,5 +1309,12 @@ PY
     b1 120 tree
     (cd /tmp/fuse && b1 120 fused)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 94" >&2; exit 2 ;;
+95) # session 35, on an H200 in ~6.5 minutes (needs_h200): the targets' decode rows, then the e2e rows at batch 32 / 128
+    out=${2:?}
+    run 120 decode python3 bench/decode.py --out "$out/decode" --quick --no-check --no-ragged --device-time \
+        --shapes 32x16x1024,64x128x4096,128x128x8192,1x128x32768 --dtypes bf16,fp8 --kernels pallas_sm90
+    run 250 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 32,128 --ctxs 4096,1024 \
+        --no-prefill --no-engine
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 95" >&2; exit 2 ;;
 esac
