@@ -1297,17 +1297,17 @@ PY
         --no-prefill --no-engine
     run 90 prefill python3 bench/prefill.py --out "$out/prefill" --shapes-only --no-xla --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-94) # session 35, an H100 in what was left (~7 minutes): part 91's rows that its limits cut: the verify step at batch 32,
+94) # session 35, an H100 in what was left (~6 minutes): part 91's rows that its limits cut: the verify step at batch 32,
     # k = 2 by group (the default; part 91's sorted run: 1.228x), then the batch-1 step at ctx 4k without and with
     # absorb_q beside the cache write
     out=${2:?}
-    verify_b32k2 bygroup 170 2.5
     ab_copy /tmp/fuse mla_jax/mla.py 's/^ABSORB_WITH_CACHE_WRITE = False$/ABSORB_WITH_CACHE_WRITE = True/' \
         "^ABSORB_WITH_CACHE_WRITE = True$"
     b1() { run "$1" "e2e-b1-$2" python3 -m mla_jax.bench.e2e --out "$out/e2e-b1-$2" --weights bf16 --batches 1 \
         --ctxs 4096 --no-prefill --no-engine; }
-    b1 120 tree
-    (cd /tmp/fuse && b1 120 fused)
+    b1 100 tree
+    (cd /tmp/fuse && b1 100 fused)
+    verify_b32k2 bygroup 140 2
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 95) # session 35, on an H200 in ~6.5 minutes (needs_h200): the targets' decode rows, then the e2e rows at batch 32 / 128
     out=${2:?}
