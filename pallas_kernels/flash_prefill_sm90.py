@@ -107,6 +107,10 @@ _META = 12  # base, n, hi_max, lo_min, then (e0, ja, jb, e1) for each consumer w
 # holds the [64, V] f32 accumulator (64 at V=128), the [64, BK] f32 logits (64) and its mask/P;
 # the producer zeroes [64, 64] chunks of the last V tile.
 _REGS = (224, 56)
+# With the intra-warpgroup overlap a consumer also holds the next tile's logits while its P V is in flight.
+_REGS_OVERLAP = (232, 40)
+# Intra-warpgroup overlap by default (`overlap=None`): off until measured against the ping-pong alone.
+OVERLAP = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +124,7 @@ class _Cfg:
     dtype: object
     p_in_smem: bool  # P through shared memory (always under the interpreter)
     sched: bool  # ping-pong schedule barrier between the consumers
+    overlap: bool  # FA3's intra-warpgroup overlap: the next tile's QK^T issued with this tile's P V
     interpret: bool
 
 
@@ -149,9 +154,10 @@ def _kernel(q_gmem, k_gmem, v_gmem, rows_gmem, meta_gmem, out_gmem, lse_gmem, *,
         plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),  # v_free
         plgpu.Barrier(),  # raw_bar
         plgpu.Barrier(num_arrivals=2),  # sched
+        plgpu.Barrier(num_barriers=2),  # turn (overlap)
     ]
 
-    def scoped(smem, q_bar, k_ready, v_ready, k_free, v_free, raw_bar, sched):
+    def scoped(smem, q_bar, k_ready, v_ready, k_free, v_free, raw_bar, sched, turn):
         q_smem, k_ring, v_ring, rows_smem, lse_smem, p_smem = smem
         _body(
             cfg,
@@ -176,6 +182,7 @@ def _kernel(q_gmem, k_gmem, v_gmem, rows_gmem, meta_gmem, out_gmem, lse_gmem, *,
                 v_free=v_free,
                 raw_bar=raw_bar,
                 sched=sched,
+                turn=turn,
             ),
         )
 
@@ -203,9 +210,11 @@ def _body(cfg: _Cfg, r):
         plgpu.barrier_arrive(r["sched"])
         plgpu.barrier_wait(r["sched"])
 
+    regs = _REGS_OVERLAP if cfg.overlap else _REGS
+
     @pl.when(wg < 2)
     def _consumer():
-        plgpu.set_max_registers(_REGS[0], action="increase")
+        plgpu.set_max_registers(regs[0], action="increase")
         t0 = pl.multiple_of(qt * BLOCK_Q + wg * _WG_ROWS, _WG_ROWS)
         q_smem = r["q_smem"].at[wg]  # [Dq/64, 64, 64]
         n_qc = cfg.dq // _CHUNK
@@ -218,6 +227,25 @@ def _body(cfg: _Cfg, r):
         lo = plgpu.load(r["rows_smem"].at[wg, 0], layout=row_layout)  # [64] int32
         hi = plgpu.load(r["rows_smem"].at[wg, 1], layout=row_layout)
         p_ref = r["p_smem"].at[wg] if cfg.p_in_smem else None
+
+        def softmax(s, m_i, kstart, masked):
+            """p = exp2(logits - m_new) (f32, [64, BK]), m_new, alpha = exp2(m_i - m_new); log2 units.
+            Masked: keys outside a row's window [lo, hi) get p = 0 (where, not a multiply: NaN padding)."""
+            if masked:
+                kpos = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + kstart
+                see = (kpos >= lax.broadcast_in_dim(lo, s.shape, [0])) & (kpos < lax.broadcast_in_dim(hi, s.shape, [0]))
+                s = jnp.where(see, s * cfg.qk_scale, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            else:
+                # scale > 0 commutes with max; s * scale - m is one FMA per logit.
+                m_new = jnp.maximum(m_i, s.max(axis=1) * cfg.qk_scale)
+                p = jnp.exp2(s * cfg.qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            return p, m_new, jnp.exp2(m_i - m_new)
+
+        def issue_qk(s_ref, slot):
+            for c in range(n_qc):
+                plgpu.wgmma(s_ref, q_smem.at[c], k_ring.at[slot, :, pl.ds(c * _CHUNK, _CHUNK)].T)
 
         def step(j, carry, mode):
             slot = slot_of(j)
@@ -233,26 +261,15 @@ def _body(cfg: _Cfg, r):
                 return carry
             acc, m_i, l_i = carry
 
-            def qk(acc_ref):
-                for c in range(n_qc):
-                    plgpu.wgmma(acc_ref, q_smem.at[c], k_ring.at[slot, :, pl.ds(c * _CHUNK, _CHUNK)].T)
+            def qk(s_ref):
+                issue_qk(s_ref, slot)
                 if cfg.sched:
                     sched_sync()  # the other consumer's softmax runs while this wgmma does
-                return acc_ref[...]
+                return s_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((_WG_ROWS, bk), f32))  # [64, BK] f32
             plgpu.barrier_arrive(k_free.at[slot])
-            if mode == "masked":
-                kpos = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + (base + j * bk)
-                see = (kpos >= lax.broadcast_in_dim(lo, s.shape, [0])) & (kpos < lax.broadcast_in_dim(hi, s.shape, [0]))
-                s = jnp.where(see, s * cfg.qk_scale, -jnp.inf)  # log2 units
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            else:
-                # scale > 0 commutes with max; s * scale - m is one FMA per logit.
-                m_new = jnp.maximum(m_i, s.max(axis=1) * cfg.qk_scale)
-                p = jnp.exp2(s * cfg.qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            alpha = jnp.exp2(m_i - m_new)
+            p, m_new, alpha = softmax(s, m_i, base + j * bk, mode == "masked")
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             pb = p.astype(cfg.dtype)
             if cfg.sched:
@@ -269,20 +286,25 @@ def _body(cfg: _Cfg, r):
         acc = plgpu.layout_cast(jnp.zeros((_WG_ROWS, cfg.dv), f32), plgpu.Layout.WGMMA)
         m_i = plgpu.layout_cast(jnp.full((_WG_ROWS,), M_INIT, f32), row_layout)
         l_i = plgpu.layout_cast(jnp.zeros((_WG_ROWS,), f32), row_layout)
-        carry = (acc, m_i, l_i)
-        if cfg.sched:
-            pl.when(wg == 1)(sched_sync)  # offset the consumers by half a step
-        for lo_j, hi_j, mode in (
-            (0, e0, "skip"),
-            (e0, ja, "masked"),
-            (ja, jb, "full"),
-            (jb, e1, "masked"),
-            (e1, n, "skip"),
-        ):
-            carry = lax.fori_loop(lo_j, hi_j, functools.partial(step, mode=mode), carry)
-        if cfg.sched:
-            pl.when(wg == 0)(sched_sync)
-        acc, m_i, l_i = carry
+        if cfg.overlap:
+            acc, m_i, l_i = _overlapped(
+                cfg, r, wg, n, e0, ja, jb, e1, (acc, m_i, l_i), softmax, issue_qk, p_ref, slot_of, base
+            )
+        else:
+            carry = (acc, m_i, l_i)
+            if cfg.sched:
+                pl.when(wg == 1)(sched_sync)  # offset the consumers by half a step
+            for lo_j, hi_j, mode in (
+                (0, e0, "skip"),
+                (e0, ja, "masked"),
+                (ja, jb, "full"),
+                (jb, e1, "masked"),
+                (e1, n, "skip"),
+            ):
+                carry = lax.fori_loop(lo_j, hi_j, functools.partial(step, mode=mode), carry)
+            if cfg.sched:
+                pl.when(wg == 0)(sched_sync)
+            acc, m_i, l_i = carry
 
         nonempty = lo < hi
         l_safe = jnp.where(nonempty, l_i, 1.0)
@@ -302,7 +324,7 @@ def _body(cfg: _Cfg, r):
 
     @pl.when(wg == 2)
     def _producer():
-        plgpu.set_max_registers(_REGS[1], action="decrease")
+        plgpu.set_max_registers(regs[1], action="decrease")
 
         def step(j, _):
             slot = slot_of(j)
@@ -341,6 +363,140 @@ def _body(cfg: _Cfg, r):
             return ()
 
         lax.fori_loop(jnp.maximum(n - stages, 0), n, drain, ())
+
+
+def _overlapped(cfg: _Cfg, r, wg, n, e0, ja, jb, e1, init, softmax, issue_qk, p_ref, slot_of, base):
+    """One consumer's key tiles with FA3's intra-warpgroup overlap; returns (acc, m, l).
+
+    Key tile i's QK^T is issued together with tile i-1's P V, and i's softmax runs while that P V is in
+    flight (P_{i-1} was computed against m_{i-1}; once the P V lands the accumulator is rescaled by
+    alpha_i to m_i). With the schedule barrier the two consumers take turns issuing their pair of
+    wgmmas (`turn[w]`: consumer w may issue; the other arrives on it once it has issued), so one's
+    softmax also runs under the other's wgmmas. Every consumer takes n + 1 turns a tile (a turn per
+    skipped tile, the first QK^T alone, a turn per later tile, the last P V alone; one empty turn
+    where it has no tile to compute), so the turns' phases stay paired."""
+    f32 = jnp.float32
+    k_ready, v_ready, k_free, v_free = r["k_ready"], r["v_ready"], r["k_free"], r["v_free"]
+    v_ring, turn = r["v_ring"], r["turn"]
+    acc, m_i, l_i = init
+
+    def my_turn():
+        if cfg.sched:
+            plgpu.barrier_wait(turn.at[wg])
+
+    def hand_over():
+        if cfg.sched:
+            plgpu.barrier_arrive(turn.at[1 - wg])
+
+    def skip(j, carry):  # no row of this warpgroup sees these keys
+        slot = slot_of(j)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        my_turn()
+        hand_over()
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        return carry
+
+    if cfg.sched:
+        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))  # consumer 0 issues first
+    lax.fori_loop(0, e0, skip, ())
+
+    def first():  # tile e0's QK^T and softmax (masked or not: the mask costs once a tile)
+        slot = slot_of(e0)
+        plgpu.barrier_wait(k_ready.at[slot])
+        my_turn()
+
+        def qk(s_ref):
+            issue_qk(s_ref, slot)
+            hand_over()
+            return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((_WG_ROWS, cfg.bk), f32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        p, m, _ = softmax(s, m_i, base + e0 * cfg.bk, True)
+        return p.astype(cfg.dtype), m, p.sum(axis=1)
+
+    def none():  # this warpgroup has no key tile to compute: its one extra turn
+        my_turn()
+        hand_over()
+        return plgpu.layout_cast(jnp.zeros((_WG_ROWS, cfg.bk), cfg.dtype), plgpu.Layout.WGMMA), m_i, l_i
+
+    has = e0 < e1
+    p, m_i, l_i = lax.cond(has, first, none)
+
+    def step(i, carry, masked):  # P V of tile i-1 and QK^T of tile i in one turn; tile i's softmax
+        acc, p, m_i, l_i = carry
+        ks, vs = slot_of(i), slot_of(i - 1)
+        plgpu.barrier_wait(k_ready.at[ks])
+        plgpu.barrier_wait(v_ready.at[vs])
+        my_turn()
+
+        def after_qk(s):
+            plgpu.barrier_arrive(k_free.at[ks])
+            pn, m_new, alpha = softmax(s, m_i, base + i * cfg.bk, masked)
+            return pn.astype(cfg.dtype), m_new, alpha, l_i * alpha + pn.sum(axis=1)
+
+        if cfg.interpret:  # no accumulator across wgmmas or register P there: one after the other
+            s = pl.run_scoped(lambda s_ref: (issue_qk(s_ref, ks), s_ref[...])[1], plgpu.ACC((_WG_ROWS, cfg.bk), f32))
+            acc = _pv(cfg, acc, p, p_ref, v_ring.at[vs])
+            hand_over()
+            pn, m_new, alpha, l_new = after_qk(s)
+        else:
+            if cfg.p_in_smem:
+                p_ref[...] = p
+                plgpu.commit_smem()
+
+            def both(refs):
+                acc_ref, p_out, m_out, a_out, l_out = refs
+
+                def in_flight(s_ref):
+                    issue_qk(s_ref, ks)
+                    plgpu.wgmma(acc_ref, p_ref if cfg.p_in_smem else p, v_ring.at[vs])
+                    hand_over()
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T done; P V may still run
+                    p_out[...], m_out[...], a_out[...], l_out[...] = after_qk(s)
+
+                pl.run_scoped(in_flight, plgpu.ACC((_WG_ROWS, cfg.bk), f32))
+
+            acc, pn, m_new, alpha, l_new = pl.run_state(both)((plgpu.ACC.init(acc), p, m_i, m_i, l_i))
+        plgpu.barrier_arrive(v_free.at[vs])
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        return acc, pn, m_new, l_new
+
+    a = e0 + 1
+    b = jnp.maximum(ja, a)
+    c = jnp.maximum(jb, b)
+    carry = (acc, p, m_i, l_i)
+    for lo_i, hi_i, masked in ((a, b, True), (b, c, False), (c, e1, True)):
+        carry = lax.fori_loop(lo_i, hi_i, functools.partial(step, masked=masked), carry)
+    acc, p, m_i, l_i = carry
+
+    def last(acc):  # tile e1-1's P V alone
+        vs = slot_of(e1 - 1)
+        plgpu.barrier_wait(v_ready.at[vs])
+        my_turn()
+        if cfg.interpret:
+            acc = _pv(cfg, acc, p, p_ref, v_ring.at[vs])
+            hand_over()
+        else:
+            if cfg.p_in_smem:
+                p_ref[...] = p
+                plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_ref if cfg.p_in_smem else p, v_ring.at[vs])
+                hand_over()
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[vs])
+        return acc
+
+    acc = lax.cond(has, last, lambda acc: acc, acc)
+    lax.fori_loop(e1, n, skip, ())
+    if cfg.sched:
+        pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))  # consumer 1's last hand-over
+    return acc, m_i, l_i
 
 
 def _pv(cfg: _Cfg, acc, p, p_ref, v_ref):
@@ -404,7 +560,7 @@ def unsupported_reason(q, k, v) -> str | None:
 
 
 def _validate_sm90(
-    q, k, v, q_start_loc, k_start_loc, scale, interpret, block_q, block_k, num_warps, num_stages, p_in_smem
+    q, k, v, q_start_loc, k_start_loc, scale, interpret, block_q, block_k, num_warps, num_stages, p_in_smem, overlap
 ):
     validate_prefill(q, k, v, q_start_loc, k_start_loc)
     if jnp.dtype(q.dtype) not in HALF_DTYPES:
@@ -429,14 +585,39 @@ def _validate_sm90(
         raise ValueError(f"num_stages must be an int >= 2, got {num_stages}")
     if p_in_smem is not None and not isinstance(p_in_smem, bool):
         raise ValueError(f"p_in_smem must be a bool or None, got {p_in_smem!r}")
+    if overlap is not None and not isinstance(overlap, bool):
+        raise ValueError(f"overlap must be a bool or None, got {overlap!r}")
     check_interpreter_workers(interpret)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("causal", "scale", "interpret", "block_k", "num_stages", "p_in_smem", "schedule_barrier")
+    jax.jit,
+    static_argnames=(
+        "causal",
+        "scale",
+        "interpret",
+        "block_k",
+        "num_stages",
+        "p_in_smem",
+        "schedule_barrier",
+        "overlap",
+    ),
 )
 def _impl(
-    q, k, v, q_start_loc, k_start_loc, *, causal, scale, interpret, block_k, num_stages, p_in_smem, schedule_barrier
+    q,
+    k,
+    v,
+    q_start_loc,
+    k_start_loc,
+    *,
+    causal,
+    scale,
+    interpret,
+    block_k,
+    num_stages,
+    p_in_smem,
+    schedule_barrier,
+    overlap,
 ):
     tq, n, dq = q.shape
     tk, dv = k.shape[0], v.shape[2]
@@ -452,6 +633,7 @@ def _impl(
         dtype=jnp.dtype(q.dtype),
         p_in_smem=p_in_smem,
         sched=schedule_barrier,
+        overlap=overlap,
         interpret=bool(interpret),
     )
     _, smem = _smem_plan(cfg)
@@ -489,7 +671,7 @@ def _impl(
         interpret=interpret_params(interpret),
         kernel_name=(
             f"flash_prefill_sm90_bq{BLOCK_Q}_bk{block_k}_s{num_stages}"
-            f"{'_psmem' if p_in_smem else ''}{'_sched' if schedule_barrier else ''}"
+            f"{'_psmem' if p_in_smem else ''}{'_sched' if schedule_barrier else ''}{'_overlap' if overlap else ''}"
         ),
     )(q, k, v, rows, meta)
     return (out if tq_k == tq else out[:tq]), lse[:, :tq].T
@@ -511,6 +693,7 @@ def flash_prefill_sm90(
     num_stages: int | None = None,
     p_in_smem: bool | None = None,
     schedule_barrier: bool = True,
+    overlap: bool | None = None,
 ):
     """Hopper varlen attention. Returns (out [Tq, N, V] q.dtype, lse f32[Tq, N] natural log).
 
@@ -524,13 +707,14 @@ def flash_prefill_sm90(
     Tuning (keyword-only, static): block_k key rows per tile (64 or 128; default 128, 64 with P in
     shared memory), num_stages K/V ring depth (>= 2; default 2, 3 with BK 64), p_in_smem (P V with
     P from shared memory instead of registers; forced under the interpreter), schedule_barrier (FA3
-    ping-pong of the two consumer warpgroups). block_q (128) and num_warps (12) are fixed; they are
-    accepted for signature compatibility with flash_prefill.
+    ping-pong of the two consumer warpgroups), overlap (FA3's intra-warpgroup overlap: a key tile's QK^T issued
+    with the previous tile's P V, its softmax while that P V runs; None: `OVERLAP`). block_q (128) and
+    num_warps (12) are fixed; they are accepted for signature compatibility with flash_prefill.
     interpret: run under the Mosaic GPU interpreter (CPU testing): True, or a
     `plgpu.InterpretGPUParams` (e.g. detect_races=True). It needs >= 3 XLA CPU workers (NPROC).
     """
     _validate_sm90(
-        q, k, v, q_start_loc, k_start_loc, scale, interpret, block_q, block_k, num_warps, num_stages, p_in_smem
+        q, k, v, q_start_loc, k_start_loc, scale, interpret, block_q, block_k, num_warps, num_stages, p_in_smem, overlap
     )
     p_in_smem = bool(interpret) or bool(p_in_smem)
     d_bk, d_stages = _defaults(p_in_smem)
@@ -549,4 +733,5 @@ def flash_prefill_sm90(
         num_stages=int(num_stages),
         p_in_smem=p_in_smem,
         schedule_barrier=bool(schedule_barrier),
+        overlap=bool(OVERLAP if overlap is None else overlap),
     )

@@ -1316,5 +1316,19 @@ PY
     run 250 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 32,128 --ctxs 4096,1024 \
         --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 95" >&2; exit 2 ;;
+96) # session 35, the last ~3 minutes of device time (any card): the Hopper prefill with FA3's intra-warpgroup overlap
+    # (OVERLAP) against the ping-pong alone: its GPU cases, then the fixed shapes both ways twice, alternating
+    out=${2:?}
+    timeout -s INT 75 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 8 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_flash_prefill_sm90.py -k "overlap" >"$out/gpu-tests.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests.log" | cut -c1-160 | tail -6
+    ab_copy /tmp/ovl pallas_kernels/flash_prefill_sm90.py 's/^OVERLAP = False$/OVERLAP = True/' "^OVERLAP = True$"
+    pf() { run 30 "prefill-$1" python3 bench/prefill.py --out "$out/prefill-$1" --shapes-only --no-check --no-xla \
+        --kernels pallas_sm90; }
+    (cd /tmp/ovl && pf ovl1)
+    pf base1
+    (cd /tmp/ovl && pf ovl2)
+    pf base2
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 96" >&2; exit 2 ;;
 esac

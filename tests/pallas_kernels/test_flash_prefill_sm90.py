@@ -115,6 +115,10 @@ def _lower_for_sm90(causal=True, pad=5, **kw):
         (True, dict(schedule_barrier=False)),
         (True, dict(p_in_smem=True)),
         (True, dict(block_k=64, num_stages=4)),
+        (True, dict(overlap=True)),
+        (False, dict(overlap=True)),
+        (True, dict(overlap=True, schedule_barrier=False)),
+        (True, dict(overlap=True, p_in_smem=True)),
     ],
 )
 def test_lowers_for_sm90(causal, kw):
@@ -168,6 +172,7 @@ def _bad_args(**over):
         ({}, dict(block_q=64), "block_q"),
         ({}, dict(num_warps=8), "num_warps"),
         ({}, dict(scale=-1.0), "scale"),
+        ({}, dict(overlap=1), "overlap"),
     ],
 )
 def test_bad_inputs_raise(over, tuning, match):
