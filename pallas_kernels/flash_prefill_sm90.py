@@ -27,7 +27,10 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`):
   padding cannot leak), acc = acc * alpha + P V (wgmma with P from registers); the row sum of P is taken
   after the schedule barrier, outside the softmax's turn (tokamax's order for head dims > 128: +1-5%).
   An optional schedule barrier ping-pongs the two consumers (FA3): one's softmax overlaps the other's
-  wgmmas.
+  wgmmas. With `overlap` (FA3's intra-warpgroup overlap, `_overlapped`) a consumer also pipelines
+  its own tiles: it issues key tile i's QK^T together with tile i-1's P V, and runs i's softmax while
+  that P V is in flight (the accumulator is rescaled by alpha_i once it lands); the consumers then take
+  turns issuing their pair of wgmmas (`turn` barriers) instead of the ping-pong's two phases a tile.
 - Warpgroup 2 (producer) TMAs K and V tiles into a `num_stages`-deep ring (separate K and V barriers,
   so QK^T starts before V lands). TMA zero-fills rows past the end of the arrays; rows of the first
   and last key tiles outside the tile's visible keys (NaN padding, another sequence) are zeroed in
@@ -47,6 +50,7 @@ itself; consumers that skip a key tile still wait for it and release it):
   v_free[st]    both consumers done with V slot (2 arrivals)   producer waits
   raw_bar       the producer's own TMA of a V tile it zeroes   producer waits
   sched         ping-pong between the consumers (2 arrivals)   both consumers
+  turn[wg]      overlap: consumer wg may issue (the other's)     consumer wg
 
 Under the Mosaic GPU interpreter (CPU tests) P goes through shared memory and each P V product into a
 fresh accumulator (the interpreter has no register-operand wgmma and no `run_state` over an

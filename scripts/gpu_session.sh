@@ -1316,7 +1316,7 @@ PY
     run 250 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 32,128 --ctxs 4096,1024 \
         --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-96) # session 35, the last ~3 minutes of device time (any card): the Hopper prefill with FA3's intra-warpgroup overlap
+96) # session 35, for the next (any card, ~4 minutes): the Hopper prefill with FA3's intra-warpgroup overlap
     # (OVERLAP) against the ping-pong alone: its GPU cases, then the fixed shapes both ways twice, alternating
     out=${2:?}
     timeout -s INT 75 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 8 -m gpu -p no:cacheprovider -rfE \
@@ -1329,6 +1329,11 @@ PY
     pf base1
     (cd /tmp/ovl && pf ovl2)
     pf base2
+    # the overlap with FA3's register split (240 a consumer thread, 24 for the producer)
+    ab_copy /tmp/ovl240 pallas_kernels/flash_prefill_sm90.py \
+        's/^OVERLAP = False$/OVERLAP = True/; s/^_REGS_OVERLAP = (232, 40)$/_REGS_OVERLAP = (240, 24)/' \
+        "^_REGS_OVERLAP = (240, 24)$"
+    (cd /tmp/ovl240 && pf ovl240)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 96" >&2; exit 2 ;;
 esac
