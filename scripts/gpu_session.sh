@@ -1316,7 +1316,7 @@ PY
     run 250 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 32,128 --ctxs 4096,1024 \
         --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-96) # session 35, for the next (any card, ~4 minutes): the Hopper prefill with FA3's intra-warpgroup overlap
+96) # session 35, for the next (any card, ~5 minutes): the Hopper prefill with FA3's intra-warpgroup overlap
     # (OVERLAP) against the ping-pong alone: its GPU cases, then the fixed shapes both ways twice, alternating
     out=${2:?}
     timeout -s INT 75 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 8 -m gpu -p no:cacheprovider -rfE \
@@ -1334,6 +1334,24 @@ PY
         's/^OVERLAP = False$/OVERLAP = True/; s/^_REGS_OVERLAP = (232, 40)$/_REGS_OVERLAP = (240, 24)/' \
         "^_REGS_OVERLAP = (240, 24)$"
     (cd /tmp/ovl240 && pf ovl240)
+    # where the CTA-per-tile kernel's K/V bytes come from (session 35: 622 TFLOP/s needs 4.9 TB/s of K/V tiles, more
+    # than HBM; the persistent grid ran at the copy bandwidth): DRAM bytes and L2 hit rate of one 1x8192x128 call,
+    # with and without the overlap (ncu reads counters on Firecracker machines only)
+    cat >/tmp/pf_once.py <<'PY'
+import jax
+from bench.prefill import make_fixed, sm90_fn
+q, k, v, loc = make_fixed(1, 8192, 128)
+f = sm90_fn()
+for _ in range(2):
+    jax.block_until_ready(f(q, k, v, loc, loc))
+PY
+    m=gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,lts__t_bytes.sum
+    for v in base:. ovl:/tmp/ovl; do
+        (cd "${v#*:}" && timeout 100 ncu --clock-control none -k regex:prefill --launch-skip 1 --launch-count 1 \
+            --metrics $m env PYTHONPATH=. python3 /tmp/pf_once.py >"$out/ncu-prefill-${v%%:*}.log" 2>&1)
+        grep -E "prefill|gpu__time|dram__bytes|hit_rate|lts__t_bytes|rror" "$out/ncu-prefill-${v%%:*}.log" \
+            | cut -c1-150 | head -8
+    done
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 96" >&2; exit 2 ;;
 esac
