@@ -1070,35 +1070,13 @@ PREFILL_GPU_CASES = [
     _pc("varlen_causal_n4_no_sched", _VARLEN, None, True, _FP90, dict(schedule_barrier=False), bench=True, n=4),
     _pc("varlen_causal_n4_p_in_smem", _VARLEN, None, True, _FP90, dict(p_in_smem=True), seed=3005, bench=True, n=4),
     _pc("varlen_causal_n8_overlap", _VARLEN, None, True, _FP90, dict(overlap=True), seed=3008, bench=True, n=8),
-    _pc(
-        "chunk_noncausal_n8_overlap",
-        [300, 5, 0, 64, 257],
-        [1000, 3, 0, 640, 64],
-        False,
-        _FP90,
-        dict(overlap=True),
-        seed=3009,
-        n=8,
-    ),
-    _pc(
-        "fixed_2x1024_n16_overlap_no_sched",
-        [1024, 1024],
-        None,
-        True,
-        _FP90,
-        dict(overlap=True, schedule_barrier=False),
-        seed=3010,
-        n=16,
-    ),
-    _pc(
-        "varlen_causal_n4_overlap_p_in_smem_bk64",
-        _VARLEN,
-        None,
-        True,
-        _FP90,
-        dict(overlap=True, p_in_smem=True),
-        seed=3011,
-        n=4,
+    *(  # the intra-warpgroup overlap: the non-causal chunk; no schedule barrier; P in shared memory (64-key tiles)
+        _pc(name, q, k, causal, _FP90, dict(overlap=True, **kw), seed=seed, n=n)
+        for name, q, k, causal, kw, seed, n in (
+            ("chunk_noncausal_n8_overlap", [300, 5, 0, 64, 257], [1000, 3, 0, 640, 64], False, {}, 3009, 8),
+            ("fixed_2x1024_n16_overlap_no_sched", [1024, 1024], None, True, dict(schedule_barrier=False), 3010, 16),
+            ("varlen_causal_n4_overlap_p_in_smem", _VARLEN, None, True, dict(p_in_smem=True), 3011, 4),
+        )
     ),
     _pc(
         "varlen_causal_n4_bk64_s4",
