@@ -19,7 +19,7 @@ sequences. A per-tile metadata row (built by a few XLA ops over the row windows)
 sees a key), computes unmasked (every non-empty row sees every key) or computes masked (causal
 diagonal, sequence edges).
 
-One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`):
+One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`; with block_q 192, 4: three consumers):
 - Warpgroups 0 and 1 (consumers) each own 64 query rows: they TMA their Q rows (3 column chunks of 64
   for Dq = 192, so each chunk is a contiguous [64, 64] tile that later stages the output) and row
   windows, then per key tile: S = Q K^T (one wgmma per 64-wide chunk of Dq, f32 accumulator), online
@@ -103,16 +103,17 @@ from pallas_kernels.util import (
 
 __all__ = ["flash_prefill_sm90", "flash_prefill_reference", "is_sm90", "unsupported_reason", "BLOCK_Q"]
 
-BLOCK_Q = 128  # query rows per CTA: two consumer warpgroups of 64 (wgmma M)
+BLOCK_Q = 128  # query rows per CTA by default: two consumer warpgroups of 64 (wgmma M); 192: three
 _WG_ROWS = 64
 _CHUNK = 64  # 128-byte swizzle width of bf16/f16: wgmma K step and TMA column chunk
-_META = 12  # base, n, hi_max, lo_min, then (e0, ja, jb, e1) for each consumer warpgroup
 # (consumer, producer) registers per thread: 2 x 128 x 224 + 128 x 56 = 64512 <= 64K. A consumer
 # holds the [64, V] f32 accumulator (64 at V=128), the [64, BK] f32 logits (64) and its mask/P;
 # the producer zeroes [64, 64] chunks of the last V tile.
 _REGS = (224, 56)
 # With the intra-warpgroup overlap a consumer also holds the next tile's logits while its P V is in flight.
 _REGS_OVERLAP = (232, 40)
+# Three consumers (block_q 192): 3 x 128 x 160 + 128 x 32 = 65536, with [64, 64] logits (BK 64).
+_REGS_3WG = (160, 32)
 # Intra-warpgroup overlap by default (`overlap=None`): off until measured against the ping-pong alone.
 OVERLAP = False
 
@@ -121,6 +122,7 @@ OVERLAP = False
 class _Cfg:
     dq: int
     dv: int
+    wgs: int  # consumer warpgroups (64 query rows each)
     bk: int  # key rows per tile
     stages: int  # K/V ring depth
     n_qtiles: int
@@ -132,17 +134,24 @@ class _Cfg:
     interpret: bool
 
 
+def _registers(cfg: _Cfg) -> tuple[int, int]:
+    """(consumer, producer) registers per thread."""
+    if cfg.wgs == 3:
+        return _REGS_3WG
+    return _REGS_OVERLAP if cfg.overlap else _REGS
+
+
 def _smem_plan(cfg: _Cfg):
     dt = cfg.dtype
     bufs = [
-        plgpu.SMEM((2, cfg.dq // _CHUNK, _WG_ROWS, _CHUNK), dt, transforms=tiled(dt)),  # Q / out
+        plgpu.SMEM((cfg.wgs, cfg.dq // _CHUNK, _WG_ROWS, _CHUNK), dt, transforms=tiled(dt)),  # Q / out
         plgpu.SMEM((cfg.stages, cfg.bk, cfg.dq), dt, transforms=tiled(dt)),  # K ring
         plgpu.SMEM((cfg.stages, cfg.bk, cfg.dv), dt, transforms=tiled(dt)),  # V ring
-        plgpu.SMEM((2, 2, _WG_ROWS), jnp.int32),  # lo, hi
-        plgpu.SMEM((2, _WG_ROWS), jnp.float32),  # lse
+        plgpu.SMEM((cfg.wgs, 2, _WG_ROWS), jnp.int32),  # lo, hi
+        plgpu.SMEM((cfg.wgs, _WG_ROWS), jnp.float32),  # lse
     ]
     if cfg.p_in_smem:
-        bufs.append(plgpu.SMEM((2, _WG_ROWS, cfg.bk), dt, transforms=tiled(dt)))
+        bufs.append(plgpu.SMEM((cfg.wgs, _WG_ROWS, cfg.bk), dt, transforms=tiled(dt)))
     return bufs, smem_bytes(bufs) + 1024  # + barriers
 
 
@@ -151,14 +160,14 @@ def _kernel(q_gmem, k_gmem, v_gmem, rows_gmem, meta_gmem, out_gmem, lse_gmem, *,
     if not cfg.p_in_smem:
         bufs.append(None)
     bars = [
-        plgpu.Barrier(num_arrivals=cfg.dq // _CHUNK + 1, num_barriers=2),  # q_bar
+        plgpu.Barrier(num_arrivals=cfg.dq // _CHUNK + 1, num_barriers=cfg.wgs),  # q_bar
         plgpu.Barrier(num_barriers=cfg.stages),  # k_ready
         plgpu.Barrier(num_barriers=cfg.stages),  # v_ready
-        plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),  # k_free
-        plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),  # v_free
+        plgpu.Barrier(num_arrivals=cfg.wgs, num_barriers=cfg.stages),  # k_free
+        plgpu.Barrier(num_arrivals=cfg.wgs, num_barriers=cfg.stages),  # v_free
         plgpu.Barrier(),  # raw_bar
         plgpu.Barrier(num_arrivals=2),  # sched
-        plgpu.Barrier(num_barriers=2),  # turn (overlap)
+        plgpu.Barrier(num_barriers=cfg.wgs),  # turn (overlap)
     ]
 
     def scoped(smem, q_bar, k_ready, v_ready, k_free, v_free, raw_bar, sched, turn):
@@ -214,12 +223,12 @@ def _body(cfg: _Cfg, r):
         plgpu.barrier_arrive(r["sched"])
         plgpu.barrier_wait(r["sched"])
 
-    regs = _REGS_OVERLAP if cfg.overlap else _REGS
+    regs = _registers(cfg)
 
-    @pl.when(wg < 2)
+    @pl.when(wg < cfg.wgs)
     def _consumer():
         plgpu.set_max_registers(regs[0], action="increase")
-        t0 = pl.multiple_of(qt * BLOCK_Q + wg * _WG_ROWS, _WG_ROWS)
+        t0 = pl.multiple_of(qt * cfg.wgs * _WG_ROWS + wg * _WG_ROWS, _WG_ROWS)
         q_smem = r["q_smem"].at[wg]  # [Dq/64, 64, 64]
         n_qc = cfg.dq // _CHUNK
         for c in range(n_qc):
@@ -326,7 +335,7 @@ def _body(cfg: _Cfg, r):
         plgpu.copy_smem_to_gmem(r["lse_smem"].at[wg], r["lse_gmem"].at[h, pl.ds(t0, _WG_ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
+    @pl.when(wg == cfg.wgs)
     def _producer():
         plgpu.set_max_registers(regs[1], action="decrease")
 
@@ -390,7 +399,7 @@ def _overlapped(cfg: _Cfg, r, wg, n, e0, ja, jb, e1, init, softmax, issue_qk, p_
 
     def hand_over():
         if cfg.sched:
-            plgpu.barrier_arrive(turn.at[1 - wg])
+            plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, cfg.wgs)])
 
     def skip(j, carry):  # no row of this warpgroup sees these keys
         slot = slot_of(j)
@@ -403,7 +412,7 @@ def _overlapped(cfg: _Cfg, r, wg, n, e0, ja, jb, e1, init, softmax, issue_qk, p_
         return carry
 
     if cfg.sched:
-        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))  # consumer 0 issues first
+        pl.when(wg == cfg.wgs - 1)(lambda: plgpu.barrier_arrive(turn.at[0]))  # consumer 0 issues first
     lax.fori_loop(0, e0, skip, ())
 
     def first():  # tile e0's QK^T and softmax (masked or not: the mask costs once a tile)
@@ -499,7 +508,7 @@ def _overlapped(cfg: _Cfg, r, wg, n, e0, ja, jb, e1, init, softmax, issue_qk, p_
     acc = lax.cond(has, last, lambda acc: acc, acc)
     lax.fori_loop(e1, n, skip, ())
     if cfg.sched:
-        pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))  # consumer 1's last hand-over
+        pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))  # the last consumer's last hand-over
     return acc, m_i, l_i
 
 
@@ -516,16 +525,16 @@ def _pv(cfg: _Cfg, acc, p, p_ref, v_ref):
     return wgmma_accumulate(acc, a, v_ref, interpret=cfg.interpret)
 
 
-def _tile_meta(lo, hi, n_qtiles: int, bk: int):
-    """Per q tile: [base, n, hi_max, lo_min, (e0, ja, jb, e1) x 2 consumer warpgroups],
-    int32[n_qtiles, 12].
+def _tile_meta(lo, hi, n_qtiles: int, bk: int, wgs: int = 2):
+    """Per q tile: [base, n, hi_max, lo_min, (e0, ja, jb, e1) x wgs consumer warpgroups],
+    int32[n_qtiles, 4 + 4 wgs].
 
     The tile's keys are [base, base + n*BK): the union [lo_min, hi_max) of its rows' windows, base
     rounded down to a multiple of 8 (TMA row alignment), the end up to whole tiles.
     For warpgroup w, key tiles [0, e0) and [e1, n) are skipped (no row sees a key), [ja, jb) lie
     inside every non-empty row's window (no mask), the rest are masked."""
-    lo = lo.reshape(n_qtiles, 2, _WG_ROWS)
-    hi = hi.reshape(n_qtiles, 2, _WG_ROWS)
+    lo = lo.reshape(n_qtiles, wgs, _WG_ROWS)
+    hi = hi.reshape(n_qtiles, wgs, _WG_ROWS)
     ne = lo < hi  # empty rows: lo=BIG, hi=0
     lo_min = jnp.min(jnp.where(ne, lo, BIG), axis=-1)  # [n_qtiles, 2]
     hi_max = jnp.max(jnp.where(ne, hi, 0), axis=-1)
@@ -543,13 +552,14 @@ def _tile_meta(lo, hi, n_qtiles: int, bk: int):
     ja = jnp.clip((lo_max - b + bk - 1) // bk, e0, e1)
     jb = jnp.clip((hi_min - b) // bk, ja, e1)
     e0, ja, jb, e1 = (jnp.where(any_w, x, nn) for x in (e0, ja, jb, e1))  # empty: skip all
-    per_wg = jnp.stack([e0, ja, jb, e1], axis=-1).reshape(n_qtiles, 8)  # wg-major
+    per_wg = jnp.stack([e0, ja, jb, e1], axis=-1).reshape(n_qtiles, 4 * wgs)  # wg-major
     return jnp.concatenate([base[:, None], n[:, None], top[:, None], first[:, None], per_wg], axis=1).astype(jnp.int32)
 
 
-def _defaults(p_in_smem: bool):
-    # BK 128, 2 stages fills 209 KB; P in shared memory needs 32 KB more, so BK 64 there.
-    return (64, 3) if p_in_smem else (128, 2)
+def _defaults(p_in_smem: bool, wgs: int = 2):
+    # BK 128, 2 stages fills 209 KB; P in shared memory needs 32 KB more, so BK 64 there. Three
+    # consumers' Q (72 KB) leave room for 3 stages of 64 keys (120 KB), not 2 of 128 (160 KB).
+    return (64, 3) if p_in_smem or wgs == 3 else (128, 2)
 
 
 def unsupported_reason(q, k, v) -> str | None:
@@ -579,10 +589,11 @@ def _validate_sm90(
         )
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
-    if block_q is not None and block_q != BLOCK_Q:
-        raise ValueError(f"block_q={block_q}: the sm90 kernel uses {BLOCK_Q} (2 warpgroups x 64 rows)")
-    if num_warps is not None and num_warps != 12:
-        raise ValueError(f"num_warps={num_warps}: the sm90 kernel runs 3 warpgroups (12 warps)")
+    if block_q is not None and block_q not in (128, 192):
+        raise ValueError(f"block_q={block_q}: the sm90 kernel takes 128 or 192 (2 or 3 consumer warpgroups x 64 rows)")
+    wgs = (block_q or BLOCK_Q) // _WG_ROWS
+    if num_warps is not None and num_warps != 4 * (wgs + 1):
+        raise ValueError(f"num_warps={num_warps}: the sm90 kernel runs {wgs + 1} warpgroups ({4 * (wgs + 1)} warps)")
     if block_k is not None and block_k not in (64, 128):
         raise ValueError(f"block_k={block_k} must be 64 or 128 (wgmma N; [64, BK] f32 logits in registers)")
     if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 2):
@@ -591,7 +602,7 @@ def _validate_sm90(
         raise ValueError(f"p_in_smem must be a bool or None, got {p_in_smem!r}")
     if overlap is not None and not isinstance(overlap, bool):
         raise ValueError(f"overlap must be a bool or None, got {overlap!r}")
-    check_interpreter_workers(interpret)
+    check_interpreter_workers(interpret, wgs + 1)
 
 
 @functools.partial(
@@ -605,6 +616,7 @@ def _validate_sm90(
         "p_in_smem",
         "schedule_barrier",
         "overlap",
+        "block_q",
     ),
 )
 def _impl(
@@ -622,14 +634,17 @@ def _impl(
     p_in_smem,
     schedule_barrier,
     overlap,
+    block_q,
 ):
     tq, n, dq = q.shape
     tk, dv = k.shape[0], v.shape[2]
-    n_qtiles = cdiv(tq, BLOCK_Q)
-    tq_pad = n_qtiles * BLOCK_Q
+    wgs = block_q // _WG_ROWS
+    n_qtiles = cdiv(tq, block_q)
+    tq_pad = n_qtiles * block_q
     cfg = _Cfg(
         dq=dq,
         dv=dv,
+        wgs=wgs,
         bk=block_k,
         stages=num_stages,
         n_qtiles=n_qtiles,
@@ -651,7 +666,7 @@ def _impl(
     # warpgroup's lo and hi (Tq' * 4 bytes is a multiple of 16, as TMA strides must be).
     lo, hi = row_windows(q_start_loc, k_start_loc, tq_pad, tk, causal)
     rows = jnp.stack([lo, hi])
-    meta = _tile_meta(lo, hi, n_qtiles, block_k)
+    meta = _tile_meta(lo, hi, n_qtiles, block_k, wgs)
     # TMA zero-fills reads and drops writes past the end of an array, but Mosaic GPU's TMA into 8-row
     # tiled (swizzled) shared memory needs row counts that are multiples of 8, and a window no larger
     # than the array: other token counts cost a padded copy (pad T to 8 upstream to avoid it).
@@ -668,13 +683,13 @@ def _impl(
         out_type=(jax.ShapeDtypeStruct((tq_k, n, dv), q.dtype), jax.ShapeDtypeStruct((n, tq_pad), jnp.float32)),
         grid=(n, n_qtiles),
         grid_names=("h", "qt"),
-        num_threads=3,
+        num_threads=wgs + 1,
         thread_name="wg",
         # Row reductions of the WGMMA layout stay within a warp: no cross-warp reduction scratch.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
         kernel_name=(
-            f"flash_prefill_sm90_bq{BLOCK_Q}_bk{block_k}_s{num_stages}"
+            f"flash_prefill_sm90_bq{block_q}_bk{block_k}_s{num_stages}"
             f"{'_psmem' if p_in_smem else ''}{'_sched' if schedule_barrier else ''}{'_overlap' if overlap else ''}"
         ),
     )(q, k, v, rows, meta)
@@ -712,8 +727,10 @@ def flash_prefill_sm90(
     shared memory), num_stages K/V ring depth (>= 2; default 2, 3 with BK 64), p_in_smem (P V with
     P from shared memory instead of registers; forced under the interpreter), schedule_barrier (FA3
     ping-pong of the two consumer warpgroups), overlap (FA3's intra-warpgroup overlap: a key tile's QK^T issued
-    with the previous tile's P V, its softmax while that P V runs; None: `OVERLAP`). block_q (128) and
-    num_warps (12) are fixed; they are accepted for signature compatibility with flash_prefill.
+    with the previous tile's P V, its softmax while that P V runs; None: `OVERLAP`), block_q (128: two
+    consumer warpgroups; 192: three, with 64-key tiles, 1.5x the FLOPs per K/V byte, and with the
+    overlap's turns or no schedule barrier). num_warps follows (4 per warpgroup, the producer's too);
+    it is accepted for signature compatibility with flash_prefill.
     interpret: run under the Mosaic GPU interpreter (CPU testing): True, or a
     `plgpu.InterpretGPUParams` (e.g. detect_races=True). It needs >= 3 XLA CPU workers (NPROC).
     """
@@ -721,7 +738,14 @@ def flash_prefill_sm90(
         q, k, v, q_start_loc, k_start_loc, scale, interpret, block_q, block_k, num_warps, num_stages, p_in_smem, overlap
     )
     p_in_smem = bool(interpret) or bool(p_in_smem)
-    d_bk, d_stages = _defaults(p_in_smem)
+    block_q = BLOCK_Q if block_q is None else block_q
+    overlap = bool(OVERLAP if overlap is None else overlap)
+    if block_q == 192 and schedule_barrier and not overlap:
+        raise ValueError(
+            "block_q=192: three consumer warpgroups take turns only through the overlap schedule "
+            "(overlap=True); the ping-pong schedule barrier pairs two (or pass schedule_barrier=False)"
+        )
+    d_bk, d_stages = _defaults(p_in_smem, block_q // _WG_ROWS)
     block_k = d_bk if block_k is None else block_k
     num_stages = (d_stages if block_k == d_bk else 2) if num_stages is None else num_stages
     return _impl(
@@ -737,5 +761,6 @@ def flash_prefill_sm90(
         num_stages=int(num_stages),
         p_in_smem=p_in_smem,
         schedule_barrier=bool(schedule_barrier),
-        overlap=bool(OVERLAP if overlap is None else overlap),
+        overlap=overlap,
+        block_q=int(block_q),
     )

@@ -991,6 +991,16 @@ PREFILL_CASES = [
         dict(overlap=True, schedule_barrier=False),
     ),
     _pc("causal_q_longer_than_k_overlap", [12, 3, 70], [4, 0, 66], True, _FP90, dict(overlap=True)),
+    # three consumer warpgroups (192 rows a CTA): the overlap's turns round three, and no schedule barrier
+    _pc("causal_multi_tile_3wgs", [150, 1, 0, 230, 7], None, True, _FP90, dict(block_q=192, overlap=True)),
+    _pc(
+        "noncausal_chunk_3wgs_no_sched",
+        [5, 0, 37, 1, 20],
+        [9, 3, 200, 1, 7],
+        False,
+        _FP90,
+        dict(block_q=192, schedule_barrier=False),
+    ),
     _pc("noncausal_chunk_overlap", [5, 0, 37, 1, 20], [9, 3, 200, 1, 7], False, _FP90, dict(overlap=True)),
     # bottom-right aligned causal with q shorter than k, and q longer than k (empty rows)
     _pc("causal_q_shorter_than_k", [5, 0, 37, 1, 20], [9, 3, 60, 1, 27], True, _FP90),
@@ -1076,6 +1086,17 @@ PREFILL_GPU_CASES = [
             ("chunk_noncausal_n8_overlap", [300, 5, 0, 64, 257], [1000, 3, 0, 640, 64], False, {}, 3009, 8),
             ("fixed_2x1024_n16_overlap_no_sched", [1024, 1024], None, True, dict(schedule_barrier=False), 3010, 16),
             ("varlen_causal_n4_overlap_p_in_smem", _VARLEN, None, True, dict(p_in_smem=True), 3011, 4),
+            ("varlen_causal_n8_3wgs", _VARLEN, None, True, dict(block_q=192), 3012, 8),
+            ("chunk_noncausal_n8_3wgs", [300, 5, 0, 64, 257], [1000, 3, 0, 640, 64], False, dict(block_q=192), 3013, 8),
+            (
+                "fixed_2x1024_n16_3wgs_no_sched",
+                [1024, 1024],
+                None,
+                True,
+                dict(block_q=192, schedule_barrier=False),
+                3014,
+                16,
+            ),
         )
     ),
     _pc(

@@ -245,13 +245,13 @@ def cpu_workers() -> int:
         return os.cpu_count() or 1
 
 
-def check_interpreter_workers(interpret) -> None:
-    """The Mosaic GPU interpreter runs each of a kernel's 3 warpgroups as a program that blocks in
-    host callbacks at barriers: with fewer than 3 XLA CPU workers it would deadlock."""
-    if interpret and cpu_workers() < 3:
+def check_interpreter_workers(interpret, warpgroups: int = 3) -> None:
+    """The Mosaic GPU interpreter runs each of a kernel's warpgroups as a program that blocks in host
+    callbacks at barriers: with fewer XLA CPU workers than warpgroups it would deadlock."""
+    if interpret and cpu_workers() < warpgroups:
         raise ValueError(
-            f"interpret=True needs >= 3 XLA CPU workers (the kernel's 3 warpgroups block in host "
-            f"callbacks at barriers and would deadlock); this process has {cpu_workers()}: set the "
+            f"interpret=True needs >= {warpgroups} XLA CPU workers (the kernel's {warpgroups} warpgroups block "
+            f"in host callbacks at barriers and would deadlock); this process has {cpu_workers()}: set the "
             f"environment variable NPROC=8 before JAX creates its CPU client"
         )
 

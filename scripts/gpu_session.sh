@@ -1316,11 +1316,12 @@ PY
     run 250 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 32,128 --ctxs 4096,1024 \
         --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-96) # session 35, for the next (any card, ~5 minutes): the Hopper prefill with FA3's intra-warpgroup overlap
-    # (OVERLAP) against the ping-pong alone: its GPU cases, then the fixed shapes both ways twice, alternating
+96) # session 35, for the next (any card, ~6 minutes): the Hopper prefill with FA3's intra-warpgroup overlap
+    # (OVERLAP) against the ping-pong alone: its GPU cases, the fixed shapes both ways twice, alternating; then three
+    # consumer warpgroups (block_q 192); then ncu's DRAM bytes and L2 hit rate of each
     out=${2:?}
     timeout -s INT 75 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 8 -m gpu -p no:cacheprovider -rfE \
-        tests/pallas_kernels/test_flash_prefill_sm90.py -k "overlap" >"$out/gpu-tests.log" 2>&1
+        tests/pallas_kernels/test_flash_prefill_sm90.py -k "overlap or 3wgs" >"$out/gpu-tests.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests.log" | cut -c1-160 | tail -6
     ab_copy /tmp/ovl pallas_kernels/flash_prefill_sm90.py 's/^OVERLAP = False$/OVERLAP = True/' "^OVERLAP = True$"
     pf() { run 30 "prefill-$1" python3 bench/prefill.py --out "$out/prefill-$1" --shapes-only --no-check --no-xla \
@@ -1334,6 +1335,10 @@ PY
         's/^OVERLAP = False$/OVERLAP = True/; s/^_REGS_OVERLAP = (232, 40)$/_REGS_OVERLAP = (240, 24)/' \
         "^_REGS_OVERLAP = (240, 24)$"
     (cd /tmp/ovl240 && pf ovl240)
+    # three consumer warpgroups (192 query rows a CTA, 64-key tiles: 1.5x the FLOPs per K/V byte), with the overlap
+    ab_copy /tmp/wg3 pallas_kernels/flash_prefill_sm90.py \
+        's/^OVERLAP = False$/OVERLAP = True/; s/^BLOCK_Q = 128 /BLOCK_Q = 192 /' "^BLOCK_Q = 192 "
+    (cd /tmp/wg3 && pf wg3)
     # where the CTA-per-tile kernel's K/V bytes come from (session 35: 622 TFLOP/s needs 4.9 TB/s of K/V tiles, more
     # than HBM; the persistent grid ran at the copy bandwidth): DRAM bytes and L2 hit rate of one 1x8192x128 call,
     # with and without the overlap (ncu reads counters on Firecracker machines only)
@@ -1346,7 +1351,7 @@ for _ in range(2):
     jax.block_until_ready(f(q, k, v, loc, loc))
 PY
     m=gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,lts__t_bytes.sum
-    for v in base:. ovl:/tmp/ovl; do
+    for v in base:. ovl:/tmp/ovl wg3:/tmp/wg3; do
         (cd "${v#*:}" && timeout 100 ncu --clock-control none -k regex:prefill --launch-skip 1 --launch-count 1 \
             --metrics $m env PYTHONPATH=. python3 /tmp/pf_once.py >"$out/ncu-prefill-${v%%:*}.log" 2>&1)
         grep -E "prefill|gpu__time|dram__bytes|hit_rate|lts__t_bytes|rror" "$out/ncu-prefill-${v%%:*}.log" \
