@@ -993,14 +993,7 @@ PREFILL_CASES = [
     _pc("causal_q_longer_than_k_overlap", [12, 3, 70], [4, 0, 66], True, _FP90, dict(overlap=True)),
     # three consumer warpgroups (192 rows a CTA): the overlap's turns round three, and no schedule barrier
     _pc("causal_multi_tile_3wgs", [150, 1, 0, 230, 7], None, True, _FP90, dict(block_q=192, overlap=True)),
-    _pc(
-        "noncausal_chunk_3wgs_no_sched",
-        [5, 0, 37, 1, 20],
-        [9, 3, 200, 1, 7],
-        False,
-        _FP90,
-        dict(block_q=192, schedule_barrier=False),
-    ),
+    _pc("chunk_3wgs_no_sched", [5, 0, 37], [9, 3, 200], False, _FP90, dict(block_q=192, schedule_barrier=False)),
     _pc("noncausal_chunk_overlap", [5, 0, 37, 1, 20], [9, 3, 200, 1, 7], False, _FP90, dict(overlap=True)),
     # bottom-right aligned causal with q shorter than k, and q longer than k (empty rows)
     _pc("causal_q_shorter_than_k", [5, 0, 37, 1, 20], [9, 3, 60, 1, 27], True, _FP90),
