@@ -1339,6 +1339,10 @@ PY
     ab_copy /tmp/wg3 pallas_kernels/flash_prefill_sm90.py \
         's/^OVERLAP = False$/OVERLAP = True/; s/^BLOCK_Q = 128 /BLOCK_Q = 192 /' "^BLOCK_Q = 192 "
     (cd /tmp/wg3 && pf wg3)
+    ab_copy /tmp/wg3r pallas_kernels/flash_prefill_sm90.py \
+        's/^OVERLAP = False$/OVERLAP = True/; s/^BLOCK_Q = 128 /BLOCK_Q = 192 /; s/^_REGS_3WG = (160, 32)$/_REGS_3WG = (152, 56)/' \
+        "^_REGS_3WG = (152, 56)$"
+    (cd /tmp/wg3r && pf wg3-r152)
     # where the CTA-per-tile kernel's K/V bytes come from (session 35: 622 TFLOP/s needs 4.9 TB/s of K/V tiles, more
     # than HBM; the persistent grid ran at the copy bandwidth): DRAM bytes and L2 hit rate of one 1x8192x128 call,
     # with and without the overlap (ncu reads counters on Firecracker machines only)
