@@ -44,13 +44,14 @@ Shared memory (bf16, Dq 192, V 128, BK 128, 2 stages): Q 48 KB + K 96 KB + V 64 
 Barriers (every waiter waits every phase of a barrier, in order -- each warpgroup tracks parities
 itself; consumers that skip a key tile still wait for it and release it):
   q_bar[wg]     Q rows + row windows landed (TMA)              consumer wg waits
-  k_ready[st]   K tile in ring slot                            both consumers wait
-  v_ready[st]   V tile in ring slot (TMA, or producer arrive)  both consumers wait
-  k_free[st]    both consumers done with K slot (2 arrivals)   producer waits
-  v_free[st]    both consumers done with V slot (2 arrivals)   producer waits
+  k_ready[st]   K tile in ring slot                            every consumer waits
+  v_ready[st]   V tile in ring slot (TMA, or producer arrive)  every consumer waits
+  k_free[st]    every consumer done with K slot (2 or 3 arr.)  producer waits
+  v_free[st]    every consumer done with V slot (2 or 3 arr.)  producer waits
   raw_bar       the producer's own TMA of a V tile it zeroes   producer waits
   sched         ping-pong between the consumers (2 arrivals)   both consumers
-  turn[wg]      overlap: consumer wg may issue (the other's)     consumer wg
+  turn[wg]      overlap: consumer wg may issue (the previous    consumer wg
+                consumer's arrival, round robin)
 
 Under the Mosaic GPU interpreter (CPU tests) P goes through shared memory and each P V product into a
 fresh accumulator (the interpreter has no register-operand wgmma and no `run_state` over an
@@ -456,16 +457,14 @@ def _overlapped(cfg: _Cfg, r, wg, n, e0, ja, jb, e1, init, softmax, issue_qk, p_
             hand_over()
             pn, m_new, alpha, l_new = after_qk(s)
         else:
-            if cfg.p_in_smem:
-                p_ref[...] = p
-                plgpu.commit_smem()
+            pa = _p_operand(cfg, p, p_ref)
 
             def both(refs):
                 acc_ref, p_out, m_out, a_out, l_out = refs
 
                 def in_flight(s_ref):
                     issue_qk(s_ref, ks)
-                    plgpu.wgmma(acc_ref, p_ref if cfg.p_in_smem else p, v_ring.at[vs])
+                    plgpu.wgmma(acc_ref, pa, v_ring.at[vs])
                     hand_over()
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T done; P V may still run
                     p_out[...], m_out[...], a_out[...], l_out[...] = after_qk(s)
@@ -493,12 +492,10 @@ def _overlapped(cfg: _Cfg, r, wg, n, e0, ja, jb, e1, init, softmax, issue_qk, p_
             acc = _pv(cfg, acc, p, p_ref, v_ring.at[vs])
             hand_over()
         else:
-            if cfg.p_in_smem:
-                p_ref[...] = p
-                plgpu.commit_smem()
+            pa = _p_operand(cfg, p, p_ref)
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_ref if cfg.p_in_smem else p, v_ring.at[vs])
+                plgpu.wgmma(acc_ref, pa, v_ring.at[vs])
                 hand_over()
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
@@ -512,17 +509,20 @@ def _overlapped(cfg: _Cfg, r, wg, n, e0, ja, jb, e1, init, softmax, issue_qk, p_
     return acc, m_i, l_i
 
 
-def _pv(cfg: _Cfg, acc, p, p_ref, v_ref):
-    """acc + p @ v with one wgmma (waits for it).
+def _p_operand(cfg: _Cfg, p, p_ref):
+    """P as the P V wgmma's A operand: its registers, or with `p_in_smem` the shared-memory copy (written
+    and fenced here). The interpreter has no register-operand wgmma, so there P always goes through
+    shared memory (`cfg.p_in_smem` is forced on)."""
+    if not cfg.p_in_smem:
+        return p
+    p_ref[...] = p
+    plgpu.commit_smem()  # generic-proxy writes before the wgmma (async proxy) reads
+    return p_ref
 
-    GPU: P from registers unless `p_in_smem`. The interpreter has no register-operand wgmma, so
-    there P always goes through shared memory (`cfg.p_in_smem` is forced on)."""
-    a = p
-    if cfg.p_in_smem:
-        p_ref[...] = p
-        plgpu.commit_smem()  # generic-proxy writes before the wgmma (async proxy) reads
-        a = p_ref
-    return wgmma_accumulate(acc, a, v_ref, interpret=cfg.interpret)
+
+def _pv(cfg: _Cfg, acc, p, p_ref, v_ref):
+    """acc + p @ v with one wgmma (waits for it)."""
+    return wgmma_accumulate(acc, _p_operand(cfg, p, p_ref), v_ref, interpret=cfg.interpret)
 
 
 def _tile_meta(lo, hi, n_qtiles: int, bk: int, wgs: int = 2):
@@ -536,7 +536,7 @@ def _tile_meta(lo, hi, n_qtiles: int, bk: int, wgs: int = 2):
     lo = lo.reshape(n_qtiles, wgs, _WG_ROWS)
     hi = hi.reshape(n_qtiles, wgs, _WG_ROWS)
     ne = lo < hi  # empty rows: lo=BIG, hi=0
-    lo_min = jnp.min(jnp.where(ne, lo, BIG), axis=-1)  # [n_qtiles, 2]
+    lo_min = jnp.min(jnp.where(ne, lo, BIG), axis=-1)  # [n_qtiles, wgs]
     hi_max = jnp.max(jnp.where(ne, hi, 0), axis=-1)
     lo_max = jnp.max(jnp.where(ne, lo, 0), axis=-1)
     hi_min = jnp.min(jnp.where(ne, hi, BIG), axis=-1)
@@ -732,7 +732,8 @@ def flash_prefill_sm90(
     overlap's turns or no schedule barrier). num_warps follows (4 per warpgroup, the producer's too);
     it is accepted for signature compatibility with flash_prefill.
     interpret: run under the Mosaic GPU interpreter (CPU testing): True, or a
-    `plgpu.InterpretGPUParams` (e.g. detect_races=True). It needs >= 3 XLA CPU workers (NPROC).
+    `plgpu.InterpretGPUParams` (e.g. detect_races=True). It needs an XLA CPU worker per warpgroup (3,
+    or 4 with block_q 192: NPROC).
     """
     _validate_sm90(
         q, k, v, q_start_loc, k_start_loc, scale, interpret, block_q, block_k, num_warps, num_stages, p_in_smem, overlap
