@@ -1318,13 +1318,13 @@ PY
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 96) # session 35, for the next (any card, ~6 minutes): the Hopper prefill with FA3's intra-warpgroup overlap
     # (OVERLAP) against the ping-pong alone: its GPU cases, the fixed shapes both ways twice, alternating; then three
-    # consumer warpgroups (block_q 192); then ncu's DRAM bytes and L2 hit rate of each
+    # consumer warpgroups (block_q 192); ncu's DRAM bytes and L2 hit rate of each: part 98
     out=${2:?}
     timeout -s INT 75 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 8 -m gpu -p no:cacheprovider -rfE \
         tests/pallas_kernels/test_flash_prefill_sm90.py -k "overlap or 3wgs" >"$out/gpu-tests.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests.log" | cut -c1-160 | tail -6
     ab_copy /tmp/ovl pallas_kernels/flash_prefill_sm90.py 's/^OVERLAP = False$/OVERLAP = True/' "^OVERLAP = True$"
-    pf() { run 30 "prefill-$1" python3 bench/prefill.py --out "$out/prefill-$1" --shapes-only --no-check --no-xla \
+    pf() { run 45 "prefill-$1" python3 bench/prefill.py --out "$out/prefill-$1" --shapes-only --no-check --no-xla \
         --kernels pallas_sm90; }
     (cd /tmp/ovl && pf ovl1)
     pf base1
@@ -1343,6 +1343,13 @@ PY
         's/^OVERLAP = False$/OVERLAP = True/; s/^BLOCK_Q = 128 /BLOCK_Q = 192 /; s/^_REGS_3WG = (160, 32)$/_REGS_3WG = (152, 56)/' \
         "^_REGS_3WG = (152, 56)$"
     (cd /tmp/wg3r && pf wg3-r152)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+98) # session 36 (any card, ~4 minutes; split from part 96): ncu's DRAM bytes and L2 hit rate of one 1x8192x128 prefill call,
+    # the default kernel against the overlap and three consumers
+    out=${2:?}
+    ab_copy /tmp/ovl pallas_kernels/flash_prefill_sm90.py 's/^OVERLAP = False$/OVERLAP = True/' "^OVERLAP = True$"
+    ab_copy /tmp/wg3 pallas_kernels/flash_prefill_sm90.py \
+        's/^OVERLAP = False$/OVERLAP = True/; s/^BLOCK_Q = 128 /BLOCK_Q = 192 /' "^BLOCK_Q = 192 "
     # where the CTA-per-tile kernel's K/V bytes come from (session 35: 622 TFLOP/s needs 4.9 TB/s of K/V tiles, more
     # than HBM; the persistent grid ran at the copy bandwidth): DRAM bytes and L2 hit rate of one 1x8192x128 call,
     # with and without the overlap (ncu reads counters on Firecracker machines only)
@@ -1362,5 +1369,5 @@ PY
             | cut -c1-150 | head -8
     done
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 96" >&2; exit 2 ;;
+*)  echo "part must be 1 to 98" >&2; exit 2 ;;
 esac
