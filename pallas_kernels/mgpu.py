@@ -1,16 +1,19 @@
 """Helpers shared by the Mosaic GPU (Hopper) kernels: shared-memory layouts and budget, the
-interpreter switch, and the wgmma/TMA idioms both kernels use."""
+interpreter switch, the wgmma/TMA idioms both kernels use, and the register operands of an fp8 P.V."""
 
 from __future__ import annotations
 
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mfa
+from jax.experimental.mosaic.gpu import utils as mutils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.util import M_INIT, cdiv
+from pallas_kernels.util import FP8, M_INIT, cdiv
 
 SMEM_BYTES = 227 * 1024  # per-block opt-in shared memory on H100/H200
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma accumulator (softmax m, l)
@@ -140,3 +143,138 @@ def write_out(acc, inv, stage, dst, by_rows):
     stage[...] = out.astype(stage.dtype)
     plgpu.commit_smem()
     by_rows(lambda k: plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, k)], dst(k)))
+
+
+# fp8 P.V as O^T = V^T P^T (Hopper's fp8 wgmma reads its shared-memory operands K-major only, and a page holds V
+# N-major: [tokens, latents]). V^T is the register A operand, built from the page without a shared-memory round
+# trip: the e4m3 page seen as 16-bit pairs of latents is read transposed (`ldmatrix.trans`, one pair of tokens a
+# 16-bit half), and one byte permute (`prmt`) of two such registers gives the four tokens of one latent that an
+# 8-bit A register holds (FA3's and FlashMLA's fp8 V transpose, kept in registers). The operand's rows and columns
+# come out permuted, in orders fixed by the instructions:
+#   row rho of a 128-latent chunk    <-> latent 2 (rho % 64) + rho // 64
+#   column kappa of a 16-token group <-> token 2 (kappa // 4) + kappa % 2 + 8 ((kappa % 4) // 2)
+# P^T (the B operand, [heads, tokens] K-major in shared memory) is stored in the same token order, which is exactly
+# how an f32 accumulator's registers regroup into the 8-bit layout, so the token order cancels in the product; the
+# latent order is undone when O^T leaves the accumulator (`ot_rows`). The interpreter runs the same permutations
+# as reshapes (it has no inline Mosaic GPU code and no register-operand wgmma).
+VT_CHUNK = 128  # latents of one V^T chunk: 64 16-bit columns, two 64-row wgmma tiles
+
+
+def _tokens_pv_order(x):
+    """x[..., kappa] = x[..., token(kappa)] over groups of 16 tokens (the order above)."""
+    *lead, t = x.shape
+    return jnp.swapaxes(x.reshape(*lead, t // 16, 2, 4, 2), -3, -2).reshape(x.shape)
+
+
+def _vt_chunk_rows(x):
+    """[c * 128, K] latent rows -> V^T's row order (row 128 c + 64 m + q <-> latent 128 c + 2 q + m)."""
+    c = x.shape[0] // VT_CHUNK
+    return jnp.swapaxes(x.reshape(c, 64, 2, x.shape[-1]), 1, 2).reshape(x.shape)
+
+
+def _vt_operand_gpu(x, chunks: int):
+    """The 16-bit transposed view's registers [64 c, G] (WGMMA layout) -> e4m3 V^T [128 c, G] (8-bit WGMMA layout)."""
+    shape = (VT_CHUNK * chunks, 64)
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA,),
+        return_type=plgpu.ShapeDtypeStruct(shape, FP8, layout=plgpu.Layout.WGMMA_8BIT),
+    )
+    def regroup(ctx, x):
+        del ctx
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import llvm
+
+        i32 = ir.IntegerType.get_signless(32)
+        e4m3x4 = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
+        regs = x.registers  # [chunk, 8-token block, 1, 1, row half, ...]: (token pair) x (latent pair) bytes
+        out = np.empty(mfa.WGMMA_LAYOUT_8BIT.registers_shape(shape), object)
+        for c in range(chunks):
+            for j in range(4):  # 16-token groups
+                for h in range(2):
+                    lo, hi = (mutils.bitcast(regs[c, 2 * j + i, 0, 0, h, 0, 0, 0, 0], i32) for i in range(2))
+                    for m, sel in ((0, 0x6420), (1, 0x7531)):  # even / odd latent of the pair
+                        r = llvm.inline_asm(i32, [lo, hi], f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r")
+                        out[2 * c + m, j, 0, 0, h, 0, 0, 0, 0] = mutils.bitcast(r, e4m3x4)
+        return mfa.FragmentedArray(_registers=out, _layout=mfa.WGMMA_LAYOUT_8BIT, _is_signed=None)
+
+    return regroup(x)
+
+
+def vt_fp8_operand(v8, v16, *, interpret):
+    """V^T of an e4m3 page chunk as the register A operand of an fp8 wgmma: [128 c, G] e4m3, rows and columns in
+    the orders above.
+
+    v8: the chunk [G, 128 c] e4m3 in shared memory (64-byte swizzle); v16: the same bytes seen as [G, 64 c] bf16 (a
+    `plgpu.RefUnion` alias with the matching tiling), which the GPU path reads transposed. G = 64."""
+    chunks = v8.shape[1] // VT_CHUNK
+    if interpret:
+        return _vt_chunk_rows(_tokens_pv_order(v8[...].T))
+    x = plgpu.load(v16.transpose((1, 0)), (), layout=plgpu.Layout.WGMMA)
+    return _vt_operand_gpu(x, chunks)
+
+
+def pt_fp8_operand(p, *, interpret):
+    """P [rows, G] (e4m3, WGMMA layout) in the token order above, to store into the K-major P^T buffer.
+
+    On the GPU it is the same registers regrouped: an accumulator thread's two 8-token column blocks hold exactly
+    the four permuted columns an 8-bit layout thread holds."""
+    if interpret:
+        return _tokens_pv_order(p)
+    rows = p.shape[0]
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA,),
+        return_type=plgpu.ShapeDtypeStruct((rows, 64), FP8, layout=plgpu.Layout.WGMMA_8BIT),
+    )
+    def regroup(ctx, p):
+        del ctx
+        from jax._src.lib.mlir.dialects import vector
+
+        regs = p.registers
+        out = np.empty(mfa.WGMMA_LAYOUT_8BIT.registers_shape((rows, 64)), object)
+        for t in range(rows // 64):
+            for j in range(4):
+                for h in range(2):
+                    a, b = (regs[t, 2 * j + i, 0, 0, h, 0, 0, 0, 0] for i in range(2))
+                    out[t, j, 0, 0, h, 0, 0, 0, 0] = vector.shuffle(a, b, [0, 1, 2, 3])
+        return mfa.FragmentedArray(_registers=out, _layout=mfa.WGMMA_LAYOUT_8BIT, _is_signed=None)
+
+    return regroup(p)
+
+
+# O [heads, latents] as the O^T accumulator's threads hold it: per 8 heads x 32 latents, lane (r, g) of warp w holds
+# heads 8 j + 2 g + {0, 1} and latents 32 w + 16 h + 2 r + {0, 1} (the vector).
+OT_ROWS_LAYOUT = plgpu.Layout.TILED(
+    mfa.Tiling(((64, VT_CHUNK), (8, 32), (2, 16), (2,))), warp_dims=(-6,), lane_dims=(-2, -5), vector_dim=-1
+)
+
+
+def ot_rows(acc, *, interpret):
+    """The O^T accumulator f32 [128 c, 64] (rows in V^T's latent order) as O [64, 128 c] in natural order; on the
+    GPU in `OT_ROWS_LAYOUT` (registers regrouped, no data movement), ready to store."""
+    c = acc.shape[0] // VT_CHUNK
+    if interpret:
+        return jnp.swapaxes(acc.reshape(c, 2, 64, 64), 1, 2).reshape(acc.shape).T
+    layout = OT_ROWS_LAYOUT.to_mgpu()
+    shape = (64, VT_CHUNK * c)
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA,),
+        return_type=plgpu.ShapeDtypeStruct(shape, acc.dtype, layout=OT_ROWS_LAYOUT),
+    )
+    def regroup(ctx, acc):
+        del ctx
+        from jax._src.lib.mlir.dialects import vector
+
+        regs = acc.registers  # [m tile, 8-head block, 1, 1, row half, ...], vector: 2 heads
+        out = np.empty(layout.registers_shape(shape), object)
+        for ch in range(c):
+            for j in range(8):
+                for h in range(2):
+                    a, b = regs[2 * ch, j, 0, 0, h, 0, 0, 0, 0], regs[2 * ch + 1, j, 0, 0, h, 0, 0, 0, 0]
+                    for e in range(2):
+                        out[0, ch, j, 0, 0, h, e, 0, 0] = vector.shuffle(a, b, [e, 2 + e])
+        return mfa.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
+
+    return regroup(acc)

@@ -1344,6 +1344,13 @@ PY
         "^_REGS_3WG = (152, 56)$"
     (cd /tmp/wg3r && pf wg3-r152)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+97) # session 36 (any card, ~7 minutes): the fp8 P.V operands' GPU test (V^T in registers from ldmatrix.trans + prmt, P^T in
+    # their token order, O^T's latent order undone; tests/pallas_kernels/test_mgpu.py), then part 96
+    out=${2:?}
+    timeout -s INT 60 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_mgpu.py >"$out/gpu-tests-mgpu.log" 2>&1
+    echo "mgpu tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" "$out/gpu-tests-mgpu.log" | cut -c1-200 | tail -12
+    "$0" 96 "$out" ;;
 98) # session 36 (any card, ~4 minutes; split from part 96): ncu's DRAM bytes and L2 hit rate of one 1x8192x128 prefill call,
     # the default kernel against the overlap and three consumers
     out=${2:?}
