@@ -17,6 +17,7 @@ from pallas_kernels.util import FP8, M_INIT, cdiv
 
 SMEM_BYTES = 227 * 1024  # per-block opt-in shared memory on H100/H200
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma accumulator (softmax m, l)
+COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)  # one value per column (a token's scale; a head's alpha in O^T)
 
 
 def tiled(dtype, minor_bytes=128):
@@ -136,10 +137,14 @@ def rows_bcast(v, shape):
     return lax.broadcast_in_dim(v, shape, [0])
 
 
-def write_out(acc, inv, stage, dst, by_rows):
+def write_out(acc, inv, stage, dst, by_rows, *, transposed=False, interpret=False):
     """Normalize, stage in shared memory, TMA the real rows to the output (this warpgroup's half
-    of the columns); dst(rows) is the destination ref."""
-    out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    of the columns); dst(rows) is the destination ref. transposed: acc is the fp8 P.V's O^T (`ot_rows`), inv
+    one value per column."""
+    if transposed:
+        out = ot_rows(acc * lax.broadcast_in_dim(inv, acc.shape, [1]), interpret=interpret)
+    else:
+        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
     stage[...] = out.astype(stage.dtype)
     plgpu.commit_smem()
     by_rows(lambda k: plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, k)], dst(k)))
@@ -278,3 +283,26 @@ def ot_rows(acc, *, interpret):
         return mfa.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
 
     return regroup(acc)
+
+
+def vt_accumulate(acc, vt, pt, *, interpret):
+    """acc f32 [128 c, 64] + V^T P^T: vt from `vt_fp8_operand`, pt the [64, G] e4m3 P^T buffer (`pt_fp8_operand`'s
+    columns), as one fp8 wgmma with A in registers (waits for it). The interpreter has no register-operand wgmma:
+    there a float32 dot (the same products, each exact in float32)."""
+    if interpret:
+        return acc + jnp.dot(vt.astype(jnp.float32), pt[...].astype(jnp.float32).T)
+    return wgmma_accumulate(acc, vt, pt.transpose((1, 0)), interpret=False)
+
+
+def zero_fp8_rows(ref, valid_rows, cols: int):
+    """Rows >= valid_rows of columns [0, cols) of an e4m3 [G, *] shared-memory tile set to +0 (a partial page's
+    garbage, possibly NaN: p is 0 there, but 0 * NaN poisons a P.V wgmma). The bytes are and-ed with a mask as
+    int8 (Mosaic GPU has only bitwise operations on 8-bit types)."""
+    g = ref.shape[0]
+    layout = plgpu.Layout.SMEM_GMEM_COPY((g, 64), FP8, 64)
+    keep = plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=layout) < valid_rows
+    mask = jnp.where(keep, jnp.int32(-1), jnp.int32(0)).astype(jnp.int8)
+    for c in range(cols // 64):
+        block = ref.at[:, pl.ds(64 * c, 64)]
+        x = lax.bitcast_convert_type(plgpu.load(block, (), layout=layout), jnp.int8)
+        block[...] = lax.bitcast_convert_type(x & mask, FP8)

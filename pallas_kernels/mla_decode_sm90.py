@@ -92,18 +92,23 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.mgpu import (
+    COL_LAYOUT,
     ROW_LAYOUT,
     SMEM_BYTES,
     cast_fp8_columns,
     copy_zeroing_rows,
     interpret_params,
+    pt_fp8_operand,
     rows_bcast,
     smem_bytes,
     softmax_state,
     static_interpret,
     tiled,
+    vt_accumulate,
+    vt_fp8_operand,
     wgmma_accumulate,
     write_out,
+    zero_fp8_rows,
 )
 from pallas_kernels.mla_decode import check_page_offset, merge_segments, merge_splits, mla_decode_reference
 from pallas_kernels.mla_decode_sm90_narrow import (
@@ -173,6 +178,8 @@ class _Cfg:
     interpret: bool  # Mosaic GPU interpreter (CPU): see mgpu.wgmma_accumulate
     qk8: bool = False  # fp8 cache: QK^T as an fp8 wgmma on the fp8 ring (fp8 Q, per-row scale);
     # the bf16 ring then holds only the L columns of V
+    pv8: bool = False  # with qk8: P.V as fp8 wgmmas too (O^T = V^T P^T, V^T in registers: `_body_pv8`), Q split
+    # into two e4m3 terms; no bf16 ring, no cast
     nq: int = 1  # query tokens per request (row t*N + n is token t's)
     heads: int = 64
     capacity: int = 1 << 30  # tokens the block table holds (longer lengths are clamped to it)
@@ -189,6 +196,23 @@ def _smem_plan(cfg: _Cfg):
     1x128x32768 f32 ones were 16.8 MB written at the kernel's end and read by the merge, as many bytes as the fp8
     cache; bf16 adds the rounding the output has anyway, and lse stays f32)."""
     f32 = jnp.float32
+    half = cfg.l // 2
+    dt = cfg.final_dtype
+    stage = [plgpu.SMEM((2, TILE_M, half), dt, transforms=tiled(dt)), plgpu.SMEM((2, TILE_M), f32)]
+    if cfg.pv8:
+        # The fp8 ring first, so that the third group's bf16 view of it (`mgpu.vt_fp8_operand`) starts where it does.
+        fst, d = cfg.fp8_stages, cfg.d
+        ring8 = plgpu.SMEM((fst, PAGE_SIZE, d), FP8, transforms=tiled(FP8, 64))
+        group_a = [
+            ring8,
+            plgpu.SMEM((TILE_M, 2 * d), FP8, transforms=tiled(FP8, 64)),  # Q: q_hi, then its residual
+            plgpu.SMEM((TILE_M, PAGE_SIZE), FP8, transforms=tiled(FP8, 64)),  # P^T (K-major), V^T's token order
+            plgpu.SMEM((_ROWS + 1, TILE_M), f32),  # alpha, Q's scales
+            plgpu.SMEM((fst, PAGE_SIZE), f32),  # the token scales
+        ]
+        ring16 = [plgpu.SMEM((fst, PAGE_SIZE, d // 2), BF16, transforms=tiled(BF16, 64))]
+        groups = [group_a, stage, ring16]
+        return groups, max(map(smem_bytes, groups))
     cdt = BF16  # wgmma operand dtype (Q, ring, P)
     # 576 fp8 columns are not a multiple of 128: fp8 tiles use the 64-byte swizzle.
     q = (
@@ -204,11 +228,9 @@ def _smem_plan(cfg: _Cfg):
     if cfg.fp8_stages:
         group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), FP8, transforms=tiled(FP8, 64)))
         group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE), f32))
-    half = cfg.l // 2
-    dt = cfg.final_dtype
     # [2, 64, L/2] output staging (one half per consumer WG) and the epilogue's row vectors: [0] 1/l (WG0 -> WG1),
     # [1] lse.
-    groups = [group_a, [plgpu.SMEM((2, TILE_M, half), dt, transforms=tiled(dt)), plgpu.SMEM((2, TILE_M), f32)]]
+    groups = [group_a, stage]
     return groups, max(map(smem_bytes, groups))
 
 
@@ -231,6 +253,19 @@ _META = 6
 
 def _barriers(cfg):
     """The pipeline's mbarriers, by name (see the module docstring)."""
+    if cfg.pv8:
+        fst = cfg.fp8_stages
+        return dict(
+            q_bar=plgpu.Barrier(num_arrivals=2),  # Q, Q's scales
+            fp8_ready=plgpu.Barrier(num_barriers=fst),  # page (TMA, or the producer after zeroing a partial page)
+            scale_ready=plgpu.Barrier(num_barriers=fst),
+            fp8_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=fst),  # both consumers' reads of the slot done
+            p_ready=plgpu.Barrier(),
+            p_consumed=plgpu.Barrier(),
+            epi_bar=plgpu.Barrier(num_arrivals=2),
+            fin_bar=plgpu.Barrier(),
+            raw_bar=plgpu.Barrier(),
+        )
     bars = dict(
         q_bar=plgpu.Barrier(num_arrivals=2 if cfg.qk8 else 1),  # Q (, Q's scales)
         # exact fp8: the producer's columns and WG1's V half
@@ -265,6 +300,13 @@ def _kernel(*refs, cfg: _Cfg):
     groups, _ = _smem_plan(cfg)
 
     def scoped(union, **bars):
+        if cfg.pv8:
+            refs_a, stage, (ring16,) = union
+            fp8_ring, q_smem, p_smem, loop_rows, scale_ring = refs_a
+            r = dict(gmem, q_smem=q_smem, ring16=ring16, p_smem=p_smem, loop_rows=loop_rows, fp8_ring=fp8_ring)
+            r.update(scale_ring=scale_ring, stage=stage, **bars)
+            _body_pv8(cfg, r, _Piece(cfg, r))
+            return
         refs_a, stage = union  # one tree of refs per aliased group
         q_smem, ring, p_smem, loop_rows = refs_a[:4]
         fp8_ring, scale_ring = refs_a[4:] if is_fp8 else (None, None)
@@ -384,6 +426,10 @@ class _Piece:
         scale = scale if isinstance(scale, float) else rows_bcast(scale, s.shape)
         return jnp.where(valid, s * scale, -jnp.inf)
 
+    def write_out(self, acc, inv, stage, dst):
+        cfg = self.cfg
+        write_out(acc, inv, stage, dst, self.by_rows, transposed=cfg.pv8, interpret=cfg.interpret)
+
     def epilogue_wg0(self, acc, m_i, l_i):
         """Normalize WG0's half and write it with the lse (after both consumers are done with the
         loop's buffers, which the staging aliases); publish 1/l for WG1."""
@@ -396,7 +442,10 @@ class _Piece:
             lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * LN2, -jnp.inf)
             rows[0] = inv
             rows[1] = lse
-            pl.when(write_o)(lambda: write_out(acc, inv, stage.at[0], o_dst, self.by_rows))
+            if self.cfg.pv8:  # O^T: 1/l a column, read back in that layout
+                plgpu.commit_smem()
+                inv = plgpu.load(rows.at[0], (), layout=COL_LAYOUT)
+            pl.when(write_o)(lambda: self.write_out(acc, inv, stage.at[0], o_dst))
             plgpu.commit_smem()
             plgpu.barrier_arrive(r["fin_bar"])  # 1/l published for WG1
             self.by_rows(lambda k: plgpu.copy_smem_to_gmem(rows.at[1, pl.ds(0, k)], lse_dst(k)))
@@ -418,8 +467,8 @@ class _Piece:
 
             @pl.when(write_o)
             def _():
-                inv = plgpu.load(rows.at[0], layout=ROW_LAYOUT)
-                write_out(acc, inv, stage.at[1], o_dst, self.by_rows)
+                inv = plgpu.load(rows.at[0], layout=COL_LAYOUT if self.cfg.pv8 else ROW_LAYOUT)
+                self.write_out(acc, inv, stage.at[1], o_dst)
                 plgpu.wait_smem_to_gmem(0)
 
         @pl.when(self.has_out)
@@ -650,6 +699,167 @@ def _body(cfg, r, pc):
 
             lax.fori_loop(0, n, step, ())
         _drain(kv_consumed, n, stages)
+
+
+def _body_pv8(cfg, r, pc):
+    """The fp8 cache with fp8 P.V (`_Cfg.pv8`): no cast anywhere. The producer TMAs each page and its token scales
+    into an `fp8_stages` ring (zeroing a partial last page's rows past the length); WG0 runs QK^T as two fp8
+    wgmma chains into one accumulator (q_hi, then its residual, on the same K^T), the softmax, and stores P as e4m3
+    in V^T's token order (`mgpu.pt_fp8_operand`); each consumer then adds V^T P^T for its half of the latents to its
+    O^T accumulator [L/2, 64] (`mgpu.vt_fp8_operand`: V^T built in registers from the page, no shared-memory round
+    trip; WG1 builds its operand before it waits for P).
+
+    The per-token scale goes into the logits (QK^T) and into P: P'' = p * scale = exp2(s + log2 scale - m), with the
+    running max m taken over s + log2 scale, so P'' <= 1 and the e4m3 P uses its range whatever the cache's
+    scales, while l sums p = exp2(s - m) (the softmax's own weights; m only shifts both)."""
+    wg = lax.axis_index("wg")
+    g = PAGE_SIZE
+    half = cfg.l // 2
+    fst = cfg.fp8_stages
+    f32 = jnp.float32
+    n, first, last_rows = pc.n, pc.first, pc.last_rows
+    fp8_ring, ring16, scale_ring = r["fp8_ring"], r["ring16"], r["scale_ring"]
+    loop_rows, p_smem = r["loop_rows"], r["p_smem"]
+    fp8_ready, scale_ready, fp8_consumed = r["fp8_ready"], r["scale_ready"], r["fp8_consumed"]
+    p_ready, p_consumed = r["p_ready"], r["p_consumed"]
+
+    def slot_of(i):
+        return lax.rem(i, jnp.int32(fst))
+
+    def page_rows(i):
+        return jnp.where(i == n - 1, last_rows, g)
+
+    def vt_half(fslot, h):
+        """This consumer's V^T [L/2, G] from fp8 slot `fslot` (latents [h L/2, (h + 1) L/2)), then the slot's
+        release as far as this warpgroup's reads go."""
+        with jax.named_scope("vt"):
+            vt = vt_fp8_operand(
+                fp8_ring.at[fslot, :, pl.ds(h * half, half)],
+                ring16.at[fslot, :, pl.ds(h * half // 2, half // 2)],
+                interpret=cfg.interpret,
+            )
+        plgpu.commit_smem()  # the generic-proxy reads before the next TMA into the slot
+        plgpu.barrier_arrive(fp8_consumed.at[fslot])
+        return vt
+
+    def pv(acc, vt):
+        """acc * alpha (a column each: O^T's columns are the heads) + V^T P^T."""
+        with jax.named_scope("pv"):
+            alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], (), layout=COL_LAYOUT)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+            return vt_accumulate(acc, vt, p_smem, interpret=cfg.interpret)
+
+    acc0 = plgpu.layout_cast(jnp.zeros((half, TILE_M), f32), plgpu.Layout.WGMMA)  # O^T [L/2, 64]
+
+    @pl.when(wg == 0)
+    def _softmax_wg():
+        plgpu.set_max_registers(_REGS_PV8[0], action="increase")
+
+        @pl.when(n > 0)
+        def _():
+            pc.load_q()
+            plgpu.barrier_wait(r["q_bar"])
+
+        logit_scale = pc.logit_scale()
+        lens = pc.row_lens()
+
+        def step(i, carry):
+            acc, m_i, l_i = carry
+            fslot = slot_of(i)
+            with jax.named_scope("wait_kv"):
+                plgpu.barrier_wait(fp8_ready.at[fslot])
+                plgpu.barrier_wait(scale_ready.at[fslot])
+            k_t = fp8_ring.at[fslot].T
+
+            def qk(acc_ref):  # q_hi K^T + residual K^T, one accumulator
+                plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(0, cfg.d)], k_t)
+                plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(cfg.d, cfg.d)], k_t)
+                return acc_ref[...]
+
+            with jax.named_scope("qk"):
+                s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))  # [64, G] f32
+            with jax.named_scope("softmax"):
+                # Token scales, 0 past the length (next to garbage, p * scale must stay 0).
+                ks = plgpu.load(scale_ring.at[fslot], (), layout=COL_LAYOUT)
+                tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=COL_LAYOUT)
+                ks = jnp.where(tok < page_rows(i), ks, 0.0)
+                ks_b = lax.broadcast_in_dim(ks, s.shape, [1])
+                s = pc.logits(s * ks_b, i, logit_scale, lens)
+                m_new = jnp.maximum(m_i, (s + lax.broadcast_in_dim(jnp.log2(ks), s.shape, [1])).max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - rows_bcast(m_new, s.shape))
+                l_i = l_i * alpha + p.sum(axis=1)
+
+            @pl.when(i > 0)
+            @jax.named_scope("wait_p_consumed")
+            def _():
+                plgpu.barrier_wait(p_consumed)  # WG1 is done with P_{i-1} and alpha_{i-1}
+
+            with jax.named_scope("store_p"):
+                p_smem[...] = pt_fp8_operand((p * ks_b).astype(FP8), interpret=cfg.interpret)
+                loop_rows[_ROW_ALPHA] = alpha
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready)
+            acc = pv(acc, vt_half(fslot, 0))
+            return acc, m_new, l_i
+
+        _, m_0, l_0 = softmax_state(TILE_M, 64)
+        acc, m_i, l_i = lax.fori_loop(0, n, step, (acc0, m_0, l_0))
+        pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
+        pc.epilogue_wg0(acc, m_i, l_i)
+
+    @pl.when(wg == 1)
+    def _pv_wg():
+        plgpu.set_max_registers(_REGS_PV8[0], action="increase")
+
+        def step(i, acc):
+            fslot = slot_of(i)
+            with jax.named_scope("wait_kv"):
+                plgpu.barrier_wait(fp8_ready.at[fslot])
+            vt = vt_half(fslot, 1)
+            with jax.named_scope("wait_p"):
+                plgpu.barrier_wait(p_ready)
+            acc = pv(acc, vt)
+            plgpu.barrier_arrive(p_consumed)
+            return acc
+
+        pc.epilogue_wg1(lax.fori_loop(0, n, step, acc0))
+
+    @pl.when(wg == 2)
+    def _producer_wg():
+        plgpu.set_max_registers(_REGS_PV8[1], action="decrease")
+
+        def fetch(i):
+            fslot = slot_of(i)
+            page = r["bt_gmem"][pc.b, first + i] + r["off_gmem"][0]
+            plgpu.copy_gmem_to_smem(r["ks_gmem"].at[page], scale_ring.at[fslot], scale_ready.at[fslot])
+            partial = (i == n - 1) & (last_rows < g)
+            pl.when(jnp.logical_not(partial))(
+                lambda: plgpu.copy_gmem_to_smem(r["kv_gmem"].at[page], fp8_ring.at[fslot], fp8_ready.at[fslot])
+            )
+
+            @pl.when(partial)
+            def _():
+                plgpu.copy_gmem_to_smem(r["kv_gmem"].at[page], fp8_ring.at[fslot], r["raw_bar"])
+                plgpu.barrier_wait(r["raw_bar"])
+                zero_fp8_rows(fp8_ring.at[fslot], last_rows, cfg.l)  # V's rows; K's are masked in the logits
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(fp8_ready.at[fslot])
+
+        for j in range(fst):
+            pl.when(j < n)(functools.partial(fetch, jnp.int32(j)))
+
+        def step(i, _):
+            with jax.named_scope("wait_free"):
+                plgpu.barrier_wait(fp8_consumed.at[slot_of(i)])  # every phase, in order
+            pl.when(i + fst < n)(lambda: fetch(i + fst))
+            return ()
+
+        lax.fori_loop(0, n, step, ())
+
+
+# (consumer, producer) registers a thread with fp8 P.V: the producer only issues TMAs (and zeroes a partial page).
+_REGS_PV8 = (232, 40)
 
 
 def _drain(kv_consumed, n, stages):
@@ -1096,11 +1306,20 @@ TRACE: tuple[int, str] | None = None
 
 _WORKLIST_MIN_PAGES = 4  # no piece shorter than this unless its tile is (FlashMLA: ~5 blocks)
 _FP8_QK_STAGES = 3  # fp8 ring depth with fp8 QK^T: Q (fp8) and a V-only bf16 slot leave room
+_FP8_PV_STAGES = 4  # with fp8 P.V: no bf16 ring, Q (two e4m3 terms) 72 KB + 4 pages of 36 KB
+# fp8_qk=True in the 64-row kernel runs P.V as fp8 wgmmas too, on an exact q split (`_body_pv8`): built, off until
+# measured against the V cast (docs/perf-notes.md, session 36).
+FP8_PV = False
 
 
-def fp8_qk_reference_q(q):
+def fp8_qk_reference_q(q, *, rows64: bool = False):
     """The f32 q whose exact logits `fp8_qk=True` computes: `quantize_q_fp8`'s q8 * scale (the
-    reference's input for that mode)."""
+    reference's input for that mode); in the 64-row kernel with `FP8_PV`, q_hi + its residual, times the scale
+    (its P, rounded to e4m3, is that mode's error)."""
+    if rows64 and FP8_PV:
+        q8, scale = quantize_q_fp8(q, split=True)
+        d = q.shape[-1]
+        return (q8[..., :d].astype(jnp.float32) + q8[..., d:].astype(jnp.float32)) * scale[..., None]
     q8, scale = quantize_q_fp8(q)
     return q8.astype(jnp.float32) * scale[..., None]
 
@@ -1149,10 +1368,11 @@ def _impl(
     m_pad = head_tiles * TILE_M
     tail = cdiv(m_rows - (head_tiles - 1) * TILE_M, 8) * 8  # real rows of the last tile, to 8
     qk8 = bool(fp8_qk) and is_fp8
+    pv8 = qk8 and FP8_PV
     if num_stages is None:
         num_stages = 1 if is_fp8 else 2
     if fp8_stages is None:
-        fp8_stages = _FP8_QK_STAGES if qk8 else 2
+        fp8_stages = _FP8_PV_STAGES if pv8 else _FP8_QK_STAGES if qk8 else 2
     if batch_invariant:
         schedule, num_kv_splits = "grid", 1  # a request's pieces must not depend on the batch
     splits = 1
@@ -1170,6 +1390,7 @@ def _impl(
         final_dtype=jnp.dtype(q.dtype),
         interpret=bool(interpret),
         qk8=qk8,
+        pv8=pv8,
         nq=nq,
         heads=n,
         capacity=max_pages * g,
@@ -1191,7 +1412,7 @@ def _impl(
     # row lengths, the tile lengths and, on the grid, each piece's pages from seq_lens).
     if qk8:
         # [B, M, D] e4m3, [B, M]: one Triton kernel (XLA ran quantize_q_fp8 as three)
-        q_rows, q_scale = quantize_q_fp8_rows(q.reshape(b, m_rows, d), l, interpret=bool(interpret))
+        q_rows, q_scale = quantize_q_fp8_rows(q.reshape(b, m_rows, d), l, split=pv8, interpret=bool(interpret))
         q_scale = jnp.pad(q_scale, ((0, 0), (0, m_pad - m_rows)), constant_values=1.0)
     else:
         q_rows = q.reshape(b, m_rows, d).astype(BF16)
@@ -1231,7 +1452,7 @@ def _impl(
             **(dict(profile_space=TRACE[0], profile_dir=TRACE[1]) if TRACE else {}),
         ),
         interpret=interpret_params(interpret),
-        kernel_name=(f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}" + ("_qk8" if qk8 else "")),
+        kernel_name=(f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}" + ("_pv8" if pv8 else "_qk8" if qk8 else "")),
     )
     out, lse, o_part, lse_part = kernel(*args)
     if schedule == "grid" and splits > 1:

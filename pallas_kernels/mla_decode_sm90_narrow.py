@@ -200,31 +200,42 @@ def split_q(q, *, interpret: bool = False):
     )(q.astype(BF16))
 
 
-def quantize_q_fp8(q):
+def quantize_q_fp8(q, *, split: bool = False):
     """q [..., D] -> (float8_e4m3fn q / scale, f32 scale [...]) per row (head, token): `quantize_q_hilo`'s q_hi and
     its power-of-two scale (e4m3 keeps 4 significant bits whatever the scale: a power of two costs no precision and
     the narrow kernel computes it in place). What `fp8_qk=True` feeds the QK^T wgmma (lossy): its logits are those of
-    q8 * scale, the reference's input for that mode."""
+    q8 * scale, the reference's input for that mode.
+
+    split: [..., 2D], q_hi then its residual q / scale - q_hi rounded to e4m3 at the same scale (q_hi + residual is q
+    to ~2^-8, and both terms feed one fp8 accumulation: the 64-row kernel's fp8 P.V mode); residuals below e4m3's
+    smallest subnormal (2^-9, ~2^-18 of the row's largest) vanish."""
     hi, _, sc = quantize_q_hilo(q)
-    return hi, sc
+    if not split:
+        return hi, sc
+    x = q.astype(jnp.float32) / sc[..., None]
+    return jnp.concatenate([hi, round_e4m3(x - hi.astype(jnp.float32)).astype(FP8)], axis=-1), sc
 
 
 _QUANT_PROGRAMS = 2048  # `quantize_q_fp8_rows` puts up to 8 rows in a program while this many programs remain
 
 
-def _quantize_rows_kernel(q_ref, q8_ref, s_ref, *, l, r):
-    """Rows [rows, L+R] -> `quantize_q_fp8`'s e4m3 rows and power-of-two scales, the row's amax over the L and the
-    R columns (Triton's blocks are powers of two)."""
-    cols = (pl.ds(0, l), pl.ds(l, r))
-    xs = [q_ref[:, c].astype(jnp.float32) for c in cols]  # [rows, L], [rows, R]
+def _quantize_rows_kernel(q_ref, q8_ref, s_ref, *, l, r, split):
+    """Rows [rows, L+R] -> `quantize_q_fp8`'s e4m3 rows (split: [rows, 2 (L+R)]) and power-of-two scales, the row's
+    amax over the L and the R columns (Triton's blocks are powers of two)."""
+    cols = ((0, l), (l, r))
+    xs = [q_ref[:, pl.ds(*c)].astype(jnp.float32) for c in cols]  # [rows, L], [rows, R]
     sc, inv = _row_scale(jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=1), jnp.max(jnp.abs(xs[1]), axis=1)))  # [rows]
-    for x, c in zip(xs, cols):
-        q8_ref[:, c] = round_e4m3(x * inv[:, None]).astype(FP8)
+    for x, (c0, w) in zip(xs, cols):
+        x = x * inv[:, None]
+        hi = round_e4m3(x)
+        q8_ref[:, pl.ds(c0, w)] = hi.astype(FP8)
+        if split:
+            q8_ref[:, pl.ds(l + r + c0, w)] = round_e4m3(x - hi).astype(FP8)
     s_ref[...] = sc
 
 
-def quantize_q_fp8_rows(q, l: int, *, interpret: bool = False):
-    """`quantize_q_fp8` of q [B, M, L+R] as one Triton-lowered kernel (bitwise the same; `interpret`: the Pallas
+def quantize_q_fp8_rows(q, l: int, *, split: bool = False, interpret: bool = False):
+    """`quantize_q_fp8(q, split=split)` of q [B, M, L+R] as one Triton-lowered kernel (bitwise the same; `interpret`: the Pallas
     interpreter), for the 64-row kernel's `fp8_qk`, whose q is quantized before its call: XLA ran it as three kernels
     (1x128x32768: ~4 us of a 39.7 us call, 64x128x4096: ~13 us of 186 on an H100, session 30; quantizing in that
     kernel lost, one pass and two). L or R not powers of two run the jnp function. Programs of up to 8 rows, ~2048 of
@@ -232,22 +243,23 @@ def quantize_q_fp8_rows(q, l: int, *, interpret: bool = False):
     b, m, d = q.shape
     r = d - l
     if not (is_pow2(l) and is_pow2(r)):
-        return quantize_q_fp8(q)
+        return quantize_q_fp8(q, split=split)
+    d8 = 2 * d if split else d
     rows = 1
     while rows < 8 and m % (2 * rows) == 0 and b * m // (2 * rows) >= _QUANT_PROGRAMS:
         rows *= 2
     return pl.pallas_call(
-        functools.partial(_quantize_rows_kernel, l=l, r=r),
+        functools.partial(_quantize_rows_kernel, l=l, r=r, split=split),
         grid=(b, m // rows),
         in_specs=[pl.BlockSpec((None, rows, d), lambda i, j: (i, j, 0))],
         out_specs=[
-            pl.BlockSpec((None, rows, d), lambda i, j: (i, j, 0)),
+            pl.BlockSpec((None, rows, d8), lambda i, j: (i, j, 0)),
             pl.BlockSpec((None, rows), lambda i, j: (i, j)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((b, m, d), FP8), jax.ShapeDtypeStruct((b, m), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((b, m, d8), FP8), jax.ShapeDtypeStruct((b, m), jnp.float32)],
         interpret=bool(interpret),
         compiler_params=pltriton.CompilerParams(num_warps=4 if rows > 1 or b * m <= 4 * H200_SMS else 1, num_stages=1),
-        name=f"quantize_q_fp8_r{rows}",
+        name=f"quantize_q_fp8_r{rows}" + ("_split" if split else ""),
     )(q)
 
 

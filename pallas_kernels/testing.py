@@ -39,7 +39,7 @@ import numpy as np
 
 from pallas_kernels.flash_prefill import flash_prefill_reference
 from pallas_kernels.mla_decode import mla_decode_reference
-from pallas_kernels.mla_decode_sm90 import fp8_qk_reference_q
+from pallas_kernels.mla_decode_sm90 import fp8_qk_reference_q, uses_narrow
 from pallas_kernels.util import BF16, F16, F32, cdiv
 
 # Kernel names used in the cases' `kernels`.
@@ -138,7 +138,7 @@ def decode_reference(q, cache, bt, sl, ks, kernel_kw, l=512, *, scale=DECODE_SCA
     if kernel_kw.get("fp8_mode") == "dequant_tile":
         cache, ks = (cache.astype(jnp.float32) * ks[..., None]).astype(jnp.bfloat16), None
     if kernel_kw.get("fp8_qk"):
-        q = fp8_qk_reference_q(q)
+        q = fp8_qk_reference_q(q, rows64=not uses_narrow(q.shape[1] * q.shape[2], cache.dtype))
     return mla_decode_reference(
         q, cache, bt, sl, scale=scale, kv_scale=ks, kv_lora_rank=l, page_offset=kernel_kw.get("page_offset")
     )

@@ -1376,5 +1376,22 @@ PY
             | cut -c1-150 | head -8
     done
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 98" >&2; exit 2 ;;
+99) # session 36 (any card, ~8 minutes): fp8 P.V in the 64-row kernel (FP8_PV: O^T = V^T P^T, V^T in registers, q split
+    # in two e4m3 terms): the operands' GPU test, the fp8_qk GPU cases with it, then the fp8 decode rows both ways
+    # (the tree's fp8_qk rows cast V to bf16) and the bf16 rows beside them
+    out=${2:?}
+    timeout -s INT 60 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_mgpu.py >"$out/gpu-tests-mgpu.log" 2>&1
+    echo "mgpu tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" "$out/gpu-tests-mgpu.log" | cut -c1-200 | tail -8
+    ab_copy /tmp/pv8 pallas_kernels/mla_decode_sm90.py 's/^FP8_PV = False$/FP8_PV = True/' "^FP8_PV = True$"
+    cp -r tests pyproject.toml /tmp/pv8/
+    (cd /tmp/pv8 && timeout -s INT 120 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu -p no:cacheprovider \
+        -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k "fp8_qk" >"$out/gpu-tests-pv8.log" 2>&1)
+    echo "pv8 tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests-pv8.log" | cut -c1-200 | tail -14
+    dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
+        --device-time --shapes 64x128x4096,128x128x8192,1x128x32768 --dtypes "$3" --kernels pallas_sm90; }
+    (cd /tmp/pv8 && dec pv8 100 fp8)
+    dec tree 130 fp8,bf16
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 99" >&2; exit 2 ;;
 esac
