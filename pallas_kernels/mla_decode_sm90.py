@@ -1452,7 +1452,8 @@ def _impl(
             **(dict(profile_space=TRACE[0], profile_dir=TRACE[1]) if TRACE else {}),
         ),
         interpret=interpret_params(interpret),
-        kernel_name=(f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}" + ("_pv8" if pv8 else "_qk8" if qk8 else "")),
+        kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}"
+        + ("_pv8" if pv8 else "_qk8" if qk8 else ""),
     )
     out, lse, o_part, lse_part = kernel(*args)
     if schedule == "grid" and splits > 1:
