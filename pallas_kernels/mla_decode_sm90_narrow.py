@@ -238,8 +238,8 @@ def quantize_q_fp8_rows(q, l: int, *, split: bool = False, interpret: bool = Fal
     """`quantize_q_fp8(q, split=split)` of q [B, M, L+R] as one Triton-lowered kernel (bitwise the same;
     `interpret`: the Pallas interpreter), for the 64-row kernel's `fp8_qk`, whose q is quantized before its call:
     XLA ran it as three kernels (1x128x32768: ~4 us of a 39.7 us call, 64x128x4096: ~13 us of 186 on an H100,
-    session 30; quantizing in that kernel lost, one pass and two). L or R not powers of two run the jnp function. Programs of up to 8 rows, ~2048 of
-    them (`_QUANT_PROGRAMS`) where the rows allow."""
+    session 30; quantizing in that kernel lost, one pass and two). L or R not powers of two run the jnp function.
+    Programs of up to 8 rows, ~2048 of them (`_QUANT_PROGRAMS`) where the rows allow."""
     b, m, d = q.shape
     r = d - l
     if not (is_pow2(l) and is_pow2(r)):
