@@ -37,10 +37,11 @@ import zlib
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import mla_decode_sm90
 from pallas_kernels.flash_prefill import flash_prefill_reference
 from pallas_kernels.mla_decode import mla_decode_reference
 from pallas_kernels.mla_decode_sm90 import fp8_qk_reference_q, uses_narrow
-from pallas_kernels.util import BF16, F16, F32, cdiv
+from pallas_kernels.util import BF16, F16, F32, FP8, cdiv
 
 # Kernel names used in the cases' `kernels`.
 MLA_DECODE, MLA_DECODE_SM90 = "mla_decode", "mla_decode_sm90"
@@ -55,14 +56,34 @@ def _seed(name: str, seed: int | None) -> int:
 # Decode
 
 DECODE_SCALE = 192**-0.5 * 1.87385  # DeepSeek-V3: 192^-0.5 * mscale^2
-DECODE_TOL = {"bf16": (2e-2, 1e-3), "fp8": (2e-2, 1e-3), "fp8_qk": (4e-2, 3e-2), "f32": (1e-4, 1e-4)}
+DECODE_TOL = {
+    "bf16": (2e-2, 1e-3),
+    "fp8": (2e-2, 1e-3),
+    "fp8_qk": (4e-2, 3e-2),
+    "fp8_pv": (7e-2, 1e-3),
+    "f32": (1e-4, 1e-4),
+}
 DECODE_GPU_LSE_TOL = 1e-2
+FP8_PV_NORM_TOL = 2e-2  # "fp8_pv" cases: |out - ref| / |ref| over the whole output (issue 20's footing)
 
 
 def decode_gpu_tolerance(kind: str) -> tuple[float, float]:
     """(out, lse) tolerance of a decode case on the GPU."""
     out_tol, lse_tol = DECODE_TOL[kind]
+    if kind == "fp8_pv":
+        return out_tol, DECODE_TOL["fp8_qk"][1]  # its QK^T is fp8_qk's fp8 accumulation
     return out_tol, lse_tol if kind == "fp8_qk" else DECODE_GPU_LSE_TOL
+
+
+def decode_kind(case) -> str:
+    """A case's tolerance key as this tree runs it: "fp8_pv" for an fp8_qk case on the 64-row kernel with
+    `mla_decode_sm90.FP8_PV` (P rounded to e4m3: an element's error up to 2^-4 of the values it averages, so
+    elementwise 7e-2, and `FP8_PV_NORM_TOL` over the output)."""
+    inp = case.inputs
+    rows64 = not uses_narrow(inp["nq"] * inp["n"], FP8 if inp.get("cache_dtype") == "fp8" else BF16)
+    if case.kernel.get("fp8_qk") and rows64 and mla_decode_sm90.FP8_PV:
+        return "fp8_pv"
+    return case.kind
 
 
 def decode_inputs(
@@ -152,6 +173,8 @@ def assert_decode_close(out, lse, ref, ref_lse, kind, lse_tol=None):
     assert out.shape == ref.shape and lse.shape == ref_lse.shape
     assert np.all(np.isfinite(out)), "NaN/inf leaked into the output"
     np.testing.assert_allclose(out, ref, rtol=out_tol, atol=out_tol)
+    if kind == "fp8_pv":
+        assert np.linalg.norm(out - ref) <= FP8_PV_NORM_TOL * np.linalg.norm(ref), "fp8 P.V: over 2% in norm"
     empty = ~np.isfinite(ref_lse)
     assert np.all(lse[empty] == -np.inf) and np.all(out[empty] == 0), "empty rows must be 0 / -inf"
     np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=0, atol=lse_tol)
