@@ -601,10 +601,18 @@ def test_quantize_q_fp8_rows_is_quantize_q_fp8(programs, monkeypatch):
 
     monkeypatch.setattr(narrow, "_QUANT_PROGRAMS", programs)
     q = _hilo_inputs(b=3, m=16)
-    got, want = narrow.quantize_q_fp8_rows(q, 512, interpret=True), narrow.quantize_q_fp8(q)
-    for a, b in zip(got, want):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    for split in (False, True):
+        got = narrow.quantize_q_fp8_rows(q, 512, split=split, interpret=True)
+        want = narrow.quantize_q_fp8(q, split=split)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    # The split's two terms: q to ~2^-8 of each row's largest (the residual is exact where it is an e4m3 normal).
+    (q8, sc), d = narrow.quantize_q_fp8(q, split=True), q.shape[-1]
+    q2 = (q8[..., :d].astype(jnp.float32) + q8[..., d:].astype(jnp.float32)) * sc[..., None]
+    qf = np.asarray(q, np.float32)
+    rowmax = np.abs(qf).max(-1, keepdims=True)
+    assert np.all(np.abs(np.asarray(q2) - qf) <= 2**-8 * rowmax)  # all-zero rows exactly 0
 
 
 @pytest.mark.gpu
@@ -616,8 +624,10 @@ def test_gpu_quantize_q_fp8_rows_is_exact():
         pytest.skip("needs a GPU")
     for b, m in ((1, 128), (64, 128)):
         q = _hilo_inputs(b=b, m=m)
-        for a, w in zip(jax.jit(narrow.quantize_q_fp8_rows, static_argnums=1)(q, 512), narrow.quantize_q_fp8(q)):
-            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(w).view(np.uint8))
+        for split in (False, True):
+            f = jax.jit(narrow.quantize_q_fp8_rows, static_argnums=1, static_argnames="split")
+            for a, w in zip(f(q, 512, split=split), narrow.quantize_q_fp8(q, split=split)):
+                np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(w).view(np.uint8))
 
 
 def test_split_q_lowers_for_sm90():
