@@ -1393,5 +1393,21 @@ PY
     (cd /tmp/pv8 && dec pv8 100 fp8)
     dec tree 130 fp8,bf16
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 99" >&2; exit 2 ;;
+100) # session 36, part 99 cut to ~5 minutes (a short budget): the operands' GPU test, two fp8_qk 64-row cases with
+    # FP8_PV, the fp8 rows at 64x128x4096 and 1x128x32768 both ways, the bf16 rows beside them
+    out=${2:?}
+    timeout -s INT 45 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_mgpu.py >"$out/gpu-tests-mgpu.log" 2>&1
+    echo "mgpu tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" "$out/gpu-tests-mgpu.log" | cut -c1-200 | tail -8
+    ab_copy /tmp/pv8 pallas_kernels/mla_decode_sm90.py 's/^FP8_PV = False$/FP8_PV = True/' "^FP8_PV = True$"
+    cp -r tests pyproject.toml /tmp/pv8/
+    (cd /tmp/pv8 && timeout -s INT 75 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 2 -m gpu -p no:cacheprovider \
+        -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k "fp8_qk_n128 or fp8_qk_worklist_q2" >"$out/gpu-tests-pv8.log" 2>&1)
+    echo "pv8 tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests-pv8.log" | cut -c1-200 | tail -8
+    dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
+        --device-time --shapes 64x128x4096,1x128x32768 --dtypes "$3" --kernels pallas_sm90; }
+    (cd /tmp/pv8 && dec pv8 80 fp8)
+    dec tree 100 fp8,bf16
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 100" >&2; exit 2 ;;
 esac
