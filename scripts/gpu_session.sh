@@ -1409,5 +1409,17 @@ PY
     (cd /tmp/pv8 && dec pv8 80 fp8)
     dec tree 100 fp8,bf16
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 100" >&2; exit 2 ;;
+101) # session 36, part 100 cut to ~3 minutes: the operands' GPU test, then the fp8 rows at 64x128x4096 with FP8_PV and
+    # without (each row's error against float32 checks it), the bf16 row beside them
+    out=${2:?}
+    timeout -s INT 40 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_mgpu.py >"$out/gpu-tests-mgpu.log" 2>&1
+    echo "mgpu tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" "$out/gpu-tests-mgpu.log" | cut -c1-200 | tail -8
+    ab_copy /tmp/pv8 pallas_kernels/mla_decode_sm90.py 's/^FP8_PV = False$/FP8_PV = True/' "^FP8_PV = True$"
+    dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
+        --device-time --shapes 64x128x4096 --dtypes "$3" --kernels pallas_sm90; }
+    (cd /tmp/pv8 && dec pv8 60 fp8)
+    dec tree 75 fp8,bf16
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 101" >&2; exit 2 ;;
 esac
