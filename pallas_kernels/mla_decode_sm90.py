@@ -102,6 +102,7 @@ from pallas_kernels.mgpu import (
     rows_bcast,
     smem_bytes,
     softmax_state,
+    softmax_step,
     static_interpret,
     tiled,
     vt_accumulate,
@@ -558,10 +559,7 @@ def _body(cfg, r, pc):
                     ks = lax.broadcast_in_dim(ks, s.shape, [1])
                     s = s * ks
                 s = pc.logits(s, i, logit_scale, lens)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - rows_bcast(m_new, s.shape))
-                l_i = l_i * alpha + p.sum(axis=1)
+                m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
 
             @pl.when(i > 0)
             @jax.named_scope("wait_p_consumed")
@@ -785,10 +783,7 @@ def _body_pv8(cfg, r, pc):
                 ks = jnp.where(tok < page_rows(i), ks, 0.0)
                 ks_b = lax.broadcast_in_dim(ks, s.shape, [1])
                 s = pc.logits(s * ks_b, i, logit_scale, lens)
-                m_new = jnp.maximum(m_i, (s + lax.broadcast_in_dim(jnp.log2(ks), s.shape, [1])).max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - rows_bcast(m_new, s.shape))
-                l_i = l_i * alpha + p.sum(axis=1)
+                m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, shift=jnp.log2(ks))
 
             @pl.when(i > 0)
             @jax.named_scope("wait_p_consumed")

@@ -73,6 +73,7 @@ from pallas_kernels.mgpu import (
     rows_bcast,
     smem_bytes,
     softmax_state,
+    softmax_step,
     static_interpret,
     tiled,
     wgmma_accumulate,
@@ -272,10 +273,7 @@ def _body(cfg, gmem, smem, bars, nvalid_gmem):
                 if cfg.fp8:  # logits of the fp8 rows times their per-token scale
                     s = s * ks
                 s = jnp.where(named, s * qk_scale, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - rows_bcast(m_new, s.shape))
-                l_i = l_i * alpha + p.sum(axis=1)
+                m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
 
             @pl.when(i > 0)
             @jax.named_scope("wait_p_consumed")
