@@ -390,8 +390,12 @@ class _Piece:
         )
 
     def load_q(self):
-        """WG0: TMA the real rows of Q (q_bar). The rest of the tile keeps whatever shared memory held
-        (even NaN), harmless since those rows have length 0 and their logits are replaced by -inf."""
+        """WG0, where the piece has pages: TMA the real rows of Q and wait for them (q_bar). The rest of the tile
+        keeps whatever shared memory held (even NaN), harmless since those rows have length 0 and their logits are
+        replaced by -inf."""
+        pl.when(self.n > 0)(self._load_q)
+
+    def _load_q(self):
         r = self.r
         self.by_rows(
             lambda k: plgpu.copy_gmem_to_smem(
@@ -402,6 +406,7 @@ class _Piece:
             plgpu.copy_gmem_to_smem(
                 r["qs_gmem"].at[self.b, pl.ds(self.h * TILE_M, TILE_M)], r["loop_rows"].at[_ROW_QSCALE], r["q_bar"]
             )
+        plgpu.barrier_wait(r["q_bar"])
 
     def logit_scale(self):
         """sm_scale in log2 units, times Q's per-row scale when Q is fp8 (a [64] row vector)."""
@@ -515,11 +520,7 @@ def _body(cfg, r, pc):
     def _softmax_wg():
         plgpu.set_max_registers(_regs(is_fp8)[0], action="increase")
 
-        @pl.when(n > 0)
-        def _():
-            pc.load_q()
-            plgpu.barrier_wait(r["q_bar"])
-
+        pc.load_q()
         logit_scale = pc.logit_scale()
         lens = pc.row_lens()
         col_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -753,11 +754,7 @@ def _body_pv8(cfg, r, pc):
     def _softmax_wg():
         plgpu.set_max_registers(_REGS_PV8[0], action="increase")
 
-        @pl.when(n > 0)
-        def _():
-            pc.load_q()
-            plgpu.barrier_wait(r["q_bar"])
-
+        pc.load_q()
         logit_scale = pc.logit_scale()
         lens = pc.row_lens()
 

@@ -1376,50 +1376,32 @@ PY
             | cut -c1-150 | head -8
     done
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-99) # session 36 (any card, ~8 minutes): fp8 P.V in the 64-row kernel (FP8_PV: O^T = V^T P^T, V^T in registers, q split
-    # in two e4m3 terms): the operands' GPU test, the fp8_qk GPU cases with it, then the fp8 decode rows both ways
-    # (the tree's fp8_qk rows cast V to bf16) and the bf16 rows beside them
+99 | 100 | 101) # session 36 (any card): fp8 P.V in the 64-row kernel (FP8_PV: O^T = V^T P^T, V^T in registers, q
+    # split in two e4m3 terms): the operands' GPU test, the 64-row fp8_qk GPU cases with it, then the fp8 decode rows
+    # both ways (the tree's fp8_qk rows cast V to bf16) and the bf16 rows beside them (each row's error against
+    # float32 checks it too). 99: ~8 minutes, every fp8_qk case and three shapes; 100: ~5, two cases and two shapes;
+    # 101: ~3, no decode tests and 64x128x4096 only
     out=${2:?}
-    timeout -s INT 60 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
+    case $1 in
+        99) tests=fp8_qk shapes=64x128x4096,128x128x8192,1x128x32768 limits="60 120 100 130" ;;
+        100) tests="fp8_qk_n128 or fp8_qk_worklist_q2" shapes=64x128x4096,1x128x32768 limits="45 75 80 100" ;;
+        *) tests="" shapes=64x128x4096 limits="40 0 60 75" ;;
+    esac
+    read -r t_ops t_cases t_pv8 t_tree <<<"$limits"
+    timeout -s INT "$t_ops" env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
         tests/pallas_kernels/test_mgpu.py >"$out/gpu-tests-mgpu.log" 2>&1
     echo "mgpu tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" "$out/gpu-tests-mgpu.log" | cut -c1-200 | tail -8
     ab_copy /tmp/pv8 pallas_kernels/mla_decode_sm90.py 's/^FP8_PV = False$/FP8_PV = True/' "^FP8_PV = True$"
     cp -r tests pyproject.toml /tmp/pv8/
-    (cd /tmp/pv8 && timeout -s INT 120 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu -p no:cacheprovider \
-        -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k "fp8_qk" >"$out/gpu-tests-pv8.log" 2>&1)
-    echo "pv8 tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests-pv8.log" | cut -c1-200 | tail -14
+    if [ -n "$tests" ]; then
+        (cd /tmp/pv8 && timeout -s INT "$t_cases" env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu \
+            -p no:cacheprovider -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k "$tests" >"$out/gpu-tests-pv8.log" 2>&1)
+        echo "pv8 tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests-pv8.log" | cut -c1-200 | tail -14
+    fi
     dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
-        --device-time --shapes 64x128x4096,128x128x8192,1x128x32768 --dtypes "$3" --kernels pallas_sm90; }
-    (cd /tmp/pv8 && dec pv8 100 fp8)
-    dec tree 130 fp8,bf16
-    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-100) # session 36, part 99 cut to ~5 minutes (a short budget): the operands' GPU test, two fp8_qk 64-row cases with
-    # FP8_PV, the fp8 rows at 64x128x4096 and 1x128x32768 both ways, the bf16 rows beside them
-    out=${2:?}
-    timeout -s INT 45 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
-        tests/pallas_kernels/test_mgpu.py >"$out/gpu-tests-mgpu.log" 2>&1
-    echo "mgpu tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" "$out/gpu-tests-mgpu.log" | cut -c1-200 | tail -8
-    ab_copy /tmp/pv8 pallas_kernels/mla_decode_sm90.py 's/^FP8_PV = False$/FP8_PV = True/' "^FP8_PV = True$"
-    cp -r tests pyproject.toml /tmp/pv8/
-    (cd /tmp/pv8 && timeout -s INT 75 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 2 -m gpu -p no:cacheprovider \
-        -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k "fp8_qk_n128 or fp8_qk_worklist_q2" >"$out/gpu-tests-pv8.log" 2>&1)
-    echo "pv8 tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu-tests-pv8.log" | cut -c1-200 | tail -8
-    dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
-        --device-time --shapes 64x128x4096,1x128x32768 --dtypes "$3" --kernels pallas_sm90; }
-    (cd /tmp/pv8 && dec pv8 80 fp8)
-    dec tree 100 fp8,bf16
-    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-101) # session 36, part 100 cut to ~3 minutes: the operands' GPU test, then the fp8 rows at 64x128x4096 with FP8_PV and
-    # without (each row's error against float32 checks it), the bf16 row beside them
-    out=${2:?}
-    timeout -s INT 40 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
-        tests/pallas_kernels/test_mgpu.py >"$out/gpu-tests-mgpu.log" 2>&1
-    echo "mgpu tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" "$out/gpu-tests-mgpu.log" | cut -c1-200 | tail -8
-    ab_copy /tmp/pv8 pallas_kernels/mla_decode_sm90.py 's/^FP8_PV = False$/FP8_PV = True/' "^FP8_PV = True$"
-    dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
-        --device-time --shapes 64x128x4096 --dtypes "$3" --kernels pallas_sm90; }
-    (cd /tmp/pv8 && dec pv8 60 fp8)
-    dec tree 75 fp8,bf16
+        --device-time --shapes "$shapes" --dtypes "$3" --kernels pallas_sm90; }
+    (cd /tmp/pv8 && dec pv8 "$t_pv8" fp8)
+    dec tree "$t_tree" fp8,bf16
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 101" >&2; exit 2 ;;
 esac
