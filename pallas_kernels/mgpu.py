@@ -75,7 +75,8 @@ def copy_zeroing_rows(src, dst, ready, raw_bar, *, partial, lo, hi):
 
     When `partial`, the copy lands on `raw_bar` instead, the rows of `dst` outside [lo, hi) are
     zeroed (they hold keys no query sees, possibly NaN padding: p = 0 there, but 0 * NaN would still
-    poison a P.V wgmma), and only then does the caller's warpgroup arrive on `ready`."""
+    poison a P.V wgmma), and only then does the caller's warpgroup arrive on `ready`. An e4m3 `dst` (the fp8
+    P.V's page) is zeroed as int8 bytes: Mosaic GPU has only bitwise operations on 8-bit types."""
 
     @pl.when(jnp.logical_not(partial))
     def _():
@@ -86,14 +87,30 @@ def copy_zeroing_rows(src, dst, ready, raw_bar, *, partial, lo, hi):
         plgpu.copy_gmem_to_smem(src, dst, raw_bar)
         plgpu.barrier_wait(raw_bar)
         rows, cols = dst.shape
-        for rb in range(rows // 64):
-            row = plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=plgpu.Layout.WGMMA) + rb * 64
-            keep = (row >= lo) & (row < hi)
-            for c in range(cols // 64):
-                block = dst.at[pl.ds(rb * 64, 64), pl.ds(c * 64, 64)]
-                block[...] = jnp.where(keep, block[...], jnp.zeros((), dst.dtype))
+        if jnp.dtype(dst.dtype) == FP8:
+            _zero_fp8_rows(dst, lo, hi)
+        else:
+            for rb in range(rows // 64):
+                row = plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=plgpu.Layout.WGMMA) + rb * 64
+                keep = (row >= lo) & (row < hi)
+                for c in range(cols // 64):
+                    block = dst.at[pl.ds(rb * 64, 64), pl.ds(c * 64, 64)]
+                    block[...] = jnp.where(keep, block[...], jnp.zeros((), dst.dtype))
         plgpu.commit_smem()  # generic-proxy writes before the consumers' wgmma reads
         plgpu.barrier_arrive(ready)
+
+
+def _zero_fp8_rows(ref, lo, hi):
+    """Rows outside [lo, hi) of an e4m3 [G, cols] shared-memory tile (cols a multiple of 64) set to +0: the bytes
+    and-ed with a mask as int8."""
+    g, cols = ref.shape
+    layout = plgpu.Layout.SMEM_GMEM_COPY((g, 64), FP8, 64)
+    row = plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=layout)
+    mask = jnp.where((row >= lo) & (row < hi), jnp.int32(-1), jnp.int32(0)).astype(jnp.int8)
+    for c in range(cols // 64):
+        block = ref.at[:, pl.ds(64 * c, 64)]
+        x = lax.bitcast_convert_type(plgpu.load(block, (), layout=layout), jnp.int8)
+        block[...] = lax.bitcast_convert_type(x & mask, FP8)
 
 
 def cast_fp8_columns(src, dst, valid_rows, chunks):
@@ -303,17 +320,3 @@ def vt_accumulate(acc, vt, pt, *, interpret):
     if interpret:
         return acc + jnp.dot(vt.astype(jnp.float32), pt[...].astype(jnp.float32).T)
     return wgmma_accumulate(acc, vt, pt.transpose((1, 0)), interpret=False)
-
-
-def zero_fp8_rows(ref, valid_rows, cols: int):
-    """Rows >= valid_rows of columns [0, cols) of an e4m3 [G, *] shared-memory tile set to +0 (a partial page's
-    garbage, possibly NaN: p is 0 there, but 0 * NaN poisons a P.V wgmma). The bytes are and-ed with a mask as
-    int8 (Mosaic GPU has only bitwise operations on 8-bit types)."""
-    g = ref.shape[0]
-    layout = plgpu.Layout.SMEM_GMEM_COPY((g, 64), FP8, 64)
-    keep = plgpu.broadcasted_iota(jnp.int32, (g, 64), 0, layout=layout) < valid_rows
-    mask = jnp.where(keep, jnp.int32(-1), jnp.int32(0)).astype(jnp.int8)
-    for c in range(cols // 64):
-        block = ref.at[:, pl.ds(64 * c, 64)]
-        x = lax.bitcast_convert_type(plgpu.load(block, (), layout=layout), jnp.int8)
-        block[...] = lax.bitcast_convert_type(x & mask, FP8)

@@ -109,7 +109,6 @@ from pallas_kernels.mgpu import (
     vt_fp8_operand,
     wgmma_accumulate,
     write_out,
-    zero_fp8_rows,
 )
 from pallas_kernels.mla_decode import check_page_offset, merge_segments, merge_splits, mla_decode_reference
 from pallas_kernels.mla_decode_sm90_narrow import (
@@ -825,18 +824,16 @@ def _body_pv8(cfg, r, pc):
             fslot = slot_of(i)
             page = r["bt_gmem"][pc.b, first + i] + r["off_gmem"][0]
             plgpu.copy_gmem_to_smem(r["ks_gmem"].at[page], scale_ring.at[fslot], scale_ready.at[fslot])
-            partial = (i == n - 1) & (last_rows < g)
-            pl.when(jnp.logical_not(partial))(
-                lambda: plgpu.copy_gmem_to_smem(r["kv_gmem"].at[page], fp8_ring.at[fslot], fp8_ready.at[fslot])
+            # The request's partial last page: its rows past the length are zeroed (V's bytes feed P.V).
+            copy_zeroing_rows(
+                r["kv_gmem"].at[page],
+                fp8_ring.at[fslot],
+                fp8_ready.at[fslot],
+                r["raw_bar"],
+                partial=(i == n - 1) & (last_rows < g),
+                lo=0,
+                hi=last_rows,
             )
-
-            @pl.when(partial)
-            def _():
-                plgpu.copy_gmem_to_smem(r["kv_gmem"].at[page], fp8_ring.at[fslot], r["raw_bar"])
-                plgpu.barrier_wait(r["raw_bar"])
-                zero_fp8_rows(fp8_ring.at[fslot], last_rows, cfg.l)  # V's rows; K's are masked in the logits
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(fp8_ready.at[fslot])
 
         for j in range(fst):
             pl.when(j < n)(functools.partial(fetch, jnp.int32(j)))
