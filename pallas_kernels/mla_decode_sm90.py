@@ -1301,16 +1301,21 @@ _FP8_PV_STAGES = 4  # with fp8 P.V: no bf16 ring, Q (two e4m3 terms) 72 KB + 4 p
 FP8_PV = False
 
 
-def fp8_qk_reference_q(q, *, rows64: bool = False):
+def fp8_qk_reference_q(q, *, split: bool = False):
     """The f32 q whose exact logits `fp8_qk=True` computes: `quantize_q_fp8`'s q8 * scale (the
-    reference's input for that mode); in the 64-row kernel with `FP8_PV`, q_hi + its residual, times the scale
-    (its P, rounded to e4m3, is that mode's error)."""
-    if rows64 and FP8_PV:
-        q8, scale = quantize_q_fp8(q, split=True)
+    reference's input for that mode); split (where `uses_fp8_pv`): q_hi + its residual, times the scale (that
+    mode's error is its P, rounded to e4m3)."""
+    q8, scale = quantize_q_fp8(q, split=split)
+    if split:
         d = q.shape[-1]
-        return (q8[..., :d].astype(jnp.float32) + q8[..., d:].astype(jnp.float32)) * scale[..., None]
-    q8, scale = quantize_q_fp8(q)
+        q8 = q8[..., :d].astype(jnp.float32) + q8[..., d:].astype(jnp.float32)
     return q8.astype(jnp.float32) * scale[..., None]
+
+
+def uses_fp8_pv(m_rows: int, cache_dtype) -> bool:
+    """Whether `fp8_qk=True` runs the 64-row kernel's fp8 P.V (`FP8_PV`, `_body_pv8`) for `m_rows` query rows a
+    request on a cache of `cache_dtype`."""
+    return FP8_PV and jnp.dtype(cache_dtype) == FP8 and not uses_narrow(m_rows, cache_dtype)
 
 
 @functools.partial(

@@ -37,10 +37,9 @@ import zlib
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import mla_decode_sm90
 from pallas_kernels.flash_prefill import flash_prefill_reference
 from pallas_kernels.mla_decode import mla_decode_reference
-from pallas_kernels.mla_decode_sm90 import fp8_qk_reference_q, uses_narrow
+from pallas_kernels.mla_decode_sm90 import fp8_qk_reference_q, uses_fp8_pv
 from pallas_kernels.util import BF16, F16, F32, FP8, cdiv
 
 # Kernel names used in the cases' `kernels`.
@@ -80,8 +79,8 @@ def decode_kind(case) -> str:
     `mla_decode_sm90.FP8_PV` (P rounded to e4m3: an element's error up to 2^-4 of the values it averages, so
     elementwise 7e-2, and `FP8_PV_NORM_TOL` over the output)."""
     inp = case.inputs
-    rows64 = not uses_narrow(inp["nq"] * inp["n"], FP8 if inp.get("cache_dtype") == "fp8" else BF16)
-    if case.kernel.get("fp8_qk") and rows64 and mla_decode_sm90.FP8_PV:
+    cache_dtype = FP8 if inp.get("cache_dtype") == "fp8" else BF16
+    if case.kernel.get("fp8_qk") and uses_fp8_pv(inp["nq"] * inp["n"], cache_dtype):
         return "fp8_pv"
     return case.kind
 
@@ -159,7 +158,7 @@ def decode_reference(q, cache, bt, sl, ks, kernel_kw, l=512, *, scale=DECODE_SCA
     if kernel_kw.get("fp8_mode") == "dequant_tile":
         cache, ks = (cache.astype(jnp.float32) * ks[..., None]).astype(jnp.bfloat16), None
     if kernel_kw.get("fp8_qk"):
-        q = fp8_qk_reference_q(q, rows64=not uses_narrow(q.shape[1] * q.shape[2], cache.dtype))
+        q = fp8_qk_reference_q(q, split=uses_fp8_pv(q.shape[1] * q.shape[2], cache.dtype))
     return mla_decode_reference(
         q, cache, bt, sl, scale=scale, kv_scale=ks, kv_lora_rank=l, page_offset=kernel_kw.get("page_offset")
     )

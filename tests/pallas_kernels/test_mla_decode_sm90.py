@@ -608,8 +608,7 @@ def test_quantize_q_fp8_rows_is_quantize_q_fp8(programs, monkeypatch):
             assert a.dtype == b.dtype and a.shape == b.shape
             np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     # The split's two terms: q to ~2^-8 of each row's largest (the residual is exact where it is an e4m3 normal).
-    (q8, sc), d = narrow.quantize_q_fp8(q, split=True), q.shape[-1]
-    q2 = (q8[..., :d].astype(jnp.float32) + q8[..., d:].astype(jnp.float32)) * sc[..., None]
+    q2 = k90.fp8_qk_reference_q(q, split=True)
     qf = np.asarray(q, np.float32)
     rowmax = np.abs(qf).max(-1, keepdims=True)
     assert np.all(np.abs(np.asarray(q2) - qf) <= 2**-8 * rowmax)  # all-zero rows exactly 0
