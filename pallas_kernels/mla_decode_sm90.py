@@ -176,10 +176,8 @@ class _Cfg:
     sm_scale: float
     final_dtype: object  # dtype of the final output (q.dtype) and of the split partials
     interpret: bool  # Mosaic GPU interpreter (CPU): see mgpu.wgmma_accumulate
-    qk8: bool = False  # fp8 cache: QK^T as an fp8 wgmma on the fp8 ring (fp8 Q, per-row scale);
-    # the bf16 ring then holds only the L columns of V
-    pv8: bool = False  # with qk8: P.V as fp8 wgmmas too (O^T = V^T P^T, V^T in registers: `_body_pv8`), Q split
-    # into two e4m3 terms; no bf16 ring, no cast
+    pv8: bool = False  # fp8 cache, fp8_qk: QK^T and P.V as fp8 wgmmas on the fp8 ring (O^T = V^T P^T, V^T in
+    # registers: `_body_pv8`), Q split into two e4m3 terms with a per-row scale; no bf16 ring, no cast
     nq: int = 1  # query tokens per request (row t*N + n is token t's)
     heads: int = 64
     capacity: int = 1 << 30  # tokens the block table holds (longer lengths are clamped to it)
@@ -214,13 +212,8 @@ def _smem_plan(cfg: _Cfg):
         groups = [group_a, stage, ring16]
         return groups, max(map(smem_bytes, groups))
     cdt = BF16  # wgmma operand dtype (Q, ring, P)
-    # 576 fp8 columns are not a multiple of 128: fp8 tiles use the 64-byte swizzle.
-    q = (
-        plgpu.SMEM((TILE_M, cfg.d), FP8, transforms=tiled(FP8, 64))
-        if cfg.qk8
-        else plgpu.SMEM((TILE_M, cfg.d), cdt, transforms=tiled(cdt))
-    )
-    ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.l if cfg.qk8 else cfg.d), cdt, transforms=tiled(cdt))
+    q = plgpu.SMEM((TILE_M, cfg.d), cdt, transforms=tiled(cdt))
+    ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.d), cdt, transforms=tiled(cdt))
     p = plgpu.SMEM((TILE_M, PAGE_SIZE), cdt, transforms=tiled(cdt))
     # Row vectors used during the loop, indexed by the _ROW_* constants.
     loop_rows = plgpu.SMEM((_ROWS + _extra_rows(cfg), TILE_M), f32)
@@ -234,16 +227,16 @@ def _smem_plan(cfg: _Cfg):
     return groups, max(map(smem_bytes, groups))
 
 
-# Rows of the loop's row-vector buffer; fp8 adds [_ROWS + slot]: the per-token scales of the
-# page in ring slot `slot` (producer -> WG0); fp8 QK^T adds [_ROWS]: Q's per-row scales instead
+# Rows of the loop's row-vector buffer; an exact fp8 cache adds [_ROWS + slot]: the per-token scales of the
+# page in ring slot `slot` (producer -> WG0); fp8 P.V adds [_ROWS]: Q's per-row scales instead
 # (WG0 reads the token scales from the scale ring itself).
-_ROW_ALPHA = 0  # alpha_i (WG0 -> WG1)
+_ROW_ALPHA = 0  # alpha_i (WG0 -> the P.V warpgroups)
 _ROWS = 1
 _ROW_QSCALE = _ROWS
 
 
 def _extra_rows(cfg):
-    return 1 if cfg.qk8 else cfg.stages if cfg.fp8_stages else 0
+    return cfg.stages if cfg.fp8_stages else 0
 
 
 # Work-list metadata, one row per CTA: (b, head tile, first page, pages, slot, tile length).
@@ -259,20 +252,19 @@ def _barriers(cfg):
             q_bar=plgpu.Barrier(num_arrivals=2),  # Q, Q's scales
             fp8_ready=plgpu.Barrier(num_barriers=fst),  # page (TMA, or the producer after zeroing a partial page)
             scale_ready=plgpu.Barrier(num_barriers=fst),
-            fp8_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=fst),  # both consumers' reads of the slot done
+            # every consumer's reads of the slot done (WG0: K^T and the scales, or V^T's first half too)
+            fp8_consumed=plgpu.Barrier(num_arrivals=PV8_CONSUMERS, num_barriers=fst),
             p_ready=plgpu.Barrier(),
-            p_consumed=plgpu.Barrier(),
-            epi_bar=plgpu.Barrier(num_arrivals=2),
+            p_consumed=plgpu.Barrier(num_arrivals=PV8_CONSUMERS - 1),  # the P.V warpgroups' P.V done
+            epi_bar=plgpu.Barrier(num_arrivals=PV8_CONSUMERS),
             fin_bar=plgpu.Barrier(),
             raw_bar=plgpu.Barrier(),
         )
     bars = dict(
-        q_bar=plgpu.Barrier(num_arrivals=2 if cfg.qk8 else 1),  # Q (, Q's scales)
-        # exact fp8: the producer's columns and WG1's V half
-        kv_ready=plgpu.Barrier(num_arrivals=2 if cfg.fp8_stages and not cfg.qk8 else 1, num_barriers=cfg.stages),
-        # With fp8 QK^T each consumer casts the V half it reads: only WG0 releases the
-        # producer's half.
-        kv_consumed=plgpu.Barrier(num_arrivals=1 if cfg.qk8 else 2, num_barriers=cfg.stages),
+        q_bar=plgpu.Barrier(),  # Q
+        # fp8: the producer's columns and WG1's V half
+        kv_ready=plgpu.Barrier(num_arrivals=2 if cfg.fp8_stages else 1, num_barriers=cfg.stages),
+        kv_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),
         p_ready=plgpu.Barrier(),
         p_consumed=plgpu.Barrier(),
         epi_bar=plgpu.Barrier(num_arrivals=2),
@@ -283,8 +275,8 @@ def _barriers(cfg):
         bars.update(
             fp8_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages), scale_ready=plgpu.Barrier(num_barriers=cfg.fp8_stages)
         )
-    if cfg.fp8_stages:  # both casts (producer, WG1) and, with fp8 QK^T, WG0's QK^T read the fp8 slot
-        bars.update(fp8_consumed=plgpu.Barrier(num_arrivals=3 if cfg.qk8 else 2, num_barriers=cfg.fp8_stages))
+    if cfg.fp8_stages:  # both casts (producer, WG1) read the fp8 slot
+        bars.update(fp8_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.fp8_stages))
     return bars
 
 
@@ -294,7 +286,7 @@ def _kernel(*refs, cfg: _Cfg):
     is_fp8 = cfg.fp8_stages > 0
     refs = list(refs)
     ins = ["q_gmem", "kv_gmem"] + ["ks_gmem"] * is_fp8 + ["bt_gmem", "sl_gmem", "off_gmem"]
-    ins += ["meta_gmem"] * cfg.worklist + ["qs_gmem"] * cfg.qk8
+    ins += ["meta_gmem"] * cfg.worklist + ["qs_gmem"] * cfg.pv8
     outs = ["out_gmem", "lse_gmem", "opart_gmem", "lsepart_gmem"]
     gmem = dict(ks_gmem=None, meta_gmem=None, qs_gmem=None) | dict(zip(ins + outs, refs, strict=True))
     groups, _ = _smem_plan(cfg)
@@ -401,7 +393,7 @@ class _Piece:
                 r["q_gmem"].at[self.b, pl.ds(self.h * TILE_M, k)], r["q_smem"].at[pl.ds(0, k)], r["q_bar"]
             )
         )
-        if self.cfg.qk8:
+        if self.cfg.pv8:
             plgpu.copy_gmem_to_smem(
                 r["qs_gmem"].at[self.b, pl.ds(self.h * TILE_M, TILE_M)], r["loop_rows"].at[_ROW_QSCALE], r["q_bar"]
             )
@@ -410,7 +402,7 @@ class _Piece:
     def logit_scale(self):
         """sm_scale in log2 units, times Q's per-row scale when Q is fp8 (a [64] row vector)."""
         c = self.cfg.sm_scale * LOG2E
-        if not self.cfg.qk8:
+        if not self.cfg.pv8:
             return c
         return plgpu.load(self.r["loop_rows"].at[_ROW_QSCALE], layout=ROW_LAYOUT) * c
 
@@ -436,8 +428,8 @@ class _Piece:
         write_out(acc, inv, stage, dst, self.by_rows, transposed=cfg.pv8, interpret=cfg.interpret)
 
     def epilogue_wg0(self, acc, m_i, l_i):
-        """Normalize WG0's half and write it with the lse (after both consumers are done with the
-        loop's buffers, which the staging aliases); publish 1/l for WG1."""
+        """Normalize WG0's half (acc None: it holds none) and write it with the lse (after every consumer is done
+        with the loop's buffers, which the staging aliases); publish 1/l for the other halves."""
         r, half = self.r, self.cfg.l // 2
 
         def epilogue(stage, rows, o_dst, lse_dst, write_o):
@@ -447,12 +439,13 @@ class _Piece:
             lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * LN2, -jnp.inf)
             rows[0] = inv
             rows[1] = lse
-            if self.cfg.pv8:  # O^T: 1/l a column, read back in that layout
-                plgpu.commit_smem()
-                inv = plgpu.load(rows.at[0], (), layout=COL_LAYOUT)
-            pl.when(write_o)(lambda: self.write_out(acc, inv, stage.at[0], o_dst))
+            if acc is not None:
+                if self.cfg.pv8:  # O^T: 1/l a column, read back in that layout
+                    plgpu.commit_smem()
+                    inv = plgpu.load(rows.at[0], (), layout=COL_LAYOUT)
+                pl.when(write_o)(lambda: self.write_out(acc, inv, stage.at[0], o_dst))
             plgpu.commit_smem()
-            plgpu.barrier_arrive(r["fin_bar"])  # 1/l published for WG1
+            plgpu.barrier_arrive(r["fin_bar"])  # 1/l published for the other halves
             self.by_rows(lambda k: plgpu.copy_smem_to_gmem(rows.at[1, pl.ds(0, k)], lse_dst(k)))
             plgpu.wait_smem_to_gmem(0)
 
@@ -464,7 +457,8 @@ class _Piece:
             pl.when(self.final)(lambda: epilogue(*fin, True))
             pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))  # empty split: lse = -inf only
 
-    def epilogue_wg1(self, acc):
+    def epilogue_wg1(self, acc, h=1):
+        """Normalize and write half h of the output (columns [h L/2, (h + 1) L/2)) with WG0's 1/l."""
         r, half = self.r, self.cfg.l // 2
 
         def epilogue(stage, rows, o_dst, lse_dst, write_o):
@@ -473,7 +467,7 @@ class _Piece:
             @pl.when(write_o)
             def _():
                 inv = plgpu.load(rows.at[0], layout=COL_LAYOUT if self.cfg.pv8 else ROW_LAYOUT)
-                self.write_out(acc, inv, stage.at[1], o_dst)
+                self.write_out(acc, inv, stage.at[h], o_dst)
                 plgpu.wait_smem_to_gmem(0)
 
         @pl.when(self.has_out)
@@ -481,7 +475,7 @@ class _Piece:
             plgpu.barrier_arrive(r["epi_bar"])
             plgpu.barrier_wait(r["epi_bar"])
             plgpu.barrier_wait(r["fin_bar"])  # WG0 has written 1/l
-            fin, part = self.out_dsts(pl.ds(half, half))
+            fin, part = self.out_dsts(pl.ds(h * half, half))
             pl.when(self.final)(lambda: epilogue(*fin, True))
             pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))
 
@@ -527,16 +521,9 @@ def _body(cfg, r, pc):
         def step(i, carry):
             acc, m_i, l_i = carry
             slot_i = slot_of(i, stages)
-            if cfg.qk8:  # K^T straight from the fp8 slot; V (bf16) is waited for before P.V
-                fslot = slot_of(i, fst)
-                with jax.named_scope("wait_kv"):
-                    plgpu.barrier_wait(r["fp8_ready"].at[fslot])
-                    plgpu.barrier_wait(r["scale_ready"].at[fslot])
-                k_t = r["fp8_ring"].at[fslot].T
-            else:
-                with jax.named_scope("wait_kv"):
-                    plgpu.barrier_wait(kv_ready.at[slot_i])
-                k_t = ring.at[slot_i].T
+            with jax.named_scope("wait_kv"):
+                plgpu.barrier_wait(kv_ready.at[slot_i])
+            k_t = ring.at[slot_i].T
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, r["q_smem"], k_t)
@@ -545,15 +532,7 @@ def _body(cfg, r, pc):
             with jax.named_scope("qk"):
                 s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))  # [64, G] f32
             with jax.named_scope("softmax"):
-                if cfg.qk8:
-                    # Token scales, 0 past the length (p * scale must stay 0 next to garbage); then the
-                    # fp8 slot is free for its next page as far as WG0 is concerned.
-                    ks = plgpu.load(r["scale_ring"].at[fslot], layout=col_layout)
-                    tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=col_layout)
-                    ks = jnp.where(tok < page_rows(i), ks, 0.0)
-                    plgpu.commit_smem()  # the generic-proxy read before the next TMA into the slot
-                    plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
-                elif is_fp8:
+                if is_fp8:
                     ks = plgpu.load(loop_rows.at[_ROWS + slot_i], layout=col_layout)
                 if is_fp8:  # logits of the fp8 rows times their per-token scale
                     ks = lax.broadcast_in_dim(ks, s.shape, [1])
@@ -573,9 +552,6 @@ def _body(cfg, r, pc):
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready)
 
-            if cfg.qk8:
-                with jax.named_scope("wait_v"):
-                    plgpu.barrier_wait(kv_ready.at[slot_i])
             with jax.named_scope("pv"):
                 acc = acc * rows_bcast(alpha, acc.shape)
                 acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)], interpret=cfg.interpret)
@@ -594,14 +570,13 @@ def _body(cfg, r, pc):
             slot_i = slot_of(i, stages)
             if is_fp8:
                 # WG1 casts its own V half (columns [L/2, L)), the producer the rest: the cast, not the
-                # wgmmas, bounds the fp8 page time, and only WG1's P.V reads this half (with fp8 QK^T
-                # WG0 runs QK^T and the softmax meanwhile; exact, its QK^T waits for both casts).
+                # wgmmas, bounds the fp8 page time, and only WG1's P.V reads this half (WG0's QK^T waits for
+                # both casts).
                 fslot = slot_of(i, fst)
                 with jax.named_scope("wait_fp8"):
                     plgpu.barrier_wait(r["fp8_ready"].at[fslot])
                 cast_fp8(fslot, slot_i, page_rows(i), range(half // 64, cfg.l // 64))
-                if not cfg.qk8:
-                    plgpu.barrier_arrive(kv_ready.at[slot_i])
+                plgpu.barrier_arrive(kv_ready.at[slot_i])
                 plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
                 with jax.named_scope("wait_p"):
                     plgpu.barrier_wait(p_ready)
@@ -614,8 +589,7 @@ def _body(cfg, r, pc):
                 acc = acc * rows_bcast(alpha, acc.shape)
                 acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(half, half)], interpret=cfg.interpret)
             plgpu.barrier_arrive(p_consumed)
-            if not cfg.qk8:
-                plgpu.barrier_arrive(kv_consumed.at[slot_i])
+            plgpu.barrier_arrive(kv_consumed.at[slot_i])
             return acc
 
         acc = lax.fori_loop(0, n, step, softmax_state(TILE_M, cfg.l // 2)[0])
@@ -669,8 +643,7 @@ def _body(cfg, r, pc):
                 slot_i = slot_of(i, stages)
                 with jax.named_scope("wait_fp8"):
                     plgpu.barrier_wait(fp8_ready.at[fslot])
-                    if not cfg.qk8:  # with fp8 QK^T, WG0 reads the scales itself
-                        plgpu.barrier_wait(scale_ready.at[fslot])
+                    plgpu.barrier_wait(scale_ready.at[fslot])
 
                 @pl.when(i >= stages)
                 @jax.named_scope("wait_free")
@@ -678,17 +651,16 @@ def _body(cfg, r, pc):
                     plgpu.barrier_wait(kv_consumed.at[slot_i])
 
                 valid_rows = page_rows(i)
-                if not cfg.qk8:
-                    # Per-token scales for WG0 (0 past the length: p * scale must stay 0 next to garbage).
-                    scale = plgpu.load(scale_ring.at[fslot], layout=ROW_LAYOUT)  # [G] f32
-                    tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=ROW_LAYOUT)
-                    loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
-                # K's columns but V's second half (WG1 casts it) or, with fp8 QK^T, V's first half.
-                mine = range(half // 64) if cfg.qk8 else [c for c in range(cfg.d // 64) if not half <= 64 * c < cfg.l]
+                # Per-token scales for WG0 (0 past the length: p * scale must stay 0 next to garbage).
+                scale = plgpu.load(scale_ring.at[fslot], layout=ROW_LAYOUT)  # [G] f32
+                tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=ROW_LAYOUT)
+                loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
+                # K's columns but V's second half (WG1 casts it).
+                mine = [c for c in range(cfg.d // 64) if not half <= 64 * c < cfg.l]
                 cast_fp8(fslot, slot_i, valid_rows, mine)
                 plgpu.barrier_arrive(kv_ready.at[slot_i])
-                # WG1's cast (and WG0's fp8 QK^T) must be done with the fp8 slot too (waited on every page:
-                # each waiter observes every phase)
+                # WG1's cast must be done with the fp8 slot too (waited on every page: each waiter observes every
+                # phase)
                 plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
                 with jax.named_scope("wait_qk"):
                     plgpu.barrier_wait(r["fp8_consumed"].at[fslot])
@@ -702,10 +674,15 @@ def _body(cfg, r, pc):
 def _body_pv8(cfg, r, pc):
     """The fp8 cache with fp8 P.V (`_Cfg.pv8`): no cast anywhere. The producer TMAs each page and its token scales
     into an `fp8_stages` ring (zeroing a partial last page's rows past the length); WG0 runs QK^T as two fp8
-    wgmma chains into one accumulator (q_hi, then its residual, on the same K^T), the softmax, and stores P as e4m3
-    in V^T's token order (`mgpu.pt_fp8_operand`); each consumer then adds V^T P^T for its half of the latents to its
-    O^T accumulator [L/2, 64] (`mgpu.vt_fp8_operand`: V^T built in registers from the page, no shared-memory round
-    trip; WG1 builds its operand before it waits for P).
+    wgmma chains (q_hi and its residual on the same K^T, each into its own accumulator: Hopper's fp8 wgmma adds at
+    reduced precision, so one chain of twice the K doubled the logits' error), the softmax, and stores P as e4m3
+    in V^T's token order (`mgpu.pt_fp8_operand`); each P.V warpgroup then adds V^T P^T for its half of the latents
+    to its O^T accumulator [L/2, 64] (`mgpu.vt_fp8_operand`: V^T built in registers from the page, no
+    shared-memory round trip, before it waits for P).
+
+    `PV8_CONSUMERS` = 3: WG1 and WG2 hold the two halves, WG0 only QK^T and the softmax (with two consumers WG0
+    also ran the first half's P.V and bounded the page: 68% of WG1's time waited for P, session 37), WG3
+    produces. 2: WG0 holds the first half, WG1 the second, WG2 produces.
 
     The per-token scale goes into the logits (QK^T) and into P: P'' = p * scale = exp2(s + log2 scale - m), with the
     running max m taken over s + log2 scale, so P'' <= 1 and the e4m3 P uses its range whatever the cache's
@@ -715,11 +692,13 @@ def _body_pv8(cfg, r, pc):
     half = cfg.l // 2
     fst = cfg.fp8_stages
     f32 = jnp.float32
+    regs = _pv8_regs()
     n, first, last_rows = pc.n, pc.first, pc.last_rows
     fp8_ring, ring16, scale_ring = r["fp8_ring"], r["ring16"], r["scale_ring"]
     loop_rows, p_smem = r["loop_rows"], r["p_smem"]
     fp8_ready, scale_ready, fp8_consumed = r["fp8_ready"], r["scale_ready"], r["fp8_consumed"]
     p_ready, p_consumed = r["p_ready"], r["p_consumed"]
+    wg0_pv = PV8_CONSUMERS == 2  # WG0 also holds the first half of O^T
 
     def slot_of(i):
         return lax.rem(i, jnp.int32(fst))
@@ -751,7 +730,7 @@ def _body_pv8(cfg, r, pc):
 
     @pl.when(wg == 0)
     def _softmax_wg():
-        plgpu.set_max_registers(_REGS_PV8[0], action="increase")
+        plgpu.set_max_registers(regs[0], action="increase" if regs[0] >= _pv8_launch_regs() else "decrease")
 
         pc.load_q()
         logit_scale = pc.logit_scale()
@@ -765,18 +744,22 @@ def _body_pv8(cfg, r, pc):
                 plgpu.barrier_wait(scale_ready.at[fslot])
             k_t = fp8_ring.at[fslot].T
 
-            def qk(acc_ref):  # q_hi K^T + residual K^T, one accumulator
-                plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(0, cfg.d)], k_t)
-                plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(cfg.d, cfg.d)], k_t)
-                return acc_ref[...]
+            def qk(hi_ref, lo_ref):  # q_hi K^T and residual K^T, one accumulator each
+                plgpu.wgmma(hi_ref, r["q_smem"].at[:, pl.ds(0, cfg.d)], k_t)
+                plgpu.wgmma(lo_ref, r["q_smem"].at[:, pl.ds(cfg.d, cfg.d)], k_t)
+                return hi_ref[...] + lo_ref[...]
 
             with jax.named_scope("qk"):
-                s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))  # [64, G] f32
+                acc_t = plgpu.ACC((TILE_M, g), f32)
+                s = pl.run_scoped(qk, acc_t, acc_t)  # [64, G] f32
             with jax.named_scope("softmax"):
                 # Token scales, 0 past the length (next to garbage, p * scale must stay 0).
                 ks = plgpu.load(scale_ring.at[fslot], (), layout=COL_LAYOUT)
                 tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=COL_LAYOUT)
                 ks = jnp.where(tok < page_rows(i), ks, 0.0)
+                if not wg0_pv:  # WG0 is done with the slot: K^T's wgmmas and the scales
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(fp8_consumed.at[fslot])
                 ks_b = lax.broadcast_in_dim(ks, s.shape, [1])
                 s = pc.logits(s * ks_b, i, logit_scale, lens)
                 m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, shift=jnp.log2(ks))
@@ -784,41 +767,45 @@ def _body_pv8(cfg, r, pc):
             @pl.when(i > 0)
             @jax.named_scope("wait_p_consumed")
             def _():
-                plgpu.barrier_wait(p_consumed)  # WG1 is done with P_{i-1} and alpha_{i-1}
+                plgpu.barrier_wait(p_consumed)  # the P.V warpgroups are done with P_{i-1} and alpha_{i-1}
 
             with jax.named_scope("store_p"):
                 p_smem[...] = pt_fp8_operand((p * ks_b).astype(FP8), interpret=cfg.interpret)
                 loop_rows[_ROW_ALPHA] = alpha
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready)
-            acc = pv(acc, vt_half(fslot, 0))
+            if wg0_pv:
+                acc = pv(acc, vt_half(fslot, 0))
             return acc, m_new, l_i
 
         _, m_0, l_0 = softmax_state(TILE_M, 64)
-        acc, m_i, l_i = lax.fori_loop(0, n, step, (acc0, m_0, l_0))
+        acc, m_i, l_i = lax.fori_loop(0, n, step, (acc0 if wg0_pv else (), m_0, l_0))
         pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
-        pc.epilogue_wg0(acc, m_i, l_i)
+        pc.epilogue_wg0(acc if wg0_pv else None, m_i, l_i)
 
-    @pl.when(wg == 1)
-    def _pv_wg():
-        plgpu.set_max_registers(_REGS_PV8[0], action="increase")
+    def pv_wg(h):
+        plgpu.set_max_registers(regs[1], action="increase")
 
         def step(i, acc):
             fslot = slot_of(i)
             with jax.named_scope("wait_kv"):
                 plgpu.barrier_wait(fp8_ready.at[fslot])
-            vt = vt_half(fslot, 1)
+            vt = vt_half(fslot, h)
             with jax.named_scope("wait_p"):
                 plgpu.barrier_wait(p_ready)
             acc = pv(acc, vt)
             plgpu.barrier_arrive(p_consumed)
             return acc
 
-        pc.epilogue_wg1(lax.fori_loop(0, n, step, acc0))
+        pc.epilogue_wg1(lax.fori_loop(0, n, step, acc0), h)
 
-    @pl.when(wg == 2)
+    halves = (1,) if wg0_pv else (0, 1)
+    for h in halves:
+        pl.when(wg == (1 if wg0_pv else h + 1))(functools.partial(pv_wg, h))
+
+    @pl.when(wg == PV8_CONSUMERS)
     def _producer_wg():
-        plgpu.set_max_registers(_REGS_PV8[1], action="decrease")
+        plgpu.set_max_registers(regs[2], action="decrease")
 
         def fetch(i):
             fslot = slot_of(i)
@@ -847,8 +834,25 @@ def _body_pv8(cfg, r, pc):
         lax.fori_loop(0, n, step, ())
 
 
-# (consumer, producer) registers a thread with fp8 P.V: the producer only issues TMAs (and zeroes a partial page).
-_REGS_PV8 = (232, 40)
+# Consumer warpgroups of the fp8 P.V kernel (see `_body_pv8`): 3 (WG0 QK^T and the softmax, WG1 / WG2 the halves
+# of P.V) or 2 (WG0 also the first half); measured against each other on a GPU, the loser goes.
+PV8_CONSUMERS = 3
+# (WG0, each P.V warpgroup, producer) registers a thread. The CTA launches with 65536 / threads a thread
+# (128 with four warpgroups, 170 with three); setmaxnreg moves them between warpgroups within that total.
+# Three consumers: WG0 holds no O^T half (logits, p, the row state), a P.V warpgroup O^T's [L/2, 64] f32 half
+# (128) and its V^T operand (32); the producer only issues TMAs (and zeroes a partial page).
+_REGS_PV8 = {3: (112, 184, 32), 2: (232, 232, 40)}
+
+
+def _pv8_launch_regs():
+    return 65536 // (128 * (PV8_CONSUMERS + 1)) // 8 * 8
+
+
+def _pv8_regs():
+    regs = _REGS_PV8[PV8_CONSUMERS]
+    wgs = (regs[0], *[regs[1]] * (PV8_CONSUMERS - 1), regs[2])
+    assert sum(wgs) * 128 <= 65536, regs
+    return regs
 
 
 def _drain(kv_consumed, n, stages):
@@ -1294,11 +1298,7 @@ def _merge_worklist(out, lse, o_part, lse_part, seg_first, seg_count, split_tile
 TRACE: tuple[int, str] | None = None
 
 _WORKLIST_MIN_PAGES = 4  # no piece shorter than this unless its tile is (FlashMLA: ~5 blocks)
-_FP8_QK_STAGES = 3  # fp8 ring depth with fp8 QK^T: Q (fp8) and a V-only bf16 slot leave room
 _FP8_PV_STAGES = 4  # with fp8 P.V: no bf16 ring, Q (two e4m3 terms) 72 KB + 4 pages of 36 KB
-# fp8_qk=True in the 64-row kernel runs P.V as fp8 wgmmas too, on an exact q split (`_body_pv8`): built, off until
-# measured against the V cast (docs/perf-notes.md, session 36).
-FP8_PV = False
 
 
 def fp8_qk_reference_q(q, *, split: bool = False):
@@ -1313,9 +1313,9 @@ def fp8_qk_reference_q(q, *, split: bool = False):
 
 
 def uses_fp8_pv(m_rows: int, cache_dtype) -> bool:
-    """Whether `fp8_qk=True` runs the 64-row kernel's fp8 P.V (`FP8_PV`, `_body_pv8`) for `m_rows` query rows a
-    request on a cache of `cache_dtype`."""
-    return FP8_PV and jnp.dtype(cache_dtype) == FP8 and not uses_narrow(m_rows, cache_dtype)
+    """Whether `fp8_qk=True` runs the 64-row kernel's fp8 P.V (`_body_pv8`) for `m_rows` query rows a request on
+    a cache of `cache_dtype` (the narrow kernel takes fewer rows, with one fp8 term of q)."""
+    return jnp.dtype(cache_dtype) == FP8 and not uses_narrow(m_rows, cache_dtype)
 
 
 @functools.partial(
@@ -1361,12 +1361,11 @@ def _impl(
     head_tiles = cdiv(m_rows, TILE_M)
     m_pad = head_tiles * TILE_M
     tail = cdiv(m_rows - (head_tiles - 1) * TILE_M, 8) * 8  # real rows of the last tile, to 8
-    qk8 = bool(fp8_qk) and is_fp8
-    pv8 = qk8 and FP8_PV
+    pv8 = bool(fp8_qk) and is_fp8
     if num_stages is None:
         num_stages = 1 if is_fp8 else 2
     if fp8_stages is None:
-        fp8_stages = _FP8_PV_STAGES if pv8 else _FP8_QK_STAGES if qk8 else 2
+        fp8_stages = _FP8_PV_STAGES if pv8 else 2
     if batch_invariant:
         schedule, num_kv_splits = "grid", 1  # a request's pieces must not depend on the batch
     splits = 1
@@ -1383,7 +1382,6 @@ def _impl(
         sm_scale=float(scale),
         final_dtype=jnp.dtype(q.dtype),
         interpret=bool(interpret),
-        qk8=qk8,
         pv8=pv8,
         nq=nq,
         heads=n,
@@ -1404,7 +1402,7 @@ def _impl(
     # Fold (Q, N) into rows t*N + n. The kernel moves whole tiles but the last one's real rows
     # rounded to 8 (q padded to that with zeros); padding rows have length 0 (the kernel derives the
     # row lengths, the tile lengths and, on the grid, each piece's pages from seq_lens).
-    if qk8:
+    if pv8:
         # [B, M, D] e4m3, [B, M]: one Triton kernel (XLA ran quantize_q_fp8 as three)
         q_rows, q_scale = quantize_q_fp8_rows(q.reshape(b, m_rows, d), l, split=pv8, interpret=bool(interpret))
         q_scale = jnp.pad(q_scale, ((0, 0), (0, m_pad - m_rows)), constant_values=1.0)
@@ -1425,7 +1423,7 @@ def _impl(
         name, meta_args = "worklist", [meta]
 
     args = [q_rows, cache] + ([kv_scale] if is_fp8 else []) + [block_table, seq_lens, page_offset] + meta_args
-    args += [q_scale] if qk8 else []
+    args += [q_scale] if pv8 else []
     out_type = (
         jax.ShapeDtypeStruct((b, m_out, l), q.dtype),  # final outputs
         jax.ShapeDtypeStruct((b, m_out), jnp.float32),
@@ -1437,7 +1435,7 @@ def _impl(
         out_type=out_type,
         grid=(pieces,),
         grid_names=("piece",),
-        num_threads=3,
+        num_threads=PV8_CONSUMERS + 1 if pv8 else 3,
         thread_name="wg",
         # Row reductions of the WGMMA layout stay within a warp: no cross-warp reduction scratch.
         compiler_params=plgpu.CompilerParams(
@@ -1446,8 +1444,7 @@ def _impl(
             **(dict(profile_space=TRACE[0], profile_dir=TRACE[1]) if TRACE else {}),
         ),
         interpret=interpret_params(interpret),
-        kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}"
-        + ("_pv8" if pv8 else "_qk8" if qk8 else ""),
+        kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}" + ("_pv8" if pv8 else ""),
     )
     out, lse, o_part, lse_part = kernel(*args)
     if schedule == "grid" and splits > 1:

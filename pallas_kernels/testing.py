@@ -18,9 +18,10 @@ the input dtype, lse in f32):
   on its quantized q) 4e-2, 3e-2: the H200's fp8 wgmma accumulates with reduced precision
   (DeepSeek-V3 report, section 3.3.2: about 14 bits), so its lse errors are of order 1e-2 there
   (measured on the H200, see docs/perf-notes.md), where the interpreter (exact f32) gives 1e-5;
-  interpreted fp8_qk cases therefore use "fp8". On the GPU
+  interpreted fp8_qk cases therefore use "fp8". "fp8_pv" (the 64-row kernel's fp8_qk: QK^T on a q split in
+  two e4m3 terms, P rounded to e4m3 for an fp8 P.V) 7e-2 elementwise and 2% in norm, lse 1e-3. On the GPU
   the lse bound is `DECODE_GPU_LSE_TOL` (dots accumulate in another order than the CPU reference),
-  except for "fp8_qk".
+  except for "fp8_qk" and "fp8_pv" (`decode_gpu_tolerance`).
 - prefill, `PREFILL_TOL[dtype]` (atol, rtol): bf16/f16 2e-2 (P and the output rounded to 8 bits),
   f32 2e-5, 1e-5; the lse bound is the kernel's (exact exp2/log2 or approximate math), set by
   its test suite.
@@ -70,14 +71,16 @@ def decode_gpu_tolerance(kind: str) -> tuple[float, float]:
     """(out, lse) tolerance of a decode case on the GPU."""
     out_tol, lse_tol = DECODE_TOL[kind]
     if kind == "fp8_pv":
-        return out_tol, DECODE_TOL["fp8_qk"][1]  # its QK^T is fp8_qk's fp8 accumulation
+        # Two fp8 wgmma chains of logits at the reduced accumulation precision (lse 0.050 with both in one
+        # accumulator on an H100, session 37; now one each); e4m3 P on the GPU's exp2: one element of 196608 at 0.081.
+        return 1e-1, 6e-2
     return out_tol, lse_tol if kind == "fp8_qk" else DECODE_GPU_LSE_TOL
 
 
 def decode_kind(case) -> str:
-    """A case's tolerance key as this tree runs it: "fp8_pv" for an fp8_qk case on the 64-row kernel with
-    `mla_decode_sm90.FP8_PV` (P rounded to e4m3: an element's error up to 2^-4 of the values it averages, so
-    elementwise 7e-2, and `FP8_PV_NORM_TOL` over the output)."""
+    """A case's tolerance key as this tree runs it: "fp8_pv" for an fp8_qk case on the 64-row kernel (P rounded
+    to e4m3: an element's error up to 2^-4 of the values it averages, so elementwise 7e-2, and `FP8_PV_NORM_TOL`
+    over the output)."""
     inp = case.inputs
     cache_dtype = FP8 if inp.get("cache_dtype") == "fp8" else BF16
     if case.kernel.get("fp8_qk") and uses_fp8_pv(inp["nq"] * inp["n"], cache_dtype):

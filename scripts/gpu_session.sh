@@ -1406,5 +1406,23 @@ PY
     [ "$1" = 99 ] && (cd /tmp/pv8 && run 70 trace-pv8 python3 bench/trace_sm90.py --out "$out" --dtype fp8 --fp8-qk \
         --l 512 --fp8-stages 2)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 101" >&2; exit 2 ;;
+102) # session 37 (any card): the fp8 P.V kernel (now the 64-row fp8_qk) with three consumers (WG0 QK^T + softmax
+    # only, WG1 / WG2 the P.V halves; PV8_CONSUMERS = 3) against two (part 99's schedule, WG0 bounding it), each
+    # QK^T chain in its own accumulator: the operands' GPU test (its bound from the fp8 adds' precision), the fp8_qk
+    # GPU cases, the decode rows of both schedules beside bf16, then the three-consumer trace (~8 minutes)
+    out=${2:?}
+    timeout -s INT 40 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_mgpu.py >"$out/gpu-tests-mgpu.log" 2>&1
+    echo "mgpu tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" "$out/gpu-tests-mgpu.log" | cut -c1-200 | tail -8
+    timeout -s INT 75 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_mla_decode_sm90.py -k fp8_qk >"$out/gpu-tests-pv8.log" 2>&1
+    echo "pv8 tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|Max abs|Mismatched" "$out/gpu-tests-pv8.log" | cut -c1-200 | tail -16
+    dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
+        --device-time --shapes 64x128x4096,128x128x8192,1x128x32768 --dtypes "$3" --kernels pallas_sm90; }
+    dec tree 130 fp8,bf16
+    ab_copy /tmp/c2 pallas_kernels/mla_decode_sm90.py 's/^PV8_CONSUMERS = 3$/PV8_CONSUMERS = 2/' "^PV8_CONSUMERS = 2$"
+    (cd /tmp/c2 && dec c2 100 fp8)
+    run 70 trace-pv8 python3 bench/trace_sm90.py --out "$out" --dtype fp8 --fp8-qk --l 512 --fp8-stages 2
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 102" >&2; exit 2 ;;
 esac

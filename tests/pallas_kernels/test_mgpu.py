@@ -79,9 +79,18 @@ def _inputs(seed):
     return v, p
 
 
-def _check(out, v, p):
-    ref = np.asarray(p.astype(FP8).astype(jnp.float32)) @ np.asarray(v.astype(jnp.float32))  # O = P V
-    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+def _check(out, v, p, *, gpu=False):
+    """O = P V: exact under the interpreter; on the GPU within 2^-8 of sum |p| |v| (Hopper's fp8 wgmma adds at about
+    14 bits, DeepSeek-V3's report, section 3.3.2: measured 0.26 at a sum of ~1e3, session 37), far below what a
+    token or latent out of place gives (an error of the order of |O| itself, in almost every element)."""
+    p8, v32 = np.asarray(p.astype(FP8).astype(jnp.float32)), np.asarray(v.astype(jnp.float32))
+    ref = p8 @ v32
+    if gpu:
+        bound = 2.0**-8 * (np.abs(p8) @ np.abs(v32))
+        excess = np.abs(np.asarray(out) - ref) - bound
+        assert (excess <= 0).all(), f"{(excess > 0).sum()} elements over the bound, worst by {excess.max()}"
+    else:
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def test_orders_are_permutations():
@@ -112,4 +121,4 @@ def test_gpu():
         pytest.skip("needs an sm_90 GPU")
     for seed in range(3):
         v, p = _inputs(seed)
-        _check(_pv(v, p), v, p)
+        _check(_pv(v, p), v, p, gpu=True)

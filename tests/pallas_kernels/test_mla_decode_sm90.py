@@ -331,8 +331,8 @@ def test_attention_backend_pallas_sm90(monkeypatch):
 
 
 def test_attention_backend_pallas_sm90_fp8qk(monkeypatch):
-    """ "pallas_sm90_fp8qk" decodes an fp8 cache with fp8_qk=True (against the reference on the quantized q)
-    and a bf16 cache exactly like "pallas_sm90"."""
+    """ "pallas_sm90_fp8qk" decodes an fp8 cache with fp8_qk=True (against the reference on the split q) and a
+    bf16 cache exactly like "pallas_sm90"."""
     from mla_jax import attention
 
     calls = []
@@ -350,7 +350,9 @@ def test_attention_backend_pallas_sm90_fp8qk(monkeypatch):
         out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L)
         fp8_qk = cache_dtype == "fp8"
         ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, {"fp8_qk": fp8_qk}))(q, cache, bt, sl, ks)
-        assert_decode_close(out, lse, ref, ref_lse, "bf16")
+        # 64 rows: the 64-row kernel, whose fp8_qk rounds P to e4m3 for its fp8 P.V
+        assert k90.uses_fp8_pv(64, cache.dtype) == fp8_qk
+        assert_decode_close(out, lse, ref, ref_lse, "fp8_pv" if fp8_qk else "bf16")
         assert calls[-1] == fp8_qk
     assert len(calls) == 2
 
@@ -418,22 +420,22 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
     assert ("quantize_q_fp8_r" in text) == quantize
 
 
-@pytest.fixture
-def fp8_pv(monkeypatch):
-    """`FP8_PV` on for one test (the jitted kernels are traced afresh before and after: it is read at trace time)."""
+@pytest.fixture(params=[2, 3])
+def pv8_consumers(request, monkeypatch):
+    """Each of the fp8 P.V kernel's schedules (`PV8_CONSUMERS`: WG0 with or without the first half's P.V); the jitted
+    kernels are traced afresh before and after, since it is read at trace time."""
     jax.clear_caches()
-    monkeypatch.setattr(k90, "FP8_PV", True)
-    yield
+    monkeypatch.setattr(k90, "PV8_CONSUMERS", request.param)
+    yield request.param
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("name", ["fp8_qk_q2_causal_n64_2splits", "fp8_qk_n40_worklist"])
-def test_fp8_pv_matches_reference(name, fp8_pv):
-    """fp8 P.V (`_body_pv8`) on the 64-row fp8_qk cases, interpreted (race detector on): against the float32
-    reference on the split q, P rounded to e4m3 its only loss ("fp8_pv": elementwise 7e-2, 2% in norm, lse 1e-3);
-    NaN-poisoned rows past each length (a partial last page zeroed in the ring), a 1-token request, 2 tiles,
-    splits and the work list."""
-    case = next(c for c in DECODE_CASES if c.name == name)
+def test_fp8_pv_schedules_match_reference(pv8_consumers):
+    """Both fp8 P.V schedules on a 64-row fp8_qk case, interpreted (race detector on): against the float32 reference
+    on the split q, P rounded to e4m3 its only loss ("fp8_pv"); NaN-poisoned rows past each length (a partial last
+    page zeroed in the ring), a 1-token request, 2 tiles, the work list. (The shared suite runs every fp8_qk case
+    with the default schedule.)"""
+    case = next(c for c in DECODE_CASES if c.name == "fp8_qk_n40_worklist")
     assert decode_kind(case) == "fp8_pv"
     q, cache, bt, sl, ks = case.make()
     out, lse = run_decode(q, cache, bt, sl, ks, **case.kernel)
@@ -442,9 +444,10 @@ def test_fp8_pv_matches_reference(name, fp8_pv):
 
 
 @pytest.mark.parametrize("kw", [dict(n=64, num_kv_splits=2), dict(n=128, schedule="worklist")])
-def test_fp8_pv_lowers_for_sm90(kw, fp8_pv, monkeypatch, h200):
+def test_fp8_pv_lowers_for_sm90(kw, pv8_consumers, monkeypatch, h200):
     """The fp8 P.V kernel's GPU path (transposed 16-bit loads of the ring's bf16 view, register regrouping, the
-    register-operand fp8 wgmma, O^T's store) passes Mosaic GPU's lowering, with its split-q quantize kernel."""
+    register-operand fp8 wgmma, O^T's store), in either schedule, passes Mosaic GPU's lowering, with its split-q
+    quantize kernel."""
     monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
     text = _lower_for_sm90("fp8", fp8_qk=True, num_sms=132, **kw)
     assert "_pv8" in text and "quantize_q_fp8_r" in text and "_split" in text
