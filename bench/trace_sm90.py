@@ -34,7 +34,7 @@ from bench.decode import make_inputs  # noqa: E402
 from pallas_kernels import mla_decode_sm90 as k90  # noqa: E402
 from pallas_kernels.util import cdiv  # noqa: E402
 
-WARPGROUPS = 3  # two consumers and the producer
+WARPGROUPS = 3  # two consumers and the producer (the fp8 P.V kernel: `PV8_CONSUMERS` + 1, set in main)
 
 
 def summarize(events):
@@ -78,6 +78,9 @@ def main():
         + (f"-fst{args.fp8_stages}" if args.fp8_stages else "")
     )
     tuning = dict(num_stages=args.stages, fp8_stages=args.fp8_stages, fp8_qk=args.fp8_qk)
+    global WARPGROUPS
+    if args.dtype == "fp8" and args.fp8_qk and k90.uses_fp8_pv(args.n, "float8_e4m3fn"):
+        WARPGROUPS = k90.PV8_CONSUMERS + 1
     q, cache, bt, sl, ks = make_inputs(jax.random.key(0), args.b, 1, args.n, args.ctx, args.dtype, width=args.l + 64)
     pages = cdiv(cdiv(args.ctx, k90.PAGE_SIZE), args.splits)  # pages per CTA
     tmp = tempfile.mkdtemp()
