@@ -38,34 +38,31 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   consumer keeps a [64, L/2] f32 accumulator (128 registers/thread at L=512), as in FlashMLA.
 - Epilogue: normalized output and LSE (natural log) go out by TMA through staging buffers that
   alias the Q tile and the ring (`plgpu.RefUnion`: loop buffers | output staging, final or partial).
-- fp8_qk=True (fp8 cache, opt-in): Q is quantized per row to e4m3 (`quantize_q_fp8`, by one Triton kernel
-  before the call: `quantize_q_fp8_rows`) and QK^T is
-  an fp8 wgmma straight on the fp8 ring slot, so WG0 no longer waits for a cast before QK^T. Only
-  V's L columns are cast to bf16 (Hopper's fp8 wgmma takes B only K-major; V is N-major in the
-  page), and the cast is split: the producer casts columns [0, L/2) for WG0, WG1 casts [L/2, L)
-  for itself while WG0 runs QK^T and the softmax. Faster than the dequantizing path on the H200
-  (docs/perf-notes.md); the logits are those of the quantized q, accumulated at the fp8 wgmma's
-  reduced precision. At <= 16 rows a request the narrow kernel runs this mode instead (one fp8
-  product, no lo term).
+- fp8_qk=True (fp8 cache, opt-in; `_body_pv8`): no cast at all. Q is split per row into two e4m3 terms at one
+  scale (q_hi and its residual: `quantize_q_fp8(split=True)`, one Triton kernel before the call), QK^T runs as
+  fp8 wgmmas straight on the fp8 ring slot, and P.V too, as O^T = V^T P^T with V^T built in registers from the
+  page (Hopper's fp8 wgmma reads shared-memory operands K-major only, and V is N-major in the page) and P
+  rounded to e4m3, the mode's one loss (~1% against float32; issue 20 allows FlashMLA's 2%). Its warpgroups:
+  `PV8_CONSUMERS`. At <= 16 rows a request the narrow kernel runs this mode instead (one fp8 term of q, V cast
+  to bf16).
 
 Shared memory at L+R = 576 (227 KB available): bf16, 2 stages: Q 72 KB + ring 2 x 72 KB + P 8 KB
 + row vectors = 225 KB, the output staging (64 KB for bf16 outputs and partials) reusing it; fp8: Q 72 KB +
 ring 1 x 72 KB + fp8 ring 2 x 36 KB + P 8 KB = 225 KB (a second bf16 stage does not fit);
-fp8_qk: Q 36 KB (fp8) + V ring 1 x 64 KB + fp8 ring 3 x 36 KB + P 8 KB = 218 KB.
+fp8_qk: Q 72 KB (two e4m3 terms) + fp8 ring 4 x 36 KB + P^T 4 KB.
 
 Barriers (mbarriers; every waiter waits every phase of a barrier, in order, and at most one phase
 behind -- the parity discipline the interpreter checks):
   q_bar            Q tile + row lengths landed (TMA)                         WG0 waits
   kv_ready[st]     ring slot holds page i (TMA, or producer arrive)          WG0, WG1 wait
-  kv_consumed[st]  both consumers finished reading slot (2 arrivals;        producer waits
-                   fp8_qk: WG0 only, WG1 reads only the half it casts)
+  kv_consumed[st]  both consumers finished reading slot (2 arrivals)        producer waits
   p_ready          P_i and alpha_i in shared memory                          WG1 waits
   p_consumed       WG1's P_i . V wgmma done (P may be overwritten)           WG0 waits
   epi_bar          both consumers done with Q, the ring and P (2 arrivals)   WG0, WG1 wait
   fin_bar          1/l of every row in shared memory                         WG1 waits
   raw_bar / fp8_ready[st] / scale_ready[st]  TMA landed for the producer's own processing
-                   (fp8_qk: fp8_ready also for WG0 and WG1, scale_ready for WG0)
-  fp8_consumed[f]  both casts (fp8_qk: and QK^T) done with fp8 slot f (2, 3)  producer waits
+                   (fp8_qk: for the consumers, which read the fp8 ring itself)
+  fp8_consumed[f]  both casts done with fp8 slot f (2; fp8_qk: every consumer)  producer waits
   kv_ready takes 2 arrivals with an exact fp8 cache: the producer's columns and WG1's V half.
 
 Testing: the CPU tests run it under the Mosaic GPU interpreter (race detector on) and lower it for
