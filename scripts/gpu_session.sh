@@ -1426,23 +1426,23 @@ PY
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 103) # session 37 (any card): part 102's fp8 P.V schedules had QK^T at 3.6 us a page (1.5 in part 99) and P.V at
     # 1.35 (0.6-0.7): which change did it, each q chain in its own accumulator (QK_SPLIT_ACC) or the registers
-    # (three consumers at 112 / 184 / 32)? The fp8_qk rows of this tree (3 consumers, split), 3 consumers with one
-    # accumulator, 2 with one (part 99's kernel), 3 with one at 96 / 192 / 32 registers, with ptxas's registers,
-    # spills and wgmma serialization warnings; then the trace of 3 consumers with one accumulator (~6 minutes)
+    # (three consumers at 112 / 184 / 32)? The fp8_qk rows of 3 consumers with one accumulator, of the same at
+    # 96 / 192 / 32 registers, of 2 with one (part 99's kernel; this tree's 3 with two: part 102), with ptxas's
+    # registers, spills and wgmma serialization warnings; then the trace of 3 consumers with one accumulator
+    # (~5 minutes)
     out=${2:?}
     dec() { run "$2" "decode-$1" env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/decode.py --out "$out/decode-$1" --quick \
         --no-check --no-ragged --device-time --shapes 64x128x4096,128x128x8192 --dtypes fp8 --kernels pallas_sm90;
         grep -E "pv8|spill|serializ|Used [0-9]+ registers" "$out/decode-$1.log" | sort | uniq -c | cut -c1-220 | head -12; }
-    dec tree 75
     ab_copy /tmp/a1 pallas_kernels/mla_decode_sm90.py 's/^QK_SPLIT_ACC = True$/QK_SPLIT_ACC = False/' \
         "^QK_SPLIT_ACC = False$"
     (cd /tmp/a1 && dec a1 75)
-    ab_copy /tmp/c2 pallas_kernels/mla_decode_sm90.py \
-        's/^QK_SPLIT_ACC = True$/QK_SPLIT_ACC = False/; s/^PV8_CONSUMERS = 3$/PV8_CONSUMERS = 2/' "^PV8_CONSUMERS = 2$"
-    (cd /tmp/c2 && dec c2 75)
     ab_copy /tmp/a4 pallas_kernels/mla_decode_sm90.py 's/^QK_SPLIT_ACC = True$/QK_SPLIT_ACC = False/;
         s/^_REGS_PV8 = {3: (112, 184, 32)/_REGS_PV8 = {3: (96, 192, 32)/' "(96, 192, 32)"
     (cd /tmp/a4 && dec a4 75)
+    ab_copy /tmp/c2 pallas_kernels/mla_decode_sm90.py \
+        's/^QK_SPLIT_ACC = True$/QK_SPLIT_ACC = False/; s/^PV8_CONSUMERS = 3$/PV8_CONSUMERS = 2/' "^PV8_CONSUMERS = 2$"
+    (cd /tmp/c2 && dec c2 75)
     (cd /tmp/a1 && run 40 trace-a1 python3 bench/trace_sm90.py --out "$out" --dtype fp8 --fp8-qk --l 512 \
         --fp8-stages 2)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
