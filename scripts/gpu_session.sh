@@ -1446,5 +1446,25 @@ PY
     (cd /tmp/a1 && run 40 trace-a1 python3 bench/trace_sm90.py --out "$out" --dtype fp8 --fp8-qk --l 512 \
         --fp8-stages 2)
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 103" >&2; exit 2 ;;
+104) # session 37 (any card), part 103 on a short budget: the profiler traces (per-page time, each warpgroup's scopes)
+    # of the fp8 P.V kernel at 3 consumers with one accumulator (112 / 184 / 32 and 96 / 192 / 32 registers) and at
+    # 2 with one (part 99's kernel: 4.83 us a page), each with ptxas's registers, spills and wgmma serialization
+    # warnings; then the decode rows of the first (~2 minutes)
+    out=${2:?}
+    ab_copy /tmp/a1 pallas_kernels/mla_decode_sm90.py 's/^QK_SPLIT_ACC = True$/QK_SPLIT_ACC = False/' \
+        "^QK_SPLIT_ACC = False$"
+    ab_copy /tmp/a4 pallas_kernels/mla_decode_sm90.py 's/^QK_SPLIT_ACC = True$/QK_SPLIT_ACC = False/;
+        s/^_REGS_PV8 = {3: (112, 184, 32)/_REGS_PV8 = {3: (96, 192, 32)/' "(96, 192, 32)"
+    ab_copy /tmp/c2 pallas_kernels/mla_decode_sm90.py \
+        's/^QK_SPLIT_ACC = True$/QK_SPLIT_ACC = False/; s/^PV8_CONSUMERS = 3$/PV8_CONSUMERS = 2/' "^PV8_CONSUMERS = 2$"
+    for v in a1 a4 c2; do
+        mkdir -p "$out/$v"
+        (cd /tmp/$v && run 30 "trace-$v" env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/trace_sm90.py --out "$out/$v" \
+            --dtype fp8 --fp8-qk --l 512 --fp8-stages 2)
+        grep -E "spill|serializ|Used [0-9]+ registers|CTA span" "$out/trace-$v.log" | sort | uniq -c | cut -c1-200 | head -8
+    done
+    (cd /tmp/a1 && run 60 decode-a1 python3 bench/decode.py --out "$out/decode-a1" --quick --no-check --no-ragged \
+        --device-time --shapes 64x128x4096 --dtypes fp8 --kernels pallas_sm90)
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 104" >&2; exit 2 ;;
 esac
