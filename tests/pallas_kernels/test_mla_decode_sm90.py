@@ -305,12 +305,15 @@ def test_step_plan(monkeypatch, n, cache_dtype):
 def test_attention_backend_pallas_sm90(monkeypatch):
     """get_backend("pallas_sm90") decodes through this kernel for page 64 when heads x query tokens fill
     its 64-row tile, or are few enough for its narrow kernel (one request's too); through the portable kernel
-    otherwise (another page size); CPU keeps "xla" as the default backend."""
+    otherwise (another page size); an fp8 cache exactly in the narrow kernel, with fp8 P.V in 64-row tiles; CPU
+    keeps "xla" as the default backend."""
     from mla_jax import attention
 
     calls = []
     real = k90.mla_decode_sm90
-    monkeypatch.setattr(k90, "mla_decode_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(
+        k90, "mla_decode_sm90", lambda *a, **kw: calls.append(kw.get("fp8_qk", False)) or real(*a, **kw)
+    )
     if not NPROC_IN_TIME:
         pytest.skip("NPROC was raised too late for the interpreter")
     decode = attention.get_backend("pallas_sm90").mla_decode
@@ -326,7 +329,15 @@ def test_attention_backend_pallas_sm90(monkeypatch):
     out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L)
     ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, {}))(q, cache, bt, sl, ks)
     assert_decode_close(out, lse, ref, ref_lse, "fp8")
-    assert len(calls) == 4
+    assert len(calls) == 4 and not any(calls)
+    # 4 tokens x 16 heads of an fp8 cache: one 64-row tile, the fp8 P.V kernel
+    q, cache, bt, sl, ks = decode_inputs(
+        26, b=2, nq=4, n=16, l=L, r=R, g=G, max_pages=3, lens=[150, 7], cache_dtype="fp8"
+    )
+    out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L)
+    ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, {"fp8_qk": True}))(q, cache, bt, sl, ks)
+    assert_decode_close(out, lse, ref, ref_lse, "fp8_pv")
+    assert calls == [False] * 4 + [True]
     assert attention.default_backend_name() == "xla"
 
 
