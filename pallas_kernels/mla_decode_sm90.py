@@ -671,15 +671,15 @@ def _body(cfg, r, pc):
 def _body_pv8(cfg, r, pc):
     """The fp8 cache with fp8 P.V (`_Cfg.pv8`): no cast anywhere. The producer TMAs each page and its token scales
     into an `fp8_stages` ring (zeroing a partial last page's rows past the length); WG0 runs QK^T as two fp8
-    wgmma chains (q_hi and its residual on the same K^T, each into its own accumulator: Hopper's fp8 wgmma adds at
-    reduced precision, so one chain of twice the K doubled the logits' error), the softmax, and stores P as e4m3
+    wgmma chains into one accumulator (q_hi and its residual on the same K^T; one accumulator each halved the lse
+    error, 0.069 -> 0.029, but cost 30% of the kernel's time, session 37), the softmax, and stores P as e4m3
     in V^T's token order (`mgpu.pt_fp8_operand`); each P.V warpgroup then adds V^T P^T for its half of the latents
     to its O^T accumulator [L/2, 64] (`mgpu.vt_fp8_operand`: V^T built in registers from the page, no
     shared-memory round trip, before it waits for P).
 
-    `PV8_CONSUMERS` = 3: WG1 and WG2 hold the two halves, WG0 only QK^T and the softmax (with two consumers WG0
-    also ran the first half's P.V and bounded the page: 68% of WG1's time waited for P, session 37), WG3
-    produces. 2: WG0 holds the first half, WG1 the second, WG2 produces.
+    `PV8_CONSUMERS` = 2: WG0 holds the first half, WG1 the second, WG2 produces; WG0 bounds the page (68% of WG1's
+    time waits for P, session 37). 3: WG1 and WG2 hold the two halves, WG0 only QK^T and the softmax, WG3
+    produces.
 
     The per-token scale goes into the logits (QK^T) and into P: P'' = p * scale = exp2(s + log2 scale - m), with the
     running max m taken over s + log2 scale, so P'' <= 1 and the e4m3 P uses its range whatever the cache's
@@ -741,14 +741,13 @@ def _body_pv8(cfg, r, pc):
                 plgpu.barrier_wait(scale_ready.at[fslot])
             k_t = fp8_ring.at[fslot].T
 
-            def qk(hi_ref, lo_ref=None):  # q_hi K^T and residual K^T (`QK_SPLIT_ACC`: one accumulator each)
-                plgpu.wgmma(hi_ref, r["q_smem"].at[:, pl.ds(0, cfg.d)], k_t)
-                plgpu.wgmma(hi_ref if lo_ref is None else lo_ref, r["q_smem"].at[:, pl.ds(cfg.d, cfg.d)], k_t)
-                return hi_ref[...] if lo_ref is None else hi_ref[...] + lo_ref[...]
+            def qk(acc_ref):  # q_hi K^T + residual K^T, one accumulator
+                plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(0, cfg.d)], k_t)
+                plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(cfg.d, cfg.d)], k_t)
+                return acc_ref[...]
 
             with jax.named_scope("qk"):
-                acc_t = plgpu.ACC((TILE_M, g), f32)
-                s = pl.run_scoped(qk, *[acc_t] * (1 + QK_SPLIT_ACC))  # [64, G] f32
+                s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))  # [64, G] f32
             with jax.named_scope("softmax"):
                 # Token scales, 0 past the length (next to garbage, p * scale must stay 0).
                 ks = plgpu.load(scale_ring.at[fslot], (), layout=COL_LAYOUT)
@@ -831,11 +830,11 @@ def _body_pv8(cfg, r, pc):
         lax.fori_loop(0, n, step, ())
 
 
-# Consumer warpgroups of the fp8 P.V kernel (see `_body_pv8`): 3 (WG0 QK^T and the softmax, WG1 / WG2 the halves
-# of P.V) or 2 (WG0 also the first half); measured against each other on a GPU, the loser goes.
-PV8_CONSUMERS = 3
-# The q split's two QK^T chains in one accumulator each (lse error 0.029 against 0.069 in one, H100, session 37).
-QK_SPLIT_ACC = True
+# Consumer warpgroups of the fp8 P.V kernel (see `_body_pv8`): 2 (WG0 QK^T, the softmax and the first half of P.V)
+# or 3 (WG0 QK^T and the softmax only, WG1 / WG2 the halves). Three measured only with each q chain in its own
+# accumulator (218.9 against two's 180.5 us at 64x128x4096, H100, session 37; its QK^T and P.V slower than two's
+# where the schedule should not touch them): off until measured with one (gpu_session part 104).
+PV8_CONSUMERS = 2
 # (WG0, each P.V warpgroup, producer) registers a thread. The CTA launches with 65536 / threads a thread
 # (128 with four warpgroups, 170 with three); setmaxnreg moves them between warpgroups within that total.
 # Three consumers: WG0 holds no O^T half (logits, p, the row state), a P.V warpgroup O^T's [L/2, 64] f32 half

@@ -71,8 +71,8 @@ def decode_gpu_tolerance(kind: str) -> tuple[float, float]:
     """(out, lse) tolerance of a decode case on the GPU."""
     out_tol, lse_tol = DECODE_TOL[kind]
     if kind == "fp8_pv":
-        # Two fp8 wgmma chains of logits at the reduced accumulation precision (lse 0.050 with both in one
-        # accumulator on an H100, session 37; now one each); e4m3 P on the GPU's exp2: one element of 196608 at 0.081.
+        # Two fp8 wgmma chains of logits into one accumulator at the fp8 adds' reduced precision (lse 0.050, H100,
+        # session 37); e4m3 P on the GPU's exp2: one element of 196608 at 0.081.
         return 1e-1, 6e-2
     return out_tol, lse_tol if kind == "fp8_qk" else DECODE_GPU_LSE_TOL
 

@@ -1424,47 +1424,36 @@ PY
     (cd /tmp/c2 && dec c2 100 fp8)
     run 70 trace-pv8 python3 bench/trace_sm90.py --out "$out" --dtype fp8 --fp8-qk --l 512 --fp8-stages 2
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-103) # session 37 (any card): part 102's fp8 P.V schedules had QK^T at 3.6 us a page (1.5 in part 99) and P.V at
-    # 1.35 (0.6-0.7): which change did it, each q chain in its own accumulator (QK_SPLIT_ACC) or the registers
-    # (three consumers at 112 / 184 / 32)? The fp8_qk rows of 3 consumers with one accumulator, of the same at
-    # 96 / 192 / 32 registers, of 2 with one (part 99's kernel; this tree's 3 with two: part 102), with ptxas's
-    # registers, spills and wgmma serialization warnings; then the trace of 3 consumers with one accumulator
-    # (~5 minutes)
+103 | 104) # session 37, for the next (any card): the fp8 P.V kernel (the 64-row fp8_qk, two consumers: 180.5 us at
+    # 64x128x4096 in part 99, WG0 bounding it) against three consumers (WG0 QK^T and the softmax only, WG1 / WG2 the
+    # P.V halves) with one q accumulator (part 102 measured three only with one accumulator a chain: QK^T 3.6 us a
+    # page against 1.5, P.V 1.35 against 0.6-0.7): profiler traces of two, three at 112 / 184 / 32 and at
+    # 96 / 192 / 32 registers, each with ptxas's registers, spills and wgmma serialization warnings; then (103) the
+    # decode rows of all three beside bf16 and the fp8_qk GPU cases of three consumers. 104: ~2 minutes, 103: ~6
     out=${2:?}
-    dec() { run "$2" "decode-$1" env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/decode.py --out "$out/decode-$1" --quick \
-        --no-check --no-ragged --device-time --shapes 64x128x4096,128x128x8192 --dtypes fp8 --kernels pallas_sm90;
-        grep -E "pv8|spill|serializ|Used [0-9]+ registers" "$out/decode-$1.log" | sort | uniq -c | cut -c1-220 | head -12; }
-    ab_copy /tmp/a1 pallas_kernels/mla_decode_sm90.py 's/^QK_SPLIT_ACC = True$/QK_SPLIT_ACC = False/' \
-        "^QK_SPLIT_ACC = False$"
-    (cd /tmp/a1 && dec a1 75)
-    ab_copy /tmp/a4 pallas_kernels/mla_decode_sm90.py 's/^QK_SPLIT_ACC = True$/QK_SPLIT_ACC = False/;
+    ab_copy /tmp/a1 pallas_kernels/mla_decode_sm90.py 's/^PV8_CONSUMERS = 2$/PV8_CONSUMERS = 3/' "^PV8_CONSUMERS = 3$"
+    ab_copy /tmp/a4 pallas_kernels/mla_decode_sm90.py 's/^PV8_CONSUMERS = 2$/PV8_CONSUMERS = 3/;
         s/^_REGS_PV8 = {3: (112, 184, 32)/_REGS_PV8 = {3: (96, 192, 32)/' "(96, 192, 32)"
-    (cd /tmp/a4 && dec a4 75)
-    ab_copy /tmp/c2 pallas_kernels/mla_decode_sm90.py \
-        's/^QK_SPLIT_ACC = True$/QK_SPLIT_ACC = False/; s/^PV8_CONSUMERS = 3$/PV8_CONSUMERS = 2/' "^PV8_CONSUMERS = 2$"
-    (cd /tmp/c2 && dec c2 75)
-    (cd /tmp/a1 && run 40 trace-a1 python3 bench/trace_sm90.py --out "$out" --dtype fp8 --fp8-qk --l 512 \
-        --fp8-stages 2)
-    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-104) # session 37 (any card), part 103 on a short budget: the profiler traces (per-page time, each warpgroup's scopes)
-    # of the fp8 P.V kernel at 3 consumers with one accumulator (112 / 184 / 32 and 96 / 192 / 32 registers) and at
-    # 2 with one (part 99's kernel: 4.83 us a page), each with ptxas's registers, spills and wgmma serialization
-    # warnings; then the decode rows of the first (~2 minutes)
-    out=${2:?}
-    ab_copy /tmp/a1 pallas_kernels/mla_decode_sm90.py 's/^QK_SPLIT_ACC = True$/QK_SPLIT_ACC = False/' \
-        "^QK_SPLIT_ACC = False$"
-    ab_copy /tmp/a4 pallas_kernels/mla_decode_sm90.py 's/^QK_SPLIT_ACC = True$/QK_SPLIT_ACC = False/;
-        s/^_REGS_PV8 = {3: (112, 184, 32)/_REGS_PV8 = {3: (96, 192, 32)/' "(96, 192, 32)"
-    ab_copy /tmp/c2 pallas_kernels/mla_decode_sm90.py \
-        's/^QK_SPLIT_ACC = True$/QK_SPLIT_ACC = False/; s/^PV8_CONSUMERS = 3$/PV8_CONSUMERS = 2/' "^PV8_CONSUMERS = 2$"
-    for v in a1 a4 c2; do
+    mkdir -p /tmp/c2 && cp -r mla_jax pallas_kernels bench /tmp/c2/
+    for v in c2 a1 a4; do
         mkdir -p "$out/$v"
         (cd /tmp/$v && run 30 "trace-$v" env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/trace_sm90.py --out "$out/$v" \
             --dtype fp8 --fp8-qk --l 512 --fp8-stages 2)
         grep -E "spill|serializ|Used [0-9]+ registers|CTA span" "$out/trace-$v.log" | sort | uniq -c | cut -c1-200 | head -8
     done
-    (cd /tmp/a1 && run 60 decode-a1 python3 bench/decode.py --out "$out/decode-a1" --quick --no-check --no-ragged \
-        --device-time --shapes 64x128x4096 --dtypes fp8 --kernels pallas_sm90)
+    dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
+        --device-time --shapes "$3" --dtypes "$4" --kernels pallas_sm90; }
+    if [ "$1" = 104 ]; then
+        (cd /tmp/a1 && dec a1 60 64x128x4096 fp8)
+    else
+        (cd /tmp/a1 && dec a1 75 64x128x4096,128x128x8192 fp8)
+        (cd /tmp/a4 && dec a4 75 64x128x4096,128x128x8192 fp8)
+        dec tree 100 64x128x4096,128x128x8192 fp8,bf16
+        cp -r tests pyproject.toml /tmp/a1/
+        (cd /tmp/a1 && timeout -s INT 60 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu \
+            -p no:cacheprovider -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k fp8_qk >"$out/gpu-tests-a1.log" 2>&1)
+        echo "three-consumer tests: rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$out/gpu-tests-a1.log" | tail -8
+    fi
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 104" >&2; exit 2 ;;
 esac
