@@ -696,6 +696,7 @@ def _body_pv8(cfg, r, pc):
     fp8_ready, scale_ready, fp8_consumed = r["fp8_ready"], r["scale_ready"], r["fp8_consumed"]
     p_ready, p_consumed = r["p_ready"], r["p_consumed"]
     wg0_pv = PV8_CONSUMERS == 2  # WG0 also holds the first half of O^T
+    ahead = PV8_QK_AHEAD and not wg0_pv
 
     def slot_of(i):
         return lax.rem(i, jnp.int32(fst))
@@ -733,21 +734,24 @@ def _body_pv8(cfg, r, pc):
         logit_scale = pc.logit_scale()
         lens = pc.row_lens()
 
-        def step(i, carry):
-            acc, m_i, l_i = carry
-            fslot = slot_of(i)
+        def wait_page(i):
             with jax.named_scope("wait_kv"):
-                plgpu.barrier_wait(fp8_ready.at[fslot])
-                plgpu.barrier_wait(scale_ready.at[fslot])
-            k_t = fp8_ring.at[fslot].T
+                plgpu.barrier_wait(fp8_ready.at[slot_of(i)])
+                plgpu.barrier_wait(scale_ready.at[slot_of(i)])
 
-            def qk(acc_ref):  # q_hi K^T + residual K^T, one accumulator
-                plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(0, cfg.d)], k_t)
-                plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(cfg.d, cfg.d)], k_t)
-                return acc_ref[...]
+        def issue_qk(acc_ref, i):  # q_hi K^T + residual K^T of page i, one accumulator
+            k_t = fp8_ring.at[slot_of(i)].T
+            plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(0, cfg.d)], k_t)
+            plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(cfg.d, cfg.d)], k_t)
 
+        def qk(i):
+            wait_page(i)
             with jax.named_scope("qk"):
-                s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))  # [64, G] f32
+                return pl.run_scoped(lambda s_ref: (issue_qk(s_ref, i), s_ref[...])[1], plgpu.ACC((TILE_M, g), f32))
+
+        def softmax_and_p(i, s, m_i, l_i):
+            """Page i's logits s [64, G] (f32) -> P'' in shared memory for the P.V warpgroups; (m, l) after it."""
+            fslot = slot_of(i)
             with jax.named_scope("softmax"):
                 # Token scales, 0 past the length (next to garbage, p * scale must stay 0).
                 ks = plgpu.load(scale_ring.at[fslot], (), layout=COL_LAYOUT)
@@ -770,14 +774,45 @@ def _body_pv8(cfg, r, pc):
                 loop_rows[_ROW_ALPHA] = alpha
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready)
-            if wg0_pv:
-                acc = pv(acc, vt_half(fslot, 0))
-            return acc, m_new, l_i
+            return m_new, l_i
 
         _, m_0, l_0 = softmax_state(TILE_M, 64)
-        acc, m_i, l_i = lax.fori_loop(0, n, step, (acc0 if wg0_pv else (), m_0, l_0))
+        if ahead:
+            # Page i + 1's QK^T runs on the tensor cores while WG0 does page i's softmax (FA3's overlap; WG0 holds no
+            # O^T half with three consumers, so the second logits tile fits its registers).
+            def step(i, carry):
+                s, m_i, l_i = carry
+
+                def in_flight(next_ref):
+                    @pl.when(i + 1 < n)
+                    def _():
+                        wait_page(i + 1)
+                        issue_qk(next_ref, i + 1)
+
+                    m_new, l_new = softmax_and_p(i, s, m_i, l_i)
+                    with jax.named_scope("wait_qk"):
+                        return next_ref[...], m_new, l_new
+
+                return pl.run_scoped(in_flight, plgpu.ACC((TILE_M, g), f32))
+
+            s0 = lax.cond(
+                n > 0, lambda: qk(0), lambda: plgpu.layout_cast(jnp.zeros((TILE_M, g), f32), plgpu.Layout.WGMMA)
+            )
+            _, m_i, l_i = lax.fori_loop(0, n, step, (s0, m_0, l_0))
+            acc = None
+        else:
+
+            def step(i, carry):
+                acc, m_i, l_i = carry
+                m_new, l_new = softmax_and_p(i, qk(i), m_i, l_i)
+                if wg0_pv:
+                    acc = pv(acc, vt_half(slot_of(i), 0))
+                return acc, m_new, l_new
+
+            acc, m_i, l_i = lax.fori_loop(0, n, step, (acc0 if wg0_pv else (), m_0, l_0))
+            acc = acc if wg0_pv else None
         pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
-        pc.epilogue_wg0(acc if wg0_pv else None, m_i, l_i)
+        pc.epilogue_wg0(acc, m_i, l_i)
 
     def pv_wg(h):
         plgpu.set_max_registers(regs[1], action="increase")
@@ -835,6 +870,9 @@ def _body_pv8(cfg, r, pc):
 # accumulator (218.9 against two's 180.5 us at 64x128x4096, H100, session 37; its QK^T and P.V slower than two's
 # where the schedule should not touch them): off until measured with one (gpu_session part 104).
 PV8_CONSUMERS = 2
+# With three consumers: page i + 1's QK^T issued before page i's softmax (WG0's two phases overlap). Built, off until
+# measured (gpu_session part 103).
+PV8_QK_AHEAD = False
 # (WG0, each P.V warpgroup, producer) registers a thread. The CTA launches with 65536 / threads a thread
 # (128 with four warpgroups, 170 with three); setmaxnreg moves them between warpgroups within that total.
 # Three consumers: WG0 holds no O^T half (logits, p, the row state), a P.V warpgroup O^T's [L/2, 64] f32 half

@@ -1428,14 +1428,17 @@ PY
     # 64x128x4096 in part 99, WG0 bounding it) against three consumers (WG0 QK^T and the softmax only, WG1 / WG2 the
     # P.V halves) with one q accumulator (part 102 measured three only with one accumulator a chain: QK^T 3.6 us a
     # page against 1.5, P.V 1.35 against 0.6-0.7): profiler traces of two, three at 112 / 184 / 32 and at
-    # 96 / 192 / 32 registers, each with ptxas's registers, spills and wgmma serialization warnings; then (103) the
-    # decode rows of all three beside bf16 and the fp8_qk GPU cases of three consumers. 104: ~2 minutes, 103: ~6
+    # 96 / 192 / 32 registers, three with the next page's QK^T in flight during the softmax (PV8_QK_AHEAD), each with
+    # ptxas's registers, spills and wgmma serialization warnings; then (103) the decode rows of all four beside bf16
+    # and the fp8_qk GPU cases of three consumers, with and without QK^T ahead. 104: ~2.5 minutes, 103: ~8
     out=${2:?}
     ab_copy /tmp/a1 pallas_kernels/mla_decode_sm90.py 's/^PV8_CONSUMERS = 2$/PV8_CONSUMERS = 3/' "^PV8_CONSUMERS = 3$"
     ab_copy /tmp/a4 pallas_kernels/mla_decode_sm90.py 's/^PV8_CONSUMERS = 2$/PV8_CONSUMERS = 3/;
         s/^_REGS_PV8 = {3: (112, 184, 32)/_REGS_PV8 = {3: (96, 192, 32)/' "(96, 192, 32)"
+    ab_copy /tmp/a5 pallas_kernels/mla_decode_sm90.py \
+        's/^PV8_CONSUMERS = 2$/PV8_CONSUMERS = 3/; s/^PV8_QK_AHEAD = False$/PV8_QK_AHEAD = True/' "^PV8_QK_AHEAD = True$"
     mkdir -p /tmp/c2 && cp -r mla_jax pallas_kernels bench /tmp/c2/
-    for v in c2 a1 a4; do
+    for v in c2 a1 a4 a5; do
         mkdir -p "$out/$v"
         (cd /tmp/$v && run 30 "trace-$v" env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/trace_sm90.py --out "$out/$v" \
             --dtype fp8 --fp8-qk --l 512 --fp8-stages 2)
@@ -1448,11 +1451,14 @@ PY
     else
         (cd /tmp/a1 && dec a1 75 64x128x4096,128x128x8192 fp8)
         (cd /tmp/a4 && dec a4 75 64x128x4096,128x128x8192 fp8)
+        (cd /tmp/a5 && dec a5 75 64x128x4096,128x128x8192 fp8)
         dec tree 100 64x128x4096,128x128x8192 fp8,bf16
-        cp -r tests pyproject.toml /tmp/a1/
-        (cd /tmp/a1 && timeout -s INT 60 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu \
-            -p no:cacheprovider -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k fp8_qk >"$out/gpu-tests-a1.log" 2>&1)
-        echo "three-consumer tests: rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$out/gpu-tests-a1.log" | tail -8
+        for v in a1 a5; do
+            cp -r tests pyproject.toml /tmp/$v/
+            (cd /tmp/$v && timeout -s INT 50 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu \
+                -p no:cacheprovider -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k fp8_qk >"$out/gpu-tests-$v.log" 2>&1)
+            echo "$v tests: rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$out/gpu-tests-$v.log" | tail -6
+        done
     fi
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 104" >&2; exit 2 ;;

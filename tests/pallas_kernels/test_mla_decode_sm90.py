@@ -431,12 +431,14 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
     assert ("quantize_q_fp8_r" in text) == quantize
 
 
-@pytest.fixture(params=[2, 3])
+@pytest.fixture(params=[(2, False), (3, False), (3, True)], ids=["consumers2", "consumers3", "consumers3_ahead"])
 def pv8_consumers(request, monkeypatch):
-    """Each of the fp8 P.V kernel's schedules (`PV8_CONSUMERS`: WG0 with or without the first half's P.V); the jitted
-    kernels are traced afresh before and after, since it is read at trace time."""
+    """Each of the fp8 P.V kernel's schedules (`PV8_CONSUMERS`: WG0 with or without the first half's P.V; with three,
+    `PV8_QK_AHEAD`: the next page's QK^T in flight during the softmax); the jitted kernels are traced afresh before
+    and after, since both are read at trace time."""
     jax.clear_caches()
-    monkeypatch.setattr(k90, "PV8_CONSUMERS", request.param)
+    monkeypatch.setattr(k90, "PV8_CONSUMERS", request.param[0])
+    monkeypatch.setattr(k90, "PV8_QK_AHEAD", request.param[1])
     yield request.param
     jax.clear_caches()
 
