@@ -1440,7 +1440,7 @@ PY
     mkdir -p /tmp/c2 && cp -r mla_jax pallas_kernels bench /tmp/c2/
     for v in c2 a1 a4 a5; do
         mkdir -p "$out/$v"
-        (cd /tmp/$v && run 30 "trace-$v" env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/trace_sm90.py --out "$out/$v" \
+        (cd /tmp/$v && run 25 "trace-$v" env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/trace_sm90.py --out "$out/$v" \
             --dtype fp8 --fp8-qk --l 512 --fp8-stages 2)
         grep -E "spill|serializ|Used [0-9]+ registers|CTA span" "$out/trace-$v.log" | sort | uniq -c | cut -c1-200 | head -8
     done
@@ -1449,13 +1449,13 @@ PY
     if [ "$1" = 104 ]; then
         (cd /tmp/a1 && dec a1 60 64x128x4096 fp8)
     else
-        (cd /tmp/a1 && dec a1 75 64x128x4096,128x128x8192 fp8)
-        (cd /tmp/a4 && dec a4 75 64x128x4096,128x128x8192 fp8)
-        (cd /tmp/a5 && dec a5 75 64x128x4096,128x128x8192 fp8)
-        dec tree 100 64x128x4096,128x128x8192 fp8,bf16
+        (cd /tmp/a1 && dec a1 65 64x128x4096,128x128x8192 fp8)
+        (cd /tmp/a4 && dec a4 65 64x128x4096,128x128x8192 fp8)
+        (cd /tmp/a5 && dec a5 65 64x128x4096,128x128x8192 fp8)
+        dec tree 90 64x128x4096,128x128x8192 fp8,bf16
         for v in a1 a5; do
             cp -r tests pyproject.toml /tmp/$v/
-            (cd /tmp/$v && timeout -s INT 50 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu \
+            (cd /tmp/$v && timeout -s INT 45 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu \
                 -p no:cacheprovider -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k fp8_qk >"$out/gpu-tests-$v.log" 2>&1)
             echo "$v tests: rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$out/gpu-tests-$v.log" | tail -6
         done
