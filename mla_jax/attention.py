@@ -71,14 +71,14 @@ def _decode_triton(q, cache, block_table, seq_lens, **kw):
     return md.mla_decode(q, cache, block_table, seq_lens, interpret=_interpret(), **kw)
 
 
-def _fp8_pv(q, cache) -> bool:
+def _fp8_pv(q, cache, kw) -> bool:
     """An fp8 cache's 64-row tiles run the fp8 P.V kernel (`fp8_qk=True` there: ~1% error against float32, within
     FlashMLA's 2%, at 0.53x the exact path's time at 64x128x4096, H100, session 37); the narrow kernel's stay exact."""
-    return md90.uses_fp8_pv(q.shape[1] * q.shape[2], cache.dtype)
+    return md90.uses_fp8_pv(q.shape[1] * q.shape[2], cache.dtype, kw.get("kv_lora_rank", 512))
 
 
 def _decode_sm90(q, cache, block_table, seq_lens, **kw):
-    fp8_qk = _fp8_pv(q, cache)
+    fp8_qk = _fp8_pv(q, cache, kw)
     return md90.mla_decode_sm90(q, cache, block_table, seq_lens, interpret=_interpret(), fp8_qk=fp8_qk, **kw)
 
 
@@ -87,7 +87,7 @@ def _decode_sm90_fp8qk(q, cache, block_table, seq_lens, **kw):
 
 
 def _plan_sm90(q, cache, block_table, seq_lens, **kw):
-    fp8_qk = _fp8_pv(q, cache)
+    fp8_qk = _fp8_pv(q, cache, kw)
     return md90.decode_plan(q, cache, block_table, seq_lens, interpret=_interpret(), fp8_qk=fp8_qk, **kw)
 
 
@@ -129,10 +129,13 @@ def _sm90_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512, fp8_qk=
     return md90.unsupported_reason(q, cache, kv_lora_rank)
 
 
-def _sm90_fp8qk_declines(q, cache, *args, **kw) -> str | None:
+def _sm90_fp8qk_declines(q, cache, *args, kv_lora_rank=512, **kw) -> str | None:
     if jnp.dtype(cache.dtype) != jnp.float8_e4m3fn:
         return f"the cache is {cache.dtype}, not float8_e4m3fn"
-    return _sm90_declines(q, cache, *args, fp8_qk=True, **kw)
+    rows = q.shape[1] * q.shape[2]
+    if not md90.uses_narrow(rows, cache.dtype) and not md90.uses_fp8_pv(rows, cache.dtype, kv_lora_rank):
+        return f"kv_lora_rank {kv_lora_rank}: the fp8 P.V kernel (64-row tiles) takes multiples of 256"
+    return _sm90_declines(q, cache, *args, kv_lora_rank=kv_lora_rank, fp8_qk=True, **kw)
 
 
 def _pow2_at_least_16(x: int) -> bool:

@@ -92,6 +92,7 @@ from pallas_kernels.mgpu import (
     COL_LAYOUT,
     ROW_LAYOUT,
     SMEM_BYTES,
+    VT_CHUNK,
     cast_fp8_columns,
     copy_zeroing_rows,
     interpret_params,
@@ -1348,10 +1349,11 @@ def fp8_qk_reference_q(q, *, split: bool = False):
     return q8.astype(jnp.float32) * scale[..., None]
 
 
-def uses_fp8_pv(m_rows: int, cache_dtype) -> bool:
-    """Whether `fp8_qk=True` runs the 64-row kernel's fp8 P.V (`_body_pv8`) for `m_rows` query rows a request on
-    a cache of `cache_dtype` (the narrow kernel takes fewer rows, with one fp8 term of q)."""
-    return jnp.dtype(cache_dtype) == FP8 and not uses_narrow(m_rows, cache_dtype)
+def uses_fp8_pv(m_rows: int, cache_dtype, kv_lora_rank: int = 512) -> bool:
+    """Whether the 64-row kernel's fp8 P.V (`_body_pv8`, `fp8_qk=True`) can take `m_rows` query rows a request on a
+    cache of `cache_dtype` with latent width `kv_lora_rank` (the narrow kernel takes fewer rows, with one fp8 term
+    of q; each P.V warpgroup's half of the latents is whole 128-latent V^T chunks)."""
+    return jnp.dtype(cache_dtype) == FP8 and not uses_narrow(m_rows, cache_dtype) and kv_lora_rank % (2 * VT_CHUNK) == 0
 
 
 @functools.partial(
@@ -1655,10 +1657,10 @@ def mla_decode_sm90(
     whose ring of `fp8_stages` (default 2) fp8 pages takes the rest of shared memory).
     An fp8 cache's pages are cast to bf16 for the bf16 wgmmas (f16 operands, whose cast from e4m3 is one
     instruction, measured no faster: the cast's shared-memory traffic bounds it, session 30).
-    fp8_qk (fp8 cache only): QK^T as an fp8 wgmma straight on the fp8 page, q quantized
-    per row to e4m3 (`quantize_q_fp8`: the logits are those of the quantized q), so only V's L
-    columns are cast for P.V (fp8 wgmma takes B only K-major: V, N-major in the page, cannot be fp8);
-    fp8_stages then defaults to 3.
+    fp8_qk (fp8 cache only): in 64-row tiles, QK^T and P.V as fp8 wgmmas straight on the fp8 page, no cast (q
+    split per row into two e4m3 terms, `quantize_q_fp8(split=True)`; V^T built in registers; P rounded to e4m3,
+    ~1% error against float32; kv_lora_rank a multiple of 256); fp8_stages then defaults to 4. In the narrow
+    kernel: QK^T on one e4m3 term of q (`quantize_q_fp8`: the logits are those of the quantized q).
     plan: the step's work list, `decode_plan` of the same block_table and seq_lens with the same options, built
     once for every layer (None: built here where the work list runs; an error where the grid does).
     interpret: run under the Mosaic GPU interpreter (CPU testing): True, or the interpreter's
@@ -1681,6 +1683,12 @@ def mla_decode_sm90(
     )
     if fp8_qk and jnp.dtype(kv_c_and_k_pe_cache.dtype) != FP8:
         raise ValueError(f"fp8_qk=True needs a float8_e4m3fn kv_c_and_k_pe_cache, got {kv_c_and_k_pe_cache.dtype}")
+    m_rows = q.shape[1] * q.shape[2]
+    if fp8_qk and not uses_narrow(m_rows, FP8) and not uses_fp8_pv(m_rows, FP8, kv_lora_rank):
+        raise ValueError(
+            f"fp8_qk=True in 64-row tiles ({m_rows} query rows a request) needs kv_lora_rank a multiple of "
+            f"{2 * VT_CHUNK} (each P.V warpgroup's half in {VT_CHUNK}-latent V^T chunks), got {kv_lora_rank}"
+        )
     check_page_offset(page_offset, kv_c_and_k_pe_cache.shape[0])
     sms = int(num_sms) if num_sms is not None else _device_num_sms()
     narrow, schedule = _resolve_schedule(

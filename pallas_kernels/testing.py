@@ -83,7 +83,7 @@ def decode_kind(case) -> str:
     over the output)."""
     inp = case.inputs
     cache_dtype = FP8 if inp.get("cache_dtype") == "fp8" else BF16
-    if case.kernel.get("fp8_qk") and uses_fp8_pv(inp["nq"] * inp["n"], cache_dtype):
+    if case.kernel.get("fp8_qk") and uses_fp8_pv(inp["nq"] * inp["n"], cache_dtype, inp.get("l", 512)):
         return "fp8_pv"
     return case.kind
 
@@ -161,7 +161,7 @@ def decode_reference(q, cache, bt, sl, ks, kernel_kw, l=512, *, scale=DECODE_SCA
     if kernel_kw.get("fp8_mode") == "dequant_tile":
         cache, ks = (cache.astype(jnp.float32) * ks[..., None]).astype(jnp.bfloat16), None
     if kernel_kw.get("fp8_qk"):
-        q = fp8_qk_reference_q(q, split=uses_fp8_pv(q.shape[1] * q.shape[2], cache.dtype))
+        q = fp8_qk_reference_q(q, split=uses_fp8_pv(q.shape[1] * q.shape[2], cache.dtype, l))
     return mla_decode_reference(
         q, cache, bt, sl, scale=scale, kv_scale=ks, kv_lora_rank=l, page_offset=kernel_kw.get("page_offset")
     )

@@ -529,6 +529,23 @@ def test_bad_inputs_raise(over, match):
         k90.mla_decode_sm90(**args)
 
 
+def test_fp8_pv_latent_width(monkeypatch):
+    """fp8_qk=True in 64-row tiles at kv_lora_rank 384 (a P.V half of 192 latents: no whole V^T chunks) is a
+    ValueError naming it, before any kernel runs; the default backend decodes it exactly instead and
+    "pallas_sm90_fp8qk" declines to the exact kernel (nothing reads a V^T chunk past the half)."""
+    from mla_jax import attention
+
+    q, cache, bt, sl, ks = decode_inputs(4, b=1, nq=1, n=64, l=384, r=R, g=G, max_pages=2, lens=[70], cache_dtype="fp8")
+    assert not k90.uses_fp8_pv(64, cache.dtype, 384) and k90.uses_fp8_pv(64, cache.dtype, 256)
+    with pytest.raises(ValueError, match="kv_lora_rank a multiple of 256.*got 384"):
+        k90.mla_decode_sm90(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=384, fp8_qk=True, interpret=True)
+    calls = []
+    monkeypatch.setattr(k90, "mla_decode_sm90", lambda *a, **kw: calls.append(kw.get("fp8_qk", False)))
+    for name in ("pallas_sm90", "pallas_sm90_fp8qk"):
+        attention.get_backend(name).mla_decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=384)
+    assert calls == [False, False]
+
+
 def test_choose_num_kv_splits_sm90():
     sms = 132
     # One request, 2 head tiles, 512 pages: fill the SMs with ~8-page splits.
