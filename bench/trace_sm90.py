@@ -79,7 +79,7 @@ def main():
     )
     tuning = dict(num_stages=args.stages, fp8_stages=args.fp8_stages, fp8_qk=args.fp8_qk)
     global WARPGROUPS
-    if args.dtype == "fp8" and args.fp8_qk and k90.uses_fp8_pv(args.n, "float8_e4m3fn"):
+    if args.dtype == "fp8" and args.fp8_qk and k90.uses_fp8_pv(args.n, "float8_e4m3fn", args.l):
         WARPGROUPS = k90.PV8_CONSUMERS + 1
     q, cache, bt, sl, ks = make_inputs(jax.random.key(0), args.b, 1, args.n, args.ctx, args.dtype, width=args.l + 64)
     pages = cdiv(cdiv(args.ctx, k90.PAGE_SIZE), args.splits)  # pages per CTA

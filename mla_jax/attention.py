@@ -132,9 +132,9 @@ def _sm90_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512, fp8_qk=
 def _sm90_fp8qk_declines(q, cache, *args, kv_lora_rank=512, **kw) -> str | None:
     if jnp.dtype(cache.dtype) != jnp.float8_e4m3fn:
         return f"the cache is {cache.dtype}, not float8_e4m3fn"
-    rows = q.shape[1] * q.shape[2]
-    if not md90.uses_narrow(rows, cache.dtype) and not md90.uses_fp8_pv(rows, cache.dtype, kv_lora_rank):
-        return f"kv_lora_rank {kv_lora_rank}: the fp8 P.V kernel (64-row tiles) takes multiples of 256"
+    reason = md90.fp8_qk_reason(q.shape[1] * q.shape[2], kv_lora_rank)
+    if reason:
+        return reason
     return _sm90_declines(q, cache, *args, kv_lora_rank=kv_lora_rank, fp8_qk=True, **kw)
 
 

@@ -530,9 +530,8 @@ def _body(cfg, r, pc):
             with jax.named_scope("qk"):
                 s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))  # [64, G] f32
             with jax.named_scope("softmax"):
-                if is_fp8:
-                    ks = plgpu.load(loop_rows.at[_ROWS + slot_i], layout=col_layout)
                 if is_fp8:  # logits of the fp8 rows times their per-token scale
+                    ks = plgpu.load(loop_rows.at[_ROWS + slot_i], layout=col_layout)
                     ks = lax.broadcast_in_dim(ks, s.shape, [1])
                     s = s * ks
                 s = pc.logits(s, i, logit_scale, lens)
@@ -1356,6 +1355,17 @@ def uses_fp8_pv(m_rows: int, cache_dtype, kv_lora_rank: int = 512) -> bool:
     return jnp.dtype(cache_dtype) == FP8 and not uses_narrow(m_rows, cache_dtype) and kv_lora_rank % (2 * VT_CHUNK) == 0
 
 
+def fp8_qk_reason(m_rows: int, kv_lora_rank: int) -> str | None:
+    """Why `fp8_qk=True` cannot run for `m_rows` query rows a request at latent width `kv_lora_rank` on an fp8
+    cache, else None (the narrow kernel takes any width; the 64-row tiles' fp8 P.V: `uses_fp8_pv`)."""
+    if uses_narrow(m_rows, FP8) or uses_fp8_pv(m_rows, FP8, kv_lora_rank):
+        return None
+    return (
+        f"fp8_qk=True in 64-row tiles ({m_rows} query rows a request) needs kv_lora_rank a multiple of "
+        f"{2 * VT_CHUNK} (each P.V warpgroup's half in {VT_CHUNK}-latent V^T chunks), got {kv_lora_rank}"
+    )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -1442,7 +1452,7 @@ def _impl(
     # row lengths, the tile lengths and, on the grid, each piece's pages from seq_lens).
     if pv8:
         # [B, M, D] e4m3, [B, M]: one Triton kernel (XLA ran quantize_q_fp8 as three)
-        q_rows, q_scale = quantize_q_fp8_rows(q.reshape(b, m_rows, d), l, split=pv8, interpret=bool(interpret))
+        q_rows, q_scale = quantize_q_fp8_rows(q.reshape(b, m_rows, d), l, split=True, interpret=bool(interpret))
         q_scale = jnp.pad(q_scale, ((0, 0), (0, m_pad - m_rows)), constant_values=1.0)
     else:
         q_rows = q.reshape(b, m_rows, d).astype(BF16)
@@ -1683,12 +1693,9 @@ def mla_decode_sm90(
     )
     if fp8_qk and jnp.dtype(kv_c_and_k_pe_cache.dtype) != FP8:
         raise ValueError(f"fp8_qk=True needs a float8_e4m3fn kv_c_and_k_pe_cache, got {kv_c_and_k_pe_cache.dtype}")
-    m_rows = q.shape[1] * q.shape[2]
-    if fp8_qk and not uses_narrow(m_rows, FP8) and not uses_fp8_pv(m_rows, FP8, kv_lora_rank):
-        raise ValueError(
-            f"fp8_qk=True in 64-row tiles ({m_rows} query rows a request) needs kv_lora_rank a multiple of "
-            f"{2 * VT_CHUNK} (each P.V warpgroup's half in {VT_CHUNK}-latent V^T chunks), got {kv_lora_rank}"
-        )
+    reason = fp8_qk_reason(q.shape[1] * q.shape[2], kv_lora_rank) if fp8_qk else None
+    if reason:
+        raise ValueError(reason)
     check_page_offset(page_offset, kv_c_and_k_pe_cache.shape[0])
     sms = int(num_sms) if num_sms is not None else _device_num_sms()
     narrow, schedule = _resolve_schedule(

@@ -444,7 +444,7 @@ def pv8_consumers(request, monkeypatch):
 
 
 def test_fp8_pv_schedules_match_reference(pv8_consumers):
-    """Both fp8 P.V schedules on a 64-row fp8_qk case, interpreted (race detector on): against the float32 reference
+    """Each fp8 P.V schedule on a 64-row fp8_qk case, interpreted (race detector on): against the float32 reference
     on the split q, P rounded to e4m3 its only loss ("fp8_pv"); NaN-poisoned rows past each length (a partial last
     page zeroed in the ring), a 1-token request, 2 tiles, the work list. (The shared suite runs every fp8_qk case
     with the default schedule.)"""
