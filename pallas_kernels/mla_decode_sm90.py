@@ -333,15 +333,19 @@ class _Piece:
         # Each query token's length, clamped to the block table; the tile's rows [64 h, 64 h + 64) hold
         # tokens [64 h // N, (64 h + 63) // N].
         self.sl = [jnp.minimum(r["sl_gmem"][self.b, t], cfg.capacity) for t in range(cfg.nq)]
+        lo, hi = self.h * TILE_M, self.h * TILE_M + TILE_M
+        in_tile = [(t * cfg.heads < hi) & ((t + 1) * cfg.heads > lo) for t in range(cfg.nq)]
         if not cfg.worklist:
-            lo, hi = self.h * TILE_M, self.h * TILE_M + TILE_M
-            in_tile = [(t * cfg.heads < hi) & ((t + 1) * cfg.heads > lo) for t in range(cfg.nq)]
             self.tile_len = functools.reduce(jnp.maximum, [jnp.where(x, sl, 0) for x, sl in zip(in_tile, self.sl)])
             pages = lax.div(self.tile_len + PAGE_SIZE - 1, PAGE_SIZE)
             self.n = jnp.clip(pages - self.first, 0, cfg.pps)
             self.slot = piece if cfg.splits > 1 else jnp.int32(-1)
         # Valid rows of the last page (< G only on the request's partial last page).
         self.last_rows = jnp.minimum(self.tile_len - (self.first + self.n - 1) * PAGE_SIZE, PAGE_SIZE)
+        # The leading pages of this piece that every real row of the tile attends to in full: their logits need no
+        # mask (`logits`). The tile's padding rows are then unmasked, harmless: nothing reads or writes them.
+        min_len = functools.reduce(jnp.minimum, [jnp.where(x, sl, cfg.capacity) for x, sl in zip(in_tile, self.sl)])
+        self.full = jnp.clip(lax.div(min_len, PAGE_SIZE) - self.first, 0, self.n)
         self.final, self.partial = self.slot == -1, self.slot >= 0
         self.has_out = self.slot != -2
 
@@ -414,12 +418,19 @@ class _Piece:
         return lens
 
     def logits(self, s, page, scale, lens):
-        """Scaled logits (log2 units) of this piece's page `page`, -inf past each row's length (`row_lens`)."""
+        """Scaled logits (log2 units) of this piece's page `page`, -inf past each row's length (`row_lens`); the
+        mask's index, compare and select only on pages past `full` (unless `MASK_EVERY_PAGE`)."""
         g = PAGE_SIZE
-        tok = (self.first + page) * g + plgpu.broadcasted_iota(jnp.int32, (TILE_M, g), 1, layout=plgpu.Layout.WGMMA)
-        valid = tok < lax.broadcast_in_dim(lens, (TILE_M, g), [0])
         scale = scale if isinstance(scale, float) else rows_bcast(scale, s.shape)
-        return jnp.where(valid, s * scale, -jnp.inf)
+
+        def masked():
+            tok = (self.first + page) * g + plgpu.broadcasted_iota(jnp.int32, (TILE_M, g), 1, layout=plgpu.Layout.WGMMA)
+            valid = tok < lax.broadcast_in_dim(lens, (TILE_M, g), [0])
+            return jnp.where(valid, s * scale, -jnp.inf)
+
+        if MASK_EVERY_PAGE:
+            return masked()
+        return lax.cond(page < self.full, lambda: s * scale, masked)
 
     def write_out(self, acc, inv, stage, dst):
         cfg = self.cfg
@@ -869,6 +880,9 @@ def _body_pv8(cfg, r, pc):
 # or 3 (WG0 QK^T and the softmax only, WG1 / WG2 the halves). Three measured only with each q chain in its own
 # accumulator (218.9 against two's 180.5 us at 64x128x4096, H100, session 37; its QK^T and P.V slower than two's
 # where the schedule should not touch them): off until measured with one (gpu_session part 104).
+# Every page's logits masked (True) or only those past the piece's `full` pages (False): off until measured.
+MASK_EVERY_PAGE = True
+
 PV8_CONSUMERS = 2
 # With three consumers: page i + 1's QK^T issued before page i's softmax (WG0's two phases overlap). Built, off until
 # measured (gpu_session part 103).

@@ -1461,5 +1461,21 @@ PY
         done
     fi
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 104" >&2; exit 2 ;;
+105) # session 38 (any card, ~6 minutes): the 64-row decode bodies with the logits' mask (index, compare, select a
+    # logit) only on the pages some row of the tile does not see in full (MASK_EVERY_PAGE = False; ~3 of the fp8 P.V
+    # softmax's ~13 operations a logit, 1.21 us a page against bf16's 0.70 in part 99's trace): its GPU decode
+    # cases, then the decode rows of both sides (fp8: the fp8 P.V kernel, two consumers; bf16) at the 128-head shapes
+    out=${2:?}
+    ab_copy /tmp/m pallas_kernels/mla_decode_sm90.py 's/^MASK_EVERY_PAGE = True$/MASK_EVERY_PAGE = False/' \
+        "^MASK_EVERY_PAGE = False$"
+    cp -r tests pyproject.toml /tmp/m/
+    (cd /tmp/m && timeout -s INT 90 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu -p no:cacheprovider \
+        -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k "matches_reference" >"$out/gpu-tests-m.log" 2>&1)
+    echo "m tests: rc=$?"; grep -E "FAILED|passed|failed" "$out/gpu-tests-m.log" | tail -6
+    dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
+        --device-time --shapes 64x128x4096,128x128x8192,1x128x32768 --dtypes fp8,bf16 --kernels pallas_sm90; }
+    (cd /tmp/m && dec m 130)
+    dec tree 130
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 105" >&2; exit 2 ;;
 esac
