@@ -201,7 +201,7 @@ def _smem_plan(cfg: _Cfg):
         ring8 = plgpu.SMEM((fst, PAGE_SIZE, d), FP8, transforms=tiled(FP8, 64))
         group_a = [
             ring8,
-            plgpu.SMEM((TILE_M, 2 * d), FP8, transforms=tiled(FP8, 64)),  # Q: q_hi, then its residual
+            plgpu.SMEM((TILE_M, PV8_Q_TERMS * d), FP8, transforms=tiled(FP8, 64)),  # Q: q_hi, then its residual
             plgpu.SMEM((TILE_M, PAGE_SIZE), FP8, transforms=tiled(FP8, 64)),  # P^T (K-major), V^T's token order
             plgpu.SMEM((_ROWS + 1, TILE_M), f32),  # alpha, Q's scales
             plgpu.SMEM((fst, PAGE_SIZE), f32),  # the token scales
@@ -750,10 +750,10 @@ def _body_pv8(cfg, r, pc):
                 plgpu.barrier_wait(fp8_ready.at[slot_of(i)])
                 plgpu.barrier_wait(scale_ready.at[slot_of(i)])
 
-        def issue_qk(acc_ref, i):  # q_hi K^T + residual K^T of page i, one accumulator
+        def issue_qk(acc_ref, i):  # q_hi K^T (+ residual K^T) of page i, one accumulator
             k_t = fp8_ring.at[slot_of(i)].T
-            plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(0, cfg.d)], k_t)
-            plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(cfg.d, cfg.d)], k_t)
+            for term in range(PV8_Q_TERMS):
+                plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(term * cfg.d, cfg.d)], k_t)
 
         def qk(i):
             wait_page(i)
@@ -880,6 +880,10 @@ def _body_pv8(cfg, r, pc):
 # or 3 (WG0 QK^T and the softmax only, WG1 / WG2 the halves). Three measured only with each q chain in its own
 # accumulator (218.9 against two's 180.5 us at 64x128x4096, H100, session 37; its QK^T and P.V slower than two's
 # where the schedule should not touch them): off until measured with one (gpu_session part 104).
+# The fp8 P.V kernel's q: 2 e4m3 terms (q_hi and its residual, two QK^T chains; error 1.16% at 64x128x4096, H100) or 1
+# (q_hi alone, FlashMLA's footing: one chain, half of WG0's QK^T): off until measured.
+PV8_Q_TERMS = 2
+
 # Every page's logits masked (True) or only those past the piece's `full` pages (False): off until measured.
 MASK_EVERY_PAGE = True
 
@@ -1466,7 +1470,9 @@ def _impl(
     # row lengths, the tile lengths and, on the grid, each piece's pages from seq_lens).
     if pv8:
         # [B, M, D] e4m3, [B, M]: one Triton kernel (XLA ran quantize_q_fp8 as three)
-        q_rows, q_scale = quantize_q_fp8_rows(q.reshape(b, m_rows, d), l, split=True, interpret=bool(interpret))
+        q_rows, q_scale = quantize_q_fp8_rows(
+            q.reshape(b, m_rows, d), l, split=PV8_Q_TERMS == 2, interpret=bool(interpret)
+        )
         q_scale = jnp.pad(q_scale, ((0, 0), (0, m_pad - m_rows)), constant_values=1.0)
     else:
         q_rows = q.reshape(b, m_rows, d).astype(BF16)

@@ -1477,5 +1477,33 @@ PY
     (cd /tmp/m && dec m 130)
     dec tree 130
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 105" >&2; exit 2 ;;
+106) # session 38 (any card, ~9 minutes; parts 103 and 105 in one call): the fp8 P.V kernel's knobs. q1: one e4m3 term
+    # of q (PV8_Q_TERMS = 1: one QK^T chain, FlashMLA's footing, its error against the exact q in each row's rel_err);
+    # m: the logits' mask only past each piece's full pages (MASK_EVERY_PAGE = False, all three 64-row bodies); qm:
+    # both; q3 / q3a: both with three consumers (WG0 QK^T and the softmax only), without / with the next page's
+    # QK^T in flight during the softmax. The GPU decode cases of qm first, then the 128-head decode rows.
+    out=${2:?}
+    k=pallas_kernels/mla_decode_sm90.py
+    q1='s/^PV8_Q_TERMS = 2$/PV8_Q_TERMS = 1/'
+    m='s/^MASK_EVERY_PAGE = True$/MASK_EVERY_PAGE = False/'
+    c3='s/^PV8_CONSUMERS = 2$/PV8_CONSUMERS = 3/'
+    ahead='s/^PV8_QK_AHEAD = False$/PV8_QK_AHEAD = True/'
+    ab_copy /tmp/q1 $k "$q1" "^PV8_Q_TERMS = 1$"
+    ab_copy /tmp/m $k "$m" "^MASK_EVERY_PAGE = False$"
+    ab_copy /tmp/qm $k "$q1; $m" "^MASK_EVERY_PAGE = False$"
+    ab_copy /tmp/q3 $k "$q1; $m; $c3" "^PV8_CONSUMERS = 3$"
+    ab_copy /tmp/q3a $k "$q1; $m; $c3; $ahead" "^PV8_QK_AHEAD = True$"
+    cp -r tests pyproject.toml /tmp/qm/
+    (cd /tmp/qm && timeout -s INT 90 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu \
+        -p no:cacheprovider -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k "matches_reference" \
+        >"$out/gpu-tests-qm.log" 2>&1)
+    echo "qm tests: rc=$?"; grep -E "FAILED|passed|failed" "$out/gpu-tests-qm.log" | tail -6
+    dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
+        --device-time --shapes 64x128x4096,128x128x8192 --dtypes "$3" --kernels pallas_sm90; }
+    dec tree 90 fp8,bf16
+    for v in qm q1; do (cd /tmp/$v && dec $v 65 fp8); done
+    (cd /tmp/m && dec m 90 fp8,bf16)
+    for v in q3 q3a; do (cd /tmp/$v && dec $v 65 fp8); done
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 106" >&2; exit 2 ;;
 esac

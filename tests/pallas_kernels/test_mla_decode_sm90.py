@@ -29,6 +29,7 @@ from pallas_kernels import mla_decode_sm90 as k90
 from pallas_kernels import mla_decode_sm90_narrow as narrow_kernel
 from pallas_kernels.testing import (
     DECODE_CASES,
+    DECODE_TOL,
     MLA_DECODE_SM90,
     assert_decode_close,
     decode_inputs,
@@ -454,6 +455,38 @@ def test_fp8_pv_schedules_match_reference(pv8_consumers):
     out, lse = run_decode(q, cache, bt, sl, ks, **case.kernel)
     ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(q, cache, bt, sl, ks)
     assert_decode_close(out, lse, ref, ref_lse, "fp8_pv")
+
+
+@pytest.fixture
+def pv8_one_q_term(monkeypatch):
+    """`PV8_Q_TERMS` = 1: the fp8 P.V kernel's QK^T on q_hi alone (one e4m3 term, one wgmma chain)."""
+    jax.clear_caches()
+    monkeypatch.setattr(k90, "PV8_Q_TERMS", 1)
+    yield
+    jax.clear_caches()
+
+
+def test_fp8_pv_one_q_term_matches_reference(pv8_one_q_term):
+    """One term of q, interpreted: against the float32 reference on q_hi * scale (what the reference takes for this
+    setting), P rounded to e4m3 its only other loss; the error against the exact q (the term dropped) is the lossy
+    footing's, and must still show: on the split reference this q fails the bound."""
+    case = next(c for c in DECODE_CASES if c.name == "fp8_qk_n40_worklist")
+    q, cache, bt, sl, ks = case.make()
+    out, lse = run_decode(q, cache, bt, sl, ks, **case.kernel)
+    ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(q, cache, bt, sl, ks)
+    assert_decode_close(out, lse, ref, ref_lse, "fp8_pv")
+    split_ref_lse = mla_decode.mla_decode_reference(
+        k90.fp8_qk_reference_q(q, split=True), cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=case.l
+    )[1]
+    live = np.isfinite(np.asarray(ref_lse))
+    assert np.abs(np.asarray(lse) - np.asarray(split_ref_lse))[live].max() > DECODE_TOL["fp8_pv"][1]
+
+
+def test_fp8_pv_one_q_term_lowers_for_sm90(pv8_one_q_term, monkeypatch, h200):
+    """One term of q: the [64, D] Q buffer and one wgmma chain pass Mosaic GPU's lowering, the quantize unsplit."""
+    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
+    text = _lower_for_sm90("fp8", fp8_qk=True, num_sms=132, n=64, num_kv_splits=2)
+    assert "_pv8" in text and "quantize_q_fp8_r" in text
 
 
 @pytest.fixture
