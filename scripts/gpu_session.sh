@@ -1505,5 +1505,29 @@ PY
     (cd /tmp/m && dec m 90 fp8,bf16)
     for v in q3 q3a; do (cd /tmp/$v && dec $v 65 fp8); done
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 106" >&2; exit 2 ;;
+107) # session 38, on an H200 (needs_h200; ~8.5 minutes): part 106's knobs where the targets are, beside the targets'
+    # decode rows (all four shapes, bf16 and fp8, this tree) and the prefill's fixed shapes
+    out=${2:?}
+    k=pallas_kernels/mla_decode_sm90.py
+    q1='s/^PV8_Q_TERMS = 2$/PV8_Q_TERMS = 1/'
+    m='s/^MASK_EVERY_PAGE = True$/MASK_EVERY_PAGE = False/'
+    c3a='s/^PV8_CONSUMERS = 2$/PV8_CONSUMERS = 3/; s/^PV8_QK_AHEAD = False$/PV8_QK_AHEAD = True/'
+    ab_copy /tmp/q1 $k "$q1" "^PV8_Q_TERMS = 1$"
+    ab_copy /tmp/qm $k "$q1; $m" "^MASK_EVERY_PAGE = False$"
+    ab_copy /tmp/q3a $k "$q1; $m; $c3a" "^PV8_QK_AHEAD = True$"
+    cp -r tests pyproject.toml /tmp/qm/
+    (cd /tmp/qm && timeout -s INT 75 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu \
+        -p no:cacheprovider -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k "matches_reference" \
+        >"$out/gpu-tests-qm.log" 2>&1)
+    echo "qm tests: rc=$?"; grep -E "FAILED|passed|failed" "$out/gpu-tests-qm.log" | tail -6
+    run 130 decode python3 bench/decode.py --out "$out/decode" --quick --no-check --no-ragged --device-time \
+        --shapes 32x16x1024,64x128x4096,128x128x8192,1x128x32768 --dtypes bf16,fp8 --kernels pallas_sm90
+    dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
+        --device-time --shapes 64x128x4096,128x128x8192 --dtypes "$3" --kernels pallas_sm90; }
+    (cd /tmp/qm && dec qm 90 fp8,bf16)
+    (cd /tmp/q1 && dec q1 65 fp8)
+    (cd /tmp/q3a && dec q3a 65 fp8)
+    run 90 prefill python3 bench/prefill.py --out "$out/prefill" --shapes-only --no-xla --kernels pallas_sm90
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 107" >&2; exit 2 ;;
 esac
