@@ -43,8 +43,9 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   fp8 wgmmas straight on the fp8 ring slot, and P.V too, as O^T = V^T P^T with V^T built in registers from the
   page (Hopper's fp8 wgmma reads shared-memory operands K-major only, and V is N-major in the page) and P
   rounded to e4m3, the mode's one loss (~1% against float32; issue 20 allows FlashMLA's 2%). Its warpgroups:
-  `PV8_CONSUMERS`. At <= 16 rows a request the narrow kernel runs this mode instead (one fp8 term of q, V cast
-  to bf16).
+  WG0 (QK^T, the softmax, the first half of P.V), WG1 (the second half), the producer. With fp8_q_split=False
+  q is one e4m3 term (one QK^T chain; FlashMLA's footing, lossier). At <= 16 rows a request the narrow kernel
+  runs this mode instead (one fp8 term of q, V cast to bf16).
 
 Shared memory at L+R = 576 (227 KB available): bf16, 2 stages: Q 72 KB + ring 2 x 72 KB + P 8 KB
 + row vectors = 225 KB, the output staging (64 KB for bf16 outputs and partials) reusing it; fp8: Q 72 KB +
@@ -175,7 +176,8 @@ class _Cfg:
     final_dtype: object  # dtype of the final output (q.dtype) and of the split partials
     interpret: bool  # Mosaic GPU interpreter (CPU): see mgpu.wgmma_accumulate
     pv8: bool = False  # fp8 cache, fp8_qk: QK^T and P.V as fp8 wgmmas on the fp8 ring (O^T = V^T P^T, V^T in
-    # registers: `_body_pv8`), Q split into two e4m3 terms with a per-row scale; no bf16 ring, no cast
+    # registers: `_body_pv8`), Q as `q_terms` e4m3 terms with a per-row scale; no bf16 ring, no cast
+    q_terms: int = 2  # pv8: q_hi and its residual (two QK^T chains), or q_hi alone (fp8_q_split=False)
     nq: int = 1  # query tokens per request (row t*N + n is token t's)
     heads: int = 64
     capacity: int = 1 << 30  # tokens the block table holds (longer lengths are clamped to it)
@@ -201,7 +203,7 @@ def _smem_plan(cfg: _Cfg):
         ring8 = plgpu.SMEM((fst, PAGE_SIZE, d), FP8, transforms=tiled(FP8, 64))
         group_a = [
             ring8,
-            plgpu.SMEM((TILE_M, PV8_Q_TERMS * d), FP8, transforms=tiled(FP8, 64)),  # Q: q_hi, then its residual
+            plgpu.SMEM((TILE_M, cfg.q_terms * d), FP8, transforms=tiled(FP8, 64)),  # Q: q_hi (then its residual)
             plgpu.SMEM((TILE_M, PAGE_SIZE), FP8, transforms=tiled(FP8, 64)),  # P^T (K-major), V^T's token order
             plgpu.SMEM((_ROWS + 1, TILE_M), f32),  # alpha, Q's scales
             plgpu.SMEM((fst, PAGE_SIZE), f32),  # the token scales
@@ -250,11 +252,11 @@ def _barriers(cfg):
             q_bar=plgpu.Barrier(num_arrivals=2),  # Q, Q's scales
             fp8_ready=plgpu.Barrier(num_barriers=fst),  # page (TMA, or the producer after zeroing a partial page)
             scale_ready=plgpu.Barrier(num_barriers=fst),
-            # every consumer's reads of the slot done (WG0: K^T and the scales, or V^T's first half too)
-            fp8_consumed=plgpu.Barrier(num_arrivals=PV8_CONSUMERS, num_barriers=fst),
+            # both consumers' reads of the slot done (WG0: K^T, the scales and V^T's first half; WG1 the second)
+            fp8_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=fst),
             p_ready=plgpu.Barrier(),
-            p_consumed=plgpu.Barrier(num_arrivals=PV8_CONSUMERS - 1),  # the P.V warpgroups' P.V done
-            epi_bar=plgpu.Barrier(num_arrivals=PV8_CONSUMERS),
+            p_consumed=plgpu.Barrier(),  # WG1's P.V done
+            epi_bar=plgpu.Barrier(num_arrivals=2),
             fin_bar=plgpu.Barrier(),
             raw_bar=plgpu.Barrier(),
         )
@@ -419,7 +421,8 @@ class _Piece:
 
     def logits(self, s, page, scale, lens):
         """Scaled logits (log2 units) of this piece's page `page`, -inf past each row's length (`row_lens`); the
-        mask's index, compare and select only on pages past `full` (unless `MASK_EVERY_PAGE`)."""
+        mask's index, compare and select only on pages past `full` (1.7% of the bf16 kernel's time at 64x128x4096,
+        2.8% of the one-term fp8 P.V's, H100, session 38)."""
         g = PAGE_SIZE
         scale = scale if isinstance(scale, float) else rows_bcast(scale, s.shape)
 
@@ -428,8 +431,6 @@ class _Piece:
             valid = tok < lax.broadcast_in_dim(lens, (TILE_M, g), [0])
             return jnp.where(valid, s * scale, -jnp.inf)
 
-        if MASK_EVERY_PAGE:
-            return masked()
         return lax.cond(page < self.full, lambda: s * scale, masked)
 
     def write_out(self, acc, inv, stage, dst):
@@ -437,8 +438,8 @@ class _Piece:
         write_out(acc, inv, stage, dst, self.by_rows, transposed=cfg.pv8, interpret=cfg.interpret)
 
     def epilogue_wg0(self, acc, m_i, l_i):
-        """Normalize WG0's half (acc None: it holds none) and write it with the lse (after every consumer is done
-        with the loop's buffers, which the staging aliases); publish 1/l for the other halves."""
+        """Normalize WG0's half and write it with the lse (after both consumers are done with the loop's buffers,
+        which the staging aliases); publish 1/l for WG1's half."""
         r, half = self.r, self.cfg.l // 2
 
         def epilogue(stage, rows, o_dst, lse_dst, write_o):
@@ -448,13 +449,12 @@ class _Piece:
             lse = jnp.where(has, (m_i + jnp.log2(safe_l)) * LN2, -jnp.inf)
             rows[0] = inv
             rows[1] = lse
-            if acc is not None:
-                if self.cfg.pv8:  # O^T: 1/l a column, read back in that layout
-                    plgpu.commit_smem()
-                    inv = plgpu.load(rows.at[0], (), layout=COL_LAYOUT)
-                pl.when(write_o)(lambda: self.write_out(acc, inv, stage.at[0], o_dst))
+            if self.cfg.pv8:  # O^T: 1/l a column, read back in that layout
+                plgpu.commit_smem()
+                inv = plgpu.load(rows.at[0], (), layout=COL_LAYOUT)
+            pl.when(write_o)(lambda: self.write_out(acc, inv, stage.at[0], o_dst))
             plgpu.commit_smem()
-            plgpu.barrier_arrive(r["fin_bar"])  # 1/l published for the other halves
+            plgpu.barrier_arrive(r["fin_bar"])  # 1/l published for WG1
             self.by_rows(lambda k: plgpu.copy_smem_to_gmem(rows.at[1, pl.ds(0, k)], lse_dst(k)))
             plgpu.wait_smem_to_gmem(0)
 
@@ -466,8 +466,8 @@ class _Piece:
             pl.when(self.final)(lambda: epilogue(*fin, True))
             pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))  # empty split: lse = -inf only
 
-    def epilogue_wg1(self, acc, h=1):
-        """Normalize and write half h of the output (columns [h L/2, (h + 1) L/2)) with WG0's 1/l."""
+    def epilogue_wg1(self, acc):
+        """Normalize and write the output's second half (columns [L/2, L)) with WG0's 1/l."""
         r, half = self.r, self.cfg.l // 2
 
         def epilogue(stage, rows, o_dst, lse_dst, write_o):
@@ -476,7 +476,7 @@ class _Piece:
             @pl.when(write_o)
             def _():
                 inv = plgpu.load(rows.at[0], layout=COL_LAYOUT if self.cfg.pv8 else ROW_LAYOUT)
-                self.write_out(acc, inv, stage.at[h], o_dst)
+                self.write_out(acc, inv, stage.at[1], o_dst)
                 plgpu.wait_smem_to_gmem(0)
 
         @pl.when(self.has_out)
@@ -484,7 +484,7 @@ class _Piece:
             plgpu.barrier_arrive(r["epi_bar"])
             plgpu.barrier_wait(r["epi_bar"])
             plgpu.barrier_wait(r["fin_bar"])  # WG0 has written 1/l
-            fin, part = self.out_dsts(pl.ds(h * half, half))
+            fin, part = self.out_dsts(pl.ds(half, half))
             pl.when(self.final)(lambda: epilogue(*fin, True))
             pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))
 
@@ -686,11 +686,8 @@ def _body_pv8(cfg, r, pc):
     error, 0.069 -> 0.029, but cost 30% of the kernel's time, session 37), the softmax, and stores P as e4m3
     in V^T's token order (`mgpu.pt_fp8_operand`); each P.V warpgroup then adds V^T P^T for its half of the latents
     to its O^T accumulator [L/2, 64] (`mgpu.vt_fp8_operand`: V^T built in registers from the page, no
-    shared-memory round trip, before it waits for P).
-
-    `PV8_CONSUMERS` = 2: WG0 holds the first half, WG1 the second, WG2 produces; WG0 bounds the page (68% of WG1's
-    time waits for P, session 37). 3: WG1 and WG2 hold the two halves, WG0 only QK^T and the softmax, WG3
-    produces.
+    shared-memory round trip, before it waits for P). WG0 holds the first half, WG1 the second, WG2 produces; WG0
+    bounds the page (62% of WG1's time waits for P, session 38).
 
     The per-token scale goes into the logits (QK^T) and into P: P'' = p * scale = exp2(s + log2 scale - m), with the
     running max m taken over s + log2 scale, so P'' <= 1 and the e4m3 P uses its range whatever the cache's
@@ -700,14 +697,12 @@ def _body_pv8(cfg, r, pc):
     half = cfg.l // 2
     fst = cfg.fp8_stages
     f32 = jnp.float32
-    regs = _pv8_regs()
+    regs = _REGS_PV8
     n, first, last_rows = pc.n, pc.first, pc.last_rows
     fp8_ring, ring16, scale_ring = r["fp8_ring"], r["ring16"], r["scale_ring"]
     loop_rows, p_smem = r["loop_rows"], r["p_smem"]
     fp8_ready, scale_ready, fp8_consumed = r["fp8_ready"], r["scale_ready"], r["fp8_consumed"]
     p_ready, p_consumed = r["p_ready"], r["p_consumed"]
-    wg0_pv = PV8_CONSUMERS == 2  # WG0 also holds the first half of O^T
-    ahead = PV8_QK_AHEAD and not wg0_pv
 
     def slot_of(i):
         return lax.rem(i, jnp.int32(fst))
@@ -739,7 +734,7 @@ def _body_pv8(cfg, r, pc):
 
     @pl.when(wg == 0)
     def _softmax_wg():
-        plgpu.set_max_registers(regs[0], action="increase" if regs[0] >= _pv8_launch_regs() else "decrease")
+        plgpu.set_max_registers(regs[0], action="increase")
 
         pc.load_q()
         logit_scale = pc.logit_scale()
@@ -752,7 +747,7 @@ def _body_pv8(cfg, r, pc):
 
         def issue_qk(acc_ref, i):  # q_hi K^T (+ residual K^T) of page i, one accumulator
             k_t = fp8_ring.at[slot_of(i)].T
-            for term in range(PV8_Q_TERMS):
+            for term in range(cfg.q_terms):
                 plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(term * cfg.d, cfg.d)], k_t)
 
         def qk(i):
@@ -768,9 +763,6 @@ def _body_pv8(cfg, r, pc):
                 ks = plgpu.load(scale_ring.at[fslot], (), layout=COL_LAYOUT)
                 tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=COL_LAYOUT)
                 ks = jnp.where(tok < page_rows(i), ks, 0.0)
-                if not wg0_pv:  # WG0 is done with the slot: K^T's wgmmas and the scales
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(fp8_consumed.at[fslot])
                 ks_b = lax.broadcast_in_dim(ks, s.shape, [1])
                 s = pc.logits(s * ks_b, i, logit_scale, lens)
                 m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, shift=jnp.log2(ks))
@@ -778,7 +770,7 @@ def _body_pv8(cfg, r, pc):
             @pl.when(i > 0)
             @jax.named_scope("wait_p_consumed")
             def _():
-                plgpu.barrier_wait(p_consumed)  # the P.V warpgroups are done with P_{i-1} and alpha_{i-1}
+                plgpu.barrier_wait(p_consumed)  # WG1 is done with P_{i-1} and alpha_{i-1}
 
             with jax.named_scope("store_p"):
                 p_smem[...] = pt_fp8_operand((p * ks_b).astype(FP8), interpret=cfg.interpret)
@@ -788,64 +780,34 @@ def _body_pv8(cfg, r, pc):
             return m_new, l_i
 
         _, m_0, l_0 = softmax_state(TILE_M, 64)
-        if ahead:
-            # Page i + 1's QK^T runs on the tensor cores while WG0 does page i's softmax (FA3's overlap; WG0 holds no
-            # O^T half with three consumers, so the second logits tile fits its registers).
-            def step(i, carry):
-                s, m_i, l_i = carry
 
-                def in_flight(next_ref):
-                    @pl.when(i + 1 < n)
-                    def _():
-                        wait_page(i + 1)
-                        issue_qk(next_ref, i + 1)
+        def step(i, carry):
+            acc, m_i, l_i = carry
+            m_new, l_new = softmax_and_p(i, qk(i), m_i, l_i)
+            return pv(acc, vt_half(slot_of(i), 0)), m_new, l_new
 
-                    m_new, l_new = softmax_and_p(i, s, m_i, l_i)
-                    with jax.named_scope("wait_qk"):
-                        return next_ref[...], m_new, l_new
-
-                return pl.run_scoped(in_flight, plgpu.ACC((TILE_M, g), f32))
-
-            s0 = lax.cond(
-                n > 0, lambda: qk(0), lambda: plgpu.layout_cast(jnp.zeros((TILE_M, g), f32), plgpu.Layout.WGMMA)
-            )
-            _, m_i, l_i = lax.fori_loop(0, n, step, (s0, m_0, l_0))
-            acc = None
-        else:
-
-            def step(i, carry):
-                acc, m_i, l_i = carry
-                m_new, l_new = softmax_and_p(i, qk(i), m_i, l_i)
-                if wg0_pv:
-                    acc = pv(acc, vt_half(slot_of(i), 0))
-                return acc, m_new, l_new
-
-            acc, m_i, l_i = lax.fori_loop(0, n, step, (acc0 if wg0_pv else (), m_0, l_0))
-            acc = acc if wg0_pv else None
+        acc, m_i, l_i = lax.fori_loop(0, n, step, (acc0, m_0, l_0))
         pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
         pc.epilogue_wg0(acc, m_i, l_i)
 
-    def pv_wg(h):
+    @pl.when(wg == 1)
+    def _pv_wg():
         plgpu.set_max_registers(regs[1], action="increase")
 
         def step(i, acc):
             fslot = slot_of(i)
             with jax.named_scope("wait_kv"):
                 plgpu.barrier_wait(fp8_ready.at[fslot])
-            vt = vt_half(fslot, h)
+            vt = vt_half(fslot, 1)
             with jax.named_scope("wait_p"):
                 plgpu.barrier_wait(p_ready)
             acc = pv(acc, vt)
             plgpu.barrier_arrive(p_consumed)
             return acc
 
-        pc.epilogue_wg1(lax.fori_loop(0, n, step, acc0), h)
+        pc.epilogue_wg1(lax.fori_loop(0, n, step, acc0))
 
-    halves = (1,) if wg0_pv else (0, 1)
-    for h in halves:
-        pl.when(wg == (1 if wg0_pv else h + 1))(functools.partial(pv_wg, h))
-
-    @pl.when(wg == PV8_CONSUMERS)
+    @pl.when(wg == 2)
     def _producer_wg():
         plgpu.set_max_registers(regs[2], action="decrease")
 
@@ -876,37 +838,10 @@ def _body_pv8(cfg, r, pc):
         lax.fori_loop(0, n, step, ())
 
 
-# Consumer warpgroups of the fp8 P.V kernel (see `_body_pv8`): 2 (WG0 QK^T, the softmax and the first half of P.V)
-# or 3 (WG0 QK^T and the softmax only, WG1 / WG2 the halves). Three measured only with each q chain in its own
-# accumulator (218.9 against two's 180.5 us at 64x128x4096, H100, session 37; its QK^T and P.V slower than two's
-# where the schedule should not touch them): off until measured with one (gpu_session part 104).
-# The fp8 P.V kernel's q: 2 e4m3 terms (q_hi and its residual, two QK^T chains; error 1.16% at 64x128x4096, H100) or 1
-# (q_hi alone, FlashMLA's footing: one chain, half of WG0's QK^T): off until measured.
-PV8_Q_TERMS = 2
-
-# Every page's logits masked (True) or only those past the piece's `full` pages (False): off until measured.
-MASK_EVERY_PAGE = True
-
-PV8_CONSUMERS = 2
-# With three consumers: page i + 1's QK^T issued before page i's softmax (WG0's two phases overlap). Built, off until
-# measured (gpu_session part 103).
-PV8_QK_AHEAD = False
-# (WG0, each P.V warpgroup, producer) registers a thread. The CTA launches with 65536 / threads a thread
-# (128 with four warpgroups, 170 with three); setmaxnreg moves them between warpgroups within that total.
-# Three consumers: WG0 holds no O^T half (logits, p, the row state), a P.V warpgroup O^T's [L/2, 64] f32 half
-# (128) and its V^T operand (32); the producer only issues TMAs (and zeroes a partial page).
-_REGS_PV8 = {3: (112, 184, 32), 2: (232, 232, 40)}
-
-
-def _pv8_launch_regs():
-    return 65536 // (128 * (PV8_CONSUMERS + 1)) // 8 * 8
-
-
-def _pv8_regs():
-    regs = _REGS_PV8[PV8_CONSUMERS]
-    wgs = (regs[0], *[regs[1]] * (PV8_CONSUMERS - 1), regs[2])
-    assert sum(wgs) * 128 <= 65536, regs
-    return regs
+# (WG0, WG1, producer) registers a thread of the fp8 P.V kernel: each consumer holds an O^T [L/2, 64] f32 half; the
+# producer only issues TMAs (and zeroes a partial page). Three consumers (WG0 QK^T and the softmax only) lost: 121.8
+# against 112.6 us at 64x128x4096, 142.7 with the next page's QK^T in flight during the softmax (H100, session 38).
+_REGS_PV8 = (232, 232, 40)
 
 
 def _drain(kv_consumed, n, stages):
@@ -1395,6 +1330,7 @@ def fp8_qk_reason(m_rows: int, kv_lora_rank: int) -> str | None:
         "num_stages",
         "fp8_stages",
         "fp8_qk",
+        "fp8_q_split",
         "sms",
         "schedule",
     ),
@@ -1416,6 +1352,7 @@ def _impl(
     num_stages,
     fp8_stages,
     fp8_qk,
+    fp8_q_split,
     sms,
     schedule,
 ):
@@ -1449,6 +1386,7 @@ def _impl(
         final_dtype=jnp.dtype(q.dtype),
         interpret=bool(interpret),
         pv8=pv8,
+        q_terms=1 if fp8_q_split is False else 2,
         nq=nq,
         heads=n,
         capacity=max_pages * g,
@@ -1471,7 +1409,7 @@ def _impl(
     if pv8:
         # [B, M, D] e4m3, [B, M]: one Triton kernel (XLA ran quantize_q_fp8 as three)
         q_rows, q_scale = quantize_q_fp8_rows(
-            q.reshape(b, m_rows, d), l, split=PV8_Q_TERMS == 2, interpret=bool(interpret)
+            q.reshape(b, m_rows, d), l, split=cfg.q_terms == 2, interpret=bool(interpret)
         )
         q_scale = jnp.pad(q_scale, ((0, 0), (0, m_pad - m_rows)), constant_values=1.0)
     else:
@@ -1503,7 +1441,7 @@ def _impl(
         out_type=out_type,
         grid=(pieces,),
         grid_names=("piece",),
-        num_threads=PV8_CONSUMERS + 1 if pv8 else 3,
+        num_threads=3,
         thread_name="wg",
         # Row reductions of the WGMMA layout stay within a warp: no cross-warp reduction scratch.
         compiler_params=plgpu.CompilerParams(
@@ -1512,7 +1450,9 @@ def _impl(
             **(dict(profile_space=TRACE[0], profile_dir=TRACE[1]) if TRACE else {}),
         ),
         interpret=interpret_params(interpret),
-        kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}" + ("_pv8" if pv8 else ""),
+        kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}"
+        + ("_pv8" if pv8 else "")
+        + ("_q1" if pv8 and cfg.q_terms == 1 else ""),
     )
     out, lse, o_part, lse_part = kernel(*args)
     if schedule == "grid" and splits > 1:
@@ -1657,6 +1597,7 @@ def mla_decode_sm90(
     num_stages: int | None = None,
     fp8_stages: int | None = None,
     fp8_qk: bool = False,
+    fp8_q_split: bool | None = None,
     num_sms: int | None = None,
     schedule: str | None = None,
     plan: WorklistPlan | None = None,
@@ -1691,6 +1632,10 @@ def mla_decode_sm90(
     split per row into two e4m3 terms, `quantize_q_fp8(split=True)`; V^T built in registers; P rounded to e4m3,
     ~1% error against float32; kv_lora_rank a multiple of 256); fp8_stages then defaults to 4. In the narrow
     kernel: QK^T on one e4m3 term of q (`quantize_q_fp8`: the logits are those of the quantized q).
+    fp8_q_split (with fp8_qk): None, the kernels' own: two terms in 64-row tiles, one in the narrow kernel. False:
+    one term in 64-row tiles too, FlashMLA's footing (half the QK^T wgmmas: 115.9 against 179.1 us at 64x128x4096,
+    H100; error against float32 6.2% on N(0, 1) inputs with DeepSeek-V3's scale, 1.7-2.0% on the demo model's
+    activations, against two terms' 1.2%). True: two terms (64-row tiles only).
     plan: the step's work list, `decode_plan` of the same block_table and seq_lens with the same options, built
     once for every layer (None: built here where the work list runs; an error where the grid does).
     interpret: run under the Mosaic GPU interpreter (CPU testing): True, or the interpreter's
@@ -1716,6 +1661,13 @@ def mla_decode_sm90(
     reason = fp8_qk_reason(q.shape[1] * q.shape[2], kv_lora_rank) if fp8_qk else None
     if reason:
         raise ValueError(reason)
+    if fp8_q_split is not None and not fp8_qk:
+        raise ValueError(f"fp8_q_split={fp8_q_split} applies to fp8_qk=True only")
+    if fp8_q_split and uses_narrow(q.shape[1] * q.shape[2], kv_c_and_k_pe_cache.dtype, fp8_qk=True):
+        raise ValueError(
+            f"fp8_q_split=True: {q.shape[1] * q.shape[2]} query rows a request run the narrow kernel, whose fp8_qk "
+            "takes one e4m3 term of q (two terms need the 64-row kernel)"
+        )
     check_page_offset(page_offset, kv_c_and_k_pe_cache.shape[0])
     sms = int(num_sms) if num_sms is not None else _device_num_sms()
     narrow, schedule = _resolve_schedule(
@@ -1738,4 +1690,4 @@ def mla_decode_sm90(
     )
     if narrow:
         return _narrow(*args, **kw)
-    return _impl(*args, fp8_stages=fp8_stages, **kw)
+    return _impl(*args, fp8_stages=fp8_stages, fp8_q_split=fp8_q_split, **kw)

@@ -38,7 +38,6 @@ import zlib
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import mla_decode_sm90
 from pallas_kernels.flash_prefill import flash_prefill_reference
 from pallas_kernels.mla_decode import mla_decode_reference
 from pallas_kernels.mla_decode_sm90 import fp8_qk_reference_q, uses_fp8_pv
@@ -163,7 +162,7 @@ def decode_reference(q, cache, bt, sl, ks, kernel_kw, l=512, *, scale=DECODE_SCA
         cache, ks = (cache.astype(jnp.float32) * ks[..., None]).astype(jnp.bfloat16), None
     if kernel_kw.get("fp8_qk"):
         pv8 = uses_fp8_pv(q.shape[1] * q.shape[2], cache.dtype, l)
-        q = fp8_qk_reference_q(q, split=pv8 and mla_decode_sm90.PV8_Q_TERMS == 2)
+        q = fp8_qk_reference_q(q, split=pv8 and kernel_kw.get("fp8_q_split") is not False)
     return mla_decode_reference(
         q, cache, bt, sl, scale=scale, kv_scale=ks, kv_lora_rank=l, page_offset=kernel_kw.get("page_offset")
     )
@@ -762,6 +761,19 @@ DECODE_GPU_CASES = [
         dict(fp8_qk=True),
         seed=2010,
         bench=True,
+        b=3,
+        nq=1,
+        n=128,
+        max_pages=20,
+        lens=[1200, 64, 999],
+        cache_dtype="fp8",
+    ),
+    _dc(
+        "fp8_qk_q1_n128",  # one e4m3 term of q (the "pallas_sm90_fp8qk" backend's 64-row tiles)
+        _SM90,
+        "fp8_qk",
+        dict(fp8_qk=True, fp8_q_split=False),
+        seed=2099,
         b=3,
         nq=1,
         n=128,

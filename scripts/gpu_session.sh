@@ -1316,7 +1316,8 @@ PY
     run 250 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 32,128 --ctxs 4096,1024 \
         --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-96) # session 35, for the next (any card, ~6 minutes): the Hopper prefill with FA3's intra-warpgroup overlap
+96) # (ran in session 38 on 87371ec, an H100: the overlap and three consumers lost and are gone) session 35, for
+    # the next (any card, ~6 minutes): the Hopper prefill with FA3's intra-warpgroup overlap
     # (OVERLAP) against the ping-pong alone: its GPU cases, the fixed shapes both ways twice, alternating; then three
     # consumer warpgroups (block_q 192); ncu's DRAM bytes and L2 hit rate of each: part 98
     out=${2:?}
@@ -1351,31 +1352,6 @@ PY
         tests/pallas_kernels/test_mgpu.py >"$out/gpu-tests-mgpu.log" 2>&1
     echo "mgpu tests: rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" "$out/gpu-tests-mgpu.log" | cut -c1-200 | tail -12
     "$0" 96 "$out" ;;
-98) # session 36 (any card, ~4 minutes; split from part 96): ncu's DRAM bytes and L2 hit rate of one 1x8192x128 prefill call,
-    # the default kernel against the overlap and three consumers
-    out=${2:?}
-    ab_copy /tmp/ovl pallas_kernels/flash_prefill_sm90.py 's/^OVERLAP = False$/OVERLAP = True/' "^OVERLAP = True$"
-    ab_copy /tmp/wg3 pallas_kernels/flash_prefill_sm90.py \
-        's/^OVERLAP = False$/OVERLAP = True/; s/^BLOCK_Q = 128 /BLOCK_Q = 192 /' "^BLOCK_Q = 192 "
-    # where the CTA-per-tile kernel's K/V bytes come from (session 35: 622 TFLOP/s needs 4.9 TB/s of K/V tiles, more
-    # than HBM; the persistent grid ran at the copy bandwidth): DRAM bytes and L2 hit rate of one 1x8192x128 call,
-    # with and without the overlap (ncu reads counters on Firecracker machines only)
-    cat >/tmp/pf_once.py <<'PY'
-import jax
-from bench.prefill import make_fixed, sm90_fn
-q, k, v, loc = make_fixed(1, 8192, 128)
-f = sm90_fn()
-for _ in range(2):
-    jax.block_until_ready(f(q, k, v, loc, loc))
-PY
-    m=gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,lts__t_bytes.sum
-    for v in base:. ovl:/tmp/ovl wg3:/tmp/wg3; do
-        (cd "${v#*:}" && timeout 100 ncu --clock-control none -k regex:prefill --launch-skip 1 --launch-count 1 \
-            --metrics $m env PYTHONPATH=. python3 /tmp/pf_once.py >"$out/ncu-prefill-${v%%:*}.log" 2>&1)
-        grep -E "prefill|gpu__time|dram__bytes|hit_rate|lts__t_bytes|rror" "$out/ncu-prefill-${v%%:*}.log" \
-            | cut -c1-150 | head -8
-    done
-    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 99 | 100 | 101) # session 36 (any card): fp8 P.V in the 64-row kernel (FP8_PV: O^T = V^T P^T, V^T in registers, q
     # split in two e4m3 terms): the operands' GPU test, the 64-row fp8_qk GPU cases with it, then the fp8 decode rows
     # both ways (the tree's fp8_qk rows cast V to bf16) and the bf16 rows beside them (each row's error against
@@ -1424,60 +1400,8 @@ PY
     (cd /tmp/c2 && dec c2 100 fp8)
     run 70 trace-pv8 python3 bench/trace_sm90.py --out "$out" --dtype fp8 --fp8-qk --l 512 --fp8-stages 2
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-103 | 104) # session 37, for the next (any card): the fp8 P.V kernel (the 64-row fp8_qk, two consumers: 180.5 us at
-    # 64x128x4096 in part 99, WG0 bounding it) against three consumers (WG0 QK^T and the softmax only, WG1 / WG2 the
-    # P.V halves) with one q accumulator (part 102 measured three only with one accumulator a chain: QK^T 3.6 us a
-    # page against 1.5, P.V 1.35 against 0.6-0.7): profiler traces of two, three at 112 / 184 / 32 and at
-    # 96 / 192 / 32 registers, three with the next page's QK^T in flight during the softmax (PV8_QK_AHEAD), each with
-    # ptxas's registers, spills and wgmma serialization warnings; then (103) the decode rows of all four beside bf16
-    # and the fp8_qk GPU cases of three consumers, with and without QK^T ahead. 104: ~2.5 minutes, 103: ~8
-    out=${2:?}
-    ab_copy /tmp/a1 pallas_kernels/mla_decode_sm90.py 's/^PV8_CONSUMERS = 2$/PV8_CONSUMERS = 3/' "^PV8_CONSUMERS = 3$"
-    ab_copy /tmp/a4 pallas_kernels/mla_decode_sm90.py 's/^PV8_CONSUMERS = 2$/PV8_CONSUMERS = 3/;
-        s/^_REGS_PV8 = {3: (112, 184, 32)/_REGS_PV8 = {3: (96, 192, 32)/' "(96, 192, 32)"
-    ab_copy /tmp/a5 pallas_kernels/mla_decode_sm90.py \
-        's/^PV8_CONSUMERS = 2$/PV8_CONSUMERS = 3/; s/^PV8_QK_AHEAD = False$/PV8_QK_AHEAD = True/' "^PV8_QK_AHEAD = True$"
-    mkdir -p /tmp/c2 && cp -r mla_jax pallas_kernels bench /tmp/c2/
-    for v in c2 a1 a4 a5; do
-        mkdir -p "$out/$v"
-        (cd /tmp/$v && run 25 "trace-$v" env MOSAIC_GPU_DUMP_PTXAS=1 python3 bench/trace_sm90.py --out "$out/$v" \
-            --dtype fp8 --fp8-qk --l 512 --fp8-stages 2)
-        grep -E "spill|serializ|Used [0-9]+ registers|CTA span" "$out/trace-$v.log" | sort | uniq -c | cut -c1-200 | head -8
-    done
-    dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
-        --device-time --shapes "$3" --dtypes "$4" --kernels pallas_sm90; }
-    if [ "$1" = 104 ]; then
-        (cd /tmp/a1 && dec a1 60 64x128x4096 fp8)
-    else
-        (cd /tmp/a1 && dec a1 65 64x128x4096,128x128x8192 fp8)
-        (cd /tmp/a4 && dec a4 65 64x128x4096,128x128x8192 fp8)
-        (cd /tmp/a5 && dec a5 65 64x128x4096,128x128x8192 fp8)
-        dec tree 90 64x128x4096,128x128x8192 fp8,bf16
-        for v in a1 a5; do
-            cp -r tests pyproject.toml /tmp/$v/
-            (cd /tmp/$v && timeout -s INT 45 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu \
-                -p no:cacheprovider -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k fp8_qk >"$out/gpu-tests-$v.log" 2>&1)
-            echo "$v tests: rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$out/gpu-tests-$v.log" | tail -6
-        done
-    fi
-    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-105) # session 38 (any card, ~6 minutes): the 64-row decode bodies with the logits' mask (index, compare, select a
-    # logit) only on the pages some row of the tile does not see in full (MASK_EVERY_PAGE = False; ~3 of the fp8 P.V
-    # softmax's ~13 operations a logit, 1.21 us a page against bf16's 0.70 in part 99's trace): its GPU decode
-    # cases, then the decode rows of both sides (fp8: the fp8 P.V kernel, two consumers; bf16) at the 128-head shapes
-    out=${2:?}
-    ab_copy /tmp/m pallas_kernels/mla_decode_sm90.py 's/^MASK_EVERY_PAGE = True$/MASK_EVERY_PAGE = False/' \
-        "^MASK_EVERY_PAGE = False$"
-    cp -r tests pyproject.toml /tmp/m/
-    (cd /tmp/m && timeout -s INT 90 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu -p no:cacheprovider \
-        -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k "matches_reference" >"$out/gpu-tests-m.log" 2>&1)
-    echo "m tests: rc=$?"; grep -E "FAILED|passed|failed" "$out/gpu-tests-m.log" | tail -6
-    dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
-        --device-time --shapes 64x128x4096,128x128x8192,1x128x32768 --dtypes fp8,bf16 --kernels pallas_sm90; }
-    (cd /tmp/m && dec m 130)
-    dec tree 130
-    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-106) # session 38 (any card, ~9 minutes; parts 103 and 105 in one call): the fp8 P.V kernel's knobs. q1: one e4m3 term
+106) # (ran in session 38 on 87371ec, an H100; its knobs are gone since: one term of q is fp8_q_split=False, the
+    # partial mask the only path, three consumers deleted) session 38 (any card, ~9 minutes): the fp8 P.V kernel's knobs. q1: one e4m3 term
     # of q (PV8_Q_TERMS = 1: one QK^T chain, FlashMLA's footing, its error against the exact q in each row's rel_err);
     # m: the logits' mask only past each piece's full pages (MASK_EVERY_PAGE = False, all three 64-row bodies); qm:
     # both; q3 / q3a: both with three consumers (WG0 QK^T and the softmax only), without / with the next page's
@@ -1505,29 +1429,23 @@ PY
     (cd /tmp/m && dec m 90 fp8,bf16)
     for v in q3 q3a; do (cd /tmp/$v && dec $v 65 fp8); done
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-107) # session 38, on an H200 (needs_h200; ~8.5 minutes): part 106's knobs where the targets are, beside the targets'
-    # decode rows (all four shapes, bf16 and fp8, this tree) and the prefill's fixed shapes
+107) # session 38, for the next (an H200 where one comes, else any card; ~5.5 minutes): the 64-row decode's GPU cases
+    # (the partial mask and two-term fp8 P.V now the default; fp8_qk_q1_n128: fp8_q_split=False), then the targets'
+    # decode rows (bench/decode.py now times the one-term fp8_qk row beside the two-term one) and the prefill's
+    # fixed shapes (the overlap and three consumers gone)
     out=${2:?}
-    k=pallas_kernels/mla_decode_sm90.py
-    q1='s/^PV8_Q_TERMS = 2$/PV8_Q_TERMS = 1/'
-    m='s/^MASK_EVERY_PAGE = True$/MASK_EVERY_PAGE = False/'
-    c3a='s/^PV8_CONSUMERS = 2$/PV8_CONSUMERS = 3/; s/^PV8_QK_AHEAD = False$/PV8_QK_AHEAD = True/'
-    ab_copy /tmp/q1 $k "$q1" "^PV8_Q_TERMS = 1$"
-    ab_copy /tmp/qm $k "$q1; $m" "^MASK_EVERY_PAGE = False$"
-    ab_copy /tmp/q3a $k "$q1; $m; $c3a" "^PV8_QK_AHEAD = True$"
-    cp -r tests pyproject.toml /tmp/qm/
-    (cd /tmp/qm && timeout -s INT 75 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu \
-        -p no:cacheprovider -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k "matches_reference" \
-        >"$out/gpu-tests-qm.log" 2>&1)
-    echo "qm tests: rc=$?"; grep -E "FAILED|passed|failed" "$out/gpu-tests-qm.log" | tail -6
+    timeout -s INT 90 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu -p no:cacheprovider -rfE \
+        tests/pallas_kernels/test_mla_decode_sm90.py -k "matches_reference" >"$out/gpu-tests.log" 2>&1
+    echo "decode tests: rc=$?"; grep -E "FAILED|passed|failed" "$out/gpu-tests.log" | tail -6
     run 130 decode python3 bench/decode.py --out "$out/decode" --quick --no-check --no-ragged --device-time \
         --shapes 32x16x1024,64x128x4096,128x128x8192,1x128x32768 --dtypes bf16,fp8 --kernels pallas_sm90
-    dec() { run "$2" "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
-        --device-time --shapes 64x128x4096,128x128x8192 --dtypes "$3" --kernels pallas_sm90; }
-    (cd /tmp/qm && dec qm 90 fp8,bf16)
-    (cd /tmp/q1 && dec q1 65 fp8)
-    (cd /tmp/q3a && dec q3a 65 fp8)
     run 90 prefill python3 bench/prefill.py --out "$out/prefill" --shapes-only --no-xla --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 107" >&2; exit 2 ;;
+108) # session 38, for the next (on an H200, needs_h200: batch 128 at ctx 4k does not fit an H100; ~5.5 minutes): the
+    # targets' e2e rows (part 93's)
+    out=${2:?}
+    run 320 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 32,128,1 --ctxs 4096,1024 \
+        --no-prefill --no-engine
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 108" >&2; exit 2 ;;
 esac

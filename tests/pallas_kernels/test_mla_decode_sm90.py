@@ -33,7 +33,6 @@ from pallas_kernels.testing import (
     MLA_DECODE_SM90,
     assert_decode_close,
     decode_inputs,
-    decode_kind,
     decode_reference,
 )
 from pallas_kernels.testing import DECODE_SCALE as SCALE
@@ -343,14 +342,16 @@ def test_attention_backend_pallas_sm90(monkeypatch):
 
 
 def test_attention_backend_pallas_sm90_fp8qk(monkeypatch):
-    """ "pallas_sm90_fp8qk" decodes an fp8 cache with fp8_qk=True (against the reference on the split q) and a
-    bf16 cache exactly like "pallas_sm90"."""
+    """ "pallas_sm90_fp8qk" decodes an fp8 cache with fp8_qk=True on one e4m3 term of q (fp8_q_split=False: against
+    the reference on that q) and a bf16 cache exactly like "pallas_sm90"."""
     from mla_jax import attention
 
     calls = []
     real = k90.mla_decode_sm90
     monkeypatch.setattr(
-        k90, "mla_decode_sm90", lambda *a, **kw: calls.append(kw.get("fp8_qk", False)) or real(*a, **kw)
+        k90,
+        "mla_decode_sm90",
+        lambda *a, **kw: calls.append((kw.get("fp8_qk", False), kw.get("fp8_q_split"))) or real(*a, **kw),
     )
     if not NPROC_IN_TIME:
         pytest.skip("NPROC was raised too late for the interpreter")
@@ -361,11 +362,12 @@ def test_attention_backend_pallas_sm90_fp8qk(monkeypatch):
         )
         out, lse = decode(q, cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=L)
         fp8_qk = cache_dtype == "fp8"
-        ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, {"fp8_qk": fp8_qk}))(q, cache, bt, sl, ks)
+        kw = {"fp8_qk": True, "fp8_q_split": False} if fp8_qk else {}
+        ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, kw))(q, cache, bt, sl, ks)
         # 64 rows: the 64-row kernel, whose fp8_qk rounds P to e4m3 for its fp8 P.V
         assert k90.uses_fp8_pv(64, cache.dtype) == fp8_qk
         assert_decode_close(out, lse, ref, ref_lse, "fp8_pv" if fp8_qk else "bf16")
-        assert calls[-1] == fp8_qk
+        assert calls[-1] == ((True, False) if fp8_qk else (False, None))
     assert len(calls) == 2
 
 
@@ -432,110 +434,39 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
     assert ("quantize_q_fp8_r" in text) == quantize
 
 
-@pytest.fixture(params=[(2, False), (3, False), (3, True)], ids=["consumers2", "consumers3", "consumers3_ahead"])
-def pv8_consumers(request, monkeypatch):
-    """Each of the fp8 P.V kernel's schedules (`PV8_CONSUMERS`: WG0 with or without the first half's P.V; with three,
-    `PV8_QK_AHEAD`: the next page's QK^T in flight during the softmax); the jitted kernels are traced afresh before
-    and after, since both are read at trace time."""
-    jax.clear_caches()
-    monkeypatch.setattr(k90, "PV8_CONSUMERS", request.param[0])
-    monkeypatch.setattr(k90, "PV8_QK_AHEAD", request.param[1])
-    yield request.param
-    jax.clear_caches()
-
-
-def test_fp8_pv_schedules_match_reference(pv8_consumers):
-    """Each fp8 P.V schedule on a 64-row fp8_qk case, interpreted (race detector on): against the float32 reference
-    on the split q, P rounded to e4m3 its only loss ("fp8_pv"); NaN-poisoned rows past each length (a partial last
-    page zeroed in the ring), a 1-token request, 2 tiles, the work list. (The shared suite runs every fp8_qk case
-    with the default schedule.)"""
+def test_fp8_pv_one_q_term_drops_the_residual():
+    """fp8_q_split=False on a 64-row fp8_qk case, interpreted (race detector on): against the float32 reference on
+    q_hi * scale, P rounded to e4m3 its only other loss ("fp8_pv"; NaN-poisoned rows past each length, a 1-token
+    request, 2 tiles, the work list); and its lse off the two-term reference's by more than that bound, so the kernel
+    did drop the residual. (The shared suite runs every fp8_qk case with two terms.)"""
     case = next(c for c in DECODE_CASES if c.name == "fp8_qk_n40_worklist")
-    assert decode_kind(case) == "fp8_pv"
+    kw = dict(case.kernel, fp8_q_split=False)
     q, cache, bt, sl, ks = case.make()
-    out, lse = run_decode(q, cache, bt, sl, ks, **case.kernel)
-    ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(q, cache, bt, sl, ks)
+    out, lse = run_decode(q, cache, bt, sl, ks, **kw)
+    ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, kw, case.l))(q, cache, bt, sl, ks)
     assert_decode_close(out, lse, ref, ref_lse, "fp8_pv")
-
-
-@pytest.fixture
-def pv8_one_q_term(monkeypatch):
-    """`PV8_Q_TERMS` = 1: the fp8 P.V kernel's QK^T on q_hi alone (one e4m3 term, one wgmma chain)."""
-    jax.clear_caches()
-    monkeypatch.setattr(k90, "PV8_Q_TERMS", 1)
-    yield
-    jax.clear_caches()
-
-
-def test_fp8_pv_one_q_term_matches_reference(pv8_one_q_term):
-    """One term of q, interpreted: against the float32 reference on q_hi * scale (what the reference takes for this
-    setting), P rounded to e4m3 its only other loss; the error against the exact q (the term dropped) is the lossy
-    footing's, and must still show: on the split reference this q fails the bound."""
-    case = next(c for c in DECODE_CASES if c.name == "fp8_qk_n40_worklist")
-    q, cache, bt, sl, ks = case.make()
-    out, lse = run_decode(q, cache, bt, sl, ks, **case.kernel)
-    ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(q, cache, bt, sl, ks)
-    assert_decode_close(out, lse, ref, ref_lse, "fp8_pv")
-    split_ref_lse = mla_decode.mla_decode_reference(
-        k90.fp8_qk_reference_q(q, split=True), cache, bt, sl, scale=SCALE, kv_scale=ks, kv_lora_rank=case.l
-    )[1]
+    split_ref_lse = jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(q, cache, bt, sl, ks)[1]
     live = np.isfinite(np.asarray(ref_lse))
     assert np.abs(np.asarray(lse) - np.asarray(split_ref_lse))[live].max() > DECODE_TOL["fp8_pv"][1]
 
 
-def test_fp8_pv_one_q_term_lowers_for_sm90(pv8_one_q_term, monkeypatch, h200):
-    """One term of q: the [64, D] Q buffer and one wgmma chain pass Mosaic GPU's lowering, the quantize unsplit."""
-    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
-    text = _lower_for_sm90("fp8", fp8_qk=True, num_sms=132, n=64, num_kv_splits=2)
-    assert "_pv8" in text and "quantize_q_fp8_r" in text
-
-
-@pytest.fixture
-def mask_partial_pages_only(monkeypatch):
-    """`MASK_EVERY_PAGE` off: the logits' mask only on the pages past each piece's `full` ones."""
-    jax.clear_caches()
-    monkeypatch.setattr(k90, "MASK_EVERY_PAGE", False)
-    yield
-    jax.clear_caches()
-
-
 @pytest.mark.parametrize(
-    "name",
+    "kw",
     [
-        "q2_causal_n40_straddling_tiles_3splits_page_offset_bf16",  # rows of one tile one token apart
-        "worklist_fp8_q2_causal_n64",  # the exact fp8 body
-        "fp8_qk_n40_worklist",  # the fp8 P.V body; 24 padding rows (NaN shared memory) unmasked on full pages
+        dict(n=64, num_kv_splits=2),
+        dict(n=128, schedule="worklist"),
+        dict(n=64, num_kv_splits=2, fp8_q_split=False),
     ],
 )
-def test_mask_partial_pages_only_matches_reference(name, mask_partial_pages_only):
-    """The 64-row bodies with the mask only past `full` (interpreted, race detector on): a page that still holds a
-    token some row must not see (a causal neighbour's, past a length: NaN-poisoned) would fail against the
-    reference if `full` counted it."""
-    case = next(c for c in DECODE_CASES if c.name == name)
-    q, cache, bt, sl, ks = case.make()
-    out, lse = run_decode(q, cache, bt, sl, ks, **case.kernel)
-    ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(q, cache, bt, sl, ks)
-    assert_decode_close(out, lse, ref, ref_lse, decode_kind(case))
-
-
-@pytest.mark.parametrize(
-    "cache_dtype, kw", [("bf16", dict(n=64, num_kv_splits=2)), ("fp8", dict(n=128, schedule="worklist", fp8_qk=True))]
-)
-def test_mask_partial_pages_only_lowers_for_sm90(cache_dtype, kw, mask_partial_pages_only, monkeypatch, h200):
-    """The per-page branch between masked and unmasked logits (a register-valued `lax.cond`) passes Mosaic GPU's
-    lowering."""
-    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
-    text = _lower_for_sm90(cache_dtype, num_sms=132, **kw)
-    assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("kw", [dict(n=64, num_kv_splits=2), dict(n=128, schedule="worklist")])
-def test_fp8_pv_lowers_for_sm90(kw, pv8_consumers, monkeypatch, h200):
+def test_fp8_pv_lowers_for_sm90(kw, monkeypatch, h200):
     """The fp8 P.V kernel's GPU path (transposed 16-bit loads of the ring's bf16 view, register regrouping, the
     register-operand fp8 wgmma, O^T's store), in either schedule, passes Mosaic GPU's lowering, with its split-q
-    quantize kernel."""
+    quantize kernel (one term: its [64, L+R] Q and one QK^T chain, the quantize unsplit)."""
     monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
     text = _lower_for_sm90("fp8", fp8_qk=True, num_sms=132, **kw)
-    assert "_pv8" in text and "quantize_q_fp8_r" in text and "_split" in text
+    one = kw.get("fp8_q_split") is False
+    assert "_pv8" in text and "quantize_q_fp8_r" in text
+    assert ("_split" in text) != one and ("_pv8_q1" in text) == one
 
 
 @pytest.mark.parametrize("pdl", [True, False])
@@ -588,6 +519,16 @@ def _bad(**over):
                 kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.bfloat16), kv_scale=None, fp8_qk=True
             ),
             "fp8_qk=True needs a float8_e4m3fn",
+        ),
+        (lambda a: dict(fp8_q_split=False), "fp8_q_split=False applies to fp8_qk=True only"),
+        (
+            lambda a: dict(
+                kv_c_and_k_pe_cache=a["kv_c_and_k_pe_cache"].astype(jnp.float8_e4m3fn),
+                kv_scale=jnp.ones(a["kv_c_and_k_pe_cache"].shape[:2], jnp.float32),
+                fp8_qk=True,
+                fp8_q_split=True,
+            ),
+            "fp8_q_split=True: 16 query rows a request run the narrow kernel",
         ),
         (lambda a: dict(num_sms=0), "num_sms"),
         (lambda a: dict(schedule="persistent"), "schedule"),
