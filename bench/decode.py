@@ -364,8 +364,8 @@ def sweep_variants(n, dtype, num_splits_default):
 
 def error_vs_f32(fn, args) -> dict:
     """The row's error on its own inputs against the float32 reference over the dequantized cache with the
-    exact q (lossy modes included: their rounding of q is part of the error, FlashMLA's footing): rel_err and
-    lse_err (natural log) as `rel_and_lse_err`."""
+    exact q (lossy modes included: their rounding of q is part of the error, as FlashMLA's rounding of P is of
+    its): rel_err and lse_err (natural log) as `rel_and_lse_err`."""
     q, cache, bt, sl, ks = args
     out, lse = fn(*args)
     ref, ref_lse = md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)

@@ -44,7 +44,7 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   page (Hopper's fp8 wgmma reads shared-memory operands K-major only, and V is N-major in the page) and P
   rounded to e4m3, the mode's one loss (~1% against float32; issue 20 allows FlashMLA's 2%). Its warpgroups:
   WG0 (QK^T, the softmax, the first half of P.V), WG1 (the second half), the producer. With fp8_q_split=False
-  q is one e4m3 term (one QK^T chain; FlashMLA's footing, lossier). At <= 16 rows a request the narrow kernel
+  q is one e4m3 term (one QK^T chain: faster, ~3x the error). At <= 16 rows a request the narrow kernel
   runs this mode instead (one fp8 term of q, V cast to bf16).
 
 Shared memory at L+R = 576 (227 KB available): bf16, 2 stages: Q 72 KB + ring 2 x 72 KB + P 8 KB
@@ -1633,9 +1633,10 @@ def mla_decode_sm90(
     ~1% error against float32; kv_lora_rank a multiple of 256); fp8_stages then defaults to 4. In the narrow
     kernel: QK^T on one e4m3 term of q (`quantize_q_fp8`: the logits are those of the quantized q).
     fp8_q_split (with fp8_qk): None, the kernels' own: two terms in 64-row tiles, one in the narrow kernel. False:
-    one term in 64-row tiles too, FlashMLA's footing (half the QK^T wgmmas: 115.9 against 179.1 us at 64x128x4096,
-    H100; error against float32 6.2% on N(0, 1) inputs with DeepSeek-V3's scale, 1.7-2.0% on the demo model's
-    activations, against two terms' 1.2%). True: two terms (64-row tiles only).
+    one term in 64-row tiles too (half the QK^T wgmmas: 115.9 against 179.1 us at 64x128x4096, H100; error against
+    float32 6.2% on N(0, 1) inputs with DeepSeek-V3's scale against two terms' 1.2%, where FlashMLA's fp8, which
+    rounds only P, would be 1.0%: two terms are FlashMLA's footing, one term ~3x its error). True: two terms (64-row
+    tiles only).
     plan: the step's work list, `decode_plan` of the same block_table and seq_lens with the same options, built
     once for every layer (None: built here where the work list runs; an error where the grid does).
     interpret: run under the Mosaic GPU interpreter (CPU testing): True, or the interpreter's
