@@ -1,0 +1,22 @@
+"""scripts/fp8_decode_footing.py on a small input: the modes' errors in the order their roundings imply (the
+numbers at the benchmark's size: docs/perf-notes.md, session 38)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_footing_orders_the_modes():
+    spec = importlib.util.spec_from_file_location("footing", os.path.join(ROOT, "scripts", "fp8_decode_footing.py"))
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    res = m.measure(b=1, n=16, ctx=256, l=128, r=64)
+    assert set(res) == {"v3_yarn", "inv_sqrt_192"}
+    for e in res.values():
+        assert 0 < e["p_only"] < 0.05 and 0 < e["q2_p"] < 0.05
+        # q's residual leaves P's rounding the only loss; one term of q adds its own, several times larger
+        assert abs(e["q2_p"] - e["p_only"]) < 0.25 * e["p_only"]
+        assert e["q1_p"] > 2 * e["p_only"] and e["q1"] > e["p_only"]
