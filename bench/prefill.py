@@ -512,8 +512,6 @@ PREFILL_VARIANTS = [  # (block_q, block_k, num_warps, num_stages); the default r
 
 SM90_VARIANTS = [  # flash_prefill_sm90 tuning; the default runs first
     None,
-    dict(overlap=not fp90.OVERLAP),
-    dict(block_q=192, overlap=True),
     dict(block_k=64, num_stages=3),
     dict(block_k=64, num_stages=4),
     dict(schedule_barrier=False),

@@ -19,7 +19,7 @@ sequences. A per-tile metadata row (built by a few XLA ops over the row windows)
 sees a key), computes unmasked (every non-empty row sees every key) or computes masked (causal
 diagonal, sequence edges).
 
-One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`; with block_q 192, 4: three consumers):
+One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`):
 - Warpgroups 0 and 1 (consumers) each own 64 query rows: they TMA their Q rows (3 column chunks of 64
   for Dq = 192, so each chunk is a contiguous [64, 64] tile that later stages the output) and row
   windows, then per key tile: S = Q K^T (one wgmma per 64-wide chunk of Dq, f32 accumulator), online
@@ -27,10 +27,7 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`; with block_q 192, 4: three
   padding cannot leak), acc = acc * alpha + P V (wgmma with P from registers); the row sum of P is taken
   after the schedule barrier, outside the softmax's turn (tokamax's order for head dims > 128: +1-5%).
   An optional schedule barrier ping-pongs the two consumers (FA3): one's softmax overlaps the other's
-  wgmmas. With `overlap` (FA3's intra-warpgroup overlap, `_overlapped`) a consumer also pipelines
-  its own tiles: it issues key tile i's QK^T together with tile i-1's P V, and runs i's softmax while
-  that P V is in flight (the accumulator is rescaled by alpha_i once it lands); the consumers then take
-  turns issuing their pair of wgmmas (`turn` barriers) instead of the ping-pong's two phases a tile.
+  wgmmas.
 - Warpgroup 2 (producer) TMAs K and V tiles into a `num_stages`-deep ring (separate K and V barriers,
   so QK^T starts before V lands). TMA zero-fills rows past the end of the arrays; rows of the first
   and last key tiles outside the tile's visible keys (NaN padding, another sequence) are zeroed in
@@ -46,12 +43,10 @@ itself; consumers that skip a key tile still wait for it and release it):
   q_bar[wg]     Q rows + row windows landed (TMA)              consumer wg waits
   k_ready[st]   K tile in ring slot                            every consumer waits
   v_ready[st]   V tile in ring slot (TMA, or producer arrive)  every consumer waits
-  k_free[st]    every consumer done with K slot (2 or 3 arr.)  producer waits
-  v_free[st]    every consumer done with V slot (2 or 3 arr.)  producer waits
+  k_free[st]    both consumers done with K slot (2 arrivals)   producer waits
+  v_free[st]    both consumers done with V slot (2 arrivals)   producer waits
   raw_bar       the producer's own TMA of a V tile it zeroes   producer waits
   sched         ping-pong between the consumers (2 arrivals)   both consumers
-  turn[wg]      overlap: consumer wg may issue (the previous    consumer wg
-                consumer's arrival, round robin)
 
 Under the Mosaic GPU interpreter (CPU tests) P goes through shared memory and each P V product into a
 fresh accumulator (the interpreter has no register-operand wgmma and no `run_state` over an
@@ -102,28 +97,22 @@ from pallas_kernels.util import (
     validate_prefill,
 )
 
-__all__ = ["flash_prefill_sm90", "flash_prefill_reference", "is_sm90", "unsupported_reason", "BLOCK_Q"]
+__all__ = ["flash_prefill_sm90", "flash_prefill_reference", "is_sm90", "unsupported_reason"]
 
-BLOCK_Q = 128  # query rows per CTA by default: two consumer warpgroups of 64 (wgmma M); 192: three
-_WG_ROWS = 64
+_WGS = 2  # consumer warpgroups
+_WG_ROWS = 64  # query rows of a consumer warpgroup (wgmma M)
+_BLOCK_Q = _WGS * _WG_ROWS  # query rows per CTA
 _CHUNK = 64  # 128-byte swizzle width of bf16/f16: wgmma K step and TMA column chunk
 # (consumer, producer) registers per thread: 2 x 128 x 224 + 128 x 56 = 64512 <= 64K. A consumer
 # holds the [64, V] f32 accumulator (64 at V=128), the [64, BK] f32 logits (64) and its mask/P;
 # the producer zeroes [64, 64] chunks of the last V tile.
 _REGS = (224, 56)
-# With the intra-warpgroup overlap a consumer also holds the next tile's logits while its P V is in flight.
-_REGS_OVERLAP = (232, 40)
-# Three consumers (block_q 192): 3 x 128 x 160 + 128 x 32 = 65536, with [64, 64] logits (BK 64).
-_REGS_3WG = (160, 32)
-# Intra-warpgroup overlap by default (`overlap=None`): off until measured against the ping-pong alone.
-OVERLAP = False
 
 
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
     dq: int
     dv: int
-    wgs: int  # consumer warpgroups (64 query rows each)
     bk: int  # key rows per tile
     stages: int  # K/V ring depth
     n_qtiles: int
@@ -131,28 +120,20 @@ class _Cfg:
     dtype: object
     p_in_smem: bool  # P through shared memory (always under the interpreter)
     sched: bool  # ping-pong schedule barrier between the consumers
-    overlap: bool  # FA3's intra-warpgroup overlap: the next tile's QK^T issued with this tile's P V
     interpret: bool
-
-
-def _registers(cfg: _Cfg) -> tuple[int, int]:
-    """(consumer, producer) registers per thread."""
-    if cfg.wgs == 3:
-        return _REGS_3WG
-    return _REGS_OVERLAP if cfg.overlap else _REGS
 
 
 def _smem_plan(cfg: _Cfg):
     dt = cfg.dtype
     bufs = [
-        plgpu.SMEM((cfg.wgs, cfg.dq // _CHUNK, _WG_ROWS, _CHUNK), dt, transforms=tiled(dt)),  # Q / out
+        plgpu.SMEM((_WGS, cfg.dq // _CHUNK, _WG_ROWS, _CHUNK), dt, transforms=tiled(dt)),  # Q / out
         plgpu.SMEM((cfg.stages, cfg.bk, cfg.dq), dt, transforms=tiled(dt)),  # K ring
         plgpu.SMEM((cfg.stages, cfg.bk, cfg.dv), dt, transforms=tiled(dt)),  # V ring
-        plgpu.SMEM((cfg.wgs, 2, _WG_ROWS), jnp.int32),  # lo, hi
-        plgpu.SMEM((cfg.wgs, _WG_ROWS), jnp.float32),  # lse
+        plgpu.SMEM((_WGS, 2, _WG_ROWS), jnp.int32),  # lo, hi
+        plgpu.SMEM((_WGS, _WG_ROWS), jnp.float32),  # lse
     ]
     if cfg.p_in_smem:
-        bufs.append(plgpu.SMEM((cfg.wgs, _WG_ROWS, cfg.bk), dt, transforms=tiled(dt)))
+        bufs.append(plgpu.SMEM((_WGS, _WG_ROWS, cfg.bk), dt, transforms=tiled(dt)))
     return bufs, smem_bytes(bufs) + 1024  # + barriers
 
 
@@ -161,17 +142,16 @@ def _kernel(q_gmem, k_gmem, v_gmem, rows_gmem, meta_gmem, out_gmem, lse_gmem, *,
     if not cfg.p_in_smem:
         bufs.append(None)
     bars = [
-        plgpu.Barrier(num_arrivals=cfg.dq // _CHUNK + 1, num_barriers=cfg.wgs),  # q_bar
+        plgpu.Barrier(num_arrivals=cfg.dq // _CHUNK + 1, num_barriers=_WGS),  # q_bar
         plgpu.Barrier(num_barriers=cfg.stages),  # k_ready
         plgpu.Barrier(num_barriers=cfg.stages),  # v_ready
-        plgpu.Barrier(num_arrivals=cfg.wgs, num_barriers=cfg.stages),  # k_free
-        plgpu.Barrier(num_arrivals=cfg.wgs, num_barriers=cfg.stages),  # v_free
+        plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),  # k_free
+        plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),  # v_free
         plgpu.Barrier(),  # raw_bar
         plgpu.Barrier(num_arrivals=2),  # sched
-        plgpu.Barrier(num_barriers=cfg.wgs),  # turn (overlap)
     ]
 
-    def scoped(smem, q_bar, k_ready, v_ready, k_free, v_free, raw_bar, sched, turn):
+    def scoped(smem, q_bar, k_ready, v_ready, k_free, v_free, raw_bar, sched):
         q_smem, k_ring, v_ring, rows_smem, lse_smem, p_smem = smem
         _body(
             cfg,
@@ -196,7 +176,6 @@ def _kernel(q_gmem, k_gmem, v_gmem, rows_gmem, meta_gmem, out_gmem, lse_gmem, *,
                 v_free=v_free,
                 raw_bar=raw_bar,
                 sched=sched,
-                turn=turn,
             ),
         )
 
@@ -224,12 +203,10 @@ def _body(cfg: _Cfg, r):
         plgpu.barrier_arrive(r["sched"])
         plgpu.barrier_wait(r["sched"])
 
-    regs = _registers(cfg)
-
-    @pl.when(wg < cfg.wgs)
+    @pl.when(wg < _WGS)
     def _consumer():
-        plgpu.set_max_registers(regs[0], action="increase")
-        t0 = pl.multiple_of(qt * cfg.wgs * _WG_ROWS + wg * _WG_ROWS, _WG_ROWS)
+        plgpu.set_max_registers(_REGS[0], action="increase")
+        t0 = pl.multiple_of(qt * _WGS * _WG_ROWS + wg * _WG_ROWS, _WG_ROWS)
         q_smem = r["q_smem"].at[wg]  # [Dq/64, 64, 64]
         n_qc = cfg.dq // _CHUNK
         for c in range(n_qc):
@@ -300,25 +277,20 @@ def _body(cfg: _Cfg, r):
         acc = plgpu.layout_cast(jnp.zeros((_WG_ROWS, cfg.dv), f32), plgpu.Layout.WGMMA)
         m_i = plgpu.layout_cast(jnp.full((_WG_ROWS,), M_INIT, f32), row_layout)
         l_i = plgpu.layout_cast(jnp.zeros((_WG_ROWS,), f32), row_layout)
-        if cfg.overlap:
-            acc, m_i, l_i = _overlapped(
-                cfg, r, wg, n, e0, ja, jb, e1, (acc, m_i, l_i), softmax, issue_qk, p_ref, slot_of, base
-            )
-        else:
-            carry = (acc, m_i, l_i)
-            if cfg.sched:
-                pl.when(wg == 1)(sched_sync)  # offset the consumers by half a step
-            for lo_j, hi_j, mode in (
-                (0, e0, "skip"),
-                (e0, ja, "masked"),
-                (ja, jb, "full"),
-                (jb, e1, "masked"),
-                (e1, n, "skip"),
-            ):
-                carry = lax.fori_loop(lo_j, hi_j, functools.partial(step, mode=mode), carry)
-            if cfg.sched:
-                pl.when(wg == 0)(sched_sync)
-            acc, m_i, l_i = carry
+        carry = (acc, m_i, l_i)
+        if cfg.sched:
+            pl.when(wg == 1)(sched_sync)  # offset the consumers by half a step
+        for lo_j, hi_j, mode in (
+            (0, e0, "skip"),
+            (e0, ja, "masked"),
+            (ja, jb, "full"),
+            (jb, e1, "masked"),
+            (e1, n, "skip"),
+        ):
+            carry = lax.fori_loop(lo_j, hi_j, functools.partial(step, mode=mode), carry)
+        if cfg.sched:
+            pl.when(wg == 0)(sched_sync)
+        acc, m_i, l_i = carry
 
         nonempty = lo < hi
         l_safe = jnp.where(nonempty, l_i, 1.0)
@@ -336,9 +308,9 @@ def _body(cfg: _Cfg, r):
         plgpu.copy_smem_to_gmem(r["lse_smem"].at[wg], r["lse_gmem"].at[h, pl.ds(t0, _WG_ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == cfg.wgs)
+    @pl.when(wg == _WGS)
     def _producer():
-        plgpu.set_max_registers(regs[1], action="decrease")
+        plgpu.set_max_registers(_REGS[1], action="decrease")
 
         def step(j, _):
             slot = slot_of(j)
@@ -379,136 +351,6 @@ def _body(cfg: _Cfg, r):
         lax.fori_loop(jnp.maximum(n - stages, 0), n, drain, ())
 
 
-def _overlapped(cfg: _Cfg, r, wg, n, e0, ja, jb, e1, init, softmax, issue_qk, p_ref, slot_of, base):
-    """One consumer's key tiles with FA3's intra-warpgroup overlap; returns (acc, m, l).
-
-    Key tile i's QK^T is issued together with tile i-1's P V, and i's softmax runs while that P V is in
-    flight (P_{i-1} was computed against m_{i-1}; once the P V lands the accumulator is rescaled by
-    alpha_i to m_i). With the schedule barrier the two consumers take turns issuing their pair of
-    wgmmas (`turn[w]`: consumer w may issue; the other arrives on it once it has issued), so one's
-    softmax also runs under the other's wgmmas. Every consumer takes n + 1 turns a tile (a turn per
-    skipped tile, the first QK^T alone, a turn per later tile, the last P V alone; one empty turn
-    where it has no tile to compute), so the turns' phases stay paired."""
-    f32 = jnp.float32
-    k_ready, v_ready, k_free, v_free = r["k_ready"], r["v_ready"], r["k_free"], r["v_free"]
-    v_ring, turn = r["v_ring"], r["turn"]
-    acc, m_i, l_i = init
-
-    def my_turn():
-        if cfg.sched:
-            plgpu.barrier_wait(turn.at[wg])
-
-    def hand_over():
-        if cfg.sched:
-            plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, cfg.wgs)])
-
-    def skip(j, carry):  # no row of this warpgroup sees these keys
-        slot = slot_of(j)
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_arrive(k_free.at[slot])
-        my_turn()
-        hand_over()
-        plgpu.barrier_wait(v_ready.at[slot])
-        plgpu.barrier_arrive(v_free.at[slot])
-        return carry
-
-    if cfg.sched:
-        pl.when(wg == cfg.wgs - 1)(lambda: plgpu.barrier_arrive(turn.at[0]))  # consumer 0 issues first
-    lax.fori_loop(0, e0, skip, ())
-
-    def first():  # tile e0's QK^T and softmax (masked or not: the mask costs once a tile)
-        slot = slot_of(e0)
-        plgpu.barrier_wait(k_ready.at[slot])
-        my_turn()
-
-        def qk(s_ref):
-            issue_qk(s_ref, slot)
-            hand_over()
-            return s_ref[...]
-
-        s = pl.run_scoped(qk, plgpu.ACC((_WG_ROWS, cfg.bk), f32))
-        plgpu.barrier_arrive(k_free.at[slot])
-        p, m, _ = softmax(s, m_i, base + e0 * cfg.bk, True)
-        return p.astype(cfg.dtype), m, p.sum(axis=1)
-
-    def none():  # this warpgroup has no key tile to compute: its one extra turn
-        my_turn()
-        hand_over()
-        return plgpu.layout_cast(jnp.zeros((_WG_ROWS, cfg.bk), cfg.dtype), plgpu.Layout.WGMMA), m_i, l_i
-
-    has = e0 < e1
-    p, m_i, l_i = lax.cond(has, first, none)
-
-    def step(i, carry, masked):  # P V of tile i-1 and QK^T of tile i in one turn; tile i's softmax
-        acc, p, m_i, l_i = carry
-        ks, vs = slot_of(i), slot_of(i - 1)
-        plgpu.barrier_wait(k_ready.at[ks])
-        plgpu.barrier_wait(v_ready.at[vs])
-        my_turn()
-
-        def after_qk(s):
-            plgpu.barrier_arrive(k_free.at[ks])
-            pn, m_new, alpha = softmax(s, m_i, base + i * cfg.bk, masked)
-            return pn.astype(cfg.dtype), m_new, alpha, l_i * alpha + pn.sum(axis=1)
-
-        if cfg.interpret:  # no accumulator across wgmmas or register P there: one after the other
-            s = pl.run_scoped(lambda s_ref: (issue_qk(s_ref, ks), s_ref[...])[1], plgpu.ACC((_WG_ROWS, cfg.bk), f32))
-            acc = _pv(cfg, acc, p, p_ref, v_ring.at[vs])
-            hand_over()
-            pn, m_new, alpha, l_new = after_qk(s)
-        else:
-            pa = _p_operand(cfg, p, p_ref)
-
-            def both(refs):
-                acc_ref, p_out, m_out, a_out, l_out = refs
-
-                def in_flight(s_ref):
-                    issue_qk(s_ref, ks)
-                    plgpu.wgmma(acc_ref, pa, v_ring.at[vs])
-                    hand_over()
-                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T done; P V may still run
-                    p_out[...], m_out[...], a_out[...], l_out[...] = after_qk(s)
-
-                pl.run_scoped(in_flight, plgpu.ACC((_WG_ROWS, cfg.bk), f32))
-
-            acc, pn, m_new, alpha, l_new = pl.run_state(both)((plgpu.ACC.init(acc), p, m_i, m_i, l_i))
-        plgpu.barrier_arrive(v_free.at[vs])
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        return acc, pn, m_new, l_new
-
-    a = e0 + 1
-    b = jnp.maximum(ja, a)
-    c = jnp.maximum(jb, b)
-    carry = (acc, p, m_i, l_i)
-    for lo_i, hi_i, masked in ((a, b, True), (b, c, False), (c, e1, True)):
-        carry = lax.fori_loop(lo_i, hi_i, functools.partial(step, masked=masked), carry)
-    acc, p, m_i, l_i = carry
-
-    def last(acc):  # tile e1-1's P V alone
-        vs = slot_of(e1 - 1)
-        plgpu.barrier_wait(v_ready.at[vs])
-        my_turn()
-        if cfg.interpret:
-            acc = _pv(cfg, acc, p, p_ref, v_ring.at[vs])
-            hand_over()
-        else:
-            pa = _p_operand(cfg, p, p_ref)
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, pa, v_ring.at[vs])
-                hand_over()
-
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[vs])
-        return acc
-
-    acc = lax.cond(has, last, lambda acc: acc, acc)
-    lax.fori_loop(e1, n, skip, ())
-    if cfg.sched:
-        pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))  # the last consumer's last hand-over
-    return acc, m_i, l_i
-
-
 def _p_operand(cfg: _Cfg, p, p_ref):
     """P as the P V wgmma's A operand: its registers, or with `p_in_smem` the shared-memory copy (written
     and fenced here). The interpreter has no register-operand wgmma, so there P always goes through
@@ -525,18 +367,18 @@ def _pv(cfg: _Cfg, acc, p, p_ref, v_ref):
     return wgmma_accumulate(acc, _p_operand(cfg, p, p_ref), v_ref, interpret=cfg.interpret)
 
 
-def _tile_meta(lo, hi, n_qtiles: int, bk: int, wgs: int = 2):
-    """Per q tile: [base, n, hi_max, lo_min, (e0, ja, jb, e1) x wgs consumer warpgroups],
-    int32[n_qtiles, 4 + 4 wgs].
+def _tile_meta(lo, hi, n_qtiles: int, bk: int):
+    """Per q tile: [base, n, hi_max, lo_min, (e0, ja, jb, e1) x 2 consumer warpgroups],
+    int32[n_qtiles, 12].
 
     The tile's keys are [base, base + n*BK): the union [lo_min, hi_max) of its rows' windows, base
     rounded down to a multiple of 8 (TMA row alignment), the end up to whole tiles.
     For warpgroup w, key tiles [0, e0) and [e1, n) are skipped (no row sees a key), [ja, jb) lie
     inside every non-empty row's window (no mask), the rest are masked."""
-    lo = lo.reshape(n_qtiles, wgs, _WG_ROWS)
-    hi = hi.reshape(n_qtiles, wgs, _WG_ROWS)
+    lo = lo.reshape(n_qtiles, _WGS, _WG_ROWS)
+    hi = hi.reshape(n_qtiles, _WGS, _WG_ROWS)
     ne = lo < hi  # empty rows: lo=BIG, hi=0
-    lo_min = jnp.min(jnp.where(ne, lo, BIG), axis=-1)  # [n_qtiles, wgs]
+    lo_min = jnp.min(jnp.where(ne, lo, BIG), axis=-1)  # [n_qtiles, _WGS]
     hi_max = jnp.max(jnp.where(ne, hi, 0), axis=-1)
     lo_max = jnp.max(jnp.where(ne, lo, 0), axis=-1)
     hi_min = jnp.min(jnp.where(ne, hi, BIG), axis=-1)
@@ -552,14 +394,13 @@ def _tile_meta(lo, hi, n_qtiles: int, bk: int, wgs: int = 2):
     ja = jnp.clip((lo_max - b + bk - 1) // bk, e0, e1)
     jb = jnp.clip((hi_min - b) // bk, ja, e1)
     e0, ja, jb, e1 = (jnp.where(any_w, x, nn) for x in (e0, ja, jb, e1))  # empty: skip all
-    per_wg = jnp.stack([e0, ja, jb, e1], axis=-1).reshape(n_qtiles, 4 * wgs)  # wg-major
+    per_wg = jnp.stack([e0, ja, jb, e1], axis=-1).reshape(n_qtiles, 4 * _WGS)  # wg-major
     return jnp.concatenate([base[:, None], n[:, None], top[:, None], first[:, None], per_wg], axis=1).astype(jnp.int32)
 
 
-def _defaults(p_in_smem: bool, wgs: int = 2):
-    # BK 128, 2 stages fills 209 KB; P in shared memory needs 32 KB more, so BK 64 there. Three
-    # consumers' Q (72 KB) leave room for 3 stages of 64 keys (120 KB), not 2 of 128 (160 KB).
-    return (64, 3) if p_in_smem or wgs == 3 else (128, 2)
+def _defaults(p_in_smem: bool):
+    # BK 128, 2 stages fills 209 KB; P in shared memory needs 32 KB more, so BK 64 there.
+    return (64, 3) if p_in_smem else (128, 2)
 
 
 def unsupported_reason(q, k, v) -> str | None:
@@ -573,9 +414,7 @@ def unsupported_reason(q, k, v) -> str | None:
     return None
 
 
-def _validate_sm90(
-    q, k, v, q_start_loc, k_start_loc, scale, interpret, block_q, block_k, num_warps, num_stages, p_in_smem, overlap
-):
+def _validate_sm90(q, k, v, q_start_loc, k_start_loc, scale, interpret, block_k, num_warps, num_stages, p_in_smem):
     validate_prefill(q, k, v, q_start_loc, k_start_loc)
     if jnp.dtype(q.dtype) not in HALF_DTYPES:
         raise ValueError(f"q/k/v dtype must be bfloat16 or float16 for the sm90 kernel, got {q.dtype}")
@@ -589,20 +428,15 @@ def _validate_sm90(
         )
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
-    if block_q is not None and block_q not in (128, 192):
-        raise ValueError(f"block_q={block_q}: the sm90 kernel takes 128 or 192 (2 or 3 consumer warpgroups x 64 rows)")
-    wgs = (block_q or BLOCK_Q) // _WG_ROWS
-    if num_warps is not None and num_warps != 4 * (wgs + 1):
-        raise ValueError(f"num_warps={num_warps}: the sm90 kernel runs {wgs + 1} warpgroups ({4 * (wgs + 1)} warps)")
+    if num_warps is not None and num_warps != 4 * (_WGS + 1):
+        raise ValueError(f"num_warps={num_warps}: the sm90 kernel runs {_WGS + 1} warpgroups ({4 * (_WGS + 1)} warps)")
     if block_k is not None and block_k not in (64, 128):
         raise ValueError(f"block_k={block_k} must be 64 or 128 (wgmma N; [64, BK] f32 logits in registers)")
     if num_stages is not None and not (isinstance(num_stages, int) and num_stages >= 2):
         raise ValueError(f"num_stages must be an int >= 2, got {num_stages}")
     if p_in_smem is not None and not isinstance(p_in_smem, bool):
         raise ValueError(f"p_in_smem must be a bool or None, got {p_in_smem!r}")
-    if overlap is not None and not isinstance(overlap, bool):
-        raise ValueError(f"overlap must be a bool or None, got {overlap!r}")
-    check_interpreter_workers(interpret, wgs + 1)
+    check_interpreter_workers(interpret, _WGS + 1)
 
 
 @functools.partial(
@@ -615,8 +449,6 @@ def _validate_sm90(
         "num_stages",
         "p_in_smem",
         "schedule_barrier",
-        "overlap",
-        "block_q",
     ),
 )
 def _impl(
@@ -633,18 +465,14 @@ def _impl(
     num_stages,
     p_in_smem,
     schedule_barrier,
-    overlap,
-    block_q,
 ):
     tq, n, dq = q.shape
     tk, dv = k.shape[0], v.shape[2]
-    wgs = block_q // _WG_ROWS
-    n_qtiles = cdiv(tq, block_q)
-    tq_pad = n_qtiles * block_q
+    n_qtiles = cdiv(tq, _BLOCK_Q)
+    tq_pad = n_qtiles * _BLOCK_Q
     cfg = _Cfg(
         dq=dq,
         dv=dv,
-        wgs=wgs,
         bk=block_k,
         stages=num_stages,
         n_qtiles=n_qtiles,
@@ -652,7 +480,6 @@ def _impl(
         dtype=jnp.dtype(q.dtype),
         p_in_smem=p_in_smem,
         sched=schedule_barrier,
-        overlap=overlap,
         interpret=bool(interpret),
     )
     _, smem = _smem_plan(cfg)
@@ -666,7 +493,7 @@ def _impl(
     # warpgroup's lo and hi (Tq' * 4 bytes is a multiple of 16, as TMA strides must be).
     lo, hi = row_windows(q_start_loc, k_start_loc, tq_pad, tk, causal)
     rows = jnp.stack([lo, hi])
-    meta = _tile_meta(lo, hi, n_qtiles, block_k, wgs)
+    meta = _tile_meta(lo, hi, n_qtiles, block_k)
     # TMA zero-fills reads and drops writes past the end of an array, but Mosaic GPU's TMA into 8-row
     # tiled (swizzled) shared memory needs row counts that are multiples of 8, and a window no larger
     # than the array: other token counts cost a padded copy (pad T to 8 upstream to avoid it).
@@ -683,14 +510,14 @@ def _impl(
         out_type=(jax.ShapeDtypeStruct((tq_k, n, dv), q.dtype), jax.ShapeDtypeStruct((n, tq_pad), jnp.float32)),
         grid=(n, n_qtiles),
         grid_names=("h", "qt"),
-        num_threads=wgs + 1,
+        num_threads=_WGS + 1,
         thread_name="wg",
         # Row reductions of the WGMMA layout stay within a warp: no cross-warp reduction scratch.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
         kernel_name=(
-            f"flash_prefill_sm90_bq{block_q}_bk{block_k}_s{num_stages}"
-            f"{'_psmem' if p_in_smem else ''}{'_sched' if schedule_barrier else ''}{'_overlap' if overlap else ''}"
+            f"flash_prefill_sm90_bq{_BLOCK_Q}_bk{block_k}_s{num_stages}"
+            f"{'_psmem' if p_in_smem else ''}{'_sched' if schedule_barrier else ''}"
         ),
     )(q, k, v, rows, meta)
     return (out if tq_k == tq else out[:tq]), lse[:, :tq].T
@@ -706,13 +533,11 @@ def flash_prefill_sm90(
     causal: bool,
     scale: float,
     interpret: bool | plgpu.InterpretGPUParams = False,
-    block_q: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     p_in_smem: bool | None = None,
     schedule_barrier: bool = True,
-    overlap: bool | None = None,
 ):
     """Hopper varlen attention. Returns (out [Tq, N, V] q.dtype, lse f32[Tq, N] natural log).
 
@@ -726,27 +551,16 @@ def flash_prefill_sm90(
     Tuning (keyword-only, static): block_k key rows per tile (64 or 128; default 128, 64 with P in
     shared memory), num_stages K/V ring depth (>= 2; default 2, 3 with BK 64), p_in_smem (P V with
     P from shared memory instead of registers; forced under the interpreter), schedule_barrier (FA3
-    ping-pong of the two consumer warpgroups), overlap (FA3's intra-warpgroup overlap: a key tile's QK^T issued
-    with the previous tile's P V, its softmax while that P V runs; None: `OVERLAP`), block_q (128: two
-    consumer warpgroups; 192: three, with 64-key tiles, 1.5x the FLOPs per K/V byte, and with the
-    overlap's turns or no schedule barrier). num_warps follows (4 per warpgroup, the producer's too);
-    it is accepted for signature compatibility with flash_prefill.
+    ping-pong of the two consumer warpgroups). A CTA takes 128 query rows (two consumer warpgroups of
+    64). num_warps follows (12: 4 per warpgroup, the producer's too); it is accepted for signature
+    compatibility with flash_prefill.
     interpret: run under the Mosaic GPU interpreter (CPU testing): True, or a
-    `plgpu.InterpretGPUParams` (e.g. detect_races=True). It needs an XLA CPU worker per warpgroup (3,
-    or 4 with block_q 192: NPROC).
+    `plgpu.InterpretGPUParams` (e.g. detect_races=True). It needs an XLA CPU worker per warpgroup (3:
+    NPROC).
     """
-    _validate_sm90(
-        q, k, v, q_start_loc, k_start_loc, scale, interpret, block_q, block_k, num_warps, num_stages, p_in_smem, overlap
-    )
+    _validate_sm90(q, k, v, q_start_loc, k_start_loc, scale, interpret, block_k, num_warps, num_stages, p_in_smem)
     p_in_smem = bool(interpret) or bool(p_in_smem)
-    block_q = BLOCK_Q if block_q is None else block_q
-    overlap = bool(OVERLAP if overlap is None else overlap)
-    if block_q == 192 and schedule_barrier and not overlap:
-        raise ValueError(
-            "block_q=192: three consumer warpgroups take turns only through the overlap schedule "
-            "(overlap=True); the ping-pong schedule barrier pairs two (or pass schedule_barrier=False)"
-        )
-    d_bk, d_stages = _defaults(p_in_smem, block_q // _WG_ROWS)
+    d_bk, d_stages = _defaults(p_in_smem)
     block_k = d_bk if block_k is None else block_k
     num_stages = (d_stages if block_k == d_bk else 2) if num_stages is None else num_stages
     return _impl(
@@ -762,6 +576,4 @@ def flash_prefill_sm90(
         num_stages=int(num_stages),
         p_in_smem=p_in_smem,
         schedule_barrier=bool(schedule_barrier),
-        overlap=overlap,
-        block_q=int(block_q),
     )

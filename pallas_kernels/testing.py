@@ -1019,22 +1019,6 @@ PREFILL_CASES = [
         _FP90,
         dict(schedule_barrier=False, num_stages=2),
     ),
-    # intra-warpgroup overlap: every loop kind, 64-key tiles (several a warpgroup), with and without the
-    # schedule barrier; q longer than k (a warpgroup with no key tile); the non-causal chunk pass
-    _pc("causal_multi_tile_overlap", [150, 1, 0, 230, 7], None, True, _FP90, dict(overlap=True, block_k=64)),
-    _pc(
-        "causal_multi_tile_overlap_no_sched",
-        [150, 1, 0, 230, 7],
-        None,
-        True,
-        _FP90,
-        dict(overlap=True, schedule_barrier=False),
-    ),
-    _pc("causal_q_longer_than_k_overlap", [12, 3, 70], [4, 0, 66], True, _FP90, dict(overlap=True)),
-    # three consumer warpgroups (192 rows a CTA): the overlap's turns round three, and no schedule barrier
-    _pc("causal_multi_tile_3wgs", [150, 1, 0, 230, 7], None, True, _FP90, dict(block_q=192, overlap=True)),
-    _pc("chunk_3wgs_no_sched", [5, 0, 37], [9, 3, 200], False, _FP90, dict(block_q=192, schedule_barrier=False)),
-    _pc("noncausal_chunk_overlap", [5, 0, 37, 1, 20], [9, 3, 200, 1, 7], False, _FP90, dict(overlap=True)),
     # bottom-right aligned causal with q shorter than k, and q longer than k (empty rows)
     _pc("causal_q_shorter_than_k", [5, 0, 37, 1, 20], [9, 3, 60, 1, 27], True, _FP90),
     _pc("causal_q_longer_than_k", [12, 3, 70], [4, 0, 66], True, _FP90),
@@ -1112,26 +1096,6 @@ PREFILL_GPU_CASES = [
     _pc("fixed_2x1024_n16_no_sched", [1024, 1024], None, True, _FP90, dict(schedule_barrier=False), seed=3004, n=16),
     _pc("varlen_causal_n4_no_sched", _VARLEN, None, True, _FP90, dict(schedule_barrier=False), bench=True, n=4),
     _pc("varlen_causal_n4_p_in_smem", _VARLEN, None, True, _FP90, dict(p_in_smem=True), seed=3005, bench=True, n=4),
-    _pc("varlen_causal_n8_overlap", _VARLEN, None, True, _FP90, dict(overlap=True), seed=3008, bench=True, n=8),
-    *(  # the intra-warpgroup overlap: the non-causal chunk; no schedule barrier; P in shared memory (64-key tiles)
-        _pc(name, q, k, causal, _FP90, dict(overlap=True, **kw), seed=seed, n=n)
-        for name, q, k, causal, kw, seed, n in (
-            ("chunk_noncausal_n8_overlap", [300, 5, 0, 64, 257], [1000, 3, 0, 640, 64], False, {}, 3009, 8),
-            ("fixed_2x1024_n16_overlap_no_sched", [1024, 1024], None, True, dict(schedule_barrier=False), 3010, 16),
-            ("varlen_causal_n4_overlap_p_in_smem", _VARLEN, None, True, dict(p_in_smem=True), 3011, 4),
-            ("varlen_causal_n8_3wgs", _VARLEN, None, True, dict(block_q=192), 3012, 8),
-            ("chunk_noncausal_n8_3wgs", [300, 5, 0, 64, 257], [1000, 3, 0, 640, 64], False, dict(block_q=192), 3013, 8),
-            (
-                "fixed_2x1024_n16_3wgs_no_sched",
-                [1024, 1024],
-                None,
-                True,
-                dict(block_q=192, schedule_barrier=False),
-                3014,
-                16,
-            ),
-        )
-    ),
     _pc(
         "varlen_causal_n4_bk64_s4",
         _VARLEN,
