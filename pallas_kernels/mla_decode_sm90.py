@@ -178,6 +178,7 @@ class _Cfg:
     pv8: bool = False  # fp8 cache, fp8_qk: QK^T and P.V as fp8 wgmmas on the fp8 ring (O^T = V^T P^T, V^T in
     # registers: `_body_pv8`), Q as `q_terms` e4m3 terms with a per-row scale; no bf16 ring, no cast
     q_terms: int = 2  # pv8: q_hi and its residual (two QK^T chains), or q_hi alone (fp8_q_split=False)
+    lo_on_wg1: bool = False  # pv8, two terms: the residual's chain on WG1 (`PV8_LO_ON_WG1`)
     nq: int = 1  # query tokens per request (row t*N + n is token t's)
     heads: int = 64
     capacity: int = 1 << 30  # tokens the block table holds (longer lengths are clamped to it)
@@ -208,6 +209,8 @@ def _smem_plan(cfg: _Cfg):
             plgpu.SMEM((_ROWS + 1, TILE_M), f32),  # alpha, Q's scales
             plgpu.SMEM((fst, PAGE_SIZE), f32),  # the token scales
         ]
+        if cfg.lo_on_wg1:
+            group_a.append(plgpu.SMEM((TILE_M, PAGE_SIZE), f32))  # S_lo = q_lo K^T (WG1 -> WG0)
         ring16 = [plgpu.SMEM((fst, PAGE_SIZE, d // 2), BF16, transforms=tiled(BF16, 64))]
         groups = [group_a, stage, ring16]
         return groups, max(map(smem_bytes, groups))
@@ -259,6 +262,7 @@ def _barriers(cfg):
             epi_bar=plgpu.Barrier(num_arrivals=2),
             fin_bar=plgpu.Barrier(),
             raw_bar=plgpu.Barrier(),
+            **(dict(slo_ready=plgpu.Barrier(), slo_consumed=plgpu.Barrier()) if cfg.lo_on_wg1 else {}),
         )
     bars = dict(
         q_bar=plgpu.Barrier(),  # Q
@@ -294,8 +298,9 @@ def _kernel(*refs, cfg: _Cfg):
     def scoped(union, **bars):
         if cfg.pv8:
             refs_a, stage, (ring16,) = union
-            fp8_ring, q_smem, p_smem, loop_rows, scale_ring = refs_a
+            fp8_ring, q_smem, p_smem, loop_rows, scale_ring = refs_a[:5]
             r = dict(gmem, q_smem=q_smem, ring16=ring16, p_smem=p_smem, loop_rows=loop_rows, fp8_ring=fp8_ring)
+            r.update(slo_smem=refs_a[5] if cfg.lo_on_wg1 else None)
             r.update(scale_ring=scale_ring, stage=stage, **bars)
             _body_pv8(cfg, r, _Piece(cfg, r))
             return
@@ -747,13 +752,20 @@ def _body_pv8(cfg, r, pc):
 
         def issue_qk(acc_ref, i):  # q_hi K^T (+ residual K^T) of page i, one accumulator
             k_t = fp8_ring.at[slot_of(i)].T
-            for term in range(cfg.q_terms):
+            for term in range(1 if cfg.lo_on_wg1 else cfg.q_terms):
                 plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(term * cfg.d, cfg.d)], k_t)
 
         def qk(i):
             wait_page(i)
             with jax.named_scope("qk"):
-                return pl.run_scoped(lambda s_ref: (issue_qk(s_ref, i), s_ref[...])[1], plgpu.ACC((TILE_M, g), f32))
+                s = pl.run_scoped(lambda s_ref: (issue_qk(s_ref, i), s_ref[...])[1], plgpu.ACC((TILE_M, g), f32))
+            if not cfg.lo_on_wg1:
+                return s
+            with jax.named_scope("wait_slo"):
+                plgpu.barrier_wait(r["slo_ready"])
+            s = s + plgpu.load(r["slo_smem"], (), layout=plgpu.Layout.WGMMA)
+            plgpu.barrier_arrive(r["slo_consumed"])
+            return s
 
         def softmax_and_p(i, s, m_i, l_i):
             """Page i's logits s [64, G] (f32) -> P'' in shared memory for the P.V warpgroups; (m, l) after it."""
@@ -798,6 +810,21 @@ def _body_pv8(cfg, r, pc):
             fslot = slot_of(i)
             with jax.named_scope("wait_kv"):
                 plgpu.barrier_wait(fp8_ready.at[fslot])
+            if cfg.lo_on_wg1:  # S_lo of page i for WG0, before WG1 waits for page i's P
+                q_lo, k_t = r["q_smem"].at[:, pl.ds(cfg.d, cfg.d)], fp8_ring.at[fslot].T
+                with jax.named_scope("qk_lo"):
+                    s_lo = pl.run_scoped(
+                        lambda s_ref: (plgpu.wgmma(s_ref, q_lo, k_t), s_ref[...])[1], plgpu.ACC((TILE_M, g), f32)
+                    )
+
+                @pl.when(i > 0)
+                @jax.named_scope("wait_slo_consumed")
+                def _():
+                    plgpu.barrier_wait(r["slo_consumed"])  # WG0 has read S_lo of page i - 1
+
+                r["slo_smem"][...] = s_lo
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(r["slo_ready"])
             vt = vt_half(fslot, 1)
             with jax.named_scope("wait_p"):
                 plgpu.barrier_wait(p_ready)
@@ -805,7 +832,10 @@ def _body_pv8(cfg, r, pc):
             plgpu.barrier_arrive(p_consumed)
             return acc
 
-        pc.epilogue_wg1(lax.fori_loop(0, n, step, acc0))
+        acc = lax.fori_loop(0, n, step, acc0)
+        if cfg.lo_on_wg1:
+            pl.when(n > 0)(lambda: plgpu.barrier_wait(r["slo_consumed"]))  # its last phase too
+        pc.epilogue_wg1(acc)
 
     @pl.when(wg == 2)
     def _producer_wg():
@@ -837,6 +867,12 @@ def _body_pv8(cfg, r, pc):
 
         lax.fori_loop(0, n, step, ())
 
+
+# The fp8 P.V kernel's two-term QK^T: both chains on WG0 (False), or the residual's on WG1 (True: S_lo = q_lo K^T at
+# the page's start, into shared memory for WG0, while WG1 would otherwise wait for P; 62% of its time in session 38's
+# trace), each chain in its own f32 accumulator. Its 16 KB S_lo buffer leaves room for 3 fp8 pages, not 4. Built, off
+# until measured (gpu_session part 109).
+PV8_LO_ON_WG1 = False
 
 # (WG0, WG1, producer) registers a thread of the fp8 P.V kernel: each consumer holds an O^T [L/2, 64] f32 half; the
 # producer only issues TMAs (and zeroes a partial page). Three consumers (WG0 QK^T and the softmax only) lost: 121.8
@@ -1365,10 +1401,11 @@ def _impl(
     m_pad = head_tiles * TILE_M
     tail = cdiv(m_rows - (head_tiles - 1) * TILE_M, 8) * 8  # real rows of the last tile, to 8
     pv8 = bool(fp8_qk) and is_fp8
+    lo_on_wg1 = pv8 and fp8_q_split is not False and PV8_LO_ON_WG1
     if num_stages is None:
         num_stages = 1 if is_fp8 else 2
     if fp8_stages is None:
-        fp8_stages = _FP8_PV_STAGES if pv8 else 2
+        fp8_stages = (_FP8_PV_STAGES - lo_on_wg1) if pv8 else 2
     if batch_invariant:
         schedule, num_kv_splits = "grid", 1  # a request's pieces must not depend on the batch
     splits = 1
@@ -1387,6 +1424,7 @@ def _impl(
         interpret=bool(interpret),
         pv8=pv8,
         q_terms=1 if fp8_q_split is False else 2,
+        lo_on_wg1=lo_on_wg1,
         nq=nq,
         heads=n,
         capacity=max_pages * g,

@@ -1447,5 +1447,27 @@ PY
     run 320 e2e python3 -m mla_jax.bench.e2e --out "$out/e2e" --weights bf16 --batches 32,128,1 --ctxs 4096,1024 \
         --no-prefill --no-engine
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 108" >&2; exit 2 ;;
+109) # session 38, for the next (any card, ~6 minutes): the fp8 P.V kernel's residual chain on WG1 (PV8_LO_ON_WG1:
+    # S_lo = q_lo K^T at the page's start, while WG1 would wait for P, 62% of its time; 3 fp8 pages for the 16 KB
+    # S_lo buffer) against the default (both chains on WG0, 4 pages) and the default at 3 pages: its fp8_qk GPU cases,
+    # the 128-head fp8 rows (its two-term rel_err must stay ~1.2%; one-term rows beside), then its trace (2 pages)
+    out=${2:?}
+    k=pallas_kernels/mla_decode_sm90.py
+    ab_copy /tmp/lo $k 's/^PV8_LO_ON_WG1 = False$/PV8_LO_ON_WG1 = True/' "^PV8_LO_ON_WG1 = True$"
+    ab_copy /tmp/st3 $k 's/^_FP8_PV_STAGES = 4 /_FP8_PV_STAGES = 3 /' "^_FP8_PV_STAGES = 3 "
+    cp -r tests pyproject.toml /tmp/lo/
+    (cd /tmp/lo && timeout -s INT 60 env MLA_JAX_COMPILE_CACHE=off python3 -m pytest -v -n 4 -m gpu -p no:cacheprovider \
+        -rfE tests/pallas_kernels/test_mla_decode_sm90.py -k "fp8_qk and matches_reference" >"$out/gpu-tests-lo.log" 2>&1)
+    echo "lo tests: rc=$?"; grep -E "FAILED|passed|failed" "$out/gpu-tests-lo.log" | tail -6
+    dec() { run 90 "decode-$1" python3 bench/decode.py --out "$out/decode-$1" --quick --no-check --no-ragged \
+        --device-time --shapes 64x128x4096,128x128x8192,1x128x32768 --dtypes fp8 --kernels pallas_sm90; }
+    (cd /tmp/lo && dec lo)
+    dec tree
+    (cd /tmp/st3 && dec st3)
+    mkdir -p "$out/trace"
+    (cd /tmp/lo && run 40 trace-lo python3 bench/trace_sm90.py --out "$out/trace" --dtype fp8 --fp8-qk --l 512 \
+        --fp8-stages 2)
+    grep -E "per page|wg[01] " "$out/trace-lo.log" | head -20
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 109" >&2; exit 2 ;;
 esac

@@ -450,6 +450,38 @@ def test_fp8_pv_one_q_term_drops_the_residual():
     assert np.abs(np.asarray(lse) - np.asarray(split_ref_lse))[live].max() > DECODE_TOL["fp8_pv"][1]
 
 
+@pytest.fixture
+def lo_on_wg1(monkeypatch):
+    """`PV8_LO_ON_WG1`: the fp8 P.V kernel's residual chain on WG1 (S_lo to WG0 through shared memory); the jitted
+    kernels traced afresh before and after (the flag is read at trace time)."""
+    jax.clear_caches()
+    monkeypatch.setattr(k90, "PV8_LO_ON_WG1", True)
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("name", ["fp8_qk_n40_worklist", "fp8_qk_q2_causal_n64_2splits"])
+def test_fp8_pv_lo_on_wg1_matches_reference(name, lo_on_wg1):
+    """The residual's chain on WG1, interpreted (race detector on: S_lo's hand-over between the consumers), against
+    the two-term reference ("fp8_pv"): the work list with 24 padding rows, a 1-token request; causal rows of two
+    tokens over two splits. A dropped or stale S_lo fails: the lse moves by more than the bound without it
+    (`test_fp8_pv_one_q_term_drops_the_residual`)."""
+    case = next(c for c in DECODE_CASES if c.name == name)
+    q, cache, bt, sl, ks = case.make()
+    out, lse = run_decode(q, cache, bt, sl, ks, **case.kernel)
+    ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(q, cache, bt, sl, ks)
+    assert_decode_close(out, lse, ref, ref_lse, "fp8_pv")
+
+
+@pytest.mark.parametrize("kw", [dict(n=64, num_kv_splits=2), dict(n=128, schedule="worklist")])
+def test_fp8_pv_lo_on_wg1_lowers_for_sm90(kw, lo_on_wg1, monkeypatch, h200):
+    """The residual's chain on WG1 (its accumulator beside O^T's half, S_lo's store and WG0's load in the wgmma
+    layout, 3 fp8 pages with the 16 KB buffer) passes Mosaic GPU's lowering."""
+    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
+    text = _lower_for_sm90("fp8", fp8_qk=True, num_sms=132, **kw)
+    assert "_pv8" in text and "fp8stages3" in text
+
+
 @pytest.mark.parametrize(
     "kw",
     [
