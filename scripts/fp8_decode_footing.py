@@ -1,6 +1,6 @@
 """The fp8 decode modes' error against float32 on the decode benchmark's inputs, emulated densely (CPU).
 
-Run (CPU, ~1 min): .venv/bin/python scripts/fp8_decode_footing.py [--b 4 --n 128 --ctx 2048]
+Run (CPU, ~1 min): .venv/bin/python scripts/fp8_decode_footing.py [--b 4 --n 128 --ctx 2048] [--demo]
 
 `bench/decode.py`'s inputs (q ~ N(0, 1) in bf16, an fp8 cache with one f32 scale a token) over one request's pages
 in order, at two softmax scales: DeepSeek-V3's with YaRN (`testing.DECODE_SCALE`, the benchmark's) and 1/sqrt(192)
@@ -10,6 +10,11 @@ against the float32 attention over the dequantized cache with the exact q, ||out
 - `q1`: q as one e4m3 term a row (`fp8_q_split=False`), P exact; `q1_p`: both;
 - `q2_p`: q as two e4m3 terms (q_hi and its residual, the default fp8 P.V kernel) and P rounded.
 The wgmma's reduced-precision fp8 accumulation is not emulated (the GPU rows' rel_err have it).
+
+--demo: the same modes on the demo model's real activations (mla_jax/data/demo, as scripts/fp8_cache_formats.py
+reads them): each layer's absorbed queries and `[kv_c_normed | k_pe]` rows of 8 windows of 256 tokens of this
+repository's sources, the rows in the cache's "per_token" fp8 format, every query over its causal context at the
+model's own softmax scale; the error per layer.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import argparse
 import json
 import os
 import sys
+
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +37,37 @@ from pallas_kernels.testing import DECODE_SCALE  # noqa: E402
 SCALES = {"v3_yarn": DECODE_SCALE, "inv_sqrt_192": 192**-0.5}
 
 
-def attention(q, rows, kss, scale: float, l: int, round_p: bool):
+def attention(q, rows, kss, scale: float, l: int, round_p: bool, causal: bool = False):
     """q [B, N, D] f32 over rows [B, S, D] (e4m3 values as f32) times kss [B, S]: out [B, N, L] f32, P'' optionally
-    rounded to e4m3 before P.V (the kernel's running max over s + log scale keeps P'' <= 1)."""
-    s = jnp.einsum("bnd,bsd->bns", q, rows * kss[..., None]) * scale
-    m = (s + jnp.log(kss)[:, None, :]).max(-1, keepdims=True)
-    p = jnp.exp(s - m)
-    pp = p * kss[:, None, :]
+    rounded to e4m3 before P.V (the kernel's running max over s + log scale keeps P'' <= 1). causal: q [B, S, N, D],
+    query t over rows [0, t]; out [B, S, N, L]."""
+    if causal:
+        mask = jnp.tril(jnp.ones((q.shape[1], rows.shape[1]), bool))[None, :, None]  # [1, S, 1, S]
+        s = jnp.einsum("btnd,bsd->btns", q, rows * kss[..., None]) * scale
+        kb = kss[:, None, None, :]
+    else:
+        mask = True
+        s = jnp.einsum("bnd,bsd->bns", q, rows * kss[..., None]) * scale
+        kb = kss[:, None, :]
+    m = jnp.where(mask, s + jnp.log(kb), -jnp.inf).max(-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    pp = p * kb
     if round_p:
         pp = pp.astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    return jnp.einsum("bns,bsl->bnl", pp, rows[..., :l]) / p.sum(-1, keepdims=True)
+    eq = "btns,bsl->btnl" if causal else "bns,bsl->bnl"
+    return jnp.einsum(eq, pp, rows[..., :l]) / p.sum(-1, keepdims=True)
+
+
+def modes(q, rows, kss, scale: float, l: int, causal: bool = False) -> dict:
+    """{mode: ||out - ref|| / ||ref||} (module docstring) for one set of inputs."""
+    ref = attention(q, rows, kss, scale, l, False, causal)
+
+    def rel(qx, round_p):
+        o = attention(qx, rows, kss, scale, l, round_p, causal)
+        return float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref))
+
+    q1, q2 = (fp8_qk_reference_q(q, split=split) for split in (False, True))
+    return dict(p_only=rel(q, True), q1=rel(q1, False), q1_p=rel(q1, True), q2_p=rel(q2, True))
 
 
 def measure(b: int = 4, n: int = 128, ctx: int = 2048, l: int = 512, r: int = 64, seed: int = 1) -> dict:
@@ -48,17 +76,28 @@ def measure(b: int = 4, n: int = 128, ctx: int = 2048, l: int = 512, r: int = 64
     rows = cache[bt].reshape(b, ctx, -1).astype(jnp.float32)  # [B, S, D]
     kss = ks[bt].reshape(b, ctx)  # [B, S]
     q = q[:, 0].astype(jnp.float32)  # [B, N, D]
-    q1 = fp8_qk_reference_q(q, split=False)
-    q2 = fp8_qk_reference_q(q, split=True)
-    out = {}
-    for name, scale in SCALES.items():
-        ref = attention(q, rows, kss, scale, l, False)
+    return {name: modes(q, rows, kss, scale, l) for name, scale in SCALES.items()}
 
-        def rel(qx, round_p, ref=ref, scale=scale):
-            o = attention(qx, rows, kss, scale, l, round_p)
-            return float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref))
 
-        out[name] = dict(p_only=rel(q, True), q1=rel(q1, False), q1_p=rel(q1, True), q2_p=rel(q2, True))
+def measure_demo(num_windows: int = 8, seq_len: int = 256) -> dict:
+    """{mode: [error per layer]} on the demo model's activations (module docstring)."""
+    from mla_jax.cache import quantize_cache_rows
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8_cache_formats.py")
+    spec = importlib.util.spec_from_file_location("fp8_cache_formats", path)
+    fcf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fcf)
+    cfg, params, tok = fcf.load_demo()
+    ids = jnp.asarray(fcf.windows(tok, fcf.ROW_FILES, num_windows, seq_len))
+    group = cfg.kv_lora_rank // 4  # fp8_cache_formats.run's (only the f32 rows, format 0, are read here)
+    _, qs, rs = fcf.forward_fake_quant(params, cfg, ids, 0, group)  # [layers, B, S, N, D], [layers, B, S, D]
+    out: dict[str, list[float]] = {}
+    for layer in range(qs.shape[0]):
+        packed = quantize_cache_rows(rs[layer], "per_token", kv_lora_rank=cfg.kv_lora_rank)
+        rows, kss = packed.values.astype(jnp.float32), packed.scales[..., 0]
+        errs = modes(qs[layer].astype(jnp.float32), rows, kss, cfg.softmax_scale, cfg.kv_lora_rank, causal=True)
+        for k, v in errs.items():
+            out.setdefault(k, []).append(v)
     return out
 
 
@@ -67,9 +106,11 @@ def main(argv=None) -> None:
     ap.add_argument("--b", type=int, default=4)
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--demo", action="store_true", help="the demo model's activations instead (per layer)")
     args = ap.parse_args(argv)
     jax.config.update("jax_default_matmul_precision", "highest")
-    print(json.dumps(measure(args.b, args.n, args.ctx), indent=1))
+    res = measure_demo() if args.demo else measure(args.b, args.n, args.ctx)
+    print(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

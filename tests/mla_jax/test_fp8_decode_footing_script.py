@@ -20,3 +20,17 @@ def test_footing_orders_the_modes():
         # q's residual leaves P's rounding the only loss; one term of q adds its own, several times larger
         assert abs(e["q2_p"] - e["p_only"]) < 0.25 * e["p_only"]
         assert e["q1_p"] > 2 * e["p_only"] and e["q1"] > e["p_only"]
+
+
+def test_footing_on_the_demo_model():
+    """The demo model's activations (2 windows of 64 tokens): an error per layer for each mode, two terms of q no
+    worse than P's rounding alone by more than a quarter, one term at least as large as q's rounding alone."""
+    spec = importlib.util.spec_from_file_location("footing", os.path.join(ROOT, "scripts", "fp8_decode_footing.py"))
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    res = m.measure_demo(num_windows=2, seq_len=64)
+    assert set(res) == {"p_only", "q1", "q1_p", "q2_p"}
+    layers = len(res["p_only"])
+    assert layers > 1 and all(len(v) == layers for v in res.values())
+    for p, q1, q1p, q2p in zip(res["p_only"], res["q1"], res["q1_p"], res["q2_p"]):
+        assert 0 < p < 0.05 and abs(q2p - p) < 0.25 * p and q1p > q2p and q1 > 0
