@@ -20,11 +20,10 @@ model's own softmax scale; the error per layer.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
-
-import importlib.util
 
 import jax
 import jax.numpy as jnp
