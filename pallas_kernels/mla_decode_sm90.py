@@ -805,6 +805,8 @@ def _body_pv8(cfg, r, pc):
     @pl.when(wg == 1)
     def _pv_wg():
         plgpu.set_max_registers(regs[1], action="increase")
+        if cfg.lo_on_wg1:  # its chain reads q_lo: Q's TMA (WG0's, where the piece has pages) must have landed
+            pl.when(n > 0)(lambda: plgpu.barrier_wait(r["q_bar"]))
 
         def step(i, acc):
             fslot = slot_of(i)
