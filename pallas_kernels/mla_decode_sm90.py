@@ -686,9 +686,10 @@ def _body(cfg, r, pc):
 
 def _body_pv8(cfg, r, pc):
     """The fp8 cache with fp8 P.V (`_Cfg.pv8`): no cast anywhere. The producer TMAs each page and its token scales
-    into an `fp8_stages` ring (zeroing a partial last page's rows past the length); WG0 runs QK^T as two fp8
-    wgmma chains into one accumulator (q_hi and its residual on the same K^T; one accumulator each halved the lse
-    error, 0.069 -> 0.029, but cost 30% of the kernel's time, session 37), the softmax, and stores P as e4m3
+    into an `fp8_stages` ring (zeroing a partial last page's rows past the length); WG0 runs QK^T as fp8 wgmmas
+    on q's `q_terms` e4m3 terms, both into one accumulator (q_hi and its residual on the same K^T; one accumulator
+    each halved the lse error, 0.069 -> 0.029, but cost 30% of the kernel's time, session 37; with `lo_on_wg1` the
+    residual's chain runs on WG1 and reaches WG0 through shared memory), the softmax, and stores P as e4m3
     in V^T's token order (`mgpu.pt_fp8_operand`); each P.V warpgroup then adds V^T P^T for its half of the latents
     to its O^T accumulator [L/2, 64] (`mgpu.vt_fp8_operand`: V^T built in registers from the page, no
     shared-memory round trip, before it waits for P). WG0 holds the first half, WG1 the second, WG2 produces; WG0
@@ -728,6 +729,17 @@ def _body_pv8(cfg, r, pc):
         plgpu.barrier_arrive(fp8_consumed.at[fslot])
         return vt
 
+    def qk_terms(i, terms):
+        """[64, G] f32: q's terms `terms` (0: q_hi, 1: its residual) times page i's K^T, one fp8 wgmma chain."""
+
+        def chain(acc_ref):
+            k_t = fp8_ring.at[slot_of(i)].T
+            for term in terms:
+                plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(term * cfg.d, cfg.d)], k_t)
+            return acc_ref[...]
+
+        return pl.run_scoped(chain, plgpu.ACC((TILE_M, g), f32))
+
     def pv(acc, vt):
         """acc * alpha (a column each: O^T's columns are the heads) + V^T P^T."""
         with jax.named_scope("pv"):
@@ -750,15 +762,10 @@ def _body_pv8(cfg, r, pc):
                 plgpu.barrier_wait(fp8_ready.at[slot_of(i)])
                 plgpu.barrier_wait(scale_ready.at[slot_of(i)])
 
-        def issue_qk(acc_ref, i):  # q_hi K^T (+ residual K^T) of page i, one accumulator
-            k_t = fp8_ring.at[slot_of(i)].T
-            for term in range(1 if cfg.lo_on_wg1 else cfg.q_terms):
-                plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(term * cfg.d, cfg.d)], k_t)
-
         def qk(i):
             wait_page(i)
             with jax.named_scope("qk"):
-                s = pl.run_scoped(lambda s_ref: (issue_qk(s_ref, i), s_ref[...])[1], plgpu.ACC((TILE_M, g), f32))
+                s = qk_terms(i, range(1 if cfg.lo_on_wg1 else cfg.q_terms))
             if not cfg.lo_on_wg1:
                 return s
             with jax.named_scope("wait_slo"):
@@ -813,11 +820,8 @@ def _body_pv8(cfg, r, pc):
             with jax.named_scope("wait_kv"):
                 plgpu.barrier_wait(fp8_ready.at[fslot])
             if cfg.lo_on_wg1:  # S_lo of page i for WG0, before WG1 waits for page i's P
-                q_lo, k_t = r["q_smem"].at[:, pl.ds(cfg.d, cfg.d)], fp8_ring.at[fslot].T
                 with jax.named_scope("qk_lo"):
-                    s_lo = pl.run_scoped(
-                        lambda s_ref: (plgpu.wgmma(s_ref, q_lo, k_t), s_ref[...])[1], plgpu.ACC((TILE_M, g), f32)
-                    )
+                    s_lo = qk_terms(i, (1,))
 
                 @pl.when(i > 0)
                 @jax.named_scope("wait_slo_consumed")
@@ -1403,7 +1407,8 @@ def _impl(
     m_pad = head_tiles * TILE_M
     tail = cdiv(m_rows - (head_tiles - 1) * TILE_M, 8) * 8  # real rows of the last tile, to 8
     pv8 = bool(fp8_qk) and is_fp8
-    lo_on_wg1 = pv8 and fp8_q_split is not False and PV8_LO_ON_WG1
+    q_terms = 1 if fp8_q_split is False else 2
+    lo_on_wg1 = pv8 and q_terms == 2 and PV8_LO_ON_WG1
     if num_stages is None:
         num_stages = 1 if is_fp8 else 2
     if fp8_stages is None:
@@ -1425,7 +1430,7 @@ def _impl(
         final_dtype=jnp.dtype(q.dtype),
         interpret=bool(interpret),
         pv8=pv8,
-        q_terms=1 if fp8_q_split is False else 2,
+        q_terms=q_terms,
         lo_on_wg1=lo_on_wg1,
         nq=nq,
         heads=n,

@@ -434,20 +434,27 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
     assert ("quantize_q_fp8_r" in text) == quantize
 
 
+def _fp8_pv_case_matches(name, **over):
+    """The fp8_qk case `name` of the shared table with kernel options `over` on top, interpreted (race detector on),
+    against the float32 reference for those options ("fp8_pv"); returns (the case, its inputs, the kernel's lse)."""
+    case = next(c for c in DECODE_CASES if c.name == name)
+    kw = dict(case.kernel, **over)
+    inputs = case.make()
+    out, lse = run_decode(*inputs, **kw)
+    ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, kw, case.l))(*inputs)
+    assert_decode_close(out, lse, ref, ref_lse, "fp8_pv")
+    return case, inputs, lse
+
+
 def test_fp8_pv_one_q_term_drops_the_residual():
     """fp8_q_split=False on a 64-row fp8_qk case, interpreted (race detector on): against the float32 reference on
     q_hi * scale, P rounded to e4m3 its only other loss ("fp8_pv"; NaN-poisoned rows past each length, a 1-token
     request, 2 tiles, the work list); and its lse off the two-term reference's by more than that bound, so the kernel
     did drop the residual. (The shared suite runs every fp8_qk case with two terms.)"""
-    case = next(c for c in DECODE_CASES if c.name == "fp8_qk_n40_worklist")
-    kw = dict(case.kernel, fp8_q_split=False)
-    q, cache, bt, sl, ks = case.make()
-    out, lse = run_decode(q, cache, bt, sl, ks, **kw)
-    ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, kw, case.l))(q, cache, bt, sl, ks)
-    assert_decode_close(out, lse, ref, ref_lse, "fp8_pv")
-    split_ref_lse = jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(q, cache, bt, sl, ks)[1]
-    live = np.isfinite(np.asarray(ref_lse))
-    assert np.abs(np.asarray(lse) - np.asarray(split_ref_lse))[live].max() > DECODE_TOL["fp8_pv"][1]
+    case, inputs, lse = _fp8_pv_case_matches("fp8_qk_n40_worklist", fp8_q_split=False)
+    split_ref_lse = np.asarray(jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(*inputs)[1])
+    live = np.isfinite(split_ref_lse)
+    assert np.abs(np.asarray(lse) - split_ref_lse)[live].max() > DECODE_TOL["fp8_pv"][1]
 
 
 @pytest.fixture
@@ -466,11 +473,7 @@ def test_fp8_pv_lo_on_wg1_matches_reference(name, lo_on_wg1):
     the two-term reference ("fp8_pv"): the work list with 24 padding rows, a 1-token request; causal rows of two
     tokens over two splits. A dropped or stale S_lo fails: the lse moves by more than the bound without it
     (`test_fp8_pv_one_q_term_drops_the_residual`)."""
-    case = next(c for c in DECODE_CASES if c.name == name)
-    q, cache, bt, sl, ks = case.make()
-    out, lse = run_decode(q, cache, bt, sl, ks, **case.kernel)
-    ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(q, cache, bt, sl, ks)
-    assert_decode_close(out, lse, ref, ref_lse, "fp8_pv")
+    _fp8_pv_case_matches(name)
 
 
 @pytest.mark.parametrize("kw", [dict(n=64, num_kv_splits=2), dict(n=128, schedule="worklist")])
