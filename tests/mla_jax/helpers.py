@@ -1,12 +1,25 @@
-"""Tiny configs and checkpoint-editing helpers shared by the model tests."""
+"""Tiny configs, checkpoint-editing helpers and the scripts' loader shared by the model tests."""
 
 import dataclasses
+import importlib.util
 import os
 import shutil
+import sys
 
 from mla_jax.config import DeepseekConfig
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
+
+
+def load_script(name: str):
+    """scripts/`name`.py as a module (loaded once a process; the scripts are not a package)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
 
 
 def tiny_config(**overrides) -> DeepseekConfig:

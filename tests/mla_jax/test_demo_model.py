@@ -16,11 +16,9 @@ Tolerances (all float32 on CPU):
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +30,7 @@ from mla_jax.checkpoint import CheckpointDir, SafetensorsFile, export_hf, load_h
 from mla_jax.engine import EngineConfig, generate
 from mla_jax.mla import split_kv_b_proj
 from mla_jax.sampling import SamplingParams
-from tests.mla_jax.helpers import run_schedule
+from tests.mla_jax.helpers import load_script, run_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # MLA_JAX_DEMO_DIR points the tests at another exported model (e.g. a fresh H200 run before it is copied in).
@@ -41,21 +39,11 @@ SHIPPED = os.path.exists(os.path.join(DEMO_DIR, "model.safetensors"))
 MAX_SHIPPED_BYTES = 25 * 1024 * 1024
 
 
-def _script(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """Corpus of 12 stdlib files, 8 training steps of the tiny preset, export: (train_demo module, args, record)."""
     pytest.importorskip("optax", reason="training needs the `train` extra (optax)")
-    td = _script("train_demo")
+    td = load_script("train_demo")
     out = tmp_path_factory.mktemp("demo_pipeline")
     args = td.parse_args(
         [
@@ -99,7 +87,7 @@ def demo(request):
     cfg, params = load_hf_checkpoint(path, dtype=jnp.float32)
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     if SHIPPED:  # held-out text: the first validation-split file of this interpreter's stdlib
-        mc = _script("make_corpus")
+        mc = load_script("make_corpus")
         root = mc.stdlib_dir()
         rel = next(r for r in mc.list_sources(root) if mc.is_val(r) and mc.read_source(os.path.join(root, r)))
         val = np.asarray(tok.encode(mc.read_source(os.path.join(root, rel))).ids, np.int32)
@@ -111,7 +99,7 @@ def demo(request):
 # ---- pipeline ----------------------------------------------------------------------------------------------
 def test_corpus_is_deterministic_and_split_by_file(tiny_run, tmp_path):
     td, args, rec = tiny_run
-    mc = _script("make_corpus")
+    mc = load_script("make_corpus")
     again = mc.build_corpus(str(tmp_path / "c"), vocab_size=args.vocab_size, limit=args.corpus_files, quiet=True)
     with open(os.path.join(args.data, "corpus.json")) as f:
         first = json.load(f)

@@ -4,27 +4,18 @@ notebooks/09_fp8_cache_formats.ipynb."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.mla_jax.helpers import load_script
+
 L, R, N, S = 64, 16, 4, 32
 SCALE = 0.125
 
 
 def _script():
-    name = "fp8_cache_formats"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_script("fp8_cache_formats")
 
 
 def _inputs(seed=0):

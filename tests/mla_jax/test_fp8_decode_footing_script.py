@@ -3,16 +3,11 @@ numbers at the benchmark's size: docs/perf-notes.md, session 38)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.mla_jax.helpers import load_script
 
 
 def test_footing_orders_the_modes():
-    spec = importlib.util.spec_from_file_location("footing", os.path.join(ROOT, "scripts", "fp8_decode_footing.py"))
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
+    m = load_script("fp8_decode_footing")
     res = m.measure(b=1, n=16, ctx=256, l=128, r=64)
     assert set(res) == {"v3_yarn", "inv_sqrt_192"}
     for e in res.values():
@@ -25,9 +20,7 @@ def test_footing_orders_the_modes():
 def test_footing_on_the_demo_model():
     """The demo model's activations (2 windows of 64 tokens): an error per layer for each mode, two terms of q no
     worse than P's rounding alone by more than a quarter, one term at least as large as q's rounding alone."""
-    spec = importlib.util.spec_from_file_location("footing", os.path.join(ROOT, "scripts", "fp8_decode_footing.py"))
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
+    m = load_script("fp8_decode_footing")
     res = m.measure_demo(num_windows=2, seq_len=64)
     assert set(res) == {"p_only", "q1", "q1_p", "q2_p"}
     layers = len(res["p_only"])
