@@ -73,7 +73,7 @@ def _decode_triton(q, cache, block_table, seq_lens, **kw):
 
 def _fp8_pv(q, cache, kw) -> bool:
     """An fp8 cache's 64-row tiles run the fp8 P.V kernel (`fp8_qk=True` there: ~1% error against float32, within
-    FlashMLA's 2%, at 0.53x the exact path's time at 64x128x4096, H100, session 37); the narrow kernel's stay exact."""
+    FlashMLA's 2%, at 0.50x the exact path's time at 64x128x4096, H100, session 39); the narrow kernel's stay exact."""
     return md90.uses_fp8_pv(q.shape[1] * q.shape[2], cache.dtype, kw.get("kv_lora_rank", 512))
 
 

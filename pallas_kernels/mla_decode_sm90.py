@@ -43,14 +43,15 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   fp8 wgmmas straight on the fp8 ring slot, and P.V too, as O^T = V^T P^T with V^T built in registers from the
   page (Hopper's fp8 wgmma reads shared-memory operands K-major only, and V is N-major in the page) and P
   rounded to e4m3, the mode's one loss (~1% against float32; issue 20 allows FlashMLA's 2%). Its warpgroups:
-  WG0 (QK^T, the softmax, the first half of P.V), WG1 (the second half), the producer. With fp8_q_split=False
-  q is one e4m3 term (one QK^T chain: faster, ~3x the error). At <= 16 rows a request the narrow kernel
+  WG0 (QK^T on q_hi, the softmax, the first half of P.V), WG1 (QK^T on q's residual, handed to WG0 as S_lo; the
+  second half of P.V), the producer. With fp8_q_split=False q is one e4m3 term (one QK^T chain: faster, ~3x the
+  error). At <= 16 rows a request the narrow kernel
   runs this mode instead (one fp8 term of q, V cast to bf16).
 
 Shared memory at L+R = 576 (227 KB available): bf16, 2 stages: Q 72 KB + ring 2 x 72 KB + P 8 KB
 + row vectors = 225 KB, the output staging (64 KB for bf16 outputs and partials) reusing it; fp8: Q 72 KB +
 ring 1 x 72 KB + fp8 ring 2 x 36 KB + P 8 KB = 225 KB (a second bf16 stage does not fit);
-fp8_qk: Q 72 KB (two e4m3 terms) + fp8 ring 4 x 36 KB + P^T 4 KB.
+fp8_qk: Q 72 KB (two e4m3 terms) + S_lo 16 KB + fp8 ring 3 x 36 KB + P^T 4 KB (one term: Q 36 KB, 4 pages).
 
 Barriers (mbarriers; every waiter waits every phase of a barrier, in order, and at most one phase
 behind -- the parity discipline the interpreter checks):
@@ -59,6 +60,8 @@ behind -- the parity discipline the interpreter checks):
   kv_consumed[st]  both consumers finished reading slot (2 arrivals)        producer waits
   p_ready          P_i and alpha_i in shared memory                          WG1 waits
   p_consumed       WG1's P_i . V wgmma done (P may be overwritten)           WG0 waits
+  slo_ready        fp8_qk, two terms: WG1's S_lo of page i in shared memory  WG0 waits
+  slo_consumed     WG0 has read it (WG1 may overwrite it)                     WG1 waits
   epi_bar          both consumers done with Q, the ring and P (2 arrivals)   WG0, WG1 wait
   fin_bar          1/l of every row in shared memory                         WG1 waits
   raw_bar / fp8_ready[st] / scale_ready[st]  TMA landed for the producer's own processing
@@ -177,8 +180,7 @@ class _Cfg:
     interpret: bool  # Mosaic GPU interpreter (CPU): see mgpu.wgmma_accumulate
     pv8: bool = False  # fp8 cache, fp8_qk: QK^T and P.V as fp8 wgmmas on the fp8 ring (O^T = V^T P^T, V^T in
     # registers: `_body_pv8`), Q as `q_terms` e4m3 terms with a per-row scale; no bf16 ring, no cast
-    q_terms: int = 2  # pv8: q_hi and its residual (two QK^T chains), or q_hi alone (fp8_q_split=False)
-    lo_on_wg1: bool = False  # pv8, two terms: the residual's chain on WG1 (`PV8_LO_ON_WG1`)
+    q_terms: int = 2  # pv8: q_hi and its residual (two QK^T chains, the residual's on WG1), or q_hi alone
     nq: int = 1  # query tokens per request (row t*N + n is token t's)
     heads: int = 64
     capacity: int = 1 << 30  # tokens the block table holds (longer lengths are clamped to it)
@@ -209,7 +211,7 @@ def _smem_plan(cfg: _Cfg):
             plgpu.SMEM((_ROWS + 1, TILE_M), f32),  # alpha, Q's scales
             plgpu.SMEM((fst, PAGE_SIZE), f32),  # the token scales
         ]
-        if cfg.lo_on_wg1:
+        if cfg.q_terms == 2:
             group_a.append(plgpu.SMEM((TILE_M, PAGE_SIZE), f32))  # S_lo = q_lo K^T (WG1 -> WG0)
         ring16 = [plgpu.SMEM((fst, PAGE_SIZE, d // 2), BF16, transforms=tiled(BF16, 64))]
         groups = [group_a, stage, ring16]
@@ -262,7 +264,7 @@ def _barriers(cfg):
             epi_bar=plgpu.Barrier(num_arrivals=2),
             fin_bar=plgpu.Barrier(),
             raw_bar=plgpu.Barrier(),
-            **(dict(slo_ready=plgpu.Barrier(), slo_consumed=plgpu.Barrier()) if cfg.lo_on_wg1 else {}),
+            **(dict(slo_ready=plgpu.Barrier(), slo_consumed=plgpu.Barrier()) if cfg.q_terms == 2 else {}),
         )
     bars = dict(
         q_bar=plgpu.Barrier(),  # Q
@@ -300,7 +302,7 @@ def _kernel(*refs, cfg: _Cfg):
             refs_a, stage, (ring16,) = union
             fp8_ring, q_smem, p_smem, loop_rows, scale_ring = refs_a[:5]
             r = dict(gmem, q_smem=q_smem, ring16=ring16, p_smem=p_smem, loop_rows=loop_rows, fp8_ring=fp8_ring)
-            r.update(slo_smem=refs_a[5] if cfg.lo_on_wg1 else None)
+            r.update(slo_smem=refs_a[5] if cfg.q_terms == 2 else None)
             r.update(scale_ring=scale_ring, stage=stage, **bars)
             _body_pv8(cfg, r, _Piece(cfg, r))
             return
@@ -687,13 +689,13 @@ def _body(cfg, r, pc):
 def _body_pv8(cfg, r, pc):
     """The fp8 cache with fp8 P.V (`_Cfg.pv8`): no cast anywhere. The producer TMAs each page and its token scales
     into an `fp8_stages` ring (zeroing a partial last page's rows past the length); WG0 runs QK^T as fp8 wgmmas
-    on q's `q_terms` e4m3 terms, both into one accumulator (q_hi and its residual on the same K^T; one accumulator
-    each halved the lse error, 0.069 -> 0.029, but cost 30% of the kernel's time, session 37; with `lo_on_wg1` the
-    residual's chain runs on WG1 and reaches WG0 through shared memory), the softmax, and stores P as e4m3
+    on q_hi (the residual's chain, where q has two terms, runs on WG1 at the page's start, while WG1 would otherwise
+    wait for P, and reaches WG0 as S_lo through shared memory: 614 against 638 us with both chains on WG0 at
+    128x128x8192, H100, session 39), the softmax, and stores P as e4m3
     in V^T's token order (`mgpu.pt_fp8_operand`); each P.V warpgroup then adds V^T P^T for its half of the latents
     to its O^T accumulator [L/2, 64] (`mgpu.vt_fp8_operand`: V^T built in registers from the page, no
     shared-memory round trip, before it waits for P). WG0 holds the first half, WG1 the second, WG2 produces; WG0
-    bounds the page (62% of WG1's time waits for P, session 38).
+    bounds the page (39% of WG1's time waits for P, session 39's trace).
 
     The per-token scale goes into the logits (QK^T) and into P: P'' = p * scale = exp2(s + log2 scale - m), with the
     running max m taken over s + log2 scale, so P'' <= 1 and the e4m3 P uses its range whatever the cache's
@@ -729,13 +731,11 @@ def _body_pv8(cfg, r, pc):
         plgpu.barrier_arrive(fp8_consumed.at[fslot])
         return vt
 
-    def qk_terms(i, terms):
-        """[64, G] f32: q's terms `terms` (0: q_hi, 1: its residual) times page i's K^T, one fp8 wgmma chain."""
+    def qk_term(i, term):
+        """[64, G] f32: q's term `term` (0: q_hi, 1: its residual) times page i's K^T, one fp8 wgmma chain."""
 
         def chain(acc_ref):
-            k_t = fp8_ring.at[slot_of(i)].T
-            for term in terms:
-                plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(term * cfg.d, cfg.d)], k_t)
+            plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(term * cfg.d, cfg.d)], fp8_ring.at[slot_of(i)].T)
             return acc_ref[...]
 
         return pl.run_scoped(chain, plgpu.ACC((TILE_M, g), f32))
@@ -765,8 +765,8 @@ def _body_pv8(cfg, r, pc):
         def qk(i):
             wait_page(i)
             with jax.named_scope("qk"):
-                s = qk_terms(i, range(1 if cfg.lo_on_wg1 else cfg.q_terms))
-            if not cfg.lo_on_wg1:
+                s = qk_term(i, 0)
+            if cfg.q_terms == 1:
                 return s
             with jax.named_scope("wait_slo"):
                 plgpu.barrier_wait(r["slo_ready"])
@@ -812,16 +812,16 @@ def _body_pv8(cfg, r, pc):
     @pl.when(wg == 1)
     def _pv_wg():
         plgpu.set_max_registers(regs[1], action="increase")
-        if cfg.lo_on_wg1:  # its chain reads q_lo: Q's TMA (WG0's, where the piece has pages) must have landed
+        if cfg.q_terms == 2:  # its chain reads q_lo: Q's TMA (WG0's, where the piece has pages) must have landed
             pl.when(n > 0)(lambda: plgpu.barrier_wait(r["q_bar"]))
 
         def step(i, acc):
             fslot = slot_of(i)
             with jax.named_scope("wait_kv"):
                 plgpu.barrier_wait(fp8_ready.at[fslot])
-            if cfg.lo_on_wg1:  # S_lo of page i for WG0, before WG1 waits for page i's P
+            if cfg.q_terms == 2:  # S_lo of page i for WG0, before WG1 waits for page i's P
                 with jax.named_scope("qk_lo"):
-                    s_lo = qk_terms(i, (1,))
+                    s_lo = qk_term(i, 1)
 
                 @pl.when(i > 0)
                 @jax.named_scope("wait_slo_consumed")
@@ -839,7 +839,7 @@ def _body_pv8(cfg, r, pc):
             return acc
 
         acc = lax.fori_loop(0, n, step, acc0)
-        if cfg.lo_on_wg1:
+        if cfg.q_terms == 2:
             pl.when(n > 0)(lambda: plgpu.barrier_wait(r["slo_consumed"]))  # its last phase too
         pc.epilogue_wg1(acc)
 
@@ -873,12 +873,6 @@ def _body_pv8(cfg, r, pc):
 
         lax.fori_loop(0, n, step, ())
 
-
-# The fp8 P.V kernel's two-term QK^T: both chains on WG0 (False), or the residual's on WG1 (True: S_lo = q_lo K^T at
-# the page's start, into shared memory for WG0, while WG1 would otherwise wait for P; 62% of its time in session 38's
-# trace), each chain in its own f32 accumulator. Its 16 KB S_lo buffer leaves room for 3 fp8 pages, not 4. Built, off
-# until measured (gpu_session part 109).
-PV8_LO_ON_WG1 = False
 
 # (WG0, WG1, producer) registers a thread of the fp8 P.V kernel: each consumer holds an O^T [L/2, 64] f32 half; the
 # producer only issues TMAs (and zeroes a partial page). Three consumers (WG0 QK^T and the softmax only) lost: 121.8
@@ -1329,7 +1323,11 @@ def _merge_worklist(out, lse, o_part, lse_part, seg_first, seg_count, split_tile
 TRACE: tuple[int, str] | None = None
 
 _WORKLIST_MIN_PAGES = 4  # no piece shorter than this unless its tile is (FlashMLA: ~5 blocks)
-_FP8_PV_STAGES = 4  # with fp8 P.V: no bf16 ring, Q (two e4m3 terms) 72 KB + 4 pages of 36 KB
+# fp8 pages in flight with fp8 P.V (no bf16 ring), by q's e4m3 terms. Two: Q 72 KB, S_lo 16 KB, 3 pages of 36 KB
+# (3 beat 4 before S_lo took the room too: 164.6 / 633.1 / 28.9 against 178.4 / 678.9 / 33.6 us at 64x128x4096,
+# 128x128x8192, 1x128x32768). One: Q 36 KB, 4 pages (111.0 / 436.1 / 21.0 against 3's 130.8 / 499.1 / 23.2). H100,
+# session 39.
+_FP8_PV_STAGES = {1: 4, 2: 3}
 
 
 def fp8_qk_reference_q(q, *, split: bool = False):
@@ -1408,11 +1406,10 @@ def _impl(
     tail = cdiv(m_rows - (head_tiles - 1) * TILE_M, 8) * 8  # real rows of the last tile, to 8
     pv8 = bool(fp8_qk) and is_fp8
     q_terms = 1 if fp8_q_split is False else 2
-    lo_on_wg1 = pv8 and q_terms == 2 and PV8_LO_ON_WG1
     if num_stages is None:
         num_stages = 1 if is_fp8 else 2
     if fp8_stages is None:
-        fp8_stages = (_FP8_PV_STAGES - lo_on_wg1) if pv8 else 2
+        fp8_stages = _FP8_PV_STAGES[q_terms] if pv8 else 2
     if batch_invariant:
         schedule, num_kv_splits = "grid", 1  # a request's pieces must not depend on the batch
     splits = 1
@@ -1431,7 +1428,6 @@ def _impl(
         interpret=bool(interpret),
         pv8=pv8,
         q_terms=q_terms,
-        lo_on_wg1=lo_on_wg1,
         nq=nq,
         heads=n,
         capacity=max_pages * g,

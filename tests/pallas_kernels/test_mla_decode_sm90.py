@@ -450,39 +450,11 @@ def test_fp8_pv_one_q_term_drops_the_residual():
     """fp8_q_split=False on a 64-row fp8_qk case, interpreted (race detector on): against the float32 reference on
     q_hi * scale, P rounded to e4m3 its only other loss ("fp8_pv"; NaN-poisoned rows past each length, a 1-token
     request, 2 tiles, the work list); and its lse off the two-term reference's by more than that bound, so the kernel
-    did drop the residual. (The shared suite runs every fp8_qk case with two terms.)"""
+    did drop the residual. (The shared suite runs every fp8_qk case with two terms, the residual's chain on WG1.)"""
     case, inputs, lse = _fp8_pv_case_matches("fp8_qk_n40_worklist", fp8_q_split=False)
     split_ref_lse = np.asarray(jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(*inputs)[1])
     live = np.isfinite(split_ref_lse)
     assert np.abs(np.asarray(lse) - split_ref_lse)[live].max() > DECODE_TOL["fp8_pv"][1]
-
-
-@pytest.fixture
-def lo_on_wg1(monkeypatch):
-    """`PV8_LO_ON_WG1`: the fp8 P.V kernel's residual chain on WG1 (S_lo to WG0 through shared memory); the jitted
-    kernels traced afresh before and after (the flag is read at trace time)."""
-    jax.clear_caches()
-    monkeypatch.setattr(k90, "PV8_LO_ON_WG1", True)
-    yield
-    jax.clear_caches()
-
-
-@pytest.mark.parametrize("name", ["fp8_qk_n40_worklist", "fp8_qk_q2_causal_n64_2splits"])
-def test_fp8_pv_lo_on_wg1_matches_reference(name, lo_on_wg1):
-    """The residual's chain on WG1, interpreted (race detector on: S_lo's hand-over between the consumers), against
-    the two-term reference ("fp8_pv"): the work list with 24 padding rows, a 1-token request; causal rows of two
-    tokens over two splits. A dropped or stale S_lo fails: the lse moves by more than the bound without it
-    (`test_fp8_pv_one_q_term_drops_the_residual`)."""
-    _fp8_pv_case_matches(name)
-
-
-@pytest.mark.parametrize("kw", [dict(n=64, num_kv_splits=2), dict(n=128, schedule="worklist")])
-def test_fp8_pv_lo_on_wg1_lowers_for_sm90(kw, lo_on_wg1, monkeypatch, h200):
-    """The residual's chain on WG1 (its accumulator beside O^T's half, S_lo's store and WG0's load in the wgmma
-    layout, 3 fp8 pages with the 16 KB buffer) passes Mosaic GPU's lowering."""
-    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
-    text = _lower_for_sm90("fp8", fp8_qk=True, num_sms=132, **kw)
-    assert "_pv8" in text and "fp8stages3" in text
 
 
 @pytest.mark.parametrize(
@@ -495,13 +467,15 @@ def test_fp8_pv_lo_on_wg1_lowers_for_sm90(kw, lo_on_wg1, monkeypatch, h200):
 )
 def test_fp8_pv_lowers_for_sm90(kw, monkeypatch, h200):
     """The fp8 P.V kernel's GPU path (transposed 16-bit loads of the ring's bf16 view, register regrouping, the
-    register-operand fp8 wgmma, O^T's store), in either schedule, passes Mosaic GPU's lowering, with its split-q
-    quantize kernel (one term: its [64, L+R] Q and one QK^T chain, the quantize unsplit)."""
+    register-operand fp8 wgmma, O^T's store; two terms: the residual's chain on WG1, S_lo's store and WG0's load in
+    the wgmma layout, 3 fp8 pages beside its 16 KB buffer), in either schedule, passes Mosaic GPU's lowering, with its
+    split-q quantize kernel (one term: its [64, L+R] Q, one QK^T chain, 4 pages, the quantize unsplit)."""
     monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
     text = _lower_for_sm90("fp8", fp8_qk=True, num_sms=132, **kw)
     one = kw.get("fp8_q_split") is False
     assert "_pv8" in text and "quantize_q_fp8_r" in text
     assert ("_split" in text) != one and ("_pv8_q1" in text) == one
+    assert f"fp8stages{4 if one else 3}_pv8" in text
 
 
 @pytest.mark.parametrize("pdl", [True, False])
