@@ -1447,5 +1447,31 @@ PY
         --no-prefill --no-engine
     run 150 prefill python3 bench/prefill.py --out "$out/prefill" --shapes-only --no-xla --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 108" >&2; exit 2 ;;
+109) # session 39, for the next (any card, ~2.5 minutes): why a deeper fp8 ring costs the two-term fp8 P.V kernel
+    # (178 against 165 us at 4 and 3 pages, 64x128x4096) and helps the one-term one (111 against 131): ptxas's
+    # registers and spills of each (MOSAIC_GPU_DUMP_PTXAS), then device time of each at 64x128x4096
+    out=${2:?}
+    cat >/tmp/pv8_ptxas.py <<'PY'
+import sys, time
+import jax
+from pallas_kernels import mla_decode_sm90 as k90
+from pallas_kernels.testing import decode_inputs
+q, cache, bt, sl, ks = decode_inputs(0, b=64, nq=1, n=128, l=512, r=64, g=64, max_pages=64,
+                                     lens=[4096] * 64, cache_dtype="fp8")
+for split, fst in [(None, 3), (None, 4), (False, 3), (False, 4)]:
+    f = jax.jit(lambda *a, split=split, fst=fst: k90.mla_decode_sm90(
+        *a[:4], kv_scale=a[4], scale=0.07, fp8_qk=True, fp8_q_split=split, fp8_stages=fst, num_kv_splits=1))
+    print(f"=== fp8_q_split={split} fp8_stages={fst}", file=sys.stderr, flush=True)
+    jax.block_until_ready(f(q, cache, bt, sl, ks))
+    t = time.perf_counter()
+    for _ in range(50):
+        out = f(q, cache, bt, sl, ks)
+    jax.block_until_ready(out)
+    print(f"=== fp8_q_split={split} fp8_stages={fst}: {(time.perf_counter() - t) / 50 * 1e6:.1f} us a call",
+          file=sys.stderr, flush=True)
+PY
+    run 150 pv8-ptxas env MOSAIC_GPU_DUMP_PTXAS=1 python3 /tmp/pv8_ptxas.py
+    grep -E "^===|registers|spill" "$out/pv8-ptxas.log" | head -40
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 109" >&2; exit 2 ;;
 esac
