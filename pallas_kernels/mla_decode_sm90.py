@@ -731,21 +731,28 @@ def _body_pv8(cfg, r, pc):
         plgpu.barrier_arrive(fp8_consumed.at[fslot])
         return vt
 
+    def issue_qk(acc_ref, i, term):
+        """Issue q's term `term` (0: q_hi, 1: its residual) times page i's K^T into `acc_ref` (one fp8 wgmma)."""
+        plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(term * cfg.d, cfg.d)], fp8_ring.at[slot_of(i)].T)
+
     def qk_term(i, term):
-        """[64, G] f32: q's term `term` (0: q_hi, 1: its residual) times page i's K^T, one fp8 wgmma chain."""
+        """[64, G] f32: `issue_qk`'s product, waited for."""
 
         def chain(acc_ref):
-            plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(term * cfg.d, cfg.d)], fp8_ring.at[slot_of(i)].T)
+            issue_qk(acc_ref, i, term)
             return acc_ref[...]
 
         return pl.run_scoped(chain, plgpu.ACC((TILE_M, g), f32))
 
+    def rescale(acc):
+        """acc * alpha (a column each: O^T's columns are the heads)."""
+        alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], (), layout=COL_LAYOUT)
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+
     def pv(acc, vt):
-        """acc * alpha (a column each: O^T's columns are the heads) + V^T P^T."""
+        """acc * alpha + V^T P^T."""
         with jax.named_scope("pv"):
-            alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], (), layout=COL_LAYOUT)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-            return vt_accumulate(acc, vt, p_smem, interpret=cfg.interpret)
+            return vt_accumulate(rescale(acc), vt, p_smem, interpret=cfg.interpret)
 
     acc0 = plgpu.layout_cast(jnp.zeros((half, TILE_M), f32), plgpu.Layout.WGMMA)  # O^T [L/2, 64]
 
@@ -762,10 +769,8 @@ def _body_pv8(cfg, r, pc):
                 plgpu.barrier_wait(fp8_ready.at[slot_of(i)])
                 plgpu.barrier_wait(scale_ready.at[slot_of(i)])
 
-        def qk(i):
-            wait_page(i)
-            with jax.named_scope("qk"):
-                s = qk_term(i, 0)
+        def add_slo(s):
+            """s + WG1's S_lo of the same page (two terms)."""
             if cfg.q_terms == 1:
                 return s
             with jax.named_scope("wait_slo"):
@@ -773,6 +778,28 @@ def _body_pv8(cfg, r, pc):
             s = s + plgpu.load(r["slo_smem"], (), layout=plgpu.Layout.WGMMA)
             plgpu.barrier_arrive(r["slo_consumed"])
             return s
+
+        def qk(i):
+            wait_page(i)
+            with jax.named_scope("qk"):
+                return qk_term(i, 0)
+
+        def issue_next_qk(s_ref, i):
+            """Page i + 1's q_hi K^T into `s_ref` where the piece has that page (else s_ref keeps its zeros)."""
+
+            @pl.when(i + 1 < n)
+            def _():
+                wait_page(i + 1)
+                issue_qk(s_ref, i + 1, 0)
+
+        def qk_next(i):
+            """`issue_next_qk`'s logits, waited for."""
+
+            def chain(s_ref):
+                issue_next_qk(s_ref, i)
+                return s_ref[...]
+
+            return pl.run_scoped(chain, plgpu.ACC((TILE_M, g), f32))
 
         def softmax_and_p(i, s, m_i, l_i):
             """Page i's logits s [64, G] (f32) -> P'' in shared memory for the P.V warpgroups; (m, l) after it."""
@@ -800,12 +827,39 @@ def _body_pv8(cfg, r, pc):
 
         _, m_0, l_0 = softmax_state(TILE_M, 64)
 
-        def step(i, carry):
-            acc, m_i, l_i = carry
-            m_new, l_new = softmax_and_p(i, qk(i), m_i, l_i)
-            return pv(acc, vt_half(slot_of(i), 0)), m_new, l_new
+        if PV8_QK_WITH_PV:
 
-        acc, m_i, l_i = lax.fori_loop(0, n, step, (acc0, m_0, l_0))
+            def pv_and_next_qk(i, acc):
+                """Page i's P.V into acc and page i + 1's q_hi K^T, issued back to back and waited for once."""
+                vt = vt_half(slot_of(i), 0)
+                if cfg.interpret:  # no register-operand wgmma there (`vt_accumulate`)
+                    return pv(acc, vt), qk_next(i)
+
+                def both(refs):
+                    acc_ref, s_ref = refs
+                    plgpu.wgmma(acc_ref, vt, p_smem.T)  # V^T P^T (`vt_accumulate`)
+                    issue_next_qk(s_ref, i)
+
+                with jax.named_scope("pv_qk"):
+                    s0 = plgpu.layout_cast(jnp.zeros((TILE_M, g), f32), plgpu.Layout.WGMMA)
+                    return pl.run_state(both)((plgpu.ACC.init(rescale(acc)), plgpu.ACC.init(s0)))
+
+            def step(i, carry):
+                acc, s, m_i, l_i = carry
+                m_new, l_new = softmax_and_p(i, add_slo(s), m_i, l_i)
+                acc, s_next = pv_and_next_qk(i, acc)
+                return acc, s_next, m_new, l_new
+
+            s_first = qk_next(jnp.int32(-1))  # page 0's (zeros for a piece without pages)
+            acc, _, m_i, l_i = lax.fori_loop(0, n, step, (acc0, s_first, m_0, l_0))
+        else:
+
+            def step(i, carry):
+                acc, m_i, l_i = carry
+                m_new, l_new = softmax_and_p(i, add_slo(qk(i)), m_i, l_i)
+                return pv(acc, vt_half(slot_of(i), 0)), m_new, l_new
+
+            acc, m_i, l_i = lax.fori_loop(0, n, step, (acc0, m_0, l_0))
         pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
         pc.epilogue_wg0(acc, m_i, l_i)
 
@@ -873,6 +927,12 @@ def _body_pv8(cfg, r, pc):
 
         lax.fori_loop(0, n, step, ())
 
+
+# WG0 of the fp8 P.V kernel issues page i's P.V and page i + 1's q_hi K^T back to back and waits for both at once
+# (True), where each waits for its own (False): one wgmma round trip fewer a page (the trace: P.V 0.67 us, QK^T 0.84,
+# for ~0.14 and ~0.31 of tensor work), and the next page's logits carried through the loop. Built, off until measured
+# (gpu_session part 110).
+PV8_QK_WITH_PV = False
 
 # (WG0, WG1, producer) registers a thread of the fp8 P.V kernel: each consumer holds an O^T [L/2, 64] f32 half; the
 # producer only issues TMAs (and zeroes a partial page). Three consumers (WG0 QK^T and the softmax only) lost: 121.8
@@ -1493,7 +1553,8 @@ def _impl(
         interpret=interpret_params(interpret),
         kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}"
         + ("_pv8" if pv8 else "")
-        + ("_q1" if pv8 and cfg.q_terms == 1 else ""),
+        + ("_q1" if pv8 and cfg.q_terms == 1 else "")
+        + ("_qkpv" if pv8 and PV8_QK_WITH_PV else ""),
     )
     out, lse, o_part, lse_part = kernel(*args)
     if schedule == "grid" and splits > 1:

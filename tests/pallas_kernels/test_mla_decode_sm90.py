@@ -457,6 +457,41 @@ def test_fp8_pv_one_q_term_drops_the_residual():
     assert np.abs(np.asarray(lse) - split_ref_lse)[live].max() > DECODE_TOL["fp8_pv"][1]
 
 
+@pytest.fixture
+def qk_with_pv(monkeypatch):
+    """`PV8_QK_WITH_PV`: WG0 of the fp8 P.V kernel issues page i's P.V and page i + 1's QK^T together; the jitted
+    kernels traced afresh before and after (the flag is read at trace time)."""
+    jax.clear_caches()
+    monkeypatch.setattr(k90, "PV8_QK_WITH_PV", True)
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+    "name, over",
+    [
+        ("fp8_qk_n40_worklist", {}),
+        ("fp8_qk_q2_causal_n64_2splits", {}),
+        ("fp8_qk_q2_causal_n64_2splits", dict(fp8_q_split=False)),
+    ],
+)
+def test_fp8_pv_qk_with_pv_matches_reference(name, over, qk_with_pv):
+    """The next page's QK^T issued with this page's P.V, interpreted (race detector on: P^T and the ring's slots
+    across the carried logits), against the reference ("fp8_pv"): the work list with 24 padding rows and a 1-token
+    request; causal rows of two tokens over two splits (a split past a request's length: a piece without pages);
+    one term of q."""
+    _fp8_pv_case_matches(name, **over)
+
+
+@pytest.mark.parametrize("kw", [dict(n=64, num_kv_splits=2), dict(n=128, schedule="worklist", fp8_q_split=False)])
+def test_fp8_pv_qk_with_pv_lowers_for_sm90(kw, qk_with_pv, monkeypatch, h200):
+    """The P.V and the next QK^T in one `pl.run_state` (the register-operand wgmma and the conditional QK^T wgmma on
+    two accumulators, the logits carried through the page loop) pass Mosaic GPU's lowering."""
+    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
+    text = _lower_for_sm90("fp8", fp8_qk=True, num_sms=132, **kw)
+    assert "_pv8" in text and "_qkpv" in text
+
+
 @pytest.mark.parametrize(
     "kw",
     [
