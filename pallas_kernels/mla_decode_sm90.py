@@ -534,19 +534,34 @@ def _body(cfg, r, pc):
         lens = pc.row_lens()
         col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-        def step(i, carry):
-            acc, m_i, l_i = carry
-            slot_i = slot_of(i, stages)
+        def wait_kv(i):
             with jax.named_scope("wait_kv"):
-                plgpu.barrier_wait(kv_ready.at[slot_i])
-            k_t = ring.at[slot_i].T
+                plgpu.barrier_wait(kv_ready.at[slot_of(i, stages)])
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, r["q_smem"], k_t)
-                return acc_ref[...]
+        def issue_qk(s_ref, i):
+            plgpu.wgmma(s_ref, r["q_smem"], ring.at[slot_of(i, stages)].T)
+
+        def issue_next_qk(s_ref, i):
+            """Page i + 1's QK^T into `s_ref` where the piece has that page (else s_ref keeps its zeros)."""
+
+            @pl.when(i + 1 < n)
+            def _():
+                wait_kv(i + 1)
+                issue_qk(s_ref, i + 1)
+
+        def logits_of(issue, i):
+            """[64, G] f32: `issue(s_ref, i)`'s logits, waited for."""
+
+            def qk(s_ref):
+                issue(s_ref, i)
+                return s_ref[...]
 
             with jax.named_scope("qk"):
-                s = pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))  # [64, G] f32
+                return pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))
+
+        def softmax_and_p(i, s, m_i, l_i):
+            """Page i's logits s -> P (and alpha) in shared memory for WG1; (alpha, m, l) after it."""
+            slot_i = slot_of(i, stages)
             with jax.named_scope("softmax"):
                 if is_fp8:  # logits of the fp8 rows times their per-token scale
                     ks = plgpu.load(loop_rows.at[_ROWS + slot_i], layout=col_layout)
@@ -566,14 +581,50 @@ def _body(cfg, r, pc):
                 loop_rows[_ROW_ALPHA] = alpha
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready)
+            return alpha, m_new, l_i
 
-            with jax.named_scope("pv"):
-                acc = acc * rows_bcast(alpha, acc.shape)
-                acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(0, half)], interpret=cfg.interpret)
-            plgpu.barrier_arrive(kv_consumed.at[slot_i])
-            return acc, m_new, l_i
+        def v_half(i):
+            return ring.at[slot_of(i, stages), :, pl.ds(0, half)]
 
-        acc, m_i, l_i = lax.fori_loop(0, n, step, softmax_state(TILE_M, cfg.l // 2))
+        acc_0, m_0, l_0 = softmax_state(TILE_M, cfg.l // 2)
+        if QK_WITH_PV and stages > 1:  # (one ring slot: page i + 1 lands only after page i's release)
+
+            def pv_and_next_qk(i, acc):
+                """Page i's P.V into acc and page i + 1's QK^T, issued back to back and waited for once."""
+                if cfg.interpret:  # no `pl.run_state` over a wgmma accumulator there (`wgmma_accumulate`)
+                    return wgmma_accumulate(acc, p_smem, v_half(i), interpret=True), logits_of(issue_next_qk, i)
+
+                def both(refs):
+                    acc_ref, s_ref = refs
+                    plgpu.wgmma(acc_ref, p_smem, v_half(i))
+                    issue_next_qk(s_ref, i)
+
+                with jax.named_scope("pv_qk"):
+                    s_0 = plgpu.layout_cast(jnp.zeros((TILE_M, g), f32), plgpu.Layout.WGMMA)
+                    return pl.run_state(both)((plgpu.ACC.init(acc), plgpu.ACC.init(s_0)))
+
+            def step(i, carry):
+                acc, s, m_i, l_i = carry
+                alpha, m_new, l_new = softmax_and_p(i, s, m_i, l_i)
+                acc, s_next = pv_and_next_qk(i, acc * rows_bcast(alpha, acc.shape))
+                plgpu.barrier_arrive(kv_consumed.at[slot_of(i, stages)])
+                return acc, s_next, m_new, l_new
+
+            s_first = logits_of(issue_next_qk, jnp.int32(-1))  # page 0's (zeros for a piece without pages)
+            acc, _, m_i, l_i = lax.fori_loop(0, n, step, (acc_0, s_first, m_0, l_0))
+        else:
+
+            def step(i, carry):
+                acc, m_i, l_i = carry
+                wait_kv(i)
+                alpha, m_new, l_new = softmax_and_p(i, logits_of(issue_qk, i), m_i, l_i)
+                with jax.named_scope("pv"):
+                    acc = acc * rows_bcast(alpha, acc.shape)
+                    acc = wgmma_accumulate(acc, p_smem, v_half(i), interpret=cfg.interpret)
+                plgpu.barrier_arrive(kv_consumed.at[slot_of(i, stages)])
+                return acc, m_new, l_new
+
+            acc, m_i, l_i = lax.fori_loop(0, n, step, (acc_0, m_0, l_0))
         pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
         pc.epilogue_wg0(acc, m_i, l_i)
 
@@ -827,7 +878,7 @@ def _body_pv8(cfg, r, pc):
 
         _, m_0, l_0 = softmax_state(TILE_M, 64)
 
-        if PV8_QK_WITH_PV:
+        if QK_WITH_PV:
 
             def pv_and_next_qk(i, acc):
                 """Page i's P.V into acc and page i + 1's q_hi K^T, issued back to back and waited for once."""
@@ -928,11 +979,11 @@ def _body_pv8(cfg, r, pc):
         lax.fori_loop(0, n, step, ())
 
 
-# WG0 of the fp8 P.V kernel issues page i's P.V and page i + 1's q_hi K^T back to back and waits for both at once
-# (True), where each waits for its own (False): one wgmma round trip fewer a page (the trace: P.V 0.67 us, QK^T 0.84,
-# for ~0.14 and ~0.31 of tensor work), and the next page's logits carried through the loop. Built, off until measured
-# (gpu_session part 110).
-PV8_QK_WITH_PV = False
+# WG0 of the 64-row kernel (every body; exact fp8 with 2+ bf16 stages) issues page i's P.V and page i + 1's QK^T
+# back to back and waits for both at once (True), where each waits for its own (False): one wgmma round trip fewer a
+# page (the fp8 P.V's trace: P.V 0.67 us, QK^T 0.84, for ~0.14 and ~0.31 of tensor work), the next page's logits
+# carried through the loop. Built, off until measured (gpu_session part 110).
+QK_WITH_PV = False
 
 # (WG0, WG1, producer) registers a thread of the fp8 P.V kernel: each consumer holds an O^T [L/2, 64] f32 half; the
 # producer only issues TMAs (and zeroes a partial page). Three consumers (WG0 QK^T and the softmax only) lost: 121.8
@@ -1554,7 +1605,7 @@ def _impl(
         kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}"
         + ("_pv8" if pv8 else "")
         + ("_q1" if pv8 and cfg.q_terms == 1 else "")
-        + ("_qkpv" if pv8 and PV8_QK_WITH_PV else ""),
+        + ("_qkpv" if QK_WITH_PV and (pv8 or num_stages > 1) else ""),
     )
     out, lse, o_part, lse_part = kernel(*args)
     if schedule == "grid" and splits > 1:

@@ -33,6 +33,7 @@ from pallas_kernels.testing import (
     MLA_DECODE_SM90,
     assert_decode_close,
     decode_inputs,
+    decode_kind,
     decode_reference,
 )
 from pallas_kernels.testing import DECODE_SCALE as SCALE
@@ -434,15 +435,16 @@ def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
     assert ("quantize_q_fp8_r" in text) == quantize
 
 
-def _fp8_pv_case_matches(name, **over):
-    """The fp8_qk case `name` of the shared table with kernel options `over` on top, interpreted (race detector on),
-    against the float32 reference for those options ("fp8_pv"); returns (the case, its inputs, the kernel's lse)."""
+def _case_matches(name, **over):
+    """The 64-row case `name` of the shared table with kernel options `over` on top, interpreted (race detector on),
+    against the float32 reference for those options (fp8_qk: "fp8_pv"); returns (the case, its inputs, the kernel's
+    lse)."""
     case = next(c for c in DECODE_CASES if c.name == name)
     kw = dict(case.kernel, **over)
     inputs = case.make()
     out, lse = run_decode(*inputs, **kw)
     ref, ref_lse = jax.jit(lambda *a: decode_reference(*a, kw, case.l))(*inputs)
-    assert_decode_close(out, lse, ref, ref_lse, "fp8_pv")
+    assert_decode_close(out, lse, ref, ref_lse, "fp8_pv" if kw.get("fp8_qk") else decode_kind(case))
     return case, inputs, lse
 
 
@@ -451,7 +453,7 @@ def test_fp8_pv_one_q_term_drops_the_residual():
     q_hi * scale, P rounded to e4m3 its only other loss ("fp8_pv"; NaN-poisoned rows past each length, a 1-token
     request, 2 tiles, the work list); and its lse off the two-term reference's by more than that bound, so the kernel
     did drop the residual. (The shared suite runs every fp8_qk case with two terms, the residual's chain on WG1.)"""
-    case, inputs, lse = _fp8_pv_case_matches("fp8_qk_n40_worklist", fp8_q_split=False)
+    case, inputs, lse = _case_matches("fp8_qk_n40_worklist", fp8_q_split=False)
     split_ref_lse = np.asarray(jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(*inputs)[1])
     live = np.isfinite(split_ref_lse)
     assert np.abs(np.asarray(lse) - split_ref_lse)[live].max() > DECODE_TOL["fp8_pv"][1]
@@ -459,10 +461,10 @@ def test_fp8_pv_one_q_term_drops_the_residual():
 
 @pytest.fixture
 def qk_with_pv(monkeypatch):
-    """`PV8_QK_WITH_PV`: WG0 of the fp8 P.V kernel issues page i's P.V and page i + 1's QK^T together; the jitted
+    """`QK_WITH_PV`: WG0 of the 64-row kernel issues page i's P.V and page i + 1's QK^T together; the jitted
     kernels traced afresh before and after (the flag is read at trace time)."""
     jax.clear_caches()
-    monkeypatch.setattr(k90, "PV8_QK_WITH_PV", True)
+    monkeypatch.setattr(k90, "QK_WITH_PV", True)
     yield
     jax.clear_caches()
 
@@ -473,23 +475,34 @@ def qk_with_pv(monkeypatch):
         ("fp8_qk_n40_worklist", {}),
         ("fp8_qk_q2_causal_n64_2splits", {}),
         ("fp8_qk_q2_causal_n64_2splits", dict(fp8_q_split=False)),
+        ("q2_causal_n40_straddling_tiles_3splits_page_offset_bf16", {}),
+        ("worklist_rows64_single_tile_n40_bf16", {}),
     ],
 )
-def test_fp8_pv_qk_with_pv_matches_reference(name, over, qk_with_pv):
-    """The next page's QK^T issued with this page's P.V, interpreted (race detector on: P^T and the ring's slots
-    across the carried logits), against the reference ("fp8_pv"): the work list with 24 padding rows and a 1-token
-    request; causal rows of two tokens over two splits (a split past a request's length: a piece without pages);
-    one term of q."""
-    _fp8_pv_case_matches(name, **over)
+def test_qk_with_pv_matches_reference(name, over, qk_with_pv):
+    """The next page's QK^T issued with this page's P.V, interpreted (race detector on: P and the ring's slots
+    across the carried logits), against the reference. fp8 P.V: the work list with 24 padding rows and a 1-token
+    request; causal rows of two tokens over two splits (a split past a request's length: a piece without pages); one
+    term of q. bf16: causal rows straddling two tiles over three splits; the work list."""
+    _case_matches(name, **over)
 
 
-@pytest.mark.parametrize("kw", [dict(n=64, num_kv_splits=2), dict(n=128, schedule="worklist", fp8_q_split=False)])
-def test_fp8_pv_qk_with_pv_lowers_for_sm90(kw, qk_with_pv, monkeypatch, h200):
-    """The P.V and the next QK^T in one `pl.run_state` (the register-operand wgmma and the conditional QK^T wgmma on
-    two accumulators, the logits carried through the page loop) pass Mosaic GPU's lowering."""
+@pytest.mark.parametrize(
+    "cache_dtype, kw",
+    [
+        ("fp8", dict(n=64, num_kv_splits=2, fp8_qk=True)),
+        ("fp8", dict(n=128, schedule="worklist", fp8_qk=True, fp8_q_split=False)),
+        ("bf16", dict(n=128, num_kv_splits=2)),
+        ("bf16", dict(n=64, schedule="worklist")),
+    ],
+)
+def test_qk_with_pv_lowers_for_sm90(cache_dtype, kw, qk_with_pv, monkeypatch, h200):
+    """The P.V and the next QK^T in one `pl.run_state` (fp8 P.V: the register-operand wgmma; bf16: both operands in
+    shared memory; the conditional QK^T wgmma on a second accumulator, the logits carried through the page loop)
+    pass Mosaic GPU's lowering."""
     monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
-    text = _lower_for_sm90("fp8", fp8_qk=True, num_sms=132, **kw)
-    assert "_pv8" in text and "_qkpv" in text
+    text = _lower_for_sm90(cache_dtype, num_sms=132, **kw)
+    assert "_qkpv" in text
 
 
 @pytest.mark.parametrize(
