@@ -3,6 +3,7 @@ pallas_kernels/mla_decode.py (rows "pallas") and, on Hopper, the Mosaic GPU pall
 (rows "pallas_sm90"), side by side on the same inputs.
 
     PYTHONPATH=. python3 bench/decode.py --out DIR [--sweep] [--quick] [--kernels pallas,pallas_sm90]
+        [--knob MODULE.NAME=V1,V2] [--only KEY=VALUE,...]
 
 (a) checks the kernels against the float32 reference on fresh random inputs with NaN-poisoned unused
     pages: the GPU test cases marked `bench` in pallas_kernels/testing.py (exits 1 on any mismatch
@@ -14,7 +15,9 @@ pallas_kernels/mla_decode.py (rows "pallas") and, on Hopper, the Mosaic GPU pall
     128 (rows with `ragged` and `ragged_over_uniform`; --no-ragged skips them), and speculative verification rows
     (Q = 3 causal query tokens, 16 heads: rows with `Q`) through both kernels; (d) with --sweep also times
     tuning variants per shape (Triton: block_h, block_kv, num_warps, num_stages, num_kv_splits; sm90: num_kv_splits,
-    num_stages, fp8_stages, fp8_qk) into DIR/decode-sweep.json.
+    num_stages, fp8_stages, fp8_qk) into DIR/decode-sweep.json. --knob runs an A/B of a kernel module's switch in
+    one process (each value's check and rows on the same inputs, rows tagged `knob`); --only times a subset of the
+    rows.
 """
 
 from __future__ import annotations
@@ -362,16 +365,77 @@ def sweep_variants(n, dtype, num_splits_default):
     return out
 
 
+_LAST_REF: list = []  # [(q, ref, ref_lse)] of the last input set `error_vs_f32` saw (q kept: its id stays its own)
+
+
+def reference_f32(args):
+    """(out, lse) of the float32 reference on these inputs as numpy, computed once for the rows of one input set."""
+    q, cache, bt, sl, ks = args
+    if not _LAST_REF or _LAST_REF[0][0] is not q:
+        ref, ref_lse = md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
+        _LAST_REF[:] = [(q, np.asarray(ref, np.float32), np.asarray(ref_lse, np.float32))]
+    return _LAST_REF[0][1:]
+
+
 def error_vs_f32(fn, args) -> dict:
     """The row's error on its own inputs against the float32 reference over the dequantized cache with the
     exact q (lossy modes included: their rounding of q is part of the error, as FlashMLA's rounding of P is of
     its): rel_err and lse_err (natural log) as `rel_and_lse_err`."""
-    q, cache, bt, sl, ks = args
     out, lse = fn(*args)
-    ref, ref_lse = md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    rel, lse_err = rel_and_lse_err(out, np.asarray(lse, np.float32), ref, np.asarray(ref_lse, np.float32))
+    ref, ref_lse = reference_f32(args)
+    rel, lse_err = rel_and_lse_err(np.asarray(out, np.float32), np.asarray(lse, np.float32), ref, ref_lse)
     return {"rel_err": float(f"{rel:.3g}"), "lse_err": float(f"{lse_err:.3g}")}
+
+
+def parse_knob(spec: str):
+    """`MODULE.NAME=V1,V2,...` (--knob) -> (the pallas_kernels module, NAME, [values]): a module-level switch that
+    the kernels read at trace time, each value a Python literal of the switch's current type."""
+    import ast
+    import importlib
+
+    target, sep, values = spec.partition("=")
+    mod_name, dot, name = target.rpartition(".")
+    if not (sep and dot and values):
+        raise ValueError(f"--knob {spec!r}: expected MODULE.NAME=V1,V2 (e.g. mla_decode_sm90.QK_WITH_PV=False,True)")
+    try:
+        module = importlib.import_module(f"pallas_kernels.{mod_name}")
+    except ImportError as e:
+        raise ValueError(f"--knob {spec!r}: no module pallas_kernels.{mod_name}") from e
+    if not hasattr(module, name):
+        raise ValueError(f"--knob {spec!r}: pallas_kernels.{mod_name} has no {name}")
+    current = getattr(module, name)
+    out = []
+    for v in values.split(","):
+        try:
+            val = ast.literal_eval(v.strip())
+        except (ValueError, SyntaxError) as e:
+            raise ValueError(f"--knob {spec!r}: {v!r} is not a Python literal") from e
+        if type(val) is not type(current):
+            raise ValueError(f"--knob {spec!r}: {v!r} is {type(val).__name__}, {name} is {type(current).__name__}")
+        out.append(val)
+    return module, name, out
+
+
+def set_knob(module, name, value):
+    """Set a module-level switch and drop the compiled kernels (they read it at trace time)."""
+    setattr(module, name, value)
+    jax.clear_caches()
+
+
+def parse_only(spec: str) -> dict:
+    """`KEY=V,KEY=V` (--only) -> {KEY: value}: the rows timed are those whose fields include these."""
+    import ast
+
+    out = {}
+    for item in filter(None, spec.split(",")):
+        key, sep, v = item.partition("=")
+        if not sep:
+            raise ValueError(f"--only {spec!r}: {item!r} is not KEY=VALUE (e.g. fp8_qk=True)")
+        try:
+            out[key.strip()] = ast.literal_eval(v.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = v.strip()  # a bare word: a string (schedule=grid)
+    return out
 
 
 def kernel_row(name, fn, sets, b, n, ctx, dtype, ceil, extra, device_time=False, nq=1) -> dict:
@@ -480,7 +544,34 @@ def main():
         default="pallas,pallas_sm90",
         help="Pallas kernels to time: pallas (Triton) and/or pallas_sm90 (Hopper only)",
     )
+    ap.add_argument(
+        "--knob",
+        default="",
+        help="an A/B in one process: MODULE.NAME=V1,V2 (a pallas_kernels module's switch, e.g. "
+        "mla_decode_sm90.QK_WITH_PV=False,True): each shape's rows (and the sm90 check) for every value, on the "
+        "same inputs, rows tagged `knob`",
+    )
+    ap.add_argument("--only", default="", help="time only the rows whose fields include these, e.g. fp8_qk=True")
     args = ap.parse_args()
+    try:
+        knob = parse_knob(args.knob) if args.knob else None
+        only = parse_only(args.only)
+    except ValueError as e:
+        ap.error(str(e))
+    knob_values = knob[2] if knob else [None]
+    knob_default = getattr(knob[0], knob[1]) if knob else None
+
+    def with_knob(value) -> dict:
+        """Set the knob to `value` (if any); the rows' tag for it."""
+        if knob is None:
+            return {}
+        set_knob(knob[0], knob[1], value)
+        return {"knob": f"{knob[1]}={value!r}"}
+
+    def restore_knob():
+        if knob is not None:
+            set_knob(knob[0], knob[1], knob_default)
+
     t_start = time.time()
     dev = jax.devices()[0]
     log(f"device: {dev.device_kind}, SMs: {num_sms()}, jax {jax.__version__}")
@@ -499,14 +590,19 @@ def main():
             if not ok:
                 sys.exit(1)
         if run_sm90:
-            ok = check_correctness(k90.mla_decode_sm90, testing.MLA_DECODE_SM90)
-            checks["pallas_sm90"] = "PASS" if ok else "FAIL"
-            log(f"correctness pallas_sm90: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.0f}s)")
-            run_sm90 = ok  # time only a kernel that computes the right thing
+            oks = []
+            for value in knob_values:
+                name = "pallas_sm90" + "".join(f"[{t}]" for t in with_knob(value).values())
+                oks.append(check_correctness(k90.mla_decode_sm90, testing.MLA_DECODE_SM90))
+                checks[name] = "PASS" if oks[-1] else "FAIL"
+                log(f"correctness {name}: {checks[name]} ({time.time() - t_start:.0f}s)")
+            restore_knob()
+            run_sm90 = all(oks)  # time only a kernel that computes the right thing
 
     ceil = common.measure_ceilings()
     log(f"ceilings: {ceil}")
     results = common.results_header(ceil)
+    results.update({k: v for k, v in (("knob", args.knob), ("only", args.only)) if v})
     if checks:
         results["checks"] = checks
     sweep = common.results_header(ceil)
@@ -528,9 +624,16 @@ def main():
                 sets = None  # the previous pool's memory back first
                 sets = arg_sets_for(b, n, ctx, dtype, pool_gb=pool)
                 tag = {"pool_gb": round(sets[0][1].size * sets[0][1].dtype.itemsize / 1e9, 2)} if pool else {}
-                for name, fn, extra in kernels_to_time(b, n, ctx, dtype, run_triton, run_sm90):
-                    row = kernel_row(name, fn, sets, b, n, ctx, dtype, ceil, {**extra, **tag}, args.device_time)
-                    results["rows"].append(row)
+                for value in knob_values:
+                    knob_tag = with_knob(value)
+                    for name, fn, extra in kernels_to_time(b, n, ctx, dtype, run_triton, run_sm90):
+                        if any({"kernel": name, **extra}.get(k) != v for k, v in only.items()):
+                            continue
+                        extra = {**extra, **tag, **knob_tag}
+                        results["rows"].append(
+                            kernel_row(name, fn, sets, b, n, ctx, dtype, ceil, extra, args.device_time)
+                        )
+                restore_knob()
             splits = md.choose_num_kv_splits(b, n, ctx, num_sms())
             if dtype == "bf16" and not args.quick:
                 us = timed(xla_fn(), sets, 5, 3)

@@ -9,17 +9,18 @@ import sys
 from mla_jax.config import DeepseekConfig
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def load_script(name: str):
-    """scripts/`name`.py as a module (loaded once a process; the scripts are not a package)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+def load_script(name: str, folder: str = "scripts"):
+    """`folder`/`name`.py (scripts/, bench/) as a module (loaded once a process; those folders are not packages)."""
+    key = name if folder == "scripts" else f"{folder}_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, os.path.join(ROOT, folder, f"{name}.py"))
         mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
+        sys.modules[key] = mod
         spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return sys.modules[key]
 
 
 def tiny_config(**overrides) -> DeepseekConfig:

@@ -1,0 +1,78 @@
+"""bench/decode.py's A/B options, on CPU: --knob (a kernel module's switch, each value a literal of its type) and
+--only (a subset of the rows), with a clear error for each malformed spec."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import mla_decode_sm90 as k90
+from tests.mla_jax.helpers import load_script
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("decode", folder="bench")
+
+
+def test_knob_parses_a_switch_and_its_values(bench):
+    module, name, values = bench.parse_knob("mla_decode_sm90.QK_WITH_PV=False, True")
+    assert module is k90 and name == "QK_WITH_PV" and values == [False, True]
+    _, _, stages = bench.parse_knob("mla_decode_sm90._WORKLIST_MIN_PAGES=2,4")
+    assert stages == [2, 4]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("QK_WITH_PV=True", "expected MODULE.NAME=V1,V2"),
+        ("mla_decode_sm90.QK_WITH_PV", "expected MODULE.NAME=V1,V2"),
+        ("no_such_kernel.X=1", "no module pallas_kernels.no_such_kernel"),
+        ("mla_decode_sm90.NO_SUCH=1", "has no NO_SUCH"),
+        ("mla_decode_sm90.QK_WITH_PV=yes", "'yes' is not a Python literal"),
+        ("mla_decode_sm90.QK_WITH_PV=1", "'1' is int, QK_WITH_PV is bool"),
+    ],
+)
+def test_knob_names_what_is_wrong(bench, spec, message):
+    with pytest.raises(ValueError, match=message):
+        bench.parse_knob(spec)
+
+
+def test_set_knob_retraces(bench, monkeypatch):
+    """The switch is read at trace time: set_knob must drop what was compiled with the old value."""
+    monkeypatch.setattr(k90, "QK_WITH_PV", False)  # restored after the test
+    seen = []
+
+    @jax.jit
+    def f(x):
+        seen.append(k90.QK_WITH_PV)
+        return x + 1
+
+    f(jnp.ones(2))
+    bench.set_knob(k90, "QK_WITH_PV", True)
+    f(jnp.ones(2))
+    assert seen == [False, True]
+
+
+def test_only_selects_rows(bench):
+    assert bench.parse_only("fp8_qk=True,schedule=grid") == {"fp8_qk": True, "schedule": "grid"}
+    assert bench.parse_only("") == {}
+    with pytest.raises(ValueError, match="'fp8_qk' is not KEY=VALUE"):
+        bench.parse_only("fp8_qk")
+
+
+def test_reference_is_computed_once_an_input_set(bench, monkeypatch):
+    calls = []
+    real = bench.md.mla_decode_reference
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(bench.md, "mla_decode_reference", counting)
+    args = bench.make_inputs(jax.random.key(0), 2, 1, 16, 128, "bf16")
+    ref, ref_lse = bench.reference_f32(args)
+    again = bench.reference_f32(args)
+    assert len(calls) == 1 and again[0] is ref
+    bench.reference_f32(bench.make_inputs(jax.random.key(1), 2, 1, 16, 128, "bf16"))
+    assert len(calls) == 2 and np.isfinite(ref).all()
