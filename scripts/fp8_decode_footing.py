@@ -14,12 +14,16 @@ The wgmma's reduced-precision fp8 accumulation is not emulated (the GPU rows' re
 --demo: the same modes on the demo model's real activations (mla_jax/data/demo, as scripts/fp8_cache_formats.py
 reads them): each layer's absorbed queries and `[kv_c_normed | k_pe]` rows of 8 windows of 256 tokens of this
 repository's sources, the rows in the cache's "per_token" fp8 format, every query over its causal context at the
-model's own softmax scale; the error per layer.
+model's own softmax scale; the error per layer. Then the validation loss with each mode in every layer's attention
+(`demo_loss`: the full forward over 8 windows of text the demo never saw, each layer's rows fake-quantized to
+"per_token" and its attention run as the mode runs it, errors propagating into the next layer): the mean token NLL
+change against float32 rows and exact attention, its standard error over the windows, and the mean KL.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -27,6 +31,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.decode import make_inputs  # noqa: E402
@@ -82,10 +87,7 @@ def measure_demo(num_windows: int = 8, seq_len: int = 256) -> dict:
     """{mode: [error per layer]} on the demo model's activations (module docstring)."""
     from mla_jax.cache import quantize_cache_rows
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8_cache_formats.py")
-    spec = importlib.util.spec_from_file_location("fp8_cache_formats", path)
-    fcf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fcf)
+    fcf = _load_fp8_cache_formats()
     cfg, params, tok = fcf.load_demo()
     ids = jnp.asarray(fcf.windows(tok, fcf.ROW_FILES, num_windows, seq_len))
     group = cfg.kv_lora_rank // 4  # fp8_cache_formats.run's (only the f32 rows, format 0, are read here)
@@ -100,6 +102,71 @@ def measure_demo(num_windows: int = 8, seq_len: int = 256) -> dict:
     return out
 
 
+def _load_fp8_cache_formats():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8_cache_formats.py")
+    spec = importlib.util.spec_from_file_location("fp8_cache_formats", path)
+    fcf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fcf)
+    return fcf
+
+
+# each with the rows in the "per_token" fp8 format; "rows": the format's rounding alone (exact q and P)
+LOSS_MODES = ("rows", "p_only", "q1_p", "q2_p")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mode"))
+def forward_mode(params, cfg, input_ids, mode: str):
+    """Logits f32[B, S, vocab] of the full causal forward of input_ids i32[B, S] with every layer's absorbed
+    attention run as decode mode `mode` runs it (`LOSS_MODES`; "f32": float32 rows, exact q and P)."""
+    from mla_jax.cache import quantize_cache_rows
+    from mla_jax.mla import absorb_q, mla_project, o_proj, v_up_proj
+    from mla_jax.model import decoder_layers, embed, lm_logits
+
+    B, S = input_ids.shape
+    L = cfg.kv_lora_rank
+    positions = jnp.arange(S, dtype=jnp.int32)
+
+    def attn_one(p, hs):  # one sequence [S, H]
+        q, kv_c_normed, k_pe = mla_project(p, cfg, hs, positions)
+        q_mqa = absorb_q(p, cfg, q).astype(jnp.float32)  # [S, N, D]
+        rows = jnp.concatenate([kv_c_normed, k_pe[:, 0, :].astype(kv_c_normed.dtype)], -1).astype(jnp.float32)
+        if mode == "f32":
+            kss, round_p = jnp.ones(rows.shape[:1], jnp.float32), False
+        else:
+            packed = quantize_cache_rows(rows, "per_token", kv_lora_rank=L)
+            rows, kss, round_p = packed.values.astype(jnp.float32), packed.scales[..., 0], mode != "rows"
+            if mode not in ("rows", "p_only"):
+                q_mqa = fp8_qk_reference_q(q_mqa, split=mode == "q2_p")
+        latent = attention(q_mqa[None], rows[None], kss[None], cfg.softmax_scale, L, round_p, causal=True)[0]
+        return o_proj(p, v_up_proj(p, latent).astype(hs.dtype))
+
+    def attn(p, h, state, layer):
+        return jax.vmap(lambda hs: attn_one(p, hs))(h.reshape(B, S, -1)).reshape(B * S, -1), state
+
+    x, _ = decoder_layers(params, cfg, embed(params, cfg, input_ids.reshape(-1)), attn, ())
+    return lm_logits(params, cfg, x).reshape(B, S, -1)
+
+
+def demo_loss(num_windows: int = 8, seq_len: int = 256) -> dict:
+    """{"val_loss_f32": mean token NLL, mode: {"val_loss_delta", "val_loss_delta_se", "val_kl"}} on the demo model
+    over text it never saw (module docstring)."""
+    fcf = _load_fp8_cache_formats()
+    cfg, params, tok = fcf.load_demo()
+    ids = jnp.asarray(fcf.windows(tok, fcf.VAL_FILES, num_windows, seq_len))
+    ref_logits = forward_mode(params, cfg, ids, "f32")
+    ref_nll = fcf.token_nll(ref_logits, ids)  # [B, S-1]
+    out: dict = {"val_loss_f32": float(ref_nll.mean()), "val_tokens": int(ids.size)}
+    for mode in LOSS_MODES:
+        logits = forward_mode(params, cfg, ids, mode)
+        delta = (fcf.token_nll(logits, ids) - ref_nll).mean(-1)  # [B]: each window's paired loss change
+        out[mode] = {
+            "val_loss_delta": float(delta.mean()),
+            "val_loss_delta_se": float(delta.std(ddof=1) / np.sqrt(len(delta))),
+            "val_kl": float(fcf.token_kl(ref_logits, logits).mean()),
+        }
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--b", type=int, default=4)
@@ -108,7 +175,7 @@ def main(argv=None) -> None:
     ap.add_argument("--demo", action="store_true", help="the demo model's activations instead (per layer)")
     args = ap.parse_args(argv)
     jax.config.update("jax_default_matmul_precision", "highest")
-    res = measure_demo() if args.demo else measure(args.b, args.n, args.ctx)
+    res = {"attn_out_err": measure_demo(), "loss": demo_loss()} if args.demo else measure(args.b, args.n, args.ctx)
     print(json.dumps(res, indent=1))
 
 

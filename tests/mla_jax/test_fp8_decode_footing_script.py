@@ -27,3 +27,21 @@ def test_footing_on_the_demo_model():
     assert layers > 1 and all(len(v) == layers for v in res.values())
     for p, q1, q1p, q2p in zip(res["p_only"], res["q1"], res["q1_p"], res["q2_p"]):
         assert 0 < p < 0.05 and abs(q2p - p) < 0.25 * p and q1p > q2p and q1 > 0
+
+
+def test_footing_demo_loss():
+    """The validation loss with each mode in every layer (2 windows of 64 tokens): the float32 mode is the model's
+    own absorbed forward (fp8_cache_formats' float32 rows), and each mode moves the logits by its own amount."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    m = load_script("fp8_decode_footing")
+    fcf = m._load_fp8_cache_formats()
+    cfg, params, tok = fcf.load_demo()
+    ids = jnp.asarray(fcf.windows(tok, fcf.VAL_FILES, 2, 64))
+    ref, _, _ = fcf.forward_fake_quant(params, cfg, ids, 0, cfg.kv_lora_rank // 4)  # format 0: float32 rows
+    np.testing.assert_allclose(np.asarray(m.forward_mode(params, cfg, ids, "f32")), np.asarray(ref), atol=2e-3)
+    res = m.demo_loss(num_windows=2, seq_len=64)
+    assert np.isfinite(res["val_loss_f32"]) and set(res) == {"val_loss_f32", "val_tokens", *m.LOSS_MODES}
+    kls = [res[mode]["val_kl"] for mode in m.LOSS_MODES]
+    assert all(0 < kl < 0.1 for kl in kls) and len(set(kls)) == len(kls)
