@@ -365,26 +365,44 @@ def sweep_variants(n, dtype, num_splits_default):
     return out
 
 
-_LAST_REF: list = []  # [(q, ref, ref_lse)] of the last input set `error_vs_f32` saw (q kept: its id stays its own)
+_REFS: dict = {}  # the float32 references of the last input set `reference_f32` saw, by q_terms ("q": its q)
 
 
-def reference_f32(args):
-    """(out, lse) of the float32 reference on these inputs as numpy, computed once for the rows of one input set."""
+def reference_f32(args, q_terms: int = 0):
+    """(out, lse) of the float32 reference over the dequantized cache as numpy, computed once for the rows of one
+    input set: with the exact q (q_terms 0), or with the q an fp8_qk kernel multiplies (its 1 or 2 e4m3 terms,
+    `fp8_qk_reference_q`)."""
     q, cache, bt, sl, ks = args
-    if not _LAST_REF or _LAST_REF[0][0] is not q:
-        ref, ref_lse = md.mla_decode_reference(q, cache, bt, sl, scale=SCALE, kv_scale=ks)
-        _LAST_REF[:] = [(q, np.asarray(ref, np.float32), np.asarray(ref_lse, np.float32))]
-    return _LAST_REF[0][1:]
+    if _REFS.get("q") is not q:
+        _REFS.clear()
+        _REFS["q"] = q  # kept: its id stays its own while cached
+    if q_terms not in _REFS:
+        qr = q if q_terms == 0 else k90.fp8_qk_reference_q(q, split=q_terms == 2)
+        ref, ref_lse = md.mla_decode_reference(qr, cache, bt, sl, scale=SCALE, kv_scale=ks)
+        _REFS[q_terms] = (np.asarray(ref, np.float32), np.asarray(ref_lse, np.float32))
+    return _REFS[q_terms]
 
 
-def error_vs_f32(fn, args) -> dict:
+def fp8_qk_terms(n_rows: int, extra: dict) -> int:
+    """The e4m3 terms of q a row's fp8_qk kernel multiplies (0: not fp8_qk): two in the fp8 P.V kernel's 64-row
+    tiles unless fp8_q_split=False, one in the narrow kernel."""
+    if not extra.get("fp8_qk"):
+        return 0
+    return 2 if k90.uses_fp8_pv(n_rows, "float8_e4m3fn") and extra.get("fp8_q_split") is not False else 1
+
+
+def error_vs_f32(fn, args, q_terms: int = 0) -> dict:
     """The row's error on its own inputs against the float32 reference over the dequantized cache with the
     exact q (lossy modes included: their rounding of q is part of the error, as FlashMLA's rounding of P is of
-    its): rel_err and lse_err (natural log) as `rel_and_lse_err`."""
-    out, lse = fn(*args)
-    ref, ref_lse = reference_f32(args)
-    rel, lse_err = rel_and_lse_err(np.asarray(out, np.float32), np.asarray(lse, np.float32), ref, ref_lse)
-    return {"rel_err": float(f"{rel:.3g}"), "lse_err": float(f"{lse_err:.3g}")}
+    its): rel_err and lse_err (natural log) as `rel_and_lse_err`. An fp8_qk row (`q_terms` > 0) also gets them
+    against the reference on the q it multiplies (rel_err_own_q, lse_err_own_q): FlashMLA's footing (its fp8 kernel
+    takes q in e4m3, and its test's reference uses that q), where the mode's error is its rounding of P."""
+    out, lse = (np.asarray(a, np.float32) for a in fn(*args))
+    res = {}
+    for suffix, terms in [("", 0)] + [("_own_q", q_terms)] * (q_terms > 0):
+        rel, lse_err = rel_and_lse_err(out, lse, *reference_f32(args, terms))
+        res |= {f"rel_err{suffix}": float(f"{rel:.3g}"), f"lse_err{suffix}": float(f"{lse_err:.3g}")}
+    return res
 
 
 def parse_knob(spec: str):
@@ -446,7 +464,7 @@ def kernel_row(name, fn, sets, b, n, ctx, dtype, ceil, extra, device_time=False,
         us = timed(fn, sets, 20, 7)
         if device_time:  # kernel time without host dispatch (see common.device_time_us)
             extra = {**extra, **common.device_time_us(fn, sets)}
-        extra = {**extra, **error_vs_f32(fn, sets[0])}
+        extra = {**extra, **error_vs_f32(fn, sets[0], fp8_qk_terms(nq * n, extra))}
         row = row_for(name, b, n, ctx, dtype, us, ceil, nq=nq, **extra)
         log(f"{what}: {us:.1f} us {extra} {row['TBps']} TB/s {row['TFLOPs']} TFLOP/s")
         return row

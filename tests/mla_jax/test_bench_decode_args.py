@@ -1,5 +1,6 @@
-"""bench/decode.py's A/B options, on CPU: --knob (a kernel module's switch, each value a literal of its type) and
---only (a subset of the rows), with a clear error for each malformed spec."""
+"""bench/decode.py on CPU: its A/B options (--knob: a kernel module's switch, each value a literal of its type;
+--only: a subset of the rows), with a clear error for each malformed spec; the rows' float32 references (once an
+input set) and fp8_qk's errors on both footings."""
 
 import jax
 import jax.numpy as jnp
@@ -76,3 +77,23 @@ def test_reference_is_computed_once_an_input_set(bench, monkeypatch):
     assert len(calls) == 1 and again[0] is ref
     bench.reference_f32(bench.make_inputs(jax.random.key(1), 2, 1, 16, 128, "bf16"))
     assert len(calls) == 2 and np.isfinite(ref).all()
+
+
+def test_fp8_qk_rows_report_both_footings(bench):
+    """A one-term fp8_qk row errs nothing against the reference on its own rounded q (FlashMLA's footing) and
+    something against the exact q; the terms each kind of row multiplies."""
+    args = bench.make_inputs(jax.random.key(2), 2, 1, 64, 128, "fp8")
+    q, cache, bt, sl, ks = args
+
+    def one_term(*a):  # what a one-term kernel computes, exactly
+        return bench.md.mla_decode_reference(
+            k90.fp8_qk_reference_q(q, split=False), cache, bt, sl, scale=bench.SCALE, kv_scale=ks
+        )
+
+    err = bench.error_vs_f32(one_term, args, q_terms=1)
+    assert err["rel_err_own_q"] == 0 and err["lse_err_own_q"] == 0 and err["rel_err"] > 1e-3
+    assert set(bench.error_vs_f32(one_term, args)) == {"rel_err", "lse_err"}
+    assert bench.fp8_qk_terms(128, {}) == 0
+    assert bench.fp8_qk_terms(128, {"fp8_qk": True}) == 2
+    assert bench.fp8_qk_terms(128, {"fp8_qk": True, "fp8_q_split": False}) == 1
+    assert bench.fp8_qk_terms(16, {"fp8_qk": True}) == 1  # the narrow kernel
