@@ -422,15 +422,13 @@ def parse_knob(spec: str):
     if not hasattr(module, name):
         raise ValueError(f"--knob {spec!r}: pallas_kernels.{mod_name} has no {name}")
     current = getattr(module, name)
-    out = []
-    for v in values.split(","):
-        try:
-            val = ast.literal_eval(v.strip())
-        except (ValueError, SyntaxError) as e:
-            raise ValueError(f"--knob {spec!r}: {v!r} is not a Python literal") from e
+    try:  # one list of literals: a value may hold commas itself (a dict, a tuple)
+        out = ast.literal_eval(f"[{values}]")
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"--knob {spec!r}: {values!r} is not a comma-separated list of Python literals") from e
+    for val in out:
         if type(val) is not type(current):
-            raise ValueError(f"--knob {spec!r}: {v!r} is {type(val).__name__}, {name} is {type(current).__name__}")
-        out.append(val)
+            raise ValueError(f"--knob {spec!r}: {val!r} is {type(val).__name__}, {name} is {type(current).__name__}")
     return module, name, out
 
 

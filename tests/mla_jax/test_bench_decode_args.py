@@ -19,8 +19,10 @@ def bench():
 def test_knob_parses_a_switch_and_its_values(bench):
     module, name, values = bench.parse_knob("mla_decode_sm90.QK_WITH_PV=False, True")
     assert module is k90 and name == "QK_WITH_PV" and values == [False, True]
-    _, _, stages = bench.parse_knob("mla_decode_sm90._WORKLIST_MIN_PAGES=2,4")
-    assert stages == [2, 4]
+    _, _, pages = bench.parse_knob("mla_decode_sm90._WORKLIST_MIN_PAGES=2,4")
+    assert pages == [2, 4]
+    _, _, stages = bench.parse_knob("mla_decode_sm90._FP8_PV_STAGES={1: 4, 2: 3},{1: 4, 2: 4}")
+    assert stages == [{1: 4, 2: 3}, {1: 4, 2: 4}]
 
 
 @pytest.mark.parametrize(
@@ -30,8 +32,8 @@ def test_knob_parses_a_switch_and_its_values(bench):
         ("mla_decode_sm90.QK_WITH_PV", "expected MODULE.NAME=V1,V2"),
         ("no_such_kernel.X=1", "no module pallas_kernels.no_such_kernel"),
         ("mla_decode_sm90.NO_SUCH=1", "has no NO_SUCH"),
-        ("mla_decode_sm90.QK_WITH_PV=yes", "'yes' is not a Python literal"),
-        ("mla_decode_sm90.QK_WITH_PV=1", "'1' is int, QK_WITH_PV is bool"),
+        ("mla_decode_sm90.QK_WITH_PV=True,yes", "'True,yes' is not a comma-separated list of Python literals"),
+        ("mla_decode_sm90.QK_WITH_PV=False,1", "1 is int, QK_WITH_PV is bool"),
     ],
 )
 def test_knob_names_what_is_wrong(bench, spec, message):
