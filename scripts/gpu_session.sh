@@ -1473,12 +1473,12 @@ PY
     run 150 pv8-ptxas env MOSAIC_GPU_DUMP_PTXAS=1 python3 /tmp/pv8_ptxas.py
     grep -E "^===|registers|spill" "$out/pv8-ptxas.log" | head -40
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-110) # session 39, for the next (any card, ~7 minutes): WG0 of the 64-row kernel issuing page i's P.V and page i + 1's
+110) # session 39, for the next (any card, ~8.5 minutes): WG0 of the 64-row kernel issuing page i's P.V and page i + 1's
     # QK^T back to back, waited for once (QK_WITH_PV) against the default, in one process (bench/decode.py --knob:
     # the sm90 GPU check cases for each value, then both values' grid rows on the same inputs: bf16, exact fp8, the
     # fp8 P.V with two terms and one), then its fp8 P.V trace (2 pages)
     out=${2:?}
-    run 330 decode-qkpv python3 bench/decode.py --out "$out/decode-qkpv" --quick --no-ragged --device-time \
+    run 420 decode-qkpv python3 bench/decode.py --out "$out/decode-qkpv" --quick --no-ragged --device-time \
         --kernels pallas_sm90 --shapes 64x128x4096,128x128x8192 --dtypes bf16,fp8 --only schedule=grid \
         --knob mla_decode_sm90.QK_WITH_PV=False,True
     grep -E "^correctness|FAIL|knob" "$out/decode-qkpv.log" | cut -c1-200 | head -30
