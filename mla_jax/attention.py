@@ -157,9 +157,9 @@ DECODE_XLA = Kernel("xla", md.mla_decode_reference)
 DECODE_TRITON = Kernel("triton", _decode_triton, _triton_decode_declines)
 DECODE_SM90 = Kernel("sm90", _decode_sm90, _sm90_declines, _plan_sm90)
 # fp8_qk everywhere on one e4m3 term of q (opt-in, lossy): in the narrow kernel too (faster than its exact
-# split) and in 64-row tiles (1.55x faster than the default's two terms at 64x128x4096, H100, session 38). Its
-# error against float32 is ~3x FlashMLA's: 6.2% on the benchmark's N(0, 1) inputs where two terms give 1.2%
-# (emulated at FlashMLA's 1/sqrt(192): 5.1% against P's rounding alone, 1.75%, FlashMLA's measured 1.5-1.8%)
+# split) and in 64-row tiles (1.45x faster than the default's two terms at 64x128x4096, H100, session 39). FlashMLA's
+# fp8 footing (its kernel takes q in e4m3 too, its test's reference uses that q: P's rounding alone, 1.5-1.8%); against
+# float32 with the exact q 6.2% on the benchmark's N(0, 1) inputs, where two terms give 1.2%
 DECODE_SM90_FP8QK = Kernel("sm90_fp8qk", _decode_sm90_fp8qk, _sm90_fp8qk_declines, _plan_sm90_fp8qk)
 
 # ---- prefill: (q [Tq, N, P+R], k [Tk, N, P+R], v [Tk, N, V], q_start_loc, k_start_loc, *, causal, scale)
