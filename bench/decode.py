@@ -23,6 +23,8 @@ pallas_kernels/mla_decode.py (rows "pallas") and, on Hopper, the Mosaic GPU pall
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import math
 import os
 import sys
@@ -384,11 +386,10 @@ def reference_f32(args, q_terms: int = 0):
 
 
 def fp8_qk_terms(n_rows: int, extra: dict) -> int:
-    """The e4m3 terms of q a row's fp8_qk kernel multiplies (0: not fp8_qk): two in the fp8 P.V kernel's 64-row
-    tiles unless fp8_q_split=False, one in the narrow kernel."""
+    """The e4m3 terms of q a row's fp8_qk kernel multiplies (`k90.fp8_qk_q_terms`; 0: not fp8_qk)."""
     if not extra.get("fp8_qk"):
         return 0
-    return 2 if k90.uses_fp8_pv(n_rows, "float8_e4m3fn") and extra.get("fp8_q_split") is not False else 1
+    return k90.fp8_qk_q_terms(n_rows, "float8_e4m3fn", fp8_q_split=extra.get("fp8_q_split"))
 
 
 def error_vs_f32(fn, args, q_terms: int = 0) -> dict:
@@ -408,9 +409,6 @@ def error_vs_f32(fn, args, q_terms: int = 0) -> dict:
 def parse_knob(spec: str):
     """`MODULE.NAME=V1,V2,...` (--knob) -> (the pallas_kernels module, NAME, [values]): a module-level switch that
     the kernels read at trace time, each value a Python literal of the switch's current type."""
-    import ast
-    import importlib
-
     target, sep, values = spec.partition("=")
     mod_name, dot, name = target.rpartition(".")
     if not (sep and dot and values):
@@ -440,8 +438,6 @@ def set_knob(module, name, value):
 
 def parse_only(spec: str) -> dict:
     """`KEY=V,KEY=V` (--only) -> {KEY: value}: the rows timed are those whose fields include these."""
-    import ast
-
     out = {}
     for item in filter(None, spec.split(",")):
         key, sep, v = item.partition("=")

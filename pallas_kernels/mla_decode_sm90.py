@@ -496,6 +496,30 @@ class _Piece:
             pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))
 
 
+def _logits_waited(issue):
+    """[64, G] f32: the wgmmas `issue(acc_ref)` issues into a fresh zero accumulator, waited for."""
+
+    def chain(acc_ref):
+        issue(acc_ref)
+        return acc_ref[...]
+
+    return pl.run_scoped(chain, plgpu.ACC((TILE_M, PAGE_SIZE), jnp.float32))
+
+
+def _pv_with_next_logits(acc, issue_pv, issue_next):
+    """(acc after `issue_pv(acc_ref)`'s wgmma, [64, G] f32 logits of `issue_next(s_ref)` into zeros): both issued
+    back to back and waited for once (`QK_WITH_PV`; not in the interpreter, which has no `pl.run_state` over a wgmma
+    accumulator)."""
+
+    def both(refs):
+        acc_ref, s_ref = refs
+        issue_pv(acc_ref)
+        issue_next(s_ref)
+
+    s_0 = plgpu.layout_cast(jnp.zeros((TILE_M, PAGE_SIZE), jnp.float32), plgpu.Layout.WGMMA)
+    return pl.run_state(both)((plgpu.ACC.init(acc), plgpu.ACC.init(s_0)))
+
+
 def _body(cfg, r, pc):
     """One page at a time: WG0 runs QK^T, the softmax and P.V for columns [0, L/2); WG1 waits for
     P and runs P.V for [L/2, L); the producer keeps the next page in flight."""
@@ -503,7 +527,6 @@ def _body(cfg, r, pc):
     g = PAGE_SIZE
     half = cfg.l // 2
     stages = cfg.stages
-    f32 = jnp.float32
     is_fp8 = cfg.fp8_stages > 0
     n, first, last_rows = pc.n, pc.first, pc.last_rows
     ring, loop_rows, p_smem = r["ring"], r["loop_rows"], r["p_smem"]
@@ -551,13 +574,8 @@ def _body(cfg, r, pc):
 
         def logits_of(issue, i):
             """[64, G] f32: `issue(s_ref, i)`'s logits, waited for."""
-
-            def qk(s_ref):
-                issue(s_ref, i)
-                return s_ref[...]
-
             with jax.named_scope("qk"):
-                return pl.run_scoped(qk, plgpu.ACC((TILE_M, g), f32))
+                return _logits_waited(lambda s_ref: issue(s_ref, i))
 
         def softmax_and_p(i, s, m_i, l_i):
             """Page i's logits s -> P (and alpha) in shared memory for WG1; (alpha, m, l) after it."""
@@ -591,17 +609,14 @@ def _body(cfg, r, pc):
 
             def pv_and_next_qk(i, acc):
                 """Page i's P.V into acc and page i + 1's QK^T, issued back to back and waited for once."""
-                if cfg.interpret:  # no `pl.run_state` over a wgmma accumulator there (`wgmma_accumulate`)
+                if cfg.interpret:
                     return wgmma_accumulate(acc, p_smem, v_half(i), interpret=True), logits_of(issue_next_qk, i)
-
-                def both(refs):
-                    acc_ref, s_ref = refs
-                    plgpu.wgmma(acc_ref, p_smem, v_half(i))
-                    issue_next_qk(s_ref, i)
-
                 with jax.named_scope("pv_qk"):
-                    s_0 = plgpu.layout_cast(jnp.zeros((TILE_M, g), f32), plgpu.Layout.WGMMA)
-                    return pl.run_state(both)((plgpu.ACC.init(acc), plgpu.ACC.init(s_0)))
+                    return _pv_with_next_logits(
+                        acc,
+                        lambda acc_ref: plgpu.wgmma(acc_ref, p_smem, v_half(i)),
+                        lambda s_ref: issue_next_qk(s_ref, i),
+                    )
 
             def step(i, carry):
                 acc, s, m_i, l_i = carry
@@ -788,12 +803,7 @@ def _body_pv8(cfg, r, pc):
 
     def qk_term(i, term):
         """[64, G] f32: `issue_qk`'s product, waited for."""
-
-        def chain(acc_ref):
-            issue_qk(acc_ref, i, term)
-            return acc_ref[...]
-
-        return pl.run_scoped(chain, plgpu.ACC((TILE_M, g), f32))
+        return _logits_waited(lambda acc_ref: issue_qk(acc_ref, i, term))
 
     def rescale(acc):
         """acc * alpha (a column each: O^T's columns are the heads)."""
@@ -845,12 +855,7 @@ def _body_pv8(cfg, r, pc):
 
         def qk_next(i):
             """`issue_next_qk`'s logits, waited for."""
-
-            def chain(s_ref):
-                issue_next_qk(s_ref, i)
-                return s_ref[...]
-
-            return pl.run_scoped(chain, plgpu.ACC((TILE_M, g), f32))
+            return _logits_waited(lambda s_ref: issue_next_qk(s_ref, i))
 
         def softmax_and_p(i, s, m_i, l_i):
             """Page i's logits s [64, G] (f32) -> P'' in shared memory for the P.V warpgroups; (m, l) after it."""
@@ -883,17 +888,14 @@ def _body_pv8(cfg, r, pc):
             def pv_and_next_qk(i, acc):
                 """Page i's P.V into acc and page i + 1's q_hi K^T, issued back to back and waited for once."""
                 vt = vt_half(slot_of(i), 0)
-                if cfg.interpret:  # no register-operand wgmma there (`vt_accumulate`)
+                if cfg.interpret:  # no register-operand wgmma there either (`vt_accumulate`)
                     return pv(acc, vt), qk_next(i)
-
-                def both(refs):
-                    acc_ref, s_ref = refs
-                    plgpu.wgmma(acc_ref, vt, p_smem.T)  # V^T P^T (`vt_accumulate`)
-                    issue_next_qk(s_ref, i)
-
                 with jax.named_scope("pv_qk"):
-                    s0 = plgpu.layout_cast(jnp.zeros((TILE_M, g), f32), plgpu.Layout.WGMMA)
-                    return pl.run_state(both)((plgpu.ACC.init(rescale(acc)), plgpu.ACC.init(s0)))
+                    return _pv_with_next_logits(
+                        rescale(acc),
+                        lambda acc_ref: plgpu.wgmma(acc_ref, vt, p_smem.T),  # V^T P^T (`vt_accumulate`)
+                        lambda s_ref: issue_next_qk(s_ref, i),
+                    )
 
             def step(i, carry):
                 acc, s, m_i, l_i = carry
@@ -1457,6 +1459,13 @@ def uses_fp8_pv(m_rows: int, cache_dtype, kv_lora_rank: int = 512) -> bool:
     cache of `cache_dtype` with latent width `kv_lora_rank` (the narrow kernel takes fewer rows, with one fp8 term
     of q; each P.V warpgroup's half of the latents is whole 128-latent V^T chunks)."""
     return jnp.dtype(cache_dtype) == FP8 and not uses_narrow(m_rows, cache_dtype) and kv_lora_rank % (2 * VT_CHUNK) == 0
+
+
+def fp8_qk_q_terms(m_rows: int, cache_dtype, kv_lora_rank: int = 512, fp8_q_split: bool | None = None) -> int:
+    """The e4m3 terms of q that `fp8_qk=True` multiplies with `m_rows` query rows a request: two (q_hi and its
+    residual) in the fp8 P.V kernel's 64-row tiles (`uses_fp8_pv`) unless fp8_q_split=False, else one
+    (`fp8_qk_reference_q(q, split=terms == 2)` is that q)."""
+    return 2 if uses_fp8_pv(m_rows, cache_dtype, kv_lora_rank) and fp8_q_split is not False else 1
 
 
 def fp8_qk_reason(m_rows: int, kv_lora_rank: int) -> str | None:

@@ -66,25 +66,22 @@ def fake_quant(rows: jax.Array, fmt: str, *, kv_lora_rank: int, group: int) -> j
     return dequantize_cache_rows(packed, fmt, kv_lora_rank=kv_lora_rank)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "group"))
-def forward_fake_quant(params, cfg, input_ids, fmt_index: jax.Array, group: int):
-    """Full causal forward of input_ids i32[B, S] with the absorbed attention reading rows fake-quantized in
-    format ``FORMATS[fmt_index]`` (traced: one compile for all formats).
+def forward_absorbed(params, cfg, input_ids, attend):
+    """Full causal forward of input_ids i32[B, S], as mla_forward_full(algorithm="absorbed") with each layer's
+    attention `attend(q_mqa [S, N, L+R], rows f32[S, L+R]) -> latent [S, N, L]` (one sequence; what reads the
+    rows decides how they are rounded).
 
     -> (logits f32[B, S, vocab], absorbed queries f32[layers, B, S, N, L+R], rows f32[layers, B, S, L+R]), the
-    queries and rows as each layer computed them (before the fake quantization). "f32" is
-    `model.forward(attention="absorbed")`."""
+    queries and rows as each layer computed them (before `attend`)."""
     B, S = input_ids.shape
     L, NL = cfg.kv_lora_rank, cfg.num_hidden_layers
     positions = jnp.arange(S, dtype=jnp.int32)
 
-    def attn_one(p, hs):  # one sequence, as mla_forward_full(algorithm="absorbed") with the rows fake-quantized
+    def attn_one(p, hs):  # one sequence
         q, kv_c_normed, k_pe = mla_project(p, cfg, hs, positions)
         q_mqa = absorb_q(p, cfg, q)  # [S, N, L+R]
         rows = jnp.concatenate([kv_c_normed, k_pe[:, 0, :].astype(kv_c_normed.dtype)], -1).astype(jnp.float32)
-        quants = [functools.partial(fake_quant, fmt=f, kv_lora_rank=L, group=group) for f in FORMATS]
-        kv = jax.lax.switch(fmt_index, quants, rows)  # [S, L+R]
-        latent = reference.causal_mqa(q_mqa, kv, cfg.softmax_scale, L)  # [S, N, L]
+        latent = attend(q_mqa, rows)  # [S, N, L]
         return o_proj(p, v_up_proj(p, latent).astype(hs.dtype)), q_mqa.astype(jnp.float32), rows
 
     def attention(p, h, state, layer):
@@ -98,6 +95,19 @@ def forward_fake_quant(params, cfg, input_ids, fmt_index: jax.Array, group: int)
     )
     x, (qs, rs) = decoder_layers(params, cfg, embed(params, cfg, input_ids.reshape(-1)), attention, state)
     return lm_logits(params, cfg, x).reshape(B, S, -1), qs, rs
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "group"))
+def forward_fake_quant(params, cfg, input_ids, fmt_index: jax.Array, group: int):
+    """`forward_absorbed` with the attention reading rows fake-quantized in format ``FORMATS[fmt_index]`` (traced:
+    one compile for all formats); "f32" is `model.forward(attention="absorbed")`."""
+    L = cfg.kv_lora_rank
+    quants = [functools.partial(fake_quant, fmt=f, kv_lora_rank=L, group=group) for f in FORMATS]
+
+    def attend(q_mqa, rows):
+        return reference.causal_mqa(q_mqa, jax.lax.switch(fmt_index, quants, rows), cfg.softmax_scale, L)
+
+    return forward_absorbed(params, cfg, input_ids, attend)
 
 
 def round_q_fp8(q: jax.Array) -> jax.Array:

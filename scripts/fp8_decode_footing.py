@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
+import importlib
 import json
 import os
 import sys
@@ -103,11 +103,11 @@ def measure_demo(num_windows: int = 8, seq_len: int = 256) -> dict:
 
 
 def _load_fp8_cache_formats():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8_cache_formats.py")
-    spec = importlib.util.spec_from_file_location("fp8_cache_formats", path)
-    fcf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fcf)
-    return fcf
+    """scripts/fp8_cache_formats.py, imported once a process (as the tests' `load_script` names it)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module("fp8_cache_formats")
 
 
 # each with the rows in the "per_token" fp8 format; "rows": the format's rounding alone (exact q and P)
@@ -119,17 +119,11 @@ def forward_mode(params, cfg, input_ids, mode: str):
     """Logits f32[B, S, vocab] of the full causal forward of input_ids i32[B, S] with every layer's absorbed
     attention run as decode mode `mode` runs it (`LOSS_MODES`; "f32": float32 rows, exact q and P)."""
     from mla_jax.cache import quantize_cache_rows
-    from mla_jax.mla import absorb_q, mla_project, o_proj, v_up_proj
-    from mla_jax.model import decoder_layers, embed, lm_logits
 
-    B, S = input_ids.shape
     L = cfg.kv_lora_rank
-    positions = jnp.arange(S, dtype=jnp.int32)
 
-    def attn_one(p, hs):  # one sequence [S, H]
-        q, kv_c_normed, k_pe = mla_project(p, cfg, hs, positions)
-        q_mqa = absorb_q(p, cfg, q).astype(jnp.float32)  # [S, N, D]
-        rows = jnp.concatenate([kv_c_normed, k_pe[:, 0, :].astype(kv_c_normed.dtype)], -1).astype(jnp.float32)
+    def attend(q_mqa, rows):  # one sequence: q [S, N, D], rows f32[S, D]
+        q_mqa = q_mqa.astype(jnp.float32)
         if mode == "f32":
             kss, round_p = jnp.ones(rows.shape[:1], jnp.float32), False
         else:
@@ -137,14 +131,9 @@ def forward_mode(params, cfg, input_ids, mode: str):
             rows, kss, round_p = packed.values.astype(jnp.float32), packed.scales[..., 0], mode != "rows"
             if mode not in ("rows", "p_only"):
                 q_mqa = fp8_qk_reference_q(q_mqa, split=mode == "q2_p")
-        latent = attention(q_mqa[None], rows[None], kss[None], cfg.softmax_scale, L, round_p, causal=True)[0]
-        return o_proj(p, v_up_proj(p, latent).astype(hs.dtype))
+        return attention(q_mqa[None], rows[None], kss[None], cfg.softmax_scale, L, round_p, causal=True)[0]
 
-    def attn(p, h, state, layer):
-        return jax.vmap(lambda hs: attn_one(p, hs))(h.reshape(B, S, -1)).reshape(B * S, -1), state
-
-    x, _ = decoder_layers(params, cfg, embed(params, cfg, input_ids.reshape(-1)), attn, ())
-    return lm_logits(params, cfg, x).reshape(B, S, -1)
+    return _load_fp8_cache_formats().forward_absorbed(params, cfg, input_ids, attend)[0]
 
 
 def demo_loss(num_windows: int = 8, seq_len: int = 256) -> dict:
