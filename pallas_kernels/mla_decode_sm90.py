@@ -125,6 +125,7 @@ from pallas_kernels.util import (
     FP8,
     LN2,
     LOG2E,
+    M_INIT,
     cdiv,
     check_interpreter_workers,
     is_sm90,
@@ -181,6 +182,7 @@ class _Cfg:
     pv8: bool = False  # fp8 cache, fp8_qk: QK^T and P.V as fp8 wgmmas on the fp8 ring (O^T = V^T P^T, V^T in
     # registers: `_body_pv8`), Q as `q_terms` e4m3 terms with a per-row scale; no bf16 ring, no cast
     q_terms: int = 2  # pv8: q_hi and its residual (two QK^T chains, the residual's on WG1), or q_hi alone
+    pairs: bool = False  # pv8: pages in pairs, one a consumer (`_body_pv8_pairs`, `PV8_PAIRS`)
     nq: int = 1  # query tokens per request (row t*N + n is token t's)
     heads: int = 64
     capacity: int = 1 << 30  # tokens the block table holds (longer lengths are clamped to it)
@@ -204,14 +206,17 @@ def _smem_plan(cfg: _Cfg):
         # The fp8 ring first, so that the third group's bf16 view of it (`mgpu.vt_fp8_operand`) starts where it does.
         fst, d = cfg.fp8_stages, cfg.d
         ring8 = plgpu.SMEM((fst, PAGE_SIZE, d), FP8, transforms=tiled(FP8, 64))
+        p_t = plgpu.SMEM((TILE_M, PAGE_SIZE), FP8, transforms=tiled(FP8, 64))  # P^T (K-major), V^T's token order
         group_a = [
             ring8,
             plgpu.SMEM((TILE_M, cfg.q_terms * d), FP8, transforms=tiled(FP8, 64)),  # Q: q_hi (then its residual)
-            plgpu.SMEM((TILE_M, PAGE_SIZE), FP8, transforms=tiled(FP8, 64)),  # P^T (K-major), V^T's token order
-            plgpu.SMEM((_ROWS + 1, TILE_M), f32),  # alpha, Q's scales
-            plgpu.SMEM((fst, PAGE_SIZE), f32),  # the token scales
+            p_t,
+            plgpu.SMEM((fst, PAGE_SIZE), f32),  # the token scales (before the rows: its TMA's alignment)
+            plgpu.SMEM((_PAIR_ROWS if cfg.pairs else _ROWS + 1, TILE_M), f32),  # alpha, Q's scales (pairs: more)
         ]
-        if cfg.q_terms == 2:
+        if cfg.pairs:
+            group_a.append(p_t)  # WG1's P^T
+        elif cfg.q_terms == 2:
             group_a.append(plgpu.SMEM((TILE_M, PAGE_SIZE), f32))  # S_lo = q_lo K^T (WG1 -> WG0)
         ring16 = [plgpu.SMEM((fst, PAGE_SIZE, d // 2), BF16, transforms=tiled(BF16, 64))]
         groups = [group_a, stage, ring16]
@@ -240,6 +245,14 @@ _ROWS = 1
 _ROW_QSCALE = _ROWS
 
 
+# The pairs body's row vectors: [_ROW_QSCALE] Q's scales (then WG1's l after the loop), [_ROW_MX + w] consumer w's
+# logits' row max of the pair (exchanged; each consumer reads the other's before it arrives at p_ready, which the
+# other waits for before it writes its next). 227 KB hold no more rows beside 4 fp8 pages and Q's two terms (every
+# buffer takes whole KB).
+_ROW_MX = 2
+_PAIR_ROWS = _ROW_MX + 2
+
+
 def _extra_rows(cfg):
     return cfg.stages if cfg.fp8_stages else 0
 
@@ -251,6 +264,21 @@ _META = 6
 
 def _barriers(cfg):
     """The pipeline's mbarriers, by name (see the module docstring)."""
+    if cfg.pairs:
+        fst = cfg.fp8_stages
+        return dict(
+            q_bar=plgpu.Barrier(num_arrivals=2),  # Q, Q's scales
+            fp8_ready=plgpu.Barrier(num_barriers=fst),  # page (TMA, or the producer after zeroing a partial page)
+            scale_ready=plgpu.Barrier(num_barriers=fst),  # waited by the page's owner only (fst even)
+            fp8_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=fst),  # both consumers' V^T (the owner's K^T)
+            mx_ready=plgpu.Barrier(num_arrivals=2),  # both consumers' row maxima of the pair
+            p_ready=plgpu.Barrier(num_barriers=2),  # consumer w's P^T (and alpha) of the pair
+            p_consumed=plgpu.Barrier(num_barriers=2),  # the other consumer's P.V on consumer w's P^T done
+            l_ready=plgpu.Barrier(),  # WG1's l after the loop
+            epi_bar=plgpu.Barrier(num_arrivals=2),
+            fin_bar=plgpu.Barrier(),
+            raw_bar=plgpu.Barrier(),
+        )
     if cfg.pv8:
         fst = cfg.fp8_stages
         return dict(
@@ -300,11 +328,13 @@ def _kernel(*refs, cfg: _Cfg):
     def scoped(union, **bars):
         if cfg.pv8:
             refs_a, stage, (ring16,) = union
-            fp8_ring, q_smem, p_smem, loop_rows, scale_ring = refs_a[:5]
+            fp8_ring, q_smem, p_smem, scale_ring, loop_rows = refs_a[:5]
             r = dict(gmem, q_smem=q_smem, ring16=ring16, p_smem=p_smem, loop_rows=loop_rows, fp8_ring=fp8_ring)
-            r.update(slo_smem=refs_a[5] if cfg.q_terms == 2 else None)
+            if cfg.pairs:  # one P^T a consumer
+                r.update(p_smem=(p_smem, refs_a[5]))
+            r.update(slo_smem=refs_a[5] if cfg.q_terms == 2 and not cfg.pairs else None)
             r.update(scale_ring=scale_ring, stage=stage, **bars)
-            _body_pv8(cfg, r, _Piece(cfg, r))
+            (_body_pv8_pairs if cfg.pairs else _body_pv8)(cfg, r, _Piece(cfg, r))
             return
         refs_a, stage = union  # one tree of refs per aliased group
         q_smem, ring, p_smem, loop_rows = refs_a[:4]
@@ -772,7 +802,7 @@ def _body_pv8(cfg, r, pc):
     fst = cfg.fp8_stages
     f32 = jnp.float32
     regs = _REGS_PV8
-    n, first, last_rows = pc.n, pc.first, pc.last_rows
+    n, last_rows = pc.n, pc.last_rows
     fp8_ring, ring16, scale_ring = r["fp8_ring"], r["ring16"], r["scale_ring"]
     loop_rows, p_smem = r["loop_rows"], r["p_smem"]
     fp8_ready, scale_ready, fp8_consumed = r["fp8_ready"], r["scale_ready"], r["fp8_consumed"]
@@ -950,35 +980,200 @@ def _body_pv8(cfg, r, pc):
             pl.when(n > 0)(lambda: plgpu.barrier_wait(r["slo_consumed"]))  # its last phase too
         pc.epilogue_wg1(acc)
 
-    @pl.when(wg == 2)
-    def _producer_wg():
-        plgpu.set_max_registers(regs[2], action="decrease")
+    pl.when(wg == 2)(functools.partial(_pv8_producer, cfg, r, pc))
 
-        def fetch(i):
+
+def _pv8_producer(cfg, r, pc):
+    """The fp8 P.V bodies' producer: each page and its token scales TMA'd into the `fp8_stages` ring (a partial last
+    page's rows past the length zeroed: V's bytes feed P.V), the next page once both consumers release a slot."""
+    plgpu.set_max_registers(_REGS_PV8[2], action="decrease")
+    fst = cfg.fp8_stages
+
+    def slot_of(i):
+        return lax.rem(i, jnp.int32(fst))
+
+    def fetch(i):
+        fslot = slot_of(i)
+        page = r["bt_gmem"][pc.b, pc.first + i] + r["off_gmem"][0]
+        plgpu.copy_gmem_to_smem(r["ks_gmem"].at[page], r["scale_ring"].at[fslot], r["scale_ready"].at[fslot])
+        copy_zeroing_rows(
+            r["kv_gmem"].at[page],
+            r["fp8_ring"].at[fslot],
+            r["fp8_ready"].at[fslot],
+            r["raw_bar"],
+            partial=(i == pc.n - 1) & (pc.last_rows < PAGE_SIZE),
+            lo=0,
+            hi=pc.last_rows,
+        )
+
+    for j in range(fst):
+        pl.when(j < pc.n)(functools.partial(fetch, jnp.int32(j)))
+
+    def step(i, _):
+        with jax.named_scope("wait_free"):
+            plgpu.barrier_wait(r["fp8_consumed"].at[slot_of(i)])  # every phase, in order
+        pl.when(i + fst < pc.n)(lambda: fetch(i + fst))
+        return ()
+
+    lax.fori_loop(0, pc.n, step, ())
+
+
+def _body_pv8_pairs(cfg, r, pc):
+    """The fp8 P.V kernel with its pages in pairs (`PV8_PAIRS`): consumer w (WG0, WG1) runs QK^T (every term of q),
+    the softmax and the P^T store of page 2k + w, so the two softmaxes of a pair run side by side where `_body_pv8`'s
+    WG0 runs every page's; each consumer then adds both pages' V^T P^T to its half of O^T (latents [w L/2,
+    (w + 1) L/2)), as there. FlashMLA's seesaw on fp8 pages: 4 fp8 slots hold the next pair while this one runs (the
+    bf16 seesaw lost with two 72 KB slots, pairs holding both; docs/perf-notes.md).
+
+    One running max for both: each consumer's logits' row max goes to shared memory, the two are exchanged
+    (`mx_ready`, a rendezvous a pair) and each takes m = max(m, both), the same value in both consumers (max is
+    exact), so alpha and P'' = exp2(s + log2 scale - m) agree; each sums its own pages' p into its own l, and WG0 adds
+    WG1's after the loop (both rescaled by the same alphas). A piece with an odd number of pages ends on a pair of
+    one (WG1 brings no page: its max is -inf, it adds page 2k's P.V only)."""
+    wg = lax.axis_index("wg")
+    g = PAGE_SIZE
+    half = cfg.l // 2
+    fst = cfg.fp8_stages
+    f32 = jnp.float32
+    n = pc.n
+    fp8_ring, ring16, scale_ring = r["fp8_ring"], r["ring16"], r["scale_ring"]
+    loop_rows, p_smem = r["loop_rows"], r["p_smem"]
+    fp8_ready, scale_ready, fp8_consumed = r["fp8_ready"], r["scale_ready"], r["fp8_consumed"]
+    p_ready, p_consumed, mx_ready = r["p_ready"], r["p_consumed"], r["mx_ready"]
+
+    def slot_of(i):
+        return lax.rem(i, jnp.int32(fst))
+
+    def consumer(w):
+        plgpu.set_max_registers(_REGS_PV8[w], action="increase")
+        o = 1 - w
+        if w == 0:
+            pc.load_q()
+        else:  # Q's TMA (WG0's, where the piece has pages) must have landed
+            pl.when(n > 0)(lambda: plgpu.barrier_wait(r["q_bar"]))
+        logit_scale = pc.logit_scale()
+        lens = pc.row_lens()
+
+        def logits(i):
+            """Page i's scaled logits [64, G] (log2 units, -inf past each row's length), its token scales as
+            columns (0 past the page's rows) and their log2."""
             fslot = slot_of(i)
-            page = r["bt_gmem"][pc.b, first + i] + r["off_gmem"][0]
-            plgpu.copy_gmem_to_smem(r["ks_gmem"].at[page], scale_ring.at[fslot], scale_ready.at[fslot])
-            # The request's partial last page: its rows past the length are zeroed (V's bytes feed P.V).
-            copy_zeroing_rows(
-                r["kv_gmem"].at[page],
-                fp8_ring.at[fslot],
-                fp8_ready.at[fslot],
-                r["raw_bar"],
-                partial=(i == n - 1) & (last_rows < g),
-                lo=0,
-                hi=last_rows,
-            )
+            with jax.named_scope("wait_kv"):
+                plgpu.barrier_wait(fp8_ready.at[fslot])
+                plgpu.barrier_wait(scale_ready.at[fslot])
+            with jax.named_scope("qk"):
 
-        for j in range(fst):
-            pl.when(j < n)(functools.partial(fetch, jnp.int32(j)))
+                def issue(acc_ref):
+                    for term in range(cfg.q_terms):
+                        plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(term * cfg.d, cfg.d)], fp8_ring.at[fslot].T)
 
-        def step(i, _):
-            with jax.named_scope("wait_free"):
-                plgpu.barrier_wait(fp8_consumed.at[slot_of(i)])  # every phase, in order
-            pl.when(i + fst < n)(lambda: fetch(i + fst))
-            return ()
+                s = _logits_waited(issue)
+            with jax.named_scope("softmax"):
+                ks = plgpu.load(scale_ring.at[fslot], (), layout=COL_LAYOUT)
+                tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=COL_LAYOUT)
+                ks = jnp.where(tok < jnp.where(i == n - 1, pc.last_rows, g), ks, 0.0)
+                ks_b = lax.broadcast_in_dim(ks, s.shape, [1])
+                s = pc.logits(s * ks_b, i, logit_scale, lens)
+            return s, ks_b, jnp.log2(ks)
 
-        lax.fori_loop(0, n, step, ())
+        def exchange_max(top, m_i, m_i_col):
+            """m = max(m, this consumer's row max `top`, the other's) of the pair, as rows and as columns (alpha
+            scales O^T's columns): the same values in both consumers (max is exact)."""
+            with jax.named_scope("mx"):
+                loop_rows[_ROW_MX + w] = top
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(mx_ready)
+                plgpu.barrier_wait(mx_ready)
+                other = plgpu.load(loop_rows.at[_ROW_MX + o], (), layout=ROW_LAYOUT)
+                plgpu.commit_smem()  # (a side effect between: MLIR would fold the two loads of a row into one)
+                cols = [plgpu.load(loop_rows.at[_ROW_MX + j], (), layout=COL_LAYOUT) for j in range(2)]
+            return jnp.maximum(m_i, jnp.maximum(top, other)), jnp.maximum(m_i_col, jnp.maximum(*cols))
+
+        def pv(acc, i, who):
+            """acc + V^T P^T of page i (P^T of consumer `who`) for this consumer's latents."""
+            fslot = slot_of(i)
+            if who != w:
+                with jax.named_scope("wait_kv"):
+                    plgpu.barrier_wait(fp8_ready.at[fslot])
+            with jax.named_scope("vt"):
+                vt = vt_fp8_operand(
+                    fp8_ring.at[fslot, :, pl.ds(w * half, half)],
+                    ring16.at[fslot, :, pl.ds(w * half // 2, half // 2)],
+                    interpret=cfg.interpret,
+                )
+            plgpu.commit_smem()  # the generic-proxy reads before the next TMA into the slot
+            plgpu.barrier_arrive(fp8_consumed.at[fslot])
+            if who != w:
+                with jax.named_scope("wait_p"):
+                    plgpu.barrier_wait(p_ready.at[who])
+            with jax.named_scope("pv"):
+                acc = vt_accumulate(acc, vt, p_smem[who], interpret=cfg.interpret)
+            if who != w:
+                plgpu.barrier_arrive(p_consumed.at[who])
+            return acc
+
+        def pair(k, carry, *, whole):
+            """Pair k (pages 2k, 2k + 1; whole=False: page 2k alone)."""
+            acc, m_i, m_i_col, l_i = carry
+            mine = whole or w == 0
+            i = 2 * k + w if w else 2 * k  # (no `+ 0`: Mosaic GPU's lowering folds it to a Python int)
+            if mine:
+                s, ks_b, shift = logits(i)
+                top = (s + lax.broadcast_in_dim(shift, s.shape, [1])).max(axis=1)
+            else:
+                top = plgpu.layout_cast(jnp.full((TILE_M,), -jnp.inf, f32), ROW_LAYOUT)
+            m_new, m_new_col = exchange_max(top, m_i, m_i_col)
+            l_i = l_i * jnp.exp2(m_i - m_new)
+            if mine:
+                with jax.named_scope("softmax"):
+                    p = jnp.exp2(s - rows_bcast(m_new, s.shape))
+                    l_i = l_i + p.sum(axis=1)
+
+                @pl.when(k > 0)
+                @jax.named_scope("wait_p_consumed")
+                def _():
+                    plgpu.barrier_wait(p_consumed.at[w])  # the other consumer is done with this one's last P^T
+
+                with jax.named_scope("store_p"):
+                    p_smem[w][...] = pt_fp8_operand((p * ks_b).astype(FP8), interpret=cfg.interpret)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(p_ready.at[w])
+            acc = acc * lax.broadcast_in_dim(jnp.exp2(m_i_col - m_new_col), acc.shape, [1])  # alpha a column
+            if mine:
+                acc = pv(acc, i, w)
+            if whole or w == 1:
+                acc = pv(acc, 2 * k + o if o else 2 * k, o)
+            return acc, m_new, m_new_col, l_i
+
+        acc0 = plgpu.layout_cast(jnp.zeros((half, TILE_M), f32), plgpu.Layout.WGMMA)  # O^T [L/2, 64]
+        _, m_0, l_0 = softmax_state(TILE_M, 64)
+        m_0_col = plgpu.layout_cast(jnp.full((TILE_M,), M_INIT, f32), COL_LAYOUT)
+        pairs = lax.div(n, 2)
+        carry = lax.fori_loop(0, pairs, functools.partial(pair, whole=True), (acc0, m_0, m_0_col, l_0))
+        acc, m_i, _, l_i = lax.cond(lax.rem(n, 2) == 1, lambda c: pair(pairs, c, whole=False), lambda c: c, carry)
+        # This consumer's P^T: its last phase (the other consumer's reads of it) too.
+        mine_count = lax.div(n + 1 - w, 2)
+        pl.when(mine_count > 0)(lambda: plgpu.barrier_wait(p_consumed.at[w]))
+        if w == 1:  # WG1's l for WG0, in Q's scales' row (both read those before the first pair's rendezvous)
+
+            @pl.when(n > 0)
+            def _():
+                loop_rows[_ROW_QSCALE] = l_i
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(r["l_ready"])
+
+            pc.epilogue_wg1(acc)
+        else:
+
+            def add_wg1s():
+                plgpu.barrier_wait(r["l_ready"])
+                return l_i + plgpu.load(loop_rows.at[_ROW_QSCALE], (), layout=ROW_LAYOUT)
+
+            pc.epilogue_wg0(acc, m_i, lax.cond(n > 0, add_wg1s, lambda: l_i))
+
+    pl.when(wg == 0)(lambda: consumer(0))
+    pl.when(wg == 1)(lambda: consumer(1))
+    pl.when(wg == 2)(functools.partial(_pv8_producer, cfg, r, pc))
 
 
 # WG0 of the 64-row kernel (every body; exact fp8 with 2+ bf16 stages) issues page i's P.V and page i + 1's QK^T
@@ -986,6 +1181,11 @@ def _body_pv8(cfg, r, pc):
 # page (the fp8 P.V's trace: P.V 0.67 us, QK^T 0.84, for ~0.14 and ~0.31 of tensor work), the next page's logits
 # carried through the loop. Built, off until measured (gpu_session part 110).
 QK_WITH_PV = False
+
+# The fp8 P.V kernel's pages in pairs, one a consumer (`_body_pv8_pairs`; 4 fp8 pages, either term count): its WG0
+# bounds the page (the softmax, 1.17 us a page traced, and QK^T; WG1 waits for P 39% of its time, session 39).
+# Built, off until measured.
+PV8_PAIRS = False
 
 # (WG0, WG1, producer) registers a thread of the fp8 P.V kernel: each consumer holds an O^T [L/2, 64] f32 half; the
 # producer only issues TMAs (and zeroes a partial page). Three consumers (WG0 QK^T and the softmax only) lost: 121.8
@@ -1441,6 +1641,8 @@ _WORKLIST_MIN_PAGES = 4  # no piece shorter than this unless its tile is (FlashM
 # 128x128x8192, 1x128x32768). One: Q 36 KB, 4 pages (111.0 / 436.1 / 21.0 against 3's 130.8 / 499.1 / 23.2). H100,
 # session 39.
 _FP8_PV_STAGES = {1: 4, 2: 3}
+# The page pairs' (`PV8_PAIRS`): two pairs, the next one's loads under this one (the ring's parity is each page's owner)
+_FP8_PAIRS_STAGES = 4
 
 
 def fp8_qk_reference_q(q, *, split: bool = False):
@@ -1528,8 +1730,11 @@ def _impl(
     q_terms = 1 if fp8_q_split is False else 2
     if num_stages is None:
         num_stages = 1 if is_fp8 else 2
+    pairs = pv8 and PV8_PAIRS
     if fp8_stages is None:
-        fp8_stages = _FP8_PV_STAGES[q_terms] if pv8 else 2
+        fp8_stages = (_FP8_PAIRS_STAGES if pairs else _FP8_PV_STAGES[q_terms]) if pv8 else 2
+    if pairs and fp8_stages % 2:
+        raise ValueError(f"fp8_stages={fp8_stages}: the fp8 P.V kernel's page pairs need an even fp8 ring")
     if batch_invariant:
         schedule, num_kv_splits = "grid", 1  # a request's pieces must not depend on the batch
     splits = 1
@@ -1548,6 +1753,7 @@ def _impl(
         interpret=bool(interpret),
         pv8=pv8,
         q_terms=q_terms,
+        pairs=pairs,
         nq=nq,
         heads=n,
         capacity=max_pages * g,
@@ -1614,7 +1820,8 @@ def _impl(
         kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}"
         + ("_pv8" if pv8 else "")
         + ("_q1" if pv8 and cfg.q_terms == 1 else "")
-        + ("_qkpv" if QK_WITH_PV and (pv8 or num_stages > 1) else ""),
+        + ("_pairs" if pairs else "")
+        + ("_qkpv" if QK_WITH_PV and not pairs and (pv8 or num_stages > 1) else ""),
     )
     out, lse, o_part, lse_part = kernel(*args)
     if schedule == "grid" and splits > 1:

@@ -1489,5 +1489,21 @@ PY
         --fp8-stages 2)
     grep -E "per page|wg[01] " "$out/trace-qkpv.log" | head -20
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+111) # session 40 (any card, ~7 minutes): the fp8 P.V kernel's pages in pairs, one a consumer (PV8_PAIRS: each
+    # consumer's own page's QK^T and softmax side by side, both pages' P.V on its half) against the default, in one
+    # process: the sm90 GPU check cases under each value, then the 128-head fp8 P.V rows (two terms, one) on the same
+    # inputs, then the pairs' trace (2 fp8 pages: the trace buffer's room; a pair holds both)
+    out=${2:?}
+    run 400 decode-pairs python3 bench/decode.py --out "$out/decode-pairs" --quick --no-ragged --device-time \
+        --kernels pallas_sm90 --shapes 64x128x4096,128x128x8192,1x128x32768 --dtypes fp8 \
+        --only fp8_qk=True --knob mla_decode_sm90.PV8_PAIRS=False,True
+    grep -E "^correctness|FAIL|knob" "$out/decode-pairs.log" | cut -c1-200 | head -30
+    k=pallas_kernels/mla_decode_sm90.py
+    ab_copy /tmp/pairs $k 's/^PV8_PAIRS = False$/PV8_PAIRS = True/' "^PV8_PAIRS = True$"
+    mkdir -p "$out/trace"
+    (cd /tmp/pairs && run 40 trace-pairs python3 bench/trace_sm90.py --out "$out/trace" --dtype fp8 --fp8-qk --l 512 \
+        --fp8-stages 2)
+    grep -E "per page|wg[01] " "$out/trace-pairs.log" | head -20
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 *)  echo "part must be 1 to 110" >&2; exit 2 ;;
 esac

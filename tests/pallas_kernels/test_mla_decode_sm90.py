@@ -487,6 +487,37 @@ def test_qk_with_pv_matches_reference(name, over, qk_with_pv):
     _case_matches(name, **over)
 
 
+@pytest.fixture
+def pv8_pairs(monkeypatch):
+    """`PV8_PAIRS`: the fp8 P.V kernel's pages in pairs, one a consumer; traced afresh before and after."""
+    jax.clear_caches()
+    monkeypatch.setattr(k90, "PV8_PAIRS", True)
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+    "name, over",
+    [
+        ("fp8_qk_n40_worklist", {}),
+        ("fp8_qk_q2_causal_n64_2splits", {}),
+        ("fp8_qk_q2_causal_n64_2splits", dict(fp8_q_split=False)),
+    ],
+)
+def test_pv8_pairs_matches_reference(name, over, pv8_pairs):
+    """Page pairs, interpreted (race detector on: the exchanged maxima, both P^T buffers, the slots' owners), against
+    the reference: the work list with 24 padding rows and a 1-token request (a pair of one page); causal rows of two
+    tokens over two splits (a piece without pages, odd and even page counts); one term of q."""
+    _case_matches(name, **over)
+
+
+def test_pv8_pairs_needs_an_even_ring(pv8_pairs):
+    """An odd fp8 ring would hand a slot's pages to both consumers in turn: refused, naming the argument."""
+    case = next(c for c in DECODE_CASES if c.name == "fp8_qk_n40_worklist")
+    with pytest.raises(ValueError, match="fp8_stages=3: the fp8 P.V kernel's page pairs need an even fp8 ring"):
+        run_decode(*case.make(), **dict(case.kernel, fp8_stages=3))
+
+
 @pytest.mark.parametrize(
     "cache_dtype, kw",
     [
@@ -524,6 +555,15 @@ def test_fp8_pv_lowers_for_sm90(kw, monkeypatch, h200):
     assert "_pv8" in text and "quantize_q_fp8_r" in text
     assert ("_split" in text) != one and ("_pv8_q1" in text) == one
     assert f"fp8stages{4 if one else 3}_pv8" in text
+
+
+@pytest.mark.parametrize("kw", [dict(n=64, num_kv_splits=2), dict(n=128, schedule="worklist", fp8_q_split=False)])
+def test_pv8_pairs_lowers_for_sm90(kw, pv8_pairs, monkeypatch, h200):
+    """The page pairs (two P^T buffers, 4 fp8 pages beside Q's two terms in 227 KB, the maxima's rendezvous, the
+    odd pair's conditional) pass Mosaic GPU's lowering in either schedule."""
+    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
+    text = _lower_for_sm90("fp8", fp8_qk=True, num_sms=132, **kw)
+    assert "_pairs" in text
 
 
 @pytest.mark.parametrize("pdl", [True, False])
