@@ -46,12 +46,15 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   WG0 (QK^T on q_hi, the softmax, the first half of P.V), WG1 (QK^T on q's residual, handed to WG0 as S_lo; the
   second half of P.V), the producer. With fp8_q_split=False q is one e4m3 term (one QK^T chain: faster, ~3x the
   error). At <= 16 rows a request the narrow kernel
-  runs this mode instead (one fp8 term of q, V cast to bf16).
+  runs this mode instead (one fp8 term of q, V cast to bf16). With `PV8_PAIRS` (built, off until measured:
+  `_body_pv8_pairs`) the pages go in pairs, one a consumer: each runs its page's QK^T (every term of q), the softmax
+  and the P^T store, the two consumers' row maxima exchanged a pair, then both pages' P.V on its half.
 
 Shared memory at L+R = 576 (227 KB available): bf16, 2 stages: Q 72 KB + ring 2 x 72 KB + P 8 KB
 + row vectors = 225 KB, the output staging (64 KB for bf16 outputs and partials) reusing it; fp8: Q 72 KB +
 ring 1 x 72 KB + fp8 ring 2 x 36 KB + P 8 KB = 225 KB (a second bf16 stage does not fit);
-fp8_qk: Q 72 KB (two e4m3 terms) + S_lo 16 KB + fp8 ring 3 x 36 KB + P^T 4 KB (one term: Q 36 KB, 4 pages).
+fp8_qk: Q 72 KB (two e4m3 terms) + S_lo 16 KB + fp8 ring 3 x 36 KB + P^T 4 KB (one term: Q 36 KB, 4 pages);
+its pairs: Q 72 KB + fp8 ring 4 x 36 KB + 2 P^T 8 KB + scales and rows 2 KB = 226 KB (each buffer in whole KB).
 
 Barriers (mbarriers; every waiter waits every phase of a barrier, in order, and at most one phase
 behind -- the parity discipline the interpreter checks):
@@ -68,6 +71,9 @@ behind -- the parity discipline the interpreter checks):
                    (fp8_qk: for the consumers, which read the fp8 ring itself)
   fp8_consumed[f]  both casts done with fp8 slot f (2; fp8_qk: every consumer)  producer waits
   kv_ready takes 2 arrivals with an exact fp8 cache: the producer's columns and WG1's V half.
+  fp8 P.V in pairs: p_ready[w] / p_consumed[w] per consumer's P^T (the other consumer waits / arrives), mx_ready
+  (2 arrivals: both row maxima of the pair written), l_ready (WG1's l after the loop); scale_ready[f] is waited
+  only by the slot's owner (an even ring: page 2k + w, consumer w, always lands in a slot of parity w).
 
 Testing: the CPU tests run it under the Mosaic GPU interpreter (race detector on) and lower it for
 sm_90 (Mosaic GPU's Python passes: layout inference, wgmma/TMA checks, the shared-memory budget);
