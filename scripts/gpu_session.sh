@@ -1489,7 +1489,7 @@ PY
         --fp8-stages 2)
     grep -E "per page|wg[01] " "$out/trace-qkpv.log" | head -20
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-111) # session 40 (any card, ~7 minutes): the fp8 P.V kernel's pages in pairs, one a consumer (PV8_PAIRS: each
+111) # session 40 (any card, ~9 minutes): the fp8 P.V kernel's pages in pairs, one a consumer (PV8_PAIRS: each
     # consumer's own page's QK^T and softmax side by side, both pages' P.V on its half) against the default, in one
     # process: the sm90 GPU check cases under each value, then the 128-head fp8 P.V rows (two terms, one) on the same
     # inputs, then the pairs' trace (2 fp8 pages: the trace buffer's room; a pair holds both)
@@ -1498,6 +1498,10 @@ PY
         --kernels pallas_sm90 --shapes 64x128x4096,128x128x8192,1x128x32768 --dtypes fp8 \
         --only fp8_qk=True --knob mla_decode_sm90.PV8_PAIRS=False,True
     grep -E "^correctness|FAIL|knob" "$out/decode-pairs.log" | cut -c1-200 | head -30
+    # the bf16 rows of the same shapes in the same call (the issue's "never slower than bf16")
+    run 100 decode-bf16 python3 bench/decode.py --out "$out/decode-bf16" --quick --no-check --no-ragged \
+        --device-time --kernels pallas_sm90 --shapes 64x128x4096,128x128x8192,1x128x32768 --dtypes bf16 \
+        --only schedule=grid
     k=pallas_kernels/mla_decode_sm90.py
     ab_copy /tmp/pairs $k 's/^PV8_PAIRS = False$/PV8_PAIRS = True/' "^PV8_PAIRS = True$"
     mkdir -p "$out/trace"
