@@ -500,15 +500,15 @@ def kernels_to_time(b, n, ctx, dtype, run_triton, run_sm90) -> list[tuple]:
                     {"schedule": "grid", "fp8_qk": True, "num_kv_splits": sm90_splits(b, n, ctx)},
                 )
             )
-            if k90.uses_fp8_pv(n, "float8_e4m3fn"):  # 64-row tiles: q as one e4m3 term too ("pallas_sm90_fp8qk")
+            if k90.uses_fp8_pv(n, "float8_e4m3fn"):  # 64-row tiles: q as two e4m3 terms too (the option)
                 out.append(
                     (
                         "pallas_sm90",
-                        sm90_fn(fp8_qk=True, fp8_q_split=False, schedule="grid"),
+                        sm90_fn(fp8_qk=True, fp8_q_split=True, schedule="grid"),
                         {
                             "schedule": "grid",
                             "fp8_qk": True,
-                            "fp8_q_split": False,
+                            "fp8_q_split": True,
                             "num_kv_splits": sm90_splits(b, n, ctx),
                         },
                     )

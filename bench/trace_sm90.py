@@ -1,7 +1,7 @@
 """Where the Hopper decode kernel's warpgroups spend their time: Mosaic GPU profiler traces.
 
     PYTHONPATH=. python3 bench/trace_sm90.py --out DIR [--l 384] [--b 66] [--n 128] [--ctx 2048]
-        [--splits 1] [--dtype bf16|fp8] [--fp8-qk [--one-q-term]] [--stages S] [--fp8-stages F]
+        [--splits 1] [--dtype bf16|fp8] [--fp8-qk [--two-q-terms]] [--stages S] [--fp8-stages F]
 
 Each consumer loop marks its phases with `jax.named_scope` (qk, softmax, pv, and the barrier
 waits); with `mla_decode_sm90.TRACE` set, the compiled kernel records every scope's start and end
@@ -67,7 +67,7 @@ def main():
     ap.add_argument("--splits", type=int, default=1)
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"))
     ap.add_argument("--fp8-qk", action="store_true", help="fp8 cache: QK^T as an fp8 wgmma")
-    ap.add_argument("--one-q-term", action="store_true", help="with --fp8-qk: q as one e4m3 term (fp8_q_split=False)")
+    ap.add_argument("--two-q-terms", action="store_true", help="with --fp8-qk: q as two e4m3 terms (fp8_q_split=True)")
     ap.add_argument("--stages", type=int, default=None, help="bf16 ring depth (kernel default)")
     ap.add_argument("--fp8-stages", type=int, default=None, help="fp8 ring depth (kernel default)")
     args = ap.parse_args()
@@ -75,13 +75,13 @@ def main():
     tag = (
         f"{args.b}x{args.n}x{args.ctx}-s{args.splits}-{args.dtype}-L{args.l}"
         + ("-qk8" if args.fp8_qk else "")
-        + ("-q1" if args.one_q_term else "")
+        + ("-q2" if args.two_q_terms else "")
         + (f"-st{args.stages}" if args.stages else "")
         + (f"-fst{args.fp8_stages}" if args.fp8_stages else "")
     )
     tuning = dict(num_stages=args.stages, fp8_stages=args.fp8_stages, fp8_qk=args.fp8_qk)
-    if args.one_q_term:
-        tuning["fp8_q_split"] = False
+    if args.two_q_terms:
+        tuning["fp8_q_split"] = True
     q, cache, bt, sl, ks = make_inputs(jax.random.key(0), args.b, 1, args.n, args.ctx, args.dtype, width=args.l + 64)
     pages = cdiv(cdiv(args.ctx, k90.PAGE_SIZE), args.splits)  # pages per CTA
     tmp = tempfile.mkdtemp()

@@ -72,8 +72,9 @@ def _decode_triton(q, cache, block_table, seq_lens, **kw):
 
 
 def _fp8_pv(q, cache, kw) -> bool:
-    """An fp8 cache's 64-row tiles run the fp8 P.V kernel (`fp8_qk=True` there: ~1% error against float32, within
-    FlashMLA's 2%, at 0.50x the exact path's time at 64x128x4096, H100, session 39); the narrow kernel's stay exact."""
+    """An fp8 cache's 64-row tiles run the fp8 P.V kernel (`fp8_qk=True` there: q and P rounded to e4m3 as FlashMLA's
+    fp8 kernel rounds them, 1.6% against float32 on that q; 0.35x the exact path's time at 64x128x4096, H100, session
+    39); the narrow kernel's stay exact."""
     return md90.uses_fp8_pv(q.shape[1] * q.shape[2], cache.dtype, kw.get("kv_lora_rank", 512))
 
 
@@ -156,10 +157,8 @@ def _triton_decode_declines(q, cache, block_table, seq_lens, *, kv_lora_rank=512
 DECODE_XLA = Kernel("xla", md.mla_decode_reference)
 DECODE_TRITON = Kernel("triton", _decode_triton, _triton_decode_declines)
 DECODE_SM90 = Kernel("sm90", _decode_sm90, _sm90_declines, _plan_sm90)
-# fp8_qk everywhere on one e4m3 term of q (opt-in, lossy): in the narrow kernel too (faster than its exact
-# split) and in 64-row tiles (1.45x faster than the default's two terms at 64x128x4096, H100, session 39). FlashMLA's
-# fp8 footing (its kernel takes q in e4m3 too, its test's reference uses that q: P's rounding alone, 1.5-1.8%); against
-# float32 with the exact q 6.2% on the benchmark's N(0, 1) inputs, where two terms give 1.2%
+# fp8_qk everywhere (opt-in, lossy): in the narrow kernel too (one e4m3 term of q: faster than its exact split), as
+# the default does in 64-row tiles
 DECODE_SM90_FP8QK = Kernel("sm90_fp8qk", _decode_sm90_fp8qk, _sm90_fp8qk_declines, _plan_sm90_fp8qk)
 
 # ---- prefill: (q [Tq, N, P+R], k [Tk, N, P+R], v [Tk, N, V], q_start_loc, k_start_loc, *, causal, scale)

@@ -38,15 +38,15 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   consumer keeps a [64, L/2] f32 accumulator (128 registers/thread at L=512), as in FlashMLA.
 - Epilogue: normalized output and LSE (natural log) go out by TMA through staging buffers that
   alias the Q tile and the ring (`plgpu.RefUnion`: loop buffers | output staging, final or partial).
-- fp8_qk=True (fp8 cache, opt-in; `_body_pv8`): no cast at all. Q is split per row into two e4m3 terms at one
-  scale (q_hi and its residual: `quantize_q_fp8(split=True)`, one Triton kernel before the call), QK^T runs as
-  fp8 wgmmas straight on the fp8 ring slot, and P.V too, as O^T = V^T P^T with V^T built in registers from the
-  page (Hopper's fp8 wgmma reads shared-memory operands K-major only, and V is N-major in the page) and P
-  rounded to e4m3, the mode's one loss (~1% against float32; issue 20 allows FlashMLA's 2%). Its warpgroups:
-  WG0 (QK^T on q_hi, the softmax, the first half of P.V), WG1 (QK^T on q's residual, handed to WG0 as S_lo; the
-  second half of P.V), the producer. With fp8_q_split=False q is one e4m3 term (one QK^T chain: faster, ~3x the
-  error). At <= 16 rows a request the narrow kernel
-  runs this mode instead (one fp8 term of q, V cast to bf16). With `PV8_PAIRS` (built, off until measured:
+- fp8_qk=True (fp8 cache; `_body_pv8`): no cast at all. Q is quantized per row to e4m3 (`quantize_q_fp8`, one
+  Triton kernel before the call), QK^T runs as fp8 wgmmas straight on the fp8 ring slot, and P.V too, as O^T =
+  V^T P^T with V^T built in registers from the page (Hopper's fp8 wgmma reads shared-memory operands K-major
+  only, and V is N-major in the page) and P rounded to e4m3: FlashMLA's fp8 kernel's two roundings (q and P),
+  with a scale a row where it takes one a request. Its warpgroups: WG0 (QK^T, the softmax, the first half of
+  P.V), WG1 (the second half of P.V), the producer. fp8_q_split=True splits q into two e4m3 terms at one scale
+  (q_hi and its residual): the residual's QK^T chain runs on WG1, handed to WG0 as S_lo, and P's rounding is
+  then the mode's one loss (1.45x the time at 64x128x4096). At <= 16 rows a request the narrow kernel runs this
+  mode instead (one fp8 term of q, V cast to bf16). With `PV8_PAIRS` (built, off until measured:
   `_body_pv8_pairs`) the pages go in pairs, one a consumer: each runs its page's QK^T (every term of q), the softmax
   and the P^T store, the two consumers' row maxima exchanged a pair, then both pages' P.V on its half.
 
@@ -1671,9 +1671,9 @@ def uses_fp8_pv(m_rows: int, cache_dtype, kv_lora_rank: int = 512) -> bool:
 
 def fp8_qk_q_terms(m_rows: int, cache_dtype, kv_lora_rank: int = 512, fp8_q_split: bool | None = None) -> int:
     """The e4m3 terms of q that `fp8_qk=True` multiplies with `m_rows` query rows a request: two (q_hi and its
-    residual) in the fp8 P.V kernel's 64-row tiles (`uses_fp8_pv`) unless fp8_q_split=False, else one
+    residual) in the fp8 P.V kernel's 64-row tiles (`uses_fp8_pv`) with fp8_q_split=True, else one
     (`fp8_qk_reference_q(q, split=terms == 2)` is that q)."""
-    return 2 if uses_fp8_pv(m_rows, cache_dtype, kv_lora_rank) and fp8_q_split is not False else 1
+    return 2 if uses_fp8_pv(m_rows, cache_dtype, kv_lora_rank) and fp8_q_split else 1
 
 
 def fp8_qk_reason(m_rows: int, kv_lora_rank: int) -> str | None:
@@ -1733,7 +1733,7 @@ def _impl(
     m_pad = head_tiles * TILE_M
     tail = cdiv(m_rows - (head_tiles - 1) * TILE_M, 8) * 8  # real rows of the last tile, to 8
     pv8 = bool(fp8_qk) and is_fp8
-    q_terms = 1 if fp8_q_split is False else 2
+    q_terms = 2 if fp8_q_split else 1
     if num_stages is None:
         num_stages = 1 if is_fp8 else 2
     pairs = pv8 and PV8_PAIRS
@@ -2004,14 +2004,14 @@ def mla_decode_sm90(
     An fp8 cache's pages are cast to bf16 for the bf16 wgmmas (f16 operands, whose cast from e4m3 is one
     instruction, measured no faster: the cast's shared-memory traffic bounds it, session 30).
     fp8_qk (fp8 cache only): in 64-row tiles, QK^T and P.V as fp8 wgmmas straight on the fp8 page, no cast (q
-    split per row into two e4m3 terms, `quantize_q_fp8(split=True)`; V^T built in registers; P rounded to e4m3,
-    ~1% error against float32; kv_lora_rank a multiple of 256); fp8_stages then defaults to 4. In the narrow
-    kernel: QK^T on one e4m3 term of q (`quantize_q_fp8`: the logits are those of the quantized q).
-    fp8_q_split (with fp8_qk): None, the kernels' own: two terms in 64-row tiles, one in the narrow kernel. False:
-    one term in 64-row tiles too (half the QK^T wgmmas: 115.9 against 179.1 us at 64x128x4096, H100; error against
-    float32 6.2% on N(0, 1) inputs with DeepSeek-V3's scale against two terms' 1.2%, where FlashMLA's fp8, which
-    rounds only P, would be 1.0%: two terms are FlashMLA's footing, one term ~3x its error). True: two terms (64-row
-    tiles only).
+    quantized per row to e4m3, `quantize_q_fp8`; V^T built in registers; P rounded to e4m3; kv_lora_rank a
+    multiple of 256): FlashMLA's fp8 footing, 1.6% against float32 on the q it multiplies at 1/sqrt(192), as
+    FlashMLA's own test measures it (its emulated quantization: 1.6% too, and 4.8-5.0% against the exact q, where
+    this mode errs 5.0%: scripts/fp8_decode_footing.py). In the narrow kernel: QK^T on one e4m3 term of q (the
+    logits are those of the quantized q).
+    fp8_q_split (with fp8_qk): None or False, one e4m3 term of q. True (64-row tiles only): q_hi and its residual,
+    two QK^T chains (1.2% against float32 with the exact q, 6.2% with one term, at DeepSeek-V3's scale; 171.7
+    against 117.6 us at 64x128x4096 with the quantize, H100, session 39).
     plan: the step's work list, `decode_plan` of the same block_table and seq_lens with the same options, built
     once for every layer (None: built here where the work list runs; an error where the grid does).
     interpret: run under the Mosaic GPU interpreter (CPU testing): True, or the interpreter's

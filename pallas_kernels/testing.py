@@ -18,8 +18,8 @@ the input dtype, lse in f32):
   on its quantized q) 4e-2, 3e-2: the H200's fp8 wgmma accumulates with reduced precision
   (DeepSeek-V3 report, section 3.3.2: about 14 bits), so its lse errors are of order 1e-2 there
   (measured on the H200, see docs/perf-notes.md), where the interpreter (exact f32) gives 1e-5;
-  interpreted fp8_qk cases therefore use "fp8". "fp8_pv" (the 64-row kernel's fp8_qk: QK^T on a q split in
-  two e4m3 terms, P rounded to e4m3 for an fp8 P.V) 7e-2 elementwise and 2% in norm, lse 1e-3. On the GPU
+  interpreted fp8_qk cases therefore use "fp8". "fp8_pv" (the 64-row kernel's fp8_qk: QK^T on q's e4m3 terms, P
+  rounded to e4m3 for an fp8 P.V) 1e-1 elementwise and 2% in norm, lse 1e-3. On the GPU
   the lse bound is `DECODE_GPU_LSE_TOL` (dots accumulate in another order than the CPU reference),
   except for "fp8_qk" and "fp8_pv" (`decode_gpu_tolerance`).
 - prefill, `PREFILL_TOL[dtype]` (atol, rtol): bf16/f16 2e-2 (P and the output rounded to 8 bits),
@@ -60,7 +60,7 @@ DECODE_TOL = {
     "bf16": (2e-2, 1e-3),
     "fp8": (2e-2, 1e-3),
     "fp8_qk": (4e-2, 3e-2),
-    "fp8_pv": (7e-2, 1e-3),
+    "fp8_pv": (1e-1, 1e-3),
     "f32": (1e-4, 1e-4),
 }
 DECODE_GPU_LSE_TOL = 1e-2
@@ -79,8 +79,8 @@ def decode_gpu_tolerance(kind: str) -> tuple[float, float]:
 
 def decode_kind(case) -> str:
     """A case's tolerance key as this tree runs it: "fp8_pv" for an fp8_qk case on the 64-row kernel (P rounded
-    to e4m3: an element's error up to 2^-4 of the values it averages, so elementwise 7e-2, and `FP8_PV_NORM_TOL`
-    over the output)."""
+    to e4m3: an element's error up to 2^-4 of the |values| it averages, so elementwise 1e-1 (0.092 where a 7-token
+    request's few large values cancel, interpreted: exactly P's rounding), and `FP8_PV_NORM_TOL` over the output)."""
     inp = case.inputs
     cache_dtype = FP8 if inp.get("cache_dtype") == "fp8" else BF16
     if case.kernel.get("fp8_qk") and uses_fp8_pv(inp["nq"] * inp["n"], cache_dtype, inp.get("l", 512)):
@@ -769,10 +769,10 @@ DECODE_GPU_CASES = [
         cache_dtype="fp8",
     ),
     _dc(
-        "fp8_qk_q1_n128",  # one e4m3 term of q (the "pallas_sm90_fp8qk" backend's 64-row tiles)
+        "fp8_qk_split_n128",  # two e4m3 terms of q (fp8_q_split=True: the residual's QK^T chain on WG1)
         _SM90,
         "fp8_qk",
-        dict(fp8_qk=True, fp8_q_split=False),
+        dict(fp8_qk=True, fp8_q_split=True),
         seed=2099,
         b=2,
         nq=1,

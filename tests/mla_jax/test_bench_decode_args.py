@@ -96,6 +96,6 @@ def test_fp8_qk_rows_report_both_footings(bench):
     assert err["rel_err_own_q"] == 0 and err["lse_err_own_q"] == 0 and err["rel_err"] > 1e-3
     assert set(bench.error_vs_f32(one_term, args)) == {"rel_err", "lse_err"}
     assert bench.fp8_qk_terms(128, {}) == 0
-    assert bench.fp8_qk_terms(128, {"fp8_qk": True}) == 2
-    assert bench.fp8_qk_terms(128, {"fp8_qk": True, "fp8_q_split": False}) == 1
+    assert bench.fp8_qk_terms(128, {"fp8_qk": True}) == 1
+    assert bench.fp8_qk_terms(128, {"fp8_qk": True, "fp8_q_split": True}) == 2
     assert bench.fp8_qk_terms(16, {"fp8_qk": True}) == 1  # the narrow kernel

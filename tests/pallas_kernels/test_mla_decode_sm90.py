@@ -448,15 +448,16 @@ def _case_matches(name, **over):
     return case, inputs, lse
 
 
-def test_fp8_pv_one_q_term_drops_the_residual():
-    """fp8_q_split=False on a 64-row fp8_qk case, interpreted (race detector on): against the float32 reference on
-    q_hi * scale, P rounded to e4m3 its only other loss ("fp8_pv"; NaN-poisoned rows past each length, a 1-token
-    request, 2 tiles, the work list); and its lse off the two-term reference's by more than that bound, so the kernel
-    did drop the residual. (The shared suite runs every fp8_qk case with two terms, the residual's chain on WG1.)"""
-    case, inputs, lse = _case_matches("fp8_qk_n40_worklist", fp8_q_split=False)
-    split_ref_lse = np.asarray(jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(*inputs)[1])
-    live = np.isfinite(split_ref_lse)
-    assert np.abs(np.asarray(lse) - split_ref_lse)[live].max() > DECODE_TOL["fp8_pv"][1]
+def test_fp8_pv_two_q_terms_keep_the_residual():
+    """fp8_q_split=True on a 64-row fp8_qk case, interpreted (race detector on): against the float32 reference on
+    (q_hi + its residual) * scale, P rounded to e4m3 its only other loss ("fp8_pv"; NaN-poisoned rows past each
+    length, a 1-token request, 2 tiles, the work list); and its lse off the one-term reference's by more than that
+    bound, so the kernel did add the residual's chain. (The shared suite runs fp8_qk cases on one term, the default,
+    but for `fp8_qk_split_n128`.)"""
+    case, inputs, lse = _case_matches("fp8_qk_n40_worklist", fp8_q_split=True)
+    one_ref_lse = np.asarray(jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(*inputs)[1])
+    live = np.isfinite(one_ref_lse)
+    assert np.abs(np.asarray(lse) - one_ref_lse)[live].max() > DECODE_TOL["fp8_pv"][1]
 
 
 @pytest.fixture
@@ -474,7 +475,7 @@ def qk_with_pv(monkeypatch):
     [
         ("fp8_qk_n40_worklist", {}),
         ("fp8_qk_q2_causal_n64_2splits", {}),
-        ("fp8_qk_q2_causal_n64_2splits", dict(fp8_q_split=False)),
+        ("fp8_qk_q2_causal_n64_2splits", dict(fp8_q_split=True)),
         ("q2_causal_n40_straddling_tiles_3splits_page_offset_bf16", {}),
         ("worklist_rows64_single_tile_n40_bf16", {}),
     ],
@@ -482,8 +483,8 @@ def qk_with_pv(monkeypatch):
 def test_qk_with_pv_matches_reference(name, over, qk_with_pv):
     """The next page's QK^T issued with this page's P.V, interpreted (race detector on: P and the ring's slots
     across the carried logits), against the reference. fp8 P.V: the work list with 24 padding rows and a 1-token
-    request; causal rows of two tokens over two splits (a split past a request's length: a piece without pages); one
-    term of q. bf16: causal rows straddling two tiles over three splits; the work list."""
+    request; causal rows of two tokens over two splits (a split past a request's length: a piece without pages); two
+    terms of q. bf16: causal rows straddling two tiles over three splits; the work list."""
     _case_matches(name, **over)
 
 
@@ -501,13 +502,13 @@ def pv8_pairs(monkeypatch):
     [
         ("fp8_qk_n40_worklist", {}),
         ("fp8_qk_q2_causal_n64_2splits", {}),
-        ("fp8_qk_q2_causal_n64_2splits", dict(fp8_q_split=False)),
+        ("fp8_qk_q2_causal_n64_2splits", dict(fp8_q_split=True)),
     ],
 )
 def test_pv8_pairs_matches_reference(name, over, pv8_pairs):
     """Page pairs, interpreted (race detector on: the exchanged maxima, both P^T buffers, the slots' owners), against
     the reference: the work list with 24 padding rows and a 1-token request (a pair of one page); causal rows of two
-    tokens over two splits (a piece without pages, odd and even page counts); one term of q."""
+    tokens over two splits (a piece without pages, odd and even page counts); two terms of q."""
     _case_matches(name, **over)
 
 
@@ -522,7 +523,7 @@ def test_pv8_pairs_needs_an_even_ring(pv8_pairs):
     "cache_dtype, kw",
     [
         ("fp8", dict(n=64, num_kv_splits=2, fp8_qk=True)),
-        ("fp8", dict(n=128, schedule="worklist", fp8_qk=True, fp8_q_split=False)),
+        ("fp8", dict(n=128, schedule="worklist", fp8_qk=True, fp8_q_split=True)),
         ("bf16", dict(n=128, num_kv_splits=2)),
         ("bf16", dict(n=64, schedule="worklist")),
     ],
@@ -541,23 +542,23 @@ def test_qk_with_pv_lowers_for_sm90(cache_dtype, kw, qk_with_pv, monkeypatch, h2
     [
         dict(n=64, num_kv_splits=2),
         dict(n=128, schedule="worklist"),
-        dict(n=64, num_kv_splits=2, fp8_q_split=False),
+        dict(n=64, num_kv_splits=2, fp8_q_split=True),
     ],
 )
 def test_fp8_pv_lowers_for_sm90(kw, monkeypatch, h200):
     """The fp8 P.V kernel's GPU path (transposed 16-bit loads of the ring's bf16 view, register regrouping, the
-    register-operand fp8 wgmma, O^T's store; two terms: the residual's chain on WG1, S_lo's store and WG0's load in
-    the wgmma layout, 3 fp8 pages beside its 16 KB buffer), in either schedule, passes Mosaic GPU's lowering, with its
-    split-q quantize kernel (one term: its [64, L+R] Q, one QK^T chain, 4 pages, the quantize unsplit)."""
+    register-operand fp8 wgmma, O^T's store; one term: its [64, L+R] Q, one QK^T chain, 4 pages), in either schedule,
+    passes Mosaic GPU's lowering, with its quantize kernel (two terms: the residual's chain on WG1, S_lo's store and
+    WG0's load in the wgmma layout, 3 fp8 pages beside its 16 KB buffer, the quantize split)."""
     monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
     text = _lower_for_sm90("fp8", fp8_qk=True, num_sms=132, **kw)
-    one = kw.get("fp8_q_split") is False
+    one = not kw.get("fp8_q_split")
     assert "_pv8" in text and "quantize_q_fp8_r" in text
     assert ("_split" in text) != one and ("_pv8_q1" in text) == one
     assert f"fp8stages{4 if one else 3}_pv8" in text
 
 
-@pytest.mark.parametrize("kw", [dict(n=64, num_kv_splits=2), dict(n=128, schedule="worklist", fp8_q_split=False)])
+@pytest.mark.parametrize("kw", [dict(n=64, num_kv_splits=2, fp8_q_split=True), dict(n=128, schedule="worklist")])
 def test_pv8_pairs_lowers_for_sm90(kw, pv8_pairs, monkeypatch, h200):
     """The page pairs (two P^T buffers, 4 fp8 pages beside Q's two terms in 227 KB, the maxima's rendezvous, the
     odd pair's conditional) pass Mosaic GPU's lowering in either schedule."""
