@@ -809,9 +809,9 @@ def _body_pv8(cfg, r, pc):
     f32 = jnp.float32
     regs = _REGS_PV8
     n, last_rows = pc.n, pc.last_rows
-    fp8_ring, ring16, scale_ring = r["fp8_ring"], r["ring16"], r["scale_ring"]
+    fp8_ring, scale_ring = r["fp8_ring"], r["scale_ring"]
     loop_rows, p_smem = r["loop_rows"], r["p_smem"]
-    fp8_ready, scale_ready, fp8_consumed = r["fp8_ready"], r["scale_ready"], r["fp8_consumed"]
+    fp8_ready, scale_ready = r["fp8_ready"], r["scale_ready"]
     p_ready, p_consumed = r["p_ready"], r["p_consumed"]
 
     def slot_of(i):
@@ -821,17 +821,7 @@ def _body_pv8(cfg, r, pc):
         return jnp.where(i == n - 1, last_rows, g)
 
     def vt_half(fslot, h):
-        """This consumer's V^T [L/2, G] from fp8 slot `fslot` (latents [h L/2, (h + 1) L/2)), then the slot's
-        release as far as this warpgroup's reads go."""
-        with jax.named_scope("vt"):
-            vt = vt_fp8_operand(
-                fp8_ring.at[fslot, :, pl.ds(h * half, half)],
-                ring16.at[fslot, :, pl.ds(h * half // 2, half // 2)],
-                interpret=cfg.interpret,
-            )
-        plgpu.commit_smem()  # the generic-proxy reads before the next TMA into the slot
-        plgpu.barrier_arrive(fp8_consumed.at[fslot])
-        return vt
+        return _vt_half(cfg, r, fslot, h)
 
     def issue_qk(acc_ref, i, term):
         """Issue q's term `term` (0: q_hi, 1: its residual) times page i's K^T into `acc_ref` (one fp8 wgmma)."""
@@ -989,6 +979,21 @@ def _body_pv8(cfg, r, pc):
     pl.when(wg == 2)(functools.partial(_pv8_producer, cfg, r, pc))
 
 
+def _vt_half(cfg, r, fslot, h):
+    """The fp8 P.V bodies: this consumer's V^T [L/2, G] from fp8 slot `fslot` (latents [h L/2, (h + 1) L/2)), then
+    the slot's release as far as this warpgroup's reads go."""
+    half = cfg.l // 2
+    with jax.named_scope("vt"):
+        vt = vt_fp8_operand(
+            r["fp8_ring"].at[fslot, :, pl.ds(h * half, half)],
+            r["ring16"].at[fslot, :, pl.ds(h * half // 2, half // 2)],
+            interpret=cfg.interpret,
+        )
+    plgpu.commit_smem()  # the generic-proxy reads before the next TMA into the slot
+    plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
+    return vt
+
+
 def _pv8_producer(cfg, r, pc):
     """The fp8 P.V bodies' producer: each page and its token scales TMA'd into the `fp8_stages` ring (a partial last
     page's rows past the length zeroed: V's bytes feed P.V), the next page once both consumers release a slot."""
@@ -1042,9 +1047,9 @@ def _body_pv8_pairs(cfg, r, pc):
     fst = cfg.fp8_stages
     f32 = jnp.float32
     n = pc.n
-    fp8_ring, ring16, scale_ring = r["fp8_ring"], r["ring16"], r["scale_ring"]
+    fp8_ring, scale_ring = r["fp8_ring"], r["scale_ring"]
     loop_rows, p_smem = r["loop_rows"], r["p_smem"]
-    fp8_ready, scale_ready, fp8_consumed = r["fp8_ready"], r["scale_ready"], r["fp8_consumed"]
+    fp8_ready, scale_ready = r["fp8_ready"], r["scale_ready"]
     p_ready, p_consumed, mx_ready = r["p_ready"], r["p_consumed"], r["mx_ready"]
 
     def slot_of(i):
@@ -1101,14 +1106,7 @@ def _body_pv8_pairs(cfg, r, pc):
             if who != w:
                 with jax.named_scope("wait_kv"):
                     plgpu.barrier_wait(fp8_ready.at[fslot])
-            with jax.named_scope("vt"):
-                vt = vt_fp8_operand(
-                    fp8_ring.at[fslot, :, pl.ds(w * half, half)],
-                    ring16.at[fslot, :, pl.ds(w * half // 2, half // 2)],
-                    interpret=cfg.interpret,
-                )
-            plgpu.commit_smem()  # the generic-proxy reads before the next TMA into the slot
-            plgpu.barrier_arrive(fp8_consumed.at[fslot])
+            vt = _vt_half(cfg, r, fslot, w)
             if who != w:
                 with jax.named_scope("wait_p"):
                     plgpu.barrier_wait(p_ready.at[who])

@@ -1430,7 +1430,7 @@ PY
     for v in q3 q3a; do (cd /tmp/$v && dec $v 65 fp8); done
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 107) # session 39, for the next (an H200 where one comes, else any card; ~8 minutes): the 64-row decode's GPU cases
-    # (the residual's chain on WG1 now the two-term fp8 P.V's only path; fp8_qk_split_n128: two terms), then the targets'
+    # (one term of q the fp8 P.V default since session 40; fp8_qk_split_n128: two terms), then the targets'
     # decode rows (one-term fp8_qk rows beside the two-term ones). Session 39's H100 run of it: the tests need > 90 s
     # (18 of 27 in 90 s), the bench ~65 s a shape from a cold compilation cache
     out=${2:?}

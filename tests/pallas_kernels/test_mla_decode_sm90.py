@@ -460,55 +460,56 @@ def test_fp8_pv_two_q_terms_keep_the_residual():
     assert np.abs(np.asarray(lse) - one_ref_lse)[live].max() > DECODE_TOL["fp8_pv"][1]
 
 
-@pytest.fixture
-def qk_with_pv(monkeypatch):
-    """`QK_WITH_PV`: WG0 of the 64-row kernel issues page i's P.V and page i + 1's QK^T together; the jitted
-    kernels traced afresh before and after (the flag is read at trace time)."""
+def _switched_on(monkeypatch, name):
+    """The kernel module's switch `name` on, its jitted kernels traced afresh before and after (read at trace
+    time)."""
     jax.clear_caches()
-    monkeypatch.setattr(k90, "QK_WITH_PV", True)
+    monkeypatch.setattr(k90, name, True)
     yield
     jax.clear_caches()
+
+
+@pytest.fixture
+def qk_with_pv(monkeypatch):
+    """`QK_WITH_PV`: WG0 of the 64-row kernel issues page i's P.V and page i + 1's QK^T together."""
+    yield from _switched_on(monkeypatch, "QK_WITH_PV")
+
+
+# fp8 P.V cases for a schedule switch: the work list with 24 padding rows and a 1-token request; causal rows of two
+# tokens over two splits (a split past a request's length: a piece without pages; odd and even page counts), with
+# one term of q (the default) and two
+_FP8_PV_SWITCH_CASES = [
+    ("fp8_qk_n40_worklist", {}),
+    ("fp8_qk_q2_causal_n64_2splits", {}),
+    ("fp8_qk_q2_causal_n64_2splits", dict(fp8_q_split=True)),
+]
 
 
 @pytest.mark.parametrize(
     "name, over",
     [
-        ("fp8_qk_n40_worklist", {}),
-        ("fp8_qk_q2_causal_n64_2splits", {}),
-        ("fp8_qk_q2_causal_n64_2splits", dict(fp8_q_split=True)),
+        *_FP8_PV_SWITCH_CASES,
         ("q2_causal_n40_straddling_tiles_3splits_page_offset_bf16", {}),
         ("worklist_rows64_single_tile_n40_bf16", {}),
     ],
 )
 def test_qk_with_pv_matches_reference(name, over, qk_with_pv):
     """The next page's QK^T issued with this page's P.V, interpreted (race detector on: P and the ring's slots
-    across the carried logits), against the reference. fp8 P.V: the work list with 24 padding rows and a 1-token
-    request; causal rows of two tokens over two splits (a split past a request's length: a piece without pages); two
-    terms of q. bf16: causal rows straddling two tiles over three splits; the work list."""
+    across the carried logits), against the reference: `_FP8_PV_SWITCH_CASES`; bf16: causal rows straddling two
+    tiles over three splits; the work list."""
     _case_matches(name, **over)
 
 
 @pytest.fixture
 def pv8_pairs(monkeypatch):
-    """`PV8_PAIRS`: the fp8 P.V kernel's pages in pairs, one a consumer; traced afresh before and after."""
-    jax.clear_caches()
-    monkeypatch.setattr(k90, "PV8_PAIRS", True)
-    yield
-    jax.clear_caches()
+    """`PV8_PAIRS`: the fp8 P.V kernel's pages in pairs, one a consumer."""
+    yield from _switched_on(monkeypatch, "PV8_PAIRS")
 
 
-@pytest.mark.parametrize(
-    "name, over",
-    [
-        ("fp8_qk_n40_worklist", {}),
-        ("fp8_qk_q2_causal_n64_2splits", {}),
-        ("fp8_qk_q2_causal_n64_2splits", dict(fp8_q_split=True)),
-    ],
-)
+@pytest.mark.parametrize("name, over", _FP8_PV_SWITCH_CASES)
 def test_pv8_pairs_matches_reference(name, over, pv8_pairs):
     """Page pairs, interpreted (race detector on: the exchanged maxima, both P^T buffers, the slots' owners), against
-    the reference: the work list with 24 padding rows and a 1-token request (a pair of one page); causal rows of two
-    tokens over two splits (a piece without pages, odd and even page counts); two terms of q."""
+    the reference: `_FP8_PV_SWITCH_CASES` (the 1-token request's piece: a pair of one page)."""
     _case_matches(name, **over)
 
 
