@@ -476,6 +476,19 @@ class _Piece:
 
         return lax.cond(page < self.full, lambda: s * scale, masked)
 
+    def page_rows(self, page):
+        """Rows of this piece's page `page` inside the tile's length (< G only on its partial last page)."""
+        return jnp.where(page == self.n - 1, self.last_rows, PAGE_SIZE)
+
+    def fp8_logits(self, s, page, scales, scale, lens):
+        """The fp8 P.V bodies: page `page`'s QK^T s [64, G] (fp8 rows) -> (its `logits`, the rows' token scales
+        [G] as columns, 0 past the page's rows: next to garbage, p * scale must stay 0); `scales` the page's
+        slot of the scale ring."""
+        ks = plgpu.load(scales, (), layout=COL_LAYOUT)
+        tok = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE,), 0, layout=COL_LAYOUT)
+        ks = jnp.where(tok < self.page_rows(page), ks, 0.0)
+        return self.logits(s * lax.broadcast_in_dim(ks, s.shape, [1]), page, scale, lens), ks
+
     def write_out(self, acc, inv, stage, dst):
         cfg = self.cfg
         write_out(acc, inv, stage, dst, self.by_rows, transposed=cfg.pv8, interpret=cfg.interpret)
@@ -572,10 +585,6 @@ def _body(cfg, r, pc):
 
     def slot_of(i, depth):
         return lax.rem(i, jnp.int32(depth))
-
-    def page_rows(i):
-        """Rows of page i inside the tile's length (< G only on its partial last page)."""
-        return jnp.where(i == n - 1, last_rows, g)
 
     def cast_fp8(fslot, slot_i, valid_rows, chunks):
         """The exact fp8 -> wgmma-dtype cast of 64-column chunks of the fp8 slot into the ring
@@ -692,7 +701,7 @@ def _body(cfg, r, pc):
                 fslot = slot_of(i, fst)
                 with jax.named_scope("wait_fp8"):
                     plgpu.barrier_wait(r["fp8_ready"].at[fslot])
-                cast_fp8(fslot, slot_i, page_rows(i), range(half // 64, cfg.l // 64))
+                cast_fp8(fslot, slot_i, pc.page_rows(i), range(half // 64, cfg.l // 64))
                 plgpu.barrier_arrive(kv_ready.at[slot_i])
                 plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
                 with jax.named_scope("wait_p"):
@@ -767,7 +776,7 @@ def _body(cfg, r, pc):
                 def _():
                     plgpu.barrier_wait(kv_consumed.at[slot_i])
 
-                valid_rows = page_rows(i)
+                valid_rows = pc.page_rows(i)
                 # Per-token scales for WG0 (0 past the length: p * scale must stay 0 next to garbage).
                 scale = plgpu.load(scale_ring.at[fslot], layout=ROW_LAYOUT)  # [G] f32
                 tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=ROW_LAYOUT)
@@ -803,12 +812,11 @@ def _body_pv8(cfg, r, pc):
     running max m taken over s + log2 scale, so P'' <= 1 and the e4m3 P uses its range whatever the cache's
     scales, while l sums p = exp2(s - m) (the softmax's own weights; m only shifts both)."""
     wg = lax.axis_index("wg")
-    g = PAGE_SIZE
     half = cfg.l // 2
     fst = cfg.fp8_stages
     f32 = jnp.float32
     regs = _REGS_PV8
-    n, last_rows = pc.n, pc.last_rows
+    n = pc.n
     fp8_ring, scale_ring = r["fp8_ring"], r["scale_ring"]
     loop_rows, p_smem = r["loop_rows"], r["p_smem"]
     fp8_ready, scale_ready = r["fp8_ready"], r["scale_ready"]
@@ -816,12 +824,6 @@ def _body_pv8(cfg, r, pc):
 
     def slot_of(i):
         return lax.rem(i, jnp.int32(fst))
-
-    def page_rows(i):
-        return jnp.where(i == n - 1, last_rows, g)
-
-    def vt_half(fslot, h):
-        return _vt_half(cfg, r, fslot, h)
 
     def issue_qk(acc_ref, i, term):
         """Issue q's term `term` (0: q_hi, 1: its residual) times page i's K^T into `acc_ref` (one fp8 wgmma)."""
@@ -887,12 +889,8 @@ def _body_pv8(cfg, r, pc):
             """Page i's logits s [64, G] (f32) -> P'' in shared memory for the P.V warpgroups; (m, l) after it."""
             fslot = slot_of(i)
             with jax.named_scope("softmax"):
-                # Token scales, 0 past the length (next to garbage, p * scale must stay 0).
-                ks = plgpu.load(scale_ring.at[fslot], (), layout=COL_LAYOUT)
-                tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=COL_LAYOUT)
-                ks = jnp.where(tok < page_rows(i), ks, 0.0)
+                s, ks = pc.fp8_logits(s, i, scale_ring.at[fslot], logit_scale, lens)
                 ks_b = lax.broadcast_in_dim(ks, s.shape, [1])
-                s = pc.logits(s * ks_b, i, logit_scale, lens)
                 m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, shift=jnp.log2(ks))
 
             @pl.when(i > 0)
@@ -913,7 +911,7 @@ def _body_pv8(cfg, r, pc):
 
             def pv_and_next_qk(i, acc):
                 """Page i's P.V into acc and page i + 1's q_hi K^T, issued back to back and waited for once."""
-                vt = vt_half(slot_of(i), 0)
+                vt = _vt_half(cfg, r, slot_of(i), 0)
                 if cfg.interpret:  # no register-operand wgmma there either (`vt_accumulate`)
                     return pv(acc, vt), qk_next(i)
                 with jax.named_scope("pv_qk"):
@@ -936,7 +934,7 @@ def _body_pv8(cfg, r, pc):
             def step(i, carry):
                 acc, m_i, l_i = carry
                 m_new, l_new = softmax_and_p(i, add_slo(qk(i)), m_i, l_i)
-                return pv(acc, vt_half(slot_of(i), 0)), m_new, l_new
+                return pv(acc, _vt_half(cfg, r, slot_of(i), 0)), m_new, l_new
 
             acc, m_i, l_i = lax.fori_loop(0, n, step, (acc0, m_0, l_0))
         pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
@@ -964,7 +962,7 @@ def _body_pv8(cfg, r, pc):
                 r["slo_smem"][...] = s_lo
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(r["slo_ready"])
-            vt = vt_half(fslot, 1)
+            vt = _vt_half(cfg, r, fslot, 1)
             with jax.named_scope("wait_p"):
                 plgpu.barrier_wait(p_ready)
             acc = pv(acc, vt)
@@ -1042,7 +1040,6 @@ def _body_pv8_pairs(cfg, r, pc):
     WG1's after the loop (both rescaled by the same alphas). A piece with an odd number of pages ends on a pair of
     one (WG1 brings no page: its max is -inf, it adds page 2k's P.V only)."""
     wg = lax.axis_index("wg")
-    g = PAGE_SIZE
     half = cfg.l // 2
     fst = cfg.fp8_stages
     f32 = jnp.float32
@@ -1080,12 +1077,8 @@ def _body_pv8_pairs(cfg, r, pc):
 
                 s = _logits_waited(issue)
             with jax.named_scope("softmax"):
-                ks = plgpu.load(scale_ring.at[fslot], (), layout=COL_LAYOUT)
-                tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=COL_LAYOUT)
-                ks = jnp.where(tok < jnp.where(i == n - 1, pc.last_rows, g), ks, 0.0)
-                ks_b = lax.broadcast_in_dim(ks, s.shape, [1])
-                s = pc.logits(s * ks_b, i, logit_scale, lens)
-            return s, ks_b, jnp.log2(ks)
+                s, ks = pc.fp8_logits(s, i, scale_ring.at[fslot], logit_scale, lens)
+            return s, lax.broadcast_in_dim(ks, s.shape, [1]), jnp.log2(ks)
 
         def exchange_max(top, m_i, m_i_col):
             """m = max(m, this consumer's row max `top`, the other's) of the pair, as rows and as columns (alpha
