@@ -42,19 +42,18 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   Triton kernel before the call), QK^T runs as fp8 wgmmas straight on the fp8 ring slot, and P.V too, as O^T =
   V^T P^T with V^T built in registers from the page (Hopper's fp8 wgmma reads shared-memory operands K-major
   only, and V is N-major in the page) and P rounded to e4m3: FlashMLA's fp8 kernel's two roundings (q and P),
-  with a scale a row where it takes one a request. Its warpgroups: WG0 (QK^T, the softmax, the first half of
-  P.V), WG1 (the second half of P.V), the producer. fp8_q_split=True splits q into two e4m3 terms at one scale
-  (q_hi and its residual): the residual's QK^T chain runs on WG1, handed to WG0 as S_lo, and P's rounding is
-  then the mode's one loss (1.45x the time at 64x128x4096). At <= 16 rows a request the narrow kernel runs this
-  mode instead (one fp8 term of q, V cast to bf16). With `PV8_PAIRS` (built, off until measured:
-  `_body_pv8_pairs`) the pages go in pairs, one a consumer: each runs its page's QK^T (every term of q), the softmax
-  and the P^T store, the two consumers' row maxima exchanged a pair, then both pages' P.V on its half.
+  with a scale a row where it takes one a request. Its pages go in pairs, one a consumer warpgroup: each runs its
+  page's QK^T, the softmax and the P^T store, the two consumers' row maxima exchanged a pair, then both pages'
+  P.V on its half of the latents; the producer keeps the next pair in flight. fp8_q_split=True splits q into two
+  e4m3 terms at one scale (q_hi and its residual), both QK^T chains in one accumulator, and P's rounding is then
+  the mode's one loss (1.75x the time at 64x128x4096). At <= 16 rows a request the narrow kernel runs this mode
+  instead (one fp8 term of q, V cast to bf16).
 
 Shared memory at L+R = 576 (227 KB available): bf16, 2 stages: Q 72 KB + ring 2 x 72 KB + P 8 KB
 + row vectors = 225 KB, the output staging (64 KB for bf16 outputs and partials) reusing it; fp8: Q 72 KB +
 ring 1 x 72 KB + fp8 ring 2 x 36 KB + P 8 KB = 225 KB (a second bf16 stage does not fit);
-fp8_qk: Q 72 KB (two e4m3 terms) + S_lo 16 KB + fp8 ring 3 x 36 KB + P^T 4 KB (one term: Q 36 KB, 4 pages);
-its pairs: Q 72 KB + fp8 ring 4 x 36 KB + 2 P^T 8 KB + scales and rows 2 KB = 226 KB (each buffer in whole KB).
+fp8_qk: Q 72 KB (two e4m3 terms; one: 36 KB) + fp8 ring 4 x 36 KB + 2 P^T 8 KB + scales and rows 2 KB = 226 KB
+(each buffer in whole KB).
 
 Barriers (mbarriers; every waiter waits every phase of a barrier, in order, and at most one phase
 behind -- the parity discipline the interpreter checks):
@@ -63,17 +62,15 @@ behind -- the parity discipline the interpreter checks):
   kv_consumed[st]  both consumers finished reading slot (2 arrivals)        producer waits
   p_ready          P_i and alpha_i in shared memory                          WG1 waits
   p_consumed       WG1's P_i . V wgmma done (P may be overwritten)           WG0 waits
-  slo_ready        fp8_qk, two terms: WG1's S_lo of page i in shared memory  WG0 waits
-  slo_consumed     WG0 has read it (WG1 may overwrite it)                     WG1 waits
   epi_bar          both consumers done with Q, the ring and P (2 arrivals)   WG0, WG1 wait
   fin_bar          1/l of every row in shared memory                         WG1 waits
   raw_bar / fp8_ready[st] / scale_ready[st]  TMA landed for the producer's own processing
                    (fp8_qk: for the consumers, which read the fp8 ring itself)
   fp8_consumed[f]  both casts done with fp8 slot f (2; fp8_qk: every consumer)  producer waits
   kv_ready takes 2 arrivals with an exact fp8 cache: the producer's columns and WG1's V half.
-  fp8 P.V in pairs: p_ready[w] / p_consumed[w] per consumer's P^T (the other consumer waits / arrives), mx_ready
-  (2 arrivals: both row maxima of the pair written), l_ready (WG1's l after the loop); scale_ready[f] is waited
-  only by the slot's owner (an even ring: page 2k + w, consumer w, always lands in a slot of parity w).
+  fp8_qk (pages in pairs): p_ready[w] / p_consumed[w] per consumer's P^T (the other consumer waits / arrives),
+  mx_ready (2 arrivals: both row maxima of the pair written), l_ready (WG1's l after the loop); scale_ready[f] is
+  waited only by the slot's owner (an even ring: page 2k + w, consumer w, always lands in a slot of parity w).
 
 Testing: the CPU tests run it under the Mosaic GPU interpreter (race detector on) and lower it for
 sm_90 (Mosaic GPU's Python passes: layout inference, wgmma/TMA checks, the shared-memory budget);
@@ -187,8 +184,7 @@ class _Cfg:
     interpret: bool  # Mosaic GPU interpreter (CPU): see mgpu.wgmma_accumulate
     pv8: bool = False  # fp8 cache, fp8_qk: QK^T and P.V as fp8 wgmmas on the fp8 ring (O^T = V^T P^T, V^T in
     # registers: `_body_pv8`), Q as `q_terms` e4m3 terms with a per-row scale; no bf16 ring, no cast
-    q_terms: int = 2  # pv8: q_hi and its residual (two QK^T chains, the residual's on WG1), or q_hi alone
-    pairs: bool = False  # pv8: pages in pairs, one a consumer (`_body_pv8_pairs`, `PV8_PAIRS`)
+    q_terms: int = 1  # pv8: q_hi alone, or q_hi and its residual (two QK^T chains in one accumulator)
     nq: int = 1  # query tokens per request (row t*N + n is token t's)
     heads: int = 64
     capacity: int = 1 << 30  # tokens the block table holds (longer lengths are clamped to it)
@@ -218,12 +214,9 @@ def _smem_plan(cfg: _Cfg):
             plgpu.SMEM((TILE_M, cfg.q_terms * d), FP8, transforms=tiled(FP8, 64)),  # Q: q_hi (then its residual)
             p_t,
             plgpu.SMEM((fst, PAGE_SIZE), f32),  # the token scales (before the rows: its TMA's alignment)
-            plgpu.SMEM((_PAIR_ROWS if cfg.pairs else _ROWS + 1, TILE_M), f32),  # alpha, Q's scales (pairs: more)
+            plgpu.SMEM((_PV8_ROWS, TILE_M), f32),  # alpha, Q's scales, the pair's row maxima
+            p_t,  # WG1's P^T
         ]
-        if cfg.pairs:
-            group_a.append(p_t)  # WG1's P^T
-        elif cfg.q_terms == 2:
-            group_a.append(plgpu.SMEM((TILE_M, PAGE_SIZE), f32))  # S_lo = q_lo K^T (WG1 -> WG0)
         ring16 = [plgpu.SMEM((fst, PAGE_SIZE, d // 2), BF16, transforms=tiled(BF16, 64))]
         groups = [group_a, stage, ring16]
         return groups, max(map(smem_bytes, groups))
@@ -251,12 +244,12 @@ _ROWS = 1
 _ROW_QSCALE = _ROWS
 
 
-# The pairs body's row vectors: [_ROW_QSCALE] Q's scales (then WG1's l after the loop), [_ROW_MX + w] consumer w's
+# The fp8 P.V body's row vectors: [_ROW_QSCALE] Q's scales (then WG1's l after the loop), [_ROW_MX + w] consumer w's
 # logits' row max of the pair (exchanged; each consumer reads the other's before it arrives at p_ready, which the
 # other waits for before it writes its next). 227 KB hold no more rows beside 4 fp8 pages and Q's two terms (every
 # buffer takes whole KB).
 _ROW_MX = 2
-_PAIR_ROWS = _ROW_MX + 2
+_PV8_ROWS = _ROW_MX + 2
 
 
 def _extra_rows(cfg):
@@ -270,7 +263,7 @@ _META = 6
 
 def _barriers(cfg):
     """The pipeline's mbarriers, by name (see the module docstring)."""
-    if cfg.pairs:
+    if cfg.pv8:
         fst = cfg.fp8_stages
         return dict(
             q_bar=plgpu.Barrier(num_arrivals=2),  # Q, Q's scales
@@ -284,21 +277,6 @@ def _barriers(cfg):
             epi_bar=plgpu.Barrier(num_arrivals=2),
             fin_bar=plgpu.Barrier(),
             raw_bar=plgpu.Barrier(),
-        )
-    if cfg.pv8:
-        fst = cfg.fp8_stages
-        return dict(
-            q_bar=plgpu.Barrier(num_arrivals=2),  # Q, Q's scales
-            fp8_ready=plgpu.Barrier(num_barriers=fst),  # page (TMA, or the producer after zeroing a partial page)
-            scale_ready=plgpu.Barrier(num_barriers=fst),
-            # both consumers' reads of the slot done (WG0: K^T, the scales and V^T's first half; WG1 the second)
-            fp8_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=fst),
-            p_ready=plgpu.Barrier(),
-            p_consumed=plgpu.Barrier(),  # WG1's P.V done
-            epi_bar=plgpu.Barrier(num_arrivals=2),
-            fin_bar=plgpu.Barrier(),
-            raw_bar=plgpu.Barrier(),
-            **(dict(slo_ready=plgpu.Barrier(), slo_consumed=plgpu.Barrier()) if cfg.q_terms == 2 else {}),
         )
     bars = dict(
         q_bar=plgpu.Barrier(),  # Q
@@ -336,11 +314,9 @@ def _kernel(*refs, cfg: _Cfg):
             refs_a, stage, (ring16,) = union
             fp8_ring, q_smem, p_smem, scale_ring, loop_rows = refs_a[:5]
             r = dict(gmem, q_smem=q_smem, ring16=ring16, p_smem=p_smem, loop_rows=loop_rows, fp8_ring=fp8_ring)
-            if cfg.pairs:  # one P^T a consumer
-                r.update(p_smem=(p_smem, refs_a[5]))
-            r.update(slo_smem=refs_a[5] if cfg.q_terms == 2 and not cfg.pairs else None)
+            r.update(p_smem=(p_smem, refs_a[5]))  # one P^T a consumer
             r.update(scale_ring=scale_ring, stage=stage, **bars)
-            (_body_pv8_pairs if cfg.pairs else _body_pv8)(cfg, r, _Piece(cfg, r))
+            _body_pv8(cfg, r, _Piece(cfg, r))
             return
         refs_a, stage = union  # one tree of refs per aliased group
         q_smem, ring, p_smem, loop_rows = refs_a[:4]
@@ -797,186 +773,6 @@ def _body(cfg, r, pc):
         _drain(kv_consumed, n, stages)
 
 
-def _body_pv8(cfg, r, pc):
-    """The fp8 cache with fp8 P.V (`_Cfg.pv8`): no cast anywhere. The producer TMAs each page and its token scales
-    into an `fp8_stages` ring (zeroing a partial last page's rows past the length); WG0 runs QK^T as fp8 wgmmas
-    on q_hi (the residual's chain, where q has two terms, runs on WG1 at the page's start, while WG1 would otherwise
-    wait for P, and reaches WG0 as S_lo through shared memory: 614 against 638 us with both chains on WG0 at
-    128x128x8192, H100, session 39), the softmax, and stores P as e4m3
-    in V^T's token order (`mgpu.pt_fp8_operand`); each P.V warpgroup then adds V^T P^T for its half of the latents
-    to its O^T accumulator [L/2, 64] (`mgpu.vt_fp8_operand`: V^T built in registers from the page, no
-    shared-memory round trip, before it waits for P). WG0 holds the first half, WG1 the second, WG2 produces; WG0
-    bounds the page (39% of WG1's time waits for P, session 39's trace).
-
-    The per-token scale goes into the logits (QK^T) and into P: P'' = p * scale = exp2(s + log2 scale - m), with the
-    running max m taken over s + log2 scale, so P'' <= 1 and the e4m3 P uses its range whatever the cache's
-    scales, while l sums p = exp2(s - m) (the softmax's own weights; m only shifts both)."""
-    wg = lax.axis_index("wg")
-    half = cfg.l // 2
-    fst = cfg.fp8_stages
-    f32 = jnp.float32
-    regs = _REGS_PV8
-    n = pc.n
-    fp8_ring, scale_ring = r["fp8_ring"], r["scale_ring"]
-    loop_rows, p_smem = r["loop_rows"], r["p_smem"]
-    fp8_ready, scale_ready = r["fp8_ready"], r["scale_ready"]
-    p_ready, p_consumed = r["p_ready"], r["p_consumed"]
-
-    def slot_of(i):
-        return lax.rem(i, jnp.int32(fst))
-
-    def issue_qk(acc_ref, i, term):
-        """Issue q's term `term` (0: q_hi, 1: its residual) times page i's K^T into `acc_ref` (one fp8 wgmma)."""
-        plgpu.wgmma(acc_ref, r["q_smem"].at[:, pl.ds(term * cfg.d, cfg.d)], fp8_ring.at[slot_of(i)].T)
-
-    def qk_term(i, term):
-        """[64, G] f32: `issue_qk`'s product, waited for."""
-        return _logits_waited(lambda acc_ref: issue_qk(acc_ref, i, term))
-
-    def rescale(acc):
-        """acc * alpha (a column each: O^T's columns are the heads)."""
-        alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], (), layout=COL_LAYOUT)
-        return acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-
-    def pv(acc, vt):
-        """acc * alpha + V^T P^T."""
-        with jax.named_scope("pv"):
-            return vt_accumulate(rescale(acc), vt, p_smem, interpret=cfg.interpret)
-
-    acc0 = plgpu.layout_cast(jnp.zeros((half, TILE_M), f32), plgpu.Layout.WGMMA)  # O^T [L/2, 64]
-
-    @pl.when(wg == 0)
-    def _softmax_wg():
-        plgpu.set_max_registers(regs[0], action="increase")
-
-        pc.load_q()
-        logit_scale = pc.logit_scale()
-        lens = pc.row_lens()
-
-        def wait_page(i):
-            with jax.named_scope("wait_kv"):
-                plgpu.barrier_wait(fp8_ready.at[slot_of(i)])
-                plgpu.barrier_wait(scale_ready.at[slot_of(i)])
-
-        def add_slo(s):
-            """s + WG1's S_lo of the same page (two terms)."""
-            if cfg.q_terms == 1:
-                return s
-            with jax.named_scope("wait_slo"):
-                plgpu.barrier_wait(r["slo_ready"])
-            s = s + plgpu.load(r["slo_smem"], (), layout=plgpu.Layout.WGMMA)
-            plgpu.barrier_arrive(r["slo_consumed"])
-            return s
-
-        def qk(i):
-            wait_page(i)
-            with jax.named_scope("qk"):
-                return qk_term(i, 0)
-
-        def issue_next_qk(s_ref, i):
-            """Page i + 1's q_hi K^T into `s_ref` where the piece has that page (else s_ref keeps its zeros)."""
-
-            @pl.when(i + 1 < n)
-            def _():
-                wait_page(i + 1)
-                issue_qk(s_ref, i + 1, 0)
-
-        def qk_next(i):
-            """`issue_next_qk`'s logits, waited for."""
-            return _logits_waited(lambda s_ref: issue_next_qk(s_ref, i))
-
-        def softmax_and_p(i, s, m_i, l_i):
-            """Page i's logits s [64, G] (f32) -> P'' in shared memory for the P.V warpgroups; (m, l) after it."""
-            fslot = slot_of(i)
-            with jax.named_scope("softmax"):
-                s, ks = pc.fp8_logits(s, i, scale_ring.at[fslot], logit_scale, lens)
-                ks_b = lax.broadcast_in_dim(ks, s.shape, [1])
-                m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, shift=jnp.log2(ks))
-
-            @pl.when(i > 0)
-            @jax.named_scope("wait_p_consumed")
-            def _():
-                plgpu.barrier_wait(p_consumed)  # WG1 is done with P_{i-1} and alpha_{i-1}
-
-            with jax.named_scope("store_p"):
-                p_smem[...] = pt_fp8_operand((p * ks_b).astype(FP8), interpret=cfg.interpret)
-                loop_rows[_ROW_ALPHA] = alpha
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(p_ready)
-            return m_new, l_i
-
-        _, m_0, l_0 = softmax_state(TILE_M, 64)
-
-        if QK_WITH_PV:
-
-            def pv_and_next_qk(i, acc):
-                """Page i's P.V into acc and page i + 1's q_hi K^T, issued back to back and waited for once."""
-                vt = _vt_half(cfg, r, slot_of(i), 0)
-                if cfg.interpret:  # no register-operand wgmma there either (`vt_accumulate`)
-                    return pv(acc, vt), qk_next(i)
-                with jax.named_scope("pv_qk"):
-                    return _pv_with_next_logits(
-                        rescale(acc),
-                        lambda acc_ref: plgpu.wgmma(acc_ref, vt, p_smem.T),  # V^T P^T (`vt_accumulate`)
-                        lambda s_ref: issue_next_qk(s_ref, i),
-                    )
-
-            def step(i, carry):
-                acc, s, m_i, l_i = carry
-                m_new, l_new = softmax_and_p(i, add_slo(s), m_i, l_i)
-                acc, s_next = pv_and_next_qk(i, acc)
-                return acc, s_next, m_new, l_new
-
-            s_first = qk_next(jnp.int32(-1))  # page 0's (zeros for a piece without pages)
-            acc, _, m_i, l_i = lax.fori_loop(0, n, step, (acc0, s_first, m_0, l_0))
-        else:
-
-            def step(i, carry):
-                acc, m_i, l_i = carry
-                m_new, l_new = softmax_and_p(i, add_slo(qk(i)), m_i, l_i)
-                return pv(acc, _vt_half(cfg, r, slot_of(i), 0)), m_new, l_new
-
-            acc, m_i, l_i = lax.fori_loop(0, n, step, (acc0, m_0, l_0))
-        pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
-        pc.epilogue_wg0(acc, m_i, l_i)
-
-    @pl.when(wg == 1)
-    def _pv_wg():
-        plgpu.set_max_registers(regs[1], action="increase")
-        if cfg.q_terms == 2:  # its chain reads q_lo: Q's TMA (WG0's, where the piece has pages) must have landed
-            pl.when(n > 0)(lambda: plgpu.barrier_wait(r["q_bar"]))
-
-        def step(i, acc):
-            fslot = slot_of(i)
-            with jax.named_scope("wait_kv"):
-                plgpu.barrier_wait(fp8_ready.at[fslot])
-            if cfg.q_terms == 2:  # S_lo of page i for WG0, before WG1 waits for page i's P
-                with jax.named_scope("qk_lo"):
-                    s_lo = qk_term(i, 1)
-
-                @pl.when(i > 0)
-                @jax.named_scope("wait_slo_consumed")
-                def _():
-                    plgpu.barrier_wait(r["slo_consumed"])  # WG0 has read S_lo of page i - 1
-
-                r["slo_smem"][...] = s_lo
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(r["slo_ready"])
-            vt = _vt_half(cfg, r, fslot, 1)
-            with jax.named_scope("wait_p"):
-                plgpu.barrier_wait(p_ready)
-            acc = pv(acc, vt)
-            plgpu.barrier_arrive(p_consumed)
-            return acc
-
-        acc = lax.fori_loop(0, n, step, acc0)
-        if cfg.q_terms == 2:
-            pl.when(n > 0)(lambda: plgpu.barrier_wait(r["slo_consumed"]))  # its last phase too
-        pc.epilogue_wg1(acc)
-
-    pl.when(wg == 2)(functools.partial(_pv8_producer, cfg, r, pc))
-
-
 def _vt_half(cfg, r, fslot, h):
     """The fp8 P.V bodies: this consumer's V^T [L/2, G] from fp8 slot `fslot` (latents [h L/2, (h + 1) L/2)), then
     the slot's release as far as this warpgroup's reads go."""
@@ -1027,12 +823,15 @@ def _pv8_producer(cfg, r, pc):
     lax.fori_loop(0, pc.n, step, ())
 
 
-def _body_pv8_pairs(cfg, r, pc):
-    """The fp8 P.V kernel with its pages in pairs (`PV8_PAIRS`): consumer w (WG0, WG1) runs QK^T (every term of q),
-    the softmax and the P^T store of page 2k + w, so the two softmaxes of a pair run side by side where `_body_pv8`'s
-    WG0 runs every page's; each consumer then adds both pages' V^T P^T to its half of O^T (latents [w L/2,
-    (w + 1) L/2)), as there. FlashMLA's seesaw on fp8 pages: 4 fp8 slots hold the next pair while this one runs (the
-    bf16 seesaw lost with two 72 KB slots, pairs holding both; docs/perf-notes.md).
+def _body_pv8(cfg, r, pc):
+    """The fp8 P.V kernel, its pages in pairs: consumer w (WG0, WG1) runs QK^T (every term of q), the softmax and
+    the P^T store of page 2k + w, so the two softmaxes of a pair run side by side; each consumer then adds both
+    pages' V^T P^T to its half of O^T (latents [w L/2, (w + 1) L/2)). FlashMLA's seesaw on fp8 pages: 4 fp8 slots
+    hold the next pair while this one runs (the bf16 seesaw lost with two 72 KB slots, pairs holding both;
+    docs/perf-notes.md). One page at a time (WG0 every page's QK^T and softmax, WG1 P.V's second half only) took
+    119.7 / 441.6 us against the pairs' 112.1 / 413.0 at 64x128x4096 / 128x128x8192 with one term of q (H100,
+    session 41; 1x128x32768 26.8 against 27.2); with two terms the pairs lost (196.7 / 687.3 against 171.2 / 629.9,
+    the residual's chain then on WG1), and one body serves both.
 
     One running max for both: each consumer's logits' row max goes to shared memory, the two are exchanged
     (`mx_ready`, a rendezvous a pair) and each takes m = max(m, both), the same value in both consumers (max is
@@ -1173,16 +972,11 @@ def _body_pv8_pairs(cfg, r, pc):
     pl.when(wg == 2)(functools.partial(_pv8_producer, cfg, r, pc))
 
 
-# WG0 of the 64-row kernel (every body; exact fp8 with 2+ bf16 stages) issues page i's P.V and page i + 1's QK^T
-# back to back and waits for both at once (True), where each waits for its own (False): one wgmma round trip fewer a
-# page (the fp8 P.V's trace: P.V 0.67 us, QK^T 0.84, for ~0.14 and ~0.31 of tensor work), the next page's logits
-# carried through the loop. Built, off until measured (gpu_session part 110).
+# WG0 of the 64-row kernel's bf16 body (bf16, or exact fp8 with 2+ bf16 stages) issues page i's P.V and page i + 1's
+# QK^T back to back and waits for both at once (True), where each waits for its own (False): one wgmma round trip
+# fewer a page (the fp8 P.V's trace of session 39: P.V 0.67 us, QK^T 0.84, for ~0.14 and ~0.31 of tensor work), the
+# next page's logits carried through the loop. Built, off until measured (gpu_session part 110).
 QK_WITH_PV = False
-
-# The fp8 P.V kernel's pages in pairs, one a consumer (`_body_pv8_pairs`; 4 fp8 pages, either term count): its WG0
-# bounds the page (the softmax, 1.17 us a page traced, and QK^T; WG1 waits for P 39% of its time, session 39).
-# Built, off until measured.
-PV8_PAIRS = False
 
 # (WG0, WG1, producer) registers a thread of the fp8 P.V kernel: each consumer holds an O^T [L/2, 64] f32 half; the
 # producer only issues TMAs (and zeroes a partial page). Three consumers (WG0 QK^T and the softmax only) lost: 121.8
@@ -1633,13 +1427,10 @@ def _merge_worklist(out, lse, o_part, lse_part, seg_first, seg_count, split_tile
 TRACE: tuple[int, str] | None = None
 
 _WORKLIST_MIN_PAGES = 4  # no piece shorter than this unless its tile is (FlashMLA: ~5 blocks)
-# fp8 pages in flight with fp8 P.V (no bf16 ring), by q's e4m3 terms. Two: Q 72 KB, S_lo 16 KB, 3 pages of 36 KB
-# (3 beat 4 before S_lo took the room too: 164.6 / 633.1 / 28.9 against 178.4 / 678.9 / 33.6 us at 64x128x4096,
-# 128x128x8192, 1x128x32768). One: Q 36 KB, 4 pages (111.0 / 436.1 / 21.0 against 3's 130.8 / 499.1 / 23.2). H100,
-# session 39.
-_FP8_PV_STAGES = {1: 4, 2: 3}
-# The page pairs' (`PV8_PAIRS`): two pairs, the next one's loads under this one (the ring's parity is each page's owner)
-_FP8_PAIRS_STAGES = 4
+# fp8 pages in flight with fp8 P.V (no bf16 ring): two pairs, the next one's loads under this one (the ring's parity
+# is each page's owner, so it must be even). One page at a time, one term of q took 111.0 / 436.1 / 21.0 us at 4
+# pages against 3's 130.8 / 499.1 / 23.2 at 64x128x4096, 128x128x8192, 1x128x32768 (H100, session 39).
+_FP8_PV_STAGES = 4
 
 
 def fp8_qk_reference_q(q, *, split: bool = False):
@@ -1727,10 +1518,9 @@ def _impl(
     q_terms = 2 if fp8_q_split else 1
     if num_stages is None:
         num_stages = 1 if is_fp8 else 2
-    pairs = pv8 and PV8_PAIRS
     if fp8_stages is None:
-        fp8_stages = (_FP8_PAIRS_STAGES if pairs else _FP8_PV_STAGES[q_terms]) if pv8 else 2
-    if pairs and fp8_stages % 2:
+        fp8_stages = _FP8_PV_STAGES if pv8 else 2
+    if pv8 and fp8_stages % 2:
         raise ValueError(f"fp8_stages={fp8_stages}: the fp8 P.V kernel's page pairs need an even fp8 ring")
     if batch_invariant:
         schedule, num_kv_splits = "grid", 1  # a request's pieces must not depend on the batch
@@ -1750,7 +1540,6 @@ def _impl(
         interpret=bool(interpret),
         pv8=pv8,
         q_terms=q_terms,
-        pairs=pairs,
         nq=nq,
         heads=n,
         capacity=max_pages * g,
@@ -1817,8 +1606,7 @@ def _impl(
         kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}"
         + ("_pv8" if pv8 else "")
         + ("_q1" if pv8 and cfg.q_terms == 1 else "")
-        + ("_pairs" if pairs else "")
-        + ("_qkpv" if QK_WITH_PV and not pairs and (pv8 or num_stages > 1) else ""),
+        + ("_qkpv" if QK_WITH_PV and not pv8 and num_stages > 1 else ""),
     )
     out, lse, o_part, lse_part = kernel(*args)
     if schedule == "grid" and splits > 1:

@@ -1447,7 +1447,8 @@ PY
         --no-prefill --no-engine
     run 150 prefill python3 bench/prefill.py --out "$out/prefill" --shapes-only --no-xla --kernels pallas_sm90
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-109) # session 39, for the next (any card, ~2.5 minutes): why a deeper fp8 ring costs the two-term fp8 P.V kernel
+109) # (ran in session 41 on f7a1bb7, an H100, where None meant one term too: 168 registers, 28 / 32 B spilled at 3 / 4
+    # pages, 146-150 / 127 us a call; one fp8 P.V body at 4 pages since) session 39 (any card, ~2.5 minutes): why a deeper fp8 ring costs the two-term fp8 P.V kernel
     # (178 against 165 us at 4 and 3 pages, 64x128x4096) and helps the one-term one (111 against 131): ptxas's
     # registers and spills of each (MOSAIC_GPU_DUMP_PTXAS), then device time of each at 64x128x4096
     out=${2:?}
@@ -1476,7 +1477,7 @@ PY
 110) # session 39, for the next (any card, ~8.5 minutes): WG0 of the 64-row kernel issuing page i's P.V and page i + 1's
     # QK^T back to back, waited for once (QK_WITH_PV) against the default, in one process (bench/decode.py --knob:
     # the sm90 GPU check cases for each value, then both values' grid rows on the same inputs: bf16, exact fp8, the
-    # fp8 P.V with two terms and one), then its fp8 P.V trace (2 pages)
+    # fp8 P.V rows, which do not take it since session 41), then its bf16 trace (L=384: the trace buffer's room)
     out=${2:?}
     run 420 decode-qkpv python3 bench/decode.py --out "$out/decode-qkpv" --quick --no-ragged --device-time \
         --kernels pallas_sm90 --shapes 64x128x4096,128x128x8192 --dtypes bf16,fp8 --only schedule=grid \
@@ -1485,11 +1486,11 @@ PY
     k=pallas_kernels/mla_decode_sm90.py
     ab_copy /tmp/qkpv $k 's/^QK_WITH_PV = False$/QK_WITH_PV = True/' "^QK_WITH_PV = True$"
     mkdir -p "$out/trace"
-    (cd /tmp/qkpv && run 40 trace-qkpv python3 bench/trace_sm90.py --out "$out/trace" --dtype fp8 --fp8-qk --l 512 \
-        --fp8-stages 2)
+    (cd /tmp/qkpv && run 40 trace-qkpv python3 bench/trace_sm90.py --out "$out/trace" --dtype bf16)
     grep -E "per page|wg[01] " "$out/trace-qkpv.log" | head -20
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-111) # session 40 (any card, ~9 minutes): the fp8 P.V kernel's pages in pairs, one a consumer (PV8_PAIRS: each
+111) # (ran in session 41 on f7a1bb7, an H100: the pairs won with one term, 0.94x, and are the only fp8 P.V body
+    # since; PV8_PAIRS is gone) session 40 (any card, ~9 minutes): the fp8 P.V kernel's pages in pairs, one a consumer (PV8_PAIRS: each
     # consumer's own page's QK^T and softmax side by side, both pages' P.V on its half) against the default, in one
     # process: the sm90 GPU check cases under each value, then the 128-head fp8 P.V rows (two terms, one) on the same
     # inputs, then the pairs' trace (2 fp8 pages: the trace buffer's room; a pair holds both)
@@ -1509,5 +1510,5 @@ PY
         --fp8-stages 2)
     grep -E "per page|wg[01] " "$out/trace-pairs.log" | head -20
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 110" >&2; exit 2 ;;
+*)  echo "part must be 1 to 111" >&2; exit 2 ;;
 esac

@@ -21,8 +21,8 @@ def test_knob_parses_a_switch_and_its_values(bench):
     assert module is k90 and name == "QK_WITH_PV" and values == [False, True]
     _, _, pages = bench.parse_knob("mla_decode_sm90._WORKLIST_MIN_PAGES=2,4")
     assert pages == [2, 4]
-    _, _, stages = bench.parse_knob("mla_decode_sm90._FP8_PV_STAGES={1: 4, 2: 3},{1: 4, 2: 4}")
-    assert stages == [{1: 4, 2: 3}, {1: 4, 2: 4}]
+    _, _, regs = bench.parse_knob("mla_decode_sm90._REGS_PV8=(232, 232, 40),(224, 224, 56)")
+    assert regs == [(232, 232, 40), (224, 224, 56)]
 
 
 @pytest.mark.parametrize(

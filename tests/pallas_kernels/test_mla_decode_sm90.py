@@ -448,72 +448,41 @@ def _case_matches(name, **over):
     return case, inputs, lse
 
 
-def test_fp8_pv_two_q_terms_keep_the_residual():
-    """fp8_q_split=True on a 64-row fp8_qk case, interpreted (race detector on): against the float32 reference on
+@pytest.mark.parametrize("name", ["fp8_qk_n40_worklist", "fp8_qk_q2_causal_n64_2splits"])
+def test_fp8_pv_two_q_terms_keep_the_residual(name):
+    """fp8_q_split=True on 64-row fp8_qk cases, interpreted (race detector on): against the float32 reference on
     (q_hi + its residual) * scale, P rounded to e4m3 its only other loss ("fp8_pv"; NaN-poisoned rows past each
-    length, a 1-token request, 2 tiles, the work list); and its lse off the one-term reference's by more than that
-    bound, so the kernel did add the residual's chain. (The shared suite runs fp8_qk cases on one term, the default,
-    but for `fp8_qk_split_n128`.)"""
-    case, inputs, lse = _case_matches("fp8_qk_n40_worklist", fp8_q_split=True)
+    length; the work list with 24 padding rows and a 1-token request; causal rows of two tokens over two splits, a
+    split past a request's length a piece without pages, odd and even page pairs); and its lse off the one-term
+    reference's by more than that bound, so the kernel did add the residual's chain. (The shared suite runs fp8_qk
+    cases on one term, the default, but for `fp8_qk_split_n128`.)"""
+    case, inputs, lse = _case_matches(name, fp8_q_split=True)
     one_ref_lse = np.asarray(jax.jit(lambda *a: decode_reference(*a, case.kernel, case.l))(*inputs)[1])
     live = np.isfinite(one_ref_lse)
-    assert np.abs(np.asarray(lse) - one_ref_lse)[live].max() > DECODE_TOL["fp8_pv"][1]
-
-
-def _switched_on(monkeypatch, name):
-    """The kernel module's switch `name` on, its jitted kernels traced afresh before and after (read at trace
-    time)."""
-    jax.clear_caches()
-    monkeypatch.setattr(k90, name, True)
-    yield
-    jax.clear_caches()
+    assert np.abs(np.asarray(lse)[live] - one_ref_lse[live]).max() > DECODE_TOL["fp8_pv"][1]
 
 
 @pytest.fixture
 def qk_with_pv(monkeypatch):
-    """`QK_WITH_PV`: WG0 of the 64-row kernel issues page i's P.V and page i + 1's QK^T together."""
-    yield from _switched_on(monkeypatch, "QK_WITH_PV")
-
-
-# fp8 P.V cases for a schedule switch: the work list with 24 padding rows and a 1-token request; causal rows of two
-# tokens over two splits (a split past a request's length: a piece without pages; odd and even page counts), with
-# one term of q (the default) and two
-_FP8_PV_SWITCH_CASES = [
-    ("fp8_qk_n40_worklist", {}),
-    ("fp8_qk_q2_causal_n64_2splits", {}),
-    ("fp8_qk_q2_causal_n64_2splits", dict(fp8_q_split=True)),
-]
+    """`QK_WITH_PV`: WG0 of the 64-row kernel issues page i's P.V and page i + 1's QK^T together (read at trace
+    time: the jitted kernels traced afresh before and after)."""
+    jax.clear_caches()
+    monkeypatch.setattr(k90, "QK_WITH_PV", True)
+    yield
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize(
-    "name, over",
-    [
-        *_FP8_PV_SWITCH_CASES,
-        ("q2_causal_n40_straddling_tiles_3splits_page_offset_bf16", {}),
-        ("worklist_rows64_single_tile_n40_bf16", {}),
-    ],
+    "name", ["q2_causal_n40_straddling_tiles_3splits_page_offset_bf16", "worklist_rows64_single_tile_n40_bf16"]
 )
-def test_qk_with_pv_matches_reference(name, over, qk_with_pv):
+def test_qk_with_pv_matches_reference(name, qk_with_pv):
     """The next page's QK^T issued with this page's P.V, interpreted (race detector on: P and the ring's slots
-    across the carried logits), against the reference: `_FP8_PV_SWITCH_CASES`; bf16: causal rows straddling two
-    tiles over three splits; the work list."""
-    _case_matches(name, **over)
+    across the carried logits), against the reference: causal rows straddling two tiles over three splits; the work
+    list."""
+    _case_matches(name)
 
 
-@pytest.fixture
-def pv8_pairs(monkeypatch):
-    """`PV8_PAIRS`: the fp8 P.V kernel's pages in pairs, one a consumer."""
-    yield from _switched_on(monkeypatch, "PV8_PAIRS")
-
-
-@pytest.mark.parametrize("name, over", _FP8_PV_SWITCH_CASES)
-def test_pv8_pairs_matches_reference(name, over, pv8_pairs):
-    """Page pairs, interpreted (race detector on: the exchanged maxima, both P^T buffers, the slots' owners), against
-    the reference: `_FP8_PV_SWITCH_CASES` (the 1-token request's piece: a pair of one page)."""
-    _case_matches(name, **over)
-
-
-def test_pv8_pairs_needs_an_even_ring(pv8_pairs):
+def test_fp8_pv_needs_an_even_ring():
     """An odd fp8 ring would hand a slot's pages to both consumers in turn: refused, naming the argument."""
     case = next(c for c in DECODE_CASES if c.name == "fp8_qk_n40_worklist")
     with pytest.raises(ValueError, match="fp8_stages=3: the fp8 P.V kernel's page pairs need an even fp8 ring"):
@@ -523,16 +492,13 @@ def test_pv8_pairs_needs_an_even_ring(pv8_pairs):
 @pytest.mark.parametrize(
     "cache_dtype, kw",
     [
-        ("fp8", dict(n=64, num_kv_splits=2, fp8_qk=True)),
-        ("fp8", dict(n=128, schedule="worklist", fp8_qk=True, fp8_q_split=True)),
         ("bf16", dict(n=128, num_kv_splits=2)),
         ("bf16", dict(n=64, schedule="worklist")),
     ],
 )
 def test_qk_with_pv_lowers_for_sm90(cache_dtype, kw, qk_with_pv, monkeypatch, h200):
-    """The P.V and the next QK^T in one `pl.run_state` (fp8 P.V: the register-operand wgmma; bf16: both operands in
-    shared memory; the conditional QK^T wgmma on a second accumulator, the logits carried through the page loop)
-    pass Mosaic GPU's lowering."""
+    """The P.V and the next QK^T in one `pl.run_state` (both operands in shared memory; the conditional QK^T wgmma on
+    a second accumulator, the logits carried through the page loop) pass Mosaic GPU's lowering."""
     monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
     text = _lower_for_sm90(cache_dtype, num_sms=132, **kw)
     assert "_qkpv" in text
@@ -548,24 +514,15 @@ def test_qk_with_pv_lowers_for_sm90(cache_dtype, kw, qk_with_pv, monkeypatch, h2
 )
 def test_fp8_pv_lowers_for_sm90(kw, monkeypatch, h200):
     """The fp8 P.V kernel's GPU path (transposed 16-bit loads of the ring's bf16 view, register regrouping, the
-    register-operand fp8 wgmma, O^T's store; one term: its [64, L+R] Q, one QK^T chain, 4 pages), in either schedule,
-    passes Mosaic GPU's lowering, with its quantize kernel (two terms: the residual's chain on WG1, S_lo's store and
-    WG0's load in the wgmma layout, 3 fp8 pages beside its 16 KB buffer, the quantize split)."""
+    register-operand fp8 wgmma, O^T's store; the page pairs: two P^T buffers, 4 fp8 pages, the maxima's rendezvous,
+    the odd pair's conditional), in either schedule, passes Mosaic GPU's lowering, with its quantize kernel (two
+    terms: Q's [64, 2 (L+R)] beside the 4 pages in 227 KB, the quantize split)."""
     monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
     text = _lower_for_sm90("fp8", fp8_qk=True, num_sms=132, **kw)
     one = not kw.get("fp8_q_split")
     assert "_pv8" in text and "quantize_q_fp8_r" in text
     assert ("_split" in text) != one and ("_pv8_q1" in text) == one
-    assert f"fp8stages{4 if one else 3}_pv8" in text
-
-
-@pytest.mark.parametrize("kw", [dict(n=64, num_kv_splits=2, fp8_q_split=True), dict(n=128, schedule="worklist")])
-def test_pv8_pairs_lowers_for_sm90(kw, pv8_pairs, monkeypatch, h200):
-    """The page pairs (two P^T buffers, 4 fp8 pages beside Q's two terms in 227 KB, the maxima's rendezvous, the
-    odd pair's conditional) pass Mosaic GPU's lowering in either schedule."""
-    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
-    text = _lower_for_sm90("fp8", fp8_qk=True, num_sms=132, **kw)
-    assert "_pairs" in text
+    assert "fp8stages4_pv8" in text
 
 
 @pytest.mark.parametrize("pdl", [True, False])
