@@ -457,7 +457,7 @@ class _Piece:
         return jnp.where(page == self.n - 1, self.last_rows, PAGE_SIZE)
 
     def fp8_logits(self, s, page, scales, scale, lens):
-        """The fp8 P.V bodies: page `page`'s QK^T s [64, G] (fp8 rows) -> (its `logits`, the rows' token scales
+        """The fp8 P.V body: page `page`'s QK^T s [64, G] (fp8 rows) -> (its `logits`, the rows' token scales
         [G] as columns, 0 past the page's rows: next to garbage, p * scale must stay 0); `scales` the page's
         slot of the scale ring."""
         ks = plgpu.load(scales, (), layout=COL_LAYOUT)
@@ -774,7 +774,7 @@ def _body(cfg, r, pc):
 
 
 def _vt_half(cfg, r, fslot, h):
-    """The fp8 P.V bodies: this consumer's V^T [L/2, G] from fp8 slot `fslot` (latents [h L/2, (h + 1) L/2)), then
+    """The fp8 P.V body: this consumer's V^T [L/2, G] from fp8 slot `fslot` (latents [h L/2, (h + 1) L/2)), then
     the slot's release as far as this warpgroup's reads go."""
     half = cfg.l // 2
     with jax.named_scope("vt"):
@@ -789,7 +789,7 @@ def _vt_half(cfg, r, fslot, h):
 
 
 def _pv8_producer(cfg, r, pc):
-    """The fp8 P.V bodies' producer: each page and its token scales TMA'd into the `fp8_stages` ring (a partial last
+    """The fp8 P.V body's producer: each page and its token scales TMA'd into the `fp8_stages` ring (a partial last
     page's rows past the length zeroed: V's bytes feed P.V), the next page once both consumers release a slot."""
     plgpu.set_max_registers(_REGS_PV8[2], action="decrease")
     fst = cfg.fp8_stages

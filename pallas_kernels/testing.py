@@ -769,7 +769,7 @@ DECODE_GPU_CASES = [
         cache_dtype="fp8",
     ),
     _dc(
-        "fp8_qk_split_n128",  # two e4m3 terms of q (fp8_q_split=True: the residual's QK^T chain on WG1)
+        "fp8_qk_split_n128",  # two e4m3 terms of q (fp8_q_split=True: both QK^T chains on the page's consumer)
         _SM90,
         "fp8_qk",
         dict(fp8_qk=True, fp8_q_split=True),
