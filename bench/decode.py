@@ -247,17 +247,16 @@ def sm90_splits(b, n, ctx):
     return k90.choose_num_kv_splits_sm90(b, cdiv(n, k90.TILE_M), cdiv(ctx, PAGE), num_sms())
 
 
-def sm90_sweep_variants(dtype, splits):
+def sm90_sweep_variants(dtype, splits, m_rows):
     variants = [{"num_kv_splits": s} for s in (splits * 2, max(1, splits // 2)) if s != splits and s <= 2 * 132]
     if dtype == "bf16":
         variants.append({"num_stages": 1})
     if dtype == "fp8":
         variants.append({"fp8_stages": 1})
-        # fp8 QK^T (q quantized per row): fp8 ring depth vs V ring depth.
-        variants += [
-            {"fp8_qk": True, "fp8_stages": 2},
-            {"fp8_qk": True, "num_stages": 2, "fp8_stages": 1},
-        ]
+        if k90.uses_fp8_pv(m_rows, "float8_e4m3fn"):  # the fp8 P.V kernel's ring: one page pair, not two
+            variants.append({"fp8_qk": True, "fp8_stages": 2})
+        else:  # fp8 QK^T (q quantized per row): fp8 ring depth vs V ring depth
+            variants += [{"fp8_qk": True, "fp8_stages": 2}, {"fp8_qk": True, "num_stages": 2, "fp8_stages": 1}]
     return variants
 
 
@@ -653,7 +652,7 @@ def main():
                 log(f"xla    {dtype} B={b} N={n} ctx={ctx}: {us:.1f} us")
             if args.sweep and run_sm90:
                 srow = {"B": b, "N": n, "ctx": ctx, "dtype": dtype, "kernel": "pallas_sm90"}
-                for v in sm90_sweep_variants(dtype, sm90_splits(b, n, ctx)):
+                for v in sm90_sweep_variants(dtype, sm90_splits(b, n, ctx), n):
                     sweep["rows"].append(
                         variant_row("pallas_sm90", lambda: sm90_fn(**v), v, sets, srow, ceil, args.device_time)
                     )

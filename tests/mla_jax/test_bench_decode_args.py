@@ -99,3 +99,12 @@ def test_fp8_qk_rows_report_both_footings(bench):
     assert bench.fp8_qk_terms(128, {"fp8_qk": True}) == 1
     assert bench.fp8_qk_terms(128, {"fp8_qk": True, "fp8_q_split": True}) == 2
     assert bench.fp8_qk_terms(16, {"fp8_qk": True}) == 1  # the narrow kernel
+
+
+def test_sweep_gives_the_fp8_pv_kernel_even_rings_only(bench):
+    """The sweep's fp8_qk variants at 128 heads (the fp8 P.V kernel: page pairs) hold an even fp8 ring, each one the
+    kernel accepts; at 16 heads (the narrow kernel) the V ring's depth is swept too."""
+    wide = [v for v in bench.sm90_sweep_variants("fp8", 4, 128) if v.get("fp8_qk")]
+    assert wide and all(v["fp8_stages"] % 2 == 0 for v in wide)
+    narrow = [v for v in bench.sm90_sweep_variants("fp8", 4, 16) if v.get("fp8_qk")]
+    assert {"fp8_qk": True, "num_stages": 2, "fp8_stages": 1} in narrow
