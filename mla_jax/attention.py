@@ -73,8 +73,8 @@ def _decode_triton(q, cache, block_table, seq_lens, **kw):
 
 def _fp8_pv(q, cache, kw) -> bool:
     """An fp8 cache's 64-row tiles run the fp8 P.V kernel (`fp8_qk=True` there: q and P rounded to e4m3 as FlashMLA's
-    fp8 kernel rounds them, 1.6% against float32 on that q; 0.35x the exact path's time at 64x128x4096, H100, session
-    39); the narrow kernel's stay exact."""
+    fp8 kernel rounds them, 1.6% against float32 on that q; 0.33x the exact path's time at 64x128x4096, H100, session
+    41); the narrow kernel's stay exact."""
     return md90.uses_fp8_pv(q.shape[1] * q.shape[2], cache.dtype, kw.get("kv_lora_rank", 512))
 
 
