@@ -1510,5 +1510,16 @@ PY
         --fp8-stages 2)
     grep -E "per page|wg[01] " "$out/trace-pairs.log" | head -20
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 111" >&2; exit 2 ;;
+112) # session 41, for the next (any card, ~1.5 minutes): the fp8 P.V kernel's pairs traced at its own 4 fp8 pages (one term
+    # of q: Q 36 KB, 190 KB with the ring, room for the trace buffer; part 111 traced 2, where the ring's depth showed),
+    # then 2 pages beside it for the comparison
+    out=${2:?}
+    mkdir -p "$out/trace"
+    for f in 4 2; do
+        run 60 "trace-pairs-fst$f" python3 bench/trace_sm90.py --out "$out/trace" --dtype fp8 --fp8-qk --l 512 \
+            --fp8-stages $f
+        grep -E "per page|wg[01] " "$out/trace-pairs-fst$f.log" | head -20
+    done
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 112" >&2; exit 2 ;;
 esac
