@@ -149,12 +149,10 @@ def softmax_state(rows: int, cols: int):
     return acc, m_i, l_i
 
 
-def softmax_step(s, m_i, l_i, *, shift=None):
+def softmax_step(s, m_i, l_i):
     """One online-softmax step over a tile of logits s [rows, cols] (log2 units, -inf where masked): (m_new, alpha,
-    p, l_new) with p = exp2(s - m_new) and alpha = exp2(m_i - m_new) the accumulator's rescale. shift [cols]: the max
-    is taken over s + shift (the fp8 P.V's log2 token scales: p * 2^shift <= 1), l still sums p."""
-    top = s if shift is None else s + lax.broadcast_in_dim(shift, s.shape, [1])
-    m_new = jnp.maximum(m_i, top.max(axis=1))
+    p, l_new) with p = exp2(s - m_new) and alpha = exp2(m_i - m_new) the accumulator's rescale."""
+    m_new = jnp.maximum(m_i, s.max(axis=1))
     alpha = jnp.exp2(m_i - m_new)
     p = jnp.exp2(s - rows_bcast(m_new, s.shape))
     return m_new, alpha, p, l_i * alpha + p.sum(axis=1)

@@ -214,7 +214,7 @@ def _smem_plan(cfg: _Cfg):
             plgpu.SMEM((TILE_M, cfg.q_terms * d), FP8, transforms=tiled(FP8, 64)),  # Q: q_hi (then its residual)
             p_t,
             plgpu.SMEM((fst, PAGE_SIZE), f32),  # the token scales (before the rows: its TMA's alignment)
-            plgpu.SMEM((_PV8_ROWS, TILE_M), f32),  # alpha, Q's scales, the pair's row maxima
+            plgpu.SMEM((_PV8_ROWS, TILE_M), f32),  # [0] unused, Q's scales, the pair's row maxima
             p_t,  # WG1's P^T
         ]
         ring16 = [plgpu.SMEM((fst, PAGE_SIZE, d // 2), BF16, transforms=tiled(BF16, 64))]
