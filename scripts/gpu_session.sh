@@ -1521,5 +1521,20 @@ PY
         grep -E "per page|wg[01] " "$out/trace-pairs-fst$f.log" | head -20
     done
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 112" >&2; exit 2 ;;
+113) # session 42, for the next (any card, ~7.5 minutes): the bf16 body's WG0 with fewer output columns (WG0_COLS: 128
+    # or 192 of 512, WG1 the rest in two wgmmas; registers moved to WG1) against L / 2 each, in one process: the sm90
+    # GPU check cases under each value, then the 128-head bf16 grid rows on the same inputs; then the trace of 128
+    # (L=384: WG0 128 columns, WG1 256) beside the default's
+    out=${2:?}
+    run 420 decode-wg0c python3 bench/decode.py --out "$out/decode-wg0c" --quick --no-ragged --device-time \
+        --kernels pallas_sm90 --shapes 64x128x4096,128x128x8192 --dtypes bf16 --only schedule=grid \
+        --knob mla_decode_sm90.WG0_COLS=0,128,192
+    grep -E "^correctness|FAIL|knob" "$out/decode-wg0c.log" | cut -c1-200 | head -30
+    k=pallas_kernels/mla_decode_sm90.py
+    ab_copy /tmp/wg0c $k 's/^WG0_COLS = 0$/WG0_COLS = 128/' "^WG0_COLS = 128$"
+    run 40 trace-base python3 bench/trace_sm90.py --out "$out/trace-base" --dtype bf16
+    (cd /tmp/wg0c && run 40 trace-wg0c python3 bench/trace_sm90.py --out "$out/trace-wg0c" --dtype bf16)
+    grep -E "per page|wg[01] " "$out/trace-base.log" "$out/trace-wg0c.log" | head -24
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 113" >&2; exit 2 ;;
 esac

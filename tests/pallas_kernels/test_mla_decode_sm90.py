@@ -482,11 +482,61 @@ def test_qk_with_pv_matches_reference(name, qk_with_pv):
     _case_matches(name)
 
 
+@pytest.fixture(params=[128, 192])
+def wg0_cols(request, monkeypatch):
+    """`WG0_COLS`: the bf16 body's WG0 with fewer output columns than L / 2, WG1 the rest in pieces of <= 256 (read
+    at trace time: the jitted kernels traced afresh before and after)."""
+    jax.clear_caches()
+    monkeypatch.setattr(k90, "WG0_COLS", request.param)
+    yield request.param
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+    "name", ["q2_causal_n40_straddling_tiles_3splits_page_offset_bf16", "worklist_fp8_q2_causal_n64"]
+)
+def test_wg0_cols_matches_reference(name, wg0_cols):
+    """WG0 with 128 or 192 output columns, WG1 with 384 (two wgmmas into two accumulators) or 320, interpreted (race
+    detector on), against the reference: causal rows straddling two tiles over three splits (final outputs and
+    partials, NaN-poisoned rows past each length); the exact fp8 path on the work list (WG1 casts its 384 / 320
+    columns of V, the producer the rest)."""
+    _case_matches(name)
+
+
+def test_wg0_cols_out_of_range():
+    """A WG0_COLS that leaves WG1 no columns, or is not whole 64-column chunks, is refused with its value."""
+    case = next(c for c in DECODE_CASES if c.name == "n80_two_tiles_tail16_1split_bf16")
+    for bad in (96, 512):
+        jax.clear_caches()
+        try:
+            k90.WG0_COLS = bad
+            with pytest.raises(ValueError, match=f"WG0_COLS={bad}: needs a multiple of 64"):
+                run_decode(*case.make(), **case.kernel)
+        finally:
+            k90.WG0_COLS = 0
+            jax.clear_caches()
+
+
 def test_fp8_pv_needs_an_even_ring():
     """An odd fp8 ring would hand a slot's pages to both consumers in turn: refused, naming the argument."""
     case = next(c for c in DECODE_CASES if c.name == "fp8_qk_n40_worklist")
     with pytest.raises(ValueError, match="fp8_stages=3: the fp8 P.V kernel's page pairs need an even fp8 ring"):
         run_decode(*case.make(), **dict(case.kernel, fp8_stages=3))
+
+
+@pytest.mark.parametrize(
+    "cache_dtype, kw",
+    [
+        ("bf16", dict(n=128, num_kv_splits=2)),
+        ("fp8", dict(n=64, schedule="worklist")),
+    ],
+)
+def test_wg0_cols_lowers_for_sm90(cache_dtype, kw, wg0_cols, monkeypatch, h200):
+    """WG1's two accumulators waited for once (`mgpu.wgmma_accumulate_all`), the staging buffers a piece and the
+    registers moved to WG1 pass Mosaic GPU's lowering, bf16 and exact fp8."""
+    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
+    text = _lower_for_sm90(cache_dtype, num_sms=132, **kw)
+    assert f"_wg0c{wg0_cols}" in text
 
 
 @pytest.mark.parametrize(
