@@ -614,7 +614,8 @@ def _body(cfg, r, pc):
                 return _logits_waited(lambda s_ref: issue(s_ref, i))
 
         def softmax_and_p(i, s, m_i, l_i):
-            """Page i's logits s -> P (and alpha) in shared memory for WG1; (alpha, m, l) after it."""
+            """Page i's logits s -> P (and alpha) in shared memory for WG1; (alpha, m, l) after it and WG0's P.V
+            operand (P's registers with `WG0_P_REGS` on a GPU, else the shared-memory copy)."""
             slot_i = slot_of(i, stages)
             with jax.named_scope("softmax"):
                 if is_fp8:  # logits of the fp8 rows times their per-token scale
@@ -631,11 +632,12 @@ def _body(cfg, r, pc):
 
             with jax.named_scope("store_p"):
                 # V = fp8 row * scale: fold the per-token scale into p.
-                p_smem[...] = (p * ks if is_fp8 else p).astype(BF16)
+                pb = (p * ks if is_fp8 else p).astype(BF16)
+                p_smem[...] = pb
                 loop_rows[_ROW_ALPHA] = alpha
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready)
-            return alpha, m_new, l_i
+            return alpha, m_new, l_i, pb if WG0_P_REGS and not cfg.interpret else p_smem
 
         def v_wg0(i):
             return ring.at[slot_of(i, stages), :, pl.ds(0, l0)]
@@ -643,21 +645,21 @@ def _body(cfg, r, pc):
         acc_0, m_0, l_0 = softmax_state(TILE_M, l0)
         if QK_WITH_PV and stages > 1:  # (one ring slot: page i + 1 lands only after page i's release)
 
-            def pv_and_next_qk(i, acc):
+            def pv_and_next_qk(i, acc, p_a):
                 """Page i's P.V into acc and page i + 1's QK^T, issued back to back and waited for once."""
                 if cfg.interpret:
-                    return wgmma_accumulate(acc, p_smem, v_wg0(i), interpret=True), logits_of(issue_next_qk, i)
+                    return wgmma_accumulate(acc, p_a, v_wg0(i), interpret=True), logits_of(issue_next_qk, i)
                 with jax.named_scope("pv_qk"):
                     return _pv_with_next_logits(
                         acc,
-                        lambda acc_ref: plgpu.wgmma(acc_ref, p_smem, v_wg0(i)),
+                        lambda acc_ref: plgpu.wgmma(acc_ref, p_a, v_wg0(i)),
                         lambda s_ref: issue_next_qk(s_ref, i),
                     )
 
             def step(i, carry):
                 acc, s, m_i, l_i = carry
-                alpha, m_new, l_new = softmax_and_p(i, s, m_i, l_i)
-                acc, s_next = pv_and_next_qk(i, acc * rows_bcast(alpha, acc.shape))
+                alpha, m_new, l_new, p_a = softmax_and_p(i, s, m_i, l_i)
+                acc, s_next = pv_and_next_qk(i, acc * rows_bcast(alpha, acc.shape), p_a)
                 plgpu.barrier_arrive(kv_consumed.at[slot_of(i, stages)])
                 return acc, s_next, m_new, l_new
 
@@ -668,10 +670,10 @@ def _body(cfg, r, pc):
             def step(i, carry):
                 acc, m_i, l_i = carry
                 wait_kv(i)
-                alpha, m_new, l_new = softmax_and_p(i, logits_of(issue_qk, i), m_i, l_i)
+                alpha, m_new, l_new, p_a = softmax_and_p(i, logits_of(issue_qk, i), m_i, l_i)
                 with jax.named_scope("pv"):
                     acc = acc * rows_bcast(alpha, acc.shape)
-                    acc = wgmma_accumulate(acc, p_smem, v_wg0(i), interpret=cfg.interpret)
+                    acc = wgmma_accumulate(acc, p_a, v_wg0(i), interpret=cfg.interpret)
                 plgpu.barrier_arrive(kv_consumed.at[slot_of(i, stages)])
                 return acc, m_new, l_new
 
@@ -997,6 +999,11 @@ QK_WITH_PV = False
 # bounds the page: WG1 waited for P 70% of its time in the H200 traces), the rest on WG1; 0: L / 2 each. Fewer on
 # WG0 shorten the chain by P.V's columns at the same tensor work. Built, off until measured (gpu_session part 113).
 WG0_COLS = 0
+
+# WG0's own P.V of the bf16 body with P from its registers (the register-operand wgmma, as the prefill's) instead of
+# the shared-memory copy it stores for WG1: the product's A operand no longer read from shared memory. The
+# interpreter has no register-operand wgmma: there P stays in shared memory. Built, off until measured (part 114).
+WG0_P_REGS = False
 
 # (WG0, WG1, producer) registers a thread of the fp8 P.V kernel: each consumer holds an O^T [L/2, 64] f32 half; the
 # producer only issues TMAs (and zeroes a partial page). Three consumers (WG0 QK^T and the softmax only) lost: 121.8
@@ -1640,7 +1647,8 @@ def _impl(
         + ("_pv8" if pv8 else "")
         + ("_q1" if pv8 and cfg.q_terms == 1 else "")
         + ("_qkpv" if QK_WITH_PV and not pv8 and num_stages > 1 else "")
-        + (f"_wg0c{cfg.l0}" if cfg.l0 else ""),
+        + (f"_wg0c{cfg.l0}" if cfg.l0 else "")
+        + ("_pregs" if WG0_P_REGS and not pv8 else ""),
     )
     out, lse, o_part, lse_part = kernel(*args)
     if schedule == "grid" and splits > 1:

@@ -1536,5 +1536,14 @@ PY
     (cd /tmp/wg0c && run 40 trace-wg0c python3 bench/trace_sm90.py --out "$out/trace-wg0c" --dtype bf16)
     grep -E "per page|wg[01] " "$out/trace-base.log" "$out/trace-wg0c.log" | head -24
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 113" >&2; exit 2 ;;
+114) # session 42, for the next (any card, ~5 minutes): WG0's own P.V with P from its registers (WG0_P_REGS) against
+    # the shared-memory copy, in one process: the sm90 GPU check cases under each value, then the 128-head bf16 grid
+    # rows on the same inputs
+    out=${2:?}
+    run 300 decode-pregs python3 bench/decode.py --out "$out/decode-pregs" --quick --no-ragged --device-time \
+        --kernels pallas_sm90 --shapes 64x128x4096,128x128x8192 --dtypes bf16 --only schedule=grid \
+        --knob mla_decode_sm90.WG0_P_REGS=False,True
+    grep -E "^correctness|FAIL|knob" "$out/decode-pregs.log" | cut -c1-200 | head -30
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 114" >&2; exit 2 ;;
 esac

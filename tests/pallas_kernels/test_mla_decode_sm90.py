@@ -539,6 +539,21 @@ def test_wg0_cols_lowers_for_sm90(cache_dtype, kw, wg0_cols, monkeypatch, h200):
     assert f"_wg0c{wg0_cols}" in text
 
 
+@pytest.mark.parametrize("cache_dtype, qk_pv", [("bf16", False), ("bf16", True), ("fp8", False)])
+def test_wg0_p_regs_lowers_for_sm90(cache_dtype, qk_pv, monkeypatch, h200):
+    """`WG0_P_REGS`: WG0's P.V with P from its registers (bf16; exact fp8: P times the token scales), alone and
+    issued with the next QK^T (`QK_WITH_PV`, bf16: exact fp8 has one bf16 stage at L = 512), passes Mosaic GPU's
+    lowering. (The interpreter keeps P in shared memory: it has no register-operand wgmma.)"""
+    jax.clear_caches()
+    monkeypatch.setattr(k90, "WG0_P_REGS", True)
+    monkeypatch.setattr(k90, "QK_WITH_PV", qk_pv)
+    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
+    kw = dict(n=128, num_kv_splits=2) if cache_dtype == "bf16" else dict(n=64, num_kv_splits=2)
+    text = _lower_for_sm90(cache_dtype, num_sms=132, **kw)
+    assert "_pregs" in text and ("_qkpv" in text) == qk_pv
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize(
     "cache_dtype, kw",
     [
