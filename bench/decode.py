@@ -411,7 +411,7 @@ def parse_knob(spec: str):
     target, sep, values = spec.partition("=")
     mod_name, dot, name = target.rpartition(".")
     if not (sep and dot and values):
-        raise ValueError(f"--knob {spec!r}: expected MODULE.NAME=V1,V2 (e.g. mla_decode_sm90.QK_WITH_PV=False,True)")
+        raise ValueError(f"--knob {spec!r}: expected MODULE.NAME=V1,V2 (e.g. mla_decode_sm90_narrow.PDL=False,True)")
     try:
         module = importlib.import_module(f"pallas_kernels.{mod_name}")
     except ImportError as e:
@@ -559,7 +559,7 @@ def main():
         "--knob",
         default="",
         help="an A/B in one process: MODULE.NAME=V1,V2 (a pallas_kernels module's switch, e.g. "
-        "mla_decode_sm90.QK_WITH_PV=False,True): each shape's rows (and the sm90 check) for every value, on the "
+        "mla_decode_sm90_narrow.PDL=False,True): each shape's rows (and the sm90 check) for every value, on the "
         "same inputs, rows tagged `knob`",
     )
     ap.add_argument("--only", default="", help="time only the rows whose fields include these, e.g. fp8_qk=True")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -28,10 +27,9 @@ def tiled(dtype, minor_bytes=128):
 
 
 def smem_bytes(refs) -> int:
-    """Bytes of shared memory the `plgpu.SMEM` refs (nested lists of them too) take, each starting at a 1 KB
-    boundary."""
+    """Bytes of shared memory the `plgpu.SMEM` refs take, each starting at a 1 KB boundary."""
     total = 0
-    for ref in jax.tree.leaves(refs, is_leaf=lambda x: hasattr(x, "shape")):
+    for ref in refs:
         total = cdiv(total, 1024) * 1024 + math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
     return total
 
@@ -70,19 +68,6 @@ def wgmma_accumulate(acc, a, b, *, interpret: bool):
         plgpu.wgmma(acc_ref, a, b)
 
     return pl.run_state(mm)(plgpu.ACC.init(acc))
-
-
-def wgmma_accumulate_all(accs, a, bs, *, interpret: bool):
-    """[accs[j] + a @ bs[j]]: one wgmma a product (N <= 256 each), issued back to back and waited for once (in the
-    interpreter one at a time, as `wgmma_accumulate`)."""
-    if interpret or len(accs) == 1:
-        return [wgmma_accumulate(acc, a, b, interpret=interpret) for acc, b in zip(accs, bs, strict=True)]
-
-    def mm(acc_refs):
-        for acc_ref, b in zip(acc_refs, bs, strict=True):
-            plgpu.wgmma(acc_ref, a, b)
-
-    return list(pl.run_state(mm)(tuple(plgpu.ACC.init(acc) for acc in accs)))
 
 
 def copy_zeroing_rows(src, dst, ready, raw_bar, *, partial, lo, hi):

@@ -33,7 +33,7 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   per-token scale (the Triton kernel's fp8_mode="scale_logits"), so the wgmmas are the bf16 code.
 - Warpgroup 0 ("softmax"): S = Q K^T as one wgmma over K = L+R (9 x 64 for 576), online softmax in
   registers (f32, exp2), P (bf16) and the per-row rescale alpha to shared memory, then P V for
-  output columns [0, L/2).
+  output columns [0, L/2) with P from its registers.
 - Warpgroup 1: waits for P, rescales its accumulator by alpha, P V for columns [L/2, L). Each
   consumer keeps a [64, L/2] f32 accumulator (128 registers/thread at L=512), as in FlashMLA.
 - Epilogue: normalized output and LSE (natural log) go out by TMA through staging buffers that
@@ -113,7 +113,6 @@ from pallas_kernels.mgpu import (
     vt_accumulate,
     vt_fp8_operand,
     wgmma_accumulate,
-    wgmma_accumulate_all,
     write_out,
 )
 from pallas_kernels.mla_decode import check_page_offset, merge_segments, merge_splits, mla_decode_reference
@@ -192,14 +191,6 @@ class _Cfg:
     splits: int = 1  # grid schedule: pieces per head tile, piece = (b * splits + s) * head_tiles + h
     pps: int = 1  # grid schedule: pages per split
     worklist: bool = False  # pieces from a metadata array (`worklist_pieces`) instead
-    l0: int = 0  # the bf16 body's output columns [0, l0) on WG0 (its P.V), [l0, L) on WG1; 0: L / 2
-
-    def pieces(self, w):
-        """Consumer w's output columns as (first, width) pieces of <= 256 (one wgmma's N each): WG0 [0, l0), WG1
-        [l0, L)."""
-        l0 = self.l0 or self.l // 2
-        lo, hi = (0, l0) if w == 0 else (l0, self.l)
-        return [(c, min(256, hi - c)) for c in range(lo, hi, 256)]
 
 
 def _smem_plan(cfg: _Cfg):
@@ -210,11 +201,9 @@ def _smem_plan(cfg: _Cfg):
     1x128x32768 f32 ones were 16.8 MB written at the kernel's end and read by the merge, as many bytes as the fp8
     cache; bf16 adds the rounding the output has anyway, and lse stays f32)."""
     f32 = jnp.float32
+    half = cfg.l // 2
     dt = cfg.final_dtype
-    # Output staging, a buffer per consumer's piece of columns (WG0's, then WG1's), and the epilogue's row vectors:
-    # [0] 1/l (WG0 -> WG1), [1] lse.
-    stage_o = [plgpu.SMEM((TILE_M, w), dt, transforms=tiled(dt)) for wg in (0, 1) for _, w in cfg.pieces(wg)]
-    stage = [stage_o, plgpu.SMEM((2, TILE_M), f32)]
+    stage = [plgpu.SMEM((2, TILE_M, half), dt, transforms=tiled(dt)), plgpu.SMEM((2, TILE_M), f32)]
     if cfg.pv8:
         # The fp8 ring first, so that the third group's bf16 view of it (`mgpu.vt_fp8_operand`) starts where it does.
         fst, d = cfg.fp8_stages, cfg.d
@@ -241,6 +230,8 @@ def _smem_plan(cfg: _Cfg):
     if cfg.fp8_stages:
         group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE, cfg.d), FP8, transforms=tiled(FP8, 64)))
         group_a.append(plgpu.SMEM((cfg.fp8_stages, PAGE_SIZE), f32))
+    # [2, 64, L/2] output staging (one half per consumer WG) and the epilogue's row vectors: [0] 1/l (WG0 -> WG1),
+    # [1] lse.
     groups = [group_a, stage]
     return groups, max(map(smem_bytes, groups))
 
@@ -391,15 +382,11 @@ class _Piece:
             if cfg.head_tiles > 1:
                 pl.when(jnp.logical_not(last))(lambda: fn(TILE_M))
 
-    def out_dsts(self, piece):
-        """(staging refs, output refs(rows), lse refs(rows)) of the final and of the partial outputs of output piece
-        `piece` (an index into WG0's then WG1's `_Cfg.pieces`)."""
+    def out_dsts(self, cols):
+        """(staging refs, output refs(rows), lse refs(rows)) of the final and of the partial outputs."""
         r, b, h = self.r, self.b, self.h
         rpt = _rows_per_tile(self.cfg)
-        stage_os, stage_rows = r["stage"]
-        stage_o = stage_os[piece]
-        c0, width = (self.cfg.pieces(0) + self.cfg.pieces(1))[piece]
-        cols = pl.ds(c0, width)
+        stage_o, stage_rows = r["stage"]
         row0 = self.slot * rpt
         return (
             (
@@ -483,9 +470,9 @@ class _Piece:
         write_out(acc, inv, stage, dst, self.by_rows, transposed=cfg.pv8, interpret=cfg.interpret)
 
     def epilogue_wg0(self, acc, m_i, l_i):
-        """Normalize WG0's columns and write them with the lse (after both consumers are done with the loop's buffers,
-        which the staging aliases); publish 1/l for WG1's."""
-        r = self.r
+        """Normalize WG0's half and write it with the lse (after both consumers are done with the loop's buffers,
+        which the staging aliases); publish 1/l for WG1's half."""
+        r, half = self.r, self.cfg.l // 2
 
         def epilogue(stage, rows, o_dst, lse_dst, write_o):
             has = l_i > 0
@@ -497,7 +484,7 @@ class _Piece:
             if self.cfg.pv8:  # O^T: 1/l a column, read back in that layout
                 plgpu.commit_smem()
                 inv = plgpu.load(rows.at[0], (), layout=COL_LAYOUT)
-            pl.when(write_o)(lambda: self.write_out(acc, inv, stage, o_dst))
+            pl.when(write_o)(lambda: self.write_out(acc, inv, stage.at[0], o_dst))
             plgpu.commit_smem()
             plgpu.barrier_arrive(r["fin_bar"])  # 1/l published for WG1
             self.by_rows(lambda k: plgpu.copy_smem_to_gmem(rows.at[1, pl.ds(0, k)], lse_dst(k)))
@@ -507,32 +494,31 @@ class _Piece:
         def _():
             plgpu.barrier_arrive(r["epi_bar"])
             plgpu.barrier_wait(r["epi_bar"])  # both consumers are done with Q, the ring and P
-            fin, part = self.out_dsts(0)
+            fin, part = self.out_dsts(pl.ds(0, half))
             pl.when(self.final)(lambda: epilogue(*fin, True))
             pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))  # empty split: lse = -inf only
 
-    def epilogue_wg1(self, accs):
-        """Normalize and write WG1's columns (its pieces' accumulators `accs`) with WG0's 1/l."""
-        r = self.r
+    def epilogue_wg1(self, acc):
+        """Normalize and write the output's second half (columns [L/2, L)) with WG0's 1/l."""
+        r, half = self.r, self.cfg.l // 2
 
-        def epilogue(acc, stage, rows, o_dst, lse_dst, write_o):
+        def epilogue(stage, rows, o_dst, lse_dst, write_o):
             del lse_dst
 
             @pl.when(write_o)
             def _():
                 inv = plgpu.load(rows.at[0], layout=COL_LAYOUT if self.cfg.pv8 else ROW_LAYOUT)
-                self.write_out(acc, inv, stage, o_dst)
+                self.write_out(acc, inv, stage.at[1], o_dst)
+                plgpu.wait_smem_to_gmem(0)
 
         @pl.when(self.has_out)
         def _():
             plgpu.barrier_arrive(r["epi_bar"])
             plgpu.barrier_wait(r["epi_bar"])
             plgpu.barrier_wait(r["fin_bar"])  # WG0 has written 1/l
-            for j, acc in enumerate(accs):
-                fin, part = self.out_dsts(1 + j)
-                pl.when(self.final)(functools.partial(epilogue, acc, *fin, True))
-                pl.when(self.partial)(functools.partial(epilogue, acc, *part, self.n > 0))
-            plgpu.wait_smem_to_gmem(0)
+            fin, part = self.out_dsts(pl.ds(half, half))
+            pl.when(self.final)(lambda: epilogue(*fin, True))
+            pl.when(self.partial)(lambda: epilogue(*part, self.n > 0))
 
 
 def _logits_waited(issue):
@@ -545,27 +531,12 @@ def _logits_waited(issue):
     return pl.run_scoped(chain, plgpu.ACC((TILE_M, PAGE_SIZE), jnp.float32))
 
 
-def _pv_with_next_logits(acc, issue_pv, issue_next):
-    """(acc after `issue_pv(acc_ref)`'s wgmma, [64, G] f32 logits of `issue_next(s_ref)` into zeros): both issued
-    back to back and waited for once (`QK_WITH_PV`; not in the interpreter, which has no `pl.run_state` over a wgmma
-    accumulator)."""
-
-    def both(refs):
-        acc_ref, s_ref = refs
-        issue_pv(acc_ref)
-        issue_next(s_ref)
-
-    s_0 = plgpu.layout_cast(jnp.zeros((TILE_M, PAGE_SIZE), jnp.float32), plgpu.Layout.WGMMA)
-    return pl.run_state(both)((plgpu.ACC.init(acc), plgpu.ACC.init(s_0)))
-
-
 def _body(cfg, r, pc):
-    """One page at a time: WG0 runs QK^T, the softmax and P.V for output columns [0, l0); WG1 waits for
-    P and runs P.V for [l0, L) (`_Cfg.pieces`); the producer keeps the next page in flight."""
+    """One page at a time: WG0 runs QK^T, the softmax and P.V for columns [0, L/2); WG1 waits for
+    P and runs P.V for [L/2, L); the producer keeps the next page in flight."""
     wg = lax.axis_index("wg")
     g = PAGE_SIZE
-    (_, l0), wg1_pieces = cfg.pieces(0)[0], cfg.pieces(1)
-    regs = _regs(cfg)
+    half = cfg.l // 2
     stages = cfg.stages
     is_fp8 = cfg.fp8_stages > 0
     n, first, last_rows = pc.n, pc.first, pc.last_rows
@@ -586,7 +557,7 @@ def _body(cfg, r, pc):
 
     @pl.when(wg == 0)
     def _softmax_wg():
-        plgpu.set_max_registers(regs[0], action="increase")
+        plgpu.set_max_registers(_regs(is_fp8)[0], action="increase")
 
         pc.load_q()
         logit_scale = pc.logit_scale()
@@ -600,22 +571,15 @@ def _body(cfg, r, pc):
         def issue_qk(s_ref, i):
             plgpu.wgmma(s_ref, r["q_smem"], ring.at[slot_of(i, stages)].T)
 
-        def issue_next_qk(s_ref, i):
-            """Page i + 1's QK^T into `s_ref` where the piece has that page (else s_ref keeps its zeros)."""
-
-            @pl.when(i + 1 < n)
-            def _():
-                wait_kv(i + 1)
-                issue_qk(s_ref, i + 1)
-
         def logits_of(issue, i):
             """[64, G] f32: `issue(s_ref, i)`'s logits, waited for."""
             with jax.named_scope("qk"):
                 return _logits_waited(lambda s_ref: issue(s_ref, i))
 
         def softmax_and_p(i, s, m_i, l_i):
-            """Page i's logits s -> P (and alpha) in shared memory for WG1; (alpha, m, l) after it and WG0's P.V
-            operand (P's registers with `WG0_P_REGS` on a GPU, else the shared-memory copy)."""
+            """Page i's logits s -> P (and alpha) in shared memory for WG1; (alpha, m, l) after it and WG0's own P.V
+            operand: P's registers (the register-operand wgmma: 1.2-2.0% off the 128-head rows against the
+            shared-memory copy, H100, session 42), the copy in the interpreter, which has no register operand."""
             slot_i = slot_of(i, stages)
             with jax.named_scope("softmax"):
                 if is_fp8:  # logits of the fp8 rows times their per-token scale
@@ -637,63 +601,39 @@ def _body(cfg, r, pc):
                 loop_rows[_ROW_ALPHA] = alpha
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready)
-            return alpha, m_new, l_i, pb if WG0_P_REGS and not cfg.interpret else p_smem
+            return alpha, m_new, l_i, p_smem if cfg.interpret else pb
 
-        def v_wg0(i):
-            return ring.at[slot_of(i, stages), :, pl.ds(0, l0)]
+        def v_half(i):
+            return ring.at[slot_of(i, stages), :, pl.ds(0, half)]
 
-        acc_0, m_0, l_0 = softmax_state(TILE_M, l0)
-        if QK_WITH_PV and stages > 1:  # (one ring slot: page i + 1 lands only after page i's release)
+        def step(i, carry):
+            acc, m_i, l_i = carry
+            wait_kv(i)
+            alpha, m_new, l_new, p_a = softmax_and_p(i, logits_of(issue_qk, i), m_i, l_i)
+            with jax.named_scope("pv"):
+                acc = acc * rows_bcast(alpha, acc.shape)
+                acc = wgmma_accumulate(acc, p_a, v_half(i), interpret=cfg.interpret)
+            plgpu.barrier_arrive(kv_consumed.at[slot_of(i, stages)])
+            return acc, m_new, l_new
 
-            def pv_and_next_qk(i, acc, p_a):
-                """Page i's P.V into acc and page i + 1's QK^T, issued back to back and waited for once."""
-                if cfg.interpret:
-                    return wgmma_accumulate(acc, p_a, v_wg0(i), interpret=True), logits_of(issue_next_qk, i)
-                with jax.named_scope("pv_qk"):
-                    return _pv_with_next_logits(
-                        acc,
-                        lambda acc_ref: plgpu.wgmma(acc_ref, p_a, v_wg0(i)),
-                        lambda s_ref: issue_next_qk(s_ref, i),
-                    )
-
-            def step(i, carry):
-                acc, s, m_i, l_i = carry
-                alpha, m_new, l_new, p_a = softmax_and_p(i, s, m_i, l_i)
-                acc, s_next = pv_and_next_qk(i, acc * rows_bcast(alpha, acc.shape), p_a)
-                plgpu.barrier_arrive(kv_consumed.at[slot_of(i, stages)])
-                return acc, s_next, m_new, l_new
-
-            s_first = logits_of(issue_next_qk, jnp.int32(-1))  # page 0's (zeros for a piece without pages)
-            acc, _, m_i, l_i = lax.fori_loop(0, n, step, (acc_0, s_first, m_0, l_0))
-        else:
-
-            def step(i, carry):
-                acc, m_i, l_i = carry
-                wait_kv(i)
-                alpha, m_new, l_new, p_a = softmax_and_p(i, logits_of(issue_qk, i), m_i, l_i)
-                with jax.named_scope("pv"):
-                    acc = acc * rows_bcast(alpha, acc.shape)
-                    acc = wgmma_accumulate(acc, p_a, v_wg0(i), interpret=cfg.interpret)
-                plgpu.barrier_arrive(kv_consumed.at[slot_of(i, stages)])
-                return acc, m_new, l_new
-
-            acc, m_i, l_i = lax.fori_loop(0, n, step, (acc_0, m_0, l_0))
+        acc, m_i, l_i = lax.fori_loop(0, n, step, softmax_state(TILE_M, cfg.l // 2))
         pl.when(n > 0)(lambda: plgpu.barrier_wait(p_consumed))  # its last phase too
         pc.epilogue_wg0(acc, m_i, l_i)
 
     @pl.when(wg == 1)
     def _pv_wg():
-        plgpu.set_max_registers(regs[1], action="increase")
+        plgpu.set_max_registers(_regs(is_fp8)[0], action="increase")
 
-        def step(i, accs):
+        def step(i, acc):
             slot_i = slot_of(i, stages)
             if is_fp8:
-                # WG1 casts its own V columns [l0, L), the producer the rest: the cast, not the wgmmas, bounds the
-                # fp8 page time, and only WG1's P.V reads these (WG0's QK^T waits for both casts).
+                # WG1 casts its own V half (columns [L/2, L)), the producer the rest: the cast, not the
+                # wgmmas, bounds the fp8 page time, and only WG1's P.V reads this half (WG0's QK^T waits for
+                # both casts).
                 fslot = slot_of(i, fst)
                 with jax.named_scope("wait_fp8"):
                     plgpu.barrier_wait(r["fp8_ready"].at[fslot])
-                cast_fp8(fslot, slot_i, pc.page_rows(i), range(l0 // 64, cfg.l // 64))
+                cast_fp8(fslot, slot_i, pc.page_rows(i), range(half // 64, cfg.l // 64))
                 plgpu.barrier_arrive(kv_ready.at[slot_i])
                 plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
                 with jax.named_scope("wait_p"):
@@ -704,19 +644,18 @@ def _body(cfg, r, pc):
                     plgpu.barrier_wait(p_ready)
             with jax.named_scope("pv"):
                 alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], layout=ROW_LAYOUT)
-                accs = [acc * rows_bcast(alpha, acc.shape) for acc in accs]
-                v = [ring.at[slot_i, :, pl.ds(c0, w)] for c0, w in wg1_pieces]
-                accs = wgmma_accumulate_all(accs, p_smem, v, interpret=cfg.interpret)
+                acc = acc * rows_bcast(alpha, acc.shape)
+                acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(half, half)], interpret=cfg.interpret)
             plgpu.barrier_arrive(p_consumed)
             plgpu.barrier_arrive(kv_consumed.at[slot_i])
-            return accs
+            return acc
 
-        accs = lax.fori_loop(0, n, step, [softmax_state(TILE_M, w)[0] for _, w in wg1_pieces])
-        pc.epilogue_wg1(accs)
+        acc = lax.fori_loop(0, n, step, softmax_state(TILE_M, cfg.l // 2)[0])
+        pc.epilogue_wg1(acc)
 
     @pl.when(wg == 2)
     def _producer_wg():
-        plgpu.set_max_registers(regs[2], action="decrease")
+        plgpu.set_max_registers(_regs(is_fp8)[1], action="decrease")
 
         def page_id(i):
             return r["bt_gmem"][pc.b, first + i] + r["off_gmem"][0]
@@ -774,8 +713,8 @@ def _body(cfg, r, pc):
                 scale = plgpu.load(scale_ring.at[fslot], layout=ROW_LAYOUT)  # [G] f32
                 tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=ROW_LAYOUT)
                 loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
-                # K's columns but V's [l0, L) (WG1 casts them).
-                mine = [c for c in range(cfg.d // 64) if not l0 <= 64 * c < cfg.l]
+                # K's columns but V's second half (WG1 casts it).
+                mine = [c for c in range(cfg.d // 64) if not half <= 64 * c < cfg.l]
                 cast_fp8(fslot, slot_i, valid_rows, mine)
                 plgpu.barrier_arrive(kv_ready.at[slot_i])
                 # WG1's cast must be done with the fp8 slot too (waited on every page: each waiter observes every
@@ -975,7 +914,7 @@ def _body_pv8(cfg, r, pc):
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(r["l_ready"])
 
-            pc.epilogue_wg1((acc,))
+            pc.epilogue_wg1(acc)
         else:
 
             def add_wg1s():
@@ -989,35 +928,10 @@ def _body_pv8(cfg, r, pc):
     pl.when(wg == 2)(functools.partial(_pv8_producer, cfg, r, pc))
 
 
-# WG0 of the 64-row kernel's bf16 body (bf16, or exact fp8 with 2+ bf16 stages) issues page i's P.V and page i + 1's
-# QK^T back to back and waits for both at once (True), where each waits for its own (False): one wgmma round trip
-# fewer a page (the fp8 P.V's trace of session 39: P.V 0.67 us, QK^T 0.84, for ~0.14 and ~0.31 of tensor work), the
-# next page's logits carried through the loop. Built, off until measured (gpu_session part 110).
-QK_WITH_PV = False
-
-# Output columns [0, WG0_COLS) of the bf16 body on WG0 (the softmax warpgroup, whose chain QK^T + softmax + its P.V
-# bounds the page: WG1 waited for P 70% of its time in the H200 traces), the rest on WG1; 0: L / 2 each. Fewer on
-# WG0 shorten the chain by P.V's columns at the same tensor work. Built, off until measured (gpu_session part 113).
-WG0_COLS = 0
-
-# WG0's own P.V of the bf16 body with P from its registers (the register-operand wgmma, as the prefill's) instead of
-# the shared-memory copy it stores for WG1: the product's A operand no longer read from shared memory. The
-# interpreter has no register-operand wgmma: there P stays in shared memory. Built, off until measured (part 114).
-WG0_P_REGS = False
-
 # (WG0, WG1, producer) registers a thread of the fp8 P.V kernel: each consumer holds an O^T [L/2, 64] f32 half; the
 # producer only issues TMAs (and zeroes a partial page). Three consumers (WG0 QK^T and the softmax only) lost: 121.8
 # against 112.6 us at 64x128x4096, 142.7 with the next page's QK^T in flight during the softmax (H100, session 38).
 _REGS_PV8 = (232, 232, 40)
-
-
-def _wg0_cols(l: int) -> int:
-    """`_Cfg.l0` for latent width l: `WG0_COLS` (0: L / 2), which must leave WG1 columns and fit one wgmma."""
-    if not WG0_COLS:
-        return 0
-    if WG0_COLS % 64 or not 64 <= WG0_COLS <= min(256, l - 64):
-        raise ValueError(f"WG0_COLS={WG0_COLS}: needs a multiple of 64 in [64, min(256, L - 64)] (L={l})")
-    return WG0_COLS
 
 
 def _drain(kv_consumed, n, stages):
@@ -1030,17 +944,14 @@ def _drain(kv_consumed, n, stages):
     lax.fori_loop(jnp.maximum(n - stages, 0), n, body, ())
 
 
-def _regs(cfg):
-    """(WG0, WG1, producer) registers per thread of the bf16 body. The CTA holds what it was launched with,
-    384 threads x 168 = 64512, so 128 x (WG0 + WG1 + producer) <= 64512. A consumer holds its f32 accumulator
-    (half of its columns: 128 at L/2) and WG0 the [64, 64] logits besides, and they still spill (ptxas); the fp8
-    producer casts V's first columns, WG1 its own. Kernel time at 64x128x4096 on the H200 with L/2 each: bf16
-    (224, 224, 56) 175 us, 180 B spilled, (232, 232, 40) 139 us, 132 B (session 18); fp8 exact (208, 208, 88) 344 us,
-    (216, 216, 72) 327, (200, 200, 104) 385 (session 19; docs/perf-notes.md). Fewer columns on WG0 (`WG0_COLS`) move
-    registers from WG0 to WG1, 16 for every 64 columns (32 accumulator registers) up to WG1's 256."""
-    wg0, wg1, producer = (216, 216, 72) if cfg.fp8_stages else (232, 232, 40)
-    shift = min(256 - wg1, 16 * (cfg.l // 2 - cfg.pieces(0)[0][1]) // 64)
-    return wg0 - shift, wg1 + shift, producer
+def _regs(is_fp8):
+    """(consumer, producer) registers per thread. The CTA holds what it was launched with,
+    384 threads x 168 = 64512, so 2 x 128 x consumer + 128 x producer <= 64512. Consumers hold a
+    [64, L/2] f32 accumulator (128) plus the [64, 64] logits and still spill (ptxas); the fp8
+    producer casts V's first half, WG1 its second. Kernel time at 64x128x4096 on the H200: bf16 (224, 56)
+    175 us, 180 B spilled, (232, 40) 139 us, 132 B (session 18); fp8 exact (208, 88) 344 us, (216, 72)
+    327, (200, 104) 385 (session 19; docs/perf-notes.md)."""
+    return (216, 72) if is_fp8 else (232, 40)
 
 
 def _rows_per_tile(cfg):
@@ -1585,7 +1496,6 @@ def _impl(
         splits=splits,
         pps=cdiv(max_pages, splits),
         worklist=schedule == "worklist",
-        l0=0 if pv8 else _wg0_cols(l),
     )
     _, smem = _smem_plan(cfg)
     if smem > SMEM_BYTES:
@@ -1645,10 +1555,7 @@ def _impl(
         interpret=interpret_params(interpret),
         kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}"
         + ("_pv8" if pv8 else "")
-        + ("_q1" if pv8 and cfg.q_terms == 1 else "")
-        + ("_qkpv" if QK_WITH_PV and not pv8 and num_stages > 1 else "")
-        + (f"_wg0c{cfg.l0}" if cfg.l0 else "")
-        + ("_pregs" if WG0_P_REGS and not pv8 else ""),
+        + ("_q1" if pv8 and cfg.q_terms == 1 else ""),
     )
     out, lse, o_part, lse_part = kernel(*args)
     if schedule == "grid" and splits > 1:

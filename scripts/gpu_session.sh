@@ -1474,7 +1474,8 @@ PY
     run 150 pv8-ptxas env MOSAIC_GPU_DUMP_PTXAS=1 python3 /tmp/pv8_ptxas.py
     grep -E "^===|registers|spill" "$out/pv8-ptxas.log" | head -40
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-110) # session 39, for the next (any card, ~8.5 minutes): WG0 of the 64-row kernel issuing page i's P.V and page i + 1's
+110) # (ran in session 42 on 24b9867, an H100, as a --no-check row: 144.65 against 134.79 us at 64x128x4096, lost;
+    # QK_WITH_PV is gone) session 39, for the next (any card, ~8.5 minutes): WG0 of the 64-row kernel issuing page i's P.V and page i + 1's
     # QK^T back to back, waited for once (QK_WITH_PV) against the default, in one process (bench/decode.py --knob:
     # the sm90 GPU check cases for each value, then both values' grid rows on the same inputs: bf16, exact fp8, the
     # fp8 P.V rows, which do not take it since session 41), then its bf16 trace (L=384: the trace buffer's room)
@@ -1521,7 +1522,9 @@ PY
         grep -E "per page|wg[01] " "$out/trace-pairs-fst$f.log" | head -20
     done
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-113) # session 42, for the next (any card, ~7.5 minutes): the bf16 body's WG0 with fewer output columns (WG0_COLS: 128
+113) # (ran in session 42 on 24b9867, an H100: the check cases took 216 / 331 s a value and the 420 s limit cut the
+    # rows, taken then with --no-check: 128 / 192 columns -1.7% at 64x128x4096, +3.8 / +4.6% at 128x128x8192, lost;
+    # WG0_COLS is gone) session 42 (any card, ~7.5 minutes): the bf16 body's WG0 with fewer output columns (WG0_COLS: 128
     # or 192 of 512, WG1 the rest in two wgmmas; registers moved to WG1) against L / 2 each, in one process: the sm90
     # GPU check cases under each value, then the 128-head bf16 grid rows on the same inputs; then the trace of 128
     # (L=384: WG0 128 columns, WG1 256) beside the default's
@@ -1536,7 +1539,8 @@ PY
     (cd /tmp/wg0c && run 40 trace-wg0c python3 bench/trace_sm90.py --out "$out/trace-wg0c" --dtype bf16)
     grep -E "per page|wg[01] " "$out/trace-base.log" "$out/trace-wg0c.log" | head -24
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-114) # session 42, for the next (any card, ~5 minutes): WG0's own P.V with P from its registers (WG0_P_REGS) against
+114) # (ran in session 42 on 24b9867, an H100, as --no-check rows and then the check cases: -1.2 / -2.0%, taken; P
+    # from WG0's registers is the only way since, WG0_P_REGS is gone) session 42 (any card, ~5 minutes): WG0's own P.V with P from its registers (WG0_P_REGS) against
     # the shared-memory copy, in one process: the sm90 GPU check cases under each value, then the 128-head bf16 grid
     # rows on the same inputs
     out=${2:?}

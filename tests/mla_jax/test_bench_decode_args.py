@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import mla_decode_sm90 as k90
+from pallas_kernels import mla_decode_sm90_narrow as narrow
 from tests.mla_jax.helpers import load_script
 
 
@@ -17,8 +18,8 @@ def bench():
 
 
 def test_knob_parses_a_switch_and_its_values(bench):
-    module, name, values = bench.parse_knob("mla_decode_sm90.QK_WITH_PV=False, True")
-    assert module is k90 and name == "QK_WITH_PV" and values == [False, True]
+    module, name, values = bench.parse_knob("mla_decode_sm90_narrow.PDL=False, True")
+    assert module is narrow and name == "PDL" and values == [False, True]
     _, _, pages = bench.parse_knob("mla_decode_sm90._WORKLIST_MIN_PAGES=2,4")
     assert pages == [2, 4]
     _, _, regs = bench.parse_knob("mla_decode_sm90._REGS_PV8=(232, 232, 40),(224, 224, 56)")
@@ -28,12 +29,12 @@ def test_knob_parses_a_switch_and_its_values(bench):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("QK_WITH_PV=True", "expected MODULE.NAME=V1,V2"),
-        ("mla_decode_sm90.QK_WITH_PV", "expected MODULE.NAME=V1,V2"),
+        ("PDL=True", "expected MODULE.NAME=V1,V2"),
+        ("mla_decode_sm90_narrow.PDL", "expected MODULE.NAME=V1,V2"),
         ("no_such_kernel.X=1", "no module pallas_kernels.no_such_kernel"),
         ("mla_decode_sm90.NO_SUCH=1", "has no NO_SUCH"),
-        ("mla_decode_sm90.QK_WITH_PV=True,yes", "'True,yes' is not a comma-separated list of Python literals"),
-        ("mla_decode_sm90.QK_WITH_PV=False,1", "1 is int, QK_WITH_PV is bool"),
+        ("mla_decode_sm90_narrow.PDL=True,yes", "'True,yes' is not a comma-separated list of Python literals"),
+        ("mla_decode_sm90_narrow.PDL=False,1", "1 is int, PDL is bool"),
     ],
 )
 def test_knob_names_what_is_wrong(bench, spec, message):
@@ -43,16 +44,16 @@ def test_knob_names_what_is_wrong(bench, spec, message):
 
 def test_set_knob_retraces(bench, monkeypatch):
     """The switch is read at trace time: set_knob must drop what was compiled with the old value."""
-    monkeypatch.setattr(k90, "QK_WITH_PV", False)  # restored after the test
+    monkeypatch.setattr(narrow, "PDL", False)  # restored after the test
     seen = []
 
     @jax.jit
     def f(x):
-        seen.append(k90.QK_WITH_PV)
+        seen.append(narrow.PDL)
         return x + 1
 
     f(jnp.ones(2))
-    bench.set_knob(k90, "QK_WITH_PV", True)
+    bench.set_knob(narrow, "PDL", True)
     f(jnp.ones(2))
     assert seen == [False, True]
 

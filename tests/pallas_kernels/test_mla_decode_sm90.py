@@ -404,8 +404,9 @@ def _lower_for_sm90(cache_dtype, n=16, **kw):
     ],
 )
 def test_lowers_for_sm90(cache_dtype, kw, monkeypatch, h200):
-    """The GPU code path (which differs from the interpreted one in `_accumulate`) passes Mosaic
-    GPU's Python lowering for sm_90: layouts, wgmma and TMA shapes, 227 KB of shared memory.
+    """The GPU code path (which differs from the interpreted one in `mgpu.wgmma_accumulate` and in WG0's P.V taking P
+    from its registers, bf16 and exact fp8) passes Mosaic GPU's Python lowering for sm_90: layouts, wgmma and TMA
+    shapes, 227 KB of shared memory.
     The split merges are Triton kernels, which need a GPU to lower: their jnp references stand in
     here (the kernel has its own interpreter and GPU tests in test_mla_decode.py)."""
 
@@ -462,111 +463,11 @@ def test_fp8_pv_two_q_terms_keep_the_residual(name):
     assert np.abs(np.asarray(lse)[live] - one_ref_lse[live]).max() > DECODE_TOL["fp8_pv"][1]
 
 
-@pytest.fixture
-def qk_with_pv(monkeypatch):
-    """`QK_WITH_PV`: WG0 of the 64-row kernel issues page i's P.V and page i + 1's QK^T together (read at trace
-    time: the jitted kernels traced afresh before and after)."""
-    jax.clear_caches()
-    monkeypatch.setattr(k90, "QK_WITH_PV", True)
-    yield
-    jax.clear_caches()
-
-
-@pytest.mark.parametrize(
-    "name", ["q2_causal_n40_straddling_tiles_3splits_page_offset_bf16", "worklist_rows64_single_tile_n40_bf16"]
-)
-def test_qk_with_pv_matches_reference(name, qk_with_pv):
-    """The next page's QK^T issued with this page's P.V, interpreted (race detector on: P and the ring's slots
-    across the carried logits), against the reference: causal rows straddling two tiles over three splits; the work
-    list."""
-    _case_matches(name)
-
-
-@pytest.fixture(params=[128, 192])
-def wg0_cols(request, monkeypatch):
-    """`WG0_COLS`: the bf16 body's WG0 with fewer output columns than L / 2, WG1 the rest in pieces of <= 256 (read
-    at trace time: the jitted kernels traced afresh before and after)."""
-    jax.clear_caches()
-    monkeypatch.setattr(k90, "WG0_COLS", request.param)
-    yield request.param
-    jax.clear_caches()
-
-
-@pytest.mark.parametrize(
-    "name", ["q2_causal_n40_straddling_tiles_3splits_page_offset_bf16", "worklist_fp8_q2_causal_n64"]
-)
-def test_wg0_cols_matches_reference(name, wg0_cols):
-    """WG0 with 128 or 192 output columns, WG1 with 384 (two wgmmas into two accumulators) or 320, interpreted (race
-    detector on), against the reference: causal rows straddling two tiles over three splits (final outputs and
-    partials, NaN-poisoned rows past each length); the exact fp8 path on the work list (WG1 casts its 384 / 320
-    columns of V, the producer the rest)."""
-    _case_matches(name)
-
-
-def test_wg0_cols_out_of_range():
-    """A WG0_COLS that leaves WG1 no columns, or is not whole 64-column chunks, is refused with its value."""
-    case = next(c for c in DECODE_CASES if c.name == "n80_two_tiles_tail16_1split_bf16")
-    for bad in (96, 512):
-        jax.clear_caches()
-        try:
-            k90.WG0_COLS = bad
-            with pytest.raises(ValueError, match=f"WG0_COLS={bad}: needs a multiple of 64"):
-                run_decode(*case.make(), **case.kernel)
-        finally:
-            k90.WG0_COLS = 0
-            jax.clear_caches()
-
-
 def test_fp8_pv_needs_an_even_ring():
     """An odd fp8 ring would hand a slot's pages to both consumers in turn: refused, naming the argument."""
     case = next(c for c in DECODE_CASES if c.name == "fp8_qk_n40_worklist")
     with pytest.raises(ValueError, match="fp8_stages=3: the fp8 P.V kernel's page pairs need an even fp8 ring"):
         run_decode(*case.make(), **dict(case.kernel, fp8_stages=3))
-
-
-@pytest.mark.parametrize(
-    "cache_dtype, kw",
-    [
-        ("bf16", dict(n=128, num_kv_splits=2)),
-        ("fp8", dict(n=64, schedule="worklist")),
-    ],
-)
-def test_wg0_cols_lowers_for_sm90(cache_dtype, kw, wg0_cols, monkeypatch, h200):
-    """WG1's two accumulators waited for once (`mgpu.wgmma_accumulate_all`), the staging buffers a piece and the
-    registers moved to WG1 pass Mosaic GPU's lowering, bf16 and exact fp8."""
-    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
-    text = _lower_for_sm90(cache_dtype, num_sms=132, **kw)
-    assert f"_wg0c{wg0_cols}" in text
-
-
-@pytest.mark.parametrize("cache_dtype, qk_pv", [("bf16", False), ("bf16", True), ("fp8", False)])
-def test_wg0_p_regs_lowers_for_sm90(cache_dtype, qk_pv, monkeypatch, h200):
-    """`WG0_P_REGS`: WG0's P.V with P from its registers (bf16; exact fp8: P times the token scales), alone and
-    issued with the next QK^T (`QK_WITH_PV`, bf16: exact fp8 has one bf16 stage at L = 512), passes Mosaic GPU's
-    lowering. (The interpreter keeps P in shared memory: it has no register-operand wgmma.)"""
-    jax.clear_caches()
-    monkeypatch.setattr(k90, "WG0_P_REGS", True)
-    monkeypatch.setattr(k90, "QK_WITH_PV", qk_pv)
-    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
-    kw = dict(n=128, num_kv_splits=2) if cache_dtype == "bf16" else dict(n=64, num_kv_splits=2)
-    text = _lower_for_sm90(cache_dtype, num_sms=132, **kw)
-    assert "_pregs" in text and ("_qkpv" in text) == qk_pv
-    jax.clear_caches()
-
-
-@pytest.mark.parametrize(
-    "cache_dtype, kw",
-    [
-        ("bf16", dict(n=128, num_kv_splits=2)),
-        ("bf16", dict(n=64, schedule="worklist")),
-    ],
-)
-def test_qk_with_pv_lowers_for_sm90(cache_dtype, kw, qk_with_pv, monkeypatch, h200):
-    """The P.V and the next QK^T in one `pl.run_state` (both operands in shared memory; the conditional QK^T wgmma on
-    a second accumulator, the logits carried through the page loop) pass Mosaic GPU's lowering."""
-    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
-    text = _lower_for_sm90(cache_dtype, num_sms=132, **kw)
-    assert "_qkpv" in text
 
 
 @pytest.mark.parametrize(
