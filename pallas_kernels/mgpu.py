@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -27,9 +28,10 @@ def tiled(dtype, minor_bytes=128):
 
 
 def smem_bytes(refs) -> int:
-    """Bytes of shared memory the `plgpu.SMEM` refs take, each starting at a 1 KB boundary."""
+    """Bytes of shared memory the `plgpu.SMEM` refs (nested lists of them too) take, each starting at a 1 KB
+    boundary."""
     total = 0
-    for ref in refs:
+    for ref in jax.tree.leaves(refs, is_leaf=lambda x: hasattr(x, "shape")):
         total = cdiv(total, 1024) * 1024 + math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
     return total
 

@@ -58,8 +58,8 @@ fp8_qk: Q 72 KB (two e4m3 terms; one: 36 KB) + fp8 ring 4 x 36 KB + 2 P^T 8 KB +
 Barriers (mbarriers; every waiter waits every phase of a barrier, in order, and at most one phase
 behind -- the parity discipline the interpreter checks):
   q_bar            Q tile + row lengths landed (TMA)                         WG0 waits
-  kv_ready[st]     ring slot holds page i (TMA, or producer arrive)          WG0, WG1 wait
-  kv_consumed[st]  both consumers finished reading slot (2 arrivals)        producer waits
+  kv_ready0[st]    ring slot holds page i (TMA, or producer arrive)          WG0, WG1 wait
+  kv_consumed0[st] both consumers finished reading slot (2 arrivals)        producer waits
   p_ready          P_i and alpha_i in shared memory                          WG1 waits
   p_consumed       WG1's P_i . V wgmma done (P may be overwritten)           WG0 waits
   epi_bar          both consumers done with Q, the ring and P (2 arrivals)   WG0, WG1 wait
@@ -67,7 +67,9 @@ behind -- the parity discipline the interpreter checks):
   raw_bar / fp8_ready[st] / scale_ready[st]  TMA landed for the producer's own processing
                    (fp8_qk: for the consumers, which read the fp8 ring itself)
   fp8_consumed[f]  both casts done with fp8 slot f (2; fp8_qk: every consumer)  producer waits
-  kv_ready takes 2 arrivals with an exact fp8 cache: the producer's columns and WG1's V half.
+  kv_ready0 takes 2 arrivals with an exact fp8 cache: the producer's columns and WG1's V half. With the slots in
+  three buffers (`SPLIT_SLOTS`, `_Slots`) each of two groups has its own kv_ready{g} / kv_consumed{g}: group 0
+  (WG0's latents and the rope) released by WG0, group 1 (WG1's latents) by WG1.
   fp8_qk (pages in pairs): p_ready[w] / p_consumed[w] per consumer's P^T (the other consumer waits / arrives),
   mx_ready (2 arrivals: both row maxima of the pair written), l_ready (WG1's l after the loop); scale_ready[f] is
   waited only by the slot's owner (an even ring: page 2k + w, consumer w, always lands in a slot of parity w).
@@ -191,6 +193,55 @@ class _Cfg:
     splits: int = 1  # grid schedule: pieces per head tile, piece = (b * splits + s) * head_tiles + h
     pps: int = 1  # grid schedule: pages per split
     worklist: bool = False  # pieces from a metadata array (`worklist_pieces`) instead
+    split_slots: bool = False  # the bf16 body's slots in three buffers, two barrier groups (`_Slots`)
+
+
+class _Slots:
+    """The bf16 body's ring slots as parts (first column, width, barrier group), each part its own [stages, G, width]
+    buffer and each group its own kv_ready{g} / kv_consumed{g} barriers. Whole (the default): one [G, L+R] part,
+    released by both consumers. Split (`SPLIT_SLOTS`): WG0's latents [0, L/2) and the rope [L, L+R) in group 0,
+    released by WG0 once its P.V is done, and WG1's latents [L/2, L) in group 1, released by WG1 (with an exact fp8
+    cache WG1 writes those itself, after its own P.V: no release), so that the next page's group 0 lands while WG1
+    still reads this page's group 1 and WG0's next QK^T starts on it."""
+
+    def __init__(self, cfg: _Cfg):
+        half, l, d = cfg.l // 2, cfg.l, cfg.d
+        fp8 = cfg.fp8_stages > 0
+        if cfg.split_slots:
+            self.parts = [(0, half, 0), (l, d - l, 0), (half, half, 1)]
+            self.releasers = {0: (0,), 1: () if fp8 else (1,)}
+        else:
+            self.parts = [(0, d, 0)]
+            self.releasers = {0: (0, 1)}
+        self.groups = sorted(self.releasers)
+        self.wg1_group = self.group_of(half)
+        # Arrivals that make a slot's group ready: one TMA a part; an exact fp8 cache: the casts that write into it
+        # (the producer's columns, all but [L/2, L); WG1's, [L/2, L)).
+        if fp8:
+            producer = {self.group_of(c) for c in range(0, d, 64) if not half <= c < l}
+            self.arrivals = {g: (g in producer) + (g == self.wg1_group) for g in self.groups}
+        else:
+            self.arrivals = {g: sum(pg == g for *_, pg in self.parts) for g in self.groups}
+
+    def group_of(self, col):
+        return next(pg for c0, w, pg in self.parts if c0 <= col < c0 + w)
+
+    def smem(self, stages):
+        return [plgpu.SMEM((stages, PAGE_SIZE, w), BF16, transforms=tiled(BF16)) for _, w, _ in self.parts]
+
+    def barriers(self, stages):
+        bars = {f"kv_ready{g}": plgpu.Barrier(num_arrivals=self.arrivals[g], num_barriers=stages) for g in self.groups}
+        for g, who in self.releasers.items():
+            if who:
+                bars[f"kv_consumed{g}"] = plgpu.Barrier(num_arrivals=len(who), num_barriers=stages)
+        return bars
+
+    def view(self, bufs, slot, col, width):
+        """Ring slot `slot`'s columns [col, col + width), which lie in one part."""
+        for (c0, w, _), buf in zip(self.parts, bufs, strict=True):
+            if c0 <= col and col + width <= c0 + w:
+                return buf.at[slot, :, pl.ds(col - c0, width)]
+        raise ValueError(f"columns [{col}, {col + width}) straddle the slot's parts {self.parts}")
 
 
 def _smem_plan(cfg: _Cfg):
@@ -222,7 +273,7 @@ def _smem_plan(cfg: _Cfg):
         return groups, max(map(smem_bytes, groups))
     cdt = BF16  # wgmma operand dtype (Q, ring, P)
     q = plgpu.SMEM((TILE_M, cfg.d), cdt, transforms=tiled(cdt))
-    ring = plgpu.SMEM((cfg.stages, PAGE_SIZE, cfg.d), cdt, transforms=tiled(cdt))
+    ring = _Slots(cfg).smem(cfg.stages)
     p = plgpu.SMEM((TILE_M, PAGE_SIZE), cdt, transforms=tiled(cdt))
     # Row vectors used during the loop, indexed by the _ROW_* constants.
     loop_rows = plgpu.SMEM((_ROWS + _extra_rows(cfg), TILE_M), f32)
@@ -280,9 +331,7 @@ def _barriers(cfg):
         )
     bars = dict(
         q_bar=plgpu.Barrier(),  # Q
-        # fp8: the producer's columns and WG1's V half
-        kv_ready=plgpu.Barrier(num_arrivals=2 if cfg.fp8_stages else 1, num_barriers=cfg.stages),
-        kv_consumed=plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),
+        **_Slots(cfg).barriers(cfg.stages),
         p_ready=plgpu.Barrier(),
         p_consumed=plgpu.Barrier(),
         epi_bar=plgpu.Barrier(num_arrivals=2),
@@ -533,7 +582,7 @@ def _logits_waited(issue):
 
 def _body(cfg, r, pc):
     """One page at a time: WG0 runs QK^T, the softmax and P.V for columns [0, L/2); WG1 waits for
-    P and runs P.V for [L/2, L); the producer keeps the next page in flight."""
+    P and runs P.V for [L/2, L); the producer keeps the next page in flight (the ring's slots: `_Slots`)."""
     wg = lax.axis_index("wg")
     g = PAGE_SIZE
     half = cfg.l // 2
@@ -541,18 +590,33 @@ def _body(cfg, r, pc):
     is_fp8 = cfg.fp8_stages > 0
     n, first, last_rows = pc.n, pc.first, pc.last_rows
     ring, loop_rows, p_smem = r["ring"], r["loop_rows"], r["p_smem"]
-    kv_ready, kv_consumed = r["kv_ready"], r["kv_consumed"]
+    slots = _Slots(cfg)
     p_ready, p_consumed = r["p_ready"], r["p_consumed"]
     fst = cfg.fp8_stages
 
     def slot_of(i, depth):
         return lax.rem(i, jnp.int32(depth))
 
+    def ready(grp, i):
+        return r[f"kv_ready{grp}"].at[slot_of(i, stages)]
+
+    def consumed(grp, i):
+        return r[f"kv_consumed{grp}"].at[slot_of(i, stages)]
+
+    def release(who, i):
+        """Consumer `who` is done reading page i's slot."""
+        for grp in slots.groups:
+            if who in slots.releasers[grp]:
+                plgpu.barrier_arrive(consumed(grp, i))
+
     def cast_fp8(fslot, slot_i, valid_rows, chunks):
         """The exact fp8 -> wgmma-dtype cast of 64-column chunks of the fp8 slot into the ring
         slot, rows past the length zeroed (p = 0 there, but 0 * NaN garbage would poison P.V)."""
         with jax.named_scope("convert"):
-            cast_fp8_columns(r["fp8_ring"].at[fslot], ring.at[slot_i], valid_rows, chunks)
+            for (c0, w, _), buf in zip(slots.parts, ring, strict=True):
+                part = [c - c0 // 64 for c in chunks if c0 <= 64 * c < c0 + w]
+                if part:
+                    cast_fp8_columns(r["fp8_ring"].at[fslot, :, pl.ds(c0, w)], buf.at[slot_i], valid_rows, part)
             plgpu.commit_smem()  # generic reads/writes before the next TMA / the wgmmas
 
     @pl.when(wg == 0)
@@ -564,12 +628,19 @@ def _body(cfg, r, pc):
         lens = pc.row_lens()
         col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-        def wait_kv(i):
+        def wait_kv(i, grp=0):
             with jax.named_scope("wait_kv"):
-                plgpu.barrier_wait(kv_ready.at[slot_of(i, stages)])
+                plgpu.barrier_wait(ready(grp, i))
 
         def issue_qk(s_ref, i):
-            plgpu.wgmma(s_ref, r["q_smem"], ring.at[slot_of(i, stages)].T)
+            """Page i's QK^T, a wgmma a part, each group's after its wait (group 0's: `wait_kv` before)."""
+            slot = slot_of(i, stages)
+            for grp in slots.groups:
+                if grp:
+                    wait_kv(i, grp)
+                for c0, w, pg in slots.parts:
+                    if pg == grp:
+                        plgpu.wgmma(s_ref, r["q_smem"].at[:, pl.ds(c0, w)], slots.view(ring, slot, c0, w).T)
 
         def logits_of(issue, i):
             """[64, G] f32: `issue(s_ref, i)`'s logits, waited for."""
@@ -603,17 +674,15 @@ def _body(cfg, r, pc):
                 plgpu.barrier_arrive(p_ready)
             return alpha, m_new, l_i, p_smem if cfg.interpret else pb
 
-        def v_half(i):
-            return ring.at[slot_of(i, stages), :, pl.ds(0, half)]
-
         def step(i, carry):
             acc, m_i, l_i = carry
             wait_kv(i)
             alpha, m_new, l_new, p_a = softmax_and_p(i, logits_of(issue_qk, i), m_i, l_i)
             with jax.named_scope("pv"):
                 acc = acc * rows_bcast(alpha, acc.shape)
-                acc = wgmma_accumulate(acc, p_a, v_half(i), interpret=cfg.interpret)
-            plgpu.barrier_arrive(kv_consumed.at[slot_of(i, stages)])
+                v = slots.view(ring, slot_of(i, stages), 0, half)
+                acc = wgmma_accumulate(acc, p_a, v, interpret=cfg.interpret)
+            release(0, i)
             return acc, m_new, l_new
 
         acc, m_i, l_i = lax.fori_loop(0, n, step, softmax_state(TILE_M, cfg.l // 2))
@@ -634,20 +703,21 @@ def _body(cfg, r, pc):
                 with jax.named_scope("wait_fp8"):
                     plgpu.barrier_wait(r["fp8_ready"].at[fslot])
                 cast_fp8(fslot, slot_i, pc.page_rows(i), range(half // 64, cfg.l // 64))
-                plgpu.barrier_arrive(kv_ready.at[slot_i])
+                plgpu.barrier_arrive(ready(slots.wg1_group, i))
                 plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
                 with jax.named_scope("wait_p"):
                     plgpu.barrier_wait(p_ready)
             else:
                 with jax.named_scope("wait_p"):
-                    plgpu.barrier_wait(kv_ready.at[slot_i])
+                    plgpu.barrier_wait(ready(slots.wg1_group, i))
                     plgpu.barrier_wait(p_ready)
             with jax.named_scope("pv"):
                 alpha = plgpu.load(loop_rows.at[_ROW_ALPHA], layout=ROW_LAYOUT)
                 acc = acc * rows_bcast(alpha, acc.shape)
-                acc = wgmma_accumulate(acc, p_smem, ring.at[slot_i, :, pl.ds(half, half)], interpret=cfg.interpret)
+                v = slots.view(ring, slot_i, half, half)
+                acc = wgmma_accumulate(acc, p_smem, v, interpret=cfg.interpret)
             plgpu.barrier_arrive(p_consumed)
-            plgpu.barrier_arrive(kv_consumed.at[slot_i])
+            release(1, i)
             return acc
 
         acc = lax.fori_loop(0, n, step, softmax_state(TILE_M, cfg.l // 2)[0])
@@ -660,32 +730,38 @@ def _body(cfg, r, pc):
         def page_id(i):
             return r["bt_gmem"][pc.b, first + i] + r["off_gmem"][0]
 
+        def wait_free(grp, i):
+            @pl.when(i >= stages)
+            @jax.named_scope("wait_free")
+            def _():
+                plgpu.barrier_wait(consumed(grp, i))
+
         if not is_fp8:
 
             def step(i, _):
                 slot_i = slot_of(i, stages)
-
-                @pl.when(i >= stages)
-                @jax.named_scope("wait_free")
-                def _():
-                    plgpu.barrier_wait(kv_consumed.at[slot_i])
-
-                # The request's partial last page: its rows past the length are zeroed.
-                copy_zeroing_rows(
-                    r["kv_gmem"].at[page_id(i)],
-                    ring.at[slot_i],
-                    kv_ready.at[slot_i],
-                    r["raw_bar"],
-                    partial=(i == n - 1) & (last_rows < g),
-                    lo=0,
-                    hi=last_rows,
-                )
+                for grp in slots.groups:
+                    wait_free(grp, i)
+                    for (c0, w, pg), buf in zip(slots.parts, ring, strict=True):
+                        if pg == grp:  # the request's partial last page: its rows past the length are zeroed
+                            copy_zeroing_rows(
+                                r["kv_gmem"].at[page_id(i), :, pl.ds(c0, w)],
+                                buf.at[slot_i],
+                                ready(grp, i),
+                                r["raw_bar"],
+                                partial=(i == n - 1) & (last_rows < g),
+                                lo=0,
+                                hi=last_rows,
+                            )
                 return ()
 
             lax.fori_loop(0, n, step, ())
         else:
             fp8_ring, scale_ring = r["fp8_ring"], r["scale_ring"]
             fp8_ready, scale_ready = r["fp8_ready"], r["scale_ready"]
+            # K's columns but V's second half (WG1 casts it), into the groups they lie in.
+            mine = [c for c in range(cfg.d // 64) if not half <= 64 * c < cfg.l]
+            my_groups = sorted({slots.group_of(64 * c) for c in mine})
 
             def fetch(i):
                 fslot = slot_of(i, fst)
@@ -702,21 +778,17 @@ def _body(cfg, r, pc):
                 with jax.named_scope("wait_fp8"):
                     plgpu.barrier_wait(fp8_ready.at[fslot])
                     plgpu.barrier_wait(scale_ready.at[fslot])
-
-                @pl.when(i >= stages)
-                @jax.named_scope("wait_free")
-                def _():
-                    plgpu.barrier_wait(kv_consumed.at[slot_i])
+                for grp in my_groups:
+                    wait_free(grp, i)
 
                 valid_rows = pc.page_rows(i)
                 # Per-token scales for WG0 (0 past the length: p * scale must stay 0 next to garbage).
                 scale = plgpu.load(scale_ring.at[fslot], layout=ROW_LAYOUT)  # [G] f32
                 tok = plgpu.broadcasted_iota(jnp.int32, (g,), 0, layout=ROW_LAYOUT)
                 loop_rows[_ROWS + slot_i] = jnp.where(tok < valid_rows, scale, 0.0)
-                # K's columns but V's second half (WG1 casts it).
-                mine = [c for c in range(cfg.d // 64) if not half <= 64 * c < cfg.l]
                 cast_fp8(fslot, slot_i, valid_rows, mine)
-                plgpu.barrier_arrive(kv_ready.at[slot_i])
+                for grp in my_groups:
+                    plgpu.barrier_arrive(ready(grp, i))
                 # WG1's cast must be done with the fp8 slot too (waited on every page: each waiter observes every
                 # phase)
                 plgpu.barrier_arrive(r["fp8_consumed"].at[fslot])
@@ -726,7 +798,9 @@ def _body(cfg, r, pc):
                 return ()
 
             lax.fori_loop(0, n, step, ())
-        _drain(kv_consumed, n, stages)
+        for grp in slots.groups:
+            if slots.releasers[grp]:
+                _drain(r[f"kv_consumed{grp}"], n, stages)
 
 
 def _vt_half(cfg, r, fslot, h):
@@ -927,6 +1001,12 @@ def _body_pv8(cfg, r, pc):
     pl.when(wg == 1)(lambda: consumer(1))
     pl.when(wg == 2)(functools.partial(_pv8_producer, cfg, r, pc))
 
+
+# The bf16 body's ring slots in three buffers, two barrier groups (`_Slots`): the next page's WG0 latents and rope
+# land once WG0's P.V is done, without waiting for WG1's, and WG0's next QK^T starts on them. The bf16 trace (H100,
+# session 42) has WG0 wait 0.42 us of a 3.42 us page for it while the producer waits for a free slot 73% of its time.
+# Built, off until measured (gpu_session part 115).
+SPLIT_SLOTS = False
 
 # (WG0, WG1, producer) registers a thread of the fp8 P.V kernel: each consumer holds an O^T [L/2, 64] f32 half; the
 # producer only issues TMAs (and zeroes a partial page). Three consumers (WG0 QK^T and the softmax only) lost: 121.8
@@ -1496,6 +1576,7 @@ def _impl(
         splits=splits,
         pps=cdiv(max_pages, splits),
         worklist=schedule == "worklist",
+        split_slots=SPLIT_SLOTS and not pv8,
     )
     _, smem = _smem_plan(cfg)
     if smem > SMEM_BYTES:
@@ -1555,7 +1636,8 @@ def _impl(
         interpret=interpret_params(interpret),
         kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}"
         + ("_pv8" if pv8 else "")
-        + ("_q1" if pv8 and cfg.q_terms == 1 else ""),
+        + ("_q1" if pv8 and cfg.q_terms == 1 else "")
+        + ("_slots3" if cfg.split_slots else ""),
     )
     out, lse, o_part, lse_part = kernel(*args)
     if schedule == "grid" and splits > 1:

@@ -1549,5 +1549,32 @@ PY
         --knob mla_decode_sm90.WG0_P_REGS=False,True
     grep -E "^correctness|FAIL|knob" "$out/decode-pregs.log" | cut -c1-200 | head -30
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 114" >&2; exit 2 ;;
+115) # session 42, for the next (any card, ~6 minutes): the bf16 body's slots in three buffers, two barrier groups
+    # (SPLIT_SLOTS: the next page's WG0 latents and rope land once WG0's P.V is done) against whole slots, in one
+    # process without the check cases (part 116 runs them): the 128-head bf16 rows and exact fp8 at 64x128x4096; then
+    # both traces (L=384)
+    out=${2:?}
+    for dt in bf16 fp8; do  # (exact fp8 at one shape: its rows come with the fp8 P.V's, which SPLIT_SLOTS leaves)
+        shapes=64x128x4096,128x128x8192 && [ $dt = fp8 ] && shapes=64x128x4096
+        run 200 decode-slots-$dt python3 bench/decode.py --out "$out/decode-slots-$dt" --quick --no-check --no-ragged \
+            --device-time --kernels pallas_sm90 --shapes $shapes --dtypes $dt --only schedule=grid \
+            --knob mla_decode_sm90.SPLIT_SLOTS=False,True
+        grep -oE "ctx=[0-9]+: .*'knob': '[^']*', 'device_us': [0-9.]+" "$out/decode-slots-$dt.log" |
+            sed -E "s/ \{'sch.*'knob'/ /"
+    done
+    k=pallas_kernels/mla_decode_sm90.py
+    ab_copy /tmp/slots $k 's/^SPLIT_SLOTS = False$/SPLIT_SLOTS = True/' "^SPLIT_SLOTS = True$"
+    run 40 trace-base python3 bench/trace_sm90.py --out "$out/trace-base" --dtype bf16
+    (cd /tmp/slots && run 40 trace-slots python3 bench/trace_sm90.py --out "$out/trace-slots" --dtype bf16)
+    grep -E "per page|wg[012] " "$out/trace-base.log" "$out/trace-slots.log" | head -30
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+116) # session 42, for the next (any card, ~5 minutes): the sm90 decode's GPU check cases with SPLIT_SLOTS = True (bf16,
+    # exact fp8, fp8_qk, both schedules), and one small row
+    out=${2:?}
+    run 400 decode-slots-check python3 bench/decode.py --out "$out/decode-slots-check" --quick --no-ragged \
+        --device-time --kernels pallas_sm90 --shapes 1x128x32768 --dtypes bf16 --only schedule=grid \
+        --knob mla_decode_sm90.SPLIT_SLOTS=True
+    grep -E "^correctness|FAIL|^check" "$out/decode-slots-check.log" | cut -c1-160 | head -30
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 116" >&2; exit 2 ;;
 esac

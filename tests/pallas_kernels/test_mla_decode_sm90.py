@@ -463,11 +463,53 @@ def test_fp8_pv_two_q_terms_keep_the_residual(name):
     assert np.abs(np.asarray(lse)[live] - one_ref_lse[live]).max() > DECODE_TOL["fp8_pv"][1]
 
 
+@pytest.fixture
+def split_slots(monkeypatch):
+    """`SPLIT_SLOTS`: the bf16 body's ring slots in three buffers and two barrier groups (read at trace time: the
+    jitted kernels traced afresh before and after)."""
+    jax.clear_caches()
+    monkeypatch.setattr(k90, "SPLIT_SLOTS", True)
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "q2_causal_n40_straddling_tiles_3splits_page_offset_bf16",
+        "worklist_rows64_single_tile_n40_bf16",
+        "fp8_q2_causal_n64_2splits",
+        "worklist_fp8_q2_causal_n64",
+    ],
+)
+def test_split_slots_match_reference(name, split_slots):
+    """Slots in three buffers, interpreted (race detector on: the next page's group 0 lands while WG1 reads this
+    page's group 1), against the reference: bf16 causal rows straddling two tiles over three splits (partial last pages
+    zeroed a part at a time) and the work list; exact fp8 (the producer casts into group 0, WG1 into group 1) on the
+    grid and the work list."""
+    _case_matches(name)
+
+
 def test_fp8_pv_needs_an_even_ring():
     """An odd fp8 ring would hand a slot's pages to both consumers in turn: refused, naming the argument."""
     case = next(c for c in DECODE_CASES if c.name == "fp8_qk_n40_worklist")
     with pytest.raises(ValueError, match="fp8_stages=3: the fp8 P.V kernel's page pairs need an even fp8 ring"):
         run_decode(*case.make(), **dict(case.kernel, fp8_stages=3))
+
+
+@pytest.mark.parametrize(
+    "cache_dtype, kw",
+    [
+        ("bf16", dict(n=128, num_kv_splits=2)),
+        ("bf16", dict(n=64, schedule="worklist")),
+        ("fp8", dict(n=64, num_kv_splits=2)),
+    ],
+)
+def test_split_slots_lower_for_sm90(cache_dtype, kw, split_slots, monkeypatch, h200):
+    """Slots in three buffers (TMAs of a page's column slices, QK^T as three wgmmas on Q's column slices, a group's
+    wait between them, P.V on a whole part) pass Mosaic GPU's lowering, bf16 and exact fp8."""
+    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
+    assert "_slots3" in _lower_for_sm90(cache_dtype, num_sms=132, **kw)
 
 
 @pytest.mark.parametrize(
