@@ -54,6 +54,14 @@ ab_copy() {  # ab_copy DIR FILE SED_EXPR PATTERN: this tree's code in DIR with F
     grep -q "$4" "$1/$2" || echo "$1: no knob in $2" >&2
 }
 
+trace_ab() {  # trace_ab TAG SED_EXPR PATTERN: the 64-row kernel's bf16 trace (L=384) of this tree in OUT/trace-base
+    # and of a copy with mla_decode_sm90.py edited by SED_EXPR (PATTERN then in it) in OUT/trace-TAG
+    ab_copy "/tmp/$1" pallas_kernels/mla_decode_sm90.py "$2" "$3"
+    run 40 trace-base python3 bench/trace_sm90.py --out "$out/trace-base" --dtype bf16
+    (cd "/tmp/$1" && run 40 "trace-$1" python3 bench/trace_sm90.py --out "$out/trace-$1" --dtype bf16)
+    grep -E "per page|wg[012] " "$out/trace-base.log" "$out/trace-$1.log" | head -30
+}
+
 verify_b32k2() {  # verify_b32k2 NAME LIMIT_S BUDGET_MIN: the verify step at batch 32, k = 2, ctx 1k (issue 24's row) in
     # OUT/spec-NAME, from this directory's code
     run "$2" "spec-$1" python3 bench/spec.py --out "$out/spec-$1" --no-demo --batches 32 --ks 2 --ctxs 1024 \
@@ -1533,15 +1541,11 @@ PY
         --kernels pallas_sm90 --shapes 64x128x4096,128x128x8192 --dtypes bf16 --only schedule=grid \
         --knob mla_decode_sm90.WG0_COLS=0,128,192
     grep -E "^correctness|FAIL|knob" "$out/decode-wg0c.log" | cut -c1-200 | head -30
-    k=pallas_kernels/mla_decode_sm90.py
-    ab_copy /tmp/wg0c $k 's/^WG0_COLS = 0$/WG0_COLS = 128/' "^WG0_COLS = 128$"
-    run 40 trace-base python3 bench/trace_sm90.py --out "$out/trace-base" --dtype bf16
-    (cd /tmp/wg0c && run 40 trace-wg0c python3 bench/trace_sm90.py --out "$out/trace-wg0c" --dtype bf16)
-    grep -E "per page|wg[01] " "$out/trace-base.log" "$out/trace-wg0c.log" | head -24
+    trace_ab wg0c 's/^WG0_COLS = 0$/WG0_COLS = 128/' "^WG0_COLS = 128$"
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 114) # (ran in session 42 on 24b9867, an H100, as --no-check rows and then the check cases: -1.2 / -2.0%, taken; P
-    # from WG0's registers is the only way since, WG0_P_REGS is gone) session 42 (any card, ~5 minutes): WG0's own P.V with P from its registers (WG0_P_REGS) against
-    # the shared-memory copy, in one process: the sm90 GPU check cases under each value, then the 128-head bf16 grid
+    # from WG0's registers is the only way since, WG0_P_REGS is gone) session 42 (any card, ~5 minutes): WG0's own
+    # P.V with P from its registers (WG0_P_REGS) against the shared-memory copy, in one process: the sm90 GPU check cases under each value, then the 128-head bf16 grid
     # rows on the same inputs
     out=${2:?}
     run 300 decode-pregs python3 bench/decode.py --out "$out/decode-pregs" --quick --no-ragged --device-time \
@@ -1562,11 +1566,7 @@ PY
         grep -oE "ctx=[0-9]+: .*'knob': '[^']*', 'device_us': [0-9.]+" "$out/decode-slots-$dt.log" |
             sed -E "s/ \{'sch.*'knob'/ /"
     done
-    k=pallas_kernels/mla_decode_sm90.py
-    ab_copy /tmp/slots $k 's/^SPLIT_SLOTS = False$/SPLIT_SLOTS = True/' "^SPLIT_SLOTS = True$"
-    run 40 trace-base python3 bench/trace_sm90.py --out "$out/trace-base" --dtype bf16
-    (cd /tmp/slots && run 40 trace-slots python3 bench/trace_sm90.py --out "$out/trace-slots" --dtype bf16)
-    grep -E "per page|wg[012] " "$out/trace-base.log" "$out/trace-slots.log" | head -30
+    trace_ab slots 's/^SPLIT_SLOTS = False$/SPLIT_SLOTS = True/' "^SPLIT_SLOTS = True$"
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
 116) # session 42, for the next (any card, ~5 minutes): the sm90 decode's GPU check cases with SPLIT_SLOTS = True (bf16,
     # exact fp8, fp8_qk, both schedules), and one small row
