@@ -58,6 +58,12 @@ def test_set_knob_retraces(bench, monkeypatch):
     assert seen == [False, True]
 
 
+def test_knob_checks_the_values_not_the_modules_own(bench):
+    assert bench.knob_values_to_check([False, True], False) == [True]
+    assert bench.knob_values_to_check([0, 128, 192], 0) == [128, 192]
+    assert bench.knob_values_to_check([True], True) == [True]  # only the module's own: checked all the same
+
+
 def test_only_selects_rows(bench):
     assert bench.parse_only("fp8_qk=True,schedule=grid") == {"fp8_qk": True, "schedule": "grid"}
     assert bench.parse_only("") == {}
