@@ -36,6 +36,8 @@ One CTA, 3 warpgroups (`plgpu.kernel(num_threads=3)`), FlashMLA's sm90 schedule 
   output columns [0, L/2) with P from its registers.
 - Warpgroup 1: waits for P, rescales its accumulator by alpha, P V for columns [L/2, L). Each
   consumer keeps a [64, L/2] f32 accumulator (128 registers/thread at L=512), as in FlashMLA.
+- bf16 pages in pairs (`BF16_PAIRS`, `_body_pairs16`; built, not yet measured): the fp8 P.V body's schedule on
+  bf16 pages, each slot as its two latent halves and its rope (which then holds P) with a barrier pair each.
 - Epilogue: normalized output and LSE (natural log) go out by TMA through staging buffers that
   alias the Q tile and the ring (`plgpu.RefUnion`: loop buffers | output staging, final or partial).
 - fp8_qk=True (fp8 cache; `_body_pv8`): no cast at all. Q is quantized per row to e4m3 (`quantize_q_fp8`, one
@@ -194,6 +196,7 @@ class _Cfg:
     pps: int = 1  # grid schedule: pages per split
     worklist: bool = False  # pieces from a metadata array (`worklist_pieces`) instead
     split_slots: bool = False  # the bf16 body's slots in three buffers, two barrier groups (`_Slots`)
+    pairs16: bool = False  # bf16 cache: pages in pairs, one a consumer (`_body_pairs16`)
 
 
 class _Slots:
@@ -273,6 +276,12 @@ def _smem_plan(cfg: _Cfg):
         return groups, max(map(smem_bytes, groups))
     cdt = BF16  # wgmma operand dtype (Q, ring, P)
     q = plgpu.SMEM((TILE_M, cfg.d), cdt, transforms=tiled(cdt))
+    if cfg.pairs16:  # two page slots, each as its two latent halves and its rope (then P), and the row vectors
+        half, r = cfg.l // 2, cfg.d - cfg.l
+        # (a buffer a slot: a wgmma's operand indexed by a constant slot would be a literal in its `run_state`)
+        parts = [[plgpu.SMEM((PAGE_SIZE, w), cdt, transforms=tiled(cdt)) for _ in range(2)] for w in (half, half, r)]
+        groups = [[q, *parts, plgpu.SMEM((_PV8_ROWS, TILE_M), f32)], stage]
+        return groups, max(map(smem_bytes, groups))
     ring = _Slots(cfg).smem(cfg.stages)
     p = plgpu.SMEM((TILE_M, PAGE_SIZE), cdt, transforms=tiled(cdt))
     # Row vectors used during the loop, indexed by the _ROW_* constants.
@@ -329,6 +338,23 @@ def _barriers(cfg):
             fin_bar=plgpu.Barrier(),
             raw_bar=plgpu.Barrier(),
         )
+    if cfg.pairs16:
+        return dict(
+            q_bar=plgpu.Barrier(),
+            # a page's parts in slot s (TMA, or the producer after zeroing a partial page), per part
+            lo_ready=plgpu.Barrier(num_barriers=2),
+            hi_ready=plgpu.Barrier(num_barriers=2),
+            pe_ready=plgpu.Barrier(num_barriers=2),
+            lo_free=plgpu.Barrier(num_barriers=2),  # WG0's P.V of the slot's page done (its last reader)
+            hi_free=plgpu.Barrier(num_barriers=2),  # WG1's
+            pe_free=plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both P.Vs (P lives in the rope's buffer)
+            mx_ready=plgpu.Barrier(num_arrivals=2),  # both consumers' row maxima of the pair
+            p_ready=plgpu.Barrier(num_barriers=2),  # consumer w's P of the pair in its slot's rope buffer
+            l_ready=plgpu.Barrier(),  # WG1's l after the loop
+            epi_bar=plgpu.Barrier(num_arrivals=2),
+            fin_bar=plgpu.Barrier(),
+            raw_bar=plgpu.Barrier(),
+        )
     bars = dict(
         q_bar=plgpu.Barrier(),  # Q
         **_Slots(cfg).barriers(cfg.stages),
@@ -368,6 +394,11 @@ def _kernel(*refs, cfg: _Cfg):
             _body_pv8(cfg, r, _Piece(cfg, r))
             return
         refs_a, stage = union  # one tree of refs per aliased group
+        if cfg.pairs16:
+            q_smem, lo, hi, pe, loop_rows = refs_a
+            r = dict(gmem, q_smem=q_smem, halves=(lo, hi), pe=pe, loop_rows=loop_rows, stage=stage, **bars)
+            _body_pairs16(cfg, r, _Piece(cfg, r))
+            return
         q_smem, ring, p_smem, loop_rows = refs_a[:4]
         fp8_ring, scale_ring = refs_a[4:] if is_fp8 else (None, None)
         r = dict(
@@ -803,6 +834,191 @@ def _body(cfg, r, pc):
                 _drain(r[f"kv_consumed{grp}"], n, stages)
 
 
+def _pairs_prologue(pc, w):
+    """Consumer w of a pairs body before its loop: its registers, Q (WG0's TMA, waited for by both where the piece has
+    pages); (the logits' scale, the rows' lengths)."""
+    plgpu.set_max_registers(_REGS_PV8[w], action="increase")
+    if w == 0:
+        pc.load_q()
+    else:
+        pl.when(pc.n > 0)(lambda: plgpu.barrier_wait(pc.r["q_bar"]))
+    return pc.logit_scale(), pc.row_lens()
+
+
+def _other_max(pc, w, top):
+    """The pair's maxima exchanged: consumer w's row max `top` to shared memory, the two consumers meet (`mx_ready`),
+    the other's read back (row layout). Each reads the other's before it arrives at its p_ready, which the other waits
+    for before it writes its next."""
+    loop_rows = pc.r["loop_rows"]
+    loop_rows[_ROW_MX + w] = top
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(pc.r["mx_ready"])
+    plgpu.barrier_wait(pc.r["mx_ready"])
+    return plgpu.load(loop_rows.at[_ROW_MX + 1 - w], (), layout=ROW_LAYOUT)
+
+
+def _pairs_loop(n, pair, carry):
+    """`carry` through the piece's pairs of pages (`pair(k, carry, whole=True)`), then its odd page's pair of one."""
+    pairs = lax.div(n, 2)
+    carry = lax.fori_loop(0, pairs, functools.partial(pair, whole=True), carry)
+    return lax.cond(lax.rem(n, 2) == 1, lambda c: pair(pairs, c, whole=False), lambda c: c, carry)
+
+
+def _pairs_epilogue(pc, w, acc, m_i, l_i):
+    """Consumer w of a pairs body after its loop: WG1 hands its l to WG0 (in the row of Q's scales, which both read
+    before the first pair's rendezvous; unused with a bf16 cache), WG0 adds it; then each consumer's epilogue."""
+    r, n, loop_rows = pc.r, pc.n, pc.r["loop_rows"]
+    if w == 1:
+
+        @pl.when(n > 0)
+        def _():
+            loop_rows[_ROW_QSCALE] = l_i
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(r["l_ready"])
+
+        pc.epilogue_wg1(acc)
+    else:
+
+        def add_wg1s():
+            plgpu.barrier_wait(r["l_ready"])
+            return l_i + plgpu.load(loop_rows.at[_ROW_QSCALE], (), layout=ROW_LAYOUT)
+
+        pc.epilogue_wg0(acc, m_i, lax.cond(n > 0, add_wg1s, lambda: l_i))
+
+
+def _body_pairs16(cfg, r, pc):
+    """The bf16 kernel with its pages in pairs, one a consumer (the fp8 P.V body's schedule on bf16 pages,
+    `BF16_PAIRS`): consumer w runs QK^T and the softmax of page 2k + w (ring slot w) and stores its P in the page's
+    rope buffer once its QK^T is done with it; each consumer then adds both pages' P.V to its half of O (latents
+    [w L/2, (w + 1) L/2)), its own page's with P from its registers. A slot is three buffers (the two latent halves,
+    the rope) with a barrier pair each, so the next pair's loads start as each is released: a half by its P.V's
+    consumer, the rope by both; each consumer's QK^T takes its own half first (the part it released first). The
+    running max is exchanged once a pair as in `_body_pv8`; a piece with an odd number of pages ends on a pair of
+    one (WG1 brings no page)."""
+    wg = lax.axis_index("wg")
+    half, l = cfg.l // 2, cfg.l
+    f32 = jnp.float32
+    n = pc.n
+    halves, pe, p_ready = r["halves"], r["pe"], r["p_ready"]
+    readies, frees = (r["lo_ready"], r["hi_ready"]), (r["lo_free"], r["hi_free"])
+
+    def consumer(w):
+        o = 1 - w
+        logit_scale, lens = _pairs_prologue(pc, w)
+
+        def logits(i):
+            """Own page i's (ring slot w) scaled logits [64, G], log2 units, -inf past each row's length."""
+
+            def issue(s_ref):
+                for part in (w, o):  # own half first: the part this consumer released first
+                    with jax.named_scope("wait_kv"):
+                        plgpu.barrier_wait(readies[part].at[w])
+                    plgpu.wgmma(s_ref, r["q_smem"].at[:, pl.ds(part * half, half)], halves[part][w].T)
+                with jax.named_scope("wait_kv"):
+                    plgpu.barrier_wait(r["pe_ready"].at[w])
+                plgpu.wgmma(s_ref, r["q_smem"].at[:, pl.ds(l, cfg.d - l)], pe[w].T)
+
+            with jax.named_scope("qk"):
+                s = _logits_waited(issue)
+            with jax.named_scope("softmax"):
+                return pc.logits(s, i, logit_scale, lens)
+
+        def exchange_max(top, m_i):
+            """m = max(m, this consumer's row max `top`, the other's) of the pair, the same in both consumers."""
+            with jax.named_scope("mx"):
+                other = _other_max(pc, w, top)
+            return jnp.maximum(m_i, jnp.maximum(top, other))
+
+        def pv(acc, slot, a):
+            """acc + P V of the page in `slot` over this consumer's half (P: `a`), then that half's and the rope's
+            (P's) release."""
+            with jax.named_scope("pv"):
+                acc = wgmma_accumulate(acc, a, halves[w][slot], interpret=cfg.interpret)
+            plgpu.barrier_arrive(frees[w].at[slot])
+            plgpu.barrier_arrive(r["pe_free"].at[slot])
+            return acc
+
+        def pair(k, carry, *, whole):
+            """Pair k (pages 2k in slot 0, 2k + 1 in slot 1; whole=False: page 2k alone)."""
+            acc, m_i, l_i = carry
+            mine = whole or w == 0
+            if mine:
+                s = logits(2 * k + w if w else 2 * k)  # (no `+ 0`: Mosaic GPU's lowering folds it to a Python int)
+                top = s.max(axis=1)
+            else:
+                top = plgpu.layout_cast(jnp.full((TILE_M,), -jnp.inf, f32), ROW_LAYOUT)
+            m_new = exchange_max(top, m_i)
+            alpha = jnp.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * rows_bcast(alpha, acc.shape)
+            if mine:
+                with jax.named_scope("softmax"):
+                    p = jnp.exp2(s - rows_bcast(m_new, s.shape))
+                    l_i = l_i + p.sum(axis=1)
+                with jax.named_scope("store_p"):
+                    pb = p.astype(BF16)
+                    pe[w][...] = pb  # QK^T is done with the rope: P takes its buffer
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(p_ready.at[w])
+                # Own page's P.V with P from registers (the interpreter has no register operand: the copy).
+                acc = pv(acc, w, pe[w] if cfg.interpret else pb)
+            if whole or w == 1:  # the other consumer's page (slot o)
+                with jax.named_scope("wait_kv"):
+                    plgpu.barrier_wait(readies[w].at[o])
+                with jax.named_scope("wait_p"):
+                    plgpu.barrier_wait(p_ready.at[o])
+                acc = pv(acc, o, pe[o])
+            return acc, m_new, l_i
+
+        acc, m_i, l_i = _pairs_loop(n, pair, softmax_state(TILE_M, half))
+        _pairs_epilogue(pc, w, acc, m_i, l_i)
+
+    def producer():
+        """Each page's three parts TMA'd into its slot (a partial last page's rows past the length zeroed), the next
+        pair's parts each as soon as its last reader releases it, in the order the consumers release them: each
+        consumer's P.V of its own page first (slot 0's lo, slot 1's hi), then of the other's, then both ropes."""
+        plgpu.set_max_registers(_REGS_PV8[2], action="decrease")
+        parts = (
+            (halves[0], r["lo_ready"], r["lo_free"], 0),
+            (halves[1], r["hi_ready"], r["hi_free"], half),
+            (pe, r["pe_ready"], r["pe_free"], l),
+        )
+        order = ((0, 0), (1, 1), (0, 1), (1, 0), (0, 2), (1, 2))  # (slot = page of the pair, part)
+
+        def fetch(i, slot, part):
+            buf, ready, _, c0 = parts[part]
+            copy_zeroing_rows(
+                r["kv_gmem"].at[r["bt_gmem"][pc.b, pc.first + i] + r["off_gmem"][0], :, pl.ds(c0, buf[slot].shape[-1])],
+                buf[slot],
+                ready.at[slot],
+                r["raw_bar"],
+                partial=(i == pc.n - 1) & (pc.last_rows < PAGE_SIZE),
+                lo=0,
+                hi=pc.last_rows,
+            )
+
+        for slot, part in order:
+            pl.when(slot < n)(functools.partial(fetch, jnp.int32(slot), slot, part))
+
+        def step(k, _):
+            for slot, part in order:  # pair k's release, part by part, then pair k + 1's part into its place
+                i = 2 * k + slot if slot else 2 * k  # (no `+ 0`: see `pair`)
+
+                @pl.when(i < n)
+                def _():
+                    with jax.named_scope("wait_free"):
+                        plgpu.barrier_wait(parts[part][2].at[slot])
+                    pl.when(i + 2 < n)(functools.partial(fetch, i + 2, slot, part))
+
+            return ()
+
+        lax.fori_loop(0, lax.div(n + 1, 2), step, ())
+
+    pl.when(wg == 0)(lambda: consumer(0))
+    pl.when(wg == 1)(lambda: consumer(1))
+    pl.when(wg == 2)(producer)
+
+
 def _vt_half(cfg, r, fslot, h):
     """The fp8 P.V body: this consumer's V^T [L/2, G] from fp8 slot `fslot` (latents [h L/2, (h + 1) L/2)), then
     the slot's release as far as this warpgroup's reads go."""
@@ -876,20 +1092,14 @@ def _body_pv8(cfg, r, pc):
     fp8_ring, scale_ring = r["fp8_ring"], r["scale_ring"]
     loop_rows, p_smem = r["loop_rows"], r["p_smem"]
     fp8_ready, scale_ready = r["fp8_ready"], r["scale_ready"]
-    p_ready, p_consumed, mx_ready = r["p_ready"], r["p_consumed"], r["mx_ready"]
+    p_ready, p_consumed = r["p_ready"], r["p_consumed"]
 
     def slot_of(i):
         return lax.rem(i, jnp.int32(fst))
 
     def consumer(w):
-        plgpu.set_max_registers(_REGS_PV8[w], action="increase")
         o = 1 - w
-        if w == 0:
-            pc.load_q()
-        else:  # Q's TMA (WG0's, where the piece has pages) must have landed
-            pl.when(n > 0)(lambda: plgpu.barrier_wait(r["q_bar"]))
-        logit_scale = pc.logit_scale()
-        lens = pc.row_lens()
+        logit_scale, lens = _pairs_prologue(pc, w)
 
         def logits(i):
             """Page i's scaled logits [64, G] (log2 units, -inf past each row's length), its token scales as
@@ -913,11 +1123,7 @@ def _body_pv8(cfg, r, pc):
             """m = max(m, this consumer's row max `top`, the other's) of the pair, as rows and as columns (alpha
             scales O^T's columns): the same values in both consumers (max is exact)."""
             with jax.named_scope("mx"):
-                loop_rows[_ROW_MX + w] = top
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(mx_ready)
-                plgpu.barrier_wait(mx_ready)
-                other = plgpu.load(loop_rows.at[_ROW_MX + o], (), layout=ROW_LAYOUT)
+                other = _other_max(pc, w, top)
                 plgpu.commit_smem()  # (a side effect between: MLIR would fold the two loads of a row into one)
                 cols = [plgpu.load(loop_rows.at[_ROW_MX + j], (), layout=COL_LAYOUT) for j in range(2)]
             return jnp.maximum(m_i, jnp.maximum(top, other)), jnp.maximum(m_i_col, jnp.maximum(*cols))
@@ -974,28 +1180,11 @@ def _body_pv8(cfg, r, pc):
         acc0 = plgpu.layout_cast(jnp.zeros((half, TILE_M), f32), plgpu.Layout.WGMMA)  # O^T [L/2, 64]
         _, m_0, l_0 = softmax_state(TILE_M, 64)
         m_0_col = plgpu.layout_cast(jnp.full((TILE_M,), M_INIT, f32), COL_LAYOUT)
-        pairs = lax.div(n, 2)
-        carry = lax.fori_loop(0, pairs, functools.partial(pair, whole=True), (acc0, m_0, m_0_col, l_0))
-        acc, m_i, _, l_i = lax.cond(lax.rem(n, 2) == 1, lambda c: pair(pairs, c, whole=False), lambda c: c, carry)
+        acc, m_i, _, l_i = _pairs_loop(n, pair, (acc0, m_0, m_0_col, l_0))
         # This consumer's P^T: its last phase (the other consumer's reads of it) too.
         mine_count = lax.div(n + 1 - w, 2)
         pl.when(mine_count > 0)(lambda: plgpu.barrier_wait(p_consumed.at[w]))
-        if w == 1:  # WG1's l for WG0, in Q's scales' row (both read those before the first pair's rendezvous)
-
-            @pl.when(n > 0)
-            def _():
-                loop_rows[_ROW_QSCALE] = l_i
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(r["l_ready"])
-
-            pc.epilogue_wg1(acc)
-        else:
-
-            def add_wg1s():
-                plgpu.barrier_wait(r["l_ready"])
-                return l_i + plgpu.load(loop_rows.at[_ROW_QSCALE], (), layout=ROW_LAYOUT)
-
-            pc.epilogue_wg0(acc, m_i, lax.cond(n > 0, add_wg1s, lambda: l_i))
+        _pairs_epilogue(pc, w, acc, m_i, l_i)
 
     pl.when(wg == 0)(lambda: consumer(0))
     pl.when(wg == 1)(lambda: consumer(1))
@@ -1008,10 +1197,23 @@ def _body_pv8(cfg, r, pc):
 # Built, off until measured (gpu_session part 115).
 SPLIT_SLOTS = False
 
+# The bf16 kernel's pages in pairs, one a consumer (`_body_pairs16`): each consumer warpgroup runs its own page's QK^T
+# and softmax, then both pages' P.V on its half of the latents (the fp8 P.V body's schedule, 0.94x one page at a time
+# on fp8 pages, session 41), where one page at a time leaves WG1 waiting for P ~70% of its time. Two slots (Q 72 KB
+# + 2 x 72 KB) leave no room for the next pair in flight: each slot's parts are released and reloaded one by one.
+# Built, off until measured (gpu_session part 117).
+BF16_PAIRS = False
+
 # (WG0, WG1, producer) registers a thread of the fp8 P.V kernel: each consumer holds an O^T [L/2, 64] f32 half; the
 # producer only issues TMAs (and zeroes a partial page). Three consumers (WG0 QK^T and the softmax only) lost: 121.8
 # against 112.6 us at 64x128x4096, 142.7 with the next page's QK^T in flight during the softmax (H100, session 38).
 _REGS_PV8 = (232, 232, 40)
+
+
+def _pairs16(is_fp8: bool, num_stages: int, l: int, d: int) -> bool:
+    """Whether the bf16 pairs body runs: `BF16_PAIRS`, a bf16 cache, its two slots (num_stages 2), a rope as wide
+    as a page (P [64, G] takes the rope's buffer) and halves one wgmma wide."""
+    return BF16_PAIRS and not is_fp8 and num_stages == 2 and d - l == PAGE_SIZE == TILE_M and l // 2 <= 256
 
 
 def _drain(kv_consumed, n, stages):
@@ -1577,6 +1779,7 @@ def _impl(
         pps=cdiv(max_pages, splits),
         worklist=schedule == "worklist",
         split_slots=SPLIT_SLOTS and not pv8,
+        pairs16=_pairs16(is_fp8, num_stages, l, d),
     )
     _, smem = _smem_plan(cfg)
     if smem > SMEM_BYTES:
@@ -1637,7 +1840,8 @@ def _impl(
         kernel_name=f"mla_decode_sm90_{name}_stages{num_stages}_fp8stages{cfg.fp8_stages}"
         + ("_pv8" if pv8 else "")
         + ("_q1" if pv8 and cfg.q_terms == 1 else "")
-        + ("_slots3" if cfg.split_slots else ""),
+        + ("_slots3" if cfg.split_slots else "")
+        + ("_pairs16" if cfg.pairs16 else ""),
     )
     out, lse, o_part, lse_part = kernel(*args)
     if schedule == "grid" and splits > 1:

@@ -62,6 +62,13 @@ trace_ab() {  # trace_ab TAG SED_EXPR PATTERN: the 64-row kernel's bf16 trace (L
     grep -E "per page|wg[012] " "$out/trace-base.log" "$out/trace-$1.log" | head -30
 }
 
+knob_check() {  # knob_check TAG NAME=VALUE: the sm90 decode's GPU check cases with mla_decode_sm90.NAME = VALUE
+    # (bench/decode.py --knob), and one small bf16 row, in OUT/decode-TAG-check
+    run 400 "decode-$1-check" python3 bench/decode.py --out "$out/decode-$1-check" --quick --no-ragged --device-time \
+        --kernels pallas_sm90 --shapes 1x128x32768 --dtypes bf16 --only schedule=grid --knob "mla_decode_sm90.$2"
+    grep -E "^correctness|FAIL|^check" "$out/decode-$1-check.log" | cut -c1-160 | head -30
+}
+
 verify_b32k2() {  # verify_b32k2 NAME LIMIT_S BUDGET_MIN: the verify step at batch 32, k = 2, ctx 1k (issue 24's row) in
     # OUT/spec-NAME, from this directory's code
     run "$2" "spec-$1" python3 bench/spec.py --out "$out/spec-$1" --no-demo --batches 32 --ks 2 --ctxs 1024 \
@@ -1571,10 +1578,23 @@ PY
 116) # session 42, for the next (any card, ~5 minutes): the sm90 decode's GPU check cases with SPLIT_SLOTS = True (bf16,
     # exact fp8, fp8_qk, both schedules), and one small row
     out=${2:?}
-    run 400 decode-slots-check python3 bench/decode.py --out "$out/decode-slots-check" --quick --no-ragged \
-        --device-time --kernels pallas_sm90 --shapes 1x128x32768 --dtypes bf16 --only schedule=grid \
-        --knob mla_decode_sm90.SPLIT_SLOTS=True
-    grep -E "^correctness|FAIL|^check" "$out/decode-slots-check.log" | cut -c1-160 | head -30
+    knob_check slots SPLIT_SLOTS=True
     (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
-*)  echo "part must be 1 to 116" >&2; exit 2 ;;
+117) # session 42, for the next (any card, ~5 minutes): the bf16 kernel's pages in pairs (BF16_PAIRS: each consumer its
+    # own page's QK^T and softmax, both pages' P.V on its half; each slot's three parts released and reloaded one by
+    # one) against one page at a time, in one process without the check cases (part 118 runs them): the 128-head bf16
+    # rows and 1x128x32768; then both traces (L=384)
+    out=${2:?}
+    run 260 decode-pairs16 python3 bench/decode.py --out "$out/decode-pairs16" --quick --no-check --no-ragged \
+        --device-time --kernels pallas_sm90 --shapes 64x128x4096,128x128x8192,1x128x32768 --dtypes bf16 \
+        --only schedule=grid --knob mla_decode_sm90.BF16_PAIRS=False,True
+    grep -oE "ctx=[0-9]+: .*'knob': '[^']*', 'device_us': [0-9.]+" "$out/decode-pairs16.log" | sed -E "s/ \{'sch.*'knob'/ /"
+    trace_ab pairs16 's/^BF16_PAIRS = False$/BF16_PAIRS = True/' "^BF16_PAIRS = True$"
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+118) # session 42, for the next (any card, ~5 minutes): the sm90 decode's GPU check cases with BF16_PAIRS = True, and one
+    # small row
+    out=${2:?}
+    knob_check pairs16 BF16_PAIRS=True
+    (cd "$out" && tar czf logs.tgz ./*.log && rm ./*.log) ;;
+*)  echo "part must be 1 to 118" >&2; exit 2 ;;
 esac

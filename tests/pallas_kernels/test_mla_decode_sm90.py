@@ -464,11 +464,12 @@ def test_fp8_pv_two_q_terms_keep_the_residual(name):
 
 
 @pytest.fixture
-def split_slots(monkeypatch):
-    """`SPLIT_SLOTS`: the bf16 body's ring slots in three buffers and two barrier groups (read at trace time: the
-    jitted kernels traced afresh before and after)."""
+def knob_on(request, monkeypatch):
+    """The 64-row kernel's switch `request.param` on (`SPLIT_SLOTS`: the bf16 body's ring slots in three buffers and
+    two barrier groups; `BF16_PAIRS`: the bf16 kernel's pages in pairs), read at trace time: the jitted kernels traced
+    afresh before and after."""
     jax.clear_caches()
-    monkeypatch.setattr(k90, "SPLIT_SLOTS", True)
+    monkeypatch.setattr(k90, request.param, True)
     yield
     jax.clear_caches()
 
@@ -482,7 +483,8 @@ def split_slots(monkeypatch):
         "worklist_fp8_q2_causal_n64",
     ],
 )
-def test_split_slots_match_reference(name, split_slots):
+@pytest.mark.parametrize("knob_on", ["SPLIT_SLOTS"], indirect=True)
+def test_split_slots_match_reference(name, knob_on):
     """Slots in three buffers, interpreted (race detector on: the next page's group 0 lands while WG1 reads this
     page's group 1), against the reference: bf16 causal rows straddling two tiles over three splits (partial last pages
     zeroed a part at a time) and the work list; exact fp8 (the producer casts into group 0, WG1 into group 1) on the
@@ -490,11 +492,44 @@ def test_split_slots_match_reference(name, split_slots):
     _case_matches(name)
 
 
+@pytest.mark.parametrize(
+    "name, over",
+    [
+        ("q2_causal_n40_straddling_tiles_3splits_page_offset_bf16", {}),
+        ("q2_causal_n40_straddling_tiles_3splits_page_offset_bf16", dict(num_kv_splits=1)),
+        ("worklist_rows64_single_tile_n40_bf16", {}),
+        ("n80_two_tiles_tail16_1split_bf16", {}),
+    ],
+)
+@pytest.mark.parametrize("knob_on", ["BF16_PAIRS"], indirect=True)
+def test_bf16_pairs_match_reference(name, over, knob_on, monkeypatch):
+    """Pages in pairs on a bf16 cache, interpreted (race detector on: each slot's parts released and reloaded one by
+    one, P in the rope's buffer, the maxima's rendezvous), against the reference: causal rows straddling two tiles over
+    three splits (pieces of 2 and 0 pages) and over one (4 and 2: the slots reused by a second pair, partial last
+    pages zeroed a part at a time); the work list (8 pages cut into pieces, a 1-page request: a pair of one); two tiles
+    with a 1-page request."""
+    calls = []
+    body = k90._body_pairs16
+    monkeypatch.setattr(k90, "_body_pairs16", lambda *a: calls.append(1) or body(*a))
+    _case_matches(name, **over)
+    assert calls  # the pairs body is what ran
+
+
 def test_fp8_pv_needs_an_even_ring():
     """An odd fp8 ring would hand a slot's pages to both consumers in turn: refused, naming the argument."""
     case = next(c for c in DECODE_CASES if c.name == "fp8_qk_n40_worklist")
     with pytest.raises(ValueError, match="fp8_stages=3: the fp8 P.V kernel's page pairs need an even fp8 ring"):
         run_decode(*case.make(), **dict(case.kernel, fp8_stages=3))
+
+
+@pytest.mark.parametrize("kw", [dict(n=128, num_kv_splits=2), dict(n=64, schedule="worklist")])
+@pytest.mark.parametrize("knob_on", ["BF16_PAIRS"], indirect=True)
+def test_bf16_pairs_lower_for_sm90(kw, knob_on, monkeypatch, h200):
+    """Pages in pairs on a bf16 cache (three TMAs a page, QK^T's parts each after its wait, P stored into the rope's
+    buffer, the own page's P.V with P from registers, the other's from shared memory, the odd pair's conditional)
+    pass Mosaic GPU's lowering in either schedule."""
+    monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
+    assert "_pairs16" in _lower_for_sm90("bf16", num_sms=132, **kw)
 
 
 @pytest.mark.parametrize(
@@ -505,7 +540,8 @@ def test_fp8_pv_needs_an_even_ring():
         ("fp8", dict(n=64, num_kv_splits=2)),
     ],
 )
-def test_split_slots_lower_for_sm90(cache_dtype, kw, split_slots, monkeypatch, h200):
+@pytest.mark.parametrize("knob_on", ["SPLIT_SLOTS"], indirect=True)
+def test_split_slots_lower_for_sm90(cache_dtype, kw, knob_on, monkeypatch, h200):
     """Slots in three buffers (TMAs of a page's column slices, QK^T as three wgmmas on Q's column slices, a group's
     wait between them, P.V on a whole part) pass Mosaic GPU's lowering, bf16 and exact fp8."""
     monkeypatch.setattr(k90, "merge_splits", _merge_splits_ref)
