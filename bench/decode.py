@@ -566,8 +566,8 @@ def main():
         "--knob",
         default="",
         help="an A/B in one process: MODULE.NAME=V1,V2 (a pallas_kernels module's switch, e.g. "
-        "mla_decode_sm90_narrow.PDL=False,True): each shape's rows (and the sm90 check) for every value, on the "
-        "same inputs, rows tagged `knob`",
+        "mla_decode_sm90_narrow.PDL=False,True): each shape's rows for every value, on the same inputs, rows tagged "
+        "`knob`; the sm90 check for every value but the module's own",
     )
     ap.add_argument("--only", default="", help="time only the rows whose fields include these, e.g. fp8_qk=True")
     args = ap.parse_args()

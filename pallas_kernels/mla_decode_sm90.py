@@ -220,9 +220,12 @@ class _Slots:
         self.wg1_group = self.group_of(half)
         # Arrivals that make a slot's group ready: one TMA a part; an exact fp8 cache: the casts that write into it
         # (the producer's columns, all but [L/2, L); WG1's, [L/2, L)).
+        # An exact fp8 cache's casts: the producer's 64-column chunks (K's but V's second half, which WG1 casts) and
+        # the groups they lie in.
+        self.producer_chunks = [c for c in range(d // 64) if not half <= 64 * c < l]
+        self.producer_groups = sorted({self.group_of(64 * c) for c in self.producer_chunks})
         if fp8:
-            producer = {self.group_of(c) for c in range(0, d, 64) if not half <= c < l}
-            self.arrivals = {g: (g in producer) + (g == self.wg1_group) for g in self.groups}
+            self.arrivals = {g: (g in self.producer_groups) + (g == self.wg1_group) for g in self.groups}
         else:
             self.arrivals = {g: sum(pg == g for *_, pg in self.parts) for g in self.groups}
 
@@ -536,6 +539,24 @@ class _Piece:
         """Rows of this piece's page `page` inside the tile's length (< G only on its partial last page)."""
         return jnp.where(page == self.n - 1, self.last_rows, PAGE_SIZE)
 
+    def page_id(self, page):
+        """The cache page of this piece's page `page` (its block-table entry plus the page offset)."""
+        return self.r["bt_gmem"][self.b, self.first + page] + self.r["off_gmem"][0]
+
+    def copy_page(self, page, dst, ready, cols=None):
+        """TMA this piece's page `page` (its columns `cols`, a `pl.ds`, or all) into shared-memory `dst` so that
+        `ready` fires; on the request's partial last page the rows past its length are zeroed first (`raw_bar`)."""
+        src = self.r["kv_gmem"].at[self.page_id(page)]
+        copy_zeroing_rows(
+            src if cols is None else src.at[:, cols],
+            dst,
+            ready,
+            self.r["raw_bar"],
+            partial=(page == self.n - 1) & (self.last_rows < PAGE_SIZE),
+            lo=0,
+            hi=self.last_rows,
+        )
+
     def fp8_logits(self, s, page, scales, scale, lens):
         """The fp8 P.V body: page `page`'s QK^T s [64, G] (fp8 rows) -> (its `logits`, the rows' token scales
         [G] as columns, 0 past the page's rows: next to garbage, p * scale must stay 0); `scales` the page's
@@ -619,7 +640,7 @@ def _body(cfg, r, pc):
     half = cfg.l // 2
     stages = cfg.stages
     is_fp8 = cfg.fp8_stages > 0
-    n, first, last_rows = pc.n, pc.first, pc.last_rows
+    n = pc.n
     ring, loop_rows, p_smem = r["ring"], r["loop_rows"], r["p_smem"]
     slots = _Slots(cfg)
     p_ready, p_consumed = r["p_ready"], r["p_consumed"]
@@ -758,9 +779,6 @@ def _body(cfg, r, pc):
     def _producer_wg():
         plgpu.set_max_registers(_regs(is_fp8)[1], action="decrease")
 
-        def page_id(i):
-            return r["bt_gmem"][pc.b, first + i] + r["off_gmem"][0]
-
         def wait_free(grp, i):
             @pl.when(i >= stages)
             @jax.named_scope("wait_free")
@@ -774,29 +792,19 @@ def _body(cfg, r, pc):
                 for grp in slots.groups:
                     wait_free(grp, i)
                     for (c0, w, pg), buf in zip(slots.parts, ring, strict=True):
-                        if pg == grp:  # the request's partial last page: its rows past the length are zeroed
-                            copy_zeroing_rows(
-                                r["kv_gmem"].at[page_id(i), :, pl.ds(c0, w)],
-                                buf.at[slot_i],
-                                ready(grp, i),
-                                r["raw_bar"],
-                                partial=(i == n - 1) & (last_rows < g),
-                                lo=0,
-                                hi=last_rows,
-                            )
+                        if pg == grp:
+                            pc.copy_page(i, buf.at[slot_i], ready(grp, i), pl.ds(c0, w))
                 return ()
 
             lax.fori_loop(0, n, step, ())
         else:
             fp8_ring, scale_ring = r["fp8_ring"], r["scale_ring"]
             fp8_ready, scale_ready = r["fp8_ready"], r["scale_ready"]
-            # K's columns but V's second half (WG1 casts it), into the groups they lie in.
-            mine = [c for c in range(cfg.d // 64) if not half <= 64 * c < cfg.l]
-            my_groups = sorted({slots.group_of(64 * c) for c in mine})
+            mine, my_groups = slots.producer_chunks, slots.producer_groups
 
             def fetch(i):
                 fslot = slot_of(i, fst)
-                page = page_id(i)
+                page = pc.page_id(i)
                 plgpu.copy_gmem_to_smem(r["kv_gmem"].at[page], fp8_ring.at[fslot], fp8_ready.at[fslot])
                 plgpu.copy_gmem_to_smem(r["ks_gmem"].at[page], scale_ring.at[fslot], scale_ready.at[fslot])
 
@@ -987,15 +995,7 @@ def _body_pairs16(cfg, r, pc):
 
         def fetch(i, slot, part):
             buf, ready, _, c0 = parts[part]
-            copy_zeroing_rows(
-                r["kv_gmem"].at[r["bt_gmem"][pc.b, pc.first + i] + r["off_gmem"][0], :, pl.ds(c0, buf[slot].shape[-1])],
-                buf[slot],
-                ready.at[slot],
-                r["raw_bar"],
-                partial=(i == pc.n - 1) & (pc.last_rows < PAGE_SIZE),
-                lo=0,
-                hi=pc.last_rows,
-            )
+            pc.copy_page(i, buf[slot], ready.at[slot], pl.ds(c0, buf[slot].shape[-1]))
 
         for slot, part in order:
             pl.when(slot < n)(functools.partial(fetch, jnp.int32(slot), slot, part))
@@ -1045,17 +1045,8 @@ def _pv8_producer(cfg, r, pc):
 
     def fetch(i):
         fslot = slot_of(i)
-        page = r["bt_gmem"][pc.b, pc.first + i] + r["off_gmem"][0]
-        plgpu.copy_gmem_to_smem(r["ks_gmem"].at[page], r["scale_ring"].at[fslot], r["scale_ready"].at[fslot])
-        copy_zeroing_rows(
-            r["kv_gmem"].at[page],
-            r["fp8_ring"].at[fslot],
-            r["fp8_ready"].at[fslot],
-            r["raw_bar"],
-            partial=(i == pc.n - 1) & (pc.last_rows < PAGE_SIZE),
-            lo=0,
-            hi=pc.last_rows,
-        )
+        plgpu.copy_gmem_to_smem(r["ks_gmem"].at[pc.page_id(i)], r["scale_ring"].at[fslot], r["scale_ready"].at[fslot])
+        pc.copy_page(i, r["fp8_ring"].at[fslot], r["fp8_ready"].at[fslot])
 
     for j in range(fst):
         pl.when(j < pc.n)(functools.partial(fetch, jnp.int32(j)))
@@ -1754,6 +1745,7 @@ def _impl(
         fp8_stages = _FP8_PV_STAGES if pv8 else 2
     if pv8 and fp8_stages % 2:
         raise ValueError(f"fp8_stages={fp8_stages}: the fp8 P.V kernel's page pairs need an even fp8 ring")
+    pairs16 = _pairs16(is_fp8, num_stages, l, d)
     if batch_invariant:
         schedule, num_kv_splits = "grid", 1  # a request's pieces must not depend on the batch
     splits = 1
@@ -1778,8 +1770,8 @@ def _impl(
         splits=splits,
         pps=cdiv(max_pages, splits),
         worklist=schedule == "worklist",
-        split_slots=SPLIT_SLOTS and not pv8,
-        pairs16=_pairs16(is_fp8, num_stages, l, d),
+        split_slots=SPLIT_SLOTS and not pv8 and not pairs16,
+        pairs16=pairs16,
     )
     _, smem = _smem_plan(cfg)
     if smem > SMEM_BYTES:
